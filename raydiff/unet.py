@@ -1,0 +1,180 @@
+"""The DDPM UNet of Ho et al. (2020), in PyTorch.
+
+Faithful to the reference TensorFlow model (`diffusion_tf/models/unet.py`): sinusoidal timestep
+embedding -> 2-layer MLP, residual blocks (GroupNorm, SiLU, 3x3 conv, timestep projection, dropout),
+single-head self-attention at chosen resolutions, strided-conv downsampling, nearest + conv
+upsampling, and skip connections from every down block. With ch=128, mult (1,2,2,2), 2 res blocks
+and attention at 16x16 on 32x32 RGB it has Ho et al.'s 35.7M parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of integer timesteps, as in the DDPM reference code."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / (half - 1))
+    angles = t.float()[:, None] * freqs[None, :]
+    emb = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    return F.pad(emb, (0, 1)) if dim % 2 else emb
+
+
+class ResBlock(nn.Module):
+    def __init__(self, in_ch: int, out_ch: int, temb_ch: int, dropout: float, groups: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, in_ch)
+        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
+        self.temb_proj = nn.Linear(temb_ch, out_ch)
+        self.norm2 = nn.GroupNorm(groups, out_ch)
+        self.dropout = nn.Dropout(dropout)
+        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
+        self.skip = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else nn.Identity()
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.temb_proj(F.silu(temb))[:, :, None, None]
+        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
+        return self.skip(x) + h
+
+
+class AttnBlock(nn.Module):
+    """Single-head self-attention over all spatial positions, with a residual connection."""
+
+    def __init__(self, ch: int, groups: int) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, ch)
+        self.qkv = nn.Linear(ch, 3 * ch)  # the reference's "NIN" layers: 1x1 convs, as per-position linears
+        self.proj = nn.Linear(ch, ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        tokens = self.norm(x).flatten(2).transpose(1, 2)  # (b, h*w, c)
+        q, k, v = self.qkv(tokens).chunk(3, dim=-1)
+        out = self.proj(F.scaled_dot_product_attention(q, k, v))
+        return x + out.transpose(1, 2).reshape(b, c, h, w)
+
+
+class Downsample(nn.Module):
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class Upsample(nn.Module):
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class UNet(nn.Module):
+    """Predicts eps, v or x0 (the diffusion module decides which) from a noisy image and its timestep.
+
+    :param resolution: input height and width (square images).
+    :param in_channels: image channels (1 grayscale, 3 RGB); the output has the same number.
+    :param base_channels: channels at the first level (Ho et al.: 128).
+    :param channel_mult: per-level channel multipliers; each level after the first halves the resolution.
+    :param num_res_blocks: residual blocks per level on the way down (one more on the way up).
+    :param attention_resolutions: resolutions at which a self-attention block follows each res block.
+    :param dropout: dropout inside residual blocks.
+    :param norm_groups: GroupNorm groups (32 in the paper); every channel count must divide by it.
+    """
+
+    def __init__(
+        self,
+        *,
+        resolution: int,
+        in_channels: int,
+        base_channels: int,
+        channel_mult: tuple[int, ...],
+        num_res_blocks: int,
+        attention_resolutions: tuple[int, ...],
+        dropout: float,
+        norm_groups: int,
+    ) -> None:
+        super().__init__()
+        self.base_channels = base_channels
+        temb_ch = 4 * base_channels
+        self.temb = nn.Sequential(nn.Linear(base_channels, temb_ch), nn.SiLU(), nn.Linear(temb_ch, temb_ch))
+        self.conv_in = nn.Conv2d(in_channels, base_channels, 3, padding=1)
+
+        def block(cin: int, cout: int) -> ResBlock:
+            return ResBlock(cin, cout, temb_ch, dropout, norm_groups)
+
+        # Down path: remember the channels of every output that feeds a skip connection.
+        self.down = nn.ModuleList()
+        skip_channels = [base_channels]
+        ch, res = base_channels, resolution
+        for level, mult in enumerate(channel_mult):
+            for _ in range(num_res_blocks):
+                layers = [block(ch, base_channels * mult)]
+                ch = base_channels * mult
+                if res in attention_resolutions:
+                    layers.append(AttnBlock(ch, norm_groups))
+                self.down.append(nn.ModuleList(layers))
+                skip_channels.append(ch)
+            if level != len(channel_mult) - 1:
+                self.down.append(nn.ModuleList([Downsample(ch)]))
+                skip_channels.append(ch)
+                res //= 2
+
+        self.mid = nn.ModuleList([block(ch, ch), AttnBlock(ch, norm_groups), block(ch, ch)])
+
+        # Up path: each block consumes one skip connection.
+        self.up = nn.ModuleList()
+        for level, mult in reversed(list(enumerate(channel_mult))):
+            for _ in range(num_res_blocks + 1):
+                layers = [block(ch + skip_channels.pop(), base_channels * mult)]
+                ch = base_channels * mult
+                if res in attention_resolutions:
+                    layers.append(AttnBlock(ch, norm_groups))
+                self.up.append(nn.ModuleList(layers))
+            if level != 0:
+                self.up.append(nn.ModuleList([Upsample(ch)]))
+                res *= 2
+
+        self.norm_out = nn.GroupNorm(norm_groups, ch)
+        self.conv_out = nn.Conv2d(ch, in_channels, 3, padding=1)
+
+    @staticmethod
+    def _run_layers(layers: nn.ModuleList, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            h = layer(h, temb) if isinstance(layer, ResBlock) else layer(h)
+        return h
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        temb = self.temb(timestep_embedding(t, self.base_channels))
+        hs = [self.conv_in(x)]
+        for layers in self.down:
+            hs.append(self._run_layers(layers, hs[-1], temb))
+        h = self._run_layers(self.mid, hs[-1], temb)
+        for layers in self.up:
+            if isinstance(layers[0], ResBlock):
+                h = torch.cat([h, hs.pop()], dim=1)
+            h = self._run_layers(layers, h, temb)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(cfg) -> UNet:
+    """The UNet described by a `raydiff.config.Config`."""
+    m = cfg.model
+    return UNet(
+        resolution=cfg.data.resolution, in_channels=cfg.data.channels, base_channels=m.base_channels,
+        channel_mult=tuple(m.channel_mult), num_res_blocks=m.num_res_blocks,
+        attention_resolutions=tuple(m.attention_resolutions), dropout=m.dropout, norm_groups=m.norm_groups,
+    )
