@@ -1,0 +1,348 @@
+"""Run configuration: typed sections with defaults, YAML presets, `key=value` overrides, validation.
+
+Config flows one way: preset YAML + overrides -> `Config` (validated here) -> driver -> workers.
+The dataclass defaults are the built-in default run (DDPM on scikit-learn's digits, ~5 min on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+# A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
+PRESETS_DIR = next((p for p in (_PACKAGE_DIR.parent / "configs", _PACKAGE_DIR / "configs") if p.is_dir()),
+                   _PACKAGE_DIR.parent / "configs")
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message is one line naming the key."""
+
+
+@dataclass
+class DataSection:
+    source: Optional[str] = "builtin:digits"  # folder, file:// URI, or builtin:digits
+    resolution: int = 16  # images are resized (short side) and center-cropped to this square size
+    channels: int = 1  # 1 = grayscale, 3 = RGB
+    flip: bool = False  # random horizontal flips (off for digits: a mirrored 3 is not a digit)
+
+
+@dataclass
+class ModelSection:
+    base_channels: int = 32
+    channel_mult: tuple[int, ...] = (1, 2, 2)
+    num_res_blocks: int = 1
+    attention_resolutions: tuple[int, ...] = (8,)
+    dropout: float = 0.0
+    norm_groups: int = 16
+
+
+@dataclass
+class DiffusionSection:
+    timesteps: int = 1000
+    schedule: Literal["linear", "cosine"] = "linear"
+    prediction: Literal["eps", "v", "x0"] = "eps"
+
+
+@dataclass
+class TrainSection:
+    global_batch: int = 64  # images per optimizer step, summed over all workers
+    micro_batch: Optional[int] = None  # images per worker per forward pass; null = global_batch / workers
+    lr: float = 2e-3
+    warmup_steps: int = 100
+    total_steps: int = 700
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    weight_decay: float = 0.0
+    ema_decay: float = 0.995
+    ema_warmup_steps: int = 100  # the EMA window grows linearly from 1 step to 1/(1-ema_decay) steps
+    checkpoint_every: int = 100
+    sample_every: int = 350  # 0 = only at the end
+    sample_num: int = 64
+    sample_steps: int = 50  # DDIM steps for in-training sample grids
+    log_every: int = 50
+    seed: int = 0
+
+
+@dataclass
+class ScalingSection:
+    num_workers: int = 2
+    use_gpu: Union[Literal["auto"], bool] = "auto"
+    cpus_per_worker: Optional[float] = None  # null = share the node's CPUs among the workers
+
+
+@dataclass
+class RunSection:
+    name: str = "default"
+    storage: str = "runs"  # parent folder of the run directory <storage>/<name>
+    max_failures: int = 3  # worker-group restarts allowed; -1 = unlimited
+    keep_checkpoints: int = 3
+
+
+@dataclass
+class Config:
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    diffusion: DiffusionSection = field(default_factory=DiffusionSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    scaling: ScalingSection = field(default_factory=ScalingSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (lists, not tuples): YAML- and `torch.load(weights_only=True)`-safe."""
+
+        def plain(v: Any) -> Any:
+            return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+        return {s: {k: plain(v) for k, v in section.items()} for s, section in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, tree: dict[str, Any]) -> "Config":
+        cfg = cls()
+        for section, values in tree.items():
+            for key, value in (values or {}).items():
+                set_key(cfg, f"{section}.{key}", value)
+        return cfg
+
+    def micro_batch_for(self, world_size: int) -> int:
+        return self.train.micro_batch or self.train.global_batch // world_size
+
+    def accumulation_for(self, world_size: int) -> int:
+        return self.train.global_batch // (self.micro_batch_for(world_size) * world_size)
+
+
+# Reading and writing keys.
+def _fields(obj: Any) -> dict[str, Any]:
+    return get_type_hints(type(obj))
+
+
+def all_keys() -> list[str]:
+    cfg = Config()
+    return [f"{s}.{k}" for s in _fields(cfg) for k in _fields(getattr(cfg, s))]
+
+
+def _describe(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _describe(a) for a in args)
+    if origin is tuple:
+        return f"list of {_describe(args[0])}"
+    return {int: "integer", float: "number", bool: "true | false", str: "string"}.get(hint, str(hint))
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """Convert `value` to `hint` or raise ValueError. Accepts what YAML and the command line produce."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg)
+            except ValueError:
+                pass
+        raise ValueError
+    if origin is Literal:
+        if value in args and type(value) in {type(a) for a in args}:
+            return value
+        raise ValueError
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]  # a single value is a one-item list
+        if not isinstance(value, (list, tuple)):
+            raise ValueError
+        return tuple(_coerce(yaml.safe_load(v) if isinstance(v, str) else v, args[0]) for v in value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError
+    if hint is int:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+            return int(value)
+        raise ValueError
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            return float(value)  # YAML 1.1 reads "1e-4" as a string
+        raise ValueError
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError
+    raise TypeError(f"unsupported config type {hint}")
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in _fields(cfg) or parts[1] not in _fields(getattr(cfg, parts[0])):
+        close = difflib.get_close_matches(key, all_keys(), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; known sections: {', '.join(_fields(cfg))}"
+        raise ConfigError(f"unknown key '{key}'{hint}")
+    section = getattr(cfg, parts[0])
+    hint = _fields(section)[parts[1]]
+    try:
+        setattr(section, parts[1], _coerce(value, hint))
+    except ValueError:
+        raise ConfigError(f"{key} = {value!r}: expected {_describe(hint)}") from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, for example train.lr=1e-4")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+# Presets.
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"--config {name_or_path}: no such file")
+        return path
+    preset = PRESETS_DIR / f"{name_or_path}.yaml"
+    if not preset.is_file():
+        raise ConfigError(f"--config {name_or_path}: not a file and not a preset; presets: {', '.join(preset_names())}")
+    return preset
+
+
+def load_config(name_or_path: str = "default", overrides: list[str] = (), *, check_source: bool = True) -> Config:
+    """Preset or YAML file, then `key=value` overrides, then validation. Raises ConfigError."""
+    path = resolve_config_path(name_or_path)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(tree, dict) or not all(isinstance(v, (dict, type(None))) for v in tree.values()):
+        raise ConfigError(f"{path}: expected sections of key: value pairs (data:, model:, train:, ...)")
+    cfg = Config()
+    for section, values in tree.items():
+        if not isinstance(section, str) or section not in _fields(cfg):
+            raise ConfigError(f"{path}: unknown section '{section}'; known sections: {', '.join(_fields(cfg))}")
+        for key, value in (values or {}).items():
+            set_key(cfg, f"{section}.{key}", value)
+    for text in overrides:
+        set_key(cfg, *parse_override(text))
+    _resolve_paths(cfg)
+    validate(cfg, check_source=check_source)
+    return cfg
+
+
+def _resolve_paths(cfg: Config) -> None:
+    """Workers run in another directory: make local paths absolute on the driver."""
+    if cfg.data.source and "://" not in cfg.data.source and not cfg.data.source.startswith("builtin:"):
+        cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
+    if "://" not in cfg.run.storage:
+        cfg.run.storage = str(Path(cfg.run.storage).expanduser().resolve())
+
+
+# Validation.
+BUILTIN_SOURCES = ("builtin:digits",)
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {'null' if value is None else repr(value)}: {allowed}")
+
+
+def validate(cfg: Config, *, check_source: bool = True) -> None:
+    d, m, f, t, s, r = cfg.data, cfg.model, cfg.diffusion, cfg.train, cfg.scaling, cfg.run
+
+    # Data.
+    if check_source:
+        _check(bool(d.source), "data.source", d.source, "required: a folder of images or builtin:digits")
+        if d.source.startswith("builtin:"):
+            _check(d.source in BUILTIN_SOURCES, "data.source", d.source, f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
+        elif "://" not in d.source:
+            _check(Path(d.source).exists(), "data.source", d.source, "no such file or folder")
+        else:
+            _check(d.source.startswith("file://"), "data.source", d.source, "supported URI schemes: file://")
+    _check(d.channels in (1, 3), "data.channels", d.channels, "must be 1 (grayscale) or 3 (RGB)")
+
+    # Model.
+    levels = len(m.channel_mult)
+    _check(levels >= 1 and all(x >= 1 for x in m.channel_mult), "model.channel_mult", list(m.channel_mult),
+           "must be a non-empty list of positive integers")
+    _check(8 <= d.resolution <= 1024, "data.resolution", d.resolution, "must be between 8 and 1024")
+    _check(d.resolution % 2 ** (levels - 1) == 0, "data.resolution", d.resolution,
+           f"must be divisible by 2^(len(model.channel_mult)-1) = {2 ** (levels - 1)}")
+    _check(m.base_channels >= 1, "model.base_channels", m.base_channels, "must be >= 1")
+    _check(m.norm_groups >= 1, "model.norm_groups", m.norm_groups, "must be >= 1")
+    for mult in (1, *m.channel_mult):
+        _check(m.base_channels * mult % m.norm_groups == 0, "model.norm_groups", m.norm_groups,
+               f"must divide every channel count (base_channels x channel_mult, here {m.base_channels * mult})")
+    _check(m.num_res_blocks >= 1, "model.num_res_blocks", m.num_res_blocks, "must be >= 1")
+    resolutions = [d.resolution // 2**i for i in range(levels)]
+    for res in m.attention_resolutions:
+        _check(res in resolutions, "model.attention_resolutions", list(m.attention_resolutions),
+               f"each must be one of the model's resolutions {resolutions}")
+    _check(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
+
+    # Diffusion.
+    _check(2 <= f.timesteps <= 100_000, "diffusion.timesteps", f.timesteps, "must be between 2 and 100000")
+
+    # Training.
+    _check(t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1")
+    _check(t.micro_batch is None or t.micro_batch >= 1, "train.micro_batch", t.micro_batch, "must be >= 1 or null")
+    _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
+    _check(t.total_steps >= 1, "train.total_steps", t.total_steps, "must be >= 1")
+    _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+    _check(0 <= t.ema_decay < 1, "train.ema_decay", t.ema_decay, "must be in [0, 1)")
+    _check(t.ema_warmup_steps >= 0, "train.ema_warmup_steps", t.ema_warmup_steps, "must be >= 0")
+    _check(t.checkpoint_every >= 1, "train.checkpoint_every", t.checkpoint_every, "must be >= 1")
+    _check(t.sample_every >= 0, "train.sample_every", t.sample_every, "must be >= 0 (0 = only at the end)")
+    _check(t.sample_num >= 1, "train.sample_num", t.sample_num, "must be >= 1")
+    _check(t.sample_steps >= 1, "train.sample_steps", t.sample_steps, "must be >= 1")
+    _check(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
+    _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
+
+    # Scaling and the batch arithmetic: global = micro x workers x accumulation, exactly.
+    _check(s.num_workers >= 1, "scaling.num_workers", s.num_workers, "must be >= 1")
+    _check(s.cpus_per_worker is None or s.cpus_per_worker > 0, "scaling.cpus_per_worker", s.cpus_per_worker,
+           "must be > 0 or null")
+    w = s.num_workers
+    _check(t.global_batch % w == 0, "train.global_batch", t.global_batch,
+           f"not reachable with scaling.num_workers = {w}: must be a multiple of the number of workers")
+    per_worker = t.global_batch // w
+    _check(t.micro_batch is None or per_worker % t.micro_batch == 0, "train.micro_batch", t.micro_batch,
+           f"train.global_batch = {t.global_batch} is not reachable as micro_batch x {w} workers x accumulation: "
+           f"{per_worker} images per worker must be a multiple of micro_batch")
+
+    # Run.
+    _check(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", r.name) is not None, "run.name", r.name,
+           "use letters, digits, '.', '_' and '-' (it names a folder)")
+    _check(bool(r.storage), "run.storage", r.storage, "required: a folder for run directories")
+    _check(r.max_failures >= -1, "run.max_failures", r.max_failures, "must be >= 0, or -1 for unlimited")
+    _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")

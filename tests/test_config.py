@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import pytest
+
+from raydiff.config import Config, ConfigError, all_keys, load_config, preset_names
+
+INTERFACE_KEYS = """data.source data.resolution data.channels model.base_channels model.channel_mult
+model.num_res_blocks model.attention_resolutions model.dropout diffusion.timesteps diffusion.schedule
+diffusion.prediction train.global_batch train.micro_batch train.lr train.warmup_steps train.total_steps
+train.grad_clip train.precision train.ema_decay train.ema_warmup_steps train.checkpoint_every
+train.sample_every train.log_every train.seed scaling.num_workers scaling.use_gpu run.name run.storage
+run.max_failures run.keep_checkpoints""".split()
+
+
+def test_interface_keys_exist():
+    assert set(INTERFACE_KEYS) <= set(all_keys())
+
+
+@pytest.mark.parametrize("name", ["default", "smoke", "digits", "cifar10"])
+def test_presets_load(name):
+    assert name in preset_names()
+    cfg = load_config(name, check_source=name != "cifar10")
+    assert cfg.run.name == name
+
+
+def test_cifar10_preset_is_the_ddpm_paper_setup():
+    cfg = load_config("cifar10", check_source=False)
+    assert (cfg.model.base_channels, cfg.model.channel_mult, cfg.model.num_res_blocks) == (128, (1, 2, 2, 2), 2)
+    assert cfg.model.attention_resolutions == (16,) and cfg.model.dropout == 0.1
+    assert (cfg.diffusion.timesteps, cfg.diffusion.schedule, cfg.diffusion.prediction) == (1000, "linear", "eps")
+    t = cfg.train
+    assert (t.lr, t.global_batch, t.warmup_steps, t.grad_clip, t.ema_decay) == (2e-4, 128, 5000, 1.0, 0.9999)
+
+
+def test_overrides_are_coerced_by_type(tmp_path):
+    cfg = load_config("default", [
+        "train.lr=1e-4",  # YAML 1.1 reads this as a string
+        "model.channel_mult=[1,2]",
+        "model.attention_resolutions=8",
+        "scaling.use_gpu=false",
+        "train.micro_batch=16",
+        f"run.storage={tmp_path}",
+    ])
+    assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.model.channel_mult == (1, 2)
+    assert cfg.model.attention_resolutions == (8,)
+    assert cfg.scaling.use_gpu is False
+    assert cfg.accumulation_for(2) == 2
+
+
+def test_relative_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("default", ["run.storage=out"])
+    assert cfg.run.storage == str(tmp_path / "out")
+
+
+def test_round_trip_through_plain_dict():
+    cfg = load_config("default", ["model.channel_mult=[1,2]", "model.attention_resolutions=[]"])
+    tree = cfg.to_dict()
+    assert tree["model"]["channel_mult"] == [1, 2]
+    assert Config.from_dict(tree) == cfg
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.lrr=1", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
+    ("nosuch.key=1", "unknown key 'nosuch.key'"),
+    ("train.lr=-1", "train.lr = -1.0: must be > 0"),
+    ("train.lr=fast", "train.lr = 'fast': expected number"),
+    ("train.total_steps=1.5", "train.total_steps = 1.5: expected integer"),
+    ("train.precision=fp8", "train.precision = 'fp8': expected auto | fp32 | bf16 | fp16"),
+    ("diffusion.schedule=quadratic", "expected linear | cosine"),
+    ("diffusion.prediction=score", "expected eps | v | x0"),
+    ("scaling.use_gpu=maybe", "expected auto | true | false"),
+    ("train.global_batch=63", "not reachable with scaling.num_workers = 2"),
+    ("train.micro_batch=24", "not reachable as micro_batch x 2 workers x accumulation"),
+    ("data.source=/no/such/folder", "data.source = '/no/such/folder': no such file or folder"),
+    ("data.source=builtin:mnist", "builtin sources: builtin:digits"),
+    ("data.resolution=10", "must be divisible by"),
+    ("model.attention_resolutions=[5]", "each must be one of the model's resolutions [16, 8, 4]"),
+    ("model.norm_groups=24", "must divide every channel count"),
+    ("model.dropout=1.0", "must be in [0, 1)"),
+    ("train.ema_decay=1", "must be in [0, 1)"),
+    ("run.name=a/b", "use letters, digits"),
+    ("train.lr", "expected key=value"),
+])
+def test_bad_values_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config("default", [override])
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_missing_source_is_an_error():
+    with pytest.raises(ConfigError, match="data.source"):
+        load_config("cifar10")
+
+
+def test_unknown_preset_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="presets: cifar10, default, digits, smoke"):
+        load_config("nosuch")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("trian:\n  lr: 1\n")
+    with pytest.raises(ConfigError, match="unknown section 'trian'"):
+        load_config(str(wrong))
