@@ -1,0 +1,24 @@
+"""What every entry point shares: user mistakes become one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from raydiff.config import ConfigError
+from raydiff.ingest import DataError
+
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+
+
+def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    try:
+        return main(argv)
+    except ConfigError as exc:
+        print(f"raydiff: config error: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:
+        print(f"raydiff: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("raydiff: interrupted", file=sys.stderr)
+        return 130
+    return 2

@@ -1,0 +1,49 @@
+"""Writing generated images: a grid PNG, or a folder of single PNGs plus the grid."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MIN_DISPLAY_PX = 32  # tiny images (digits are 16 px) are enlarged with nearest-neighbour in grids
+
+
+def _to_unit(images: torch.Tensor) -> torch.Tensor:
+    return ((images.detach().float().cpu().clamp(-1, 1) + 1) / 2)
+
+
+def _save_atomically(tensor: torch.Tensor, path: Path) -> None:
+    from torchvision.utils import save_image  # imported here: torchvision adds seconds to every start-up
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_image(tensor, tmp, format="png")
+    os.replace(tmp, path)
+
+
+def save_grid(images: torch.Tensor, path: Path) -> Path:
+    """Images in [-1, 1], (N, C, H, W) -> one PNG grid, as square as possible, 2 px padding."""
+    from torchvision.utils import make_grid
+
+    unit = _to_unit(images)
+    scale = max(1, MIN_DISPLAY_PX // unit.shape[-1])
+    if scale > 1:
+        unit = F.interpolate(unit, scale_factor=scale, mode="nearest")
+    grid = make_grid(unit, nrow=math.ceil(math.sqrt(len(unit))), padding=2, pad_value=0.5)
+    _save_atomically(grid, Path(path))
+    return Path(path)
+
+
+def save_samples(images: torch.Tensor, out: Path) -> Path:
+    """`out` ending in .png -> one grid; otherwise a folder with sample_00000.png ... plus grid.png."""
+    out = Path(out)
+    if out.suffix.lower() == ".png":
+        return save_grid(images, out)
+    for i, image in enumerate(_to_unit(images)):
+        _save_atomically(image, out / f"sample_{i:05d}.png")
+    save_grid(images, out / "grid.png")
+    return out

@@ -1,0 +1,110 @@
+"""Generate images from a trained run.
+
+    python -m raydiff.sample --checkpoint RUN_DIR_OR_CHECKPOINT --num N --out PATH
+        [--sampler ddpm|ddim] [--steps S] [--eta E] [--seed S] [--no-ema] [--batch B] [--device auto|cpu|cuda]
+
+PATH ending in .png gets one grid; any other PATH becomes a folder of sample_XXXXX.png plus grid.png.
+Sampling runs in fp32 from the EMA weights (unless --no-ema); all noise comes from one CPU generator seeded
+with --seed, so the same command gives the same images on any device. With --sampler ddim --steps
+<train.sample_steps> --seed <train.seed> --num <train.sample_num> it reproduces the run's own sample grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from raydiff import cli
+from raydiff.checkpoint import read_state, resolve_checkpoint
+from raydiff.config import Config
+from raydiff.diffusion import build_diffusion
+from raydiff.images import save_samples
+from raydiff.unet import build_model
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m raydiff.sample", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, type=Path, help="run directory (its newest checkpoint) or checkpoint folder")
+    parser.add_argument("--num", type=int, default=64, help="number of images (default 64)")
+    parser.add_argument("--out", required=True, type=Path, help="grid .png, or a folder")
+    parser.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddpm", help="default ddpm")
+    parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: all T for ddpm, 50 for ddim)")
+    parser.add_argument("--eta", type=float, default=0.0, help="DDIM noise: 0 deterministic, 1 = DDPM posterior")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-ema", action="store_true", help="use the online weights instead of the EMA")
+    parser.add_argument("--batch", type=int, default=64, help="images per forward pass (default 64)")
+    parser.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda, cuda:N")
+    args = parser.parse_args(argv)
+    for name, low in (("num", 1), ("batch", 1), ("seed", 0)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name} {getattr(args, name)}: must be >= {low}")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be >= 1")
+    if args.eta < 0:
+        parser.error(f"--eta {args.eta}: must be >= 0")
+    if args.sampler == "ddpm" and args.eta:
+        parser.error("--eta applies to --sampler ddim only")
+    return args
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device on this machine")
+    return device
+
+
+def generate(state: dict, *, num: int, sampler: str, steps: int | None, eta: float, seed: int, use_ema: bool,
+             batch: int, device: torch.device) -> torch.Tensor:
+    """Images in [-1, 1] from a training state, in batches drawn one after another from one generator."""
+    cfg = Config.from_dict(state["config"])
+    model = build_model(cfg)
+    model.load_state_dict(state["ema" if use_ema else "model"])
+    model = model.float().eval().to(device)
+    diffusion = build_diffusion(cfg)
+    generator = torch.Generator().manual_seed(seed)
+    shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
+    images = []
+    for start in range(0, num, batch):
+        n = min(batch, num - start)
+        images.append(diffusion.sample(model, (n, *shape), sampler=sampler, steps=steps, eta=eta,
+                                       generator=generator, device=device).cpu())
+    return torch.cat(images)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        print(f"raydiff: error: {exc}", file=sys.stderr)
+        return 2
+    state = read_state(checkpoint)
+    steps = args.steps if args.steps is not None else (50 if args.sampler == "ddim" else None)
+    print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step']}, "
+          f"{'online' if args.no_ema else 'EMA'} weights) with {args.sampler}, "
+          f"{steps or state['config']['diffusion']['timesteps']} steps, on {device}")
+    with torch.inference_mode():
+        images = generate(state, num=args.num, sampler=args.sampler, steps=steps, eta=args.eta, seed=args.seed,
+                          use_ema=not args.no_ema, batch=args.batch, device=device)
+    out = save_samples(images, args.out)
+    print(f"[raydiff] wrote {out.resolve()}")
+    return 0
+
+
+def _entry() -> None:
+    sys.exit(cli.run(main))
+
+
+if __name__ == "__main__":
+    _entry()

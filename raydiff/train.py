@@ -1,0 +1,70 @@
+"""Train a DDPM with Ray Train.
+
+    python -m raydiff.train [--config NAME_OR_PATH] [--set key=value ...] [--dry-run]
+
+With no arguments: the `default` preset, DDPM on scikit-learn's handwritten digits (about 5 minutes on 2 CPU
+cores). Results go to <run.storage>/<run.name>/: config.yaml, metrics.jsonl, samples/, checkpoints, summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from raydiff import cli
+from raydiff.config import load_config, preset_names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m raydiff.train", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="default",
+                        help=f"preset name ({', '.join(preset_names())}) or path to a YAML file (default: default)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set train.lr=1e-4 (repeatable)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config and the model's parameter count, then exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.set, check_source=not args.dry_run)
+
+    if args.dry_run:
+        from raydiff.unet import build_model, count_parameters
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        print(f"# model parameters: {count_parameters(build_model(cfg)):,}")
+        if not cfg.data.source:
+            print("# note: data.source is not set; training needs --set data.source=PATH")
+        return 0
+
+    from raydiff.driver import run_training
+
+    summary = run_training(cfg)
+    run_dir = summary["run_dir"]
+    if summary["status"] != "finished":
+        print(f"[raydiff] run failed after {summary['steps']} steps: {summary.get('error', 'unknown error')}",
+              file=sys.stderr)
+        print(f"[raydiff] re-run the same command to resume from the latest checkpoint ({run_dir})", file=sys.stderr)
+        return 1
+    loss = summary["final_loss"]
+    print(f"[raydiff] finished: {summary['steps']} steps, {summary['images_seen']:,} images, "
+          f"final loss {loss:.4f}, {summary['wall_s']:.0f} s" if loss is not None else
+          f"[raydiff] finished: {summary['steps']} steps (nothing left to train)")
+    print(f"[raydiff] results:    {run_dir}")
+    print(f"[raydiff] samples:    {run_dir}/samples/")
+    print(f"[raydiff] checkpoint: {summary['checkpoint']}")
+    print(f"[raydiff] more samples: python -m raydiff.sample --checkpoint {run_dir} --num 64 --out samples.png")
+    return 0
+
+
+def _entry() -> None:
+    sys.exit(cli.run(main))
+
+
+if __name__ == "__main__":
+    _entry()

@@ -1,0 +1,136 @@
+"""The real CLI on a local Ray cluster with 2 workers (smoke preset): outputs, sampling, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from conftest import run_cli
+from raydiff.checkpoint import list_checkpoints, read_state
+
+pytestmark = pytest.mark.ray
+
+METRIC_KEYS = {"step", "images_seen", "loss", "grad_norm", "lr", "ema_decay", "images_per_s", "data_wait_frac",
+               "world_size"}
+SUMMARY_KEYS = {"status", "steps", "images_seen", "final_loss", "checkpoint", "world_sizes", "wall_s"}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("runs")
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={storage}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return storage / "smoke", proc.stdout + proc.stderr
+
+
+def test_run_directory_has_every_output(smoke_run):
+    run_dir, output = smoke_run
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["train"]["total_steps"] == 20 and config["scaling"]["num_workers"] == 2
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    for row in rows:
+        assert METRIC_KEYS <= row.keys()
+        assert row["images_seen"] == row["step"] * 16 and row["world_size"] == 2
+        assert math.isfinite(row["loss"]) and row["images_per_s"] > 0 and 0 <= row["data_wait_frac"] < 1
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_00000010.png", "step_00000020.png"]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["status"] == "finished" and summary["steps"] == 20 and summary["images_seen"] == 320
+    assert summary["world_sizes"] == [2] and summary["final_loss"] == pytest.approx(rows[-1]["loss"])
+    assert summary["checkpoint"].endswith("checkpoint_00000020")
+
+    checkpoints = list_checkpoints(run_dir)
+    assert [p.name for p in checkpoints] == ["checkpoint_00000010", "checkpoint_00000020"]
+    state = read_state(checkpoints[-1])
+    assert {"model", "ema", "optimizer", "scaler", "step", "images_seen", "config", "counters"} <= state.keys()
+    assert state["step"] == 20 and state["images_seen"] == 320
+
+    assert "step 20/20 | loss" in output and "img/s" in output and "ETA" in output
+    assert f"results:    {run_dir}" in output
+
+
+def test_sample_cli_grid_folder_and_determinism(smoke_run, tmp_path):
+    run_dir, _ = smoke_run
+    common = ["--checkpoint", str(run_dir), "--sampler", "ddim", "--steps", "10", "--num", "16"]
+    proc = run_cli("raydiff.sample", *common, "--seed", "0", "--out", str(tmp_path / "a.png"))
+    assert proc.returncode == 0, proc.stderr
+    again = run_cli("raydiff.sample", *common, "--seed", "0", "--out", str(tmp_path / "b.png"))
+    other = run_cli("raydiff.sample", *common, "--seed", "1", "--out", str(tmp_path / "c.png"))
+    assert again.returncode == other.returncode == 0
+    a, b, c = (np.asarray(Image.open(tmp_path / f"{n}.png")) for n in "abc")
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    # Same sampler, steps, seed and count as the run's own final grid: the same image.
+    assert np.array_equal(a, np.asarray(Image.open(run_dir / "samples" / "step_00000020.png")))
+
+    folder = run_cli("raydiff.sample", "--checkpoint", str(list_checkpoints(run_dir)[0]), "--num", "3",
+                     "--sampler", "ddpm", "--steps", "25", "--no-ema", "--out", str(tmp_path / "folder"))
+    assert folder.returncode == 0, folder.stderr
+    names = sorted(p.name for p in (tmp_path / "folder").iterdir())
+    assert names == ["grid.png", "sample_00000.png", "sample_00001.png", "sample_00002.png"]
+    assert Image.open(tmp_path / "folder" / "sample_00000.png").size == (8, 8)
+
+
+def test_one_worker_computes_the_same_run(smoke_run, tmp_path):
+    """Global batch, loss scaling and per-sample noise do not depend on the world size."""
+    run_dir, _ = smoke_run
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", "scaling.num_workers=1",
+                   "--set", "train.micro_batch=4", "--set", f"run.storage={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    one = [json.loads(line) for line in (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["world_size"] for r in one] == [1] * 4
+    assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two], rel=1e-4)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--set", "train.lr=-1"], "train.lr = -1.0: must be > 0"),
+    (["--set", "train.bogus=1"], "unknown key 'train.bogus'"),
+    (["--set", "train.global_batch=30", "--set", "train.micro_batch=4"], "not reachable as micro_batch x 2 workers"),
+    (["--set", "scaling.num_workers=0"], "scaling.num_workers = 0: must be >= 1"),
+    (["--config", "cifar10"], "data.source = null: required"),
+    (["--set", "data.source=/definitely/missing"], "no such file or folder"),
+    (["--config", "nosuch"], "not a file and not a preset"),
+])
+def test_bad_config_is_one_line_exit_2_nothing_written(tmp_path, args, fragment):
+    storage = tmp_path / "storage"
+    proc = run_cli("raydiff.train", *args, "--set", f"run.storage={storage}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and fragment in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not storage.exists()
+
+
+def test_empty_source_fails_before_training(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"data.source={tmp_path / 'empty'}",
+                   "--set", f"run.storage={tmp_path / 'storage'}")
+    assert proc.returncode == 2 and "no images found" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "storage").exists()
+
+
+def test_dry_run_prints_config_and_parameters(tmp_path):
+    proc = run_cli("raydiff.train", "--config", "cifar10", "--dry-run", "--set", f"run.storage={tmp_path / 's'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "# model parameters: 35,746,307" in proc.stdout
+    assert yaml.safe_load(proc.stdout)["model"]["channel_mult"] == [1, 2, 2, 2]
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--checkpoint", "/no/such/run", "--out", "x.png"], "no such run or checkpoint folder"),
+    (["--checkpoint", ".", "--num", "0", "--out", "x.png"], "--num 0: must be >= 1"),
+    (["--checkpoint", ".", "--sampler", "ddpm", "--eta", "0.5", "--out", "x.png"], "--eta applies to --sampler ddim"),
+])
+def test_sample_cli_bad_input(args, fragment):
+    proc = run_cli("raydiff.sample", *args)
+    assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr
