@@ -14,11 +14,21 @@ from typing import Any
 import torch
 
 STATE_FILE = "state.pt"
-_NAME = re.compile(r"checkpoint_(\d{8})$")
+_NAME = re.compile(r"checkpoint_(\d{8})(?:-(\d+))?$")
 
 
-def checkpoint_name(step: int) -> str:
-    return f"checkpoint_{step:08d}"
+def checkpoint_name(step: int, run_dir: Path | None = None) -> str:
+    """`checkpoint_<step>`; a step reported again after a rollback or a fallback gets `-1`, `-2`, ... so that it
+    never shares a folder with a checkpoint Ray Train already tracks (and may delete)."""
+    name, n = f"checkpoint_{step:08d}", 0
+    while run_dir is not None and (Path(run_dir) / name).exists():
+        n += 1
+        name = f"checkpoint_{step:08d}-{n}"
+    return name
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(_NAME.search(Path(path).name).group(1))
 
 
 def write_state(directory: Path, state: dict[str, Any]) -> Path:
@@ -37,7 +47,7 @@ def read_state(directory: Path) -> dict[str, Any]:
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoint directories of a run that hold a state file, oldest first."""
     found = [p for p in Path(run_dir).glob("checkpoint_*") if _NAME.search(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_NAME.search(p.name).group(1)))
+    return sorted(found, key=lambda p: tuple(int(g or 0) for g in _NAME.search(p.name).groups()))
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -69,13 +69,23 @@ class TrainSection:
     sample_steps: int = 50  # DDIM steps for in-training sample grids
     log_every: int = 50
     seed: int = 0
+    max_bad_steps: int = 25  # consecutive non-finite steps before rolling back once, then stopping
 
 
 @dataclass
 class ScalingSection:
-    num_workers: int = 2
+    num_workers: Union[int, tuple[int, ...]] = 2  # an int, or [min, max] for elastic training
     use_gpu: Union[Literal["auto"], bool] = "auto"
     cpus_per_worker: Optional[float] = None  # null = share the node's CPUs among the workers
+    resize_check_s: float = 60.0  # elastic: how often Ray Train looks for room to grow
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def max_workers(self) -> int:
+        return max(self.num_workers) if self.elastic else self.num_workers
 
 
 @dataclass
@@ -84,6 +94,15 @@ class RunSection:
     storage: str = "runs"  # parent folder of the run directory <storage>/<name>
     max_failures: int = 3  # worker-group restarts allowed; -1 = unlimited
     keep_checkpoints: int = 3
+    resume: bool = True  # false: move an existing run of this name aside and start over
+
+
+@dataclass
+class DebugSection:
+    """Fault injection and audit trails, for testing raydiff itself."""
+
+    nan_at_steps: tuple[int, ...] = ()  # make the loss non-finite at these optimizer steps (1-based)
+    record_order: bool = False  # each worker logs the sample indices it trained on to <run>/order/
 
 
 @dataclass
@@ -94,6 +113,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     scaling: ScalingSection = field(default_factory=ScalingSection)
     run: RunSection = field(default_factory=RunSection)
+    debug: DebugSection = field(default_factory=DebugSection)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, not tuples): YAML- and `torch.load(weights_only=True)`-safe."""
@@ -112,10 +132,13 @@ class Config:
         return cfg
 
     def micro_batch_for(self, world_size: int) -> int:
-        return self.train.micro_batch or self.train.global_batch // world_size
+        """Per-worker forward-pass size; null means one pass per step (the largest share)."""
+        return self.train.micro_batch or -(-self.train.global_batch // world_size)
 
     def accumulation_for(self, world_size: int) -> int:
-        return self.train.global_batch // (self.micro_batch_for(world_size) * world_size)
+        """Micro-batches per optimizer step on the worker with the largest share."""
+        largest_share = -(-self.train.global_batch // world_size)
+        return -(-largest_share // self.micro_batch_for(world_size))
 
 
 # Reading and writing keys.
@@ -327,18 +350,29 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(t.sample_steps >= 1, "train.sample_steps", t.sample_steps, "must be >= 1")
     _check(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
+    _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
 
     # Scaling and the batch arithmetic: global = micro x workers x accumulation, exactly.
-    _check(s.num_workers >= 1, "scaling.num_workers", s.num_workers, "must be >= 1")
+    if s.elastic:
+        _check(len(s.num_workers) == 2 and 1 <= s.num_workers[0] <= s.num_workers[1], "scaling.num_workers",
+               list(s.num_workers), "must be an integer >= 1, or [min, max] with 1 <= min <= max")
+    else:
+        _check(s.num_workers >= 1, "scaling.num_workers", s.num_workers, "must be >= 1")
     _check(s.cpus_per_worker is None or s.cpus_per_worker > 0, "scaling.cpus_per_worker", s.cpus_per_worker,
            "must be > 0 or null")
-    w = s.num_workers
-    _check(t.global_batch % w == 0, "train.global_batch", t.global_batch,
-           f"not reachable with scaling.num_workers = {w}: must be a multiple of the number of workers")
-    per_worker = t.global_batch // w
-    _check(t.micro_batch is None or per_worker % t.micro_batch == 0, "train.micro_batch", t.micro_batch,
-           f"train.global_batch = {t.global_batch} is not reachable as micro_batch x {w} workers x accumulation: "
-           f"{per_worker} images per worker must be a multiple of micro_batch")
+    _check(s.resize_check_s > 0, "scaling.resize_check_s", s.resize_check_s, "must be > 0 seconds")
+    _check(t.global_batch >= s.max_workers, "train.global_batch", t.global_batch,
+           f"must be at least the number of workers ({s.max_workers}): every worker needs a sample per step")
+    if not s.elastic:
+        # A fixed world size must reach the global batch exactly as micro_batch x workers x accumulation.
+        # (Elastic runs split each global batch as evenly as the current world size allows instead.)
+        w = s.num_workers
+        _check(t.global_batch % w == 0, "train.global_batch", t.global_batch,
+               f"not reachable with scaling.num_workers = {w}: must be a multiple of the number of workers")
+        per_worker = t.global_batch // w
+        _check(t.micro_batch is None or per_worker % t.micro_batch == 0, "train.micro_batch", t.micro_batch,
+               f"train.global_batch = {t.global_batch} is not reachable as micro_batch x {w} workers x "
+               f"accumulation: {per_worker} images per worker must be a multiple of micro_batch")
 
     # Run.
     _check(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", r.name) is not None, "run.name", r.name,
@@ -346,3 +380,7 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(bool(r.storage), "run.storage", r.storage, "required: a folder for run directories")
     _check(r.max_failures >= -1, "run.max_failures", r.max_failures, "must be >= 0, or -1 for unlimited")
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")
+
+    # Debug.
+    _check(all(step >= 1 for step in cfg.debug.nan_at_steps), "debug.nan_at_steps", list(cfg.debug.nan_at_steps),
+           "steps are counted from 1")

@@ -1,4 +1,4 @@
-"""The driver: start or join Ray, decode the data once, plan resources, run the TorchTrainer, write the summary."""
+"""The driver: decide start/continue, start or join Ray, decode the data once, run the TorchTrainer, summarise."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,10 @@ import yaml
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import Config
-from raydiff.ingest import load_images
+from raydiff.ingest import list_image_files, load_images
 from raydiff.loop import train_worker
-from raydiff.runlog import MetricsLog
+from raydiff.resume import DATA_FILE, data_identity, plan_run
+from raydiff.runlog import JsonlLog
 
 
 def init_ray() -> None:
@@ -47,47 +49,55 @@ def plan_scaling(cfg: Config) -> tuple[ray.train.ScalingConfig, int]:
     elif use_gpu:
         cpus_per_worker = 1.0
     else:
-        cpus_per_worker = max(cpus // s.num_workers, min(1.0, cpus / s.num_workers))
+        cpus_per_worker = max(cpus // s.max_workers, min(1.0, cpus / s.max_workers))
     scaling = ray.train.ScalingConfig(
-        num_workers=s.num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus_per_worker},
+        num_workers=tuple(s.num_workers) if s.elastic else s.num_workers, use_gpu=use_gpu,
+        resources_per_worker={"CPU": cpus_per_worker}, elastic_resize_monitor_interval_s=s.resize_check_s,
     )
     return scaling, max(1, math.floor(cpus_per_worker))
 
 
-def _write_yaml(path: Path, tree: dict[str, Any]) -> None:
+def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(tree, sort_keys=False))
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, tree: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(tree, indent=2) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
 def run_training(cfg: Config) -> dict[str, Any]:
-    """Train to `cfg.train.total_steps` (resuming the run's latest checkpoint) and return the summary."""
+    """Train to `cfg.train.total_steps`, continuing the run's newest checkpoint; return the summary."""
     started = time.perf_counter()
     run_dir = Path(cfg.run.storage) / cfg.run.name
 
-    # Decode the data once with Ray Data; a bad source fails here, before anything is written.
+    # Decide what this command means for the run directory before starting anything.
+    files = list_image_files(cfg.data.source)
+    data = data_identity(cfg.data.source, files)
+    plan = plan_run(cfg, run_dir, data)
+    for note in plan.notes:
+        print(f"[raydiff] {note}")
+    if plan.action == "finished":
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return {**summary, "already_finished": True, "run_dir": str(run_dir)}
+
+    # Decode the data once with Ray Data.
     init_ray()
     decode_start = time.perf_counter()
-    images = load_images(cfg.data.source, resolution=cfg.data.resolution, channels=cfg.data.channels)
+    images = load_images(cfg.data.source, resolution=cfg.data.resolution, channels=cfg.data.channels, files=files)
     scaling, torch_threads = plan_scaling(cfg)
+    workers = "-".join(map(str, cfg.scaling.num_workers)) if cfg.scaling.elastic else cfg.scaling.num_workers
     print(f"[raydiff] decoded {images.num_images} images from {images.source} at {cfg.data.resolution}px in "
-          f"{time.perf_counter() - decode_start:.1f} s; training on {scaling.num_workers} "
-          f"{'GPU' if scaling.use_gpu else 'CPU'} worker(s); run directory {run_dir}")
+          f"{time.perf_counter() - decode_start:.1f} s; {'continuing at step ' + str(plan.step) if plan.step else 'training'}"
+          f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); run directory {run_dir}")
 
-    # Record the resolved config next to the results.
+    # Record the resolved config and the data's identity next to the results.
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_yaml(run_dir / "config.yaml", cfg.to_dict())
+    _write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    _write_text(run_dir / DATA_FILE, json.dumps(data, indent=2) + "\n")
 
+    invocation = uuid.uuid4().hex
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"config": cfg.to_dict(), "images": images, "run_dir": str(run_dir),
-                           "torch_threads": torch_threads},
+                           "torch_threads": torch_threads, "invocation": invocation},
         scaling_config=scaling,
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
@@ -104,23 +114,32 @@ def run_training(cfg: Config) -> dict[str, Any]:
         checkpoint = result.checkpoint.path if result.checkpoint else None
     except ray.train.TrainingFailedError as exc:
         error, outcome, checkpoint = str(exc).strip().splitlines()[0], {}, None
+    return _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started)
 
-    # Summarise from the worker's return value and the metrics log.
-    rows = MetricsLog(run_dir / "metrics.jsonl").rows()
-    world_sizes = list(dict.fromkeys(r["world_size"] for r in rows))
-    finished = error is None and outcome.get("steps") == cfg.train.total_steps
+
+def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, error, started) -> dict[str, Any]:
+    rows = JsonlLog(run_dir / "metrics.jsonl").rows()
+    starts = [e for e in JsonlLog(run_dir / "events.jsonl").rows() if e["event"] == "start"]
+    this_invocation = [e for e in starts if e["invocation"] == invocation]
+    last = rows[-1] if rows else {}
+    status = outcome.get("status", "failed") if error is None else "failed"
+    if status == "finished" and outcome.get("steps") != cfg.train.total_steps:
+        status = "failed"
     summary = {
-        "status": "finished" if finished else "failed",
-        "steps": outcome.get("steps", rows[-1]["step"] if rows else 0),
-        "images_seen": outcome.get("images_seen", rows[-1]["images_seen"] if rows else 0),
-        "final_loss": outcome.get("final_loss", rows[-1]["loss"] if rows else None),
-        "skipped_steps": outcome.get("skipped_steps", rows[-1]["skipped_steps"] if rows else 0),
+        "status": status,
+        "steps": outcome.get("steps", last.get("step", planned_step)),
+        "images_seen": outcome.get("images_seen", last.get("images_seen", planned_step * cfg.train.global_batch)),
+        "final_loss": outcome["final_loss"] if outcome.get("final_loss") is not None else last.get("loss"),
         "checkpoint": checkpoint,
-        "world_sizes": world_sizes,
+        "world_sizes": list(dict.fromkeys(e["world_size"] for e in starts)),
+        "restarts": max(0, len(this_invocation) - 1),
+        "resumed_from_step": this_invocation[0]["step"] if this_invocation else planned_step,
+        "skipped_steps": outcome.get("skipped_steps", last.get("skipped_steps", 0)),
+        "rollbacks": outcome.get("rollbacks", 0),
         "wall_s": round(time.perf_counter() - started, 1),
         "run_dir": str(run_dir),
     }
-    if error:
-        summary["error"] = error
-    _write_json(run_dir / "summary.json", summary)
+    if error or outcome.get("diagnostic"):
+        summary["error"] = error or outcome["diagnostic"]
+    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

@@ -83,9 +83,9 @@ class ImageStore:
         return ray.get(list(self.chunks))
 
 
-def load_images(source: str, *, resolution: int, channels: int) -> ImageStore:
-    """Decode every image of `source` once with Ray Data and return them as an `ImageStore`."""
-    files = list_image_files(source)
+def load_images(source: str, *, resolution: int, channels: int, files: list[str] | None = None) -> ImageStore:
+    """Decode every image of `source` (or the given listing of it) once with Ray Data; return an `ImageStore`."""
+    files = files if files is not None else list_image_files(source)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # sample i must be the same image in every run
     rows_per_chunk = max(1, CHUNK_BYTES // (channels * resolution * resolution))

@@ -58,6 +58,7 @@ class MicroBatch:
     timesteps: torch.Tensor  # int64 (n,)
     noise: torch.Tensor  # float32 (n, C, H, W)
     position: int  # stream position of the first sample
+    indices: np.ndarray  # dataset indices of the samples (for the order audit)
 
     def to_device(self, device: torch.device, flip: bool) -> torch.Tensor:
         """Float images in [-1, 1] on `device`, horizontally flipped where the flip bit is set."""
@@ -108,7 +109,7 @@ class BatchStream:
             t = sample_noise(self._order.seed, np.arange(position, position + size), self._timesteps,
                              tuple(self._table.shape), noise.numpy())
             batches.append(MicroBatch(images=images, flips=torch.from_numpy(flips), timesteps=torch.from_numpy(t),
-                                      noise=noise, position=position))
+                                      noise=noise, position=position, indices=indices))
         return batches
 
     def _produce(self, step: int) -> None:

@@ -3,13 +3,16 @@
 Read it top to bottom: build, resume, then one optimizer step per iteration (accumulate over this worker's
 micro-batches with the all-reduce only on the last one, unscale, clip, skip non-finite steps, update EMA),
 then log / sample / checkpoint at their cadences. Progress is counted in optimizer steps and images seen.
+The loop is restartable at any checkpoint: after a failure, a resize or a re-run it continues bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -20,17 +23,19 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from raydiff.checkpoint import checkpoint_name, read_state, write_state
+from raydiff.checkpoint import checkpoint_name, write_state
 from raydiff.config import Config
 from raydiff.diffusion import build_diffusion
 from raydiff.ema import ema_decay_at, make_ema, update_ema
 from raydiff.images import save_grid
 from raydiff.loader import BatchStream, ImageTable
 from raydiff.order import SampleOrder, derive_seed, rank_share
-from raydiff.runlog import MetricsLog, progress_line
+from raydiff.runlog import JsonlLog, progress_line
+from raydiff.state import Progress, restore_newest, resume_candidates, rollback_candidates, training_state
 from raydiff.unet import build_model
 
 logger = logging.getLogger("raydiff")
+PREEMPTION_CHECK_STEPS = 10  # how often the workers agree on whether a node is about to be reclaimed
 
 
 def quiet_ray_train_logs() -> None:
@@ -53,12 +58,13 @@ def lr_at(step: int, lr: float, warmup_steps: int) -> float:
     return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
 
 
-def training_state(model, ema, optimizer, scaler, cfg: Config, step: int, counters: dict[str, int]) -> dict[str, Any]:
-    return {
-        "model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(), "step": step, "images_seen": step * cfg.train.global_batch,
-        "counters": dict(counters), "config": cfg.to_dict(),
-    }
+def _from_rank_zero(value: Any) -> Any:
+    """Every worker takes rank 0's value (a decision that must be the same everywhere)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
@@ -80,42 +86,42 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     autocast_dtype = resolve_precision(t.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     diffusion = build_diffusion(cfg)
+    objects = (model, ema, optimizer, scaler)
 
-    # Resume from the latest checkpoint Ray Train hands us, if any.
-    step, counters = 0, {"skipped_steps": 0}
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = read_state(Path(directory))
-        model.load_state_dict(state["model"])
-        ema.load_state_dict(state["ema"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        step, counters = state["step"], dict(state["counters"])
-    start_step = step
+    # Resume from the newest readable checkpoint (Ray Train hands us the latest one).
+    progress, _ = restore_newest(resume_candidates(ray.train.get_checkpoint(), run_dir), *objects)
+    start_step = progress.step
     ddp_model = ray.train.torch.prepare_model(model)
     is_ddp = isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel)
 
     # Open this worker's stream of micro-batches at the resume point.
-    store = loop_config["images"]
-    share = rank_share(t.global_batch, world_size, rank)
-    stream = BatchStream(
-        table=ImageTable(store.arrays()), order=SampleOrder(store.num_images, t.seed), global_batch=t.global_batch,
-        share=share, micro_batch=cfg.micro_batch_for(world_size), start_step=step, timesteps=diffusion.timesteps,
-        pin_memory=device.type == "cuda",
-    )
-    log = MetricsLog(run_dir / "metrics.jsonl") if is_chief else None
-    if log is not None:
-        log.truncate_after(step)  # rows past the checkpoint belong to lost work
-        logger.info(f"[raydiff] {'resuming at step ' + str(step) if step else 'starting'}: {world_size} worker(s), "
-                    f"global batch {t.global_batch} = {share.size} per worker in micro-batches of "
-                    f"{cfg.micro_batch_for(world_size)}, device {device}")
+    store, share = loop_config["images"], rank_share(t.global_batch, world_size, rank)
+    table, order = ImageTable(store.arrays()), SampleOrder(store.num_images, t.seed)
 
-    window = {"loss_sum": torch.zeros((), device=device), "samples": 0, "grad_norm_sum": 0.0, "finite_steps": 0,
-              "data_wait_s": 0.0, "steps": 0, "paused_s": 0.0, "start": time.perf_counter()}
-    run_start, last_row = time.perf_counter(), None
+    def open_stream(step: int) -> BatchStream:
+        return BatchStream(table=table, order=order, global_batch=t.global_batch, share=share,
+                           micro_batch=cfg.micro_batch_for(world_size), start_step=step,
+                           timesteps=diffusion.timesteps, pin_memory=device.type == "cuda")
+
+    stream = open_stream(progress.step)
+    metrics_log = JsonlLog(run_dir / "metrics.jsonl") if is_chief else None
+    events = JsonlLog(run_dir / "events.jsonl") if is_chief else None
+    order_log = _order_log(run_dir, rank) if cfg.debug.record_order else None
+    if is_chief:
+        metrics_log.truncate_after(progress.step)  # rows past the checkpoint belong to lost work
+        events.append({"event": "start", "invocation": loop_config["invocation"], "step": progress.step,
+                       "world_size": world_size, "time": time.time()})
+        logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
+                    f"{world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
+                    f"micro-batches of up to {cfg.micro_batch_for(world_size)}, device {device}")
+
+    window = _open_window(progress, device)
+    injected_nan_steps: set[int] = set()
+    bad_streak, last_row, last_checkpoint_step, diagnostic = 0, None, progress.step, None
+    run_start = time.perf_counter()
     try:
-        while step < t.total_steps:
+        while progress.step < t.total_steps:
+            step = progress.step
             lr = lr_at(step, t.lr, t.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -124,6 +130,10 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             wait_start = time.perf_counter()
             batches = next(stream)
             window["data_wait_s"] += time.perf_counter() - wait_start
+            if order_log is not None:
+                order_log.write(json.dumps({"step": step + 1, "positions": [batches[0].position,
+                                            batches[-1].position + len(batches[-1].images)],
+                                            "indices": [int(i) for b in batches for i in b.indices]}) + "\n")
 
             # Accumulate gradients; all-reduce only on the last micro-batch.
             ddp_model.train()
@@ -135,20 +145,24 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 with contextlib.nullcontext() if sync else ddp_model.no_sync():
                     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                         losses = diffusion.loss_per_sample(ddp_model, x0, timesteps, noise)
+                    if is_chief and step + 1 in cfg.debug.nan_at_steps and step + 1 not in injected_nan_steps:
+                        injected_nan_steps.add(step + 1)  # a transient fault: once per step number
+                        losses = losses * float("nan")
                     # Sum over samples, scaled so DDP's average over workers gives the global-batch mean.
                     scaler.scale(losses.sum() * (world_size / t.global_batch)).backward()
-                window["loss_sum"] += losses.detach().sum()
+                window["loss_sum"] += losses.detach().float().sum()
                 window["samples"] += len(x0)
 
             # Unscale, clip, and skip the step if anything is not finite.
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-            finite = bool(torch.isfinite(grad_norm))
+            finite = bool(torch.isfinite(grad_norm))  # gradients are all-reduced: every worker agrees
             if finite or scaler.is_enabled():
                 scaler.step(optimizer)  # the scaler skips non-finite steps itself
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            step += 1
+            progress.step += 1
+            step = progress.step
 
             # Update the EMA, once per optimizer step, on every worker.
             ema_decay = ema_decay_at(step, t.ema_decay, t.ema_warmup_steps)
@@ -156,37 +170,85 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 update_ema(ema, model, ema_decay)
                 window["grad_norm_sum"] += float(grad_norm)
                 window["finite_steps"] += 1
+                bad_streak = 0
             else:
-                counters["skipped_steps"] += 1
+                progress.counters["skipped_steps"] += 1
+                bad_streak += 1
             window["steps"] += 1
+
+            # Too many non-finite steps in a row: roll back to the last good checkpoint once, then give up.
+            if bad_streak >= t.max_bad_steps:
+                first_time = progress.counters["rollbacks"] == 0
+                candidates = _from_rank_zero(rollback_candidates(run_dir)) if first_time else []
+                restored_progress, restored = restore_newest(candidates, *objects) if candidates else (None, None)
+                if restored is not None:
+                    restored_progress.counters["rollbacks"] = 1
+                    progress = restored_progress
+                    stream.close()
+                    stream, window, bad_streak = open_stream(progress.step), _open_window(progress, device), 0
+                    if is_chief:
+                        metrics_log.truncate_after(progress.step)
+                        events.append({"event": "rollback", "from_step": step, "to_step": progress.step,
+                                       "checkpoint": str(restored), "time": time.time()})
+                        logger.warning(f"[raydiff] WARNING: {t.max_bad_steps} non-finite steps in a row at step "
+                                       f"{step}: rolled back to step {progress.step}")
+                    continue
+                diagnostic = _divergence_report(t, step, lr, grad_norm, x0, timesteps, losses, diffusion.timesteps)
+                if is_chief:
+                    events.append({"event": "diverged", "step": step, "diagnostic": diagnostic, "time": time.time()})
+                    logger.error(f"[raydiff] {diagnostic}")
+                break
 
             # Log, sample and checkpoint at their cadences (the same decision on every worker).
             done = step == t.total_steps
             metrics = None
             if step % t.log_every == 0 or done:
-                metrics = _window_metrics(window, step, t, lr, ema_decay, world_size, counters, device)
+                metrics = _close_window(window, progress, t, lr, ema_decay, world_size, device)
                 metrics["time_s"] = round(time.perf_counter() - run_start, 3)
                 last_row = metrics
-                if log is not None:
-                    log.append(metrics)
+                if is_chief:
+                    metrics_log.append(metrics)
                     logger.info(progress_line(metrics, t.total_steps, start_step, time.perf_counter() - run_start))
             pause_start = time.perf_counter()  # sampling and checkpointing do not count as training time
             if is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
                 _save_sample_grid(ema, diffusion, cfg, step, run_dir, device)
-            if step % t.checkpoint_every == 0 or done:
-                _report_checkpoint(metrics or {"step": step}, model, ema, optimizer, scaler, cfg, step, counters,
-                                   is_chief)
+            preempted = (step % PREEMPTION_CHECK_STEPS == 0 and not done
+                         and ray.train.get_preemption_info() is not None and last_checkpoint_step != step)
+            if step % t.checkpoint_every == 0 or done or preempted:
+                if preempted and is_chief:
+                    events.append({"event": "preemption_checkpoint", "step": step, "time": time.time()})
+                _report_checkpoint(metrics or {"step": step}, objects, progress, window, cfg, is_chief, run_dir)
+                last_checkpoint_step = step
             elif metrics is not None:
                 ray.train.report(metrics)
             window["paused_s"] += time.perf_counter() - pause_start
     finally:
         stream.close()
+        if order_log is not None:
+            order_log.close()
 
-    return {"steps": step, "images_seen": step * t.global_batch, "final_loss": last_row and last_row["loss"],
-            "skipped_steps": counters["skipped_steps"], "world_size": world_size, "resumed_from_step": start_step}
+    return {"status": "diverged" if diagnostic else "finished", "diagnostic": diagnostic, "steps": progress.step,
+            "images_seen": progress.step * t.global_batch, "final_loss": last_row and last_row["loss"],
+            "skipped_steps": progress.counters["skipped_steps"], "rollbacks": progress.counters["rollbacks"],
+            "world_size": world_size, "resumed_from_step": start_step}
 
 
-def _window_metrics(window, step, t, lr, ema_decay, world_size, counters, device) -> dict[str, Any]:
+def _order_log(run_dir: Path, rank: int):
+    """Audit trail of the samples this worker trains on (debug.record_order)."""
+    folder = run_dir / "order"
+    folder.mkdir(parents=True, exist_ok=True)
+    return open(folder / f"rank{rank}_pid{os.getpid()}.jsonl", "a", buffering=1)
+
+
+def _open_window(progress: Progress, device: torch.device) -> dict[str, Any]:
+    """A logging window, continuing the partial sums saved with the checkpoint."""
+    saved = progress.window
+    return {"loss_sum": torch.tensor(float(saved["loss_sum"]), device=device), "samples": saved["samples"],
+            "grad_norm_sum": saved["grad_norm_sum"], "finite_steps": saved["finite_steps"],
+            "data_wait_s": 0.0, "steps": 0, "paused_s": 0.0, "start": time.perf_counter()}
+
+
+def _close_window(window, progress: Progress, t, lr, ema_decay, world_size, device) -> dict[str, Any]:
     """Average the window's statistics over all workers, reset the window, return one metrics row."""
     elapsed = time.perf_counter() - window["start"] - window["paused_s"]
     totals = torch.stack([window["loss_sum"].float(), torch.tensor(float(window["samples"]), device=device),
@@ -195,8 +257,8 @@ def _window_metrics(window, step, t, lr, ema_decay, world_size, counters, device
         dist.all_reduce(totals)
     loss_sum, samples, wait_frac_sum = totals.tolist()
     row = {
-        "step": step,
-        "images_seen": step * t.global_batch,
+        "step": progress.step,
+        "images_seen": progress.step * t.global_batch,
         "loss": loss_sum / max(samples, 1),
         "grad_norm": window["grad_norm_sum"] / window["finite_steps"] if window["finite_steps"] else float("nan"),
         "lr": lr,
@@ -204,11 +266,23 @@ def _window_metrics(window, step, t, lr, ema_decay, world_size, counters, device
         "images_per_s": window["steps"] * t.global_batch / max(elapsed, 1e-9),
         "data_wait_frac": wait_frac_sum / world_size,
         "world_size": world_size,
-        "skipped_steps": counters["skipped_steps"],
+        "skipped_steps": progress.counters["skipped_steps"],
     }
-    window.update(loss_sum=torch.zeros((), device=device), samples=0, grad_norm_sum=0.0, finite_steps=0,
-                  data_wait_s=0.0, steps=0, paused_s=0.0, start=time.perf_counter())
+    window.update(_open_window(Progress(), device))
     return row
+
+
+def _divergence_report(t, step, lr, grad_norm, x0, timesteps, losses, num_timesteps) -> str:
+    """One line that says what was going on when training diverged, so the user can act on it."""
+    buckets = []
+    for q in range(4):
+        low, high = q * num_timesteps // 4, (q + 1) * num_timesteps // 4
+        selected = losses.detach().float()[(timesteps >= low) & (timesteps < high)]
+        buckets.append(f"t {low}-{high - 1}: {selected.mean().item():.4g}" if len(selected) else f"t {low}-{high - 1}: -")
+    return (f"training diverged: {t.max_bad_steps} non-finite steps in a row at step {step} (rolled back at most "
+            f"once before); lr {lr:.3g}, grad norm {float(grad_norm):.3g}, input range [{x0.min().item():.3g}, "
+            f"{x0.max().item():.3g}], loss by timestep ({'; '.join(buckets)}). Try a lower train.lr, more "
+            f"train.warmup_steps, train.grad_clip, or train.precision=fp32/bf16.")
 
 
 @torch.no_grad()
@@ -220,11 +294,16 @@ def _save_sample_grid(ema, diffusion, cfg: Config, step: int, run_dir: Path, dev
     save_grid(images, run_dir / "samples" / f"step_{step:08d}.png")
 
 
-def _report_checkpoint(metrics, model, ema, optimizer, scaler, cfg, step, counters, is_chief) -> None:
-    """Report with a checkpoint: the chief writes the full state, every worker takes part in the report."""
-    with tempfile.TemporaryDirectory(prefix="raydiff-ckpt-") as directory:
-        checkpoint = None
-        if is_chief:
-            write_state(Path(directory), training_state(model, ema, optimizer, scaler, cfg, step, counters))
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(step))
+def _report_checkpoint(metrics, objects, progress: Progress, window, cfg: Config, is_chief: bool,
+                       run_dir: Path) -> None:
+    """Report with a checkpoint: the chief writes the full state, every worker takes part in the report.
+    Ray uploads it in the background and deletes the local copy, so training goes on at once."""
+    checkpoint = None
+    if is_chief:
+        progress.window = {"loss_sum": float(window["loss_sum"]), "samples": window["samples"],
+                           "grad_norm_sum": window["grad_norm_sum"], "finite_steps": window["finite_steps"]}
+        directory = Path(tempfile.mkdtemp(prefix="raydiff-ckpt-"))
+        write_state(directory, training_state(*objects, progress, cfg.train.global_batch, cfg.to_dict()))
+        checkpoint = ray.train.Checkpoint.from_directory(directory)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(progress.step, run_dir),
+                     checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)

@@ -1,4 +1,5 @@
-"""Run-directory logging: `metrics.jsonl` (one JSON row per log step) and the human progress line."""
+"""Run-directory logs: `metrics.jsonl` (one row per log step), `events.jsonl` (starts, rollbacks, preemption
+checkpoints), and the human progress line."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-class MetricsLog:
-    """Append-only JSONL of metrics rows, keyed by `step`."""
+class JsonlLog:
+    """An append-only file of JSON rows."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -29,7 +30,7 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows logged after `step` (work lost in a crash), atomically."""
+        """Drop rows whose `step` is past `step` (work lost in a crash), atomically."""
         rows = self.rows()
         kept = [r for r in rows if r["step"] <= step]
         if len(kept) == len(rows):

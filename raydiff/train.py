@@ -46,15 +46,21 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = run_training(cfg)
     run_dir = summary["run_dir"]
+    if summary.get("already_finished"):
+        print(f"[raydiff] run {cfg.run.name!r} is already finished ({summary['steps']} steps): results in {run_dir}")
+        print("[raydiff] to train it longer raise train.total_steps; for a new run set run.name")
+        return 0
     if summary["status"] != "finished":
-        print(f"[raydiff] run failed after {summary['steps']} steps: {summary.get('error', 'unknown error')}",
+        print(f"[raydiff] run {summary['status']} at step {summary['steps']}: {summary.get('error', 'unknown error')}",
               file=sys.stderr)
-        print(f"[raydiff] re-run the same command to resume from the latest checkpoint ({run_dir})", file=sys.stderr)
+        if summary["status"] == "failed":
+            print(f"[raydiff] re-run the same command to continue from the newest checkpoint in {run_dir}",
+                  file=sys.stderr)
         return 1
-    loss = summary["final_loss"]
-    print(f"[raydiff] finished: {summary['steps']} steps, {summary['images_seen']:,} images, "
-          f"final loss {loss:.4f}, {summary['wall_s']:.0f} s" if loss is not None else
-          f"[raydiff] finished: {summary['steps']} steps (nothing left to train)")
+    resumed = f", continued from step {summary['resumed_from_step']}" if summary["resumed_from_step"] else ""
+    restarts = f", {summary['restarts']} restart(s)" if summary["restarts"] else ""
+    print(f"[raydiff] finished: {summary['steps']} steps, {summary['images_seen']:,} images, final loss "
+          f"{summary['final_loss']:.4f}, {summary['wall_s']:.0f} s{resumed}{restarts}")
     print(f"[raydiff] results:    {run_dir}")
     print(f"[raydiff] samples:    {run_dir}/samples/")
     print(f"[raydiff] checkpoint: {summary['checkpoint']}")

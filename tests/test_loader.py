@@ -55,7 +55,7 @@ def test_noise_is_standard_normal_and_keyed_by_position():
 def test_to_device_scales_and_flips():
     images = torch.tensor([[[[0, 255]]], [[[0, 255]]]], dtype=torch.uint8)
     batch = MicroBatch(images=images, flips=torch.tensor([False, True]), timesteps=torch.zeros(2, dtype=torch.long),
-                       noise=torch.zeros(2, 1, 1, 2), position=0)
+                       noise=torch.zeros(2, 1, 1, 2), position=0, indices=np.arange(2))
     x = batch.to_device(torch.device("cpu"), flip=True)
     assert torch.equal(x, torch.tensor([[[[-1.0, 1.0]]], [[[1.0, -1.0]]]]))
     assert torch.equal(batch.to_device(torch.device("cpu"), flip=False)[1], torch.tensor([[[-1.0, 1.0]]]))

@@ -24,7 +24,8 @@ def run_local(ray_session, storage, name, *overrides):
                                 "train.log_every=1", *overrides])
     result = TorchTrainer(
         train_worker,
-        train_loop_config={"config": cfg.to_dict(), "images": store, "run_dir": str(storage / name), "torch_threads": 1},
+        train_loop_config={"config": cfg.to_dict(), "images": store, "run_dir": str(storage / name), "torch_threads": 1,
+                           "invocation": "test"},
         scaling_config=ray.train.ScalingConfig(num_workers=0),
         run_config=ray.train.RunConfig(name=name, storage_path=str(storage)),
     ).fit()
@@ -43,7 +44,7 @@ def test_accumulation_computes_the_same_steps(ray_session, tmp_path):
 
 
 def test_resume_truncates_lost_metrics(tmp_path):
-    from raydiff.runlog import MetricsLog
+    from raydiff.runlog import JsonlLog as MetricsLog
 
     log = MetricsLog(tmp_path / "metrics.jsonl")
     for step in (5, 10, 15):

@@ -1,0 +1,97 @@
+"""What a train command means for an existing run directory: start, continue, already finished, or refused.
+
+Re-running the same command continues the run from its newest checkpoint (Ray Train finds the run by
+`run.name` and `run.storage`). Continuing is refused when a key that fixes what the checkpoint means has
+changed (model shape, diffusion, data, global batch, seed): the result would be neither the old run nor a new
+one. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from raydiff.checkpoint import checkpoint_step, list_checkpoints
+from raydiff.config import Config, ConfigError
+
+# Keys whose change makes a checkpoint mean something else; every other key may change between runs
+# (learning rate, cadences, total_steps to extend a run, world size, precision, ...).
+IDENTITY_SECTIONS = ("model", "diffusion")
+IDENTITY_KEYS = ("data.source", "data.resolution", "data.channels", "data.flip", "train.global_batch", "train.seed")
+DATA_FILE = "data.json"
+
+
+def data_identity(source: str, files: list[str]) -> dict[str, Any]:
+    """Which images a run trains on: their count and a hash of their paths (relative to the source) and sizes.
+    Sample i must be the same image when a run continues, so a changed folder is caught here."""
+    root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{os.path.relpath(path, root)}\0{os.path.getsize(path)}\n".encode())
+    return {"source": source, "num_images": len(files), "fingerprint": digest.hexdigest()[:16]}
+
+
+def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, section in tree.items() for k, v in (section or {}).items()}
+
+
+def identity_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    old_flat, new_flat = _flatten(old), _flatten(new)
+    keys = [k for k in new_flat if k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS]
+    return [f"{k} = {old_flat.get(k)!r}, now {new_flat[k]!r}" for k in keys if old_flat.get(k) != new_flat[k]]
+
+
+def other_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    old_flat, new_flat = _flatten(old), _flatten(new)
+    return [f"{k} {old_flat.get(k)!r} -> {v!r}" for k, v in new_flat.items()
+            if k in old_flat and old_flat[k] != v and k != "run.resume"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    action: Literal["start", "continue", "finished"]
+    step: int  # newest checkpoint's step (0 when starting)
+    notes: tuple[str, ...] = ()
+
+
+def plan_run(cfg: Config, run_dir: Path, data: dict[str, Any]) -> RunPlan:
+    """Decide what to do with `run_dir`; raises ConfigError when continuing would be meaningless."""
+    checkpoints = list_checkpoints(run_dir) if run_dir.is_dir() else []
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return RunPlan("start", 0)
+    if not cfg.run.resume:
+        moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(moved)
+        return RunPlan("start", 0, (f"run.resume=false: moved the previous run to {moved}",))
+
+    notes = []
+    config_file, data_file = run_dir / "config.yaml", run_dir / DATA_FILE
+    previous = yaml.safe_load(config_file.read_text()) if config_file.is_file() else None
+    previous_data = json.loads(data_file.read_text()) if data_file.is_file() else None
+    changes = identity_changes(previous, cfg.to_dict()) if previous else []
+    if previous_data and previous_data["fingerprint"] != data["fingerprint"] and not changes:
+        changes.append(f"the images of data.source ({previous_data['num_images']} files, now {data['num_images']}, "
+                       f"or their names or sizes)")
+    if changes and checkpoints:
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: {run_dir} holds a run trained with {'; '.join(changes)}; continuing it "
+            f"would be meaningless. Use --set run.name=NEW for a new run, or --set run.resume=false to start this "
+            f"one over (the old run is moved aside, not deleted)")
+    if previous and checkpoints:
+        notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
+    if not checkpoints:
+        return RunPlan("start", 0, tuple(notes))
+
+    step = checkpoint_step(checkpoints[-1])
+    summary_file = run_dir / "summary.json"
+    finished = summary_file.is_file() and json.loads(summary_file.read_text()).get("status") == "finished"
+    if step >= cfg.train.total_steps and finished:
+        return RunPlan("finished", step, tuple(notes))
+    return RunPlan("continue", step, tuple(notes))
