@@ -219,8 +219,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                     events.append({"event": "preemption_checkpoint", "step": step, "time": time.time()})
                 _report_checkpoint(metrics or {"step": step}, objects, progress, window, cfg, is_chief, run_dir)
                 last_checkpoint_step = step
-            elif metrics is not None:
-                ray.train.report(metrics)
+            # Metrics rows go to metrics.jsonl only: a report without a checkpoint would block this worker until
+            # Ray Train's controller polls it (every 2 s), longer than many training steps take.
             window["paused_s"] += time.perf_counter() - pause_start
     finally:
         stream.close()

@@ -11,6 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Ray Train's controller collects each worker's reports when it polls them (every 2 s by default). Tests
+# checkpoint every few steps, so the end of every test run would wait on that queue; every Ray process the
+# tests start (local instances, test clusters, CLI runs) inherits this.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
