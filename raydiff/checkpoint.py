@@ -47,7 +47,13 @@ def read_state(directory: Path) -> dict[str, Any]:
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoint directories of a run that hold a state file, oldest first."""
     found = [p for p in Path(run_dir).glob("checkpoint_*") if _NAME.search(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: tuple(int(g or 0) for g in _NAME.search(p.name).groups()))
+    return sorted(found, key=checkpoint_order)
+
+
+def checkpoint_order(path: Path) -> tuple[int, int]:
+    """Sort key: step, then the repeat suffix (`checkpoint_00000010-1` comes after `checkpoint_00000010`)."""
+    step, repeat = _NAME.search(Path(path).name).groups()
+    return int(step), int(repeat or 0)
 
 
 def resolve_checkpoint(path: Path) -> Path:

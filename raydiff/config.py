@@ -32,6 +32,7 @@ class DataSection:
     resolution: int = 16  # images are resized (short side) and center-cropped to this square size
     channels: int = 1  # 1 = grayscale, 3 = RGB
     flip: bool = False  # random horizontal flips (off for digits: a mirrored 3 is not a digit)
+    val_images: int = 0  # images held out of training for the validation loss (0 = none)
 
 
 @dataclass
@@ -54,8 +55,12 @@ class DiffusionSection:
 @dataclass
 class TrainSection:
     global_batch: int = 64  # images per optimizer step, summed over all workers
-    micro_batch: Optional[int] = None  # images per worker per forward pass; null = global_batch / workers
-    lr: float = 2e-3
+    micro_batch: Union[Literal["auto"], int, None] = None  # per worker per forward pass; null = whole share
+    lr: Optional[float] = None  # null: base_lr scaled from base_batch to global_batch by lr_scaling
+    base_lr: float = 2e-3  # the learning rate at base_batch
+    base_batch: int = 64
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    lr_scaling_knee: int = 512  # linear scaling turns into sqrt scaling above this global batch
     warmup_steps: int = 100
     total_steps: int = 700
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
@@ -68,6 +73,7 @@ class TrainSection:
     sample_num: int = 64
     sample_steps: int = 50  # DDIM steps for in-training sample grids
     log_every: int = 50
+    val_every: int = 0  # steps between validation losses (with data.val_images > 0); 0 = only at the end
     seed: int = 0
     max_bad_steps: int = 25  # consecutive non-finite steps before rolling back once, then stopping
 
@@ -103,6 +109,7 @@ class DebugSection:
 
     nan_at_steps: tuple[int, ...] = ()  # make the loss non-finite at these optimizer steps (1-based)
     record_order: bool = False  # each worker logs the sample indices it trained on to <run>/order/
+    step_delay_s: float = 0.0  # sleep this long every step: slows a tiny test run to the pace of cluster events
 
 
 @dataclass
@@ -131,14 +138,20 @@ class Config:
                 set_key(cfg, f"{section}.{key}", value)
         return cfg
 
-    def micro_batch_for(self, world_size: int) -> int:
-        """Per-worker forward-pass size; null means one pass per step (the largest share)."""
-        return self.train.micro_batch or -(-self.train.global_batch // world_size)
+    def resolve(self) -> "Config":
+        """Fill in what is derived from other keys (the learning rate from the scaling rule); idempotent."""
+        from raydiff.lr import rule_lr
 
-    def accumulation_for(self, world_size: int) -> int:
-        """Micro-batches per optimizer step on the worker with the largest share."""
-        largest_share = -(-self.train.global_batch // world_size)
-        return -(-largest_share // self.micro_batch_for(world_size))
+        if self.train.lr is None:
+            self.train.lr = rule_lr(self.train)
+        return self
+
+    def micro_batch_for(self, world_size: int) -> int:
+        """Per-worker forward-pass size; null means one pass per step (the largest share). Not for `auto`,
+        which the workers measure."""
+        if self.train.micro_batch == "auto":
+            raise ValueError("micro_batch=auto is measured on the workers")
+        return self.train.micro_batch or -(-self.train.global_batch // world_size)
 
 
 # Reading and writing keys.
@@ -278,7 +291,7 @@ def load_config(name_or_path: str = "default", overrides: list[str] = (), *, che
         set_key(cfg, *parse_override(text))
     _resolve_paths(cfg)
     validate(cfg, check_source=check_source)
-    return cfg
+    return cfg.resolve()
 
 
 def _resolve_paths(cfg: Config) -> None:
@@ -336,8 +349,14 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
 
     # Training.
     _check(t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1")
-    _check(t.micro_batch is None or t.micro_batch >= 1, "train.micro_batch", t.micro_batch, "must be >= 1 or null")
-    _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    _check(t.micro_batch in (None, "auto") or t.micro_batch >= 1, "train.micro_batch", t.micro_batch,
+           "must be >= 1, auto or null")
+    _check(t.lr is None or t.lr > 0, "train.lr", t.lr, "must be > 0, or null to scale train.base_lr")
+    _check(t.base_lr > 0, "train.base_lr", t.base_lr, "must be > 0")
+    _check(t.base_batch >= 1, "train.base_batch", t.base_batch, "must be >= 1")
+    _check(t.lr_scaling_knee >= 1, "train.lr_scaling_knee", t.lr_scaling_knee, "must be >= 1")
+    _check(t.val_every >= 0, "train.val_every", t.val_every, "must be >= 0 (0 = only at the end)")
+    _check(d.val_images >= 0, "data.val_images", d.val_images, "must be >= 0")
     _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
     _check(t.total_steps >= 1, "train.total_steps", t.total_steps, "must be >= 1")
     _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
@@ -370,7 +389,8 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
         _check(t.global_batch % w == 0, "train.global_batch", t.global_batch,
                f"not reachable with scaling.num_workers = {w}: must be a multiple of the number of workers")
         per_worker = t.global_batch // w
-        _check(t.micro_batch is None or per_worker % t.micro_batch == 0, "train.micro_batch", t.micro_batch,
+        _check(not isinstance(t.micro_batch, int) or per_worker % t.micro_batch == 0, "train.micro_batch",
+               t.micro_batch,
                f"train.global_batch = {t.global_batch} is not reachable as micro_batch x {w} workers x "
                f"accumulation: {per_worker} images per worker must be a multiple of micro_batch")
 
@@ -384,3 +404,4 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     # Debug.
     _check(all(step >= 1 for step in cfg.debug.nan_at_steps), "debug.nan_at_steps", list(cfg.debug.nan_at_steps),
            "steps are counted from 1")
+    _check(0 <= cfg.debug.step_delay_s <= 60, "debug.step_delay_s", cfg.debug.step_delay_s, "must be in [0, 60]")

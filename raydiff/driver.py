@@ -17,8 +17,9 @@ import yaml
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import Config
-from raydiff.ingest import list_image_files, load_images
+from raydiff.ingest import DataError, ImageStore, list_image_files, load_images
 from raydiff.loop import train_worker
+from raydiff.lr import describe_lr
 from raydiff.resume import DATA_FILE, data_identity, plan_run
 from raydiff.runlog import JsonlLog
 
@@ -32,15 +33,16 @@ def init_ray() -> None:
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
 
 
-def plan_scaling(cfg: Config) -> tuple[ray.train.ScalingConfig, int]:
+def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, int]:
     """Workers, devices and CPUs per worker; returns Ray's ScalingConfig and torch threads per worker.
 
     Ray Data decodes the whole dataset before training starts (see `raydiff.ingest`), so training may use
     every CPU without starving the data pipeline: the two never compete, and nothing can deadlock.
+    `cpus` is this run's part of the cluster's CPUs (a Tune sweep runs several runs at once); default all.
     """
     s = cfg.scaling
     resources = ray.cluster_resources()
-    gpus, cpus = resources.get("GPU", 0), resources.get("CPU", 1)
+    gpus, cpus = resources.get("GPU", 0), cpus or resources.get("CPU", 1)
     use_gpu = gpus > 0 if s.use_gpu == "auto" else s.use_gpu
     if use_gpu and gpus == 0:
         print("[raydiff] scaling.use_gpu is true but the cluster has no GPU now: waiting for one to be added")
@@ -63,13 +65,22 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_training(cfg: Config) -> dict[str, Any]:
-    """Train to `cfg.train.total_steps`, continuing the run's newest checkpoint; return the summary."""
+def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float | None = None,
+                 callbacks: list | None = None) -> dict[str, Any]:
+    """Train to `cfg.train.total_steps`, continuing the run's newest checkpoint; return the summary.
+
+    :param images: the source already decoded (a sweep decodes once for all its trials).
+    :param cpus: this run's part of the cluster's CPUs (default all).
+    :param callbacks: Ray Train callbacks, e.g. Tune's report callback.
+    """
     started = time.perf_counter()
     run_dir = Path(cfg.run.storage) / cfg.run.name
 
     # Decide what this command means for the run directory before starting anything.
     files = list_image_files(cfg.data.source)
+    if cfg.data.val_images >= len(files):
+        raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of images in "
+                        f"data.source ({len(files)})")
     data = data_identity(cfg.data.source, files)
     plan = plan_run(cfg, run_dir, data)
     for note in plan.notes:
@@ -81,12 +92,16 @@ def run_training(cfg: Config) -> dict[str, Any]:
     # Decode the data once with Ray Data.
     init_ray()
     decode_start = time.perf_counter()
-    images = load_images(cfg.data.source, resolution=cfg.data.resolution, channels=cfg.data.channels, files=files)
-    scaling, torch_threads = plan_scaling(cfg)
+    decoded = "decoded earlier"
+    if images is None:
+        images = load_images(cfg.data.source, resolution=cfg.data.resolution, channels=cfg.data.channels, files=files)
+        decoded = f"decoded in {time.perf_counter() - decode_start:.1f} s"
+    scaling, torch_threads = plan_scaling(cfg, cpus)
     workers = "-".join(map(str, cfg.scaling.num_workers)) if cfg.scaling.elastic else cfg.scaling.num_workers
-    print(f"[raydiff] decoded {images.num_images} images from {images.source} at {cfg.data.resolution}px in "
-          f"{time.perf_counter() - decode_start:.1f} s; {'continuing at step ' + str(plan.step) if plan.step else 'training'}"
-          f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); run directory {run_dir}")
+    print(f"[raydiff] {images.num_images} images from {images.source} at {cfg.data.resolution}px ({decoded}); "
+          f"{'continuing at step ' + str(plan.step) if plan.step else 'training'}"
+          f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); {describe_lr(cfg.train)}; run directory "
+          f"{run_dir}")
 
     # Record the resolved config and the data's identity next to the results.
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +120,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            callbacks=callbacks or [],
         ),
     )
     error = None
@@ -130,6 +146,7 @@ def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, 
         "steps": outcome.get("steps", last.get("step", planned_step)),
         "images_seen": outcome.get("images_seen", last.get("images_seen", planned_step * cfg.train.global_batch)),
         "final_loss": outcome["final_loss"] if outcome.get("final_loss") is not None else last.get("loss"),
+        "final_val_loss": outcome.get("val_loss"),
         "checkpoint": checkpoint,
         "world_sizes": list(dict.fromkeys(e["world_size"] for e in starts)),
         "restarts": max(0, len(this_invocation) - 1),

@@ -29,10 +29,13 @@ from raydiff.diffusion import build_diffusion
 from raydiff.ema import ema_decay_at, make_ema, update_ema
 from raydiff.images import save_grid
 from raydiff.loader import BatchStream, ImageTable
+from raydiff.lr import describe_lr, lr_at
+from raydiff.microbatch import measure_micro_batch
 from raydiff.order import SampleOrder, derive_seed, rank_share
 from raydiff.runlog import JsonlLog, progress_line
-from raydiff.state import Progress, restore_newest, resume_candidates, rollback_candidates, training_state
+from raydiff.state import Progress, checkpoint_candidates, restore_newest, training_state
 from raydiff.unet import build_model
+from raydiff.validation import Validation, holdout_split
 
 logger = logging.getLogger("raydiff")
 PREEMPTION_CHECK_STEPS = 10  # how often the workers agree on whether a node is about to be reclaimed
@@ -53,11 +56,6 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def lr_at(step: int, lr: float, warmup_steps: int) -> float:
-    """Linear warmup to `lr` over `warmup_steps`, then constant (as in DDPM)."""
-    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
-
-
 def _from_rank_zero(value: Any) -> Any:
     """Every worker takes rank 0's value (a decision that must be the same everywhere)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -65,6 +63,15 @@ def _from_rank_zero(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _smallest(value: int, device: torch.device) -> int:
+    """The smallest of every worker's value."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = torch.tensor(value, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box)
 
 
 def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
@@ -88,20 +95,30 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     diffusion = build_diffusion(cfg)
     objects = (model, ema, optimizer, scaler)
 
-    # Resume from the newest readable checkpoint (Ray Train hands us the latest one).
-    progress, _ = restore_newest(resume_candidates(ray.train.get_checkpoint(), run_dir), *objects)
+    # Resume from the newest readable checkpoint: on storage, or the one Ray Train hands us.
+    candidates = _from_rank_zero(checkpoint_candidates(run_dir, ray.train.get_checkpoint()))
+    progress, _ = restore_newest(candidates, *objects)
     start_step = progress.step
     ddp_model = ray.train.torch.prepare_model(model)
     is_ddp = isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel)
 
-    # Open this worker's stream of micro-batches at the resume point.
+    # Split off the held-out images and open this worker's stream of micro-batches at the resume point.
     store, share = loop_config["images"], rank_share(t.global_batch, world_size, rank)
-    table, order = ImageTable(store.arrays()), SampleOrder(store.num_images, t.seed)
+    table = ImageTable(store.arrays())
+    train_indices, val_indices = holdout_split(store.num_images, cfg.data.val_images, t.seed)
+    order = SampleOrder(train_indices, t.seed)
+    validation = Validation(table=table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
+                            rank=rank, world_size=world_size) if len(val_indices) else None
+    if t.micro_batch == "auto":
+        micro_batch = _smallest(measure_micro_batch(model, diffusion, optimizer, share=share.size, shape=store.shape,
+                                                    device=device, autocast_dtype=autocast_dtype), device)
+    else:
+        micro_batch = cfg.micro_batch_for(world_size)
 
     def open_stream(step: int) -> BatchStream:
         return BatchStream(table=table, order=order, global_batch=t.global_batch, share=share,
-                           micro_batch=cfg.micro_batch_for(world_size), start_step=step,
-                           timesteps=diffusion.timesteps, pin_memory=device.type == "cuda")
+                           micro_batch=micro_batch, start_step=step, timesteps=diffusion.timesteps,
+                           pin_memory=device.type == "cuda")
 
     stream = open_stream(progress.step)
     metrics_log = JsonlLog(run_dir / "metrics.jsonl") if is_chief else None
@@ -110,14 +127,15 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     if is_chief:
         metrics_log.truncate_after(progress.step)  # rows past the checkpoint belong to lost work
         events.append({"event": "start", "invocation": loop_config["invocation"], "step": progress.step,
-                       "world_size": world_size, "time": time.time()})
+                       "world_size": world_size, "pid": os.getpid(), "time": time.time()})
         logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
                     f"{world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
-                    f"micro-batches of up to {cfg.micro_batch_for(world_size)}, device {device}")
+                    f"micro-batches of up to {micro_batch}, device {device}; {describe_lr(t)}")
 
     window = _open_window(progress, device)
     injected_nan_steps: set[int] = set()
     bad_streak, last_row, last_checkpoint_step, diagnostic = 0, None, progress.step, None
+    val_loss, val_step = None, None
     run_start = time.perf_counter()
     try:
         while progress.step < t.total_steps:
@@ -130,6 +148,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             wait_start = time.perf_counter()
             batches = next(stream)
             window["data_wait_s"] += time.perf_counter() - wait_start
+            if cfg.debug.step_delay_s:
+                time.sleep(cfg.debug.step_delay_s)
             if order_log is not None:
                 order_log.write(json.dumps({"step": step + 1, "positions": [batches[0].position,
                                             batches[-1].position + len(batches[-1].images)],
@@ -179,7 +199,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             # Too many non-finite steps in a row: roll back to the last good checkpoint once, then give up.
             if bad_streak >= t.max_bad_steps:
                 first_time = progress.counters["rollbacks"] == 0
-                candidates = _from_rank_zero(rollback_candidates(run_dir)) if first_time else []
+                candidates = _from_rank_zero(checkpoint_candidates(run_dir)) if first_time else []
                 restored_progress, restored = restore_newest(candidates, *objects) if candidates else (None, None)
                 if restored is not None:
                     restored_progress.counters["rollbacks"] = 1
@@ -199,12 +219,18 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                     logger.error(f"[raydiff] {diagnostic}")
                 break
 
-            # Log, sample and checkpoint at their cadences (the same decision on every worker).
+            # Validate, log, sample and checkpoint at their cadences (the same decision on every worker).
             done = step == t.total_steps
+            if validation is not None and ((t.val_every and step % t.val_every == 0) or done):
+                val_start = time.perf_counter()
+                val_loss, val_step = validation.loss(ema, diffusion, device), step
+                window["paused_s"] += time.perf_counter() - val_start
             metrics = None
-            if step % t.log_every == 0 or done:
+            if step % t.log_every == 0 or done or val_step == step:
                 metrics = _close_window(window, progress, t, lr, ema_decay, world_size, device)
                 metrics["time_s"] = round(time.perf_counter() - run_start, 3)
+                if val_step == step:
+                    metrics["val_loss"] = val_loss
                 last_row = metrics
                 if is_chief:
                     metrics_log.append(metrics)
@@ -214,13 +240,17 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 _save_sample_grid(ema, diffusion, cfg, step, run_dir, device)
             preempted = (step % PREEMPTION_CHECK_STEPS == 0 and not done
                          and ray.train.get_preemption_info() is not None and last_checkpoint_step != step)
+            # Ray sees checkpoints and validation losses (Tune stops trials on them). Other metrics rows go to
+            # metrics.jsonl only: each report waits for Ray Train's controller to poll it (every 2 s).
+            report = {"step": step, "images_seen": step * t.global_batch, **(metrics or {}),
+                      **({"val_loss": val_loss} if val_loss is not None else {})}
             if step % t.checkpoint_every == 0 or done or preempted:
                 if preempted and is_chief:
                     events.append({"event": "preemption_checkpoint", "step": step, "time": time.time()})
-                _report_checkpoint(metrics or {"step": step}, objects, progress, window, cfg, is_chief, run_dir)
+                _report_checkpoint(report, objects, progress, window, cfg, is_chief, run_dir)
                 last_checkpoint_step = step
-            # Metrics rows go to metrics.jsonl only: a report without a checkpoint would block this worker until
-            # Ray Train's controller polls it (every 2 s), longer than many training steps take.
+            elif val_step == step:
+                ray.train.report(report, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
             window["paused_s"] += time.perf_counter() - pause_start
     finally:
         stream.close()
@@ -230,7 +260,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     return {"status": "diverged" if diagnostic else "finished", "diagnostic": diagnostic, "steps": progress.step,
             "images_seen": progress.step * t.global_batch, "final_loss": last_row and last_row["loss"],
             "skipped_steps": progress.counters["skipped_steps"], "rollbacks": progress.counters["rollbacks"],
-            "world_size": world_size, "resumed_from_step": start_step}
+            "world_size": world_size, "resumed_from_step": start_step, "val_loss": val_loss}
 
 
 def _order_log(run_dir: Path, rank: int):

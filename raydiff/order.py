@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def _rng(*key: int) -> np.random.Generator:
+def keyed_rng(*key: int) -> np.random.Generator:
+    """A random generator that is a pure function of the key. Trailing zeros do not count: (s, e) and
+    (s, e, 0) are the same key, so give each stream a distinct non-zero tag."""
     return np.random.default_rng(np.random.SeedSequence(list(key)))
 
 
@@ -25,24 +27,25 @@ def derive_seed(*key: int) -> int:
 class SampleOrder:
     """Maps stream positions to sample indices and per-sample flip bits.
 
-    :param num_samples: dataset size N.
+    :param samples: the dataset indices to train on (all but the held-out ones), or their count N for 0..N-1.
     :param seed: the run's seed; with the epoch it fixes the permutation and the flips.
     """
 
     _PERMUTATION, _FLIP = 0, 1  # independent random streams per epoch
 
-    def __init__(self, num_samples: int, seed: int) -> None:
-        if num_samples < 1:
-            raise ValueError("num_samples must be >= 1")
-        self.num_samples = num_samples
+    def __init__(self, samples: int | np.ndarray, seed: int) -> None:
+        self._indices = np.arange(samples) if isinstance(samples, (int, np.integer)) else np.asarray(samples)
+        if len(self._indices) < 1:
+            raise ValueError("need at least one sample to train on")
+        self.num_samples = len(self._indices)
         self.seed = seed
         self._cached_epoch = -1
         self._permutation = self._flips = np.empty(0)
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         if epoch != self._cached_epoch:
-            self._permutation = _rng(self.seed, epoch, self._PERMUTATION).permutation(self.num_samples)
-            self._flips = _rng(self.seed, epoch, self._FLIP).random(self.num_samples) < 0.5
+            self._permutation = keyed_rng(self.seed, epoch, self._PERMUTATION).permutation(self.num_samples)
+            self._flips = keyed_rng(self.seed, epoch, self._FLIP).random(self.num_samples) < 0.5
             self._cached_epoch = epoch
         return self._permutation, self._flips
 
@@ -54,7 +57,7 @@ class SampleOrder:
             epoch, offset = divmod(start + done, self.num_samples)
             n = min(count - done, self.num_samples - offset)
             permutation, epoch_flips = self._epoch(epoch)
-            indices[done:done + n] = permutation[offset:offset + n]
+            indices[done:done + n] = self._indices[permutation[offset:offset + n]]
             flips[done:done + n] = epoch_flips[permutation[offset:offset + n]]
             done += n
         return indices, flips

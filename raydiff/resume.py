@@ -24,7 +24,8 @@ from raydiff.config import Config, ConfigError
 # Keys whose change makes a checkpoint mean something else; every other key may change between runs
 # (learning rate, cadences, total_steps to extend a run, world size, precision, ...).
 IDENTITY_SECTIONS = ("model", "diffusion")
-IDENTITY_KEYS = ("data.source", "data.resolution", "data.channels", "data.flip", "train.global_batch", "train.seed")
+IDENTITY_KEYS = ("data.source", "data.resolution", "data.channels", "data.flip", "data.val_images", "train.global_batch",
+                 "train.seed")
 DATA_FILE = "data.json"
 
 
@@ -43,7 +44,8 @@ def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def identity_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    old_flat, new_flat = _flatten(old), _flatten(new)
+    # A key missing from an older run's config had its default then (keys are only ever added).
+    old_flat, new_flat = {**_flatten(Config().to_dict()), **_flatten(old)}, _flatten(new)
     keys = [k for k in new_flat if k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS]
     return [f"{k} = {old_flat.get(k)!r}, now {new_flat[k]!r}" for k in keys if old_flat.get(k) != new_flat[k]]
 

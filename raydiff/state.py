@@ -14,7 +14,7 @@ from typing import Any
 
 import ray.train
 
-from raydiff.checkpoint import checkpoint_step, list_checkpoints, read_state
+from raydiff.checkpoint import checkpoint_order, list_checkpoints, read_state
 
 logger = logging.getLogger("raydiff")
 REQUIRED_KEYS = ("model", "ema", "optimizer", "scaler", "step", "images_seen", "counters", "window", "config")
@@ -65,15 +65,13 @@ def restore_newest(candidates: list[Path], model, ema, optimizer, scaler) -> tup
     return Progress(), None
 
 
-def resume_candidates(checkpoint: ray.train.Checkpoint | None, run_dir: Path) -> list[Path]:
-    """Ray Train's latest checkpoint first, then older ones of the run, newest first."""
-    if checkpoint is None:
-        return []
-    latest = Path(checkpoint.path)
-    older = [p for p in reversed(list_checkpoints(run_dir)) if checkpoint_step(p) < checkpoint_step(latest)]
-    return [latest, *older]
+def checkpoint_candidates(run_dir: Path, latest: ray.train.Checkpoint | None = None) -> list[Path]:
+    """Checkpoints to restore, newest first: every checkpoint of the run on storage, plus Ray Train's latest.
 
-
-def rollback_candidates(run_dir: Path) -> list[Path]:
-    return list(reversed(list_checkpoints(run_dir)))
-
+    Storage can be ahead of Ray's bookkeeping: a checkpoint uploaded just before a crash may never have
+    reached the controller. It is complete (or fails to load and is skipped), so it is used.
+    """
+    found = {p.resolve() for p in list_checkpoints(run_dir)} if Path(run_dir).is_dir() else set()
+    if latest is not None:
+        found.add(Path(latest.path).resolve())
+    return sorted(found, key=checkpoint_order, reverse=True)

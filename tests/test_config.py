@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from raydiff.order import micro_batches, rank_share
 from raydiff.config import Config, ConfigError, all_keys, load_config, preset_names
 
 INTERFACE_KEYS = """data.source data.resolution data.channels model.base_channels model.channel_mult
@@ -45,7 +46,7 @@ def test_overrides_are_coerced_by_type(tmp_path):
     assert cfg.model.channel_mult == (1, 2)
     assert cfg.model.attention_resolutions == (8,)
     assert cfg.scaling.use_gpu is False
-    assert cfg.accumulation_for(2) == 2
+    assert cfg.micro_batch_for(2) == 16 and len(micro_batches(rank_share(64, 2, 0), 16)) == 2  # accumulation 2
 
 
 def test_relative_paths_become_absolute(tmp_path, monkeypatch):

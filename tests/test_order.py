@@ -53,3 +53,12 @@ def test_micro_batches_cover_the_share():
     assert micro_batches(share, 4) == [(0, 4), (4, 4), (8, 2)]
     with pytest.raises(ValueError):
         rank_share(4, 5, 0)
+
+
+def test_a_subset_order_never_visits_held_out_samples():
+    train = np.array([0, 2, 3, 5, 8, 9])
+    indices, _ = SampleOrder(train, seed=4).take(0, 3 * len(train))
+    for epoch in range(3):
+        assert sorted(indices[epoch * 6:(epoch + 1) * 6]) == train.tolist()
+    # The full range as an array is the same stream as the plain count.
+    assert np.array_equal(SampleOrder(np.arange(10), seed=4).take(0, 25)[0], SampleOrder(10, seed=4).take(0, 25)[0])

@@ -1,0 +1,170 @@
+"""LR range test: train with an exponentially growing learning rate and watch the loss (Smith, 2017).
+
+    python -m raydiff.lr_find [--config NAME_OR_PATH] [--set key=value ...] [--start 1e-7] [--end 1e-2]
+        [--steps 200] [--out lr_find.png]
+
+One process on one device (a GPU if there is one), the config's model, data, global batch and precision.
+The learning rate grows from --start to --end over --steps optimizer steps; the test stops early when the
+smoothed loss diverges (above 4x its minimum, or not finite). It suggests a tenth of the learning rate at the
+smoothed loss minimum (the textbook heuristic) and also reports the point of steepest descent. Writes the plot
+to --out and the numbers to a .csv beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from raydiff import cli
+from raydiff.config import Config, load_config, preset_names
+
+SMOOTHING = 0.98  # exponential smoothing of the loss, bias-corrected
+DIVERGED = 4.0  # stop once the smoothed loss exceeds this multiple of its minimum
+
+
+def lr_range(start: float, end: float, steps: int) -> np.ndarray:
+    return start * (end / start) ** (np.arange(steps) / max(steps - 1, 1))
+
+
+def smooth(losses: list[float]) -> list[float]:
+    out, average = [], 0.0
+    for i, loss in enumerate(losses):
+        average = SMOOTHING * average + (1 - SMOOTHING) * loss
+        out.append(average / (1 - SMOOTHING ** (i + 1)))
+    return out
+
+
+def suggest(lrs: np.ndarray, smoothed: list[float]) -> tuple[float, float, float]:
+    """(suggested lr, lr at the smoothed minimum, lr of steepest descent before the minimum)."""
+    values = np.asarray(smoothed)
+    best = int(np.nanargmin(values))
+    if best < 2:
+        return lrs[best] / 10, lrs[best], lrs[best]
+    slope = np.gradient(values[: best + 1], np.log(lrs[: best + 1]))
+    return lrs[best] / 10, lrs[best], lrs[int(np.argmin(slope))]
+
+
+def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
+    from raydiff.diffusion import build_diffusion
+    from raydiff.driver import init_ray
+    from raydiff.ingest import load_images
+    from raydiff.loader import BatchStream, ImageTable
+    from raydiff.loop import resolve_precision
+    from raydiff.order import SampleOrder, Share
+    from raydiff.sample import resolve_device
+    from raydiff.unet import build_model
+    from raydiff.validation import holdout_split
+
+    t = cfg.train
+    init_ray()
+    store = load_images(cfg.data.source, resolution=cfg.data.resolution, channels=cfg.data.channels)
+    table = ImageTable(store.arrays())
+    train_indices, _ = holdout_split(store.num_images, cfg.data.val_images, t.seed)
+    device = resolve_device("auto")
+    micro_batch = t.micro_batch if isinstance(t.micro_batch, int) else t.global_batch
+    stream = BatchStream(table=table, order=SampleOrder(train_indices, t.seed), global_batch=t.global_batch,
+                         share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
+                         timesteps=cfg.diffusion.timesteps, pin_memory=device.type == "cuda")
+
+    torch.manual_seed(t.seed)
+    model = build_model(cfg).to(device).train()
+    diffusion = build_diffusion(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=start, weight_decay=t.weight_decay)
+    autocast_dtype = resolve_precision(t.precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
+    lrs, losses, stop_reason = lr_range(start, end, steps), [], None
+    try:
+        for lr in lrs:
+            for group in optimizer.param_groups:
+                group["lr"] = float(lr)
+            loss_sum = 0.0
+            for batch in next(stream):
+                x0 = batch.to_device(device, cfg.data.flip)
+                timesteps, noise = batch.diffusion_inputs(device)
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    per_sample = diffusion.loss_per_sample(model, x0, timesteps, noise)
+                scaler.scale(per_sample.sum() / t.global_batch).backward()
+                loss_sum += float(per_sample.detach().float().sum())
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss_sum / t.global_batch)
+            smoothed = smooth(losses)
+            if not math.isfinite(losses[-1]) or smoothed[-1] > DIVERGED * np.nanmin(smoothed):
+                stop_reason = f"the loss diverged at lr {lr:.3g}"
+                break
+    finally:
+        stream.close()
+    lrs = lrs[: len(losses)]
+    smoothed = smooth([loss if math.isfinite(loss) else float("nan") for loss in losses])
+    suggested, at_minimum, steepest = suggest(lrs, smoothed)
+    return {"lrs": lrs.tolist(), "losses": losses, "smoothed": smoothed, "suggested_lr": float(suggested),
+            "minimum_lr": float(at_minimum), "steepest_lr": float(steepest), "steps_run": len(losses),
+            "stop_reason": stop_reason, "device": str(device)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m raydiff.lr_find", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="default", help=f"preset ({', '.join(preset_names())}) or YAML file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--start", type=float, default=1e-7, help="first learning rate (default 1e-7)")
+    parser.add_argument("--end", type=float, default=1e-2, help="last learning rate (default 1e-2)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    parser.add_argument("--out", type=Path, default=Path("lr_find.png"), help="plot path (default lr_find.png)")
+    args = parser.parse_args(argv)
+    if not 0 < args.start < args.end:
+        parser.error(f"--start {args.start} --end {args.end}: need 0 < start < end")
+    if args.steps < 10:
+        parser.error(f"--steps {args.steps}: must be >= 10")
+    if args.out.suffix.lower() != ".png":
+        parser.error(f"--out {args.out}: must end in .png")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from raydiff.lr import rule_lr
+    from raydiff.plots import plot_lr_find
+
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    t = cfg.train
+    print(f"[raydiff] LR range test: up to {args.steps} steps, lr {args.start:.2g} -> {args.end:.2g}, "
+          f"global batch {t.global_batch}")
+    found = run_lr_find(cfg, start=args.start, end=args.end, steps=args.steps)
+    plot = plot_lr_find(found["lrs"], found["losses"], found["smoothed"], suggested=found["suggested_lr"],
+                        steepest=found["steepest_lr"], path=args.out)
+    table = args.out.with_suffix(".csv")
+    with table.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "lr", "loss", "smoothed_loss"])
+        writer.writerows(zip(range(1, found["steps_run"] + 1), found["lrs"], found["losses"], found["smoothed"]))
+
+    ended = f"stopped after {found['steps_run']} steps: {found['stop_reason']}" if found["stop_reason"] else \
+        f"ran all {found['steps_run']} steps without diverging (a larger --end may find the edge)"
+    suggested = found["suggested_lr"]
+    # The base_lr that the config's scaling rule would turn into the suggested learning rate.
+    base = suggested * t.base_lr / rule_lr(t)
+    print(f"[raydiff] {ended} on {found['device']}")
+    print(f"[raydiff] smoothed loss minimum at lr {found['minimum_lr']:.3g}; steepest descent at lr "
+          f"{found['steepest_lr']:.3g}")
+    print(f"[raydiff] suggested lr {suggested:.3g} (a tenth of the minimum): --set train.lr={suggested:.3g}, or "
+          f"--set train.base_lr={base:.3g} with train.lr_scaling={t.lr_scaling} at base_batch {t.base_batch}")
+    print(f"[raydiff] plot: {plot.resolve()}  numbers: {table.resolve()}")
+    return 0
+
+
+def _entry() -> None:
+    sys.exit(cli.run(main))
+
+
+if __name__ == "__main__":
+    _entry()

@@ -1,0 +1,57 @@
+"""PNG plots for the LR range test and for sweeps (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on clusters, CI or laptops over ssh
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def plot_lr_find(lrs: Sequence[float], raw: Sequence[float], smoothed: Sequence[float], *, suggested: float,
+                 steepest: float, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(lrs, raw, color="0.75", linewidth=0.8, label="loss")
+    ax.plot(lrs, smoothed, color="C0", label="smoothed loss")
+    ax.axvline(suggested, color="C2", linestyle="--", label=f"suggested {suggested:.2g}")
+    ax.axvline(steepest, color="C3", linestyle=":", label=f"steepest descent {steepest:.2g}")
+    ax.set(xscale="log", xlabel="learning rate", ylabel="training loss", title="LR range test")
+    finite = [v for v in smoothed if v == v]
+    if finite:
+        ax.set_ylim(min(finite) * 0.9, min(max(finite), 4 * min(finite)) * 1.1)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_sweep(rows: Sequence[dict], path: Path) -> Path:
+    """Validation loss against the base learning rate: one line per batch size, one panel per scaling rule.
+    Filled markers: trials that used the whole image budget; crosses: stopped early (value at that point)."""
+    rules = sorted({r["rule"] for r in rows})
+    fig, axes = plt.subplots(1, len(rules), figsize=(5 * len(rules), 4), squeeze=False, sharey=True)
+    for ax, rule in zip(axes[0], rules):
+        for i, batch in enumerate(sorted({r["batch"] for r in rows if r["rule"] == rule})):
+            trials = sorted((r for r in rows if r["rule"] == rule and r["batch"] == batch and r["val_loss"] is not None),
+                            key=lambda r: r["base_lr"])
+            done = [r for r in trials if r["status"] == "finished"]
+            stopped = [r for r in trials if r["status"] != "finished"]
+            ax.plot([r["base_lr"] for r in done], [r["val_loss"] for r in done], "o-", color=f"C{i}",
+                    label=f"batch {batch}")
+            ax.plot([r["base_lr"] for r in stopped], [r["val_loss"] for r in stopped], "x", color=f"C{i}")
+        ax.set(xscale="log", xlabel="base learning rate (at train.base_batch)", title=f"lr scaling: {rule}")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("validation loss (x: stopped early)")
+    return _save(fig, path)

@@ -1,0 +1,31 @@
+"""The LR range test through its CLI."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.ray
+
+
+def test_lr_find_writes_plot_and_numbers_and_suggests_a_finite_lr(tmp_path):
+    out = tmp_path / "found" / "lr_find.png"
+    proc = run_cli("raydiff.lr_find", "--config", "smoke", "--steps", "40", "--start", "1e-6", "--end", "10",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.stat().st_size > 0
+    rows = list(csv.DictReader(out.with_suffix(".csv").open()))
+    assert 10 <= len(rows) <= 40 and float(rows[0]["lr"]) == pytest.approx(1e-6)
+    suggested = float(re.search(r"suggested lr (\S+)", proc.stdout).group(1))
+    assert math.isfinite(suggested) and 1e-6 < suggested < 10
+    assert "diverged" in proc.stdout  # lr 10 is far past the edge for this model
+
+
+def test_lr_find_rejects_a_backwards_range(tmp_path):
+    proc = run_cli("raydiff.lr_find", "--start", "1e-2", "--end", "1e-5", "--out", str(tmp_path / "x.png"))
+    assert proc.returncode == 2 and "need 0 < start < end" in proc.stderr

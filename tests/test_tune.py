@@ -1,0 +1,83 @@
+"""Ray Tune sweeps through the real CLI: ASHA, outputs, best.yaml, resuming; argument errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from conftest import run_cli
+from raydiff import cli
+from raydiff.tune import main as tune_main
+
+SWEEP = ["--config", "smoke", "--lr", "1e-6:3e-3", "--batch", "16", "--samples", "2", "--budget-images", "640",
+         "--name", "s"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("sweeps")
+    proc = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return storage, proc.stdout
+
+
+@pytest.mark.ray
+def test_two_trial_sweep_stops_the_worse_trial_and_writes_its_outputs(sweep):
+    storage, output = sweep
+    sweep_dir = storage / "s"
+    rows = list(csv.DictReader((sweep_dir / "results.csv").open()))
+    assert [(r["base_lr"], r["batch"], r["rule"]) for r in rows] == [("0.003", "16", "linear"),
+                                                                       ("1e-06", "16", "linear")]
+    statuses = {r["base_lr"]: r["status"] for r in rows}
+    assert statuses == {"0.003": "finished", "1e-06": "stopped"}  # ASHA compared them at equal images seen
+    seen = {r["base_lr"]: int(r["images_seen"]) for r in rows}
+    assert seen["0.003"] == 640 and seen["1e-06"] < 640
+    assert all(float(r["val_loss"]) > 0 for r in rows)
+    assert (sweep_dir / "sweep.png").stat().st_size > 0
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    assert summary["best"]["trial"] == "linear-b16-lr0.003" and summary["stopped"] == 1
+    assert "1 finished, 1 stopped early by ASHA" in output
+
+    best = yaml.safe_load((sweep_dir / "best.yaml").read_text())
+    assert best["train"]["base_lr"] == 0.003 and best["train"]["lr"] is None and best["data"]["val_images"] == 256
+
+
+@pytest.mark.ray
+def test_best_yaml_trains_as_is(sweep):
+    storage, _ = sweep
+    proc = run_cli("raydiff.train", "--config", str(storage / "s" / "best.yaml"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((storage / "s-best" / "summary.json").read_text())
+    assert run["status"] == "finished" and run["images_seen"] == 640 and run["final_val_loss"] > 0
+    assert "learning rate 0.003" in proc.stdout + proc.stderr
+
+
+@pytest.mark.ray
+def test_rerunning_a_sweep_continues_it_and_other_arguments_are_refused(sweep):
+    storage, _ = sweep
+    again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "continuing the sweep" in again.stdout + again.stderr
+    assert "1 finished, 1 stopped early by ASHA" in again.stdout
+    other = run_cli("raydiff.tune", *SWEEP, "--samples", "3", "--set", f"run.storage={storage}")
+    assert other.returncode == 2 and "holds a sweep with other arguments" in other.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--lr", "fast", "--batch", "16"], "--lr 'fast': expected LOW:HIGH"),
+    (["--lr", "1e-3:1e-5", "--batch", "16"], "0 < LOW <= HIGH"),
+    (["--lr", "1e-3", "--batch", "16", "--samples", "2"], "needs a range"),
+    (["--lr", "1e-5:1e-3", "--batch", "16,0"], "expected distinct positive integers"),
+    (["--lr", "1e-5:1e-3", "--batch", "15"], "--batch 15: train.global_batch = 15: not reachable"),
+    (["--lr", "1e-5:1e-3", "--batch", "16", "--samples", "0"], "--samples 0: must be >= 1"),
+    (["--lr", "1e-5:1e-3", "--batch", "16,32", "--budget-images", "16"], "must be at least 32"),
+    (["--lr", "1e-5:1e-3", "--batch", "16", "--max-concurrent", "0"], "--max-concurrent 0: must be >= 1"),
+])
+def test_bad_sweep_arguments_are_one_line_errors(args, fragment, capsys, tmp_path):
+    code = cli.run(tune_main, ["--config", "smoke", "--set", f"run.storage={tmp_path}", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())
