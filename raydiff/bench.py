@@ -2,6 +2,7 @@
 
     python -m raydiff.bench checkpoint [--config cifar10] [--set key=value ...] [--repeat 3]
     python -m raydiff.bench recovery [--config smoke] [--set key=value ...]
+    python -m raydiff.bench ingest [--source PATH] [--resolution 32] [--batch 128] [--epochs 5] [--synthetic 4000]
 
 `checkpoint`: how long writing and reading the full training state (model, EMA, AdamW state, scaler,
 counters) takes and how large it is, for a preset's model; baseline: the bare weights, as `torch.save` of
@@ -10,6 +11,10 @@ counters) takes and how large it is, for a preset's model; baseline: the bare we
 `recovery`: trains a preset in a fresh local Ray instance, kills a training worker process after the first
 checkpoint, and measures the time from the kill to the worker group training again; baseline: the cold start
 of the same run (launch to first training step).
+
+`ingest`: img/s that raydiff's training ingest delivers from raw files and from prepared Parquet, against the
+textbook torch DataLoader on the same files (see `raydiff.bench_ingest`); without --source it writes
+--synthetic 64x64 JPEGs first.
 """
 
 from __future__ import annotations
@@ -131,9 +136,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rec.add_argument("--config", default="smoke")
     for p in (ckpt, rec):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ingest = sub.add_parser("ingest", help="img/s of raydiff's ingest (raw, prepared) vs the torch DataLoader")
+    ingest.add_argument("--source", default=None, help="folder of images (default: synthetic JPEGs)")
+    ingest.add_argument("--resolution", type=int, default=32)
+    ingest.add_argument("--batch", type=int, default=128)
+    ingest.add_argument("--epochs", type=int, default=5, help="epochs per pipeline; the first is not timed")
+    ingest.add_argument("--synthetic", type=int, default=4000, help="synthetic JPEGs to write without --source")
     args = parser.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         parser.error(f"--repeat {args.repeat}: must be >= 1")
+    if args.bench == "ingest":
+        for name in ("resolution", "batch", "synthetic"):
+            if getattr(args, name) < 1:
+                parser.error(f"--{name} {getattr(args, name)}: must be >= 1")
+        if args.epochs < 2:
+            parser.error(f"--epochs {args.epochs}: must be >= 2 (the first epoch is not timed)")
     return args
 
 
@@ -141,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.bench == "checkpoint":
         result = bench_checkpoint(args.config, args.set, args.repeat)
+    elif args.bench == "ingest":
+        from raydiff.bench_ingest import bench_ingest
+
+        result = bench_ingest(args.source, resolution=args.resolution, batch=args.batch, epochs=args.epochs,
+                              synthetic=args.synthetic)
     else:
         result = bench_recovery(args.config, ["train.total_steps=200", "train.checkpoint_every=20",
                                               "train.sample_every=0", *args.set])

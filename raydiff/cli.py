@@ -6,7 +6,7 @@ import sys
 from typing import Callable
 
 from raydiff.config import ConfigError
-from raydiff.ingest import DataError
+from raydiff.sources import DataError
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
 

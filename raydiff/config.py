@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 
 import yaml
 
+from raydiff.fs import SCHEMES
+
 _PACKAGE_DIR = Path(__file__).resolve().parent
 # A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
 PRESETS_DIR = next((p for p in (_PACKAGE_DIR.parent / "configs", _PACKAGE_DIR / "configs") if p.is_dir()),
@@ -28,7 +30,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataSection:
-    source: Optional[str] = "builtin:digits"  # folder, file:// URI, or builtin:digits
+    source: Optional[str] = "builtin:digits"  # folder or file, file:// / s3:// / gs:// URI, or builtin:digits
+    format: Literal["auto", "images", "parquet", "webdataset"] = "auto"  # auto: from the files' extensions
+    image_column: str = "image"  # Parquet: the column with encoded images or uint8 tensors
+    endpoint: Optional[str] = None  # s3:// or gs:// endpoint URL (MinIO, ...); null: AWS_ENDPOINT_URL or the default
+    anonymous: bool = False  # read a public bucket without credentials
+    max_bad_fraction: float = 0.1  # stop before training when more of the source than this cannot be decoded
     resolution: int = 16  # images are resized (short side) and center-cropped to this square size
     channels: int = 1  # 1 = grayscale, 3 = RGB
     flip: bool = False  # random horizontal flips (off for digits: a mirrored 3 is not a digit)
@@ -322,7 +329,12 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
         elif "://" not in d.source:
             _check(Path(d.source).exists(), "data.source", d.source, "no such file or folder")
         else:
-            _check(d.source.startswith("file://"), "data.source", d.source, "supported URI schemes: file://")
+            _check(d.source.startswith(SCHEMES), "data.source", d.source,
+                   f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")
+    _check(0 <= d.max_bad_fraction <= 1, "data.max_bad_fraction", d.max_bad_fraction, "must be in [0, 1]")
+    _check(bool(d.image_column), "data.image_column", d.image_column, "must name a column")
+    _check(d.endpoint is None or "://" in d.endpoint, "data.endpoint", d.endpoint,
+           "must be a URL such as http://127.0.0.1:9000, or null")
     _check(d.channels in (1, 3), "data.channels", d.channels, "must be 1 (grayscale) or 3 (RGB)")
 
     # Model.

@@ -17,11 +17,14 @@ import yaml
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import Config
-from raydiff.ingest import DataError, ImageStore, list_image_files, load_images
+from raydiff.ingest import ImageStore, load_data
 from raydiff.loop import train_worker
 from raydiff.lr import describe_lr
-from raydiff.resume import DATA_FILE, data_identity, plan_run
+from raydiff.resume import DATA_FILE, plan_run
 from raydiff.runlog import JsonlLog
+from raydiff.sources import DataError, source_of
+
+BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
 
 
 def init_ray() -> None:
@@ -30,6 +33,7 @@ def init_ray() -> None:
         return
     ray.init(logging_level=logging.WARNING)
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
 
 
@@ -77,11 +81,8 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     run_dir = Path(cfg.run.storage) / cfg.run.name
 
     # Decide what this command means for the run directory before starting anything.
-    files = list_image_files(cfg.data.source)
-    if cfg.data.val_images >= len(files):
-        raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of images in "
-                        f"data.source ({len(files)})")
-    data = data_identity(cfg.data.source, files)
+    source = source_of(cfg.data)
+    data = source.identity()
     plan = plan_run(cfg, run_dir, data)
     for note in plan.notes:
         print(f"[raydiff] {note}")
@@ -94,11 +95,16 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     decode_start = time.perf_counter()
     decoded = "decoded earlier"
     if images is None:
-        images = load_images(cfg.data.source, resolution=cfg.data.resolution, channels=cfg.data.channels, files=files)
+        images = load_data(cfg.data, source)
         decoded = f"decoded in {time.perf_counter() - decode_start:.1f} s"
+    if cfg.data.val_images >= images.num_good:
+        raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of usable images in "
+                        f"data.source ({images.num_good})")
+    skipped = f", {len(images.bad)} skipped as unusable (see summary.json)" if images.bad else ""
     scaling, torch_threads = plan_scaling(cfg, cpus)
     workers = "-".join(map(str, cfg.scaling.num_workers)) if cfg.scaling.elastic else cfg.scaling.num_workers
-    print(f"[raydiff] {images.num_images} images from {images.source} at {cfg.data.resolution}px ({decoded}); "
+    print(f"[raydiff] {images.num_good} images from {source.describe()} at {cfg.data.resolution}px ({decoded}"
+          f"{skipped}); "
           f"{'continuing at step ' + str(plan.step) if plan.step else 'training'}"
           f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); {describe_lr(cfg.train)}; run directory "
           f"{run_dir}")
@@ -107,6 +113,8 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     _write_text(run_dir / DATA_FILE, json.dumps(data, indent=2) + "\n")
+    if images.bad:
+        _write_text(run_dir / BAD_FILE, json.dumps([b.to_dict() for b in images.bad], indent=1) + "\n")
 
     invocation = uuid.uuid4().hex
     trainer = TorchTrainer(
@@ -130,10 +138,12 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
         checkpoint = result.checkpoint.path if result.checkpoint else None
     except ray.train.TrainingFailedError as exc:
         error, outcome, checkpoint = str(exc).strip().splitlines()[0], {}, None
-    return _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started)
+    return _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started,
+                          bad_images=images.bad_report())
 
 
-def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, error, started) -> dict[str, Any]:
+def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, error, started,
+                   bad_images) -> dict[str, Any]:
     rows = JsonlLog(run_dir / "metrics.jsonl").rows()
     starts = [e for e in JsonlLog(run_dir / "events.jsonl").rows() if e["event"] == "start"]
     this_invocation = [e for e in starts if e["invocation"] == invocation]
@@ -153,6 +163,7 @@ def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, 
         "resumed_from_step": this_invocation[0]["step"] if this_invocation else planned_step,
         "skipped_steps": outcome.get("skipped_steps", last.get("skipped_steps", 0)),
         "rollbacks": outcome.get("rollbacks", 0),
+        "bad_images": bad_images,
         "wall_s": round(time.perf_counter() - started, 1),
         "run_dir": str(run_dir),
     }

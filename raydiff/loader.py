@@ -1,12 +1,14 @@
 """Worker-side batches: gather this worker's samples of each step from the shared uint8 chunks, ahead of time.
 
 A background thread turns stream positions (see `raydiff.order`) into uint8 micro-batches in host memory
-(pinned when training on a GPU) a few steps ahead, so the training loop never waits for data. The cheap
-per-epoch work, scaling to [-1, 1] and horizontal flips, is done on the training device.
+(pinned when training on a GPU) a few steps ahead, so the training loop never waits for data; its work is
+vectorized (one gather per chunk), never per image. The cheap per-epoch work, scaling to [-1, 1] and
+horizontal flips, is done on the training device.
 
-The same thread draws each sample's diffusion timestep and noise from a counter-based generator keyed by
-(seed, stream position). A sample therefore gets the same noise whatever the world size, micro-batch size
-or restart history: runs with 1 or 8 workers, with or without accumulation, compute the same updates.
+Each sample's diffusion timestep and noise are drawn on the training device from a generator keyed by
+(seed, stream position // NOISE_BLOCK): one vectorized draw per block of positions. A sample therefore gets
+the same noise whatever the world size, micro-batch size or restart history: runs with 1 or 8 workers, with
+or without accumulation, compute the same updates (on the same kind of device).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raydiff.order import SampleOrder, Share, micro_batches
+from raydiff.order import SampleOrder, Share, derive_seed, micro_batches
+
+NOISE_BLOCK = 16  # positions per noise draw: vectorized, with little waste at uneven share boundaries
+_NOISE_TAG = 0x6E6F697365  # keeps the noise streams apart from the dropout seeds (seed, position)
 
 
 class ImageTable:
@@ -40,9 +45,29 @@ class ImageTable:
         return out
 
 
+_generators: dict[str, torch.Generator] = {}
+
+
+def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: tuple[int, ...],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Timesteps (count,) and Gaussian noise (count, *shape) of stream positions [start, start + count), on
+    `device`: a pure function of (seed, position) for a given device type."""
+    generator = _generators.setdefault(str(device), torch.Generator(device=device))
+    t_parts, noise_parts = [], []
+    for block in range(start // NOISE_BLOCK, (start + count - 1) // NOISE_BLOCK + 1):
+        generator.manual_seed(derive_seed(seed, _NOISE_TAG, block))
+        block_t = torch.randint(timesteps, (NOISE_BLOCK,), generator=generator, device=device)
+        block_noise = torch.randn((NOISE_BLOCK, *shape), generator=generator, device=device)
+        low, high = max(start, block * NOISE_BLOCK), min(start + count, (block + 1) * NOISE_BLOCK)
+        t_parts.append(block_t[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
+        noise_parts.append(block_noise[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
+    return torch.cat(t_parts), torch.cat(noise_parts)
+
+
 def sample_noise(seed: int, positions: np.ndarray, timesteps: int, shape: tuple[int, ...],
                  noise_out: np.ndarray) -> np.ndarray:
-    """Per-sample diffusion timestep and Gaussian noise, a pure function of (seed, stream position)."""
+    """Per-sample timestep and Gaussian noise from numpy, a pure function of (seed, position) on any device:
+    for the small, fixed validation set (training uses `position_noise`)."""
     t = np.empty(len(positions), np.int64)
     for i, position in enumerate(positions):
         rng = np.random.Generator(np.random.Philox(key=(seed << 64) | int(position)))
@@ -55,10 +80,11 @@ def sample_noise(seed: int, positions: np.ndarray, timesteps: int, shape: tuple[
 class MicroBatch:
     images: torch.Tensor  # uint8 (n, C, H, W), on the host
     flips: torch.Tensor  # bool (n,)
-    timesteps: torch.Tensor  # int64 (n,)
-    noise: torch.Tensor  # float32 (n, C, H, W)
     position: int  # stream position of the first sample
     indices: np.ndarray  # dataset indices of the samples (for the order audit)
+
+    def __len__(self) -> int:
+        return len(self.images)
 
     def to_device(self, device: torch.device, flip: bool) -> torch.Tensor:
         """Float images in [-1, 1] on `device`, horizontally flipped where the flip bit is set."""
@@ -68,8 +94,10 @@ class MicroBatch:
             x = torch.where(flips, x.flip(-1), x)
         return x
 
-    def diffusion_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.timesteps.to(device, non_blocking=True), self.noise.to(device, non_blocking=True)
+    def diffusion_inputs(self, seed: int, timesteps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's diffusion timesteps and noise (see `position_noise`)."""
+        return position_noise(seed, self.position, len(self), timesteps=timesteps, shape=tuple(self.images.shape[1:]),
+                              device=device)
 
 
 class BatchStream:
@@ -81,16 +109,15 @@ class BatchStream:
     :param share: this worker's slice of every global batch.
     :param micro_batch: samples per forward pass on this worker.
     :param start_step: the first optimizer step to produce (resume point).
-    :param timesteps: the diffusion's T; sampled timesteps are in [0, T).
     :param pin_memory: pin host buffers for asynchronous copies to a GPU.
     :param prefetch_steps: how many steps the background thread may run ahead.
     """
 
     def __init__(
         self, *, table: ImageTable, order: SampleOrder, global_batch: int, share: Share, micro_batch: int,
-        start_step: int, timesteps: int, pin_memory: bool, prefetch_steps: int = 4,
+        start_step: int, pin_memory: bool, prefetch_steps: int = 4,
     ) -> None:
-        self._table, self._order, self._timesteps = table, order, timesteps
+        self._table, self._order = table, order
         self._global_batch, self._pin = global_batch, pin_memory
         self._layout = micro_batches(share, micro_batch)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch_steps)
@@ -105,11 +132,7 @@ class BatchStream:
             indices, flips = self._order.take(position, size)
             images = torch.empty((size, *self._table.shape), dtype=torch.uint8, pin_memory=self._pin)
             self._table.gather(indices, images.numpy())
-            noise = torch.empty((size, *self._table.shape), dtype=torch.float32, pin_memory=self._pin)
-            t = sample_noise(self._order.seed, np.arange(position, position + size), self._timesteps,
-                             tuple(self._table.shape), noise.numpy())
-            batches.append(MicroBatch(images=images, flips=torch.from_numpy(flips), timesteps=torch.from_numpy(t),
-                                      noise=noise, position=position, indices=indices))
+            batches.append(MicroBatch(images=images, flips=torch.from_numpy(flips), position=position, indices=indices))
         return batches
 
     def _produce(self, step: int) -> None:

@@ -105,7 +105,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # Split off the held-out images and open this worker's stream of micro-batches at the resume point.
     store, share = loop_config["images"], rank_share(t.global_batch, world_size, rank)
     table = ImageTable(store.arrays())
-    train_indices, val_indices = holdout_split(store.num_images, cfg.data.val_images, t.seed)
+    train_indices, val_indices = holdout_split(store.usable_indices(), cfg.data.val_images, t.seed)
     order = SampleOrder(train_indices, t.seed)
     validation = Validation(table=table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
                             rank=rank, world_size=world_size) if len(val_indices) else None
@@ -117,8 +117,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
 
     def open_stream(step: int) -> BatchStream:
         return BatchStream(table=table, order=order, global_batch=t.global_batch, share=share,
-                           micro_batch=micro_batch, start_step=step, timesteps=diffusion.timesteps,
-                           pin_memory=device.type == "cuda")
+                           micro_batch=micro_batch, start_step=step, pin_memory=device.type == "cuda")
 
     stream = open_stream(progress.step)
     metrics_log = JsonlLog(run_dir / "metrics.jsonl") if is_chief else None
@@ -159,7 +158,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             ddp_model.train()
             for i, batch in enumerate(batches):
                 x0 = batch.to_device(device, cfg.data.flip)
-                timesteps, noise = batch.diffusion_inputs(device)
+                timesteps, noise = batch.diffusion_inputs(t.seed, diffusion.timesteps, device)
                 torch.manual_seed(derive_seed(t.seed, batch.position))  # dropout
                 sync = not is_ddp or i == len(batches) - 1
                 with contextlib.nullcontext() if sync else ddp_model.no_sync():

@@ -53,7 +53,7 @@ def suggest(lrs: np.ndarray, smoothed: list[float]) -> tuple[float, float, float
 def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.diffusion import build_diffusion
     from raydiff.driver import init_ray
-    from raydiff.ingest import load_images
+    from raydiff.ingest import load_data
     from raydiff.loader import BatchStream, ImageTable
     from raydiff.loop import resolve_precision
     from raydiff.order import SampleOrder, Share
@@ -63,14 +63,14 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
 
     t = cfg.train
     init_ray()
-    store = load_images(cfg.data.source, resolution=cfg.data.resolution, channels=cfg.data.channels)
+    store = load_data(cfg.data)
     table = ImageTable(store.arrays())
-    train_indices, _ = holdout_split(store.num_images, cfg.data.val_images, t.seed)
+    train_indices, _ = holdout_split(store.usable_indices(), cfg.data.val_images, t.seed)
     device = resolve_device("auto")
     micro_batch = t.micro_batch if isinstance(t.micro_batch, int) else t.global_batch
     stream = BatchStream(table=table, order=SampleOrder(train_indices, t.seed), global_batch=t.global_batch,
                          share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
-                         timesteps=cfg.diffusion.timesteps, pin_memory=device.type == "cuda")
+                         pin_memory=device.type == "cuda")
 
     torch.manual_seed(t.seed)
     model = build_model(cfg).to(device).train()
@@ -86,7 +86,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
             loss_sum = 0.0
             for batch in next(stream):
                 x0 = batch.to_device(device, cfg.data.flip)
-                timesteps, noise = batch.diffusion_inputs(device)
+                timesteps, noise = batch.diffusion_inputs(t.seed, diffusion.timesteps, device)
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                     per_sample = diffusion.loss_per_sample(model, x0, timesteps, noise)
                 scaler.scale(per_sample.sum() / t.global_batch).backward()

@@ -8,9 +8,7 @@ one. `run.resume=false` moves the old run directory aside (nothing is deleted) a
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,16 +25,6 @@ IDENTITY_SECTIONS = ("model", "diffusion")
 IDENTITY_KEYS = ("data.source", "data.resolution", "data.channels", "data.flip", "data.val_images", "train.global_batch",
                  "train.seed")
 DATA_FILE = "data.json"
-
-
-def data_identity(source: str, files: list[str]) -> dict[str, Any]:
-    """Which images a run trains on: their count and a hash of their paths (relative to the source) and sizes.
-    Sample i must be the same image when a run continues, so a changed folder is caught here."""
-    root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(f"{os.path.relpath(path, root)}\0{os.path.getsize(path)}\n".encode())
-    return {"source": source, "num_images": len(files), "fingerprint": digest.hexdigest()[:16]}
 
 
 def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +67,7 @@ def plan_run(cfg: Config, run_dir: Path, data: dict[str, Any]) -> RunPlan:
     previous_data = json.loads(data_file.read_text()) if data_file.is_file() else None
     changes = identity_changes(previous, cfg.to_dict()) if previous else []
     if previous_data and previous_data["fingerprint"] != data["fingerprint"] and not changes:
-        changes.append(f"the images of data.source ({previous_data['num_images']} files, now {data['num_images']}, "
+        changes.append(f"the files of data.source ({previous_data.get('num_files')} files, now {data['num_files']}, "
                        f"or their names or sizes)")
     if changes and checkpoints:
         raise ConfigError(

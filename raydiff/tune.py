@@ -169,7 +169,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray.tune.schedulers import ASHAScheduler
 
     from raydiff.driver import init_ray
-    from raydiff.ingest import load_images
+    from raydiff.ingest import load_data
 
     sweep_dir = Path(cfg.run.storage) / sweep.name
     spec_file = sweep_dir / "sweep.json"
@@ -181,9 +181,9 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
 
     init_ray()
     _require_state_api()
-    images = load_images(cfg.data.source, resolution=cfg.data.resolution, channels=cfg.data.channels)
-    if cfg.data.val_images >= images.num_images:
-        raise ConfigError(f"data.val_images = {cfg.data.val_images}: must be below the {images.num_images} images")
+    images = load_data(cfg.data)
+    if cfg.data.val_images >= images.num_good:
+        raise ConfigError(f"data.val_images = {cfg.data.val_images}: must be below the {images.num_good} images")
     resources = ray.cluster_resources()
     cpus = resources.get("CPU", 1)
     concurrent = sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0))

@@ -20,13 +20,17 @@ _HOLDOUT_TAG = 0x686F6C64  # (seed, tag, 1): apart from the per-epoch (seed, epo
 _NOISE_POSITIONS = 1 << 62  # noise keys for validation items start here, far beyond any training position
 
 
-def holdout_split(num_images: int, val_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(training indices, validation indices), both sorted; a pure function of (num_images, val_images, seed)."""
-    if not 0 <= val_images < num_images:
-        raise ValueError(f"val_images must be in [0, {num_images}), got {val_images}")
+def holdout_split(samples: int | np.ndarray, val_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training indices, validation indices), both sorted: a pure function of (samples, val_images, seed).
+
+    :param samples: the usable sample indices (bad samples left out), or their count N for 0..N-1.
+    """
+    indices = np.arange(samples) if isinstance(samples, (int, np.integer)) else np.asarray(samples)
+    if not 0 <= val_images < len(indices):
+        raise ValueError(f"val_images must be in [0, {len(indices)}), got {val_images}")
     if val_images == 0:
-        return np.arange(num_images), np.empty(0, np.int64)
-    permutation = keyed_rng(seed, _HOLDOUT_TAG, 1).permutation(num_images)
+        return indices, np.empty(0, np.int64)
+    permutation = indices[keyed_rng(seed, _HOLDOUT_TAG, 1).permutation(len(indices))]
     return np.sort(permutation[val_images:]), np.sort(permutation[:val_images])
 
 

@@ -16,6 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # checkpoint every few steps, so the end of every test run would wait on that queue; every Ray process the
 # tests start (local instances, test clusters, CLI runs) inherits this.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# S3 tests talk to a moto server on loopback. Ray processes the tests start inherit these dummy credentials
+# (the standard way to pass them); real credentials and the EC2 metadata service are never consulted.
+os.environ["AWS_ACCESS_KEY_ID"] = "raydiff-tests"
+os.environ["AWS_SECRET_ACCESS_KEY"] = "raydiff-tests"
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +72,23 @@ def ray_session(cluster):
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's) on a free loopback port; yields (endpoint URL, boto3 client)."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    yield endpoint, boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    server.stop()
+
+
 def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
     """Run `python -m <module> args...` as a user would, in a fresh process. Ray tests join the session's
     cluster; other tests get `local` (a fresh Ray if they start one), never someone else's cluster."""
@@ -73,3 +96,32 @@ def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout:
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def write_messy_folder(folder: Path, good: int = 40) -> dict[str, list[str]]:
+    """`good` synthetic images, one of each awkward mode raydiff converts (CMYK, 16-bit, palette with
+    transparency, RGBA), and one of each kind it must skip (truncated, corrupt, empty, not an image).
+    Returns the file names by fate: {"good": [...], "converted": [...], "bad": [...]}."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from raydiff.datasets import write_synthetic
+
+    names = {"good": [p.name for p in write_synthetic(folder, num=good, resolution=24, fmt="jpg", seed=3)]}
+    Image.new("CMYK", (24, 24), (0, 255, 255, 0)).save(folder / "cmyk.jpg")
+    Image.fromarray(np.full((24, 24), 40000, np.uint16)).save(folder / "gray16.png")
+    rgba = Image.new("RGBA", (24, 24), (0, 0, 0, 0))
+    rgba.paste((0, 128, 0, 255), (0, 0, 12, 24))
+    rgba.save(folder / "alpha.png")
+    rgba.convert("P", palette=Image.Palette.ADAPTIVE).save(folder / "palette.png", transparency=0)
+    names["converted"] = ["cmyk.jpg", "gray16.png", "alpha.png", "palette.png"]
+    jpeg = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(jpeg, format="JPEG")
+    (folder / "truncated.jpg").write_bytes(jpeg.getvalue()[:200])
+    (folder / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    (folder / "empty.jpg").write_bytes(b"")
+    (folder / "notes.jpg").write_text("this is text, not a JPEG")
+    names["bad"] = ["truncated.jpg", "corrupt.png", "empty.jpg", "notes.jpg"]
+    return names

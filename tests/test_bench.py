@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_cli
 
 
@@ -19,3 +21,19 @@ def test_checkpoint_bench_reports_size_time_and_baseline():
 def test_bench_rejects_bad_arguments():
     proc = run_cli("raydiff.bench", "checkpoint", "--repeat", "0")
     assert proc.returncode == 2 and "--repeat 0: must be >= 1" in proc.stderr
+
+
+@pytest.mark.ray
+def test_ingest_bench_measures_raydiff_against_the_dataloader(tmp_path):
+    from raydiff.datasets import write_synthetic
+
+    write_synthetic(tmp_path, num=64, resolution=24, fmt="jpg")
+    proc = run_cli("raydiff.bench", "ingest", "--source", str(tmp_path), "--resolution", "16", "--batch", "16",
+                   "--epochs", "2", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "ingest" and result["images"] == 64
+    for name in ("dataloader", "raw", "cached"):
+        assert result[f"{name}_img_s"] > 0 and result[f"{name}_first_epoch_s"] > 0
+    assert result["raw_ratio"] == round(result["raw_img_s"] / result["dataloader_img_s"], 2)
+    assert result["cached_ratio"] == round(result["cached_img_s"] / result["dataloader_img_s"], 2)

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from raydiff.order import micro_batches, rank_share
 from raydiff.config import Config, ConfigError, all_keys, load_config, preset_names
+from raydiff.order import micro_batches, rank_share
 
 INTERFACE_KEYS = """data.source data.resolution data.channels model.base_channels model.channel_mult
 model.num_res_blocks model.attention_resolutions model.dropout diffusion.timesteps diffusion.schedule
@@ -98,7 +98,7 @@ def test_missing_source_is_an_error():
 
 
 def test_unknown_preset_and_bad_yaml(tmp_path):
-    with pytest.raises(ConfigError, match="presets: cifar10, default, digits, smoke"):
+    with pytest.raises(ConfigError, match="presets: cifar10, cifar10-aws, cifar10-gcp, cifar10-k8s, default, digits, smoke"):
         load_config("nosuch")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [1, 2\n")

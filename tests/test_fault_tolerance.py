@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, run_cli
 from PIL import Image
 
-from conftest import ROOT, run_cli
 from raydiff.checkpoint import checkpoint_order, list_checkpoints, read_state
 from raydiff.order import SampleOrder
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raydiff.loader import BatchStream, ImageTable, MicroBatch, sample_noise
+from raydiff.loader import BatchStream, ImageTable, MicroBatch, position_noise, sample_noise
 from raydiff.order import SampleOrder, rank_share
 
 
@@ -25,7 +25,7 @@ def test_stream_yields_the_order_for_each_step_and_resumes_exactly():
 
     def stream(start_step, rank, world):
         return BatchStream(table=table, order=order, global_batch=8, share=rank_share(8, world, rank),
-                           micro_batch=3, start_step=start_step, timesteps=100, pin_memory=False)
+                           micro_batch=3, start_step=start_step, pin_memory=False)
 
     s = stream(0, 0, 1)
     steps = [next(s) for _ in range(4)]
@@ -39,8 +39,21 @@ def test_stream_yields_the_order_for_each_step_and_resumes_exactly():
     resumed.close()
     assert np.array_equal(torch.cat([b.images for b in batches]).numpy(), images[order.take(2 * 8 + 4, 4)[0]])
     # The same sample gets the same timestep and noise whatever the layout.
-    assert torch.equal(batches[0].noise[0], steps[2][1].noise[1])
-    assert batches[0].timesteps[0] == steps[2][1].timesteps[1]
+    cpu = torch.device("cpu")
+    t_resumed, noise_resumed = batches[0].diffusion_inputs(5, 100, cpu)
+    t_first, noise_first = steps[2][1].diffusion_inputs(5, 100, cpu)
+    assert torch.equal(noise_resumed[0], noise_first[1]) and t_resumed[0] == t_first[1]
+
+
+def test_position_noise_is_a_function_of_position_whatever_the_split():
+    cpu = torch.device("cpu")
+    t_all, noise_all = position_noise(3, 30, 40, timesteps=1000, shape=(1, 4, 4), device=cpu)
+    for start, count in ((30, 1), (37, 5), (45, 25), (64, 6)):  # inside, across and at block boundaries
+        t, noise = position_noise(3, start, count, timesteps=1000, shape=(1, 4, 4), device=cpu)
+        assert torch.equal(noise, noise_all[start - 30:start - 30 + count]) and torch.equal(t, t_all[start - 30:start - 30 + count])
+    assert abs(noise_all.mean()) < 0.2 and abs(noise_all.std() - 1) < 0.1 and 0 <= t_all.min() and t_all.max() < 1000
+    other_seed = position_noise(4, 30, 40, timesteps=1000, shape=(1, 4, 4), device=cpu)[1]
+    assert not torch.equal(other_seed, noise_all)
 
 
 def test_noise_is_standard_normal_and_keyed_by_position():
@@ -54,8 +67,7 @@ def test_noise_is_standard_normal_and_keyed_by_position():
 
 def test_to_device_scales_and_flips():
     images = torch.tensor([[[[0, 255]]], [[[0, 255]]]], dtype=torch.uint8)
-    batch = MicroBatch(images=images, flips=torch.tensor([False, True]), timesteps=torch.zeros(2, dtype=torch.long),
-                       noise=torch.zeros(2, 1, 1, 2), position=0, indices=np.arange(2))
+    batch = MicroBatch(images=images, flips=torch.tensor([False, True]), position=0, indices=np.arange(2))
     x = batch.to_device(torch.device("cpu"), flip=True)
     assert torch.equal(x, torch.tensor([[[[-1.0, 1.0]]], [[[1.0, -1.0]]]]))
     assert torch.equal(batch.to_device(torch.device("cpu"), flip=False)[1], torch.tensor([[[-1.0, 1.0]]]))
@@ -64,7 +76,7 @@ def test_to_device_scales_and_flips():
 def test_loader_errors_reach_the_consumer():
     _, table = make_table()
     s = BatchStream(table=table, order=SampleOrder(99, seed=0), global_batch=4, share=rank_share(4, 1, 0),
-                    micro_batch=4, start_step=0, timesteps=10, pin_memory=False)  # indices beyond the table
+                    micro_batch=4, start_step=0, pin_memory=False)  # indices beyond the table
     try:
         raised = False
         for _ in range(50):

@@ -10,8 +10,8 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import load_config
-from raydiff.ingest import ImageStore
 from raydiff.ema import ema_decay_at
+from raydiff.ingest import ImageStore
 from raydiff.loop import train_worker
 from raydiff.lr import lr_at
 

@@ -7,7 +7,6 @@ import math
 import re
 
 import pytest
-
 from conftest import run_cli
 
 pytestmark = pytest.mark.ray

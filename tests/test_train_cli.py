@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import yaml
+from conftest import run_cli
 from PIL import Image
 
-from conftest import run_cli
 from raydiff.checkpoint import list_checkpoints, read_state
 
 pytestmark = pytest.mark.ray
@@ -114,7 +114,7 @@ def test_empty_source_fails_before_training(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"data.source={tmp_path / 'empty'}",
                    "--set", f"run.storage={tmp_path / 'storage'}")
-    assert proc.returncode == 2 and "no images found" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "no image files found" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "storage").exists()
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import yaml
-
 from conftest import run_cli
+
 from raydiff import cli
 from raydiff.tune import main as tune_main
 

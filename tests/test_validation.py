@@ -24,6 +24,12 @@ def test_holdout_split_is_disjoint_complete_and_seeded():
         holdout_split(10, 10, seed=0)
 
 
+def test_holdout_split_draws_from_the_usable_samples_only():
+    usable = np.array([0, 2, 3, 5, 8, 9, 11])  # bad samples 1, 4, 6, 7, 10 left out
+    train, val = holdout_split(usable, 3, seed=0)
+    assert len(val) == 3 and sorted([*train, *val]) == usable.tolist()
+
+
 def test_timesteps_cover_every_quarter_for_every_image():
     t = validation_timesteps(8, 1000)
     assert t.shape == (8, TIMESTEPS_PER_IMAGE)

@@ -1,0 +1,152 @@
+"""Decode a source once into Parquet shards of uint8 images at the training resolution.
+
+    python -m raydiff.prepare SOURCE OUT --resolution R [--channels C] [--format auto|images|parquet|webdataset]
+        [--image-column NAME] [--endpoint URL] [--anonymous] [--max-bad-fraction F]
+
+Ray Data decodes, converts, resizes and center-crops every image in parallel (the same code as training).
+OUT (a folder, or an s3:// / gs:// URI) receives `part-NNNNN.parquet` shards, whose `image` column is Arrow's
+fixed-shape uint8 tensor (C, R, R), and `manifest.json`: count, resolution, channels, source, shards, and every
+sample that could not be used and why. Training with `data.source=OUT` then skips decoding. The manifest is
+written last: a folder without it is not prepared data (a local OUT appears all at once, by a rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raydiff import cli
+from raydiff.sources import MANIFEST, PREPARED_FORMAT, DataError, open_source
+
+SHARD_BYTES = 128 * 1024 * 1024  # uncompressed image bytes per Parquet shard
+
+
+def _shards(store, rows_per_shard: int):
+    """Yield uint8 (n, C, R, R) arrays of the usable samples, in order, `rows_per_shard` at a time; one object-store
+    chunk in memory at a time."""
+    import ray
+
+    bad = np.array(sorted(b.index for b in store.bad), dtype=np.int64)
+    pending, start = [], 0
+    for ref, count in zip(store.chunks, store.counts):
+        chunk = ray.get(ref)
+        keep = np.ones(count, bool)
+        keep[bad[(bad >= start) & (bad < start + count)] - start] = False
+        pending.append(chunk[keep])
+        start += count
+        while sum(len(p) for p in pending) >= rows_per_shard:
+            joined = np.concatenate(pending)
+            yield joined[:rows_per_shard]
+            pending = [joined[rows_per_shard:]]
+    rest = np.concatenate(pending) if pending else np.empty((0, *store.shape), np.uint8)
+    if len(rest):
+        yield rest
+
+
+def write_prepared(store, source, out: str, *, endpoint: str | None = None) -> dict:
+    """Write `store` (a decoded source) to `out` as prepared shards plus manifest; return the manifest."""
+    from raydiff.fs import filesystem_for
+
+    try:
+        filesystem, root = filesystem_for(out, endpoint=endpoint)
+    except ValueError as exc:
+        raise DataError(f"OUT = {out!r}: {exc}") from None
+    local = isinstance(filesystem, pafs.LocalFileSystem)
+    info = filesystem.get_file_info(root)
+    if info.type == pafs.FileType.File or (
+            info.type == pafs.FileType.Directory and filesystem.get_file_info(pafs.FileSelector(root))):
+        raise DataError(f"OUT = {out!r} already exists and is not empty: choose a new folder")
+    target = root
+    if local:  # build beside the target and rename it into place: complete or absent
+        Path(root).parent.mkdir(parents=True, exist_ok=True)
+        target = tempfile.mkdtemp(prefix=f".{Path(root).name}-", dir=Path(root).parent)
+    else:
+        filesystem.create_dir(root, recursive=True)
+
+    c, r, _ = store.shape
+    rows_per_shard = max(1, SHARD_BYTES // (c * r * r))
+    tensor_type = pa.fixed_shape_tensor(pa.uint8(), [c, r, r])
+    shards, count = [], 0
+    try:
+        for i, images in enumerate(_shards(store, rows_per_shard)):
+            name = f"part-{i:05d}.parquet"
+            storage = pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1), pa.uint8()), c * r * r)
+            table = pa.table({"image": pa.ExtensionArray.from_storage(tensor_type, storage)})
+            pq.write_table(table, f"{target}/{name}", filesystem=filesystem, compression="zstd")
+            shards.append(name)
+            count += len(images)
+        manifest = {
+            "format": PREPARED_FORMAT, "version": 1, "count": count, "resolution": r, "channels": c,
+            "source": source.uri, "source_identity": source.identity(), "shards": shards,
+            "bad": [b.to_dict() for b in store.bad], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        with filesystem.open_output_stream(f"{target}/{MANIFEST}") as f:
+            f.write((json.dumps(manifest, indent=1) + "\n").encode())
+        if local:
+            os.replace(target, root)
+    except BaseException:
+        if local:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    return manifest
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m raydiff.prepare", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="folder, file, or s3:// / gs:// URI of images, Parquet or WebDataset shards")
+    parser.add_argument("out", help="new folder (or s3:// / gs:// URI) for the prepared shards")
+    parser.add_argument("--resolution", type=int, required=True, help="square training resolution R")
+    parser.add_argument("--channels", type=int, choices=(1, 3), default=3, help="1 grayscale, 3 RGB (default 3)")
+    parser.add_argument("--format", choices=("auto", "images", "parquet", "webdataset"), default="auto")
+    parser.add_argument("--image-column", default="image", help="Parquet column with the images (default image)")
+    parser.add_argument("--endpoint", default=None, help="s3:// or gs:// endpoint URL (default: AWS_ENDPOINT_URL)")
+    parser.add_argument("--anonymous", action="store_true", help="read a public bucket without credentials")
+    parser.add_argument("--max-bad-fraction", type=float, default=0.1,
+                        help="stop when more than this fraction cannot be decoded (default 0.1)")
+    args = parser.parse_args(argv)
+    if not 8 <= args.resolution <= 1024:
+        parser.error(f"--resolution {args.resolution}: must be between 8 and 1024")
+    if not 0 <= args.max_bad_fraction <= 1:
+        parser.error(f"--max-bad-fraction {args.max_bad_fraction}: must be in [0, 1]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from raydiff.driver import init_ray
+    from raydiff.ingest import check_bad_fraction, load_images
+
+    args = parse_args(argv)
+    started = time.perf_counter()
+    source = open_source(args.source, format=args.format, endpoint=args.endpoint, anonymous=args.anonymous)
+    if source.kind == "prepared":
+        raise DataError(f"SOURCE = {args.source!r} is already prepared data")
+    init_ray()
+    store = load_images(source, resolution=args.resolution, channels=args.channels, image_column=args.image_column)
+    check_bad_fraction(store, args.max_bad_fraction)
+    manifest = write_prepared(store, source, args.out, endpoint=args.endpoint)
+    skipped = f"; {len(store.bad)} unusable sample(s) skipped (listed in {MANIFEST})" if store.bad else ""
+    print(f"[raydiff] prepared {manifest['count']} images at {args.resolution}px from {source.describe()} in "
+          f"{time.perf_counter() - started:.1f} s: {len(manifest['shards'])} shard(s) in {args.out}{skipped}")
+    print(f"[raydiff] train on it: python -m raydiff.train --set data.source={args.out} "
+          f"--set data.resolution={args.resolution} --set data.channels={args.channels}")
+    return 0
+
+
+def _entry() -> None:
+    sys.exit(cli.run(main))
+
+
+if __name__ == "__main__":
+    _entry()

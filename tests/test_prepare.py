@@ -1,0 +1,94 @@
+"""Decode once: prepare -> train round trips (local and S3), and a messy folder that trains and reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli, write_messy_folder
+
+pytestmark = pytest.mark.ray
+
+TINY = ["--config", "smoke", "--set", "data.channels=3", "--set", "train.total_steps=10", "--set", "train.sample_every=0"]
+
+
+@pytest.fixture(scope="module")
+def messy(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("messy")
+    return folder, write_messy_folder(folder)
+
+
+def summary_of(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_messy_folder_trains_to_completion_and_reports_its_bad_files(messy, tmp_path):
+    folder, names = messy
+    proc = run_cli("raydiff.train", *TINY, "--set", f"data.source={folder}", "--set", f"run.storage={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "44 images from 48 image files" in proc.stdout and "4 skipped as unusable" in proc.stdout
+    run = summary_of(tmp_path / "smoke")
+    assert run["status"] == "finished" and run["bad_images"]["count"] == 4
+    assert run["bad_images"]["fraction"] == pytest.approx(4 / 48, abs=1e-4)
+    listed = json.loads((tmp_path / "smoke" / "bad_images.json").read_text())
+    assert sorted(b["where"].rsplit("/", 1)[1] for b in listed) == sorted(names["bad"])
+    assert all(b["reason"] for b in listed)
+
+    strict = run_cli("raydiff.train", *TINY, "--set", f"data.source={folder}", "--set", f"run.storage={tmp_path}",
+                     "--set", "run.name=strict", "--set", "data.max_bad_fraction=0.05")
+    assert strict.returncode == 2 and strict.stderr.count("\n") == 1, strict.stderr
+    assert "4 of 48 samples" in strict.stderr and "data.max_bad_fraction = 0.05" in strict.stderr
+    assert not (tmp_path / "strict").exists()
+
+
+def test_prepare_then_train_on_the_prepared_folder(messy, tmp_path):
+    folder, _ = messy
+    out = tmp_path / "prepared"
+    proc = run_cli("raydiff.prepare", str(folder), str(out), "--resolution", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prepared 44 images at 8px" in proc.stdout and "4 unusable sample(s) skipped" in proc.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["count"] == 44 and manifest["resolution"] == 8 and manifest["channels"] == 3
+    assert len(manifest["bad"]) == 4 and manifest["shards"] == ["part-00000.parquet"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".prepared")]  # no temporary left behind
+
+    again = run_cli("raydiff.prepare", str(folder), str(out), "--resolution", "8")
+    assert again.returncode == 2 and "already exists and is not empty" in again.stderr
+
+    train = run_cli("raydiff.train", *TINY, "--set", f"data.source={out}", "--set", f"run.storage={tmp_path}")
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "44 images from 1 prepared shards" in train.stdout
+    run = summary_of(tmp_path / "smoke")
+    assert run["status"] == "finished" and run["bad_images"]["count"] == 0
+
+    wrong = run_cli("raydiff.train", *TINY, "--set", f"data.source={out}", "--set", "data.channels=1",
+                    "--set", f"run.storage={tmp_path}", "--set", "run.name=wrong")
+    assert wrong.returncode == 2 and "was prepared at 8px with 3 channel(s)" in wrong.stderr
+
+
+def test_s3_source_prepare_and_train_against_a_loopback_server(s3_server, tmp_path):
+    from raydiff.datasets import write_synthetic
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="raydiff-data")
+    for path in write_synthetic(tmp_path / "images", num=30, resolution=16, fmt="jpg"):
+        client.upload_file(str(path), "raydiff-data", f"raw/{path.name}")
+    proc = run_cli("raydiff.prepare", "s3://raydiff-data/raw", "s3://raydiff-data/prepared", "--resolution", "8",
+                   "--endpoint", endpoint)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prepared 30 images at 8px from 30 image files in s3://raydiff-data/raw" in proc.stdout
+    objects = client.list_objects_v2(Bucket="raydiff-data", Prefix="prepared/")["Contents"]
+    keys = sorted(o["Key"] for o in objects if not o["Key"].endswith("/"))  # "prepared/": a folder marker
+    assert keys == ["prepared/manifest.json", "prepared/part-00000.parquet"]
+
+    for source in ("s3://raydiff-data/raw", "s3://raydiff-data/prepared"):
+        name = source.rsplit("/", 1)[1]
+        train = run_cli("raydiff.train", *TINY, "--set", f"data.source={source}", "--set", f"data.endpoint={endpoint}",
+                        "--set", f"run.storage={tmp_path}", "--set", f"run.name={name}")
+        assert train.returncode == 0, train.stderr[-3000:]
+        assert summary_of(tmp_path / name)["status"] == "finished"
+
+    missing = run_cli("raydiff.train", *TINY, "--set", "data.source=s3://raydiff-data/nothing",
+                      "--set", f"data.endpoint={endpoint}", "--set", f"run.storage={tmp_path}")
+    assert missing.returncode == 2 and "s3://raydiff-data/nothing': no such file or folder" in missing.stderr
