@@ -1,0 +1,417 @@
+"""Check raydiff's cluster files offline, before anything is launched.
+
+    python -m raydiff.cluster_check FILE [FILE ...]
+
+Each FILE is a Ray cluster-launcher config (cluster/aws.yaml, cluster/gcp.yaml) or a KubeRay manifest
+(apiVersion ray.io/v1, kind RayCluster or RayJob, optionally with the PersistentVolumeClaims it mounts).
+Launcher configs go through Ray's own validation (`prepare_config`, then `validate_config`); KubeRay manifests
+through a schema of the fields raydiff uses (real KubeRay names, no unknown keys). Then both must hold what
+raydiff needs: a head that takes no work (CPU 0), GPU workers, token auth on, a dashboard that is not exposed,
+and agreement with the preset the file names (`# raydiff-preset: NAME`, or the annotation raydiff.dev/preset):
+elastic `scaling.num_workers: [min, max]` that the GPU workers can hold, and storage that every node shares.
+Prints `OK FILE` per good file; a bad file is one line on stderr, and the exit code is 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from raydiff import cli
+from raydiff.config import Config, ConfigError, load_config, preset_names
+
+PRESET_COMMENT = re.compile(r"#\s*raydiff-preset:\s*(\S+)\s*$")
+PRESET_ANNOTATION = "raydiff.dev/preset"
+SHARED_SCHEMES = ("s3://", "gs://", "gcs://")  # object stores every node reads alike (pyarrow.fs)
+AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*=\s*['\"]?disabled")
+DASHBOARD_EXPOSED = re.compile(r"--dashboard-host[= ]+['\"]?0\.0\.0\.0")
+DASHBOARD_PORT = 8265
+
+
+class ClusterFileError(ValueError):
+    """What is wrong with a cluster file, in one line naming the field and what is allowed."""
+
+
+# A schema of the KubeRay (ray.io/v1) fields raydiff uses; unknown keys are refused at every level defined here.
+def _obj(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+def _list(items: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": items}
+
+
+STR, INT, BOOL, NUM = {"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "boolean"}, {"type": "number"}
+OBJ, STRS, STR_MAP = {"type": "object"}, _list({"type": "string"}), {"type": "object", "additionalProperties": STR}
+PULL = {"enum": ["Always", "IfNotPresent", "Never"]}
+QUANTITIES = {"type": "object", "additionalProperties": {"type": ["string", "integer", "number"]}}
+RESOURCES = _obj({"limits": QUANTITIES, "requests": QUANTITIES, "claims": _list(OBJ)})
+ENV = _list(_obj({"name": STR, "value": STR, "valueFrom": OBJ}, ("name",)))
+MOUNTS = _list(_obj({"name": STR, "mountPath": STR, "readOnly": BOOL, "subPath": STR, "subPathExpr": STR,
+                     "mountPropagation": STR, "recursiveReadOnly": STR}, ("name", "mountPath")))
+CONTAINER = _obj({
+    "name": STR, "image": STR, "imagePullPolicy": PULL, "command": STRS, "args": STRS, "workingDir": STR,
+    "env": ENV, "envFrom": _list(OBJ), "resources": RESOURCES, "volumeMounts": MOUNTS, "lifecycle": OBJ,
+    "ports": _list(_obj({"containerPort": INT, "name": STR, "protocol": {"enum": ["TCP", "UDP", "SCTP"]},
+                         "hostPort": INT, "hostIP": STR}, ("containerPort",))),
+    "livenessProbe": OBJ, "readinessProbe": OBJ, "startupProbe": OBJ, "securityContext": OBJ,
+}, ("name", "image"))
+VOLUME = _obj({"name": STR, "persistentVolumeClaim": _obj({"claimName": STR, "readOnly": BOOL}, ("claimName",)),
+               **{source: OBJ for source in ("emptyDir", "configMap", "secret", "hostPath", "nfs", "csi",
+                                             "projected", "downwardAPI", "ephemeral")}}, ("name",))
+TOLERATION = _obj({"key": STR, "operator": {"enum": ["Exists", "Equal"]}, "value": STR,
+                   "effect": {"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]}, "tolerationSeconds": INT})
+POD_TEMPLATE = _obj({"metadata": _obj({"labels": STR_MAP, "annotations": STR_MAP}), "spec": _obj({
+    "containers": {**_list(CONTAINER), "minItems": 1}, "initContainers": _list(CONTAINER), "volumes": _list(VOLUME),
+    "nodeSelector": STR_MAP, "tolerations": _list(TOLERATION), "affinity": OBJ, "serviceAccountName": STR,
+    "restartPolicy": {"enum": ["Always", "OnFailure", "Never"]}, "imagePullSecrets": _list(OBJ),
+    "securityContext": OBJ, "priorityClassName": STR, "terminationGracePeriodSeconds": INT, "schedulerName": STR,
+}, ("containers",))}, ("spec",))
+HEAD_GROUP = _obj({"rayStartParams": STR_MAP, "template": POD_TEMPLATE, "resources": STR_MAP, "labels": STR_MAP,
+                   "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "headService": OBJ,
+                   "enableIngress": BOOL}, ("rayStartParams", "template"))
+WORKER_GROUP = _obj({"groupName": STR, "replicas": INT, "minReplicas": INT, "maxReplicas": INT,
+                     "numOfHosts": {"type": "integer", "minimum": 1}, "idleTimeoutSeconds": INT,
+                     "rayStartParams": STR_MAP, "template": POD_TEMPLATE, "resources": STR_MAP, "labels": STR_MAP,
+                     "scaleStrategy": _obj({"workersToDelete": STRS}), "suspend": BOOL},
+                    ("groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"))
+CLUSTER_SPEC = _obj({
+    "rayVersion": STR, "enableInTreeAutoscaling": {"const": True},
+    "autoscalerOptions": _obj({"upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
+                               "idleTimeoutSeconds": INT, "version": {"enum": ["v1", "v2"]}, "resources": RESOURCES,
+                               "image": STR, "imagePullPolicy": PULL, "env": ENV, "envFrom": _list(OBJ),
+                               "volumeMounts": MOUNTS, "securityContext": OBJ, "command": STRS, "args": STRS}),
+    "authOptions": _obj({"mode": {"enum": ["disabled", "token"]}, "secretName": STR, "enableK8sTokenAuth": BOOL}),
+    "headGroupSpec": HEAD_GROUP, "workerGroupSpecs": {**_list(WORKER_GROUP), "minItems": 1},
+    "headServiceAnnotations": STR_MAP, "suspend": BOOL, "managedBy": STR, "gcsFaultToleranceOptions": OBJ,
+}, ("rayVersion", "enableInTreeAutoscaling", "autoscalerOptions", "headGroupSpec", "workerGroupSpecs"))
+JOB_SPEC = _obj({
+    "entrypoint": STR, "runtimeEnvYAML": STR, "rayClusterSpec": CLUSTER_SPEC, "metadata": STR_MAP, "jobId": STR,
+    "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"]},
+    "shutdownAfterJobFinishes": BOOL, "ttlSecondsAfterFinished": INT, "activeDeadlineSeconds": INT,
+    "backoffLimit": INT, "entrypointNumCpus": NUM, "entrypointNumGpus": NUM, "entrypointResources": STR,
+    "submitterPodTemplate": POD_TEMPLATE, "submitterConfig": _obj({"backoffLimit": INT}), "suspend": BOOL,
+    "deletionStrategy": OBJ, "managedBy": STR,
+}, ("entrypoint", "rayClusterSpec"))
+METADATA = _obj({"name": STR, "namespace": STR, "labels": STR_MAP, "annotations": STR_MAP}, ("name",))
+KUBERAY_SCHEMAS = {kind: _obj({"apiVersion": {"const": "ray.io/v1"}, "kind": {"const": kind}, "metadata": METADATA,
+                               "spec": spec}, ("apiVersion", "kind", "metadata", "spec"))
+                   for kind, spec in (("RayCluster", CLUSTER_SPEC), ("RayJob", JOB_SPEC))}
+
+
+def _where(path: Any) -> str:
+    """A JSON path as YAML people read it: spec.workerGroupSpecs[0].minReplicas."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif re.fullmatch(r"[A-Za-z_][\w-]*", part):
+            out += f".{part}" if out else part
+        else:
+            out += f"[{part!r}]"
+    return out or "(top level)"
+
+
+def _schema_message(error: jsonschema.ValidationError, hint: str = "") -> str:
+    """One line for a schema error: the field, the bad value or key, and what is allowed."""
+    where, kind, value = _where(error.absolute_path), error.validator, error.instance
+    if kind == "additionalProperties" and isinstance(value, dict):
+        allowed = list(error.schema.get("properties", {}))
+        bad = min(set(value) - set(allowed))
+        close = difflib.get_close_matches(bad, allowed, n=1)
+        suggestion = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"{where}: unknown key '{bad}'{suggestion}; allowed: {', '.join(allowed)}"
+    if kind == "required":
+        missing = [key for key in error.validator_value if key not in value]
+        return f"{where}: missing required key '{missing[0]}'"
+    if kind == "const":
+        return f"{where} = {json.dumps(value)}: must be {json.dumps(error.validator_value)}{hint}"
+    if kind == "enum":
+        return f"{where} = {json.dumps(value)}: allowed: {', '.join(json.dumps(a) for a in error.validator_value)}"
+    if kind == "minimum":
+        return f"{where} = {value}: must be >= {error.validator_value}"
+    if kind == "type":
+        number_for_string = error.validator_value == "string" and isinstance(value, (int, float))
+        quote = f' (quote it: "{value}")' if number_for_string else ""
+        return f"{where} = {json.dumps(value)}: expected {error.validator_value}{quote}"
+    return f"{where}: {error.message}"
+
+
+# Presets and storage.
+def _preset(name: str | None, source: str, how: str) -> tuple[str, Config]:
+    """The preset a cluster file names, loaded; it must be elastic so that the autoscaler has a max to reach.
+
+    :param source: where the file names it; :param how: how to name one, for the message when it does not.
+    """
+    if not name:
+        raise ClusterFileError(f"{source}: missing; add {how} naming the configs/ preset this cluster runs")
+    if name not in preset_names():
+        raise ClusterFileError(f"{source}: '{name}' is not a preset in configs/; presets: {', '.join(preset_names())}")
+    try:
+        cfg = load_config(name, check_source=False)
+    except ConfigError as exc:
+        raise ClusterFileError(f"preset {name}: {exc}") from None
+    if not cfg.scaling.elastic:
+        raise ClusterFileError(f"preset {name}: scaling.num_workers = {cfg.scaling.num_workers}: a cluster preset "
+                               f"must be elastic, [min, max], so that the autoscaler adds GPU nodes up to max")
+    if cfg.scaling.use_gpu is False:
+        raise ClusterFileError(f"preset {name}: scaling.use_gpu = false: the cluster's GPU workers would sit idle")
+    return name, cfg
+
+
+def _check_shared_storage(name: str, cfg: Config, pods: dict[str, set[str]] | None = None) -> None:
+    """run.storage and data.source must hold the same files for every node: a bucket, or (KubeRay) a path on a
+    ReadWriteMany volume that every Ray pod mounts there.
+
+    :param pods: KubeRay only: each pod group's paths where a ReadWriteMany claim is mounted.
+    """
+    for key, value in (("run.storage", cfg.run.storage), ("data.source", cfg.data.source)):
+        if value is None or value.startswith(("builtin:", *SHARED_SCHEMES)):
+            continue
+        path = value.removeprefix("file://")
+        if pods is None:
+            raise ClusterFileError(f"preset {name}: {key} = {value!r} is a path on each node's own disk; every node "
+                                   f"must see the same files: use s3://BUCKET/PATH or gs://BUCKET/PATH")
+        lacking = [pod for pod, mounts in pods.items()
+                   if not any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)]
+        if lacking:
+            raise ClusterFileError(f"preset {name}: {key} = {value!r} is not on a ReadWriteMany volume in every Ray "
+                                   f"pod (missing in {', '.join(lacking)}): mount one ReadWriteMany "
+                                   f"PersistentVolumeClaim (defined in this file) at the same path in the head and "
+                                   f"every worker group, or use s3://BUCKET/PATH or gs://BUCKET/PATH")
+
+
+# Ray cluster launcher configs.
+def check_launcher(raw: dict[str, Any], text: str) -> None:
+    """Ray's validation of a cluster-launcher config, then raydiff's checks and the preset's."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    if not isinstance(raw.get("provider"), dict):
+        close = difflib.get_close_matches("provider", [str(k) for k in raw], n=1)
+        found = f" (found '{close[0]}': misspelt?)" if close else ""
+        raise ClusterFileError(f"provider: missing required key{found}; set provider.type (aws, gcp, azure, ...) "
+                               f"and its region")
+    logging.getLogger("ray.autoscaler").setLevel(logging.WARNING)  # prepare_config narrates its defaults
+    try:
+        cfg = prepare_config(copy.deepcopy(raw))
+        validate_config(cfg)
+    except jsonschema.ValidationError as exc:
+        raise ClusterFileError(_schema_message(exc)) from None
+    except (ValueError, RuntimeError, AssertionError, LookupError, TypeError) as exc:  # what Ray raises
+        raise ClusterFileError(f"Ray rejects the config: {str(exc).strip().splitlines()[0]}") from None
+
+    _check_launcher_rules(cfg)
+    _check_launcher_preset(cfg, text)
+
+
+def _check_launcher_rules(cfg: dict[str, Any]) -> None:
+    """What raydiff needs of any cluster: a head without work, GPU workers, token auth, no exposed dashboard."""
+    types, head = cfg["available_node_types"], cfg["head_node_type"]
+    if types[head]["resources"].get("CPU") != 0:
+        raise ClusterFileError(f"{_where(['available_node_types', head, 'resources', 'CPU'])} = "
+                               f"{types[head]['resources'].get('CPU')}: the head must advertise CPU: 0 (no training "
+                               f"or data work on the head)")
+    if not any(t["resources"].get("GPU", 0) > 0 for name, t in types.items() if name != head):
+        raise ClusterFileError("available_node_types: no worker type advertises GPUs; give the GPU worker type "
+                               "resources: {GPU: N} (the autoscaler only scales what it is told a node holds)")
+    if any(DASHBOARD_EXPOSED.search(command) for command in cfg["head_start_ray_commands"]):
+        raise ClusterFileError("head_start_ray_commands: --dashboard-host=0.0.0.0 exposes the dashboard; "
+                               "leave it on 127.0.0.1 and reach it with `ray dashboard CLUSTER.yaml`")
+    for rule in cfg["provider"].get("security_group", {}).get("IpPermissions", []):
+        protocol, low, high = str(rule.get("IpProtocol")), rule.get("FromPort", 0), rule.get("ToPort", 0)
+        from_outside = rule.get("IpRanges") or rule.get("Ipv6Ranges")
+        if from_outside and (protocol == "-1" or protocol in ("tcp", "6") and low <= DASHBOARD_PORT <= high):
+            raise ClusterFileError(f"provider.security_group.IpPermissions: a rule opens port {DASHBOARD_PORT} (the "
+                                   f"dashboard); remove it and use `ray dashboard CLUSTER.yaml` (an SSH port-forward)")
+    if AUTH_DISABLED.search(json.dumps(cfg)):
+        raise ClusterFileError("RAY_AUTH_MODE=disabled: raydiff clusters keep Ray's token auth on")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        if not any("RAY_AUTH_MODE=token" in command for command in cfg[key]):
+            raise ClusterFileError(f"{key}: Ray token auth is off; start Ray with `RAY_AUTH_MODE=token ray start ...`"
+                                   f" and mount the token (file_mounts: ~/.ray/auth_token: ~/.ray/auth_token)")
+
+
+def _check_launcher_preset(cfg: dict[str, Any], text: str) -> None:
+    """The preset named at the top of the file: its max workers fit the GPU nodes; its storage is shared."""
+    header = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            break
+        header.append(line)
+    names = [m.group(1) for m in map(PRESET_COMMENT.match, header) if m]
+    name, preset = _preset(names[0] if names else None, "# raydiff-preset",
+                           "a top-of-file comment line '# raydiff-preset: NAME'")
+    types, most = cfg["available_node_types"], preset.scaling.num_workers[1]
+    gpu_types = {n: t for n, t in types.items() if n != cfg["head_node_type"] and t["resources"].get("GPU", 0) > 0}
+    per_node = max(t["resources"]["GPU"] for t in gpu_types.values())
+    capacity = min(sum(t["max_workers"] * t["resources"]["GPU"] for t in gpu_types.values()),
+                   cfg["max_workers"] * per_node)
+    if capacity < most:
+        limits = ", ".join(f"{n}: max_workers {t['max_workers']} x GPU {t['resources']['GPU']}"
+                           for n, t in gpu_types.items())
+        raise ClusterFileError(f"available_node_types: the GPU workers hold at most {capacity} GPUs ({limits}; "
+                               f"max_workers {cfg['max_workers']} in all), below the preset's scaling.num_workers "
+                               f"max {most} ({name})")
+    _check_shared_storage(name, preset)
+
+
+# KubeRay manifests.
+def _is_kuberay(doc: dict[str, Any]) -> bool:
+    return str(doc.get("apiVersion", "")).startswith("ray.io") or doc.get("kind") in KUBERAY_SCHEMAS
+
+
+def _rwx_mounts(template: dict[str, Any], rwx_claims: set[str]) -> set[str]:
+    """Paths where the pod's Ray container (the first one) mounts a ReadWriteMany claim."""
+    volumes = {v["name"] for v in template["spec"].get("volumes", [])
+               if v.get("persistentVolumeClaim", {}).get("claimName") in rwx_claims}
+    ray_container = template["spec"]["containers"][0]
+    return {m["mountPath"] for m in ray_container.get("volumeMounts", []) if m["name"] in volumes}
+
+
+def _gpus(template: dict[str, Any]) -> float:
+    """GPUs a pod asks for (nvidia.com/gpu limits of its containers)."""
+    try:
+        return sum(float(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+                   for c in template["spec"]["containers"])
+    except ValueError:
+        raise ClusterFileError("nvidia.com/gpu limits must be whole numbers of GPUs") from None
+
+
+def check_kuberay(docs: list[dict[str, Any]]) -> None:
+    """Schema of the RayCluster or RayJob, then raydiff's checks and the preset's."""
+    ray_docs = [d for d in docs if _is_kuberay(d)]
+    if len(ray_docs) != 1:
+        raise ClusterFileError(f"expected one RayCluster or RayJob per file, found {len(ray_docs)}")
+    doc = ray_docs[0]
+    schema = KUBERAY_SCHEMAS.get(doc.get("kind"))
+    if schema is None:
+        raise ClusterFileError(f"kind = {json.dumps(doc.get('kind'))}: allowed: RayCluster, RayJob")
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    if error is not None:
+        hint = (" (raydiff's elastic training needs Ray's autoscaler to add worker pods)"
+                if list(error.absolute_path)[-1:] == ["enableInTreeAutoscaling"] else "")
+        raise ClusterFileError(_schema_message(error, hint))
+    where, spec = ("spec", doc["spec"]) if doc["kind"] == "RayCluster" else ("spec.rayClusterSpec",
+                                                                            doc["spec"]["rayClusterSpec"])
+    _check_kuberay_rules(where, spec)
+    _check_kuberay_preset(doc, where, spec, docs)
+
+
+def _check_kuberay_rules(where: str, spec: dict[str, Any]) -> None:
+    """What raydiff needs of any cluster: consistent replicas, a head without work, token auth, no exposed
+    dashboard, no secrets."""
+    head, groups = spec["headGroupSpec"], spec["workerGroupSpecs"]
+    for i, group in enumerate(groups):
+        low, high, group_where = group["minReplicas"], group["maxReplicas"], f"{where}.workerGroupSpecs[{i}]"
+        if low > high:
+            raise ClusterFileError(f"{group_where}.minReplicas = {low} > maxReplicas = {high} ({group['groupName']}): "
+                                   f"minReplicas must be <= maxReplicas")
+        if not low <= group.get("replicas", low) <= high:
+            raise ClusterFileError(f"{group_where}.replicas = {group['replicas']} ({group['groupName']}): must be "
+                                   f"between minReplicas {low} and maxReplicas {high}")
+    if head["rayStartParams"].get("num-cpus") != "0":
+        raise ClusterFileError(f"{where}.headGroupSpec.rayStartParams.num-cpus = "
+                               f"{json.dumps(head['rayStartParams'].get('num-cpus'))}: must be \"0\" (no training or "
+                               f"data work on the head)")
+    if head.get("serviceType", "ClusterIP") != "ClusterIP" or head.get("enableIngress"):
+        raise ClusterFileError(f"{where}.headGroupSpec: serviceType {head.get('serviceType')} / enableIngress expose "
+                               f"the dashboard; keep serviceType ClusterIP and use kubectl port-forward")
+    if spec.get("authOptions", {"mode": "disabled"}).get("mode", "token") != "token":
+        raise ClusterFileError(f"{where}.authOptions.mode: Ray token auth is off; set authOptions: {{mode: token}} "
+                               f"(KubeRay v1.5.1+ generates the token into a Secret)")
+    for template in [head["template"], *(g["template"] for g in groups)]:
+        for container in template["spec"]["containers"]:
+            for env in container.get("env", []):
+                if env["name"] == "RAY_AUTH_MODE" and env.get("value") == "disabled":
+                    raise ClusterFileError(f"container {container['name']}: RAY_AUTH_MODE=disabled: keep token auth "
+                                           f"on")
+                if env["name"] == "RAY_AUTH_TOKEN" and "value" in env:
+                    raise ClusterFileError(f"container {container['name']}: RAY_AUTH_TOKEN has a literal value: no "
+                                           f"secrets in manifests; use authOptions or valueFrom.secretKeyRef")
+
+
+def _check_kuberay_preset(doc: dict[str, Any], where: str, spec: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+    """The preset of the annotation: the GPU group's replicas are its [min, max]; its storage is shared."""
+    head, groups = spec["headGroupSpec"], spec["workerGroupSpecs"]
+    gpu_groups = [(i, g) for i, g in enumerate(groups) if _gpus(g["template"]) > 0]
+    if len(gpu_groups) != 1:
+        raise ClusterFileError(f"{where}.workerGroupSpecs: expected one GPU worker group (nvidia.com/gpu limits), "
+                               f"found {len(gpu_groups)}")
+    i, gpu_group = gpu_groups[0]
+    group_where = f"{where}.workerGroupSpecs[{i}] ({gpu_group['groupName']})"
+    if _gpus(gpu_group["template"]) != 1:
+        raise ClusterFileError(f"{group_where}: nvidia.com/gpu = {_gpus(gpu_group['template']):g} per pod: raydiff "
+                               f"runs one worker per GPU, so give each pod 1 GPU")
+    annotations = doc["metadata"].get("annotations", {})
+    name, preset = _preset(annotations.get(PRESET_ANNOTATION), f"metadata.annotations.{PRESET_ANNOTATION}",
+                           f"metadata.annotations: {{{PRESET_ANNOTATION}: NAME}}")
+    replicas = [gpu_group["minReplicas"], gpu_group["maxReplicas"]]
+    if replicas != list(preset.scaling.num_workers):
+        raise ClusterFileError(f"{group_where}: minReplicas/maxReplicas = {replicas}: must equal the preset's "
+                               f"scaling.num_workers = {list(preset.scaling.num_workers)} ({name})")
+    if doc["kind"] == "RayJob":
+        named = re.search(r"--config[= ]+(\S+)", doc["spec"]["entrypoint"])
+        if named and named.group(1) != name:
+            raise ClusterFileError(f"spec.entrypoint runs --config {named.group(1)}, but "
+                                   f"metadata.annotations.{PRESET_ANNOTATION} is {name}: make them the same preset")
+    rwx_claims = {d["metadata"].get("name") for d in docs if d.get("kind") == "PersistentVolumeClaim"
+                  and isinstance(d.get("metadata"), dict) and isinstance(d.get("spec"), dict)
+                  and "ReadWriteMany" in (d["spec"].get("accessModes") or [])}
+    pods = {"head": _rwx_mounts(head["template"], rwx_claims),
+            **{g["groupName"]: _rwx_mounts(g["template"], rwx_claims) for g in groups}}
+    _check_shared_storage(name, preset, pods)
+
+
+def check_file(path: Path) -> None:
+    """Raise ClusterFileError if `path` is not a valid raydiff cluster file."""
+    try:
+        text = path.read_text()
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except FileNotFoundError:
+        raise ClusterFileError("no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ClusterFileError(f"cannot read it ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise ClusterFileError(f"not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not docs or not all(isinstance(d, dict) for d in docs):
+        raise ClusterFileError("expected YAML mappings: a cluster-launcher config or KubeRay manifests")
+    if any(_is_kuberay(d) for d in docs):
+        check_kuberay(docs)
+    elif len(docs) == 1 and {"cluster_name", "provider", "available_node_types"} & set(docs[0]):
+        check_launcher(docs[0], text)
+    else:
+        raise ClusterFileError("neither a Ray cluster-launcher config (cluster_name, provider, available_node_types) "
+                               "nor a KubeRay manifest (apiVersion: ray.io/v1, kind: RayCluster or RayJob)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m raydiff.cluster_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="cluster-launcher YAML or KubeRay manifest")
+    args = parser.parse_args(argv)
+    failed = False
+    for path in args.files:
+        try:
+            check_file(path)
+            print(f"OK {path}")
+        except ClusterFileError as exc:
+            print(f"raydiff: error: {path}: {exc}", file=sys.stderr)
+            failed = True
+    return 2 if failed else 0
+
+
+def _entry() -> None:
+    sys.exit(cli.run(main))
+
+
+if __name__ == "__main__":
+    _entry()

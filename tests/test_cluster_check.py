@@ -1,0 +1,250 @@
+"""raydiff.cluster_check: every file under cluster/ validates through the CLI, and broken copies of them are
+refused with one clear line on stderr and exit code 2. Nothing here starts Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from raydiff import cli, config, train
+from raydiff.cluster_check import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cluster").rglob("*.yaml"))
+CLUSTER_PRESETS = ("cifar10-aws", "cifar10-gcp", "cifar10-k8s")
+
+
+def test_every_cluster_file_validates():
+    assert len(CLUSTER_FILES) == 4, CLUSTER_FILES
+    result = subprocess.run([sys.executable, "-m", "raydiff.cluster_check", *CLUSTER_FILES], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"OK {name}" for name in CLUSTER_FILES]
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("preset", CLUSTER_PRESETS)
+def test_cluster_presets_dry_run(preset, capsys):
+    assert cli.run(train.main, ["--config", preset, "--dry-run"]) == 0
+    assert "# model parameters: 35,746,307" in capsys.readouterr().out
+    cfg = config.load_config(preset, check_source=False)
+    assert cfg.scaling.num_workers == (2, 8) and cfg.scaling.use_gpu is True
+
+
+def _refused(capsys, *paths: Path) -> str:
+    """Run the CLI on `paths`; it must exit 2 with exactly one error line (for the last path), no traceback."""
+    assert cli.run(main, [str(p) for p in paths]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"raydiff: error: {paths[-1]}: "), lines[0]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# Ray cluster-launcher configs.
+def _launcher(tmp_path: Path, change: Callable[[dict[str, Any]], Any], preset: str = "cifar10-aws") -> Path:
+    cfg = yaml.safe_load((ROOT / "cluster" / "aws.yaml").read_text())
+    change(cfg)
+    path = tmp_path / "aws.yaml"
+    path.write_text(f"# raydiff-preset: {preset}\n" + yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _rename(mapping: dict[str, Any], old: str, new: str) -> None:
+    mapping[new] = mapping.pop(old)
+
+
+GPU, HEAD = "ray.worker.gpu", "ray.head.default"
+LAUNCHER_BROKEN = {
+    "misspelt key": (lambda c: _rename(c["available_node_types"][GPU], "min_workers", "min_worker"),
+                     "available_node_types['ray.worker.gpu']: unknown key 'min_worker' (did you mean 'min_workers'?)"),
+    "missing provider": (lambda c: c.pop("provider"), "provider: missing required key"),
+    "misspelt provider": (lambda c: _rename(c, "provider", "provder"), "(found 'provder': misspelt?)"),
+    "head takes work": (lambda c: c["available_node_types"][HEAD].update(resources={"CPU": 4}),
+                        "resources.CPU = 4: the head must advertise CPU: 0"),
+    "no GPU workers": (lambda c: c["available_node_types"][GPU].update(resources={"CPU": 8}),
+                       "no worker type advertises GPUs"),
+    "dashboard on 0.0.0.0": (lambda c: c["head_start_ray_commands"].append("ray start --dashboard-host=0.0.0.0"),
+                             "--dashboard-host=0.0.0.0 exposes the dashboard"),
+    "security group opens 8265": (
+        lambda c: c["provider"].update(security_group={"IpPermissions": [
+            {"IpProtocol": "tcp", "FromPort": 8265, "ToPort": 8265, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]}),
+        "a rule opens port 8265"),
+    "auth disabled": (lambda c: c["setup_commands"].append("export RAY_AUTH_MODE=disabled"),
+                      "RAY_AUTH_MODE=disabled"),
+    "auth off": (lambda c: c.update(worker_start_ray_commands=["ray start --address=$RAY_HEAD_IP:6379"]),
+                 "worker_start_ray_commands: Ray token auth is off"),
+    "too few GPU nodes": (lambda c: c["available_node_types"][GPU].update(max_workers=4),
+                          "the GPU workers hold at most 4 GPUs"),
+}
+
+
+@pytest.mark.parametrize("case", LAUNCHER_BROKEN)
+def test_broken_launcher_config_is_refused(case, tmp_path, capsys):
+    change, expected = LAUNCHER_BROKEN[case]
+    assert expected in _refused(capsys, _launcher(tmp_path, change))
+
+
+def test_launcher_needs_a_preset_line(tmp_path, capsys):
+    path = _launcher(tmp_path, lambda c: None)
+    path.write_text(path.read_text().split("\n", 1)[1])
+    assert "# raydiff-preset: missing" in _refused(capsys, path)
+    assert "'nope' is not a preset" in _refused(capsys, _launcher(tmp_path, lambda c: None, preset="nope"))
+    assert "must be elastic" in _refused(capsys, _launcher(tmp_path, lambda c: None, preset="cifar10"))
+
+
+def _presets_with(tmp_path: Path, monkeypatch, name: str, change: Callable[[dict[str, Any]], Any]) -> None:
+    """A presets folder where preset `name` is changed, in place of configs/."""
+    presets = tmp_path / "configs"
+    presets.mkdir()
+    tree = yaml.safe_load((config.PRESETS_DIR / f"{name}.yaml").read_text())
+    change(tree)
+    (presets / f"{name}.yaml").write_text(yaml.safe_dump(tree))
+    monkeypatch.setattr(config, "PRESETS_DIR", presets)
+
+
+def test_launcher_refuses_local_run_storage(tmp_path, monkeypatch, capsys):
+    _presets_with(tmp_path, monkeypatch, "cifar10-aws", lambda t: t["run"].update(storage="/home/ubuntu/runs"))
+    line = _refused(capsys, _launcher(tmp_path, lambda c: None))
+    assert "run.storage = '/home/ubuntu/runs' is a path on each node's own disk" in line
+    assert "use s3://BUCKET/PATH or gs://BUCKET/PATH" in line
+
+
+def test_launcher_refuses_local_data_source(tmp_path, monkeypatch, capsys):
+    _presets_with(tmp_path, monkeypatch, "cifar10-aws", lambda t: t["data"].update(source="/data/cifar10"))
+    assert "data.source = '/data/cifar10'" in _refused(capsys, _launcher(tmp_path, lambda c: None))
+
+
+# KubeRay manifests.
+def _kuberay(tmp_path: Path, name: str, change: Callable[[dict[str, Any], dict[str, Any]], Any]) -> Path:
+    """A copy of cluster/kuberay/NAME with `change(pvc, ray_object)` applied."""
+    pvc, obj = [d for d in yaml.safe_load_all((ROOT / "cluster" / "kuberay" / name).read_text()) if d]
+    change(pvc, obj)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump_all([pvc, obj], sort_keys=False))
+    return path
+
+
+def _group(obj: dict[str, Any], i: int) -> dict[str, Any]:
+    spec = obj["spec"] if obj["kind"] == "RayCluster" else obj["spec"]["rayClusterSpec"]
+    return spec["workerGroupSpecs"][i]
+
+
+def _head(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["headGroupSpec"]
+
+
+KUBERAY_BROKEN = {
+    "unknown key": (lambda p, o: _group(o, 0).update(minReplica=2),
+                    "spec.workerGroupSpecs[0]: unknown key 'minReplica' (did you mean 'minReplicas'?)"),
+    "unknown container key": (lambda p, o: _head(o)["template"]["spec"]["containers"][0].update(imagePullPolice="x"),
+                              "containers[0]: unknown key 'imagePullPolice' (did you mean 'imagePullPolicy'?)"),
+    "minReplicas > maxReplicas": (lambda p, o: _group(o, 1).update(minReplicas=3),
+                                  "spec.workerGroupSpecs[1].minReplicas = 3 > maxReplicas = 2"),
+    "replicas out of range": (lambda p, o: _group(o, 1).update(replicas=5),
+                              "spec.workerGroupSpecs[1].replicas = 5 (cpu-workers): must be between"),
+    "autoscaling off": (lambda p, o: o["spec"].update(enableInTreeAutoscaling=False),
+                        "spec.enableInTreeAutoscaling = false: must be true"),
+    "autoscaling missing": (lambda p, o: o["spec"].pop("enableInTreeAutoscaling"),
+                            "spec: missing required key 'enableInTreeAutoscaling'"),
+    "bad upscalingMode": (lambda p, o: o["spec"]["autoscalerOptions"].update(upscalingMode="Fast"),
+                          'spec.autoscalerOptions.upscalingMode = "Fast": allowed: "Default", "Aggressive"'),
+    "bad imagePullPolicy": (lambda p, o: _head(o)["template"]["spec"]["containers"][0].update(imagePullPolicy="Now"),
+                            'imagePullPolicy = "Now": allowed: "Always", "IfNotPresent", "Never"'),
+    "bad restartPolicy": (lambda p, o: _group(o, 0)["template"]["spec"].update(restartPolicy="Sometimes"),
+                          'restartPolicy = "Sometimes": allowed: "Always", "OnFailure", "Never"'),
+    "wrong apiVersion": (lambda p, o: o.update(apiVersion="ray.io/v1alpha1"),
+                         'apiVersion = "ray.io/v1alpha1": must be "ray.io/v1"'),
+    "head takes work": (lambda p, o: _head(o)["rayStartParams"].update({"num-cpus": "4"}),
+                        'rayStartParams.num-cpus = "4": must be "0"'),
+    "unquoted num-cpus": (lambda p, o: _head(o)["rayStartParams"].update({"num-cpus": 0}),
+                          'rayStartParams.num-cpus = 0: expected string (quote it: "0")'),
+    "exposed dashboard": (lambda p, o: _head(o).update(serviceType="LoadBalancer"),
+                          "serviceType LoadBalancer / enableIngress expose the dashboard"),
+    "auth disabled": (lambda p, o: o["spec"]["authOptions"].update(mode="disabled"),
+                      "spec.authOptions.mode: Ray token auth is off"),
+    "literal token": (lambda p, o: _group(o, 0)["template"]["spec"]["containers"][0].update(
+                          env=[{"name": "RAY_AUTH_TOKEN", "value": "not-a-secret"}]),
+                      "RAY_AUTH_TOKEN has a literal value"),
+    "two GPUs per pod": (lambda p, o: _group(o, 0)["template"]["spec"]["containers"][0]["resources"]["limits"].update(
+                             {"nvidia.com/gpu": 2}), "nvidia.com/gpu = 2 per pod"),
+    "replicas not the preset's": (lambda p, o: _group(o, 0).update(minReplicas=1, replicas=1),
+                                  ("minReplicas/maxReplicas = [1, 8]: must equal the preset's scaling.num_workers = "
+                                   "[2, 8] (cifar10-k8s)")),
+    "storage not in every pod": (lambda p, o: _group(o, 1)["template"]["spec"]["containers"][0].pop("volumeMounts"),
+                                 ("run.storage = '/mnt/raydiff/runs' is not on a ReadWriteMany volume in every Ray "
+                                  "pod (missing in cpu-workers)")),
+    "storage not ReadWriteMany": (lambda p, o: p["spec"].update(accessModes=["ReadWriteOnce"]),
+                                  "(missing in head, gpu-workers, cpu-workers)"),
+    "no preset annotation": (lambda p, o: o["metadata"].pop("annotations"),
+                             "metadata.annotations.raydiff.dev/preset: missing"),
+}
+
+
+@pytest.mark.parametrize("case", KUBERAY_BROKEN)
+def test_broken_raycluster_is_refused(case, tmp_path, capsys):
+    change, expected = KUBERAY_BROKEN[case]
+    assert expected in _refused(capsys, _kuberay(tmp_path, "raycluster.yaml", change))
+
+
+RAYJOB_BROKEN = {
+    "bad submissionMode": (lambda p, o: o["spec"].update(submissionMode="Http"),
+                           'spec.submissionMode = "Http": allowed: "K8sJobMode", "HTTPMode"'),
+    "unknown key": (lambda p, o: o["spec"].update(shutdownAfterJobFinish=True),
+                    "spec: unknown key 'shutdownAfterJobFinish' (did you mean 'shutdownAfterJobFinishes'?)"),
+    "autoscaling off": (lambda p, o: o["spec"]["rayClusterSpec"].update(enableInTreeAutoscaling=False),
+                        "spec.rayClusterSpec.enableInTreeAutoscaling = false: must be true"),
+    "another preset": (lambda p, o: o["spec"].update(entrypoint="python -m raydiff.train --config cifar10"),
+                       ("spec.entrypoint runs --config cifar10, but metadata.annotations.raydiff.dev/preset is "
+                        "cifar10-k8s")),
+    "replicas not the preset's": (lambda p, o: _group(o, 0).update(maxReplicas=4),
+                                  ("spec.rayClusterSpec.workerGroupSpecs[0] (gpu-workers): minReplicas/maxReplicas "
+                                   "= [2, 4]")),
+}
+
+
+@pytest.mark.parametrize("case", RAYJOB_BROKEN)
+def test_broken_rayjob_is_refused(case, tmp_path, capsys):
+    change, expected = RAYJOB_BROKEN[case]
+    assert expected in _refused(capsys, _kuberay(tmp_path, "rayjob.yaml", change))
+
+
+def test_kuberay_refuses_storage_off_the_volume(tmp_path, monkeypatch, capsys):
+    _presets_with(tmp_path, monkeypatch, "cifar10-k8s", lambda t: t["run"].update(storage="/tmp/runs"))
+    line = _refused(capsys, _kuberay(tmp_path, "raycluster.yaml", lambda p, o: None))
+    assert "run.storage = '/tmp/runs' is not on a ReadWriteMany volume in every Ray pod" in line
+
+
+def test_kuberay_accepts_bucket_storage(tmp_path, monkeypatch, capsys):
+    _presets_with(tmp_path, monkeypatch, "cifar10-k8s", lambda t: t["run"].update(storage="gs://YOUR-BUCKET/runs"))
+    path = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: None)
+    assert cli.run(main, [str(path)]) == 0
+    assert capsys.readouterr().out == f"OK {path}\n"
+
+
+# Files that are neither.
+def test_other_files_are_refused(tmp_path, capsys):
+    missing = tmp_path / "missing.yaml"
+    assert _refused(capsys, missing).endswith(": no such file")
+    other = tmp_path / "other.yaml"
+    other.write_text("foo: 1\n")
+    assert "neither a Ray cluster-launcher config" in _refused(capsys, other)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("foo: [1\n")
+    assert "not valid YAML" in _refused(capsys, broken)
+
+
+def test_good_and_bad_files_together(tmp_path, capsys):
+    bad = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: o["spec"].update(enableInTreeAutoscaling=False))
+    assert cli.run(main, [str(ROOT / "cluster" / "gcp.yaml"), str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"OK {ROOT / 'cluster' / 'gcp.yaml'}\n"
+    assert err.count("\n") == 1 and str(bad) in err
+
