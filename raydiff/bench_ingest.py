@@ -8,8 +8,8 @@ batches in [-1, 1] at the target resolution to a consumer loop that moves them t
 - `raw`: raydiff from the raw files (Ray Data decodes once, then every epoch gathers from the object store);
 - `cached`: raydiff from the same files prepared by `raydiff.prepare` (Parquet shards, no decoding).
 
-Steady-state img/s excludes the first epoch and covers whole epochs for at least MIN_STEADY_S (worker start-up, raydiff's decode); the first epoch's seconds are
-reported too, because that is where decoding costs.
+Steady-state img/s excludes the first epoch (worker start-up, raydiff's decode) and covers whole epochs for at
+least MIN_STEADY_S; the first epoch's seconds are reported too, because that is where decoding costs.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ class ScalingSection:
 @dataclass
 class RunSection:
     name: str = "default"
-    storage: str = "runs"  # parent folder of the run directory <storage>/<name>
+    storage: str = "runs"  # parent of the run directory <storage>/<name>: a folder (NFS on clusters), s3:// or gs://
+    endpoint: Optional[str] = None  # run.storage's S3/GCS endpoint URL; null: AWS_ENDPOINT_URL or the default
     max_failures: int = 3  # worker-group restarts allowed; -1 = unlimited
     keep_checkpoints: int = 3
     resume: bool = True  # false: move an existing run of this name aside and start over
@@ -325,7 +326,8 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     if check_source:
         _check(bool(d.source), "data.source", d.source, "required: a folder of images or builtin:digits")
         if d.source.startswith("builtin:"):
-            _check(d.source in BUILTIN_SOURCES, "data.source", d.source, f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
+            _check(d.source in BUILTIN_SOURCES, "data.source", d.source,
+                   f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
         elif "://" not in d.source:
             _check(Path(d.source).exists(), "data.source", d.source, "no such file or folder")
         else:
@@ -410,6 +412,12 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", r.name) is not None, "run.name", r.name,
            "use letters, digits, '.', '_' and '-' (it names a folder)")
     _check(bool(r.storage), "run.storage", r.storage, "required: a folder for run directories")
+    _check("://" not in r.storage or r.storage.startswith(SCHEMES), "run.storage", r.storage,
+           f"supported URI schemes: {', '.join(SCHEMES)} (or a local or NFS path)")
+    _check(r.endpoint is None or "://" in r.endpoint, "run.endpoint", r.endpoint,
+           "must be a URL such as http://127.0.0.1:9000, or null")
+    _check(not cfg.debug.record_order or "://" not in r.storage or r.storage.startswith("file://"),
+           "debug.record_order", True, "needs a local run.storage")
     _check(r.max_failures >= -1, "run.max_failures", r.max_failures, "must be >= 0, or -1 for unlimited")
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")
 

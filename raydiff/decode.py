@@ -36,7 +36,8 @@ def _flatten(image: Image.Image, mode: str) -> Image.Image:
         image = _to_8bit(image)
     if image.mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode in ("L", "RGB") and "transparency" in image.info):
+    transparent = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+    if transparent:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (BACKGROUND,) * 3 + (255,))
         image = Image.alpha_composite(background, rgba)

@@ -8,7 +8,7 @@ import math
 import os
 import time
 import uuid
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import Any
 
 import ray
@@ -16,13 +16,15 @@ import ray.train
 import yaml
 from ray.train.torch import TorchTrainer
 
-from raydiff.config import Config
+from raydiff.config import Config, ConfigError
 from raydiff.ingest import ImageStore, load_data
 from raydiff.loop import train_worker
 from raydiff.lr import describe_lr
 from raydiff.resume import DATA_FILE, plan_run
+from raydiff.rundir import RunDir
 from raydiff.runlog import JsonlLog
 from raydiff.sources import DataError, source_of
+from raydiff.stop import StopFlag, stop_on_signals
 
 BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
 
@@ -31,10 +33,58 @@ def init_ray() -> None:
     """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one."""
     if ray.is_initialized():
         return
+    from ray._private.services import canonicalize_bootstrap_address
+
+    existing = canonicalize_bootstrap_address(None)  # what ray.init() will join, if anything
     ray.init(logging_level=logging.WARNING)
+    resources = ray.cluster_resources()
+    what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
+    print(f"[raydiff] {what}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU, "
+          f"{len([n for n in ray.nodes() if n['Alive']])} node(s)")
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
+
+
+def run_dir_of(cfg: Config) -> RunDir:
+    """`<run.storage>/<run.name>`: a local or NFS folder, or an s3:// / gs:// prefix."""
+    return RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / cfg.run.name
+
+
+@ray.remote(num_cpus=0)
+def _sees(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def unreachable_nodes(folder: str, probe=None) -> list[str]:
+    """Addresses of the cluster's live nodes on which `folder` (a local path) does not show a file the driver
+    just wrote there: the storage is not shared with them. `probe(path, node_id)` -> bool is for tests."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    os.makedirs(folder, exist_ok=True)
+    marker = os.path.join(folder, f".raydiff-shared-{uuid.uuid4().hex}")
+    open(marker, "w").close()
+    try:
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        if probe is None:
+            def probe(path: str, node_id: str) -> bool:
+                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+                return ray.get(_sees.options(scheduling_strategy=strategy).remote(path), timeout=60)
+        return [n["NodeManagerAddress"] for n in nodes if not probe(marker, n["NodeID"])]
+    finally:
+        os.remove(marker)
+
+
+def check_shared_storage(storage: str, probe=None) -> None:
+    """On a multi-node cluster a local run.storage must be a shared (NFS) mount: refuse it up front, with what to
+    use instead, rather than fail at the first checkpoint of a remote worker."""
+    if "://" in storage or len([n for n in ray.nodes() if n["Alive"]]) < 2:
+        return
+    missing = unreachable_nodes(storage, probe)
+    if missing:
+        raise ConfigError(f"run.storage = {storage!r} is not shared: node(s) {', '.join(sorted(set(missing)))} cannot "
+                          f"see it. A multi-node cluster needs storage every node reaches: an s3:// or gs:// URI, or "
+                          f"an NFS path mounted at the same place on every node")
 
 
 def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, int]:
@@ -63,12 +113,6 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     return scaling, max(1, math.floor(cpus_per_worker))
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float | None = None,
                  callbacks: list | None = None) -> dict[str, Any]:
     """Train to `cfg.train.total_steps`, continuing the run's newest checkpoint; return the summary.
@@ -78,7 +122,7 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     :param callbacks: Ray Train callbacks, e.g. Tune's report callback.
     """
     started = time.perf_counter()
-    run_dir = Path(cfg.run.storage) / cfg.run.name
+    run_dir = run_dir_of(cfg)
 
     # Decide what this command means for the run directory before starting anything.
     source = source_of(cfg.data)
@@ -87,11 +131,12 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     for note in plan.notes:
         print(f"[raydiff] {note}")
     if plan.action == "finished":
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads(run_dir.read_text("summary.json"))
         return {**summary, "already_finished": True, "run_dir": str(run_dir)}
 
     # Decode the data once with Ray Data.
     init_ray()
+    check_shared_storage(cfg.run.storage)
     decode_start = time.perf_counter()
     decoded = "decoded earlier"
     if images is None:
@@ -110,21 +155,22 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
           f"{run_dir}")
 
     # Record the resolved config and the data's identity next to the results.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    _write_text(run_dir / DATA_FILE, json.dumps(data, indent=2) + "\n")
+    run_dir.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    run_dir.write_text(DATA_FILE, json.dumps(data, indent=2) + "\n")
     if images.bad:
-        _write_text(run_dir / BAD_FILE, json.dumps([b.to_dict() for b in images.bad], indent=1) + "\n")
+        run_dir.write_text(BAD_FILE, json.dumps([b.to_dict() for b in images.bad], indent=1) + "\n")
 
-    invocation = uuid.uuid4().hex
+    invocation, stop_flag = uuid.uuid4().hex, StopFlag.remote()
+    storage = RunDir(cfg.run.storage, endpoint=cfg.run.endpoint)
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"config": cfg.to_dict(), "images": images, "run_dir": str(run_dir),
-                           "torch_threads": torch_threads, "invocation": invocation},
+        train_loop_config={"config": cfg.to_dict(), "images": images, "run_dir": run_dir,
+                           "torch_threads": torch_threads, "invocation": invocation, "stop_flag": stop_flag},
         scaling_config=scaling,
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
-            storage_path=cfg.run.storage,
+            storage_path=storage.path,
+            storage_filesystem=storage.fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
@@ -132,20 +178,22 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
         ),
     )
     error = None
-    try:
-        result = trainer.fit()
-        outcome = result.return_value or {}
-        checkpoint = result.checkpoint.path if result.checkpoint else None
-    except ray.train.TrainingFailedError as exc:
-        error, outcome, checkpoint = str(exc).strip().splitlines()[0], {}, None
-    return _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started,
-                          bad_images=images.bad_report())
+    with stop_on_signals(stop_flag) as received:
+        try:
+            result = trainer.fit()
+            outcome = result.return_value or {}
+            checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
+        except ray.train.TrainingFailedError as exc:
+            error, outcome, checkpoint = str(exc).strip().splitlines()[0], {}, None
+    summary = _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started,
+                             bad_images=images.bad_report())
+    return {**summary, "signal": received["signal"]}
 
 
 def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, error, started,
                    bad_images) -> dict[str, Any]:
-    rows = JsonlLog(run_dir / "metrics.jsonl").rows()
-    starts = [e for e in JsonlLog(run_dir / "events.jsonl").rows() if e["event"] == "start"]
+    rows = JsonlLog(run_dir, "metrics.jsonl").rows()
+    starts = [e for e in JsonlLog(run_dir, "events.jsonl").rows() if e["event"] == "start"]
     this_invocation = [e for e in starts if e["invocation"] == invocation]
     last = rows[-1] if rows else {}
     status = outcome.get("status", "failed") if error is None else "failed"
@@ -169,5 +217,5 @@ def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, 
     }
     if error or outcome.get("diagnostic"):
         summary["error"] = error or outcome["diagnostic"]
-    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    run_dir.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from pathlib import Path
@@ -25,17 +26,29 @@ def _save_atomically(tensor: torch.Tensor, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_grid(images: torch.Tensor, path: Path) -> Path:
-    """Images in [-1, 1], (N, C, H, W) -> one PNG grid, as square as possible, 2 px padding."""
+def _grid(images: torch.Tensor) -> torch.Tensor:
     from torchvision.utils import make_grid
 
     unit = _to_unit(images)
     scale = max(1, MIN_DISPLAY_PX // unit.shape[-1])
     if scale > 1:
         unit = F.interpolate(unit, scale_factor=scale, mode="nearest")
-    grid = make_grid(unit, nrow=math.ceil(math.sqrt(len(unit))), padding=2, pad_value=0.5)
-    _save_atomically(grid, Path(path))
+    return make_grid(unit, nrow=math.ceil(math.sqrt(len(unit))), padding=2, pad_value=0.5)
+
+
+def save_grid(images: torch.Tensor, path: Path) -> Path:
+    """Images in [-1, 1], (N, C, H, W) -> one PNG grid, as square as possible, 2 px padding."""
+    _save_atomically(_grid(images), Path(path))
     return Path(path)
+
+
+def grid_png(images: torch.Tensor) -> bytes:
+    """The grid of `save_grid` as PNG bytes (for run directories on an object store)."""
+    from torchvision.utils import save_image
+
+    buffer = io.BytesIO()
+    save_image(_grid(images), buffer, format="png")
+    return buffer.getvalue()
 
 
 def save_samples(images: torch.Tensor, out: Path) -> Path:

@@ -27,18 +27,20 @@ from raydiff.checkpoint import checkpoint_name, write_state
 from raydiff.config import Config
 from raydiff.diffusion import build_diffusion
 from raydiff.ema import ema_decay_at, make_ema, update_ema
-from raydiff.images import save_grid
+from raydiff.images import grid_png
 from raydiff.loader import BatchStream, ImageTable
 from raydiff.lr import describe_lr, lr_at
 from raydiff.microbatch import measure_micro_batch
 from raydiff.order import SampleOrder, derive_seed, rank_share
+from raydiff.rundir import RunDir
 from raydiff.runlog import JsonlLog, progress_line
 from raydiff.state import Progress, checkpoint_candidates, restore_newest, training_state
 from raydiff.unet import build_model
 from raydiff.validation import Validation, holdout_split
 
 logger = logging.getLogger("raydiff")
-PREEMPTION_CHECK_STEPS = 10  # how often the workers agree on whether a node is about to be reclaimed
+INTERRUPT_CHECK_STEPS = 10  # how often the workers agree on whether to checkpoint now (preemption, stop request)
+REMOTE_METRICS_FLUSH_S = 30.0  # an object store cannot append: metrics.jsonl is rewritten at most this often
 
 
 def quiet_ray_train_logs() -> None:
@@ -65,6 +67,20 @@ def _from_rank_zero(value: Any) -> Any:
     return box[0]
 
 
+def _interrupt(stop_flag, is_chief: bool, device: torch.device) -> str | None:
+    """Whether to checkpoint now, decided alike on every worker: "stop" when the driver was asked to stop (rank 0
+    asks it), "preemption" when any worker's node is about to be reclaimed, else None."""
+    from raydiff.stop import stop_reason
+
+    preempted = ray.train.get_preemption_info() is not None  # a collective itself: every rank must call it
+    local = 2 if is_chief and stop_reason(stop_flag) else 1 if preempted else 0
+    if dist.is_available() and dist.is_initialized():
+        box = torch.tensor(local, device=device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        local = int(box)
+    return {0: None, 1: "preemption", 2: "stop"}[local]
+
+
 def _smallest(value: int, device: torch.device) -> int:
     """The smallest of every worker's value."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -77,7 +93,7 @@ def _smallest(value: int, device: torch.device) -> int:
 def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     cfg = Config.from_dict(loop_config["config"])
     t = cfg.train
-    run_dir = Path(loop_config["run_dir"])
+    run_dir: RunDir = loop_config["run_dir"]
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
@@ -120,13 +136,14 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                            micro_batch=micro_batch, start_step=step, pin_memory=device.type == "cuda")
 
     stream = open_stream(progress.step)
-    metrics_log = JsonlLog(run_dir / "metrics.jsonl") if is_chief else None
-    events = JsonlLog(run_dir / "events.jsonl") if is_chief else None
+    metrics_log = JsonlLog(run_dir, "metrics.jsonl") if is_chief else None
+    events = JsonlLog(run_dir, "events.jsonl") if is_chief else None
     order_log = _order_log(run_dir, rank) if cfg.debug.record_order else None
     if is_chief:
         metrics_log.truncate_after(progress.step)  # rows past the checkpoint belong to lost work
         events.append({"event": "start", "invocation": loop_config["invocation"], "step": progress.step,
                        "world_size": world_size, "pid": os.getpid(), "time": time.time()})
+        events.flush()
         logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
                     f"{world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
                     f"micro-batches of up to {micro_batch}, device {device}; {describe_lr(t)}")
@@ -134,8 +151,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     window = _open_window(progress, device)
     injected_nan_steps: set[int] = set()
     bad_streak, last_row, last_checkpoint_step, diagnostic = 0, None, progress.step, None
-    val_loss, val_step = None, None
-    run_start = time.perf_counter()
+    val_loss, val_step, stopped = None, None, False
+    run_start = last_flush = time.perf_counter()
     try:
         while progress.step < t.total_steps:
             step = progress.step
@@ -209,12 +226,14 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                         metrics_log.truncate_after(progress.step)
                         events.append({"event": "rollback", "from_step": step, "to_step": progress.step,
                                        "checkpoint": str(restored), "time": time.time()})
+                        events.flush()
                         logger.warning(f"[raydiff] WARNING: {t.max_bad_steps} non-finite steps in a row at step "
                                        f"{step}: rolled back to step {progress.step}")
                     continue
                 diagnostic = _divergence_report(t, step, lr, grad_norm, x0, timesteps, losses, diffusion.timesteps)
                 if is_chief:
                     events.append({"event": "diverged", "step": step, "diagnostic": diagnostic, "time": time.time()})
+                    events.flush()
                     logger.error(f"[raydiff] {diagnostic}")
                 break
 
@@ -233,38 +252,51 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 last_row = metrics
                 if is_chief:
                     metrics_log.append(metrics)
+                    if time.perf_counter() - last_flush > REMOTE_METRICS_FLUSH_S:
+                        metrics_log.flush()
+                        last_flush = time.perf_counter()
                     logger.info(progress_line(metrics, t.total_steps, start_step, time.perf_counter() - run_start))
             pause_start = time.perf_counter()  # sampling and checkpointing do not count as training time
             if is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
                 _save_sample_grid(ema, diffusion, cfg, step, run_dir, device)
-            preempted = (step % PREEMPTION_CHECK_STEPS == 0 and not done
-                         and ray.train.get_preemption_info() is not None and last_checkpoint_step != step)
+            interrupt = _interrupt(loop_config.get("stop_flag"), is_chief, device) \
+                if step % INTERRUPT_CHECK_STEPS == 0 and not done else None
             # Ray sees checkpoints and validation losses (Tune stops trials on them). Other metrics rows go to
             # metrics.jsonl only: each report waits for Ray Train's controller to poll it (every 2 s).
             report = {"step": step, "images_seen": step * t.global_batch, **(metrics or {}),
                       **({"val_loss": val_loss} if val_loss is not None else {})}
-            if step % t.checkpoint_every == 0 or done or preempted:
-                if preempted and is_chief:
-                    events.append({"event": "preemption_checkpoint", "step": step, "time": time.time()})
+            if step % t.checkpoint_every == 0 or done or (interrupt and last_checkpoint_step != step):
+                if interrupt and is_chief:
+                    events.append({"event": f"{interrupt}_checkpoint", "step": step, "time": time.time()})
+                    events.flush()
+                if is_chief:
+                    metrics_log.flush()  # the rows up to this checkpoint are kept on resume
+                    last_flush = time.perf_counter()
                 _report_checkpoint(report, objects, progress, window, cfg, is_chief, run_dir)
                 last_checkpoint_step = step
             elif val_step == step:
                 ray.train.report(report, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
             window["paused_s"] += time.perf_counter() - pause_start
+            if interrupt == "stop":
+                stopped = True
+                break
     finally:
+        if is_chief:
+            metrics_log.flush()
         stream.close()
         if order_log is not None:
             order_log.close()
 
-    return {"status": "diverged" if diagnostic else "finished", "diagnostic": diagnostic, "steps": progress.step,
+    status = "diverged" if diagnostic else "stopped" if stopped else "finished"
+    return {"status": status, "diagnostic": diagnostic, "steps": progress.step,
             "images_seen": progress.step * t.global_batch, "final_loss": last_row and last_row["loss"],
             "skipped_steps": progress.counters["skipped_steps"], "rollbacks": progress.counters["rollbacks"],
             "world_size": world_size, "resumed_from_step": start_step, "val_loss": val_loss}
 
 
-def _order_log(run_dir: Path, rank: int):
-    """Audit trail of the samples this worker trains on (debug.record_order)."""
-    folder = run_dir / "order"
+def _order_log(run_dir: RunDir, rank: int):
+    """Audit trail of the samples this worker trains on (debug.record_order; a local run.storage only)."""
+    folder = run_dir.local / "order"
     folder.mkdir(parents=True, exist_ok=True)
     return open(folder / f"rank{rank}_pid{os.getpid()}.jsonl", "a", buffering=1)
 
@@ -307,7 +339,8 @@ def _divergence_report(t, step, lr, grad_norm, x0, timesteps, losses, num_timest
     for q in range(4):
         low, high = q * num_timesteps // 4, (q + 1) * num_timesteps // 4
         selected = losses.detach().float()[(timesteps >= low) & (timesteps < high)]
-        buckets.append(f"t {low}-{high - 1}: {selected.mean().item():.4g}" if len(selected) else f"t {low}-{high - 1}: -")
+        mean = f"{selected.mean().item():.4g}" if len(selected) else "-"
+        buckets.append(f"t {low}-{high - 1}: {mean}")
     return (f"training diverged: {t.max_bad_steps} non-finite steps in a row at step {step} (rolled back at most "
             f"once before); lr {lr:.3g}, grad norm {float(grad_norm):.3g}, input range [{x0.min().item():.3g}, "
             f"{x0.max().item():.3g}], loss by timestep ({'; '.join(buckets)}). Try a lower train.lr, more "
@@ -315,16 +348,16 @@ def _divergence_report(t, step, lr, grad_norm, x0, timesteps, losses, num_timest
 
 
 @torch.no_grad()
-def _save_sample_grid(ema, diffusion, cfg: Config, step: int, run_dir: Path, device) -> None:
+def _save_sample_grid(ema, diffusion, cfg: Config, step: int, run_dir: RunDir, device) -> None:
     """A fixed-seed DDIM grid from the EMA weights in fp32."""
     t, d = cfg.train, cfg.data
     images = diffusion.sample(ema, (t.sample_num, d.channels, d.resolution, d.resolution), sampler="ddim",
                               steps=t.sample_steps, generator=torch.Generator().manual_seed(t.seed), device=device)
-    save_grid(images, run_dir / "samples" / f"step_{step:08d}.png")
+    run_dir.write_bytes(f"samples/step_{step:08d}.png", grid_png(images))
 
 
 def _report_checkpoint(metrics, objects, progress: Progress, window, cfg: Config, is_chief: bool,
-                       run_dir: Path) -> None:
+                       run_dir: RunDir) -> None:
     """Report with a checkpoint: the chief writes the full state, every worker takes part in the report.
     Ray uploads it in the background and deletes the local copy, so training goes on at once."""
     checkpoint = None

@@ -44,7 +44,8 @@ def plot_sweep(rows: Sequence[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(rules), figsize=(5 * len(rules), 4), squeeze=False, sharey=True)
     for ax, rule in zip(axes[0], rules):
         for i, batch in enumerate(sorted({r["batch"] for r in rows if r["rule"] == rule})):
-            trials = sorted((r for r in rows if r["rule"] == rule and r["batch"] == batch and r["val_loss"] is not None),
+            trials = sorted((r for r in rows
+                             if r["rule"] == rule and r["batch"] == batch and r["val_loss"] is not None),
                             key=lambda r: r["base_lr"])
             done = [r for r in trials if r["status"] == "finished"]
             stopped = [r for r in trials if r["status"] != "finished"]

@@ -11,19 +11,19 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from raydiff.checkpoint import checkpoint_step, list_checkpoints
 from raydiff.config import Config, ConfigError
+from raydiff.rundir import RunDir
 
 # Keys whose change makes a checkpoint mean something else; every other key may change between runs
 # (learning rate, cadences, total_steps to extend a run, world size, precision, ...).
 IDENTITY_SECTIONS = ("model", "diffusion")
-IDENTITY_KEYS = ("data.source", "data.resolution", "data.channels", "data.flip", "data.val_images", "train.global_batch",
-                 "train.seed")
+IDENTITY_KEYS = ("data.source", "data.format", "data.image_column", "data.resolution", "data.channels", "data.flip",
+                 "data.val_images", "train.global_batch", "train.seed")
 DATA_FILE = "data.json"
 
 
@@ -51,20 +51,19 @@ class RunPlan:
     notes: tuple[str, ...] = ()
 
 
-def plan_run(cfg: Config, run_dir: Path, data: dict[str, Any]) -> RunPlan:
+def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     """Decide what to do with `run_dir`; raises ConfigError when continuing would be meaningless."""
-    checkpoints = list_checkpoints(run_dir) if run_dir.is_dir() else []
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+    if run_dir.is_empty():
         return RunPlan("start", 0)
     if not cfg.run.resume:
-        moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.rename(moved)
+        moved = run_dir.parent / f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir.move_to(moved)
         return RunPlan("start", 0, (f"run.resume=false: moved the previous run to {moved}",))
 
+    checkpoints = list_checkpoints(run_dir)
     notes = []
-    config_file, data_file = run_dir / "config.yaml", run_dir / DATA_FILE
-    previous = yaml.safe_load(config_file.read_text()) if config_file.is_file() else None
-    previous_data = json.loads(data_file.read_text()) if data_file.is_file() else None
+    previous = yaml.safe_load(run_dir.read_text("config.yaml")) if run_dir.is_file("config.yaml") else None
+    previous_data = json.loads(run_dir.read_text(DATA_FILE)) if run_dir.is_file(DATA_FILE) else None
     changes = identity_changes(previous, cfg.to_dict()) if previous else []
     if previous_data and previous_data["fingerprint"] != data["fingerprint"] and not changes:
         changes.append(f"the files of data.source ({previous_data.get('num_files')} files, now {data['num_files']}, "
@@ -80,8 +79,8 @@ def plan_run(cfg: Config, run_dir: Path, data: dict[str, Any]) -> RunPlan:
         return RunPlan("start", 0, tuple(notes))
 
     step = checkpoint_step(checkpoints[-1])
-    summary_file = run_dir / "summary.json"
-    finished = summary_file.is_file() and json.loads(summary_file.read_text()).get("status") == "finished"
+    summary = json.loads(run_dir.read_text("summary.json")) if run_dir.is_file("summary.json") else {}
+    finished = summary.get("status") == "finished"
     if step >= cfg.train.total_steps and finished:
         return RunPlan("finished", step, tuple(notes))
     return RunPlan("continue", step, tuple(notes))

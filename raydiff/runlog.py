@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from pathlib import Path
 from typing import Any
+
+from raydiff.rundir import RunDir
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -18,31 +18,50 @@ def _fmt_duration(seconds: float) -> str:
 
 
 class JsonlLog:
-    """An append-only file of JSON rows."""
+    """A file of JSON rows in a run directory. Locally each row is appended at once (`tail -f` works); on an
+    object store, which cannot append, rows are kept in memory and `flush()` rewrites the file.
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    :param run: the run directory.
+    :param name: the file's name in it.
+    """
+
+    def __init__(self, run: RunDir, name: str) -> None:
+        self.run, self.name = run, name
+        self._rows: list[dict[str, Any]] | None = None  # object stores: every row, written by flush()
+        self._dirty = False
 
     def rows(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        if self._rows is not None:
+            return list(self._rows)
+        if not self.run.is_file(self.name):
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in self.run.read_text(self.name).splitlines() if line.strip()]
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        self.run.write_text(self.name, "".join(json.dumps(r) + "\n" for r in rows))
 
     def truncate_after(self, step: int) -> None:
         """Drop rows whose `step` is past `step` (work lost in a crash), atomically."""
         rows = self.rows()
         kept = [r for r in rows if r["step"] <= step]
-        if len(kept) == len(rows):
-            return
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        if self.run.remote:
+            self._rows, self._dirty = kept, self._dirty or len(kept) != len(rows)
+        elif len(kept) != len(rows):
+            self._write(kept)
 
     def append(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
+        if self.run.remote:
+            self._rows = self.rows() + [clean]
+            self._dirty = True
+        else:
+            self.run.append_text(self.name, json.dumps(clean) + "\n")
+
+    def flush(self) -> None:
+        """Write buffered rows (object stores only; a no-op for local files)."""
+        if self._dirty and self._rows is not None:
+            self._write(self._rows)
+            self._dirty = False
 
 
 def progress_line(row: dict[str, Any], total_steps: int, start_step: int, elapsed_s: float) -> str:

@@ -22,13 +22,16 @@ from raydiff.checkpoint import read_state, resolve_checkpoint
 from raydiff.config import Config
 from raydiff.diffusion import build_diffusion
 from raydiff.images import save_samples
+from raydiff.rundir import RunDir
 from raydiff.unet import build_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m raydiff.sample", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, type=Path, help="run directory (its newest checkpoint) or checkpoint folder")
+    parser.add_argument("--checkpoint", required=True,
+                        help="run directory (its newest checkpoint) or checkpoint folder; a path or s3:// / gs:// URI")
+    parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--num", type=int, default=64, help="number of images (default 64)")
     parser.add_argument("--out", required=True, type=Path, help="grid .png, or a folder")
     parser.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddpm", help="default ddpm")
@@ -83,7 +86,10 @@ def generate(state: dict, *, num: int, sampler: str, steps: int | None, eta: flo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    checkpoint = resolve_checkpoint(args.checkpoint)
+    try:
+        checkpoint = resolve_checkpoint(RunDir(args.checkpoint, endpoint=args.endpoint))
+    except ValueError as exc:  # an unsupported URI scheme
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {exc}") from None
     try:
         device = resolve_device(args.device)
     except ValueError as exc:

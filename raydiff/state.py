@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import Any
 
 import ray.train
 
-from raydiff.checkpoint import checkpoint_order, list_checkpoints, read_state
+from raydiff.checkpoint import as_rundir, checkpoint_order, list_checkpoints, read_state
+from raydiff.rundir import RunDir
 
 logger = logging.getLogger("raydiff")
 REQUIRED_KEYS = ("model", "ema", "optimizer", "scaler", "step", "images_seen", "counters", "window", "config")
@@ -52,7 +53,7 @@ def restore(state: dict[str, Any], model, ema, optimizer, scaler) -> Progress:
     return Progress(step=state["step"], counters=dict(state["counters"]), window=dict(state["window"]))
 
 
-def restore_newest(candidates: list[Path], model, ema, optimizer, scaler) -> tuple[Progress, Path | None]:
+def restore_newest(candidates: list[RunDir], model, ema, optimizer, scaler) -> tuple[Progress, RunDir | None]:
     """Restore the first candidate checkpoint that reads and fits, warning about each one skipped."""
     for path in candidates:
         try:
@@ -65,13 +66,14 @@ def restore_newest(candidates: list[Path], model, ema, optimizer, scaler) -> tup
     return Progress(), None
 
 
-def checkpoint_candidates(run_dir: Path, latest: ray.train.Checkpoint | None = None) -> list[Path]:
+def checkpoint_candidates(run_dir: RunDir, latest: ray.train.Checkpoint | None = None) -> list[RunDir]:
     """Checkpoints to restore, newest first: every checkpoint of the run on storage, plus Ray Train's latest.
 
     Storage can be ahead of Ray's bookkeeping: a checkpoint uploaded just before a crash may never have
     reached the controller. It is complete (or fails to load and is skipped), so it is used.
     """
-    found = {p.resolve() for p in list_checkpoints(run_dir)} if Path(run_dir).is_dir() else set()
-    if latest is not None:
-        found.add(Path(latest.path).resolve())
+    run_dir = as_rundir(run_dir)
+    found = set(list_checkpoints(run_dir))
+    if latest is not None:  # Ray's checkpoints live in the run directory, on the same storage
+        found.add(run_dir / PurePosixPath(latest.path).name)
     return sorted(found, key=checkpoint_order, reverse=True)

@@ -9,6 +9,7 @@ cores). Results go to <run.storage>/<run.name>/: config.yaml, metrics.jsonl, sam
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 import yaml
@@ -50,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[raydiff] run {cfg.run.name!r} is already finished ({summary['steps']} steps): results in {run_dir}")
         print("[raydiff] to train it longer raise train.total_steps; for a new run set run.name")
         return 0
+    if summary["status"] == "stopped":
+        print(f"[raydiff] stopped at step {summary['steps']} ({summary.get('signal') or 'stop request'}) after a final "
+              f"checkpoint: {summary['checkpoint']}", file=sys.stderr)
+        print("[raydiff] re-run the same command to continue from it", file=sys.stderr)
+        return 128 + signal.Signals[summary["signal"]].value if summary.get("signal") else 1
     if summary["status"] != "finished":
         print(f"[raydiff] run {summary['status']} at step {summary['steps']}: {summary.get('error', 'unknown error')}",
               file=sys.stderr)

@@ -304,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.data.val_images == 0:
         cfg.data.val_images = DEFAULT_VAL_IMAGES
         validate(cfg)
+    if "://" in cfg.run.storage:
+        raise ConfigError(f"run.storage = {cfg.run.storage!r}: sweeps need a local or NFS folder for now (their "
+                          f"trials' results are gathered from it); single runs accept s3:// and gs://")
     sweep = plan_sweep(args, cfg)
     summary = run_sweep(cfg, sweep)
     print(f"[raydiff] sweep {sweep.name}: {summary['finished']} finished, {summary['stopped']} stopped early by "

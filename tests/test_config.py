@@ -98,7 +98,8 @@ def test_missing_source_is_an_error():
 
 
 def test_unknown_preset_and_bad_yaml(tmp_path):
-    with pytest.raises(ConfigError, match="presets: cifar10, cifar10-aws, cifar10-gcp, cifar10-k8s, default, digits, smoke"):
+    presets = "cifar10, cifar10-aws, cifar10-gcp, cifar10-k8s, default, digits, smoke"
+    with pytest.raises(ConfigError, match=f"presets: {presets}"):
         load_config("nosuch")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [1, 2\n")

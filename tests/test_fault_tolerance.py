@@ -140,7 +140,7 @@ def test_corrupt_newest_checkpoint_falls_back(cluster, reference, tmp_path):
         shutil.copy(reference / name, run_dir / name)
     for checkpoint in list_checkpoints(reference):
         if checkpoint_order(checkpoint)[0] <= 100:
-            shutil.copytree(checkpoint, run_dir / checkpoint.name)
+            shutil.copytree(checkpoint.local, run_dir / checkpoint.name)
     newest = run_dir / "checkpoint_00000100" / "state.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
 

@@ -26,7 +26,7 @@ def test_state_round_trip_and_lookup(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_00000010", "checkpoint_00000020"]
     latest = resolve_checkpoint(tmp_path)
     assert read_state(latest)["step"] == 20
-    assert resolve_checkpoint(latest) == latest
+    assert resolve_checkpoint(latest) == latest and latest.name == "checkpoint_00000020"
     with pytest.raises(FileNotFoundError):
         resolve_checkpoint(tmp_path / "nope")
 

@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import write_messy_folder
 from PIL import Image
 
-from conftest import write_messy_folder
 from raydiff.datasets import write_synthetic
 from raydiff.decode import decode_resize_crop, fit_array
 from raydiff.ingest import check_bad_fraction, load_images

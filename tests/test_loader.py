@@ -50,7 +50,8 @@ def test_position_noise_is_a_function_of_position_whatever_the_split():
     t_all, noise_all = position_noise(3, 30, 40, timesteps=1000, shape=(1, 4, 4), device=cpu)
     for start, count in ((30, 1), (37, 5), (45, 25), (64, 6)):  # inside, across and at block boundaries
         t, noise = position_noise(3, start, count, timesteps=1000, shape=(1, 4, 4), device=cpu)
-        assert torch.equal(noise, noise_all[start - 30:start - 30 + count]) and torch.equal(t, t_all[start - 30:start - 30 + count])
+        part = slice(start - 30, start - 30 + count)
+        assert torch.equal(noise, noise_all[part]) and torch.equal(t, t_all[part])
     assert abs(noise_all.mean()) < 0.2 and abs(noise_all.std() - 1) < 0.1 and 0 <= t_all.min() and t_all.max() < 1000
     other_seed = position_noise(4, 30, 40, timesteps=1000, shape=(1, 4, 4), device=cpu)[1]
     assert not torch.equal(other_seed, noise_all)

@@ -14,6 +14,7 @@ from raydiff.ema import ema_decay_at
 from raydiff.ingest import ImageStore
 from raydiff.loop import train_worker
 from raydiff.lr import lr_at
+from raydiff.rundir import RunDir
 
 pytestmark = pytest.mark.ray
 
@@ -26,7 +27,8 @@ def run_local(ray_session, storage, name, *overrides):
                                 "train.log_every=1", *overrides])
     result = TorchTrainer(
         train_worker,
-        train_loop_config={"config": cfg.to_dict(), "images": store, "run_dir": str(storage / name), "torch_threads": 1,
+        train_loop_config={"config": cfg.to_dict(), "images": store, "run_dir": RunDir(storage / name),
+                           "torch_threads": 1,
                            "invocation": "test"},
         scaling_config=ray.train.ScalingConfig(num_workers=0),
         run_config=ray.train.RunConfig(name=name, storage_path=str(storage)),
@@ -44,14 +46,3 @@ def test_accumulation_computes_the_same_steps(ray_session, tmp_path):
     # smoke: base_lr 1e-3 at batch 16, scaled linearly to the global batch of 8.
     assert [r["lr"] for r in plain_rows] == pytest.approx([lr_at(s, 5e-4, 5) for s in range(4)])
     assert [r["ema_decay"] for r in plain_rows] == [ema_decay_at(s, 0.99, 5) for s in range(1, 5)]
-
-
-def test_resume_truncates_lost_metrics(tmp_path):
-    from raydiff.runlog import JsonlLog as MetricsLog
-
-    log = MetricsLog(tmp_path / "metrics.jsonl")
-    for step in (5, 10, 15):
-        log.append({"step": step, "loss": float("nan") if step == 15 else 0.5})
-    assert log.rows()[-1]["loss"] is None  # non-finite values are written as null, keeping valid JSON
-    log.truncate_after(10)
-    assert [r["step"] for r in log.rows()] == [5, 10]

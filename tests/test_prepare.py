@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_cli, write_messy_folder
 
 pytestmark = pytest.mark.ray
 
-TINY = ["--config", "smoke", "--set", "data.channels=3", "--set", "train.total_steps=10", "--set", "train.sample_every=0"]
+TINY = ["--config", "smoke", "--set", "data.channels=3", "--set", "train.total_steps=10",
+        "--set", "train.sample_every=0"]
 
 
 @pytest.fixture(scope="module")

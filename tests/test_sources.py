@@ -19,7 +19,8 @@ def test_folder_is_listed_recursively_and_sorted(tmp_path):
     source = open_source(str(tmp_path))
     assert source.kind == "images" and len(source.files) == 5 and list(source.files) == sorted(source.files)
     assert open_source(f"file://{tmp_path}").files == source.files
-    assert open_source(str(tmp_path / "b" / "synthetic_000000.jpg")).files == (str(tmp_path / "b" / "synthetic_000000.jpg"),)
+    single = str(tmp_path / "b" / "synthetic_000000.jpg")
+    assert open_source(single).files == (single,)
 
 
 def test_identity_follows_names_and_sizes_not_location(tmp_path):

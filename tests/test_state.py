@@ -9,6 +9,7 @@ import torch
 from raydiff.checkpoint import checkpoint_name, write_state
 from raydiff.config import Config
 from raydiff.ema import make_ema
+from raydiff.rundir import RunDir
 from raydiff.state import Progress, checkpoint_candidates, restore_newest, training_state
 from raydiff.unet import build_model
 
@@ -33,7 +34,7 @@ def test_candidates_are_newest_first_and_include_what_ray_never_registered(tmp_p
                                  _write(tmp_path, 20, objects, "checkpoint_00000020-1"))
     # Ray registered only step 10; step 20 reached storage just before a crash.
     ray_latest = SimpleNamespace(path=str(ten))
-    assert checkpoint_candidates(tmp_path, ray_latest) == [twenty_again.resolve(), twenty.resolve(), ten.resolve()]
+    assert checkpoint_candidates(tmp_path, ray_latest) == [RunDir(twenty_again), RunDir(twenty), RunDir(ten)]
     assert checkpoint_candidates(tmp_path / "missing") == []
 
 
@@ -46,7 +47,7 @@ def test_restore_falls_back_past_a_truncated_checkpoint(tmp_path):
 
     fresh = _objects(1)
     progress, restored = restore_newest(checkpoint_candidates(tmp_path), *fresh)
-    assert restored == good.resolve() and progress.step == 10
+    assert restored == RunDir(good) and progress.step == 10
     for a, b in zip(saved[0].state_dict().values(), fresh[0].state_dict().values()):
         assert torch.equal(a, b)
 

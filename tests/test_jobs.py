@@ -1,0 +1,153 @@
+"""`ray job submit` against a real Ray head that the test starts: loopback only, free ports, its own temp dir,
+token authentication on (the client presents the token). Only the processes the test started are stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, free_port
+
+from raydiff.checkpoint import checkpoint_step, list_checkpoints
+
+pytestmark = pytest.mark.ray
+
+BIN = Path(sys.executable).parent
+
+
+def _our_processes(marker: str) -> list[int]:
+    """PIDs whose command line mentions `marker` (the head's own temp dir): what this test started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def head():
+    token = secrets.token_hex(32)
+    temp_dir = tempfile.mkdtemp(prefix="rdh-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    dashboard, gcs = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}{os.pathsep}{env['PATH']}")
+    # The session's other test cluster runs on this machine too: Ray processes that look a cluster up without
+    # an address (Ray Train's placement-group cleaner) must find this one.
+    head_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}
+    log = open(Path(temp_dir) / "head.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}",
+         "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+         f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+         f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+        env=head_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            request = urllib.request.Request(f"{address}/api/version", headers={"Authorization": f"Bearer {token}"})
+            urllib.request.urlopen(request, timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError((Path(temp_dir) / "head.log").read_text()[-3000:]) from None
+            time.sleep(0.5)
+    try:
+        yield {"address": address, "env": env, "token": token}
+    finally:
+        proc.send_signal(signal.SIGTERM)  # `ray start --block` stops the node it started...
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass  # ...or we do, below: its process group, then whatever else runs out of its temp dir
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything of its process group still there
+        except ProcessLookupError:
+            pass
+        for pid in _our_processes(temp_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def ray_job(head, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "ray"), "job", *args], capture_output=True, text=True, timeout=timeout,
+                          env=head["env"], cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def submit(head, *entrypoint: str, runtime_env: dict | None = None, wait: bool = True) -> subprocess.CompletedProcess:
+    extra = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
+    return ray_job(head, "submit", "--address", head["address"], "--working-dir", str(ROOT), *extra,
+                   *([] if wait else ["--no-wait"]), "--", *entrypoint)
+
+
+def test_auth_is_on_a_client_without_the_token_is_refused(head):
+    env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+    proc = subprocess.run([str(BIN / "ray"), "job", "list", "--address", head["address"]], capture_output=True,
+                          text=True, timeout=120, env={**env, "HOME": str(Path(tempfile.mkdtemp()))}, cwd=ROOT)
+    assert proc.returncode != 0
+
+
+def test_train_job_succeeds_and_writes_to_run_storage(head, tmp_path):
+    proc = submit(head, "python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "succeeded" in (proc.stdout + proc.stderr).lower()
+    summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 20
+    assert (tmp_path / "smoke" / "samples" / "step_00000020.png").exists()
+    assert "[raydiff] joined the Ray cluster at" in proc.stdout  # the head's cluster, not a Ray of its own
+
+
+def test_tune_job_succeeds(head, tmp_path):
+    proc = submit(head, "python", "-m", "raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3", "--batch", "16",
+                  "--samples", "2", "--budget-images", "320", "--name", "jobsweep", "--set", f"run.storage={tmp_path}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "jobsweep" / "results.csv").read_text().count("\n") == 3  # header + 2 trials
+    assert (tmp_path / "jobsweep" / "best.yaml").exists()
+
+
+def test_job_stop_checkpoints_and_a_resubmitted_job_resumes(head, tmp_path):
+    command = ["python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
+               "--set", "train.total_steps=300", "--set", "train.checkpoint_every=100", "--set", "train.log_every=10",
+               "--set", "train.sample_every=0"]
+    # Ray gives a stopped job 3 s before SIGKILL by default; raydiff needs a little longer for its last checkpoint.
+    stop_env = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}
+    started = submit(head, *command, "--set", "debug.step_delay_s=0.1", runtime_env=stop_env, wait=False)
+    assert started.returncode == 0, started.stderr
+    job_id = re.search(r"raysubmit_\w+", started.stdout + started.stderr).group(0)
+    metrics = tmp_path / "smoke" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.exists() and any(json.loads(r)["step"] >= 30 for r in metrics.read_text().splitlines())):
+        assert time.time() < deadline, ray_job(head, "logs", "--address", head["address"], job_id).stdout[-3000:]
+        time.sleep(0.5)
+    stopped = ray_job(head, "stop", "--address", head["address"], job_id)
+    assert stopped.returncode == 0, stopped.stderr
+    summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and 30 <= summary["steps"] < 300
+    assert checkpoint_step(list_checkpoints(tmp_path / "smoke")[-1]) == summary["steps"]  # the stop's checkpoint
+    events = [json.loads(line) for line in (tmp_path / "smoke" / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "stop_checkpoint" for e in events)
+
+    again = submit(head, *command)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = json.loads((tmp_path / "smoke" / "summary.json").read_text())
+    assert resumed["status"] == "finished" and resumed["steps"] == 300
+    assert resumed["resumed_from_step"] == summary["steps"]
