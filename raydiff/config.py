@@ -69,14 +69,14 @@ class TrainSection:
     lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
     lr_scaling_knee: int = 512  # linear scaling turns into sqrt scaling above this global batch
     warmup_steps: int = 100
-    total_steps: int = 700
+    total_steps: int = 1400
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     weight_decay: float = 0.0
     ema_decay: float = 0.995
     ema_warmup_steps: int = 100  # the EMA window grows linearly from 1 step to 1/(1-ema_decay) steps
     checkpoint_every: int = 100
-    sample_every: int = 350  # 0 = only at the end
+    sample_every: int = 700  # 0 = only at the end
     sample_num: int = 64
     sample_steps: int = 50  # DDIM steps for in-training sample grids
     log_every: int = 50
