@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on clusters, CI or laptops over ssh
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
@@ -30,6 +31,7 @@ def plot_lr_find(lrs: Sequence[float], raw: Sequence[float], smoothed: Sequence[
     ax.axvline(suggested, color="C2", linestyle="--", label=f"suggested {suggested:.2g}")
     ax.axvline(steepest, color="C3", linestyle=":", label=f"steepest descent {steepest:.2g}")
     ax.set(xscale="log", xlabel="learning rate", ylabel="training loss", title="LR range test")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # decade labels only: minor ones overlap
     finite = [v for v in smoothed if v == v]
     if finite:
         ax.set_ylim(min(finite) * 0.9, min(max(finite), 4 * min(finite)) * 1.1)
@@ -53,6 +55,7 @@ def plot_sweep(rows: Sequence[dict], path: Path) -> Path:
                     label=f"batch {batch}")
             ax.plot([r["base_lr"] for r in stopped], [r["val_loss"] for r in stopped], "x", color=f"C{i}")
         ax.set(xscale="log", xlabel="base learning rate (at train.base_batch)", title=f"lr scaling: {rule}")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("validation loss (x: stopped early)")
     return _save(fig, path)

@@ -119,6 +119,12 @@ def trial_config(base: dict[str, Any], params: dict[str, Any], sweep: Sweep, run
     """The full config of one trial: the base config with this trial's batch, base LR, rule and budget."""
     cfg = Config.from_dict(base)
     t, batch = cfg.train, params["batch"]
+    # Trials are compared at equal images seen: keep the LR warmup, the EMA warmup and the EMA half-life what they
+    # are in images for the base config (EDM's half-life rule), not in steps, which would favour small batches.
+    images_per_base_step = t.global_batch / batch
+    t.warmup_steps = round(t.warmup_steps * images_per_base_step)
+    t.ema_warmup_steps = round(t.ema_warmup_steps * images_per_base_step)
+    t.ema_decay = t.ema_decay ** (1 / images_per_base_step)
     t.global_batch, t.base_lr, t.lr_scaling, t.lr = batch, params["base_lr"], params["rule"], None
     t.total_steps = sweep.budget_images // batch
     t.val_every = t.checkpoint_every = sweep.interval_images // batch  # every report carries a validation loss

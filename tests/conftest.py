@@ -89,6 +89,21 @@ def s3_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A GCS emulator (gcp-storage-emulator) on a free loopback port with a bucket `raydiff-gcs`; yields
+    (endpoint URL, pyarrow filesystem). It takes no credentials: clients connect with data.anonymous=true."""
+    import pyarrow.fs as pafs
+    from gcp_storage_emulator.server import create_server
+
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="raydiff-gcs")
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    yield endpoint, pafs.GcsFileSystem(anonymous=True, endpoint_override=f"127.0.0.1:{port}", scheme="http")
+    server.stop()
+
+
 def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
     """Run `python -m <module> args...` as a user would, in a fresh process. Ray tests join the session's
     cluster; other tests get `local` (a fresh Ray if they start one), never someone else's cluster."""

@@ -112,3 +112,18 @@ def test_a_missing_parquet_column_is_a_one_line_error(ray_session, tmp_path):
     _write("parquet-bytes", _encoded(tmp_path), tmp_path / "data")
     with pytest.raises(DataError, match="data.image_column = 'nope': not a column of .*a.parquet; its columns: png"):
         load_images(open_source(str(tmp_path / "data")), resolution=8, channels=3, image_column="nope")
+
+
+def test_gcs_source_against_a_loopback_emulator(ray_session, tmp_path, gcs_server):
+    endpoint, fs = gcs_server
+    paths = write_synthetic(tmp_path / "images", num=6, resolution=16, fmt="png", seed=5)
+    for path in paths:
+        with fs.open_output_stream(f"raydiff-gcs/raw/{path.name}") as f:
+            f.write(path.read_bytes())
+    source = open_source("gs://raydiff-gcs/raw", endpoint=endpoint, anonymous=True)
+    assert source.kind == "images" and len(source.files) == 6
+    store = load_images(source, resolution=8, channels=3)
+    images = np.concatenate(store.arrays())
+    assert all(np.array_equal(images[i], decode_resize_crop(p.read_bytes(), 8, 3)) for i, p in enumerate(paths))
+    with pytest.raises(DataError, match="no such file or folder"):
+        open_source("gs://raydiff-gcs/missing", endpoint=endpoint, anonymous=True)
