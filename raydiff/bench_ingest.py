@@ -102,7 +102,7 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
             source = str(Path(tmp) / "jpegs")
             write_synthetic(Path(source), num=synthetic, resolution=SYNTHETIC_SOURCE_RESOLUTION, fmt="jpg")
         raw = open_source(source, format="images")
-        paths = [p for p in raw.files]
+        paths = list(raw.files)
         epoch = len(paths) // batch * batch
         if epoch == 0:
             raise ValueError(f"--batch {batch}: more than the {len(paths)} images of the source")

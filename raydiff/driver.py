@@ -40,7 +40,7 @@ def init_ray() -> None:
     resources = ray.cluster_resources()
     what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
     print(f"[raydiff] {what}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU, "
-          f"{len([n for n in ray.nodes() if n['Alive']])} node(s)")
+          f"{len(_alive_nodes())} node(s)")
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
@@ -49,6 +49,10 @@ def init_ray() -> None:
 def run_dir_of(cfg: Config) -> RunDir:
     """`<run.storage>/<run.name>`: a local or NFS folder, or an s3:// / gs:// prefix."""
     return RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / cfg.run.name
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    return [n for n in ray.nodes() if n["Alive"]]
 
 
 @ray.remote(num_cpus=0)
@@ -65,7 +69,7 @@ def unreachable_nodes(folder: str, probe=None) -> list[str]:
     marker = os.path.join(folder, f".raydiff-shared-{uuid.uuid4().hex}")
     open(marker, "w").close()
     try:
-        nodes = [n for n in ray.nodes() if n["Alive"]]
+        nodes = _alive_nodes()
         if probe is None:
             def probe(path: str, node_id: str) -> bool:
                 strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
@@ -78,7 +82,7 @@ def unreachable_nodes(folder: str, probe=None) -> list[str]:
 def check_shared_storage(storage: str, probe=None) -> None:
     """On a multi-node cluster a local run.storage must be a shared (NFS) mount: refuse it up front, with what to
     use instead, rather than fail at the first checkpoint of a remote worker."""
-    if "://" in storage or len([n for n in ray.nodes() if n["Alive"]]) < 2:
+    if "://" in storage or len(_alive_nodes()) < 2:
         return
     missing = unreachable_nodes(storage, probe)
     if missing:
@@ -161,7 +165,7 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
         run_dir.write_text(BAD_FILE, json.dumps([b.to_dict() for b in images.bad], indent=1) + "\n")
 
     invocation, stop_flag = uuid.uuid4().hex, StopFlag.remote()
-    storage = RunDir(cfg.run.storage, endpoint=cfg.run.endpoint)
+    storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"config": cfg.to_dict(), "images": images, "run_dir": run_dir,

@@ -17,12 +17,18 @@ def _to_unit(images: torch.Tensor) -> torch.Tensor:
     return ((images.detach().float().cpu().clamp(-1, 1) + 1) / 2)
 
 
-def _save_atomically(tensor: torch.Tensor, path: Path) -> None:
+def _png(tensor: torch.Tensor) -> bytes:
     from torchvision.utils import save_image  # imported here: torchvision adds seconds to every start-up
 
+    buffer = io.BytesIO()
+    save_image(tensor, buffer, format="png")
+    return buffer.getvalue()
+
+
+def _save_atomically(tensor: torch.Tensor, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_image(tensor, tmp, format="png")
+    tmp.write_bytes(_png(tensor))
     os.replace(tmp, path)
 
 
@@ -44,11 +50,7 @@ def save_grid(images: torch.Tensor, path: Path) -> Path:
 
 def grid_png(images: torch.Tensor) -> bytes:
     """The grid of `save_grid` as PNG bytes (for run directories on an object store)."""
-    from torchvision.utils import save_image
-
-    buffer = io.BytesIO()
-    save_image(_grid(images), buffer, format="png")
-    return buffer.getvalue()
+    return _png(_grid(images))
 
 
 def save_samples(images: torch.Tensor, out: Path) -> Path:

@@ -74,24 +74,29 @@ class ImageStore:
 
 
 # Decoding, one Ray Data batch at a time.
-def _blank(n: int, shape: tuple[int, int, int]) -> np.ndarray:
-    return np.zeros((n, *shape), np.uint8)
+def _each(values, wheres, fit, resolution: int, channels: int) -> dict[str, np.ndarray]:
+    """`fit(value)` -> uint8 (C, R, R) for every value: a blank row and a reason where it raises BadImage."""
+    images = np.zeros((len(values), channels, resolution, resolution), np.uint8)
+    errors = np.full(len(values), "", dtype=object)
+    for i, value in enumerate(values):
+        try:
+            images[i] = fit(value)
+        except BadImage as exc:
+            errors[i] = f"{wheres[i]}{_SEP}{exc}"
+    return {"image": images, "error": errors}
 
 
 def _decode_encoded(values, wheres, resolution: int, channels: int) -> dict[str, np.ndarray]:
     """Encoded images (bytes, or HF-style {bytes, path} dicts) -> images, plus a reason per bad one."""
-    shape = (channels, resolution, resolution)
-    images, errors = _blank(len(values), shape), np.full(len(values), "", dtype=object)
-    for i, value in enumerate(values):
-        try:
-            if isinstance(value, dict):  # Hugging Face datasets store images as {bytes, path}
-                value = value.get("bytes")
-            if not isinstance(value, (bytes, bytearray, memoryview)):
-                raise BadImage("no image bytes")
-            images[i] = decode_resize_crop(bytes(value), resolution, channels)
-        except BadImage as exc:
-            errors[i] = f"{wheres[i]}{_SEP}{exc}"
-    return {"image": images, "error": errors}
+
+    def decode(value) -> np.ndarray:
+        if isinstance(value, dict):  # Hugging Face datasets store images as {bytes, path}
+            value = value.get("bytes")
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise BadImage("no image bytes")
+        return decode_resize_crop(bytes(value), resolution, channels)
+
+    return _each(values, wheres, decode, resolution, channels)
 
 
 def _decode_files(batch: dict[str, np.ndarray], resolution: int, channels: int) -> dict[str, np.ndarray]:
@@ -104,18 +109,8 @@ def _decode_parquet(batch: dict[str, np.ndarray], column: str, resolution: int, 
         return {"image": values, "error": np.full(len(values), "", dtype=object)}  # prepared: nothing to do
     first = next((v for v in values if v is not None), None)
     if values.dtype != object or isinstance(first, np.ndarray):  # decoded tensors of another shape
-        return _fit_each(values, wheres, resolution, channels)
+        return _each(values, wheres, lambda v: fit_array(np.asarray(v), resolution, channels), resolution, channels)
     return _decode_encoded(values, wheres, resolution, channels)
-
-
-def _fit_each(values, wheres, resolution: int, channels: int) -> dict[str, np.ndarray]:
-    images, errors = _blank(len(values), (channels, resolution, resolution)), np.full(len(values), "", dtype=object)
-    for i, value in enumerate(values):
-        try:
-            images[i] = fit_array(np.asarray(value), resolution, channels)
-        except BadImage as exc:
-            errors[i] = f"{wheres[i]}{_SEP}{exc}"
-    return {"image": images, "error": errors}
 
 
 def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: int) -> dict[str, np.ndarray]:

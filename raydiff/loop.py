@@ -35,6 +35,7 @@ from raydiff.order import SampleOrder, derive_seed, rank_share
 from raydiff.rundir import RunDir
 from raydiff.runlog import JsonlLog, progress_line
 from raydiff.state import Progress, checkpoint_candidates, restore_newest, training_state
+from raydiff.stop import stop_reason
 from raydiff.unet import build_model
 from raydiff.validation import Validation, holdout_split
 
@@ -70,8 +71,6 @@ def _from_rank_zero(value: Any) -> Any:
 def _interrupt(stop_flag, is_chief: bool, device: torch.device) -> str | None:
     """Whether to checkpoint now, decided alike on every worker: "stop" when the driver was asked to stop (rank 0
     asks it), "preemption" when any worker's node is about to be reclaimed, else None."""
-    from raydiff.stop import stop_reason
-
     preempted = ray.train.get_preemption_info() is not None  # a collective itself: every rank must call it
     local = 2 if is_chief and stop_reason(stop_flag) else 1 if preempted else 0
     if dist.is_available() and dist.is_initialized():
@@ -112,7 +111,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     objects = (model, ema, optimizer, scaler)
 
     # Resume from the newest readable checkpoint: on storage, or the one Ray Train hands us.
-    candidates = _from_rank_zero(checkpoint_candidates(run_dir, ray.train.get_checkpoint()))
+    latest = ray.train.get_checkpoint()  # rank 0 lists storage once, every worker restores what it found
+    candidates = _from_rank_zero(checkpoint_candidates(run_dir, latest) if is_chief else None)
     progress, _ = restore_newest(candidates, *objects)
     start_step = progress.step
     ddp_model = ray.train.torch.prepare_model(model)
@@ -136,14 +136,13 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                            micro_batch=micro_batch, start_step=step, pin_memory=device.type == "cuda")
 
     stream = open_stream(progress.step)
-    metrics_log = JsonlLog(run_dir, "metrics.jsonl") if is_chief else None
+    metrics_log = JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S) if is_chief else None
     events = JsonlLog(run_dir, "events.jsonl") if is_chief else None
     order_log = _order_log(run_dir, rank) if cfg.debug.record_order else None
     if is_chief:
         metrics_log.truncate_after(progress.step)  # rows past the checkpoint belong to lost work
         events.append({"event": "start", "invocation": loop_config["invocation"], "step": progress.step,
                        "world_size": world_size, "pid": os.getpid(), "time": time.time()})
-        events.flush()
         logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
                     f"{world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
                     f"micro-batches of up to {micro_batch}, device {device}; {describe_lr(t)}")
@@ -152,7 +151,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     injected_nan_steps: set[int] = set()
     bad_streak, last_row, last_checkpoint_step, diagnostic = 0, None, progress.step, None
     val_loss, val_step, stopped = None, None, False
-    run_start = last_flush = time.perf_counter()
+    run_start = time.perf_counter()
     try:
         while progress.step < t.total_steps:
             step = progress.step
@@ -215,7 +214,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             # Too many non-finite steps in a row: roll back to the last good checkpoint once, then give up.
             if bad_streak >= t.max_bad_steps:
                 first_time = progress.counters["rollbacks"] == 0
-                candidates = _from_rank_zero(checkpoint_candidates(run_dir)) if first_time else []
+                candidates = _from_rank_zero(checkpoint_candidates(run_dir) if is_chief else None) if first_time else []
                 restored_progress, restored = restore_newest(candidates, *objects) if candidates else (None, None)
                 if restored is not None:
                     restored_progress.counters["rollbacks"] = 1
@@ -226,14 +225,12 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                         metrics_log.truncate_after(progress.step)
                         events.append({"event": "rollback", "from_step": step, "to_step": progress.step,
                                        "checkpoint": str(restored), "time": time.time()})
-                        events.flush()
                         logger.warning(f"[raydiff] WARNING: {t.max_bad_steps} non-finite steps in a row at step "
                                        f"{step}: rolled back to step {progress.step}")
                     continue
                 diagnostic = _divergence_report(t, step, lr, grad_norm, x0, timesteps, losses, diffusion.timesteps)
                 if is_chief:
                     events.append({"event": "diverged", "step": step, "diagnostic": diagnostic, "time": time.time()})
-                    events.flush()
                     logger.error(f"[raydiff] {diagnostic}")
                 break
 
@@ -252,9 +249,6 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 last_row = metrics
                 if is_chief:
                     metrics_log.append(metrics)
-                    if time.perf_counter() - last_flush > REMOTE_METRICS_FLUSH_S:
-                        metrics_log.flush()
-                        last_flush = time.perf_counter()
                     logger.info(progress_line(metrics, t.total_steps, start_step, time.perf_counter() - run_start))
             pause_start = time.perf_counter()  # sampling and checkpointing do not count as training time
             if is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
@@ -268,10 +262,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             if step % t.checkpoint_every == 0 or done or (interrupt and last_checkpoint_step != step):
                 if interrupt and is_chief:
                     events.append({"event": f"{interrupt}_checkpoint", "step": step, "time": time.time()})
-                    events.flush()
                 if is_chief:
                     metrics_log.flush()  # the rows up to this checkpoint are kept on resume
-                    last_flush = time.perf_counter()
                 _report_checkpoint(report, objects, progress, window, cfg, is_chief, run_dir)
                 last_checkpoint_step = step
             elif val_step == step:

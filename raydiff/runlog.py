@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 from raydiff.rundir import RunDir
@@ -19,16 +20,19 @@ def _fmt_duration(seconds: float) -> str:
 
 class JsonlLog:
     """A file of JSON rows in a run directory. Locally each row is appended at once (`tail -f` works); on an
-    object store, which cannot append, rows are kept in memory and `flush()` rewrites the file.
+    object store, which cannot append, rows are kept in memory and the file is rewritten by `flush()`, which
+    `append` calls itself once `flush_every_s` has passed since the last write.
 
     :param run: the run directory.
     :param name: the file's name in it.
+    :param flush_every_s: object stores: the longest an appended row waits to be written (0 = at once).
     """
 
-    def __init__(self, run: RunDir, name: str) -> None:
+    def __init__(self, run: RunDir, name: str, *, flush_every_s: float = 0.0) -> None:
         self.run, self.name = run, name
         self._rows: list[dict[str, Any]] | None = None  # object stores: every row, written by flush()
         self._dirty = False
+        self._flush_every_s, self._flushed_at = flush_every_s, time.monotonic()
 
     def rows(self) -> list[dict[str, Any]]:
         if self._rows is not None:
@@ -51,17 +55,22 @@ class JsonlLog:
 
     def append(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        if self.run.remote:
-            self._rows = self.rows() + [clean]
-            self._dirty = True
-        else:
+        if not self.run.remote:
             self.run.append_text(self.name, json.dumps(clean) + "\n")
+            return
+        if self._rows is None:
+            self._rows = self.rows()
+        self._rows.append(clean)
+        self._dirty = True
+        if time.monotonic() - self._flushed_at >= self._flush_every_s:
+            self.flush()
 
     def flush(self) -> None:
         """Write buffered rows (object stores only; a no-op for local files)."""
         if self._dirty and self._rows is not None:
             self._write(self._rows)
             self._dirty = False
+        self._flushed_at = time.monotonic()
 
 
 def progress_line(row: dict[str, Any], total_steps: int, start_step: int, elapsed_s: float) -> str:

@@ -2,8 +2,10 @@
 
     python -m raydiff.sample --checkpoint RUN_DIR_OR_CHECKPOINT --num N --out PATH
         [--sampler ddpm|ddim] [--steps S] [--eta E] [--seed S] [--no-ema] [--batch B] [--device auto|cpu|cuda]
+        [--endpoint URL]
 
-PATH ending in .png gets one grid; any other PATH becomes a folder of sample_XXXXX.png plus grid.png.
+PATH ending in .png gets one grid; any other PATH becomes a folder of sample_00000.png, sample_00001.png, ...
+plus grid.png. --checkpoint also takes an s3:// or gs:// URI (--endpoint for an S3-compatible server).
 Sampling runs in fp32 from the EMA weights (unless --no-ema); all noise comes from one CPU generator seeded
 with --seed, so the same command gives the same images on any device. With --sampler ddim --steps
 <train.sample_steps> --seed <train.seed> --num <train.sample_num> it reproduces the run's own sample grid.

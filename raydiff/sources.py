@@ -96,9 +96,7 @@ def open_source(source: str | None, *, format: str = "auto", endpoint: str | Non
             folder = builtin_folder(source)
         except ValueError as exc:
             raise DataError(f"data.source = {source!r}: {exc}") from None
-        resolved = _list(source, str(folder), pafs.LocalFileSystem(), format)
-        return Source(uri=source, kind=resolved.kind, filesystem=resolved.filesystem, files=resolved.files,
-                      sizes=resolved.sizes)
+        return _list(source, str(folder), pafs.LocalFileSystem(), format)
     try:
         filesystem, path = filesystem_for(source, endpoint=endpoint, anonymous=anonymous)
     except ValueError as exc:
