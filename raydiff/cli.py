@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from raydiff.config import ConfigError
-from raydiff.sources import DataError
+from raydiff.data.sources import DataError
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
 

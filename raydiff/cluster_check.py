@@ -29,7 +29,7 @@ import yaml
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, load_config, preset_names
-from raydiff.fs import REMOTE_SCHEMES
+from raydiff.data.fs import REMOTE_SCHEMES
 from raydiff.kuberay_schema import KUBERAY_SCHEMAS
 
 PRESET_COMMENT = re.compile(r"#\s*raydiff-preset:\s*(\S+)\s*$")

@@ -12,11 +12,11 @@ import re
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from raydiff.fs import SCHEMES
+from raydiff.data.fs import SCHEMES
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 # A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
@@ -30,10 +30,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataSection:
-    source: Optional[str] = "builtin:digits"  # folder or file, file:// / s3:// / gs:// URI, or builtin:digits
+    source: str | None = "builtin:digits"  # folder or file, file:// / s3:// / gs:// URI, or builtin:digits
     format: Literal["auto", "images", "parquet", "webdataset"] = "auto"  # auto: from the files' extensions
     image_column: str = "image"  # Parquet: the column with encoded images or uint8 tensors
-    endpoint: Optional[str] = None  # s3:// or gs:// endpoint URL (MinIO, ...); null: AWS_ENDPOINT_URL or the default
+    endpoint: str | None = None  # s3:// or gs:// endpoint URL (MinIO, ...); null: AWS_ENDPOINT_URL or the default
     anonymous: bool = False  # read a public bucket without credentials
     max_bad_fraction: float = 0.1  # stop before training when more of the source than this cannot be decoded
     resolution: int = 16  # images are resized (short side) and center-cropped to this square size
@@ -62,8 +62,8 @@ class DiffusionSection:
 @dataclass
 class TrainSection:
     global_batch: int = 64  # images per optimizer step, summed over all workers
-    micro_batch: Union[Literal["auto"], int, None] = None  # per worker per forward pass; null = whole share
-    lr: Optional[float] = None  # null: base_lr scaled from base_batch to global_batch by lr_scaling
+    micro_batch: Literal["auto"] | int | None = None  # per worker per forward pass; null = whole share
+    lr: float | None = None  # null: base_lr scaled from base_batch to global_batch by lr_scaling
     base_lr: float = 2e-3  # the learning rate at base_batch
     base_batch: int = 64
     lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
@@ -87,9 +87,9 @@ class TrainSection:
 
 @dataclass
 class ScalingSection:
-    num_workers: Union[int, tuple[int, ...]] = 2  # an int, or [min, max] for elastic training
-    use_gpu: Union[Literal["auto"], bool] = "auto"
-    cpus_per_worker: Optional[float] = None  # null = share the node's CPUs among the workers
+    num_workers: int | tuple[int, ...] = 2  # an int, or [min, max] for elastic training
+    use_gpu: Literal["auto"] | bool = "auto"
+    cpus_per_worker: float | None = None  # null = share the node's CPUs among the workers
     resize_check_s: float = 60.0  # elastic: how often Ray Train looks for room to grow
 
     @property
@@ -105,7 +105,7 @@ class ScalingSection:
 class RunSection:
     name: str = "default"
     storage: str = "runs"  # parent of the run directory <storage>/<name>: a folder (NFS on clusters), s3:// or gs://
-    endpoint: Optional[str] = None  # run.storage's S3/GCS endpoint URL; null: AWS_ENDPOINT_URL or the default
+    endpoint: str | None = None  # run.storage's S3/GCS endpoint URL; null: AWS_ENDPOINT_URL or the default
     max_failures: int = 3  # worker-group restarts allowed; -1 = unlimited
     keep_checkpoints: int = 3
     resume: bool = True  # false: move an existing run of this name aside and start over
@@ -139,16 +139,16 @@ class Config:
         return {s: {k: plain(v) for k, v in section.items()} for s, section in dataclasses.asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, tree: dict[str, Any]) -> "Config":
+    def from_dict(cls, tree: dict[str, Any]) -> Config:
         cfg = cls()
         for section, values in tree.items():
             for key, value in (values or {}).items():
                 set_key(cfg, f"{section}.{key}", value)
         return cfg
 
-    def resolve(self) -> "Config":
+    def resolve(self) -> Config:
         """Fill in what is derived from other keys (the learning rate from the scaling rule); idempotent."""
-        from raydiff.lr import rule_lr
+        from raydiff.training.lr import rule_lr
 
         if self.train.lr is None:
             self.train.lr = rule_lr(self.train)

@@ -1,7 +1,4 @@
-"""Built-in datasets: scikit-learn's handwritten digits written as PNG files, and synthetic RGB images.
-
-Both are plain image folders on disk, so they go through exactly the same Ray Data path as a user's folder.
-Nothing is downloaded: the digits ship inside scikit-learn, the synthetic images are drawn here.
+"""Write the built-in datasets to disk (see `raydiff.data.datasets`).
 
     python -m raydiff.datasets digits                       # prints the cached folder
     python -m raydiff.datasets synthetic OUT --num 500 --resolution 64 --format jpg
@@ -10,86 +7,14 @@ Nothing is downloaded: the digits ship inside scikit-learn, the synthetic images
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-import numpy as np
-from PIL import Image, ImageDraw
-
-
-def cache_dir() -> Path:
-    """Where built-in datasets are written: $RAYDIFF_CACHE, else $XDG_CACHE_HOME/raydiff, else ~/.cache/raydiff."""
-    if os.environ.get("RAYDIFF_CACHE"):
-        return Path(os.environ["RAYDIFF_CACHE"]).expanduser().resolve()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return (base / "raydiff").expanduser().resolve()
-
-
-def _publish(build, target: Path) -> Path:
-    """Build a folder under a temporary name and rename it into place, so a reader never sees half of it."""
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        if not target.is_dir():  # a concurrent writer that won the race is fine; anything else is not
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def digits_folder() -> Path:
-    """All 1,797 scikit-learn digits as 8x8 grayscale PNGs, written once into the cache."""
-
-    def build(folder: Path) -> None:
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        pixels = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)  # values are 0..16
-        for i, (image, label) in enumerate(zip(pixels, digits.target)):
-            Image.fromarray(image, mode="L").save(folder / f"{i:04d}_digit{label}.png")
-
-    return _publish(build, cache_dir() / "digits-v1")
-
-
-def builtin_folder(source: str) -> Path:
-    name = source.removeprefix("builtin:")
-    if name == "digits":
-        return digits_folder()
-    raise ValueError(f"unknown builtin dataset {source!r}")
-
-
-def write_synthetic(folder: Path, *, num: int, resolution: int, fmt: str = "png", seed: int = 0) -> list[Path]:
-    """Random ellipses and rectangles on coloured backgrounds: cheap RGB images of any size for tests
-    and benchmarks. Returns the files written, in order."""
-    if fmt not in ("png", "jpg"):
-        raise ValueError(f"format {fmt!r}: expected png or jpg")
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i in range(num):
-        image = Image.new("RGB", (resolution, resolution), tuple(int(c) for c in rng.integers(0, 256, 3)))
-        draw = ImageDraw.Draw(image)
-        for _ in range(int(rng.integers(1, 4))):
-            x0, y0 = rng.integers(0, resolution * 3 // 4, 2)
-            w, h = rng.integers(resolution // 8 + 1, resolution // 2 + 2, 2)
-            shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
-            shape([int(x0), int(y0), int(x0 + w), int(y0 + h)], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
-        path = folder / f"synthetic_{i:06d}.{fmt}"
-        image.save(path, quality=90) if fmt == "jpg" else image.save(path)
-        paths.append(path)
-    return paths
+from raydiff.data.datasets import digits_folder, write_synthetic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.datasets", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m raydiff.datasets", description="Write the built-in datasets to disk.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("digits", help="write the digits into the cache (once) and print the folder")
     syn = sub.add_parser("synthetic", help="write synthetic RGB images into a folder")

@@ -51,15 +51,15 @@ def suggest(lrs: np.ndarray, smoothed: list[float]) -> tuple[float, float, float
 
 
 def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
-    from raydiff.diffusion import build_diffusion
-    from raydiff.driver import init_ray
-    from raydiff.ingest import load_data
-    from raydiff.loader import BatchStream, ImageTable
-    from raydiff.loop import resolve_precision
-    from raydiff.order import SampleOrder, Share
+    from raydiff.data.ingest import load_data
+    from raydiff.data.loader import BatchStream, ImageTable
+    from raydiff.data.order import SampleOrder, Share
+    from raydiff.model.diffusion import build_diffusion
+    from raydiff.model.unet import build_model
     from raydiff.sample import resolve_device
-    from raydiff.unet import build_model
-    from raydiff.validation import holdout_split
+    from raydiff.training.driver import init_ray
+    from raydiff.training.loop import resolve_precision
+    from raydiff.training.validation import holdout_split
 
     t = cfg.train
     init_ray()
@@ -131,8 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raydiff.lr import rule_lr
     from raydiff.plots import plot_lr_find
+    from raydiff.training.lr import rule_lr
 
     args = parse_args(argv)
     cfg = load_config(args.config, args.set)

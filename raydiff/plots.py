@@ -9,8 +9,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # no display on clusters, CI or laptops over ssh
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import NullFormatter  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter
 
 
 def _save(fig, path: Path) -> Path:

@@ -27,7 +27,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydiff import cli
-from raydiff.sources import MANIFEST, PREPARED_FORMAT, DataError, open_source
+from raydiff.data.sources import MANIFEST, PREPARED_FORMAT, DataError, open_source
 
 SHARD_BYTES = 128 * 1024 * 1024  # uncompressed image bytes per Parquet shard
 
@@ -56,7 +56,7 @@ def _shards(store, rows_per_shard: int):
 
 def write_prepared(store, source, out: str, *, endpoint: str | None = None) -> dict:
     """Write `store` (a decoded source) to `out` as prepared shards plus manifest; return the manifest."""
-    from raydiff.fs import filesystem_for
+    from raydiff.data.fs import filesystem_for
 
     try:
         filesystem, root = filesystem_for(out, endpoint=endpoint)
@@ -124,8 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raydiff.driver import init_ray
-    from raydiff.ingest import check_bad_fraction, load_images
+    from raydiff.data.ingest import check_bad_fraction, load_images
+    from raydiff.training.driver import init_ray
 
     args = parse_args(argv)
     started = time.perf_counter()

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from raydiff import cli
-from raydiff.checkpoint import read_state, resolve_checkpoint
 from raydiff.config import Config
-from raydiff.diffusion import build_diffusion
-from raydiff.images import save_samples
-from raydiff.rundir import RunDir
-from raydiff.unet import build_model
+from raydiff.model.diffusion import build_diffusion
+from raydiff.model.unet import build_model
+from raydiff.runs.checkpoint import read_state, resolve_checkpoint
+from raydiff.runs.images import save_samples
+from raydiff.runs.rundir import RunDir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.set, check_source=not args.dry_run)
 
     if args.dry_run:
-        from raydiff.unet import build_model, count_parameters
+        from raydiff.model.unet import build_model, count_parameters
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         print(f"# model parameters: {count_parameters(build_model(cfg)):,}")
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             print("# note: data.source is not set; training needs --set data.source=PATH")
         return 0
 
-    from raydiff.driver import run_training
+    from raydiff.training.driver import run_training
 
     summary = run_training(cfg)
     run_dir = summary["run_dir"]

@@ -33,7 +33,7 @@ import yaml
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, load_config, preset_names, validate
-from raydiff.lr import LR_RULES
+from raydiff.training.lr import LR_RULES
 
 REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them
 TRIAL_CPU = 0.01  # a trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs
@@ -147,7 +147,7 @@ def _run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep: Sweep, ru
     """A Tune function trainable: one raydiff run whose every report reaches Tune."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raydiff.driver import run_training
+    from raydiff.training.driver import run_training
 
     cfg = trial_config(base, params, sweep, runs_dir)
     summary = run_training(cfg, images=images, cpus=cpus_per_trial, callbacks=[TuneReportCallback()])
@@ -174,8 +174,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from raydiff.driver import init_ray
-    from raydiff.ingest import load_data
+    from raydiff.data.ingest import load_data
+    from raydiff.training.driver import init_ray
 
     sweep_dir = Path(cfg.run.storage) / sweep.name
     spec_file = sweep_dir / "sweep.json"

@@ -3,14 +3,9 @@ from __future__ import annotations
 import pytest
 
 from raydiff.config import Config, ConfigError, all_keys, load_config, preset_names
-from raydiff.order import micro_batches, rank_share
+from raydiff.data.order import micro_batches, rank_share
 
-INTERFACE_KEYS = """data.source data.resolution data.channels model.base_channels model.channel_mult
-model.num_res_blocks model.attention_resolutions model.dropout diffusion.timesteps diffusion.schedule
-diffusion.prediction train.global_batch train.micro_batch train.lr train.warmup_steps train.total_steps
-train.grad_clip train.precision train.ema_decay train.ema_warmup_steps train.checkpoint_every
-train.sample_every train.log_every train.seed scaling.num_workers scaling.use_gpu run.name run.storage
-run.max_failures run.keep_checkpoints""".split()
+INTERFACE_KEYS = ["data.source", "data.resolution", "data.channels", "model.base_channels", "model.channel_mult", "model.num_res_blocks", "model.attention_resolutions", "model.dropout", "diffusion.timesteps", "diffusion.schedule", "diffusion.prediction", "train.global_batch", "train.micro_batch", "train.lr", "train.warmup_steps", "train.total_steps", "train.grad_clip", "train.precision", "train.ema_decay", "train.ema_warmup_steps", "train.checkpoint_every", "train.sample_every", "train.log_every", "train.seed", "scaling.num_workers", "scaling.use_gpu", "run.name", "run.storage", "run.max_failures", "run.keep_checkpoints"]
 
 
 def test_interface_keys_exist():

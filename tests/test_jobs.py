@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, free_port
 
-from raydiff.checkpoint import checkpoint_step, list_checkpoints
+from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
 
 pytestmark = pytest.mark.ray
 

@@ -11,7 +11,7 @@ import yaml
 from conftest import run_cli
 from PIL import Image
 
-from raydiff.checkpoint import list_checkpoints, read_state
+from raydiff.runs.checkpoint import list_checkpoints, read_state
 
 pytestmark = pytest.mark.ray
 

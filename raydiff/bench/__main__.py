@@ -1,0 +1,174 @@
+"""Benchmarks that print numbers (JSON on stdout), each against a baseline measured in the same run.
+
+    python -m raydiff.bench checkpoint [--config cifar10] [--set key=value ...] [--repeat 3]
+    python -m raydiff.bench recovery [--config smoke] [--set key=value ...]
+    python -m raydiff.bench ingest [--source PATH] [--resolution 32] [--batch 128] [--epochs 5] [--synthetic 4000]
+
+`checkpoint`: how long writing and reading the full training state (model, EMA, AdamW state, scaler,
+counters) takes and how large it is, for a preset's model; baseline: the bare weights, as `torch.save` of
+`model.state_dict()`. Training stalls only for the write: Ray Train uploads the checkpoint asynchronously.
+
+`recovery`: trains a preset in a fresh local Ray instance, kills a training worker process after the first
+checkpoint, and measures the time from the kill to the worker group training again; baseline: the cold start
+of the same run (launch to first training step).
+
+`ingest`: img/s that raydiff's training ingest delivers from raw files and from prepared Parquet, against the
+textbook torch DataLoader on the same files (see `raydiff.bench.ingest`); without --source it writes
+--synthetic 64x64 JPEGs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from raydiff import cli
+from raydiff.config import load_config
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_checkpoint(config: str, overrides: list[str], repeat: int) -> dict:
+    import torch
+
+    from raydiff.model.diffusion import build_diffusion
+    from raydiff.model.ema import make_ema
+    from raydiff.model.unet import build_model, count_parameters
+    from raydiff.runs.checkpoint import read_state, write_state
+    from raydiff.runs.state import Progress, training_state
+
+    cfg = load_config(config, overrides, check_source=False)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ema = make_ema(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    # One real step, so that the optimizer holds its moment buffers as it does in a checkpoint mid-run.
+    d = cfg.data
+    x0 = torch.randn(2, d.channels, d.resolution, d.resolution)
+    diffusion = build_diffusion(cfg)
+    diffusion.loss_per_sample(model, x0, torch.tensor([10, 500]), torch.randn_like(x0)).mean().backward()
+    optimizer.step()
+    state = training_state(model, ema, optimizer, scaler, Progress(step=1), cfg.train.global_batch, cfg.to_dict())
+
+    with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as tmp:
+        folder = Path(tmp)
+        write_s = [_timed(lambda: write_state(folder, state)) for _ in range(repeat)]
+        read_s = [_timed(lambda: read_state(folder)) for _ in range(repeat)]
+        size = (folder / "state.pt").stat().st_size
+        weights = folder / "weights.pt"
+        weights_s = [_timed(lambda: torch.save(model.state_dict(), weights)) for _ in range(repeat)]
+        weights_size = weights.stat().st_size
+    write, base = statistics.median(write_s), statistics.median(weights_s)
+    return {
+        "bench": "checkpoint", "config": config, "parameters": count_parameters(model),
+        "state_mb": round(size / 2**20, 1), "write_s": round(write, 3), "read_s": round(statistics.median(read_s), 3),
+        "baseline_weights_mb": round(weights_size / 2**20, 1), "baseline_weights_write_s": round(base, 3),
+        "size_ratio": round(size / weights_size, 2), "write_ratio": round(write / base, 2),
+    }
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def bench_recovery(config: str, overrides: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as storage:
+        run_dir = Path(storage) / "recovery"
+        args = [sys.executable, "-m", "raydiff.train", "--config", config, *[f"--set={o}" for o in overrides],
+                "--set", f"run.storage={storage}", "--set", "run.name=recovery"]
+        launched = time.time()
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, RAY_ADDRESS="local"))  # its own Ray: we kill only our worker
+        try:
+            first = _wait(lambda: next(iter(_events(run_dir)), None), 600, "the first start")
+            _wait(lambda: any(run_dir.glob("checkpoint_*/state.pt")), 600, "the first checkpoint")
+            killed = time.time()
+            os.kill(first["pid"], signal.SIGKILL)
+            restart = _wait(lambda: next((e for e in _events(run_dir) if e["event"] == "start" and e["time"] > killed),
+                                         None), 600, "the restart")
+            returncode = proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        summary = json.loads((run_dir / "summary.json").read_text())
+    cold = first["time"] - launched
+    recovery = restart["time"] - killed
+    return {
+        "bench": "recovery", "config": config, "kill_to_training_s": round(recovery, 1),
+        "resumed_at_step": restart["step"], "baseline_cold_start_s": round(cold, 1),
+        "ratio": round(recovery / cold, 2), "run_status": summary["status"], "run_restarts": summary["restarts"],
+        "exit_code": returncode,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m raydiff.bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    ckpt = sub.add_parser("checkpoint", help="full training state: write/read time and size")
+    ckpt.add_argument("--config", default="cifar10")
+    ckpt.add_argument("--repeat", type=int, default=3)
+    rec = sub.add_parser("recovery", help="time from a killed worker to training again")
+    rec.add_argument("--config", default="smoke")
+    for p in (ckpt, rec):
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ingest = sub.add_parser("ingest", help="img/s of raydiff's ingest (raw, prepared) vs the torch DataLoader")
+    ingest.add_argument("--source", default=None, help="folder of images (default: synthetic JPEGs)")
+    ingest.add_argument("--resolution", type=int, default=32)
+    ingest.add_argument("--batch", type=int, default=128)
+    ingest.add_argument("--epochs", type=int, default=5, help="epochs per pipeline; the first is not timed")
+    ingest.add_argument("--synthetic", type=int, default=4000, help="synthetic JPEGs to write without --source")
+    args = parser.parse_args(argv)
+    if getattr(args, "repeat", 1) < 1:
+        parser.error(f"--repeat {args.repeat}: must be >= 1")
+    if args.bench == "ingest":
+        for name in ("resolution", "batch", "synthetic"):
+            if getattr(args, name) < 1:
+                parser.error(f"--{name} {getattr(args, name)}: must be >= 1")
+        if args.epochs < 2:
+            parser.error(f"--epochs {args.epochs}: must be >= 2 (the first epoch is not timed)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.bench == "checkpoint":
+        result = bench_checkpoint(args.config, args.set, args.repeat)
+    elif args.bench == "ingest":
+        from raydiff.bench.ingest import bench_ingest
+
+        result = bench_ingest(args.source, resolution=args.resolution, batch=args.batch, epochs=args.epochs,
+                              synthetic=args.synthetic)
+    else:
+        result = bench_recovery(args.config, ["train.total_steps=200", "train.checkpoint_every=20",
+                                              "train.sample_every=0", *args.set])
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

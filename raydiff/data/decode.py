@@ -1,0 +1,86 @@
+"""One encoded image -> uint8 (C, R, R): decode, convert the mode, scale to cover R x R, center-crop.
+
+Pure PIL/numpy, no Ray: `raydiff.data.ingest` runs it inside Ray Data tasks. Images in awkward modes are converted
+rather than dropped: CMYK and YCbCr become RGB, palette images are expanded, 16- and 32-bit integer images
+are scaled to 8 bits (not clipped), float images are clipped to [0, 255], transparent pixels are composited
+over white, and EXIF orientation is applied. What cannot be decoded (truncated, corrupt, empty, not an image)
+raises `BadImage` with a short reason, so that the caller can skip and count it.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+BACKGROUND = 255  # transparent pixels become white, the usual background of images with an alpha channel
+
+
+class BadImage(ValueError):
+    """This input is not a usable image; the message is a short reason (for reports, not a traceback)."""
+
+
+def _to_8bit(image: Image.Image) -> Image.Image:
+    """High-bit-depth and float modes -> 8-bit L, keeping the full range (PIL's convert would clip)."""
+    array = np.asarray(image)
+    if image.mode.startswith("I;16") or (image.mode == "I" and array.max(initial=0) > 255):
+        array = np.clip(array.astype(np.float64) / 257.0, 0, 255)  # 0..65535 -> 0..255
+    return Image.fromarray(np.clip(np.rint(array), 0, 255).astype(np.uint8), mode="L")
+
+
+def _flatten(image: Image.Image, mode: str) -> Image.Image:
+    """Any PIL image -> `mode` ("L" or "RGB"), alpha composited over the background."""
+    if image.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
+        image = _to_8bit(image)
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    transparent = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+    if transparent:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (BACKGROUND,) * 3 + (255,))
+        image = Image.alpha_composite(background, rgba)
+    return image.convert(mode)
+
+
+def decode_resize_crop(data: bytes, resolution: int, channels: int) -> np.ndarray:
+    """Encoded bytes -> uint8 (C, R, R): scaled to cover R x R (antialiased bicubic), center-cropped.
+    Raises BadImage for anything that is not a decodable image."""
+    if not data:
+        raise BadImage("empty file")
+    mode = "L" if channels == 1 else "RGB"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                image.draft(mode, (resolution, resolution))  # JPEG: decode at a reduced scale when it can
+                image = ImageOps.exif_transpose(image)
+                image.load()  # decode now: a truncated file fails here
+                image = ImageOps.fit(_flatten(image, mode), (resolution, resolution), method=Image.Resampling.BICUBIC)
+                array = np.asarray(image, dtype=np.uint8)
+    except UnidentifiedImageError:
+        raise BadImage("not an image (unrecognised format)") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise BadImage(f"cannot decode: {str(exc).splitlines()[0][:120] or type(exc).__name__}") from None
+    return array[None] if channels == 1 else array.transpose(2, 0, 1)
+
+
+def fit_array(array: np.ndarray, resolution: int, channels: int) -> np.ndarray:
+    """An already decoded uint8 image, (C, H, W) or (H, W, C) or (H, W) -> uint8 (C, R, R), resized and cropped
+    like an encoded one (a no-op when it already has that shape)."""
+    if array.dtype != np.uint8:
+        raise BadImage(f"tensor of dtype {array.dtype}: expected uint8")
+    if array.shape == (channels, resolution, resolution):
+        return array
+    if array.ndim == 3 and array.shape[0] in (1, 3, 4) and array.shape[2] not in (1, 3, 4):
+        array = array.transpose(1, 2, 0)  # CHW -> HWC for PIL
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
+        raise BadImage(f"tensor of shape {array.shape}: expected an image (H, W), (H, W, C) or (C, H, W)")
+    image = Image.fromarray(np.ascontiguousarray(array))
+    fitted = ImageOps.fit(_flatten(image, "L" if channels == 1 else "RGB"), (resolution, resolution),
+                          method=Image.Resampling.BICUBIC)
+    result = np.asarray(fitted, dtype=np.uint8)
+    return result[None] if channels == 1 else result.transpose(2, 0, 1)

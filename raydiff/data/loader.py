@@ -1,0 +1,128 @@
+"""Worker-side batches: gather this worker's samples of each step from the shared uint8 chunks, ahead of time.
+
+A background thread turns stream positions (see `raydiff.data.order`) into uint8 micro-batches in host memory
+(pinned when training on a GPU) a few steps ahead, so the training loop never waits for data; its work is
+vectorized (one gather per chunk), never per image. The cheap per-epoch work, scaling to [-1, 1] and
+horizontal flips, is done on the training device.
+
+Each sample's diffusion timestep and noise are a pure function of (seed, stream position) (see
+`raydiff.model.noise`), so runs with 1 or 8 workers, with or without accumulation, compute the same updates.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from raydiff.data.order import SampleOrder, Share, micro_batches
+from raydiff.model.noise import position_noise
+
+
+class ImageTable:
+    """Random access by sample index over a list of uint8 (n_i, C, H, W) chunks."""
+
+    def __init__(self, chunks: list[np.ndarray]) -> None:
+        self.chunks = chunks
+        self.starts = np.cumsum([0] + [len(c) for c in chunks])
+        self.shape = chunks[0].shape[1:]
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
+        chunk_of = np.searchsorted(self.starts, indices, side="right") - 1
+        for c in np.unique(chunk_of):
+            selected = chunk_of == c
+            out[selected] = self.chunks[c][indices[selected] - self.starts[c]]
+        return out
+
+
+@dataclass
+class MicroBatch:
+    images: torch.Tensor  # uint8 (n, C, H, W), on the host
+    flips: torch.Tensor  # bool (n,)
+    position: int  # stream position of the first sample
+    indices: np.ndarray  # dataset indices of the samples (for the order audit)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def to_device(self, device: torch.device, flip: bool) -> torch.Tensor:
+        """Float images in [-1, 1] on `device`, horizontally flipped where the flip bit is set."""
+        x = self.images.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
+        if flip:
+            flips = self.flips.to(device, non_blocking=True)[:, None, None, None]
+            x = torch.where(flips, x.flip(-1), x)
+        return x
+
+    def diffusion_inputs(self, seed: int, timesteps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's diffusion timesteps and noise (see `position_noise`)."""
+        return position_noise(seed, self.position, len(self), timesteps=timesteps, shape=tuple(self.images.shape[1:]),
+                              device=device)
+
+
+class BatchStream:
+    """Yields, for every optimizer step from `start_step` on, this worker's micro-batches.
+
+    :param table: the decoded images.
+    :param order: the global sample stream.
+    :param global_batch: samples per optimizer step over all workers.
+    :param share: this worker's slice of every global batch.
+    :param micro_batch: samples per forward pass on this worker.
+    :param start_step: the first optimizer step to produce (resume point).
+    :param pin_memory: pin host buffers for asynchronous copies to a GPU.
+    :param prefetch_steps: how many steps the background thread may run ahead.
+    """
+
+    def __init__(
+        self, *, table: ImageTable, order: SampleOrder, global_batch: int, share: Share, micro_batch: int,
+        start_step: int, pin_memory: bool, prefetch_steps: int = 4,
+    ) -> None:
+        self._table, self._order = table, order
+        self._global_batch, self._pin = global_batch, pin_memory
+        self._layout = micro_batches(share, micro_batch)
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch_steps)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(start_step,), daemon=True, name="raydiff-loader")
+        self._thread.start()
+
+    def _step_batches(self, step: int) -> list[MicroBatch]:
+        batches = []
+        for offset, size in self._layout:
+            position = step * self._global_batch + offset
+            indices, flips = self._order.take(position, size)
+            images = torch.empty((size, *self._table.shape), dtype=torch.uint8, pin_memory=self._pin)
+            self._table.gather(indices, images.numpy())
+            batches.append(MicroBatch(images=images, flips=torch.from_numpy(flips), position=position, indices=indices))
+        return batches
+
+    def _produce(self, step: int) -> None:
+        try:
+            while not self._stop.is_set():
+                item = self._step_batches(step)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                step += 1
+        except BaseException as exc:  # surface loader errors in the training loop, not in a dead thread
+            self._queue.put(exc)
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> list[MicroBatch]:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

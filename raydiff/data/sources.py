@@ -1,0 +1,168 @@
+"""What `data.source` names: its filesystem, its kind and its files, in a reproducible order.
+
+Kinds: a folder (recursive) or a single file of images; Parquet files with an encoded-image column (bytes, or
+Hugging Face's {bytes, path} struct) or a decoded uint8 tensor column; WebDataset `.tar` shards; a folder written
+by `python -m raydiff.prepare` (its manifest.json says so); `builtin:digits`. Each may be a local path or a
+file://, s3:// or gs:// URI. Files are sorted, so that sample i is the same image in every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+import pyarrow.fs as pafs
+
+from raydiff.data.fs import filesystem_for, is_remote
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+KIND_EXTENSIONS = {"images": IMAGE_EXTENSIONS, "parquet": (".parquet",), "webdataset": (".tar",)}
+MANIFEST = "manifest.json"
+PREPARED_FORMAT = "raydiff-prepared"
+
+Kind = Literal["images", "parquet", "webdataset", "prepared"]
+
+
+class DataError(ValueError):
+    """The data source cannot be used (missing, empty, too many bad images); one line for the user."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A listed data source.
+
+    :param uri: `data.source` as the user gave it.
+    :param kind: how its files are read.
+    :param filesystem: pyarrow filesystem of the files; pickles, so Ray Data tasks can open them anywhere.
+    :param files: paths within the filesystem, sorted (for `prepared`: the manifest's shard order).
+    :param sizes: byte size of each file.
+    :param manifest: the prepare manifest (only for `prepared`).
+    """
+
+    uri: str
+    kind: Kind
+    filesystem: pafs.FileSystem
+    files: tuple[str, ...]
+    sizes: tuple[int, ...]
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def identity(self) -> dict[str, Any]:
+        """Count and fingerprint of the files (relative names and sizes): a changed source is caught on resume."""
+        root = _common_root(self.files)
+        digest = hashlib.sha256()
+        for path, size in zip(self.files, self.sizes):
+            digest.update(f"{_relative(path, root)}\0{size}\n".encode())
+        return {"source": self.uri, "kind": self.kind, "num_files": len(self.files),
+                "fingerprint": digest.hexdigest()[:16]}
+
+    def describe(self) -> str:
+        what = {"images": "image files", "parquet": "Parquet files", "webdataset": "WebDataset shards",
+                "prepared": "prepared shards"}[self.kind]
+        return f"{len(self.files)} {what} in {self.uri}"
+
+
+def _common_root(files: tuple[str, ...]) -> str:
+    parents = [PurePosixPath(f).parent.parts for f in files]
+    common = parents[0]
+    for parts in parents[1:]:
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return str(PurePosixPath(*common)) if common else ""
+
+
+def _relative(path: str, root: str) -> str:
+    return path[len(root):].lstrip("/") if root and path.startswith(root) else path
+
+
+def _kind_of(path: str) -> str | None:
+    suffix = PurePosixPath(path).suffix.lower()
+    return next((kind for kind, extensions in KIND_EXTENSIONS.items() if suffix in extensions), None)
+
+
+def open_source(source: str | None, *, format: str = "auto", endpoint: str | None = None,
+                anonymous: bool = False) -> Source:
+    """List `source`. Raises DataError when it is missing, empty or ambiguous."""
+    if not source:
+        raise DataError("data.source is not set: give a folder, a file or an s3:// / gs:// URI of images")
+    if source.startswith("builtin:"):
+        from raydiff.data.datasets import builtin_folder
+
+        try:
+            folder = builtin_folder(source)
+        except ValueError as exc:
+            raise DataError(f"data.source = {source!r}: {exc}") from None
+        return _list(source, str(folder), pafs.LocalFileSystem(), format)
+    try:
+        filesystem, path = filesystem_for(source, endpoint=endpoint, anonymous=anonymous)
+    except ValueError as exc:
+        raise DataError(f"data.source = {source!r}: {exc}") from None
+    return _list(source, path, filesystem, format)
+
+
+def source_of(data) -> Source:
+    """The source a config's `data` section names (see `open_source`)."""
+    return open_source(data.source, format=data.format, endpoint=data.endpoint, anonymous=data.anonymous)
+
+
+def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: str) -> Source:
+    try:
+        info = filesystem.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise DataError(f"data.source = {uri!r}: no such file or folder")
+        if info.type == pafs.FileType.File:
+            found = [info]
+        else:
+            manifest = _read_manifest(filesystem, path)
+            if manifest is not None:
+                return _prepared(uri, path, filesystem, manifest)
+            found = [f for f in filesystem.get_file_info(pafs.FileSelector(path, recursive=True))
+                     if f.type == pafs.FileType.File]
+    except OSError as exc:  # permissions, credentials, network: say so in one line
+        raise DataError(f"data.source = {uri!r}: cannot read it ({str(exc).splitlines()[0][:200]})") from None
+
+    by_kind: dict[str, list[pafs.FileInfo]] = {}
+    for f in found:
+        kind = _kind_of(f.path)
+        if kind is not None and not PurePosixPath(f.path).name.startswith("."):
+            by_kind.setdefault(kind, []).append(f)
+    if format != "auto":
+        chosen = format
+    elif len(by_kind) > 1:
+        counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_kind.items()))
+        raise DataError(f"data.source = {uri!r} holds several kinds of files ({counts}): set data.format to one of "
+                        f"{', '.join(KIND_EXTENSIONS)}")
+    else:
+        chosen = next(iter(by_kind), "images")
+    files = sorted(by_kind.get(chosen, []), key=lambda f: f.path)
+    if not files:
+        looked_for = ", ".join(KIND_EXTENSIONS[chosen])
+        label = {"images": "image", "parquet": "Parquet", "webdataset": "WebDataset"}[chosen]
+        raise DataError(f"data.source = {uri!r}: no {label} files found (looked for {looked_for}"
+                        f"{'' if is_remote(uri) else ', recursively'})")
+    return Source(uri=uri, kind=chosen, filesystem=filesystem, files=tuple(f.path for f in files),
+                  sizes=tuple(int(f.size) for f in files))
+
+
+def _read_manifest(filesystem: pafs.FileSystem, folder: str) -> dict[str, Any] | None:
+    path = f"{folder.rstrip('/')}/{MANIFEST}"
+    if filesystem.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with filesystem.open_input_stream(path) as f:
+        manifest = json.loads(f.read().decode())
+    return manifest if manifest.get("format") == PREPARED_FORMAT else None
+
+
+def _prepared(uri: str, folder: str, filesystem: pafs.FileSystem, manifest: dict[str, Any]) -> Source:
+    files = tuple(f"{folder.rstrip('/')}/{name}" for name in manifest["shards"])
+    infos = filesystem.get_file_info(list(files))
+    missing = [i.path for i in infos if i.type != pafs.FileType.File]
+    if missing:
+        raise DataError(f"data.source = {uri!r}: prepared data is incomplete ({len(missing)} shard(s) missing, "
+                        f"e.g. {missing[0]}); run python -m raydiff.prepare again")
+    return Source(uri=uri, kind="prepared", filesystem=filesystem, files=files,
+                  sizes=tuple(int(i.size) for i in infos), manifest=manifest)

@@ -1,0 +1,1 @@
+"""The model and its math: the DDPM UNet, diffusion schedules and samplers, EMA, per-position noise."""

@@ -1,0 +1,47 @@
+"""Per-sample diffusion inputs (timestep and Gaussian noise) as pure functions of (seed, stream position).
+
+Training draws them on the training device from a generator keyed by (seed, position // NOISE_BLOCK): one
+vectorized draw per block of positions. A sample therefore gets the same noise whatever the world size,
+micro-batch size or restart history (on the same kind of device). The small, fixed validation set uses a
+numpy Philox stream per position instead, identical on every device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from raydiff.data.order import derive_seed
+
+NOISE_BLOCK = 16  # positions per noise draw: vectorized, with little waste at uneven share boundaries
+_NOISE_TAG = 0x6E6F697365  # keeps the noise streams apart from the dropout seeds (seed, position)
+
+_generators: dict[str, torch.Generator] = {}
+
+
+def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: tuple[int, ...],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Timesteps (count,) and Gaussian noise (count, *shape) of stream positions [start, start + count), on
+    `device`: a pure function of (seed, position) for a given device type."""
+    generator = _generators.setdefault(str(device), torch.Generator(device=device))
+    t_parts, noise_parts = [], []
+    for block in range(start // NOISE_BLOCK, (start + count - 1) // NOISE_BLOCK + 1):
+        generator.manual_seed(derive_seed(seed, _NOISE_TAG, block))
+        block_t = torch.randint(timesteps, (NOISE_BLOCK,), generator=generator, device=device)
+        block_noise = torch.randn((NOISE_BLOCK, *shape), generator=generator, device=device)
+        low, high = max(start, block * NOISE_BLOCK), min(start + count, (block + 1) * NOISE_BLOCK)
+        t_parts.append(block_t[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
+        noise_parts.append(block_noise[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
+    return torch.cat(t_parts), torch.cat(noise_parts)
+
+
+def sample_noise(seed: int, positions: np.ndarray, timesteps: int, shape: tuple[int, ...],
+                 noise_out: np.ndarray) -> np.ndarray:
+    """Per-sample timestep and Gaussian noise from numpy, a pure function of (seed, position) on any device:
+    for the small, fixed validation set (training uses `position_noise`)."""
+    t = np.empty(len(positions), np.int64)
+    for i, position in enumerate(positions):
+        rng = np.random.Generator(np.random.Philox(key=(seed << 64) | int(position)))
+        t[i] = rng.integers(timesteps)
+        rng.standard_normal(shape, dtype=np.float32, out=noise_out[i])
+    return t

@@ -1,0 +1,86 @@
+"""What a train command means for an existing run directory: start, continue, already finished, or refused.
+
+Re-running the same command continues the run from its newest checkpoint (Ray Train finds the run by
+`run.name` and `run.storage`). Continuing is refused when a key that fixes what the checkpoint means has
+changed (model shape, diffusion, data, global batch, seed): the result would be neither the old run nor a new
+one. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts over.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+
+from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
+from raydiff.config import Config, ConfigError
+from raydiff.runs.rundir import RunDir
+
+# Keys whose change makes a checkpoint mean something else; every other key may change between runs
+# (learning rate, cadences, total_steps to extend a run, world size, precision, ...).
+IDENTITY_SECTIONS = ("model", "diffusion")
+IDENTITY_KEYS = ("data.source", "data.format", "data.image_column", "data.resolution", "data.channels", "data.flip",
+                 "data.val_images", "train.global_batch", "train.seed")
+DATA_FILE = "data.json"
+
+
+def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, section in tree.items() for k, v in (section or {}).items()}
+
+
+def identity_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    # A key missing from an older run's config had its default then (keys are only ever added).
+    old_flat, new_flat = {**_flatten(Config().to_dict()), **_flatten(old)}, _flatten(new)
+    keys = [k for k in new_flat if k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS]
+    return [f"{k} = {old_flat.get(k)!r}, now {new_flat[k]!r}" for k in keys if old_flat.get(k) != new_flat[k]]
+
+
+def other_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    old_flat, new_flat = _flatten(old), _flatten(new)
+    return [f"{k} {old_flat.get(k)!r} -> {v!r}" for k, v in new_flat.items()
+            if k in old_flat and old_flat[k] != v and k != "run.resume"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    action: Literal["start", "continue", "finished"]
+    step: int  # newest checkpoint's step (0 when starting)
+    notes: tuple[str, ...] = ()
+
+
+def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
+    """Decide what to do with `run_dir`; raises ConfigError when continuing would be meaningless."""
+    if run_dir.is_empty():
+        return RunPlan("start", 0)
+    if not cfg.run.resume:
+        moved = run_dir.parent / f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir.move_to(moved)
+        return RunPlan("start", 0, (f"run.resume=false: moved the previous run to {moved}",))
+
+    checkpoints = list_checkpoints(run_dir)
+    notes = []
+    previous = yaml.safe_load(run_dir.read_text("config.yaml")) if run_dir.is_file("config.yaml") else None
+    previous_data = json.loads(run_dir.read_text(DATA_FILE)) if run_dir.is_file(DATA_FILE) else None
+    changes = identity_changes(previous, cfg.to_dict()) if previous else []
+    if previous_data and previous_data["fingerprint"] != data["fingerprint"] and not changes:
+        changes.append(f"the files of data.source ({previous_data.get('num_files')} files, now {data['num_files']}, "
+                       f"or their names or sizes)")
+    if changes and checkpoints:
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: {run_dir} holds a run trained with {'; '.join(changes)}; continuing it "
+            f"would be meaningless. Use --set run.name=NEW for a new run, or --set run.resume=false to start this "
+            f"one over (the old run is moved aside, not deleted)")
+    if previous and checkpoints:
+        notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
+    if not checkpoints:
+        return RunPlan("start", 0, tuple(notes))
+
+    step = checkpoint_step(checkpoints[-1])
+    summary = json.loads(run_dir.read_text("summary.json")) if run_dir.is_file("summary.json") else {}
+    finished = summary.get("status") == "finished"
+    if step >= cfg.train.total_steps and finished:
+        return RunPlan("finished", step, tuple(notes))
+    return RunPlan("continue", step, tuple(notes))

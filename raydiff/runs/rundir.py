@@ -1,0 +1,134 @@
+"""A run directory on any storage: a local or NFS folder, or an s3:// / gs:// prefix.
+
+Everything raydiff writes next to Ray Train's checkpoints (config, metrics, events, samples, summary) goes
+through this class, so the same run works on a laptop's disk and on a cluster's bucket. Writes are whole-file
+and atomic: a local file is written beside its target and renamed; an object store PUT is atomic already.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path, PurePosixPath
+
+import pyarrow.fs as pafs
+
+from raydiff.data.fs import filesystem_for, is_remote
+
+
+class RunDir:
+    """A folder of files addressed by relative names (`metrics.jsonl`, `samples/step_00000100.png`).
+
+    :param uri: a local path or an s3:// / gs:// URI.
+    :param endpoint: S3/GCS endpoint URL override (null: AWS_ENDPOINT_URL or the provider's default).
+    """
+
+    def __init__(self, uri: str | os.PathLike, *, endpoint: str | None = None) -> None:
+        uri = str(uri)
+        self.remote = is_remote(uri)
+        self.uri = uri.rstrip("/") if self.remote else str(Path(uri.removeprefix("file://")).expanduser().resolve())
+        self.endpoint = endpoint
+        self.fs, self.path = filesystem_for(self.uri, endpoint=endpoint)
+
+    def __reduce__(self):  # pickles as (uri, endpoint): each process opens its own filesystem
+        return RunDir._open, (self.uri, self.endpoint)
+
+    @staticmethod
+    def _open(uri: str, endpoint: str | None) -> "RunDir":
+        return RunDir(uri, endpoint=endpoint)
+
+    def __truediv__(self, name: str) -> "RunDir":
+        return RunDir(f"{self.uri}/{name}", endpoint=self.endpoint)
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def __repr__(self) -> str:
+        return f"RunDir({self.uri!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunDir) and other.uri == self.uri
+
+    def __hash__(self) -> int:
+        return hash(self.uri)
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.path).name
+
+    @property
+    def parent(self) -> "RunDir":
+        return RunDir(self.uri.rsplit("/", 1)[0], endpoint=self.endpoint)
+
+    @property
+    def local(self) -> Path | None:
+        """The folder as a local path, or None on an object store."""
+        return None if self.remote else Path(self.path)
+
+    def _full(self, name: str) -> str:
+        return f"{self.path}/{name}" if name else self.path
+
+    # Reading.
+    def exists(self, name: str = "") -> bool:
+        return self.fs.get_file_info(self._full(name)).type != pafs.FileType.NotFound
+
+    def is_file(self, name: str) -> bool:
+        return self.fs.get_file_info(self._full(name)).type == pafs.FileType.File
+
+    def is_empty(self) -> bool:
+        info = self.fs.get_file_info(self.path)
+        if info.type == pafs.FileType.NotFound:
+            return True
+        return not self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+
+    def read_bytes(self, name: str) -> bytes:
+        with self.fs.open_input_stream(self._full(name)) as f:
+            return f.read()
+
+    def read_text(self, name: str) -> str:
+        return self.read_bytes(name).decode()
+
+    def subdirs(self, pattern_prefix: str = "") -> list["RunDir"]:
+        """Immediate sub-folders whose names start with `pattern_prefix`."""
+        if not self.exists():
+            return []
+        entries = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        return [self / PurePosixPath(e.path).name for e in entries
+                if e.type == pafs.FileType.Directory and PurePosixPath(e.path).name.startswith(pattern_prefix)]
+
+    # Writing.
+    def write_bytes(self, name: str, data: bytes) -> None:
+        target = self._full(name)
+        parent = str(PurePosixPath(target).parent)
+        self.fs.create_dir(parent, recursive=True)
+        if self.remote:
+            with self.fs.open_output_stream(target) as f:
+                f.write(data)
+            return
+        tmp = Path(parent) / f".{PurePosixPath(target).name}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+
+    def write_text(self, name: str, text: str) -> None:
+        self.write_bytes(name, text.encode())
+
+    def append_text(self, name: str, text: str) -> None:
+        """Append to a local file; on an object store (which cannot append) rewrite it."""
+        if self.remote:
+            self.write_bytes(name, (self.read_bytes(name) if self.is_file(name) else b"") + text.encode())
+            return
+        path = Path(self._full(name))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(text)
+
+    def move_to(self, target: "RunDir") -> None:
+        """Move the whole folder (a rename locally; copy and delete on an object store)."""
+        if not self.remote:
+            os.replace(self.path, target.path)
+            return
+        pafs.copy_files(self.path, target.path, source_filesystem=self.fs, destination_filesystem=target.fs)
+        self.fs.delete_dir(self.path)
+
+    def open_binary(self, name: str) -> io.BytesIO:
+        return io.BytesIO(self.read_bytes(name))

@@ -1,0 +1,225 @@
+"""The driver: decide start/continue, start or join Ray, decode the data once, run the TorchTrainer, summarise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from pathlib import PurePosixPath
+from typing import Any
+
+import ray
+import ray.train
+import yaml
+from ray.train.torch import TorchTrainer
+
+from raydiff.config import Config, ConfigError
+from raydiff.data.ingest import ImageStore, load_data
+from raydiff.data.sources import DataError, source_of
+from raydiff.runs.resume import DATA_FILE, plan_run
+from raydiff.runs.rundir import RunDir
+from raydiff.runs.runlog import JsonlLog
+from raydiff.training.loop import train_worker
+from raydiff.training.lr import describe_lr
+from raydiff.training.stop import StopFlag, stop_on_signals
+
+BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
+
+
+def init_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one."""
+    if ray.is_initialized():
+        return
+    from ray._private.services import canonicalize_bootstrap_address
+
+    existing = canonicalize_bootstrap_address(None)  # what ray.init() will join, if anything
+    ray.init(logging_level=logging.WARNING)
+    resources = ray.cluster_resources()
+    what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
+    print(f"[raydiff] {what}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU, "
+          f"{len(_alive_nodes())} node(s)")
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
+    ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
+
+
+def run_dir_of(cfg: Config) -> RunDir:
+    """`<run.storage>/<run.name>`: a local or NFS folder, or an s3:// / gs:// prefix."""
+    return RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / cfg.run.name
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    return [n for n in ray.nodes() if n["Alive"]]
+
+
+@ray.remote(num_cpus=0)
+def _sees(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def unreachable_nodes(folder: str, probe=None) -> list[str]:
+    """Addresses of the cluster's live nodes on which `folder` (a local path) does not show a file the driver
+    just wrote there: the storage is not shared with them. `probe(path, node_id)` -> bool is for tests."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    os.makedirs(folder, exist_ok=True)
+    marker = os.path.join(folder, f".raydiff-shared-{uuid.uuid4().hex}")
+    open(marker, "w").close()
+    try:
+        nodes = _alive_nodes()
+        if probe is None:
+            def probe(path: str, node_id: str) -> bool:
+                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+                return ray.get(_sees.options(scheduling_strategy=strategy).remote(path), timeout=60)
+        return [n["NodeManagerAddress"] for n in nodes if not probe(marker, n["NodeID"])]
+    finally:
+        os.remove(marker)
+
+
+def check_shared_storage(storage: str, probe=None) -> None:
+    """On a multi-node cluster a local run.storage must be a shared (NFS) mount: refuse it up front, with what to
+    use instead, rather than fail at the first checkpoint of a remote worker."""
+    if "://" in storage or len(_alive_nodes()) < 2:
+        return
+    missing = unreachable_nodes(storage, probe)
+    if missing:
+        raise ConfigError(f"run.storage = {storage!r} is not shared: node(s) {', '.join(sorted(set(missing)))} cannot "
+                          f"see it. A multi-node cluster needs storage every node reaches: an s3:// or gs:// URI, or "
+                          f"an NFS path mounted at the same place on every node")
+
+
+def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, int]:
+    """Workers, devices and CPUs per worker; returns Ray's ScalingConfig and torch threads per worker.
+
+    Ray Data decodes the whole dataset before training starts (see `raydiff.data.ingest`), so training may use
+    every CPU without starving the data pipeline: the two never compete, and nothing can deadlock.
+    `cpus` is this run's part of the cluster's CPUs (a Tune sweep runs several runs at once); default all.
+    """
+    s = cfg.scaling
+    resources = ray.cluster_resources()
+    gpus, cpus = resources.get("GPU", 0), cpus or resources.get("CPU", 1)
+    use_gpu = gpus > 0 if s.use_gpu == "auto" else s.use_gpu
+    if use_gpu and gpus == 0:
+        print("[raydiff] scaling.use_gpu is true but the cluster has no GPU now: waiting for one to be added")
+    if s.cpus_per_worker is not None:
+        cpus_per_worker = s.cpus_per_worker
+    elif use_gpu:
+        cpus_per_worker = 1.0
+    else:
+        cpus_per_worker = max(cpus // s.max_workers, min(1.0, cpus / s.max_workers))
+    scaling = ray.train.ScalingConfig(
+        num_workers=tuple(s.num_workers) if s.elastic else s.num_workers, use_gpu=use_gpu,
+        resources_per_worker={"CPU": cpus_per_worker}, elastic_resize_monitor_interval_s=s.resize_check_s,
+    )
+    return scaling, max(1, math.floor(cpus_per_worker))
+
+
+def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float | None = None,
+                 callbacks: list | None = None) -> dict[str, Any]:
+    """Train to `cfg.train.total_steps`, continuing the run's newest checkpoint; return the summary.
+
+    :param images: the source already decoded (a sweep decodes once for all its trials).
+    :param cpus: this run's part of the cluster's CPUs (default all).
+    :param callbacks: Ray Train callbacks, e.g. Tune's report callback.
+    """
+    started = time.perf_counter()
+    run_dir = run_dir_of(cfg)
+
+    # Decide what this command means for the run directory before starting anything.
+    source = source_of(cfg.data)
+    data = source.identity()
+    plan = plan_run(cfg, run_dir, data)
+    for note in plan.notes:
+        print(f"[raydiff] {note}")
+    if plan.action == "finished":
+        summary = json.loads(run_dir.read_text("summary.json"))
+        return {**summary, "already_finished": True, "run_dir": str(run_dir)}
+
+    # Decode the data once with Ray Data.
+    init_ray()
+    check_shared_storage(cfg.run.storage)
+    decode_start = time.perf_counter()
+    decoded = "decoded earlier"
+    if images is None:
+        images = load_data(cfg.data, source)
+        decoded = f"decoded in {time.perf_counter() - decode_start:.1f} s"
+    if cfg.data.val_images >= images.num_good:
+        raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of usable images in "
+                        f"data.source ({images.num_good})")
+    skipped = f", {len(images.bad)} skipped as unusable (see summary.json)" if images.bad else ""
+    scaling, torch_threads = plan_scaling(cfg, cpus)
+    workers = "-".join(map(str, cfg.scaling.num_workers)) if cfg.scaling.elastic else cfg.scaling.num_workers
+    print(f"[raydiff] {images.num_good} images from {source.describe()} at {cfg.data.resolution}px ({decoded}"
+          f"{skipped}); "
+          f"{'continuing at step ' + str(plan.step) if plan.step else 'training'}"
+          f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); {describe_lr(cfg.train)}; run directory "
+          f"{run_dir}")
+
+    # Record the resolved config and the data's identity next to the results.
+    run_dir.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    run_dir.write_text(DATA_FILE, json.dumps(data, indent=2) + "\n")
+    if images.bad:
+        run_dir.write_text(BAD_FILE, json.dumps([b.to_dict() for b in images.bad], indent=1) + "\n")
+
+    invocation, stop_flag = uuid.uuid4().hex, StopFlag.remote()
+    storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"config": cfg.to_dict(), "images": images, "run_dir": run_dir,
+                           "torch_threads": torch_threads, "invocation": invocation, "stop_flag": stop_flag},
+        scaling_config=scaling,
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name,
+            storage_path=storage.path,
+            storage_filesystem=storage.fs,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            callbacks=callbacks or [],
+        ),
+    )
+    error = None
+    with stop_on_signals(stop_flag) as received:
+        try:
+            result = trainer.fit()
+            outcome = result.return_value or {}
+            checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
+        except ray.train.TrainingFailedError as exc:
+            error, outcome, checkpoint = str(exc).strip().splitlines()[0], {}, None
+    summary = _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started,
+                             bad_images=images.bad_report())
+    return {**summary, "signal": received["signal"]}
+
+
+def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, error, started,
+                   bad_images) -> dict[str, Any]:
+    rows = JsonlLog(run_dir, "metrics.jsonl").rows()
+    starts = [e for e in JsonlLog(run_dir, "events.jsonl").rows() if e["event"] == "start"]
+    this_invocation = [e for e in starts if e["invocation"] == invocation]
+    last = rows[-1] if rows else {}
+    status = outcome.get("status", "failed") if error is None else "failed"
+    if status == "finished" and outcome.get("steps") != cfg.train.total_steps:
+        status = "failed"
+    summary = {
+        "status": status,
+        "steps": outcome.get("steps", last.get("step", planned_step)),
+        "images_seen": outcome.get("images_seen", last.get("images_seen", planned_step * cfg.train.global_batch)),
+        "final_loss": outcome["final_loss"] if outcome.get("final_loss") is not None else last.get("loss"),
+        "final_val_loss": outcome.get("val_loss"),
+        "checkpoint": checkpoint,
+        "world_sizes": list(dict.fromkeys(e["world_size"] for e in starts)),
+        "restarts": max(0, len(this_invocation) - 1),
+        "resumed_from_step": this_invocation[0]["step"] if this_invocation else planned_step,
+        "skipped_steps": outcome.get("skipped_steps", last.get("skipped_steps", 0)),
+        "rollbacks": outcome.get("rollbacks", 0),
+        "bad_images": bad_images,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "run_dir": str(run_dir),
+    }
+    if error or outcome.get("diagnostic"):
+        summary["error"] = error or outcome["diagnostic"]
+    run_dir.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary

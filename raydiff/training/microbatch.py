@@ -1,0 +1,70 @@
+"""`train.micro_batch: auto`: the largest per-worker micro-batch that fits the device, found by measurement.
+
+On a GPU, forward + backward passes of the real model under the real precision are tried at growing batch
+sizes (doubling, then bisecting between the last fit and the first out-of-memory), with the optimizer's
+moment buffers already allocated, and the result keeps a safety margin. On a CPU memory is rarely the
+limit and there is nothing to measure: the whole share is one micro-batch (no accumulation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger("raydiff")
+SAFETY_MARGIN = 0.9  # use 90% of the largest batch that fit: the allocator fragments over a long run
+
+
+def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest n in [1, upper] with fits(n), assuming fits is monotone (true up to some n, false after).
+    Returns 0 if not even 1 fits. Doubles from 1, then bisects: O(log upper) calls."""
+    if not fits(1):
+        return 0
+    good, n = 1, 2
+    while n <= upper and fits(n):
+        good, n = n, n * 2
+    bad = min(n, upper + 1)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def measure_micro_batch(model: torch.nn.Module, diffusion, optimizer: torch.optim.Optimizer, *, share: int,
+                        shape: tuple[int, int, int], device: torch.device, autocast_dtype: torch.dtype | None) -> int:
+    """Largest micro-batch (<= share) whose forward + backward fits next to the weights, EMA and optimizer."""
+    if device.type != "cuda":
+        logger.info(f"[raydiff] train.micro_batch=auto on {device.type}: no memory to probe, one pass per step "
+                    f"(micro-batch {share})")
+        return share
+    # Reserve what AdamW will hold after its first step, so the probe does not hand that memory out twice.
+    reserve = [torch.empty_like(p, dtype=torch.float32) for p in model.parameters() for _ in range(2)
+               if not optimizer.state.get(p)]
+
+    def fits(n: int) -> bool:
+        x = torch.randn(n, *shape, device=device)
+        t = torch.randint(0, diffusion.timesteps, (n,), device=device)
+        try:
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = diffusion.loss_per_sample(model, x, t, torch.randn_like(x)).sum()
+            loss.backward()
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+            del x, t
+            torch.cuda.empty_cache()
+
+    try:
+        largest = largest_fitting(fits, share)
+    finally:
+        del reserve
+        torch.cuda.empty_cache()
+    if largest == 0:
+        raise RuntimeError(f"train.micro_batch=auto: not even one image fits on {device}; use a smaller model")
+    chosen = max(1, int(largest * SAFETY_MARGIN)) if largest < share else share
+    logger.info(f"[raydiff] train.micro_batch=auto: up to {largest} images fit on {device}; using {chosen}")
+    return chosen

@@ -1,0 +1,129 @@
+"""Ray Data ingest through the real pipeline: every kind of source, bad samples, the bad-fraction limit."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_messy_folder
+from PIL import Image
+
+from raydiff.data.datasets import write_synthetic
+from raydiff.data.decode import decode_resize_crop, fit_array
+from raydiff.data.ingest import check_bad_fraction, load_images
+from raydiff.data.sources import DataError, open_source
+
+pytestmark = pytest.mark.ray
+
+
+def test_folder_is_decoded_resized_and_cropped_in_order(ray_session, tmp_path):
+    write_synthetic(tmp_path / "b", num=7, resolution=40, fmt="jpg", seed=1)
+    write_synthetic(tmp_path / "a" / "nested", num=5, resolution=20, fmt="png", seed=2)
+    Image.new("RGB", (30, 12), (200, 10, 10)).save(tmp_path / "wide.png")  # non-square: center crop
+    source = open_source(str(tmp_path))
+    store = load_images(source, resolution=16, channels=3)
+    assert store.num_images == 13 and store.shape == (3, 16, 16) and not store.bad
+    images = np.concatenate(store.arrays())
+    assert images.dtype == np.uint8 and images.shape == (13, 3, 16, 16)
+    for i, path in enumerate(source.files):  # sample i is file i, decoded exactly as decode_resize_crop does
+        assert np.array_equal(images[i], decode_resize_crop(open(path, "rb").read(), 16, 3))
+    assert np.all(images[-1][0] == 200) and np.all(images[-1][1] == 10)
+
+
+def test_grayscale_digits(ray_session):
+    store = load_images(open_source("builtin:digits"), resolution=16, channels=1)
+    assert store.num_images == 1797 and store.shape == (1, 16, 16)
+    assert np.concatenate(store.arrays()).max() > 200
+
+
+def _encoded(tmp_path) -> list[bytes]:
+    return [p.read_bytes() for p in write_synthetic(tmp_path / "src", num=12, resolution=20, fmt="png", seed=4)]
+
+
+def _write(kind: str, encoded: list[bytes], folder) -> dict:
+    """Write the images as a source of `kind`; return the load options it needs."""
+    folder.mkdir()
+    half = len(encoded) // 2
+    if kind == "parquet-bytes":  # two files, a custom column name
+        for name, part in (("a", encoded[:half]), ("b", encoded[half:])):
+            pq.write_table(pa.table({"png": pa.array(part, pa.binary())}), folder / f"{name}.parquet")
+        return {"image_column": "png"}
+    if kind == "parquet-hf":  # Hugging Face datasets' image struct
+        rows = [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(encoded)]
+        pq.write_table(pa.table({"image": pa.array(rows)}), folder / "train-00000.parquet")
+        return {}
+    if kind == "parquet-tensor":  # decoded uint8 HWC tensors at the source resolution
+        arrays = np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in encoded])
+        pq.write_table(pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(arrays)}), folder / "t.parquet")
+        return {}
+    for shard, part in (("shard-000000.tar", encoded[:half]), ("shard-000001.tar", encoded[half:])):
+        with tarfile.open(folder / shard, "w") as tar:
+            for i, data in enumerate(part):
+                for ext, payload in (("png", data), ("cls", b"0")):
+                    info = tarfile.TarInfo(f"{shard[:12]}_{i:04d}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+    return {}
+
+
+@pytest.mark.parametrize("kind", ["parquet-bytes", "parquet-hf", "parquet-tensor", "webdataset"])
+def test_every_kind_of_source_gives_the_same_images_in_order(ray_session, tmp_path, kind):
+    encoded = _encoded(tmp_path)
+    options = _write(kind, encoded, tmp_path / "data")
+    source = open_source(str(tmp_path / "data"))
+    assert source.kind == ("webdataset" if kind == "webdataset" else "parquet")
+    store = load_images(source, resolution=8, channels=3, **options)
+    images = np.concatenate(store.arrays())
+    assert store.num_images == 12 and not store.bad
+    for i, data in enumerate(encoded):
+        expected = (fit_array(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), 8, 3) if kind == "parquet-tensor"
+                    else decode_resize_crop(data, 8, 3))
+        assert np.array_equal(images[i], expected), i
+
+
+def test_bad_samples_are_skipped_and_reported_awkward_modes_converted(ray_session, tmp_path):
+    names = write_messy_folder(tmp_path)
+    source = open_source(str(tmp_path))
+    store = load_images(source, resolution=8, channels=3)
+    assert store.num_images == 48 and store.num_good == 44
+    reported = {b.where.rsplit("/", 1)[1]: b.reason for b in store.bad}
+    assert sorted(reported) == sorted(names["bad"])
+    assert reported["empty.jpg"] == "empty file" and "not an image" in reported["notes.jpg"]
+    assert "cannot decode" in reported["truncated.jpg"]
+    images = np.concatenate(store.arrays())
+    index = {path.rsplit("/", 1)[1]: i for i, path in enumerate(source.files)}
+    assert [b.index for b in store.bad] == sorted(index[n] for n in names["bad"])
+    assert all(images[b.index].max() == 0 for b in store.bad)  # blank rows, never trained on
+    assert sorted(set(range(48)) - set(store.usable_indices().tolist())) == [b.index for b in store.bad]
+    assert images[index["cmyk.jpg"]][0].mean() > 200  # red, from CMYK
+    assert abs(int(images[index["gray16.png"]].mean()) - 40000 // 257) <= 1
+    assert np.all(images[index["alpha.png"]][:, :, -2:] == 255)  # transparent half: white
+
+    check_bad_fraction(store, 0.1)
+    with pytest.raises(DataError, match=r"4 of 48 samples .* cannot be used \(8.3% > data.max_bad_fraction = 0.05\)"):
+        check_bad_fraction(store, 0.05)
+
+
+def test_a_missing_parquet_column_is_a_one_line_error(ray_session, tmp_path):
+    _write("parquet-bytes", _encoded(tmp_path), tmp_path / "data")
+    with pytest.raises(DataError, match="data.image_column = 'nope': not a column of .*a.parquet; its columns: png"):
+        load_images(open_source(str(tmp_path / "data")), resolution=8, channels=3, image_column="nope")
+
+
+def test_gcs_source_against_a_loopback_emulator(ray_session, tmp_path, gcs_server):
+    endpoint, fs = gcs_server
+    paths = write_synthetic(tmp_path / "images", num=6, resolution=16, fmt="png", seed=5)
+    for path in paths:
+        with fs.open_output_stream(f"raydiff-gcs/raw/{path.name}") as f:
+            f.write(path.read_bytes())
+    source = open_source("gs://raydiff-gcs/raw", endpoint=endpoint, anonymous=True)
+    assert source.kind == "images" and len(source.files) == 6
+    store = load_images(source, resolution=8, channels=3)
+    images = np.concatenate(store.arrays())
+    assert all(np.array_equal(images[i], decode_resize_crop(p.read_bytes(), 8, 3)) for i, p in enumerate(paths))
+    with pytest.raises(DataError, match="no such file or folder"):
+        open_source("gs://raydiff-gcs/missing", endpoint=endpoint, anonymous=True)

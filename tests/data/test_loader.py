@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from raydiff.data.loader import BatchStream, ImageTable, MicroBatch
+from raydiff.data.order import SampleOrder, rank_share
+
+
+def make_table(n=23, chunk=5):
+    images = np.arange(n * 1 * 2 * 2, dtype=np.uint8).reshape(n, 1, 2, 2)
+    return images, ImageTable([images[i:i + chunk] for i in range(0, n, chunk)])
+
+
+def test_gather_across_chunks():
+    images, table = make_table()
+    indices = np.array([22, 0, 7, 5, 4, 13])
+    out = np.empty((6, 1, 2, 2), np.uint8)
+    assert np.array_equal(table.gather(indices, out), images[indices]) and len(table) == 23
+
+
+def test_stream_yields_the_order_for_each_step_and_resumes_exactly():
+    images, table = make_table()
+    order = SampleOrder(len(images), seed=5)
+
+    def stream(start_step, rank, world):
+        return BatchStream(table=table, order=order, global_batch=8, share=rank_share(8, world, rank),
+                           micro_batch=3, start_step=start_step, pin_memory=False)
+
+    s = stream(0, 0, 1)
+    steps = [next(s) for _ in range(4)]
+    s.close()
+    for step, batches in enumerate(steps):
+        assert [len(b.images) for b in batches] == [3, 3, 2]
+        expected, _ = order.take(step * 8, 8)
+        assert np.array_equal(torch.cat([b.images for b in batches]).numpy(), images[expected])
+    resumed = stream(2, 1, 2)  # restart at step 2 as rank 1 of 2: second half of that step's batch
+    batches = next(resumed)
+    resumed.close()
+    assert np.array_equal(torch.cat([b.images for b in batches]).numpy(), images[order.take(2 * 8 + 4, 4)[0]])
+    # The same sample gets the same timestep and noise whatever the layout.
+    cpu = torch.device("cpu")
+    t_resumed, noise_resumed = batches[0].diffusion_inputs(5, 100, cpu)
+    t_first, noise_first = steps[2][1].diffusion_inputs(5, 100, cpu)
+    assert torch.equal(noise_resumed[0], noise_first[1]) and t_resumed[0] == t_first[1]
+
+
+def test_to_device_scales_and_flips():
+    images = torch.tensor([[[[0, 255]]], [[[0, 255]]]], dtype=torch.uint8)
+    batch = MicroBatch(images=images, flips=torch.tensor([False, True]), position=0, indices=np.arange(2))
+    x = batch.to_device(torch.device("cpu"), flip=True)
+    assert torch.equal(x, torch.tensor([[[[-1.0, 1.0]]], [[[1.0, -1.0]]]]))
+    assert torch.equal(batch.to_device(torch.device("cpu"), flip=False)[1], torch.tensor([[[-1.0, 1.0]]]))
+
+
+def test_loader_errors_reach_the_consumer():
+    _, table = make_table()
+    s = BatchStream(table=table, order=SampleOrder(99, seed=0), global_batch=4, share=rank_share(4, 1, 0),
+                    micro_batch=4, start_step=0, pin_memory=False)  # indices beyond the table
+    try:
+        raised = False
+        for _ in range(50):
+            next(s)
+    except IndexError:
+        raised = True
+    finally:
+        s.close()
+    assert raised

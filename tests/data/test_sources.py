@@ -1,0 +1,77 @@
+"""Listing data sources: kinds, order, identity, and one-line errors (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from raydiff.data.datasets import write_synthetic
+from raydiff.data.sources import DataError, open_source
+
+
+def test_folder_is_listed_recursively_and_sorted(tmp_path):
+    write_synthetic(tmp_path / "b", num=3, resolution=8, fmt="jpg")
+    write_synthetic(tmp_path / "a" / "nested", num=2, resolution=8, fmt="png")
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / ".hidden.png").write_bytes(b"")
+    source = open_source(str(tmp_path))
+    assert source.kind == "images" and len(source.files) == 5 and list(source.files) == sorted(source.files)
+    assert open_source(f"file://{tmp_path}").files == source.files
+    single = str(tmp_path / "b" / "synthetic_000000.jpg")
+    assert open_source(single).files == (single,)
+
+
+def test_identity_follows_names_and_sizes_not_location(tmp_path):
+    write_synthetic(tmp_path / "one", num=3, resolution=8)
+    shutil.copytree(tmp_path / "one", tmp_path / "two")
+    first, moved = open_source(str(tmp_path / "one")).identity(), open_source(str(tmp_path / "two")).identity()
+    assert first["fingerprint"] == moved["fingerprint"] and first["num_files"] == 3
+    (tmp_path / "two" / "synthetic_000001.png").write_bytes(b"changed")
+    assert open_source(str(tmp_path / "two")).identity()["fingerprint"] != first["fingerprint"]
+
+
+def test_kinds_by_extension_and_format_override(tmp_path):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "b.tar").write_bytes(b"")
+    (tmp_path / "shards" / "a.tar").write_bytes(b"")
+    assert open_source(str(tmp_path / "shards")).kind == "webdataset"
+    (tmp_path / "shards" / "x.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match="several kinds of files .*set data.format"):
+        open_source(str(tmp_path / "shards"))
+    source = open_source(str(tmp_path / "shards"), format="webdataset")
+    assert source.kind == "webdataset" and [f.rsplit("/", 1)[1] for f in source.files] == ["a.tar", "b.tar"]
+
+
+def test_prepared_folder_is_recognised_by_its_manifest(tmp_path):
+    (tmp_path / "part-00000.parquet").write_bytes(b"x")
+    manifest = {"format": "raydiff-prepared", "version": 1, "shards": ["part-00000.parquet", "part-00001.parquet"],
+                "resolution": 8, "channels": 3, "count": 2}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="prepared data is incomplete"):
+        open_source(str(tmp_path))
+    (tmp_path / "part-00001.parquet").write_bytes(b"y")
+    source = open_source(str(tmp_path))
+    assert source.kind == "prepared" and source.manifest["resolution"] == 8 and len(source.files) == 2
+
+
+@pytest.mark.parametrize("source, message", [
+    (None, "data.source is not set"),
+    ("missing", "no such file or folder"),
+    ("empty", "no image files found"),
+    ("ftp://host/x", "unsupported URI scheme 'ftp://'"),
+    ("builtin:cats", "unknown builtin dataset"),
+])
+def test_unusable_sources_are_one_line_errors(tmp_path, source, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "readme.txt").write_text("no images here")
+    given = source if source is None or "://" in source or ":" in source else str(tmp_path / source)
+    with pytest.raises(DataError, match=message) as info:
+        open_source(given)
+    assert "\n" not in str(info.value)
+
+
+def test_builtin_digits_are_image_files():
+    source = open_source("builtin:digits")
+    assert source.kind == "images" and len(source.files) == 1797 and source.uri == "builtin:digits"

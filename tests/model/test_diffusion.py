@@ -1,0 +1,114 @@
+"""Diffusion math against closed forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from raydiff.model.diffusion import GaussianDiffusion, make_betas
+
+
+def test_linear_schedule_matches_ddpm():
+    betas = make_betas("linear", 1000)
+    assert betas[0].item() == pytest.approx(1e-4) and betas[-1].item() == pytest.approx(0.02)
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction="eps")
+    assert torch.allclose(d.alpha_bar, torch.cumprod(1 - betas, 0))
+    assert d.alpha_bar[-1].item() == pytest.approx(4.04e-5, rel=0.01)  # nearly pure noise at T
+
+
+def test_cosine_schedule_matches_improved_ddpm():
+    T, s = 1000, 0.008
+    d = GaussianDiffusion(schedule="cosine", timesteps=T, prediction="eps")
+    f = lambda t: math.cos((t / T + s) / (1 + s) * math.pi / 2) ** 2
+    for t in (0, 10, 500, 900):
+        assert d.alpha_bar[t].item() == pytest.approx(f(t + 1) / f(0), rel=1e-6)
+    assert make_betas("cosine", T).max().item() <= 0.999
+
+
+def test_q_sample_statistics():
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction="eps")
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.full((20000, 1), 0.5)
+    t = torch.full((20000,), 300)
+    x_t = d.q_sample(x0, t, torch.randn(x0.shape, generator=g))
+    ab = d.alpha_bar[300].item()
+    assert x_t.mean().item() == pytest.approx(math.sqrt(ab) * 0.5, abs=0.02)
+    assert x_t.var().item() == pytest.approx(1 - ab, rel=0.05)
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
+def test_targets_invert_to_x0_and_eps(prediction):
+    """Feeding the exact target back as the network output recovers x0 and eps."""
+    d = GaussianDiffusion(schedule="cosine", timesteps=100, prediction=prediction)
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.rand((8, 3, 4, 4), generator=g) * 1.8 - 0.9
+    eps = torch.randn(x0.shape, generator=g)
+    t = torch.randint(0, 100, (8,), generator=g)
+    x_t = d.q_sample(x0, t, eps)
+    x0_hat, eps_hat = d.predict_x0_eps(d.target(x0, t, eps), x_t, t, clip=False)
+    assert torch.allclose(x0_hat, x0, atol=1e-4)
+    assert torch.allclose(eps_hat, eps, atol=1e-3)
+
+
+def test_loss_is_zero_for_a_perfect_model():
+    d = GaussianDiffusion(schedule="linear", timesteps=50, prediction="eps")
+    noise = torch.randn(4, 1, 2, 2)
+    loss = d.loss_per_sample(lambda x, t: noise, torch.zeros(4, 1, 2, 2), torch.arange(4), noise)
+    assert loss.shape == (4,) and torch.all(loss == 0)
+
+
+def test_ddim_with_eta_one_is_the_ddpm_posterior():
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction="eps")
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.rand((4, 2), generator=g) * 2 - 1
+    x_t = torch.randn((4, 2), generator=g)
+    noise = torch.randn((4, 2), generator=g)
+    t, t_prev = torch.full((4,), 600), torch.full((4,), 550)  # a respaced pair
+    ab = d.alpha_bar[600].float()
+    eps = (x_t - ab.sqrt() * x0) / (1 - ab).sqrt()
+    ddpm = d.ddpm_step(x0, x_t, t, t_prev, noise)
+    ddim = d.ddim_step(x0, eps, t, t_prev, 1.0, noise)
+    assert torch.allclose(ddpm, ddim, atol=1e-5)
+
+
+def test_ddpm_step_is_the_closed_form_posterior():
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction="eps")
+    x0, x_t, t = torch.tensor([[0.3]]), torch.tensor([[-0.2]]), 400
+    b, ab, ab_prev = d.betas[t].item(), d.alpha_bar[t].item(), d.alpha_bar[t - 1].item()
+    mean = math.sqrt(ab_prev) * b / (1 - ab) * 0.3 + math.sqrt(1 - b) * (1 - ab_prev) / (1 - ab) * -0.2
+    var = b * (1 - ab_prev) / (1 - ab)
+    out = d.ddpm_step(x0, x_t, torch.tensor([t]), torch.tensor([t - 1]), torch.tensor([[1.0]]))
+    assert out.item() == pytest.approx(mean + math.sqrt(var), rel=1e-5)
+
+
+def test_respaced_timesteps():
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction="eps")
+    assert d.sample_timesteps(None) == list(range(999, -1, -1))
+    steps = d.sample_timesteps(10)
+    assert len(steps) == 10 and steps[0] == 999 and steps[-1] == 0 and steps == sorted(steps, reverse=True)
+    assert d.sample_timesteps(1) == [0]
+
+
+@pytest.mark.parametrize("sampler, eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 1.0)])
+def test_samplers_recover_a_single_point_dataset(sampler, eta):
+    """With an oracle denoiser for a one-image dataset, every sampler must end exactly on that image."""
+    d = GaussianDiffusion(schedule="linear", timesteps=200, prediction="eps")
+    target = torch.tensor([0.5, -0.25, 0.0, 0.75]).view(1, 1, 2, 2)
+
+    def oracle(x_t, t):
+        ab = d._ab(t, x_t)
+        return (x_t - ab.sqrt() * target) / (1 - ab).sqrt()
+
+    out = d.sample(oracle, (3, 1, 2, 2), sampler=sampler, steps=20, eta=eta, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(out, target.expand(3, -1, -1, -1), atol=1e-5)
+
+
+def test_sampling_is_deterministic_for_a_seed():
+    d = GaussianDiffusion(schedule="linear", timesteps=50, prediction="eps")
+    model = lambda x, t: 0.1 * x
+    a = d.sample(model, (2, 1, 3, 3), sampler="ddpm", generator=torch.Generator().manual_seed(7))
+    b = d.sample(model, (2, 1, 3, 3), sampler="ddpm", generator=torch.Generator().manual_seed(7))
+    c = d.sample(model, (2, 1, 3, 3), sampler="ddpm", generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)

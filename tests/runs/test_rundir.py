@@ -1,0 +1,130 @@
+"""Run directories on a local disk and on S3 (a real S3-compatible server on loopback), and the shared-storage
+check for multi-node clusters."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, run_cli
+from PIL import Image
+
+from raydiff.runs.checkpoint import list_checkpoints, read_state
+from raydiff.config import ConfigError
+from raydiff.runs.rundir import RunDir
+from raydiff.runs.runlog import JsonlLog
+
+
+def _roundtrip(run: RunDir):
+    assert run.is_empty() and not run.exists("a.txt")
+    run.write_text("a.txt", "hello")
+    run.write_bytes("samples/x.png", b"\x89PNG")
+    assert run.read_text("a.txt") == "hello" and run.is_file("samples/x.png") and not run.is_empty()
+    run.append_text("log.jsonl", "1\n")
+    run.append_text("log.jsonl", "2\n")
+    assert run.read_text("log.jsonl") == "1\n2\n"
+    (run / "checkpoint_00000010").write_text("state.pt", "x")
+    assert [d.name for d in run.subdirs("checkpoint_")] == ["checkpoint_00000010"]
+    log = JsonlLog(run, "metrics.jsonl")
+    for step in (10, 20, 30):
+        log.append({"step": step, "loss": float("nan") if step == 20 else 0.5})
+    log.flush()
+    log.truncate_after(20)
+    log.flush()
+    assert [r["step"] for r in JsonlLog(run, "metrics.jsonl").rows()] == [10, 20]
+    assert JsonlLog(run, "metrics.jsonl").rows()[1]["loss"] is None  # NaN is written as null
+    moved = run.parent / f"{run.name}.old"
+    run.move_to(moved)
+    assert run.is_empty() and moved.read_text("a.txt") == "hello"
+
+
+def test_local_run_directory(tmp_path):
+    _roundtrip(RunDir(tmp_path / "run"))
+    assert RunDir(f"file://{tmp_path}/run").local == tmp_path / "run"
+
+
+def test_s3_run_directory(s3_server):
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="rundir-unit")
+    run = RunDir("s3://rundir-unit/runs/one", endpoint=endpoint)
+    assert run.remote and run.local is None
+    _roundtrip(run)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(run)).read_text.__self__.uri == run.uri
+
+
+@pytest.mark.ray
+def test_local_storage_on_a_multi_node_cluster_is_refused_up_front(ray_session, tmp_path, monkeypatch):
+    import ray
+
+    from raydiff.training import driver
+
+    nodes = [{"Alive": True, "NodeID": "a", "NodeManagerAddress": "10.0.0.1"},
+             {"Alive": True, "NodeID": "b", "NodeManagerAddress": "10.0.0.2"}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    with pytest.raises(ConfigError, match=r"run.storage = .* is not shared: node\(s\) 10.0.0.2 cannot see it.*s3://"):
+        driver.check_shared_storage(str(tmp_path), probe=lambda path, node: node == "a")
+    driver.check_shared_storage(str(tmp_path), probe=lambda path, node: True)  # NFS: every node sees it
+    driver.check_shared_storage("s3://bucket/runs")  # object stores are shared by nature
+    assert not list(tmp_path.iterdir())  # the probe's marker file is gone
+
+
+@pytest.mark.ray
+def test_the_probe_really_runs_on_every_node(ray_session, tmp_path):
+    from raydiff.training import driver
+
+    assert driver.unreachable_nodes(str(tmp_path)) == []  # the session cluster shares this disk
+
+
+STEPS = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=10",
+         "--set", "train.sample_every=20", "--set", "train.log_every=10", "--set", "run.keep_checkpoints=10"]
+
+
+@pytest.mark.ray
+def test_s3_storage_train_kill_resume_is_identical(s3_server, tmp_path):
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="raydiff-runs")
+    storage = ["--set", "run.storage=s3://raydiff-runs/runs", "--set", f"run.endpoint={endpoint}"]
+    from conftest import _cluster_address
+
+    proc = subprocess.Popen([sys.executable, "-m", "raydiff.train", *STEPS, *storage], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            env={**__import__("os").environ, "RAY_ADDRESS": _cluster_address})
+    run = RunDir("s3://raydiff-runs/runs/smoke", endpoint=endpoint)
+    deadline = time.time() + 300
+    while not run.is_file("checkpoint_00000020/state.pt"):
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint in S3"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not run.is_file("summary.json")
+
+    rerun = run_cli("raydiff.train", *STEPS, *storage)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads(run.read_text("summary.json"))
+    assert summary["status"] == "finished" and summary["steps"] == 40 and summary["resumed_from_step"] >= 20
+    assert summary["checkpoint"] == "s3://raydiff-runs/runs/smoke/checkpoint_00000040"
+    assert run.is_file("samples/step_00000040.png") and run.is_file("config.yaml")
+    assert [r["step"] for r in JsonlLog(run, "metrics.jsonl").rows()] == [10, 20, 30, 40]
+
+    reference = run_cli("raydiff.train", *STEPS, "--set", f"run.storage={tmp_path}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    a, b = read_state(list_checkpoints(run)[-1]), read_state(list_checkpoints(tmp_path / "smoke")[-1])
+    for part in ("model", "ema"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert [r["loss"] for r in JsonlLog(run, "metrics.jsonl").rows()] == \
+        [r["loss"] for r in JsonlLog(RunDir(tmp_path / "smoke"), "metrics.jsonl").rows()]
+
+    sampled = run_cli("raydiff.sample", "--checkpoint", "s3://raydiff-runs/runs/smoke", "--endpoint", endpoint,
+                      "--num", "4", "--sampler", "ddim", "--steps", "5", "--out", str(tmp_path / "s3.png"))
+    local = run_cli("raydiff.sample", "--checkpoint", str(tmp_path / "smoke"), "--num", "4", "--sampler", "ddim",
+                    "--steps", "5", "--out", str(tmp_path / "local.png"))
+    assert sampled.returncode == local.returncode == 0, sampled.stderr + local.stderr
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "s3.png")), np.asarray(Image.open(tmp_path / "local.png")))
