@@ -50,6 +50,7 @@ class ModelSection:
     attention_resolutions: tuple[int, ...] = (8,)
     dropout: float = 0.0
     norm_groups: int = 16
+    norm_eps: float = 1e-6  # GroupNorm epsilon (Ho et al.'s reference: 1e-6; torch's default is 1e-5)
 
 
 @dataclass
@@ -115,7 +116,9 @@ class RunSection:
 class DebugSection:
     """Fault injection and audit trails, for testing raydiff itself."""
 
-    nan_at_steps: tuple[int, ...] = ()  # make the loss non-finite at these optimizer steps (1-based)
+    nan_at_steps: tuple[int, ...] = ()  # make the loss non-finite at these optimizer steps (1-based), once each
+    nan_at_samples: tuple[int, ...] = ()  # make the loss non-finite whenever these sample indices are trained
+    preemption_from_step: int = 0  # act as if a preemption notice arrived at this step and stays (0 = never)
     record_order: bool = False  # each worker logs the sample indices it trained on to <run>/order/
     step_delay_s: float = 0.0  # sleep this long every step: slows a tiny test run to the pace of cluster events
 
@@ -348,6 +351,7 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
            f"must be divisible by 2^(len(model.channel_mult)-1) = {2 ** (levels - 1)}")
     _check(m.base_channels >= 1, "model.base_channels", m.base_channels, "must be >= 1")
     _check(m.norm_groups >= 1, "model.norm_groups", m.norm_groups, "must be >= 1")
+    _check(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
     for mult in (1, *m.channel_mult):
         _check(m.base_channels * mult % m.norm_groups == 0, "model.norm_groups", m.norm_groups,
                f"must divide every channel count (base_channels x channel_mult, here {m.base_channels * mult})")
@@ -360,6 +364,9 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
 
     # Diffusion.
     _check(2 <= f.timesteps <= 100_000, "diffusion.timesteps", f.timesteps, "must be between 2 and 100000")
+    # The linear schedule's largest beta is 20/T: T <= 20 gives a beta >= 1 and alpha_bar <= 0 (NaN).
+    _check(f.schedule != "linear" or f.timesteps >= 21, "diffusion.timesteps", f.timesteps,
+           "must be >= 21 with diffusion.schedule = linear (its largest beta, 20/T, must be < 1)")
 
     # Training.
     _check(t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1")
@@ -424,4 +431,8 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     # Debug.
     _check(all(step >= 1 for step in cfg.debug.nan_at_steps), "debug.nan_at_steps", list(cfg.debug.nan_at_steps),
            "steps are counted from 1")
+    _check(all(i >= 0 for i in cfg.debug.nan_at_samples), "debug.nan_at_samples", list(cfg.debug.nan_at_samples),
+           "sample indices are >= 0")
+    _check(cfg.debug.preemption_from_step >= 0, "debug.preemption_from_step", cfg.debug.preemption_from_step,
+           "must be >= 0 (0 = never)")
     _check(0 <= cfg.debug.step_delay_s <= 60, "debug.step_delay_s", cfg.debug.step_delay_s, "must be in [0, 60]")

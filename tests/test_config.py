@@ -28,6 +28,18 @@ def test_cifar10_preset_is_the_ddpm_paper_setup():
     assert (t.lr, t.global_batch, t.warmup_steps, t.grad_clip, t.ema_decay) == (2e-4, 128, 5000, 1.0, 0.9999)
 
 
+@pytest.mark.parametrize("name", ["cifar10", "cifar10-aws", "cifar10-gcp", "cifar10-k8s"])
+def test_cifar10_presets_are_ho_et_al_in_every_setting(name):
+    cfg = load_config(name, check_source=False)
+    m, t = cfg.model, cfg.train
+    assert (cfg.data.resolution, cfg.data.channels, cfg.data.flip) == (32, 3, True)
+    assert (m.base_channels, m.channel_mult, m.num_res_blocks, m.attention_resolutions) == (128, (1, 2, 2, 2), 2, (16,))
+    assert (m.dropout, m.norm_groups, m.norm_eps) == (0.1, 32, 1e-6)
+    assert (cfg.diffusion.timesteps, cfg.diffusion.schedule, cfg.diffusion.prediction) == (1000, "linear", "eps")
+    assert (t.lr, t.global_batch, t.warmup_steps, t.total_steps) == (2e-4, 128, 5000, 800_000)
+    assert (t.grad_clip, t.weight_decay, t.ema_decay, t.ema_warmup_steps) == (1.0, 0.0, 0.9999, 0)
+
+
 def test_overrides_are_coerced_by_type(tmp_path):
     cfg = load_config("default", [
         "train.lr=1e-4",  # YAML 1.1 reads this as a string
@@ -74,6 +86,7 @@ def test_round_trip_through_plain_dict():
     ("data.resolution=10", "must be divisible by"),
     ("model.attention_resolutions=[5]", "each must be one of the model's resolutions [16, 8, 4]"),
     ("model.norm_groups=24", "must divide every channel count"),
+    ("model.norm_eps=0", "model.norm_eps = 0.0: must be > 0"),
     ("model.dropout=1.0", "must be in [0, 1)"),
     ("train.ema_decay=1", "must be in [0, 1)"),
     ("run.name=a/b", "use letters, digits"),
@@ -104,3 +117,25 @@ def test_unknown_preset_and_bad_yaml(tmp_path):
     wrong.write_text("trian:\n  lr: 1\n")
     with pytest.raises(ConfigError, match="unknown section 'trian'"):
         load_config(str(wrong))
+
+
+@pytest.mark.parametrize("timesteps", [2, 20])
+def test_linear_schedule_refuses_too_few_timesteps(timesteps):
+    """The linear schedule's largest beta is 20/T: T <= 20 would give alpha_bar <= 0 and NaN."""
+    with pytest.raises(ConfigError) as info:
+        load_config("smoke", [f"diffusion.timesteps={timesteps}"])
+    message = str(info.value)
+    assert f"diffusion.timesteps = {timesteps}: must be >= 21 with diffusion.schedule = linear" in message
+    assert "\n" not in message
+    assert load_config("smoke", ["diffusion.schedule=cosine", f"diffusion.timesteps={timesteps}"])
+
+
+def test_smallest_linear_schedule_gives_finite_tables():
+    import torch
+
+    from raydiff.model.diffusion import build_diffusion
+
+    diffusion = build_diffusion(load_config("smoke", ["diffusion.timesteps=21"]))
+    assert diffusion.betas.max().item() < 1 and diffusion.alpha_bar.min().item() > 0
+    tables = diffusion._tables(torch.device("cpu"))
+    assert all(torch.isfinite(table).all() for table in tables.values()) and tables["alpha_bar"].min().item() > 0

@@ -5,6 +5,11 @@ Notation follows Ho et al. (2020): `alpha_bar[t]` is the cumulative product of `
 eps, v = sqrt(alpha_bar) eps - sqrt(1 - alpha_bar) x0 (Salimans & Ho, 2022) or x0.
 Samplers walk a (possibly respaced) decreasing sequence of timesteps; DDPM's ancestral step is the
 posterior q(x_prev | x_t, x0), DDIM's is the deterministic (eta=0) or stochastic (eta>0) update.
+
+Precision: every per-timestep table is computed once in float64; the training path indexes float32 copies
+that live on the tensors' device (no host sync). The coefficients of a sampler step t -> t_prev (not
+necessarily adjacent) are computed in float64 from alpha_bar and only then cast to float32, because
+`1 - alpha_bar[t] / alpha_bar[t_prev]` cancels badly in float32 near t = 0.
 """
 
 from __future__ import annotations
@@ -19,11 +24,17 @@ Schedule = Literal["linear", "cosine"]
 Prediction = Literal["eps", "v", "x0"]
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+# The linear schedule's largest beta is 0.02 * 1000 / T = 20 / T: T <= 20 gives a beta >= 1 and alpha_bar <= 0.
+LINEAR_MIN_TIMESTEPS = 21
+
 
 def make_betas(schedule: Schedule, timesteps: int) -> torch.Tensor:
     """Betas in float64. Linear: Ho et al.'s 1e-4..0.02 at T=1000, rescaled by 1000/T for other T
     (as in improved-diffusion). Cosine: Nichol & Dhariwal's alpha_bar, betas clipped at 0.999."""
     if schedule == "linear":
+        if timesteps < LINEAR_MIN_TIMESTEPS:
+            raise ValueError(f"the linear schedule needs timesteps >= {LINEAR_MIN_TIMESTEPS} "
+                             f"(its largest beta, 20/T, must be < 1), got {timesteps}")
         scale = 1000.0 / timesteps
         return torch.linspace(scale * 1e-4, scale * 0.02, timesteps, dtype=torch.float64)
     if schedule == "cosine":
@@ -45,18 +56,33 @@ class GaussianDiffusion:
     def __init__(self, *, schedule: Schedule, timesteps: int, prediction: Prediction) -> None:
         self.timesteps = timesteps
         self.prediction = prediction
+        # Float64 tables, indexed by t in [0, T).
         self.betas = make_betas(schedule, timesteps)
         self.alpha_bar = torch.cumprod(1 - self.betas, dim=0)
+        self.alpha_bar_prev = torch.cat([torch.ones(1, dtype=torch.float64), self.alpha_bar[:-1]])
+        self.sqrt_alpha_bar = self.alpha_bar.sqrt()
+        self.sqrt_one_minus_alpha_bar = (1 - self.alpha_bar).sqrt()
+        self.posterior_coef_x0 = self.betas * self.alpha_bar_prev.sqrt() / (1 - self.alpha_bar)
+        self.posterior_coef_xt = (1 - self.alpha_bar_prev) * (1 - self.betas).sqrt() / (1 - self.alpha_bar)
+        self.posterior_variance = self.betas * (1 - self.alpha_bar_prev) / (1 - self.alpha_bar)
+        self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
-    def _ab(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """alpha_bar at integer timesteps t (t = -1 means alpha_bar = 1), shaped to broadcast over `like`."""
-        ab = torch.cat([torch.ones(1, dtype=torch.float64), self.alpha_bar])[t.cpu() + 1]
-        return ab.to(device=like.device, dtype=torch.float32).view(-1, *([1] * (like.dim() - 1)))
+    def _tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Float32 copies of the tables on `device`, made on first use."""
+        if device not in self._device_tables:
+            names = ("betas", "alpha_bar", "alpha_bar_prev", "sqrt_alpha_bar", "sqrt_one_minus_alpha_bar",
+                     "posterior_coef_x0", "posterior_coef_xt", "posterior_variance")
+            # Cast on the CPU first: some devices (MPS) have no float64.
+            self._device_tables[device] = {n: getattr(self, n).float().to(device) for n in names}
+        return self._device_tables[device]
+
+    def _at(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Table `name` at timesteps t, indexed on t's device, shaped to broadcast over `like`."""
+        return self._tables(t.device)[name][t].view(-1, *([1] * (like.dim() - 1)))
 
     # Forward process and training.
     def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        ab = self._ab(t, x0)
-        return ab.sqrt() * x0 + (1 - ab).sqrt() * noise
+        return self._at("sqrt_alpha_bar", t, x0) * x0 + self._at("sqrt_one_minus_alpha_bar", t, x0) * noise
 
     def target(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """The regression target for the configured prediction type."""
@@ -64,8 +90,7 @@ class GaussianDiffusion:
             return noise
         if self.prediction == "x0":
             return x0
-        ab = self._ab(t, x0)
-        return ab.sqrt() * noise - (1 - ab).sqrt() * x0
+        return self._at("sqrt_alpha_bar", t, x0) * noise - self._at("sqrt_one_minus_alpha_bar", t, x0) * x0
 
     def loss_per_sample(
         self, model: Denoiser, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
@@ -81,45 +106,70 @@ class GaussianDiffusion:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x0, eps) implied by the network output. With `clip`, x0 is clamped to [-1, 1] and eps
         recomputed from it so that the two stay consistent with x_t."""
-        ab = self._ab(t, x_t)
+        a, s = self._at("sqrt_alpha_bar", t, x_t), self._at("sqrt_one_minus_alpha_bar", t, x_t)
         if self.prediction == "eps":
-            x0 = (x_t - (1 - ab).sqrt() * out) / ab.sqrt()
+            x0 = (x_t - s * out) / a
         elif self.prediction == "x0":
             x0 = out
         else:
-            x0 = ab.sqrt() * x_t - (1 - ab).sqrt() * out
+            x0 = a * x_t - s * out
         if clip:
             x0 = x0.clamp(-1, 1)
-        eps = (x_t - ab.sqrt() * x0) / (1 - ab).sqrt()
-        return x0, eps
+        return x0, (x_t - a * x0) / s
 
     # Sampling.
     def sample_timesteps(self, steps: int | None) -> list[int]:
-        """Decreasing timesteps to visit: all T, or `steps` evenly spaced ones (respacing)."""
+        """Decreasing timesteps to visit: all T, or `steps` evenly spaced ones from T-1 down to 0 (respacing)."""
         if steps is None or steps >= self.timesteps:
             return list(range(self.timesteps - 1, -1, -1))
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
-        return sorted({round(i * (self.timesteps - 1) / max(steps - 1, 1)) for i in range(steps)}, reverse=True)
+        if steps == 1:
+            return [self.timesteps - 1]  # a single step still has to start from pure noise
+        return sorted({round(i * (self.timesteps - 1) / (steps - 1)) for i in range(steps)}, reverse=True)
+
+    def _step_coefs(self, t: torch.Tensor, t_prev: torch.Tensor, eta: float) -> dict[str, torch.Tensor]:
+        """Float64 coefficients of the steps t -> t_prev (CPU long tensors; t_prev = -1 means alpha_bar = 1)."""
+        ab = torch.cat([self.alpha_bar, torch.ones(1, dtype=torch.float64)])  # so that index -1 gives 1
+        ab_t, ab_prev = ab[t], ab[t_prev]
+        beta = 1 - ab_t / ab_prev  # the beta of the (respaced) pair, exact in float64
+        var = beta * (1 - ab_prev) / (1 - ab_t)
+        sigma = eta * var.sqrt()
+        return {
+            "coef_x0": beta * ab_prev.sqrt() / (1 - ab_t),
+            "coef_xt": (1 - ab_prev) * (1 - beta).sqrt() / (1 - ab_t),
+            "std": var.sqrt(),
+            "sqrt_ab_prev": ab_prev.sqrt(),
+            "coef_eps": (1 - ab_prev - sigma**2).clamp(min=0).sqrt(),
+            "sigma": sigma,
+        }
+
+    @staticmethod
+    def _on(coefs: dict[str, torch.Tensor], like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Float32 copies on `like`'s device, shaped to broadcast over it (one value per sample)."""
+        shape = (-1, *([1] * (like.dim() - 1)))
+        return {k: v.float().to(like.device).view(shape) for k, v in coefs.items()}
+
+    @staticmethod
+    def _ddpm(c: dict[str, torch.Tensor], x0: torch.Tensor, x_t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return c["coef_x0"] * x0 + c["coef_xt"] * x_t + c["std"] * noise
+
+    @staticmethod
+    def _ddim(c: dict[str, torch.Tensor], x0: torch.Tensor, eps: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return c["sqrt_ab_prev"] * x0 + c["coef_eps"] * eps + c["sigma"] * noise
 
     def ddpm_step(
         self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, t_prev: torch.Tensor, noise: torch.Tensor
     ) -> torch.Tensor:
         """Ancestral step: a draw from the posterior q(x_prev | x_t, x0) of the (respaced) chain."""
-        ab_t, ab_prev = self._ab(t, x_t), self._ab(t_prev, x_t)
-        beta = 1 - ab_t / ab_prev
-        mean = (ab_prev.sqrt() * beta * x0 + (1 - beta).sqrt() * (1 - ab_prev) * x_t) / (1 - ab_t)
-        var = beta * (1 - ab_prev) / (1 - ab_t)
-        return mean + var.sqrt() * noise
+        return self._ddpm(self._on(self._step_coefs(t.cpu(), t_prev.cpu(), 0.0), x_t), x0, x_t, noise)
 
     def ddim_step(
         self, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor, t_prev: torch.Tensor, eta: float,
         noise: torch.Tensor,
     ) -> torch.Tensor:
         """DDIM update (Song et al. 2021, eq. 12). eta=0 is deterministic; eta=1 equals the DDPM posterior."""
-        ab_t, ab_prev = self._ab(t, x0), self._ab(t_prev, x0)
-        sigma = eta * ((1 - ab_prev) / (1 - ab_t) * (1 - ab_t / ab_prev)).sqrt()
-        return ab_prev.sqrt() * x0 + (1 - ab_prev - sigma**2).clamp(min=0).sqrt() * eps + sigma * noise
+        return self._ddim(self._on(self._step_coefs(t.cpu(), t_prev.cpu(), eta), x0), x0, eps, noise)
 
     @torch.no_grad()
     def sample(
@@ -137,17 +187,15 @@ class GaussianDiffusion:
         same starting point and the same per-step noise on every device."""
         x = torch.randn(shape, generator=generator).to(device)
         timesteps = self.sample_timesteps(steps)
+        # All steps' coefficients at once, in float64, then moved to the device: no host sync in the loop.
+        pairs = torch.tensor(timesteps), torch.tensor(timesteps[1:] + [-1])  # the last step lands on x0
+        coefs = self._on(self._step_coefs(*pairs, eta), x)
         for i, step in enumerate(timesteps):
-            t = torch.full((shape[0],), step, dtype=torch.long, device=device)
-            t_prev = torch.full_like(t, timesteps[i + 1] if i + 1 < len(timesteps) else -1)
+            t = torch.full((shape[0],), step, dtype=torch.long, device=x.device)
             x0, eps = self.predict_x0_eps(model(x, t).float(), x, t)
             noise = torch.randn(shape, generator=generator).to(device)
-            if t_prev[0] < 0:
-                x = x0
-            elif sampler == "ddpm":
-                x = self.ddpm_step(x0, x, t, t_prev, noise)
-            else:
-                x = self.ddim_step(x0, eps, t, t_prev, eta, noise)
+            c = {k: v[i] for k, v in coefs.items()}
+            x = self._ddpm(c, x0, x, noise) if sampler == "ddpm" else self._ddim(c, x0, eps, noise)
         return x
 
 

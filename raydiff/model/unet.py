@@ -1,19 +1,44 @@
 """The DDPM UNet of Ho et al. (2020), in PyTorch.
 
-Faithful to the reference TensorFlow model (`diffusion_tf/models/unet.py`): sinusoidal timestep
-embedding -> 2-layer MLP, residual blocks (GroupNorm, SiLU, 3x3 conv, timestep projection, dropout),
-single-head self-attention at chosen resolutions, strided-conv downsampling, nearest + conv
-upsampling, and skip connections from every down block. With ch=128, mult (1,2,2,2), 2 res blocks
-and attention at 16x16 on 32x32 RGB it has Ho et al.'s 35.7M parameters.
+Matches the reference TensorFlow model (`diffusion_tf/models/unet.py`, `diffusion_tf/nn.py`) layer for layer:
+sinusoidal timestep embedding -> 2-layer MLP, residual blocks (GroupNorm, SiLU, 3x3 conv, timestep projection,
+dropout, 3x3 conv; a 1x1 conv skip where the width changes), single-head self-attention at chosen resolutions,
+stride-2 3x3 downsampling padded like TF's "SAME" (bottom and right only), nearest + 3x3 conv upsampling, and
+skip connections from every down block. Also the reference's initialisation (variance scaling, fan_avg, uniform,
+zero biases; scale ~0 for each block's last layer and the output conv, so a fresh model outputs ~0) and its
+GroupNorm epsilon 1e-6 (`model.norm_eps`). With ch=128, mult (1,2,2,2), 2 res blocks and attention at 16x16 on
+32x32 RGB it has Ho et al.'s 35.7M parameters.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+ZERO_SCALE = 1e-10  # the reference's init_scale=0 ("1e-10 if scale == 0": TF's variance_scaling rejects 0)
+Layer = TypeVar("Layer", nn.Conv2d, nn.Linear)
+
+
+@torch.no_grad()
+def variance_scaling_(weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """In place: TF's variance_scaling(scale, mode="fan_avg", distribution="uniform"), the reference's init of
+    every conv and dense weight: uniform(-limit, limit), limit = sqrt(3 * scale / ((fan_in + fan_out) / 2)).
+    `weight` is (out, in) or (out, in, kh, kw), as in torch; torch.nn.init has no fan_avg mode."""
+    receptive = math.prod(weight.shape[2:])
+    fan_in, fan_out = weight.shape[1] * receptive, weight.shape[0] * receptive
+    limit = math.sqrt(3.0 * scale / ((fan_in + fan_out) / 2))
+    return weight.uniform_(-limit, limit)
+
+
+def _init(layer: Layer, scale: float = 1.0) -> Layer:
+    """`layer` with the reference's init: variance-scaled weight, zero bias."""
+    variance_scaling_(layer.weight, scale)
+    nn.init.zeros_(layer.bias)
+    return layer
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -26,15 +51,16 @@ def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class ResBlock(nn.Module):
-    def __init__(self, in_ch: int, out_ch: int, temb_ch: int, dropout: float, groups: int) -> None:
+    def __init__(self, in_ch: int, out_ch: int, temb_ch: int, dropout: float, groups: int, eps: float) -> None:
         super().__init__()
-        self.norm1 = nn.GroupNorm(groups, in_ch)
-        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
-        self.temb_proj = nn.Linear(temb_ch, out_ch)
-        self.norm2 = nn.GroupNorm(groups, out_ch)
+        self.norm1 = nn.GroupNorm(groups, in_ch, eps=eps)
+        self.conv1 = _init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
+        self.temb_proj = _init(nn.Linear(temb_ch, out_ch))
+        self.norm2 = nn.GroupNorm(groups, out_ch, eps=eps)
         self.dropout = nn.Dropout(dropout)
-        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
-        self.skip = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else nn.Identity()
+        self.conv2 = _init(nn.Conv2d(out_ch, out_ch, 3, padding=1), ZERO_SCALE)  # the block starts as its skip path
+        # The reference's "nin_shortcut": a per-position dense layer, i.e. a 1x1 conv with the same fans.
+        self.skip = _init(nn.Conv2d(in_ch, out_ch, 1)) if in_ch != out_ch else nn.Identity()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         h = self.conv1(F.silu(self.norm1(x)))
@@ -46,11 +72,16 @@ class ResBlock(nn.Module):
 class AttnBlock(nn.Module):
     """Single-head self-attention over all spatial positions, with a residual connection."""
 
-    def __init__(self, ch: int, groups: int) -> None:
+    def __init__(self, ch: int, groups: int, eps: float) -> None:
         super().__init__()
-        self.norm = nn.GroupNorm(groups, ch)
-        self.qkv = nn.Linear(ch, 3 * ch)  # the reference's "NIN" layers: 1x1 convs, as per-position linears
-        self.proj = nn.Linear(ch, ch)
+        self.norm = nn.GroupNorm(groups, ch, eps=eps)
+        # The reference's q, k and v "NIN" layers (per-position dense layers), fused into one linear; each
+        # third is initialised as the separate ch x ch layer it stands for, so its fans are (ch, ch).
+        self.qkv = nn.Linear(ch, 3 * ch)
+        for weight in self.qkv.weight.chunk(3):
+            variance_scaling_(weight)
+        nn.init.zeros_(self.qkv.bias)
+        self.proj = _init(nn.Linear(ch, ch), ZERO_SCALE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
@@ -63,18 +94,21 @@ class AttnBlock(nn.Module):
 class Downsample(nn.Module):
     def __init__(self, ch: int) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(ch, ch, 3, stride=2, padding=1)
+        self.conv = _init(nn.Conv2d(ch, ch, 3, stride=2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x)
+        # TF's "SAME" padding for a stride-2 3x3 conv on an even size pads one row/column at the bottom/right
+        # only; padding=1 on both sides would shift every output pixel's window by one.
+        return self.conv(F.pad(x, (0, 1, 0, 1)))
 
 
 class Upsample(nn.Module):
     def __init__(self, ch: int) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+        self.conv = _init(nn.Conv2d(ch, ch, 3, padding=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The reference's align_corners=True nearest resize equals plain nearest at exactly 2x.
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
@@ -89,6 +123,7 @@ class UNet(nn.Module):
     :param attention_resolutions: resolutions at which a self-attention block follows each res block.
     :param dropout: dropout inside residual blocks.
     :param norm_groups: GroupNorm groups (32 in the paper); every channel count must divide by it.
+    :param norm_eps: GroupNorm epsilon (the reference's, tf.contrib's group_norm default: 1e-6).
     """
 
     def __init__(
@@ -102,15 +137,20 @@ class UNet(nn.Module):
         attention_resolutions: tuple[int, ...],
         dropout: float,
         norm_groups: int,
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.base_channels = base_channels
         temb_ch = 4 * base_channels
-        self.temb = nn.Sequential(nn.Linear(base_channels, temb_ch), nn.SiLU(), nn.Linear(temb_ch, temb_ch))
-        self.conv_in = nn.Conv2d(in_channels, base_channels, 3, padding=1)
+        self.temb = nn.Sequential(_init(nn.Linear(base_channels, temb_ch)), nn.SiLU(),
+                                  _init(nn.Linear(temb_ch, temb_ch)))
+        self.conv_in = _init(nn.Conv2d(in_channels, base_channels, 3, padding=1))
 
         def block(cin: int, cout: int) -> ResBlock:
-            return ResBlock(cin, cout, temb_ch, dropout, norm_groups)
+            return ResBlock(cin, cout, temb_ch, dropout, norm_groups, norm_eps)
+
+        def attn(ch: int) -> AttnBlock:
+            return AttnBlock(ch, norm_groups, norm_eps)
 
         # Down path: remember the channels of every output that feeds a skip connection.
         self.down = nn.ModuleList()
@@ -121,7 +161,7 @@ class UNet(nn.Module):
                 layers = [block(ch, base_channels * mult)]
                 ch = base_channels * mult
                 if res in attention_resolutions:
-                    layers.append(AttnBlock(ch, norm_groups))
+                    layers.append(attn(ch))
                 self.down.append(nn.ModuleList(layers))
                 skip_channels.append(ch)
             if level != len(channel_mult) - 1:
@@ -129,7 +169,7 @@ class UNet(nn.Module):
                 skip_channels.append(ch)
                 res //= 2
 
-        self.mid = nn.ModuleList([block(ch, ch), AttnBlock(ch, norm_groups), block(ch, ch)])
+        self.mid = nn.ModuleList([block(ch, ch), attn(ch), block(ch, ch)])
 
         # Up path: each block consumes one skip connection.
         self.up = nn.ModuleList()
@@ -138,14 +178,14 @@ class UNet(nn.Module):
                 layers = [block(ch + skip_channels.pop(), base_channels * mult)]
                 ch = base_channels * mult
                 if res in attention_resolutions:
-                    layers.append(AttnBlock(ch, norm_groups))
+                    layers.append(attn(ch))
                 self.up.append(nn.ModuleList(layers))
             if level != 0:
                 self.up.append(nn.ModuleList([Upsample(ch)]))
                 res *= 2
 
-        self.norm_out = nn.GroupNorm(norm_groups, ch)
-        self.conv_out = nn.Conv2d(ch, in_channels, 3, padding=1)
+        self.norm_out = nn.GroupNorm(norm_groups, ch, eps=norm_eps)
+        self.conv_out = _init(nn.Conv2d(ch, in_channels, 3, padding=1), ZERO_SCALE)  # a fresh model outputs ~0
 
     @staticmethod
     def _run_layers(layers: nn.ModuleList, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -177,4 +217,5 @@ def build_model(cfg) -> UNet:
         resolution=cfg.data.resolution, in_channels=cfg.data.channels, base_channels=m.base_channels,
         channel_mult=tuple(m.channel_mult), num_res_blocks=m.num_res_blocks,
         attention_resolutions=tuple(m.attention_resolutions), dropout=m.dropout, norm_groups=m.norm_groups,
+        norm_eps=m.norm_eps,
     )

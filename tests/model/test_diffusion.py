@@ -88,7 +88,10 @@ def test_respaced_timesteps():
     assert d.sample_timesteps(None) == list(range(999, -1, -1))
     steps = d.sample_timesteps(10)
     assert len(steps) == 10 and steps[0] == 999 and steps[-1] == 0 and steps == sorted(steps, reverse=True)
-    assert d.sample_timesteps(1) == [0]
+    assert d.sample_timesteps(1) == [999]  # one step starts from pure noise
+    for n in (2, 3, 7, 999):
+        steps = d.sample_timesteps(n)
+        assert len(steps) == n and steps[0] == 999 and steps[-1] == 0 and steps == sorted(set(steps), reverse=True)
 
 
 @pytest.mark.parametrize("sampler, eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 1.0)])
@@ -98,7 +101,7 @@ def test_samplers_recover_a_single_point_dataset(sampler, eta):
     target = torch.tensor([0.5, -0.25, 0.0, 0.75]).view(1, 1, 2, 2)
 
     def oracle(x_t, t):
-        ab = d._ab(t, x_t)
+        ab = d.alpha_bar.float()[t].view(-1, 1, 1, 1)
         return (x_t - ab.sqrt() * target) / (1 - ab).sqrt()
 
     out = d.sample(oracle, (3, 1, 2, 2), sampler=sampler, steps=20, eta=eta, generator=torch.Generator().manual_seed(0))
@@ -112,3 +115,98 @@ def test_sampling_is_deterministic_for_a_seed():
     b = d.sample(model, (2, 1, 3, 3), sampler="ddpm", generator=torch.Generator().manual_seed(7))
     c = d.sample(model, (2, 1, 3, 3), sampler="ddpm", generator=torch.Generator().manual_seed(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# Sampler steps against closed forms in float64 (python math on the float64 schedule): adjacent pairs, respaced
+# pairs, the last steps near t = 0 (where float32 `1 - ab_t / ab_prev` cancels) and the final t = 0 -> -1.
+STEP_PAIRS = [(400, 399), (1, 0), (2, 1), (600, 550), (999, 888), (120, 0), (0, -1), (7, -1)]
+X0, X_T, NOISE = [0.3, 0.9, 0.05], [0.7, 0.2, 1.5], [0.5, 1.2, 0.1]  # positive: no cancellation in the sums
+
+
+def _pair(d: GaussianDiffusion, t: int, t_prev: int) -> tuple[float, float, float]:
+    """(alpha_bar[t], alpha_bar[t_prev], beta of the pair); alpha_bar[-1] = 1. Adjacent pairs use the schedule's
+    beta directly, so the oracle does not share the sampler's `1 - ab_t / ab_prev`."""
+    ab, ab_prev = d.alpha_bar[t].item(), d.alpha_bar[t_prev].item() if t_prev >= 0 else 1.0
+    beta = d.betas[t].item() if t_prev == t - 1 else 1 - ab / ab_prev
+    return ab, ab_prev, beta
+
+
+def _tensors(t: int, t_prev: int) -> tuple[torch.Tensor, ...]:
+    n = len(X0)
+    return (torch.tensor(X0).view(n, 1), torch.tensor(X_T).view(n, 1), torch.full((n,), t), torch.full((n,), t_prev),
+            torch.tensor(NOISE).view(n, 1))
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+@pytest.mark.parametrize("t, t_prev", STEP_PAIRS)
+def test_ddpm_step_matches_the_float64_posterior(schedule, t, t_prev):
+    d = GaussianDiffusion(schedule=schedule, timesteps=1000, prediction="eps")
+    ab, ab_prev, beta = _pair(d, t, t_prev)
+    x0, x_t, tt, tp, noise = _tensors(t, t_prev)
+    out = d.ddpm_step(x0, x_t, tt, tp, noise).flatten().tolist()
+    for got, a, b, n in zip(out, X0, X_T, NOISE):
+        mean = math.sqrt(ab_prev) * beta / (1 - ab) * a + math.sqrt(1 - beta) * (1 - ab_prev) / (1 - ab) * b
+        assert got == pytest.approx(mean + math.sqrt(beta * (1 - ab_prev) / (1 - ab)) * n, rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+@pytest.mark.parametrize("eta", [0.0, 0.5])
+@pytest.mark.parametrize("t, t_prev", STEP_PAIRS)
+def test_ddim_step_matches_the_float64_update(schedule, eta, t, t_prev):
+    d = GaussianDiffusion(schedule=schedule, timesteps=1000, prediction="eps")
+    ab, ab_prev, beta = _pair(d, t, t_prev)
+    x0, eps, tt, tp, noise = _tensors(t, t_prev)
+    out = d.ddim_step(x0, eps, tt, tp, eta, noise).flatten().tolist()
+    sigma = eta * math.sqrt((1 - ab_prev) / (1 - ab) * beta)
+    for got, a, e, n in zip(out, X0, X_T, NOISE):
+        assert got == pytest.approx(math.sqrt(ab_prev) * a + math.sqrt(1 - ab_prev - sigma**2) * e + sigma * n, rel=1e-6)
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim"])
+def test_final_step_lands_exactly_on_x0(sampler):
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction="eps")
+    x0, x_t, t, t_prev, noise = _tensors(0, -1)
+    out = d.ddpm_step(x0, x_t, t, t_prev, noise) if sampler == "ddpm" else d.ddim_step(x0, x_t, t, t_prev, 0.5, noise)
+    assert torch.equal(out, x0)
+
+
+def test_last_ddpm_step_is_float64_accurate():
+    """t = 1 -> 0 against a float64 reference: float32 `1 - ab_1 / ab_0` was off by ~1e-4 here."""
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction="eps")
+    x0, x_t, t, t_prev, noise = _tensors(1, 0)
+    b, ab, ab_prev = d.betas[1], d.alpha_bar[1], d.alpha_bar[0]
+    ref = ((ab_prev.sqrt() * b * x0.double() + (1 - b).sqrt() * (1 - ab_prev) * x_t.double()) / (1 - ab)
+           + (b * (1 - ab_prev) / (1 - ab)).sqrt() * noise.double())
+    assert (d.ddpm_step(x0, x_t, t, t_prev, noise).double() - ref).abs().max().item() < 1e-6
+
+
+def test_step_coefficients_are_per_sample():
+    """A batch mixing pairs gets each sample's own coefficients."""
+    d = GaussianDiffusion(schedule="cosine", timesteps=1000, prediction="eps")
+    x0, x_t, noise = torch.tensor([[0.3], [0.3]]), torch.tensor([[0.7], [0.7]]), torch.tensor([[0.5], [0.5]])
+    both = d.ddpm_step(x0, x_t, torch.tensor([600, 1]), torch.tensor([550, 0]), noise)
+    first = d.ddpm_step(x0[:1], x_t[:1], torch.tensor([600]), torch.tensor([550]), noise[:1])
+    second = d.ddpm_step(x0[:1], x_t[:1], torch.tensor([1]), torch.tensor([0]), noise[:1])
+    assert torch.equal(both, torch.cat([first, second]))
+
+
+def test_smallest_linear_schedule_is_finite():
+    with pytest.raises(ValueError, match="timesteps >= 21"):
+        GaussianDiffusion(schedule="linear", timesteps=20, prediction="eps")
+    d = GaussianDiffusion(schedule="linear", timesteps=21, prediction="eps")
+    assert d.betas.max().item() < 1 and d.alpha_bar.min().item() > 0
+    tables = d._tables(torch.device("cpu"))
+    assert all(torch.isfinite(v).all() for v in tables.values()) and tables["alpha_bar"].min().item() > 0
+    for sampler in ("ddpm", "ddim"):
+        out = d.sample(lambda x, t: 0.1 * x, (2, 1, 2, 2), sampler=sampler, generator=torch.Generator().manual_seed(0))
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
+def test_training_path_stays_on_the_timesteps_device(prediction):
+    """On the meta device any `.cpu()` / `.item()` (a host sync on a GPU) raises: the tables are indexed there."""
+    d = GaussianDiffusion(schedule="linear", timesteps=100, prediction=prediction)
+    x0, t = torch.zeros(4, 1, 2, 2, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
+    assert d.loss_per_sample(lambda x, t: x, x0, t, torch.zeros_like(x0)).shape == (4,)
+    assert d.predict_x0_eps(x0, x0, t)[1].device.type == "meta"
+    assert d._tables(t.device)["sqrt_alpha_bar"].dtype == torch.float32
