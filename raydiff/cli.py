@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 from raydiff.config import ConfigError
 from raydiff.data.sources import DataError
+from raydiff.runs.state import Unresumable
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable)
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

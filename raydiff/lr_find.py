@@ -58,7 +58,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.model.unet import build_model
     from raydiff.sample import resolve_device
     from raydiff.training.driver import init_ray
-    from raydiff.training.loop import resolve_precision
+    from raydiff.training.step import StepInputs, optimizer_step, resolve_precision
     from raydiff.training.validation import holdout_split
 
     t = cfg.train
@@ -73,30 +73,18 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
                          pin_memory=device.type == "cuda")
 
     torch.manual_seed(t.seed)
-    model = build_model(cfg).to(device).train()
-    diffusion = build_diffusion(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=start, weight_decay=t.weight_decay)
+    model = build_model(cfg).to(device)
     autocast_dtype = resolve_precision(t.precision, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
+    step_inputs = StepInputs(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=start, weight_decay=t.weight_decay),
+        scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
+        diffusion=build_diffusion(cfg), device=device, autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip,
+        global_batch=t.global_batch, world_size=1, grad_clip=t.grad_clip)
     lrs, losses, stop_reason = lr_range(start, end, steps), [], None
     try:
         for lr in lrs:
-            for group in optimizer.param_groups:
-                group["lr"] = float(lr)
-            loss_sum = 0.0
-            for batch in next(stream):
-                x0 = batch.to_device(device, cfg.data.flip)
-                timesteps, noise = batch.diffusion_inputs(t.seed, diffusion.timesteps, device)
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    per_sample = diffusion.loss_per_sample(model, x0, timesteps, noise)
-                scaler.scale(per_sample.sum() / t.global_batch).backward()
-                loss_sum += float(per_sample.detach().float().sum())
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss_sum / t.global_batch)
+            result = optimizer_step(step_inputs, next(stream), lr=float(lr))  # the training loop's step, no EMA
+            losses.append(float(result.loss_sum) / t.global_batch)
             smoothed = smooth(losses)
             if not math.isfinite(losses[-1]) or smoothed[-1] > DIVERGED * np.nanmin(smoothed):
                 stop_reason = f"the loss diverged at lr {lr:.3g}"

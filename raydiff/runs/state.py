@@ -1,24 +1,39 @@
-"""The full training state: what a checkpoint holds, putting it back, and skipping unreadable checkpoints.
+"""The full training state: what a checkpoint holds, putting it back all or nothing, and choosing which to use.
 
 A checkpoint holds everything that is not a pure function of (config, step): weights, EMA, optimizer and
 loss-scaler state, counters, and the partial sums of the current logging window. The learning rate, the sample
-order and every random draw are functions of (seed, step), so restoring the step restores them exactly.
+order and every random draw are functions of (seed, step, stream offset), so restoring them restores the run.
+
+Restoring is all or nothing: a checkpoint is first loaded into copies of the model, EMA and optimizer, and only
+applied when every part fits. If checkpoints exist and none of them loads, the run refuses to start rather than
+train from scratch on top of them (`Unresumable`).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray.train
+import torch
 
 from raydiff.runs.checkpoint import as_rundir, checkpoint_order, list_checkpoints, read_state
 from raydiff.runs.rundir import RunDir
 
+if TYPE_CHECKING:
+    import ray.train
+
 logger = logging.getLogger("raydiff")
 REQUIRED_KEYS = ("model", "ema", "optimizer", "scaler", "step", "images_seen", "counters", "window", "config")
+READ_ATTEMPTS = 3  # a storage error (OSError) is retried this often, with a growing pause, before giving up
+READ_RETRY_S = 1.0
+
+
+class Unresumable(RuntimeError):
+    """Checkpoints exist but none can be restored; the message names each one and why."""
 
 
 @dataclass
@@ -26,10 +41,23 @@ class Progress:
     """Counters that travel in checkpoints."""
 
     step: int = 0
-    counters: dict[str, int] = field(default_factory=lambda: {"skipped_steps": 0, "rollbacks": 0})
-    # Partial sums of the logging window, so a resumed run logs the same numbers as an uninterrupted one.
+    counters: dict[str, int] = field(default_factory=lambda: {"skipped_steps": 0, "rollbacks": 0, "stream_offset": 0})
+    # Global partial sums of the logging window (over all workers), so that a resumed run logs the same numbers as
+    # an uninterrupted one; restored on rank 0 only.
     window: dict[str, Any] = field(default_factory=lambda: {"loss_sum": 0.0, "samples": 0, "grad_norm_sum": 0.0,
                                                             "finite_steps": 0})
+
+    @property
+    def stream_step(self) -> int:
+        """Where in the sample stream the next step reads: the step, plus the steps a rollback skipped."""
+        return self.step + self.counters.get("stream_offset", 0)
+
+
+@dataclass
+class Restored:
+    progress: Progress
+    checkpoint: RunDir
+    notes: list[str]
 
 
 def training_state(model, ema, optimizer, scaler, progress: Progress, global_batch: int,
@@ -41,29 +69,81 @@ def training_state(model, ema, optimizer, scaler, progress: Progress, global_bat
     }
 
 
-def restore(state: dict[str, Any], model, ema, optimizer, scaler) -> Progress:
-    """Load `state` into the objects (raises if it does not fit them) and return its progress."""
+def read_with_retries(path: RunDir) -> dict[str, Any]:
+    """`read_state`, retrying storage errors (a flaky network, a throttled bucket) before giving up."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return read_state(path)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            if attempt == READ_ATTEMPTS - 1:
+                raise
+            time.sleep(READ_RETRY_S * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def _scaler_state(state: dict[str, Any], scaler: torch.amp.GradScaler, notes: list[str]) -> dict[str, Any] | None:
+    """The saved loss-scaler state if it applies to this scaler; None (with a note) when the precision changed."""
+    saved = state["scaler"]
+    if scaler.is_enabled() and not saved:
+        notes.append("the checkpoint has no loss scale (it was not trained in fp16): the fp16 loss scale starts afresh")
+        return None
+    return saved if scaler.is_enabled() else None
+
+
+def restore(state: dict[str, Any], model, ema, optimizer, scaler) -> tuple[Progress, list[str]]:
+    """Load `state` into the objects, all or nothing: raises (changing nothing) if any part does not fit.
+    Returns the progress and notes about parts that were dropped because a setting changed."""
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
         raise KeyError(f"missing {', '.join(missing)}")
+    notes: list[str] = []
+    scaler_state = _scaler_state(state, scaler, notes)
+    # Load into copies first: a load that fails half way must not leave the live objects half restored.
+    model_copy, ema_copy = copy.deepcopy(model), copy.deepcopy(ema)
+    model_copy.load_state_dict(state["model"])
+    ema_copy.load_state_dict(state["ema"])
+    copy.deepcopy(optimizer).load_state_dict(state["optimizer"])
+    if scaler_state is not None:
+        copy.deepcopy(scaler).load_state_dict(scaler_state)
+    counters = {**Progress().counters, **state["counters"]}
+    window = {**Progress().window, **state["window"]}
+
+    # Everything fits: apply.
     model.load_state_dict(state["model"])
     ema.load_state_dict(state["ema"])
     optimizer.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
-    return Progress(step=state["step"], counters=dict(state["counters"]), window=dict(state["window"]))
+    if scaler_state is not None:
+        scaler.load_state_dict(scaler_state)
+    return Progress(step=state["step"], counters=counters, window=window), notes
 
 
-def restore_newest(candidates: list[RunDir], model, ema, optimizer, scaler) -> tuple[Progress, RunDir | None]:
-    """Restore the first candidate checkpoint that reads and fits, warning about each one skipped."""
+def restore_newest(candidates: list[RunDir], model, ema, optimizer, scaler) -> Restored | None:
+    """Restore the newest candidate that reads and fits, warning about each one skipped. None when there are no
+    candidates; raises `Unresumable` when there are some and none can be restored."""
+    failures = []
     for path in candidates:
         try:
-            return restore(read_state(path), model, ema, optimizer, scaler), path
+            progress, notes = restore(read_with_retries(path), model, ema, optimizer, scaler)
+            return Restored(progress, path, notes)
         except Exception as exc:  # a truncated file, a missing key, a shape mismatch: try the previous one
-            logger.warning(f"[raydiff] WARNING: checkpoint {path} is unreadable ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0][:200]}); falling back to the previous one")
+            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            failures.append(f"{path.name} ({reason})")
+            logger.warning(f"[raydiff] WARNING: checkpoint {path} is unreadable ({reason}); falling back to the "
+                           f"previous one")
     if candidates:
-        logger.warning("[raydiff] WARNING: no readable checkpoint left; starting from scratch")
-    return Progress(), None
+        raise Unresumable(f"none of the {len(candidates)} checkpoint(s) of this run can be restored, so it will not "
+                          f"start over on top of them: {'; '.join(failures)}. Nothing was changed; fix or remove "
+                          f"them, or use --set run.name=NEW")
+    return None
+
+
+def apply_config(optimizer: torch.optim.Optimizer, *, weight_decay: float) -> None:
+    """Settings a re-run may change take effect after the optimizer state is restored (the learning rate is set
+    every step)."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay
 
 
 def checkpoint_candidates(run_dir: RunDir, latest: ray.train.Checkpoint | None = None) -> list[RunDir]:

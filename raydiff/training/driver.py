@@ -22,6 +22,7 @@ from raydiff.data.sources import DataError, source_of
 from raydiff.runs.resume import DATA_FILE, plan_run
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
+from raydiff.runs.state import Unresumable
 from raydiff.training.loop import train_worker
 from raydiff.training.lr import describe_lr
 from raydiff.training.stop import StopFlag, stop_on_signals
@@ -189,6 +190,8 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
             checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
         except ray.train.TrainingFailedError as exc:
             error, outcome, checkpoint = str(exc).strip().splitlines()[0], {}, None
+    if outcome.get("status") == "unresumable":  # nothing was trained or written: refuse, as for a bad config
+        raise Unresumable(outcome["diagnostic"])
     summary = _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started,
                              bad_images=images.bad_report())
     return {**summary, "signal": received["signal"]}

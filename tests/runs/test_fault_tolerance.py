@@ -85,8 +85,10 @@ def reference(cluster, tmp_path_factory):
 
 
 def test_killed_driver_rerun_ends_bit_identical(cluster, reference, tmp_path):
-    proc = start_train(cluster, tmp_path, "killed")
-    wait_for(lambda: (tmp_path / "killed" / "checkpoint_00000040" / "state.pt").exists(), what="a checkpoint")
+    # Checkpoints every 15 steps, metrics rows every 10: the run resumes in the middle of a logging window, whose
+    # partial sums (over both workers) must count once.
+    proc = start_train(cluster, tmp_path, "killed", "--set", "train.checkpoint_every=15")
+    wait_for(lambda: (tmp_path / "killed" / "checkpoint_00000045" / "state.pt").exists(), what="a checkpoint")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "killed" / "summary.json").exists()
@@ -95,7 +97,7 @@ def test_killed_driver_rerun_ends_bit_identical(cluster, reference, tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     run = summary(tmp_path / "killed")
     assert run["status"] == "finished" and run["steps"] == TOTAL and run["images_seen"] == TOTAL * 16
-    assert 0 < run["resumed_from_step"] < TOTAL
+    assert 0 < run["resumed_from_step"] < TOTAL and run["resumed_from_step"] % 10 != 0
     assert_same_weights(final_state(tmp_path / "killed"), final_state(reference))
     assert losses(tmp_path / "killed") == losses(reference)
 
@@ -166,16 +168,32 @@ def test_nan_steps_are_skipped_counted_and_never_checkpointed(cluster, tmp_path)
     assert "skipped 3" in proc.stdout + proc.stderr
 
 
-def test_nan_streak_rolls_back_once_and_recovers(cluster, reference, tmp_path):
-    proc = train(cluster, tmp_path, "streak", "--set", "debug.nan_at_steps=[12,13,14]",
-                 "--set", "train.max_bad_steps=3", total=20)
+def poisoned_samples(steps: list[int], global_batch: int = 16) -> list[int]:
+    """One dataset index trained at each of these steps (epoch 0 of the smoke run's stream)."""
+    order = SampleOrder(1797, seed=0)
+    return [int(order.take((step - 1) * global_batch + 3, 1)[0][0]) for step in steps]
+
+
+def test_a_persistent_fault_is_rolled_back_past(cluster, tmp_path):
+    # Samples that make the loss non-finite whenever they are trained: replaying the same steps from the last
+    # checkpoint would fail again; the rollback moves on past their stream positions and the run recovers.
+    poisoned = ",".join(map(str, poisoned_samples([12, 13, 14])))
+    proc = train(cluster, tmp_path, "poisoned", "--set", f"debug.nan_at_samples=[{poisoned}]",
+                 "--set", "train.max_bad_steps=3", "--set", "debug.record_order=true", total=40)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = summary(tmp_path / "streak")
-    assert run["status"] == "finished" and run["rollbacks"] == 1
-    events = [json.loads(line) for line in (tmp_path / "streak" / "events.jsonl").read_text().splitlines()]
-    assert [(e["from_step"], e["to_step"]) for e in events if e["event"] == "rollback"] == [(14, 10)]
-    # The fault was transient: the replayed steps match a run that never saw it.
-    assert_same_weights(final_state(tmp_path / "streak"), read_state(reference / "checkpoint_00000020"))
+    run = summary(tmp_path / "poisoned")
+    assert run["status"] == "finished" and run["steps"] == 40 and run["rollbacks"] == 1 and run["skipped_steps"] == 3
+    events = [json.loads(line) for line in (tmp_path / "poisoned" / "events.jsonl").read_text().splitlines()]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert [(e["from_step"], e["to_step"], e["skipped_positions"]) for e in rollbacks] == [(14, 10, [160, 224])]
+    # After the rollback, step 11 trains on the positions of step 15: the failed positions are never trained again.
+    trained = [json.loads(line) for path in (tmp_path / "poisoned" / "order").iterdir()
+               for line in path.read_text().splitlines()]
+    assert {tuple(r["positions"]) for r in trained if r["step"] == 11} >= {(224, 232), (232, 240)}
+    assert max(r["positions"][1] for r in trained) == (40 + 4) * 16
+    for checkpoint in list_checkpoints(tmp_path / "poisoned"):
+        state = read_state(checkpoint)
+        assert all(torch.isfinite(v).all() for part in ("model", "ema") for v in state[part].values())
 
 
 def test_divergence_stops_with_a_diagnostic(cluster, tmp_path):
@@ -243,3 +261,53 @@ def test_elastic_resize_keeps_global_batch_and_epoch_order(tmp_path, monkeypatch
     for epoch in range(total * 16 // 1797):
         assert sorted(positions[p] for p in range(epoch * 1797, (epoch + 1) * 1797)) == list(range(1797))
     assert math.isfinite(run["final_loss"])
+
+
+def test_precision_and_weight_decay_may_change_between_runs(cluster, tmp_path):
+    # fp32 -> fp16 (no loss scale in the checkpoint: it starts afresh) -> bf16 -> fp32, each run continuing the last.
+    # The new weight decay is the one the optimizer uses from the first step after the resume.
+    chain = [("fp32", 0.0, 10), ("fp16", 0.05, 20), ("bf16", 0.05, 30), ("fp32", 0.0, 40)]
+    for precision, weight_decay, total in chain:
+        proc = train(cluster, tmp_path, "precision", "--set", f"train.precision={precision}",
+                     "--set", f"train.weight_decay={weight_decay}", total=total)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run = summary(tmp_path / "precision")
+        assert run["status"] == "finished" and run["steps"] == total
+        assert run["resumed_from_step"] == total - 10
+        state = final_state(tmp_path / "precision")
+        assert state["step"] == total
+        assert {g["weight_decay"] for g in state["optimizer"]["param_groups"]} == {weight_decay}
+        assert bool(state["scaler"]) == (precision == "fp16")  # a loss scale only while training in fp16
+        if precision == "fp16":
+            assert "loss scale starts afresh" in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "precision" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [10, 20, 30, 40] and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, tmp_path):
+    proc = train(cluster, tmp_path, "broken", total=20)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "broken"
+    for checkpoint in list_checkpoints(run_dir):
+        state_file = checkpoint.local / "state.pt"
+        state_file.write_bytes(state_file.read_bytes()[:1000])
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "config.yaml"}
+
+    proc = train(cluster, tmp_path, "broken", total=30)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("raydiff: error:")]
+    assert len(error_lines) == 1 and "Traceback" not in proc.stderr
+    assert "checkpoint_00000020 (" in error_lines[0] and "checkpoint_00000010 (" in error_lines[0]
+    assert "will not start over" in error_lines[0]
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "config.yaml"}
+    assert after == before  # metrics, events, summary and checkpoints untouched; no new checkpoint
+
+
+def test_one_checkpoint_per_preemption_notice(cluster, tmp_path):
+    # A notice that arrives at step 20 and stays: one checkpoint at once, not one at every check after it.
+    proc = train(cluster, tmp_path, "preempted", "--set", "debug.preemption_from_step=20",
+                 "--set", "train.checkpoint_every=100", total=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "preempted" / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "preemption_checkpoint"] == [20]
+    assert [c.name for c in list_checkpoints(tmp_path / "preempted")] == ["checkpoint_00000020", "checkpoint_00000060"]

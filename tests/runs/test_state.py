@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from raydiff.runs.checkpoint import checkpoint_name, write_state
+from raydiff.runs.checkpoint import checkpoint_name, read_state, write_state
 from raydiff.config import Config
 from raydiff.model.ema import make_ema
 from raydiff.runs.rundir import RunDir
-from raydiff.runs.state import Progress, checkpoint_candidates, restore_newest, training_state
+from raydiff.runs.state import Progress, Unresumable, apply_config, checkpoint_candidates, restore, restore_newest, \
+    training_state
 from raydiff.model.unet import build_model
 
 
@@ -46,14 +48,72 @@ def test_restore_falls_back_past_a_truncated_checkpoint(tmp_path):
     state_file.write_bytes(state_file.read_bytes()[:1000])
 
     fresh = _objects(1)
-    progress, restored = restore_newest(checkpoint_candidates(tmp_path), *fresh)
-    assert restored == RunDir(good) and progress.step == 10
+    restored = restore_newest(checkpoint_candidates(tmp_path), *fresh)
+    assert restored.checkpoint == RunDir(good) and restored.progress.step == 10
     for a, b in zip(saved[0].state_dict().values(), fresh[0].state_dict().values()):
         assert torch.equal(a, b)
 
 
-def test_nothing_readable_starts_from_scratch(tmp_path):
-    bad = _write(tmp_path, 10, _objects(0))
-    (bad / "state.pt").write_bytes(b"not a checkpoint")
-    progress, restored = restore_newest(checkpoint_candidates(tmp_path), *_objects(1))
-    assert restored is None and progress.step == 0
+def test_no_checkpoint_means_a_fresh_start(tmp_path):
+    assert restore_newest(checkpoint_candidates(tmp_path), *_objects(1)) is None
+
+
+def test_nothing_restorable_refuses_and_changes_nothing(tmp_path):
+    unreadable = _write(tmp_path, 10, _objects(0))
+    (unreadable / "state.pt").write_bytes(b"not a checkpoint")
+    other_model = _objects(0)
+    other_model[0].conv_in = torch.nn.Conv2d(1, 8, 3)  # a different shape: the load fails half way
+    misfit = _write(tmp_path, 20, other_model)
+    fresh = _objects(1)
+    before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
+    with pytest.raises(Unresumable, match="checkpoint_00000020 .*checkpoint_00000010 "):
+        restore_newest(checkpoint_candidates(tmp_path), *fresh)
+    assert all(torch.equal(before[k], v) for k, v in fresh[0].state_dict().items())
+    assert (unreadable / "state.pt").read_bytes() == b"not a checkpoint" and (misfit / "state.pt").exists()
+
+
+def test_a_part_that_does_not_fit_leaves_every_object_untouched(tmp_path):
+    saved = _objects(0)
+    folder = _write(tmp_path, 10, saved)
+    state = read_state(folder)
+    state["optimizer"]["param_groups"] = []  # model and EMA fit, the optimizer does not
+    fresh = _objects(1)
+    before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
+    with pytest.raises(ValueError):
+        restore(state, *fresh)
+    assert all(torch.equal(before[k], v) for k, v in fresh[0].state_dict().items())
+
+
+def test_switching_to_fp16_drops_the_missing_loss_scale_with_a_note(tmp_path):
+    _write(tmp_path, 10, _objects(0))  # trained without a loss scaler (fp32 or bf16)
+    model, ema, optimizer, _ = _objects(1)
+    scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
+    restored = restore_newest(checkpoint_candidates(tmp_path), model, ema, optimizer, scaler)
+    assert restored.progress.step == 10 and scaler.get_scale() == 1024.0
+    assert any("loss scale starts afresh" in note for note in restored.notes)
+
+
+def test_transient_storage_errors_are_retried(tmp_path, monkeypatch):
+    import raydiff.runs.state as state_module
+
+    folder = _write(tmp_path, 10, _objects(0))
+    calls = []
+
+    def flaky(path):
+        calls.append(path)
+        if len(calls) < 3:
+            raise OSError("connection reset")
+        return read_state(path)
+
+    monkeypatch.setattr(state_module, "read_state", flaky)
+    monkeypatch.setattr(state_module, "READ_RETRY_S", 0.0)
+    assert restore_newest([RunDir(folder)], *_objects(1)).progress.step == 10 and len(calls) == 3
+
+
+def test_a_changed_weight_decay_reaches_the_restored_optimizer(tmp_path):
+    model, ema, optimizer, scaler = _objects(0)
+    _write(tmp_path, 10, (model, ema, optimizer, scaler))  # saved with weight_decay 0.01 (AdamW's default)
+    fresh = _objects(1)
+    restore_newest(checkpoint_candidates(tmp_path), *fresh)
+    apply_config(fresh[2], weight_decay=0.25)
+    assert [g["weight_decay"] for g in fresh[2].param_groups] == [0.25]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 import pytest
 import ray.train
 from ray.train.torch import TorchTrainer
@@ -46,3 +47,33 @@ def test_accumulation_computes_the_same_steps(ray_session, tmp_path):
     # smoke: base_lr 1e-3 at batch 16, scaled linearly to the global batch of 8.
     assert [r["lr"] for r in plain_rows] == pytest.approx([lr_at(s, 5e-4, 5) for s in range(4)])
     assert [r["ema_decay"] for r in plain_rows] == [ema_decay_at(s, 0.99, 5) for s in range(1, 5)]
+
+
+def _cli_run(storage, name, *overrides):
+    from conftest import run_cli
+
+    from raydiff.runs.checkpoint import list_checkpoints, read_state
+
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={storage}", "--set", f"run.name={name}",
+                   "--set", "train.total_steps=10", "--set", "train.sample_every=0", "--set", "train.log_every=2",
+                   *[arg for o in overrides for arg in ("--set", o)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (storage / name / "metrics.jsonl").read_text().splitlines()]
+    return proc.stdout + proc.stderr, rows, read_state(list_checkpoints(storage / name)[-1])
+
+
+def test_ddp_accumulation_and_uneven_shares_match_one_worker(tmp_path):
+    """Under real DDP: 2 workers accumulating 2 micro-batches each (no_sync on the first), and 3 workers with
+    uneven shares of the 16-image batch (6, 5, 5, each in 2 micro-batches; an elastic range, since only elastic
+    runs split a batch unevenly), train the same steps as one worker."""
+    _, one_rows, one = _cli_run(tmp_path, "one", "scaling.num_workers=1")
+    two_log, two_rows, two = _cli_run(tmp_path, "two", "scaling.num_workers=2", "train.micro_batch=4")
+    three_log, three_rows, three = _cli_run(tmp_path, "three", "scaling.num_workers=[3,3]", "train.micro_batch=4")
+    assert "2 worker(s), global batch 16 = 8 on worker 0 in micro-batches of up to 4" in two_log
+    assert "3 worker(s), global batch 16 = 6 on worker 0 in micro-batches of up to 4" in three_log
+    for rows, state in ((two_rows, two), (three_rows, three)):
+        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one_rows], rel=1e-4)
+        assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in one_rows], rel=1e-3)
+        for part in ("model", "ema"):
+            for key, value in one[part].items():
+                assert torch.allclose(state[part][key], value, rtol=1e-4, atol=1e-5), f"{part}.{key}"

@@ -1,0 +1,54 @@
+"""Decisions every worker must take alike, agreed through collectives (a no-op with one process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray.train
+import torch
+import torch.distributed as dist
+
+from raydiff.training.stop import stop_reason
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def from_rank_zero(value: Any) -> Any:
+    """Every worker takes rank 0's value."""
+    if not _active():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def smallest(value: int, device: torch.device) -> int:
+    """The smallest of every worker's value."""
+    if not _active():
+        return value
+    box = torch.tensor(value, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box)
+
+
+def summed(values: list[float], device: torch.device) -> list[float]:
+    """Each value summed over all workers (float64)."""
+    box = torch.tensor(values, dtype=torch.float64, device=device)
+    if _active():
+        dist.all_reduce(box)
+    return box.tolist()
+
+
+def interrupt_requested(stop_flag, is_chief: bool, device: torch.device, simulated_preemption: bool = False) -> str | None:
+    """Whether to checkpoint now, decided alike on every worker: "stop" when the driver was asked to stop (rank 0
+    asks it), "preemption" when any worker's node is about to be reclaimed, else None."""
+    preempted = ray.train.get_preemption_info() is not None  # a collective itself: every rank must call it
+    preempted = preempted or simulated_preemption
+    local = 2 if is_chief and stop_reason(stop_flag) else 1 if preempted else 0
+    if _active():
+        box = torch.tensor(local, device=device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        local = int(box)
+    return {0: None, 1: "preemption", 2: "stop"}[local]

@@ -1,0 +1,69 @@
+"""The statistics of one logging window (the steps between two metrics rows), and the row they make.
+
+The loss and sample sums are per worker until the row is made (one all-reduce per row, not per step). A
+checkpoint in the middle of a window saves their global sums, and a resumed run puts them back on rank 0 only,
+so that the row after a resume is the one an uninterrupted run logs, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from raydiff.training.distributed import summed
+from raydiff.training.step import StepResult
+
+
+class MetricsWindow:
+    """:param saved: the window of the checkpoint the run continues from (`Progress.window`), or None.
+    :param is_chief: rank 0 takes the saved loss and sample sums; the other workers start from zero."""
+
+    def __init__(self, device: torch.device, saved: dict[str, Any] | None = None, is_chief: bool = True) -> None:
+        saved = saved or {}
+        own = is_chief and saved
+        self.device = device
+        self.loss_sum = torch.tensor(float(saved["loss_sum"]) if own else 0.0, device=device)
+        self.samples = int(saved["samples"]) if own else 0
+        # Gradient norms are global (the gradients are all-reduced): every worker holds the same sums.
+        self.grad_norm_sum = float(saved.get("grad_norm_sum", 0.0))
+        self.finite_steps = int(saved.get("finite_steps", 0))
+        self.steps, self.data_wait_s, self.paused_s = 0, 0.0, 0.0
+        self.start = time.perf_counter()
+
+    def add(self, result: StepResult, data_wait_s: float) -> None:
+        self.loss_sum += result.loss_sum
+        self.samples += result.samples
+        if result.finite:
+            self.grad_norm_sum += float(result.grad_norm)
+            self.finite_steps += 1
+        self.steps += 1
+        self.data_wait_s += data_wait_s
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The window's sums over all workers, for the checkpoint (a collective: every worker calls it)."""
+        loss_sum, samples = summed([float(self.loss_sum), float(self.samples)], self.device)
+        return {"loss_sum": loss_sum, "samples": int(samples), "grad_norm_sum": self.grad_norm_sum,
+                "finite_steps": self.finite_steps}
+
+    def close(self, *, step: int, global_batch: int, lr: float, ema_decay: float, world_size: int,
+              skipped_steps: int) -> dict[str, Any]:
+        """One metrics row, averaged over all workers (a collective); the window starts afresh."""
+        elapsed = time.perf_counter() - self.start - self.paused_s
+        loss_sum, samples, wait_frac_sum = summed(
+            [float(self.loss_sum), float(self.samples), self.data_wait_s / max(elapsed, 1e-9)], self.device)
+        row = {
+            "step": step,
+            "images_seen": step * global_batch,
+            "loss": loss_sum / max(samples, 1),
+            "grad_norm": self.grad_norm_sum / self.finite_steps if self.finite_steps else float("nan"),
+            "lr": lr,
+            "ema_decay": ema_decay,
+            "images_per_s": self.steps * global_batch / max(elapsed, 1e-9),
+            "data_wait_frac": wait_frac_sum / world_size,
+            "world_size": world_size,
+            "skipped_steps": skipped_steps,
+        }
+        self.__init__(self.device)
+        return row
