@@ -8,6 +8,7 @@ failure, a resize or a re-run it continues bit for bit.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,8 +32,14 @@ from raydiff.runs.checkpoint import checkpoint_name, write_state
 from raydiff.runs.images import grid_png
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog, progress_line
-from raydiff.runs.state import Progress, Unresumable, apply_config, checkpoint_candidates, restore_newest, \
-    training_state
+from raydiff.runs.state import (
+    Progress,
+    Unresumable,
+    apply_config,
+    checkpoint_candidates,
+    restore_newest,
+    training_state,
+)
 from raydiff.training.distributed import from_rank_zero, interrupt_requested, smallest
 from raydiff.training.lr import describe_lr, lr_at
 from raydiff.training.microbatch import measure_micro_batch
@@ -135,7 +142,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             lr = lr_at(progress.step, t.lr, t.warmup_steps)
             ema_decay = ema_decay_at(next_step, t.ema_decay, t.ema_warmup_steps)
             result = optimizer_step(w.step_inputs, batches, lr=lr, ema=w.ema, ema_decay=ema_decay,
-                                    fault=lambda batch: fault(next_step, batch))
+                                    fault=functools.partial(fault, next_step))
             progress.step += 1
             step = progress.step
             window.add(result, data_wait_s)

@@ -24,7 +24,8 @@ class MetricsWindow:
         saved = saved or {}
         own = is_chief and saved
         self.device = device
-        self.loss_sum = torch.tensor(float(saved["loss_sum"]) if own else 0.0, device=device)
+        # float64: the sum of float32 losses is then exact, so a window split by a resume sums to the same number.
+        self.loss_sum = torch.tensor(float(saved["loss_sum"]) if own else 0.0, dtype=torch.float64, device=device)
         self.samples = int(saved["samples"]) if own else 0
         # Gradient norms are global (the gradients are all-reduced): every worker holds the same sums.
         self.grad_norm_sum = float(saved.get("grad_norm_sum", 0.0))
@@ -33,7 +34,7 @@ class MetricsWindow:
         self.start = time.perf_counter()
 
     def add(self, result: StepResult, data_wait_s: float) -> None:
-        self.loss_sum += result.loss_sum
+        self.loss_sum += result.loss_sum.double()
         self.samples += result.samples
         if result.finite:
             self.grad_norm_sum += float(result.grad_norm)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import torch
 import pytest
 import ray.train
+import torch
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import load_config
