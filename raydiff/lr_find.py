@@ -58,7 +58,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.model.unet import build_model
     from raydiff.sample import resolve_device
     from raydiff.training.driver import init_ray
-    from raydiff.training.step import StepInputs, optimizer_step, resolve_precision
+    from raydiff.training.step import StepInputs, make_optimizer, optimizer_step, resolve_precision
     from raydiff.training.validation import holdout_split
 
     t = cfg.train
@@ -76,10 +76,11 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     model = build_model(cfg).to(device)
     autocast_dtype = resolve_precision(t.precision, device)
     step_inputs = StepInputs(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=start, weight_decay=t.weight_decay),
+        model=model, optimizer=make_optimizer(model, lr=start, weight_decay=t.weight_decay),
         scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
         diffusion=build_diffusion(cfg), device=device, autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip,
-        global_batch=t.global_batch, world_size=1, grad_clip=t.grad_clip)
+        global_batch=t.global_batch, world_size=1, grad_clip=t.grad_clip,
+        dropout=cfg.model.dropout > 0)
     lrs, losses, stop_reason = lr_range(start, end, steps), [], None
     try:
         for lr in lrs:

@@ -27,10 +27,24 @@ def make_ema(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).float().eval().requires_grad_(False)
 
 
-@torch.no_grad()
+class EmaUpdater:
+    """Updates `ema` towards `model` once per optimizer step. The parameter lists are built once (they are views
+    of the live tensors, so restores and DDP wrapping keep them valid), and a step's weight can be a device
+    tensor: an update weighted by `finite` (0 or 1) is skipped on the device, without a host sync."""
+
+    def __init__(self, ema: nn.Module, model: nn.Module) -> None:
+        self._ema = list(ema.parameters())
+        self._model = [p.detach() for p in model.parameters()]
+        self._ema_buffers, self._model_buffers = list(ema.buffers()), list(model.buffers())
+
+    @torch.no_grad()
+    def __call__(self, decay: float, finite: torch.Tensor | None = None) -> None:
+        weight = 1.0 - decay if finite is None else finite.to(self._ema[0].dtype) * (1.0 - decay)
+        torch._foreach_lerp_(self._ema, self._model, weight)
+        for e, b in zip(self._ema_buffers, self._model_buffers):
+            e.copy_(b)
+
+
 def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    ema_params = list(ema.parameters())
-    torch._foreach_lerp_(ema_params, [p.detach().to(e.dtype) for e, p in zip(ema_params, model.parameters())],
-                         1.0 - decay)
-    for e, b in zip(ema.buffers(), model.buffers()):
-        e.copy_(b)
+    """One update of `ema` towards `model` (building the parameter lists each time: for one-off use)."""
+    EmaUpdater(ema, model)(decay)

@@ -26,7 +26,7 @@ from raydiff.config import Config
 from raydiff.data.loader import BatchStream, ImageTable, MicroBatch
 from raydiff.data.order import SampleOrder, rank_share
 from raydiff.model.diffusion import build_diffusion
-from raydiff.model.ema import ema_decay_at, make_ema
+from raydiff.model.ema import EmaUpdater, ema_decay_at, make_ema
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_name, write_state
 from raydiff.runs.images import grid_png
@@ -43,12 +43,12 @@ from raydiff.runs.state import (
 from raydiff.training.distributed import from_rank_zero, interrupt_requested, smallest
 from raydiff.training.lr import describe_lr, lr_at
 from raydiff.training.microbatch import measure_micro_batch
-from raydiff.training.step import StepInputs, StepResult, optimizer_step, resolve_precision
+from raydiff.training.step import StepInputs, StepResult, make_optimizer, optimizer_step, resolve_precision
 from raydiff.training.validation import Validation, holdout_split
-from raydiff.training.window import MetricsWindow
+from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 logger = logging.getLogger("raydiff")
-INTERRUPT_CHECK_STEPS = 10  # how often the workers agree on whether to checkpoint now (preemption, stop request)
+CHECK_EVERY_STEPS = 10  # how often the workers look at the device's counters and agree on stop / preemption
 REMOTE_METRICS_FLUSH_S = 30.0  # an object store cannot append: metrics.jsonl is rewritten at most this often
 
 
@@ -71,6 +71,7 @@ class Worker:
     device: torch.device
     model: torch.nn.Module  # the bare model (the EMA follows it; checkpoints hold it)
     ema: torch.nn.Module
+    ema_update: EmaUpdater
     step_inputs: StepInputs
     table: ImageTable
     order: SampleOrder
@@ -123,7 +124,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                     f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}")
     order_log = _order_log(w.run_dir, w.rank) if cfg.debug.record_order else None
     fault = _fault_injection(cfg, w.is_chief)
-    bad_streak, last_row, last_checkpoint_step, diagnostic, val_loss, stopped = 0, None, progress.step, None, None, False
+    nonfinite = NonFiniteSteps(w.device, progress.counters["skipped_steps"])
+    last_row, last_checkpoint_step, diagnostic, val_loss, stopped = None, progress.step, None, None, False
     preemption_handled = False  # one checkpoint per preemption notice, not one per check while it lasts
     run_start = time.perf_counter()
     try:
@@ -141,21 +143,25 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             next_step = progress.step + 1
             lr = lr_at(progress.step, t.lr, t.warmup_steps)
             ema_decay = ema_decay_at(next_step, t.ema_decay, t.ema_warmup_steps)
-            result = optimizer_step(w.step_inputs, batches, lr=lr, ema=w.ema, ema_decay=ema_decay,
+            result = optimizer_step(w.step_inputs, batches, lr=lr, ema=w.ema_update, ema_decay=ema_decay,
                                     fault=functools.partial(fault, next_step))
             progress.step += 1
             step = progress.step
             window.add(result, data_wait_s)
-            bad_streak = 0 if result.finite else bad_streak + 1
-            progress.counters["skipped_steps"] += not result.finite
+            nonfinite.add(result.finite)
+            done = step == t.total_steps
+            check = step % CHECK_EVERY_STEPS == 0 or done  # the device's counters are read only here
+            if check or step % t.log_every == 0:
+                progress.counters["skipped_steps"] = nonfinite.skipped_steps()
 
             # Too many non-finite steps in a row: roll back past them once, then give up.
-            if bad_streak >= t.max_bad_steps:
+            if check and nonfinite.longest_streak() >= t.max_bad_steps:
                 rolled_back = _roll_back(w, progress) if progress.counters["rollbacks"] == 0 else None
                 if rolled_back is not None:
-                    progress, bad_streak = rolled_back, 0
+                    progress = rolled_back
                     stream.close()
                     stream, window = w.open_stream(progress), MetricsWindow(w.device, progress.window, w.is_chief)
+                    nonfinite = NonFiniteSteps(w.device, progress.counters["skipped_steps"])
                     continue
                 diagnostic = _divergence_report(t, step, lr, result, cfg.diffusion.timesteps)
                 w.event("diverged", step=step, diagnostic=diagnostic)
@@ -164,7 +170,6 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 break
 
             # Validate, log, sample and checkpoint at their cadences (the same decision on every worker).
-            done = step == t.total_steps
             validated = w.validation is not None and ((t.val_every and step % t.val_every == 0) or done)
             if validated:
                 val_start = time.perf_counter()
@@ -185,7 +190,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
             if w.is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
                 _save_sample_grid(w, step)
             interrupt = None
-            if step % INTERRUPT_CHECK_STEPS == 0 and not done:
+            if check and not done:
                 simulated = 0 < cfg.debug.preemption_from_step <= step
                 interrupt = interrupt_requested(loop_config.get("stop_flag"), w.is_chief, w.device, simulated)
                 notice = interrupt == "preemption"
@@ -230,7 +235,7 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
     torch.manual_seed(t.seed)  # identical initial weights on every worker
     model = build_model(cfg).to(device)
     ema = make_ema(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = make_optimizer(model, lr=t.lr, weight_decay=t.weight_decay)
     autocast_dtype = resolve_precision(t.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
     diffusion = build_diffusion(cfg)
@@ -252,9 +257,11 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
     is_chief = rank == 0
     step_inputs = StepInputs(model=model, optimizer=optimizer, scaler=scaler, diffusion=diffusion, device=device,
                              autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip,
-                             global_batch=t.global_batch, world_size=world_size, grad_clip=t.grad_clip)
+                             global_batch=t.global_batch, world_size=world_size, grad_clip=t.grad_clip,
+                             dropout=cfg.model.dropout > 0)
     return Worker(
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
+        ema_update=EmaUpdater(ema, model),
         step_inputs=step_inputs, table=table, order=SampleOrder(train_indices, t.seed), validation=validation,
         micro_batch=micro_batch,
         metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S) if is_chief else None,

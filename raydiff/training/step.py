@@ -1,7 +1,10 @@
 """One optimizer step: accumulate the gradients of this worker's micro-batches (all-reduced only on the last
 one), unscale, clip, and apply the step only if everything is finite; then the EMA.
 
-Used by the training loop and by `raydiff.lr_find`, so that both train exactly alike.
+The step never waits for the device: whether it was finite stays a device tensor, the optimizer skips a
+non-finite step on the device (fused AdamW's `found_inf`, the mechanism GradScaler uses), and the EMA update is
+weighted by it. The caller reads the numbers at log steps only. Used by the training loop and by
+`raydiff.lr_find`, so that both train exactly alike.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import nn
 from raydiff.data.loader import MicroBatch
 from raydiff.data.order import derive_seed
 from raydiff.model.diffusion import GaussianDiffusion
-from raydiff.model.ema import update_ema
+from raydiff.model.ema import EmaUpdater
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
@@ -27,11 +30,16 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, fused: one kernel per step on GPUs and CPUs, and able to skip a step on the device."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+
+
 @dataclass
 class StepInputs:
     """What does not change from step to step."""
 
-    model: nn.Module  # what runs forward: the DDP wrapper under DDP
+    model: nn.Module  # what runs forward: the DDP wrapper under DDP, possibly compiled
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     diffusion: GaussianDiffusion
@@ -42,11 +50,15 @@ class StepInputs:
     global_batch: int
     world_size: int
     grad_clip: float  # 0 disables clipping
+    dropout: bool = True  # the model has dropout: seed it by stream position
+    channels_last: bool = False
 
 
 @dataclass
 class StepResult:
-    finite: bool
+    """Device tensors: reading one (float, bool, .item()) waits for the device."""
+
+    finite: torch.Tensor  # bool: the step was applied
     grad_norm: torch.Tensor  # pre-clip global norm
     loss_sum: torch.Tensor  # this worker's summed per-sample losses
     samples: int  # this worker's samples
@@ -56,24 +68,27 @@ class StepResult:
     losses: torch.Tensor
 
 
-def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: nn.Module | None = None,
+def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: EmaUpdater | None = None,
                    ema_decay: float = 0.0, fault: Callable[[MicroBatch], bool] | None = None) -> StepResult:
     """Train on this worker's micro-batches of one step. `fault` (fault injection for tests) says which
     micro-batches get a non-finite loss."""
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
     for group in s.optimizer.param_groups:
         group["lr"] = lr
-    is_ddp = isinstance(s.model, nn.parallel.DistributedDataParallel)
+    is_ddp = isinstance(unwrap_compiled(s.model), nn.parallel.DistributedDataParallel)
     s.model.train()
     loss_sum, samples = torch.zeros((), device=s.device), 0
 
     # Accumulate gradients; all-reduce only on the last micro-batch.
     for i, batch in enumerate(batches):
         x0 = batch.to_device(s.device, s.flip)
+        if s.channels_last:
+            x0 = x0.contiguous(memory_format=torch.channels_last)
         timesteps, noise = batch.diffusion_inputs(s.seed, s.diffusion.timesteps, s.device)
-        torch.manual_seed(derive_seed(s.seed, batch.position))  # dropout, a function of the stream position
+        if s.dropout:
+            torch.manual_seed(derive_seed(s.seed, batch.position))  # dropout, a function of the stream position
         sync = not is_ddp or i == len(batches) - 1
-        with contextlib.nullcontext() if sync else s.model.no_sync():
+        with contextlib.nullcontext() if sync else unwrap_compiled(s.model).no_sync():
             with torch.autocast(s.device.type, dtype=s.autocast_dtype, enabled=s.autocast_dtype is not None):
                 losses = s.diffusion.loss_per_sample(s.model, x0, timesteps, noise)
             if fault is not None and fault(batch):
@@ -83,20 +98,22 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
         loss_sum += losses.detach().float().sum()
         samples += len(x0)
 
-    # Unscale, clip, and skip the step if anything is not finite (gradients are all-reduced: all workers agree).
+    # Unscale, clip, and skip the step on the device if anything is not finite (the gradients are all-reduced,
+    # so every worker agrees).
     s.scaler.unscale_(s.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else math.inf)
-    finite = bool(torch.isfinite(grad_norm))
-    if finite or s.scaler.is_enabled():
-        s.scaler.step(s.optimizer)  # the scaler skips non-finite steps itself
+    finite = torch.isfinite(grad_norm)
+    s.optimizer.grad_scale, s.optimizer.found_inf = None, (~finite).float()  # the scaler sets its own in fp16
+    s.scaler.step(s.optimizer)
     s.scaler.update()
     s.optimizer.zero_grad(set_to_none=True)
 
-    # Update the EMA, once per optimizer step, on every worker.
-    if finite and ema is not None:
-        update_ema(ema, unwrap(s.model), ema_decay)
+    # Update the EMA, once per optimizer step, on every worker (not at all after a skipped step).
+    if ema is not None:
+        ema(ema_decay, finite)
     return StepResult(finite, grad_norm, loss_sum, samples, x0, timesteps, losses)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module torch.compile wrapped, if it did."""
+    return getattr(model, "_orig_mod", model)

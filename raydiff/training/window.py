@@ -28,25 +28,25 @@ class MetricsWindow:
         self.loss_sum = torch.tensor(float(saved["loss_sum"]) if own else 0.0, dtype=torch.float64, device=device)
         self.samples = int(saved["samples"]) if own else 0
         # Gradient norms are global (the gradients are all-reduced): every worker holds the same sums.
-        self.grad_norm_sum = float(saved.get("grad_norm_sum", 0.0))
-        self.finite_steps = int(saved.get("finite_steps", 0))
+        self.grad_norm_sum = torch.tensor(float(saved.get("grad_norm_sum", 0.0)), dtype=torch.float64, device=device)
+        self.finite_steps = torch.tensor(int(saved.get("finite_steps", 0)), device=device)
         self.steps, self.data_wait_s, self.paused_s = 0, 0.0, 0.0
         self.start = time.perf_counter()
 
     def add(self, result: StepResult, data_wait_s: float) -> None:
+        """On the device: no host sync."""
         self.loss_sum += result.loss_sum.double()
         self.samples += result.samples
-        if result.finite:
-            self.grad_norm_sum += float(result.grad_norm)
-            self.finite_steps += 1
+        self.grad_norm_sum += torch.where(result.finite, result.grad_norm.double(), 0.0)
+        self.finite_steps += result.finite
         self.steps += 1
         self.data_wait_s += data_wait_s
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The window's sums over all workers, for the checkpoint (a collective: every worker calls it)."""
         loss_sum, samples = summed([float(self.loss_sum), float(self.samples)], self.device)
-        return {"loss_sum": loss_sum, "samples": int(samples), "grad_norm_sum": self.grad_norm_sum,
-                "finite_steps": self.finite_steps}
+        return {"loss_sum": loss_sum, "samples": int(samples), "grad_norm_sum": float(self.grad_norm_sum),
+                "finite_steps": int(self.finite_steps)}
 
     def close(self, *, step: int, global_batch: int, lr: float, ema_decay: float, world_size: int,
               skipped_steps: int) -> dict[str, Any]:
@@ -54,11 +54,12 @@ class MetricsWindow:
         elapsed = time.perf_counter() - self.start - self.paused_s
         loss_sum, samples, wait_frac_sum = summed(
             [float(self.loss_sum), float(self.samples), self.data_wait_s / max(elapsed, 1e-9)], self.device)
+        finite_steps = int(self.finite_steps)
         row = {
             "step": step,
             "images_seen": step * global_batch,
             "loss": loss_sum / max(samples, 1),
-            "grad_norm": self.grad_norm_sum / self.finite_steps if self.finite_steps else float("nan"),
+            "grad_norm": float(self.grad_norm_sum) / finite_steps if finite_steps else float("nan"),
             "lr": lr,
             "ema_decay": ema_decay,
             "images_per_s": self.steps * global_batch / max(elapsed, 1e-9),
@@ -68,3 +69,31 @@ class MetricsWindow:
         }
         self.__init__(self.device)
         return row
+
+
+class NonFiniteSteps:
+    """Counts skipped (non-finite) steps and the longest run of them in a row, on the device; read only at the
+    periodic checks, so that the step itself never waits for the device.
+
+    :param skipped_steps: the count so far (from the checkpoint).
+    """
+
+    def __init__(self, device: torch.device, skipped_steps: int = 0) -> None:
+        self.skipped = torch.tensor(skipped_steps, device=device)
+        self.streak = torch.zeros((), dtype=torch.long, device=device)
+        self.longest = torch.zeros((), dtype=torch.long, device=device)  # since the last `longest_streak()`
+
+    def add(self, finite: torch.Tensor) -> None:
+        bad = (~finite).long()
+        self.skipped += bad
+        self.streak = (self.streak + 1) * bad
+        self.longest = torch.maximum(self.longest, self.streak)
+
+    def skipped_steps(self) -> int:
+        return int(self.skipped)
+
+    def longest_streak(self) -> int:
+        """The longest run of non-finite steps since the last call."""
+        longest = int(self.longest)
+        self.longest = self.streak.clone()
+        return longest

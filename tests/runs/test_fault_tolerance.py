@@ -185,12 +185,14 @@ def test_a_persistent_fault_is_rolled_back_past(cluster, tmp_path):
     assert run["status"] == "finished" and run["steps"] == 40 and run["rollbacks"] == 1 and run["skipped_steps"] == 3
     events = [json.loads(line) for line in (tmp_path / "poisoned" / "events.jsonl").read_text().splitlines()]
     rollbacks = [e for e in events if e["event"] == "rollback"]
-    assert [(e["from_step"], e["to_step"], e["skipped_positions"]) for e in rollbacks] == [(14, 10, [160, 224])]
-    # After the rollback, step 11 trains on the positions of step 15: the failed positions are never trained again.
+    # Streaks are read at the 10-step checks: at step 20 the run goes back to step 10's checkpoint and skips the
+    # stream positions of steps 11-20.
+    assert [(e["from_step"], e["to_step"], e["skipped_positions"]) for e in rollbacks] == [(20, 10, [160, 320])]
+    # After the rollback, step 11 trains on the positions of step 21: the failed positions are never trained again.
     trained = [json.loads(line) for path in (tmp_path / "poisoned" / "order").iterdir()
                for line in path.read_text().splitlines()]
-    assert {tuple(r["positions"]) for r in trained if r["step"] == 11} >= {(224, 232), (232, 240)}
-    assert max(r["positions"][1] for r in trained) == (40 + 4) * 16
+    assert {tuple(r["positions"]) for r in trained if r["step"] == 11} >= {(320, 328), (328, 336)}
+    assert max(r["positions"][1] for r in trained) == (40 + 10) * 16
     for checkpoint in list_checkpoints(tmp_path / "poisoned"):
         state = read_state(checkpoint)
         assert all(torch.isfinite(v).all() for part in ("model", "ema") for v in state[part].values())

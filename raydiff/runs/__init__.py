@@ -1,0 +1,1 @@
+"""Run directories: files on local or object storage, logs, checkpoints, the training state, resume decisions."""

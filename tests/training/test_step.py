@@ -1,0 +1,96 @@
+"""One optimizer step: no host sync, device-side skipping of non-finite steps, and the EMA weighted by it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from raydiff.config import load_config
+from raydiff.data.loader import MicroBatch
+from raydiff.model.diffusion import build_diffusion
+from raydiff.model.ema import EmaUpdater, make_ema
+from raydiff.model.unet import build_model
+from raydiff.training.step import StepInputs, make_optimizer, optimizer_step
+from raydiff.training.window import MetricsWindow, NonFiniteSteps
+
+SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
+
+
+def _setup(precision_fp16: bool = False):
+    cfg = load_config("smoke", ["model.dropout=0.1"])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    for p in model.parameters():  # leave the near-zero init: gradients everywhere
+        torch.nn.init.normal_(p, std=0.05)
+    inputs = StepInputs(model=model, optimizer=make_optimizer(model, lr=1e-3, weight_decay=0.0),
+                        scaler=torch.amp.GradScaler("cpu", enabled=precision_fp16),
+                        diffusion=build_diffusion(cfg), device=torch.device("cpu"),
+                        autocast_dtype=torch.float16 if precision_fp16 else None, seed=0, flip=True,
+                        global_batch=8, world_size=1, grad_clip=1.0, dropout=True)
+    ema = make_ema(model)
+    return inputs, ema, EmaUpdater(ema, model)
+
+
+def _batches(step: int) -> list[MicroBatch]:
+    rng = np.random.default_rng(step)
+    images = torch.from_numpy(rng.integers(0, 256, (8, 1, 8, 8), dtype=np.uint8))
+    flips = torch.from_numpy(rng.random(8) < 0.5)
+    return [MicroBatch(images=images[:4], flips=flips[:4], position=step * 8, indices=np.arange(4)),
+            MicroBatch(images=images[4:], flips=flips[4:], position=step * 8 + 4, indices=np.arange(4, 8))]
+
+
+def test_the_steady_state_step_never_reads_a_device_value(monkeypatch):
+    inputs, _, ema_update = _setup()
+    window, nonfinite = MetricsWindow(inputs.device), NonFiniteSteps(inputs.device)
+    optimizer_step(inputs, _batches(0), lr=1e-3, ema=ema_update, ema_decay=0.9)  # the optimizer's lazy state
+    calls: list[str] = []
+    for name in SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for step in range(1, 4):
+        result = optimizer_step(inputs, _batches(step), lr=1e-3, ema=ema_update, ema_decay=0.9)
+        window.add(result, 0.0)
+        nonfinite.add(result.finite)
+    assert calls == []
+    monkeypatch.undo()
+    assert nonfinite.skipped_steps() == 0 and window.close(step=4, global_batch=8, lr=1e-3, ema_decay=0.9,
+                                                            world_size=1, skipped_steps=0)["loss"] > 0
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_a_non_finite_step_changes_nothing_and_is_counted(fp16):
+    inputs, ema, ema_update = _setup(fp16)
+    optimizer_step(inputs, _batches(0), lr=1e-3, ema=ema_update, ema_decay=0.5)
+    model_before = {k: v.clone() for k, v in inputs.model.state_dict().items()}
+    ema_before = {k: v.clone() for k, v in ema.state_dict().items()}
+    moments_before = [s["exp_avg"].clone() for s in inputs.optimizer.state.values()]
+    nonfinite = NonFiniteSteps(inputs.device)
+    for step in (1, 2):
+        result = optimizer_step(inputs, _batches(step), lr=1e-3, ema=ema_update, ema_decay=0.5,
+                                fault=lambda batch: batch.position % 8 == 4)
+        nonfinite.add(result.finite)
+        assert not bool(result.finite)
+    assert all(torch.equal(model_before[k], v) for k, v in inputs.model.state_dict().items())
+    assert all(torch.equal(ema_before[k], v) for k, v in ema.state_dict().items())
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments_before, inputs.optimizer.state.values()))
+    assert nonfinite.skipped_steps() == 2 and nonfinite.longest_streak() == 2
+
+    result = optimizer_step(inputs, _batches(3), lr=1e-3, ema=ema_update, ema_decay=0.5)
+    nonfinite.add(result.finite)
+    assert bool(result.finite) and not torch.equal(model_before["conv_in.weight"], inputs.model.conv_in.weight)
+    assert nonfinite.longest_streak() == 2  # the streak was still running at the last read
+    assert nonfinite.longest_streak() == 0  # and ended since
+
+
+def test_a_step_is_a_function_of_its_stream_positions():
+    """The same micro-batches give the same update, whatever else ran before (noise and dropout keyed by position)."""
+    a, _, _ = _setup()
+    b, _, _ = _setup()
+    optimizer_step(b, _batches(7), lr=0.0)  # lr 0: b's weights unchanged, but its random streams advanced
+    ra, rb = (optimizer_step(x, _batches(1), lr=1e-3) for x in (a, b))
+    assert torch.equal(ra.loss_sum, rb.loss_sum)
