@@ -5,7 +5,8 @@
         [--endpoint URL]
 
 PATH ending in .png gets one grid; any other PATH becomes a folder of sample_00000.png, sample_00001.png, ...
-plus grid.png. --checkpoint also takes an s3:// or gs:// URI (--endpoint for an S3-compatible server).
+plus grid.png. --checkpoint also takes an s3:// or gs:// URI (--endpoint for an S3-compatible server), or a local
+diffusers pipeline folder (what raydiff.export writes; needs the diffusers extra).
 Sampling runs in fp32 from the EMA weights (unless --no-ema); all noise comes from one CPU generator seeded
 with --seed, so the same command gives the same images on any device. With --sampler ddim --steps
 <train.sample_steps> --seed <train.seed> --num <train.sample_num> it reproduces the run's own sample grid.
@@ -21,6 +22,7 @@ import torch
 
 from raydiff import cli
 from raydiff.config import Config
+from raydiff.model import diffusers_io
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import read_state, resolve_checkpoint
@@ -32,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m raydiff.sample", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
-                        help="run directory (its newest checkpoint) or checkpoint folder; a path or s3:// / gs:// URI")
+                        help="run directory (its newest checkpoint) or checkpoint folder; a path or s3:// / gs:// URI; "
+                             "or a diffusers pipeline folder")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--num", type=int, default=64, help="number of images (default 64)")
     parser.add_argument("--out", required=True, type=Path, help="grid .png, or a folder")
@@ -88,19 +91,24 @@ def generate(state: dict, *, num: int, sampler: str, steps: int | None, eta: flo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        checkpoint = resolve_checkpoint(RunDir(args.checkpoint, endpoint=args.endpoint))
-    except ValueError as exc:  # an unsupported URI scheme
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {exc}") from None
+    if "://" not in args.checkpoint and diffusers_io.is_diffusers_folder(args.checkpoint):
+        # An exported pipeline: one set of weights, converted back to raydiff's names.
+        checkpoint, load = args.checkpoint, diffusers_io.state_from_folder
+    else:
+        try:
+            checkpoint, load = resolve_checkpoint(RunDir(args.checkpoint, endpoint=args.endpoint)), read_state
+        except ValueError as exc:  # an unsupported URI scheme
+            raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {exc}") from None
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
-    state = read_state(checkpoint)
+    state = load(checkpoint)
     steps = args.steps if args.steps is not None else (50 if args.sampler == "ddim" else None)
-    print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step']}, "
-          f"{'online' if args.no_ema else 'EMA'} weights) with {args.sampler}, "
+    weights = state.get("weights") or ("online" if args.no_ema else "EMA")  # a diffusers folder holds one set
+    print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step'] or '?'}, {weights} weights) "
+          f"with {args.sampler}, "
           f"{steps or state['config']['diffusion']['timesteps']} steps, on {device}")
     with torch.inference_mode():
         images = generate(state, num=args.num, sampler=args.sampler, steps=steps, eta=args.eta, seed=args.seed,

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
-from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
 from raydiff.config import Config, ConfigError
+from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
 from raydiff.runs.rundir import RunDir
 
 # Keys whose change makes a checkpoint mean something else; every other key may change between runs
@@ -24,6 +24,8 @@ from raydiff.runs.rundir import RunDir
 IDENTITY_SECTIONS = ("model", "diffusion")
 IDENTITY_KEYS = ("data.source", "data.format", "data.image_column", "data.resolution", "data.channels", "data.flip",
                  "data.val_images", "train.global_batch", "train.seed")
+# Keys of identity sections that a continuing run may change: model.init_from only initialises a new run.
+NOT_IDENTITY_KEYS = ("model.init_from",)
 DATA_FILE = "data.json"
 
 
@@ -34,7 +36,8 @@ def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
 def identity_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     # A key missing from an older run's config had its default then (keys are only ever added).
     old_flat, new_flat = {**_flatten(Config().to_dict()), **_flatten(old)}, _flatten(new)
-    keys = [k for k in new_flat if k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS]
+    keys = [k for k in new_flat if (k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS)
+            and k not in NOT_IDENTITY_KEYS]
     return [f"{k} = {old_flat.get(k)!r}, now {new_flat[k]!r}" for k in keys if old_flat.get(k) != new_flat[k]]
 
 

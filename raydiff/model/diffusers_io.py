@@ -1,0 +1,467 @@
+"""Hugging Face diffusers <-> raydiff: UNet2DModel and DDPMScheduler configs, and the UNet's weights, both ways.
+
+raydiff's UNet is a diffusers `UNet2DModel` with Ho et al.'s settings, the same as `google/ddpm-cifar10-32`'s:
+positional timestep embedding with `flip_sin_to_cos=False` (sin first) and `freq_shift=1` (frequencies divided
+by half - 1), `downsample_padding=0` (diffusers then pads bottom/right by one like TF's "SAME", as raydiff's
+`Downsample` does), one attention head per block (`attention_head_dim=None`: each block's own channels), attention
+in the mid block, SiLU, GroupNorm with `model.norm_eps`. Block i of diffusers is level i of raydiff; the down and
+up paths visit the same modules in the same order, so the mapping below is a renaming, plus the split of raydiff's
+fused `qkv` linear into `to_q`, `to_k`, `to_v` (q, k, v order).
+
+The scheduler: T = `diffusion.timesteps`; linear betas with raydiff's scaled ends (1000/T x 1e-4 .. 1000/T x
+0.02) or `squaredcos_cap_v2` for cosine (the same alpha_bar, betas clipped at 0.999 in both); clipped x0 (raydiff
+clamps x0 to [-1, 1]); the posterior variance of raydiff's DDPM sampler (`fixed_small`); `linspace` timestep
+spacing, which is raydiff's respacing (DDPMScheduler then visits the same timesteps at any number of steps).
+
+diffusers and safetensors are an optional extra (`pip install "raydiff[diffusers]"`), imported where needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raydiff.config import Config, ConfigError
+
+PREDICTION_TO_DIFFUSERS = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
+SCHEDULE_TO_DIFFUSERS = {"linear": "linear", "cosine": "squaredcos_cap_v2"}
+RAYDIFF_CONFIG_FILE = "raydiff_config.yaml"  # the run's config, written beside the pipeline
+EXPORT_INFO_FILE = "raydiff_export.json"  # where the weights came from: checkpoint, step, images seen, EMA or not
+# UNet2DModel keys that raydiff's architecture fixes, with the value it needs (None: diffusers' default of None).
+FIXED_UNET_KEYS = {
+    "time_embedding_type": "positional", "flip_sin_to_cos": False, "freq_shift": 1, "downsample_padding": 0,
+    "act_fn": "silu", "center_input_sample": False, "mid_block_type": "UNetMidBlock2D", "add_attention": True,
+    "resnet_time_scale_shift": "default", "mid_block_scale_factor": 1, "downsample_type": "conv",
+    "upsample_type": "conv", "class_embed_type": None, "num_class_embeds": None, "attn_norm_num_groups": None,
+}
+_RES_RENAMES = {"temb_proj": "time_emb_proj", "skip": "conv_shortcut"}  # ResBlock -> ResnetBlock2D; others same
+_ATTN_RENAMES = {"norm": "group_norm", "proj": "to_out.0"}  # AttnBlock -> Attention; qkv is split
+
+
+def require_diffusers(what: str) -> None:
+    """Raise ConfigError (one line) when diffusers or safetensors is not installed."""
+    try:
+        import diffusers  # noqa: F401
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{what} needs diffusers and safetensors: pip install \"raydiff[diffusers]\"") from None
+
+
+# raydiff config -> diffusers configs.
+def linear_beta_range(timesteps: int) -> tuple[float, float]:
+    """raydiff's linear schedule: Ho et al.'s 1e-4 .. 0.02 at T=1000, scaled by 1000/T."""
+    scale = 1000.0 / timesteps
+    return scale * 1e-4, scale * 0.02
+
+
+def level_resolutions(cfg: Config) -> list[int]:
+    return [cfg.data.resolution // 2**i for i in range(len(cfg.model.channel_mult))]
+
+
+def check_exportable(cfg: Config) -> None:
+    """Refuse, naming the key, a config that UNet2DModel cannot express."""
+    mult = list(cfg.model.channel_mult)
+    if mult[0] != 1:
+        # diffusers' conv_in and timestep embedding have block_out_channels[0] channels; raydiff's have base_channels.
+        raise ConfigError(f"model.channel_mult = {mult}: diffusers' UNet2DModel needs the first multiplier to be 1 "
+                          f"(its conv_in and timestep embedding are as wide as the first level)")
+    levels = level_resolutions(cfg)
+    for res in cfg.model.attention_resolutions:
+        if res not in levels:
+            raise ConfigError(f"model.attention_resolutions = {list(cfg.model.attention_resolutions)}: {res} is not "
+                              f"one of the model's resolutions {levels}")
+
+
+def unet_config(cfg: Config) -> dict[str, Any]:
+    """UNet2DModel keyword arguments for the run's UNet (every key whose diffusers default differs is set)."""
+    check_exportable(cfg)
+    m = cfg.model
+    attention = [res in m.attention_resolutions for res in level_resolutions(cfg)]
+    fixed = {k: v for k, v in FIXED_UNET_KEYS.items() if v is not None}
+    return {
+        "sample_size": cfg.data.resolution, "in_channels": cfg.data.channels, "out_channels": cfg.data.channels,
+        "block_out_channels": [m.base_channels * x for x in m.channel_mult], "layers_per_block": m.num_res_blocks,
+        "down_block_types": ["AttnDownBlock2D" if a else "DownBlock2D" for a in attention],
+        "up_block_types": ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attention)],
+        "attention_head_dim": None,  # one head: each block's own channels (an int would apply to every block)
+        "norm_num_groups": m.norm_groups, "norm_eps": m.norm_eps, "dropout": m.dropout, **fixed,
+    }
+
+
+def scheduler_config(cfg: Config) -> dict[str, Any]:
+    """DDPMScheduler keyword arguments for the run's diffusion process and raydiff's DDPM sampler."""
+    d = cfg.diffusion
+    beta_start, beta_end = linear_beta_range(d.timesteps)
+    return {
+        "num_train_timesteps": d.timesteps, "beta_schedule": SCHEDULE_TO_DIFFUSERS[d.schedule],
+        "beta_start": beta_start, "beta_end": beta_end,  # used by "linear" only
+        "prediction_type": PREDICTION_TO_DIFFUSERS[d.prediction],
+        "clip_sample": True, "clip_sample_range": 1.0,  # raydiff clamps x0 to [-1, 1]
+        "variance_type": "fixed_small",  # the posterior variance, as raydiff.sample --sampler ddpm
+        "timestep_spacing": "linspace", "steps_offset": 0,  # raydiff's respacing: T-1 .. 0, evenly spaced
+    }
+
+
+# Weights: raydiff names <-> diffusers names.
+def _module_pairs(cfg: Config) -> Iterator[tuple[str, str, str]]:
+    """(raydiff prefix, diffusers prefix, kind) for every module with weights, in raydiff's construction order.
+    kind: "res" (ResBlock), "attn" (AttnBlock) or "plain" (same parameter names on both sides)."""
+    m = cfg.model
+    levels = len(m.channel_mult)
+    attention = [res in m.attention_resolutions for res in level_resolutions(cfg)]
+    yield "temb.0", "time_embedding.linear_1", "plain"
+    yield "temb.2", "time_embedding.linear_2", "plain"
+    yield "conv_in", "conv_in", "plain"
+    i = 0
+    for level in range(levels):
+        for j in range(m.num_res_blocks):
+            yield f"down.{i}.0", f"down_blocks.{level}.resnets.{j}", "res"
+            if attention[level]:
+                yield f"down.{i}.1", f"down_blocks.{level}.attentions.{j}", "attn"
+            i += 1
+        if level != levels - 1:
+            yield f"down.{i}.0", f"down_blocks.{level}.downsamplers.0", "plain"
+            i += 1
+    yield "mid.0", "mid_block.resnets.0", "res"
+    yield "mid.1", "mid_block.attentions.0", "attn"
+    yield "mid.2", "mid_block.resnets.1", "res"
+    i = 0
+    for k, level in enumerate(reversed(range(levels))):  # diffusers' up block k is raydiff's deepest level first
+        for j in range(m.num_res_blocks + 1):
+            yield f"up.{i}.0", f"up_blocks.{k}.resnets.{j}", "res"
+            if attention[level]:
+                yield f"up.{i}.1", f"up_blocks.{k}.attentions.{j}", "attn"
+            i += 1
+        if level != 0:
+            yield f"up.{i}.0", f"up_blocks.{k}.upsamplers.0", "plain"
+            i += 1
+    yield "norm_out", "conv_norm_out", "plain"
+    yield "conv_out", "conv_out", "plain"
+
+
+def _take(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Remove and return the entries under `prefix.`, keyed by the rest of their name."""
+    names = [k for k in state if k.startswith(prefix + ".")]
+    return {k[len(prefix) + 1:]: state.pop(k) for k in names}
+
+
+def _check_consumed(left: dict[str, torch.Tensor], side: str) -> None:
+    if left:
+        raise ValueError(f"{len(left)} {side} weights have no counterpart, e.g. {sorted(left)[:3]}")
+
+
+def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
+    """raydiff UNet weights -> UNet2DModel weights (modern attention names: to_q, to_k, to_v, to_out.0)."""
+    state, out = dict(state_dict), {}
+    for ours, theirs, kind in _module_pairs(cfg):
+        params = _take(state, ours)
+        if not params:
+            raise ValueError(f"raydiff weights lack {ours}.*: they are not the UNet of this config")
+        for name, value in params.items():
+            module, _, leaf = name.rpartition(".")
+            if kind == "res":
+                out[f"{theirs}.{_RES_RENAMES.get(module, module)}.{leaf}"] = value
+            elif kind == "attn" and module == "qkv":
+                for part, chunk in zip(("to_q", "to_k", "to_v"), value.chunk(3)):
+                    out[f"{theirs}.{part}.{leaf}"] = chunk.clone()
+            elif kind == "attn":
+                out[f"{theirs}.{_ATTN_RENAMES[module]}.{leaf}"] = value
+            else:
+                out[f"{theirs}.{name}"] = value
+    _check_consumed(state, "raydiff")
+    return out
+
+
+def from_diffusers(state_dict: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
+    """UNet2DModel weights (modern attention names) -> raydiff UNet weights for `cfg`'s model."""
+    state, out = dict(state_dict), {}
+    back = {v: k for k, v in _RES_RENAMES.items()}
+    for ours, theirs, kind in _module_pairs(cfg):
+        params = _take(state, theirs)
+        if not params:
+            raise ValueError(f"diffusers weights lack {theirs}.*: they are not the UNet of this config")
+        if kind == "attn":
+            for leaf in ("weight", "bias"):
+                for module, name in _ATTN_RENAMES.items():
+                    out[f"{ours}.{module}.{leaf}"] = params.pop(f"{name}.{leaf}")
+                out[f"{ours}.qkv.{leaf}"] = torch.cat([params.pop(f"{p}.{leaf}") for p in ("to_q", "to_k", "to_v")])
+            _check_consumed(params, "diffusers")
+            continue
+        for name, value in params.items():
+            module, _, leaf = name.rpartition(".")
+            out[f"{ours}.{back.get(module, module)}.{leaf}" if kind == "res" else f"{ours}.{name}"] = value
+    _check_consumed(state, "diffusers")
+    return out
+
+
+# diffusers configs -> raydiff keys.
+def _unet_error(where: str, key: str, value: Any, needs: str) -> ConfigError:
+    return ConfigError(f"{where}: the UNet there has {key} = {value!r}; {needs}")
+
+
+def _with_defaults(unet: dict[str, Any]) -> dict[str, Any]:
+    """A UNet2DModel config with diffusers' defaults for the keys it leaves out (a hand-written config may)."""
+    import inspect
+
+    from diffusers import UNet2DModel
+
+    params = inspect.signature(UNet2DModel.__init__).parameters.values()
+    return {**{p.name: p.default for p in params if p.default is not inspect.Parameter.empty}, **unet}
+
+
+def model_keys_from_unet(unet: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """The raydiff keys (`data.resolution`, `data.channels`, `model.*`) of a UNet2DModel config; ConfigError,
+    naming the diffusers key, for a UNet that raydiff's architecture cannot hold. `where` starts the message."""
+    unet = _with_defaults(unet)
+    for key, needed in FIXED_UNET_KEYS.items():
+        if unet[key] != needed:
+            raise _unet_error(where, key, unet[key], f"raydiff's UNet needs {needed!r}")
+    size = unet["sample_size"]
+    if isinstance(size, (list, tuple)):
+        if len(set(size)) != 1:
+            raise _unet_error(where, "sample_size", size, "raydiff's UNet needs square images")
+        size = size[0]
+    if not isinstance(size, int):
+        raise _unet_error(where, "sample_size", size, "raydiff needs the image size")
+    channels = unet["in_channels"]
+    if channels not in (1, 3) or unet["out_channels"] != channels:
+        raise _unet_error(where, "in_channels/out_channels", [channels, unet["out_channels"]],
+                          "raydiff needs 1 or 3 channels in and out")
+    widths = list(unet["block_out_channels"])
+    base = widths[0]
+    if any(w % base for w in widths):
+        raise _unet_error(where, "block_out_channels", widths, "raydiff needs multiples of the first")
+    down, up = list(unet["down_block_types"]), list(unet["up_block_types"])
+    if not set(down) <= {"DownBlock2D", "AttnDownBlock2D"} or len(down) != len(widths):
+        raise _unet_error(where, "down_block_types", down, f"raydiff needs {len(widths)} of DownBlock2D and "
+                          f"AttnDownBlock2D")
+    attention = [t == "AttnDownBlock2D" for t in down]
+    mirrored = ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attention)]
+    if up != mirrored:
+        raise _unet_error(where, "up_block_types", up, f"raydiff's UNet needs the down path mirrored: {mirrored}")
+    head_dim = unet["attention_head_dim"]
+    attended = [w for w, a in zip(widths, attention) if a] + [widths[-1]]  # the mid block always attends
+    if head_dim is not None and any(w != head_dim for w in attended):
+        raise _unet_error(where, "attention_head_dim", head_dim, f"raydiff's attention has one head: null, or the "
+                          f"channels of every block with attention ({sorted(set(attended))})")
+    embed = unet["time_embedding_dim"]
+    if embed not in (None, 4 * base):
+        raise _unet_error(where, "time_embedding_dim", embed, f"raydiff's UNet needs null or {4 * base}")
+    return {
+        "data.resolution": size, "data.channels": channels, "model.base_channels": base,
+        "model.channel_mult": [w // base for w in widths], "model.num_res_blocks": unet["layers_per_block"],
+        "model.attention_resolutions": [size // 2**i for i, a in enumerate(attention) if a],
+        "model.dropout": float(unet["dropout"]), "model.norm_groups": unet["norm_num_groups"],
+        "model.norm_eps": float(unet["norm_eps"]),
+    }
+
+
+def diffusion_keys_from_scheduler(scheduler: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """The raydiff `diffusion.*` keys of a DDPM-style scheduler config; ConfigError for what raydiff lacks."""
+    timesteps = scheduler.get("num_train_timesteps", 1000)
+    kind = scheduler.get("beta_schedule", "linear")
+    prediction = {v: k for k, v in PREDICTION_TO_DIFFUSERS.items()}.get(scheduler.get("prediction_type", "epsilon"))
+    if scheduler.get("trained_betas") is not None:
+        raise ConfigError(f"{where}: the scheduler there has trained_betas; raydiff has linear and cosine schedules")
+    if prediction is None:
+        raise ConfigError(f"{where}: the scheduler there has prediction_type = {scheduler['prediction_type']!r}; "
+                          f"raydiff predicts epsilon, v_prediction or sample")
+    if kind == "linear":
+        ends = scheduler.get("beta_start", 1e-4), scheduler.get("beta_end", 0.02)
+        expected = linear_beta_range(timesteps)
+        if any(abs(a - b) > 1e-6 * b for a, b in zip(ends, expected)):
+            raise ConfigError(f"{where}: the scheduler there has beta_start, beta_end = {list(ends)}; raydiff's "
+                              f"linear schedule at T = {timesteps} has {list(expected)}")
+        schedule = "linear"
+    elif kind == "squaredcos_cap_v2":
+        schedule = "cosine"
+    else:
+        raise ConfigError(f"{where}: the scheduler there has beta_schedule = {kind!r}; raydiff has linear and "
+                          f"squaredcos_cap_v2 (cosine)")
+    return {"diffusion.timesteps": timesteps, "diffusion.schedule": schedule, "diffusion.prediction": prediction}
+
+
+def _run_values(cfg: Config) -> dict[str, Any]:
+    m = cfg.model
+    return {"data.resolution": cfg.data.resolution, "data.channels": cfg.data.channels,
+            "model.base_channels": m.base_channels, "model.channel_mult": list(m.channel_mult),
+            "model.num_res_blocks": m.num_res_blocks,
+            "model.attention_resolutions": sorted(set(m.attention_resolutions) & set(level_resolutions(cfg))),
+            "model.norm_groups": m.norm_groups, "model.norm_eps": m.norm_eps}
+
+
+_DIFFUSERS_NAME = {"data.resolution": "sample_size", "data.channels": "in_channels",
+                   "model.base_channels": "block_out_channels[0]", "model.channel_mult": "block_out_channels",
+                   "model.num_res_blocks": "layers_per_block", "model.attention_resolutions": "down_block_types",
+                   "model.norm_groups": "norm_num_groups", "model.norm_eps": "norm_eps"}
+
+
+def check_matches(cfg: Config, unet: dict[str, Any], *, where: str) -> None:
+    """ConfigError naming the first run key whose value differs from the UNet2DModel config's (dropout may
+    differ: it shapes no weight)."""
+    unet = _with_defaults(unet)
+    theirs = model_keys_from_unet(unet, where=where)
+    for key, ours in _run_values(cfg).items():
+        if key == "model.channel_mult" and ours != theirs[key]:
+            widths = [cfg.model.base_channels * x for x in ours]
+            raise ConfigError(f"{where}: model.base_channels x model.channel_mult = {widths} here, but the UNet there "
+                              f"has block_out_channels = {unet['block_out_channels']}")
+        if key == "model.attention_resolutions" and ours != theirs[key]:
+            raise ConfigError(f"{where}: model.attention_resolutions = {ours} here, but the UNet there attends at "
+                              f"{theirs[key]} (down_block_types = {unet['down_block_types']})")
+        if ours != theirs[key]:
+            raise ConfigError(f"{where}: {key} = {ours!r} here, but the UNet there has {_DIFFUSERS_NAME[key]} = "
+                              f"{theirs[key]!r}")
+
+
+# Reading diffusers folders (or hub ids).
+def is_diffusers_folder(location: str | Path) -> bool:
+    """A local diffusers pipeline folder (model_index.json, or unet/config.json)."""
+    path = Path(location).expanduser()
+    return (path / "model_index.json").is_file() or (path / "unet" / "config.json").is_file()
+
+
+def _unet_location(location: str) -> tuple[str, str | None]:
+    """(path or hub id, subfolder) of the UNet in a pipeline folder, a UNet2DModel folder or a hub id."""
+    path = Path(location).expanduser()
+    if path.is_dir():
+        return str(path), ("unet" if (path / "unet" / "config.json").is_file() else None)
+    from diffusers import UNet2DModel
+
+    try:  # a hub id: a pipeline repository (unet/ inside), else a UNet2DModel repository
+        UNet2DModel.load_config(location, subfolder="unet")
+        return location, "unet"
+    except OSError:
+        return location, None
+
+
+def read_unet_config(location: str, *, where: str) -> tuple[dict[str, Any], str, str | None]:
+    """The UNet2DModel config of `location`, with where the UNet is (path or hub id, subfolder)."""
+    from diffusers import UNet2DModel
+
+    try:
+        source, subfolder = _unet_location(location)
+        config = dict(UNet2DModel.load_config(source, subfolder=subfolder))
+    except OSError as exc:
+        raise ConfigError(f"{where}: no UNet2DModel config there ({str(exc).splitlines()[0]})") from None
+    if config.get("_class_name", "UNet2DModel") != "UNet2DModel":
+        raise ConfigError(f"{where}: the model there is a {config['_class_name']}; raydiff reads a UNet2DModel")
+    return config, source, subfolder
+
+
+def read_unet_weights(source: str, subfolder: str | None) -> dict[str, torch.Tensor]:
+    """A UNet2DModel's weights in modern names (diffusers converts old checkpoints' attention names on load)."""
+    from diffusers import UNet2DModel
+
+    # low_cpu_mem_usage=False: the default asks for `accelerate` (a notice on every load) and saves nothing here.
+    unet = UNet2DModel.from_pretrained(source, subfolder=subfolder, low_cpu_mem_usage=False)
+    return {k: v.detach().float().clone() for k, v in unet.state_dict().items()}
+
+
+def load_init_weights(cfg: Config) -> dict[str, torch.Tensor]:
+    """raydiff UNet weights for `model.init_from`, checked against the run's model first (ConfigError)."""
+    where = f"model.init_from = {cfg.model.init_from!r}"
+    require_diffusers("model.init_from")
+    config, source, subfolder = read_unet_config(cfg.model.init_from, where=where)
+    check_matches(cfg, config, where=where)
+    return from_diffusers(read_unet_weights(source, subfolder), cfg)
+
+
+def state_from_folder(location: str | Path) -> dict[str, Any]:
+    """A diffusers pipeline folder as the parts of a training state that `raydiff.sample` uses: config, weights
+    (as both `model` and `ema`: the folder holds one set) and step (when raydiff exported it)."""
+    import yaml
+
+    path = Path(location).expanduser()
+    where = f"--checkpoint {location}"
+    require_diffusers("a diffusers folder")
+    unet, source, subfolder = read_unet_config(str(path), where=where)
+    tree = yaml.safe_load((path / RAYDIFF_CONFIG_FILE).read_text()) if (path / RAYDIFF_CONFIG_FILE).is_file() else {}
+    cfg = Config.from_dict(tree or {})
+    keys = model_keys_from_unet(unet, where=where)
+    for scheduler_file in (path / "scheduler" / "scheduler_config.json", path / "scheduler_config.json"):
+        if scheduler_file.is_file():  # else the diffusion keys of raydiff_config.yaml, or raydiff's defaults
+            keys.update(diffusion_keys_from_scheduler(json.loads(scheduler_file.read_text()), where=where))
+            break
+    for key, value in keys.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, tuple(value) if isinstance(value, list) else value)
+    weights = from_diffusers(read_unet_weights(source, subfolder), cfg)
+    info = json.loads((path / EXPORT_INFO_FILE).read_text()) if (path / EXPORT_INFO_FILE).is_file() else {}
+    exported = {"ema": "EMA", "online": "online"}.get(info.get("weights"), "exported")
+    return {"model": weights, "ema": weights, "step": info.get("step"), "images_seen": info.get("images_seen"),
+            "weights": exported, "config": cfg.to_dict()}
+
+
+# Writing a pipeline folder.
+def build_pipeline(weights: dict[str, torch.Tensor], cfg: Config):
+    """A diffusers DDPMPipeline holding raydiff UNet `weights` (fp32) and the run's scheduler."""
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    unet = UNet2DModel(**unet_config(cfg))
+    unet.load_state_dict(to_diffusers({k: v.float() for k, v in weights.items()}, cfg), strict=True)
+    return DDPMPipeline(unet=unet.eval(), scheduler=DDPMScheduler(**scheduler_config(cfg)))
+
+
+def model_card(cfg: Config, *, step: int, images_seen: int, use_ema: bool, checkpoint: str) -> str:
+    """README.md of an exported folder: what the model is and a 5-line example."""
+    d, T = cfg.data, cfg.diffusion.timesteps
+    weights = f"EMA (decay {cfg.train.ema_decay})" if use_ema else "online (not the EMA)"
+    return f"""---
+library_name: diffusers
+pipeline_tag: unconditional-image-generation
+tags: [ddpm, raydiff, unconditional-image-generation]
+---
+
+# DDPM `{cfg.run.name}`, trained with raydiff
+
+An unconditional DDPM (Ho et al. 2020) trained with raydiff and exported to diffusers.
+
+| | |
+|---|---|
+| dataset | `{d.source}` |
+| resolution | {d.resolution} x {d.resolution}, {d.channels} channel(s) |
+| training steps | {step:,} |
+| images seen | {images_seen:,} |
+| weights | {weights} |
+| diffusion | T = {T}, {cfg.diffusion.schedule} schedule, predicts {cfg.diffusion.prediction} |
+| exported from | `{checkpoint}` |
+
+`{RAYDIFF_CONFIG_FILE}` is the run's full config.
+
+```python
+import torch
+from diffusers import DDPMPipeline
+pipe = DDPMPipeline.from_pretrained("path/to/this/folder")  # or its hub id
+images = pipe(batch_size=16, num_inference_steps={T}, generator=torch.Generator().manual_seed(0)).images
+images[0].save("sample.png")
+```
+
+`num_inference_steps` below {T} respaces the chain as `raydiff.sample --sampler ddpm --steps` does. For DDIM use
+`DDIMPipeline(unet=pipe.unet, scheduler=pipe.scheduler)` with `use_clipped_model_output=True` (raydiff recomputes
+eps from the clipped x0): at {T} steps it is raydiff's DDIM. Below {T} steps diffusers' DDIM strides by T // steps
+where raydiff spaces the steps evenly from T-1 to 0: use `DDIMScheduler.from_config(pipe.scheduler.config,
+timestep_spacing="trailing")`, which starts at T-1 as raydiff does but ends at T // steps - 1 instead of 0.
+"""
+
+
+def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, checkpoint: str) -> None:
+    """Write a complete pipeline folder into `folder` (empty, local): model_index.json, unet/, scheduler/, the
+    run's config, where it came from, and a README model card."""
+    import yaml
+
+    cfg = Config.from_dict(state["config"])
+    check_exportable(cfg)
+    pipeline = build_pipeline(state["ema" if use_ema else "model"], cfg)
+    pipeline.save_pretrained(folder, safe_serialization=True)
+    folder = Path(folder)
+    (folder / RAYDIFF_CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
+    info = {"checkpoint": checkpoint, "step": state["step"], "images_seen": state["images_seen"],
+            "weights": "ema" if use_ema else "online"}
+    (folder / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    (folder / "README.md").write_text(model_card(cfg, step=state["step"], images_seen=state["images_seen"],
+                                                 use_ema=use_ema, checkpoint=checkpoint))

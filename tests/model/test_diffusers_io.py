@@ -1,0 +1,173 @@
+"""raydiff <-> diffusers: the UNet mapping, the scheduler, DDIM and DDPM sampling, and importing a UNet2DModel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import DDIMScheduler, DDPMScheduler, UNet2DModel
+from torch import nn
+
+from raydiff.config import ConfigError, load_config
+from raydiff.model import diffusers_io
+from raydiff.model.diffusion import build_diffusion
+from raydiff.model.unet import AttnBlock, ResBlock, UNet, build_model, variance_scaling_
+from raydiff.runs.resume import identity_changes
+
+# google/ddpm-cifar10-32's published UNet2DModel config (Ho et al.'s CIFAR-10 model as diffusers ships it).
+GOOGLE_DDPM_CIFAR10 = {
+    "sample_size": 32, "in_channels": 3, "out_channels": 3, "block_out_channels": [128, 256, 256, 256],
+    "layers_per_block": 2, "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"], "attention_head_dim": None,
+    "norm_num_groups": 32, "norm_eps": 1e-6, "act_fn": "silu", "time_embedding_type": "positional",
+    "flip_sin_to_cos": False, "freq_shift": 1, "downsample_padding": 0,
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these models are small, and on a busy shared machine two threads wait on each other at
+    every op (a 1 s sampling loop then takes a minute)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randomised(cfg, seed: int = 0) -> UNet:
+    """The config's UNet with every weight random and non-zero: the layers initialised at ~0 (each residual
+    branch's last layer, conv_out) get a real scale (0.1 for the branches, as in a trained model's small residual
+    updates), biases and GroupNorm affines are drawn too, so that every mapped tensor matters."""
+    torch.manual_seed(seed)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, ResBlock):
+                variance_scaling_(module.conv2.weight, 0.1)
+            elif isinstance(module, AttnBlock):
+                variance_scaling_(module.proj.weight, 0.1)
+            elif isinstance(module, nn.GroupNorm):
+                module.weight.normal_(1.0, 0.05)
+                module.bias.normal_(0.0, 0.02)
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                module.bias.normal_(0.0, 0.02)
+        variance_scaling_(model.conv_out.weight)
+    return model
+
+
+def exported_unet(model: UNet, cfg) -> UNet2DModel:
+    return diffusers_io.build_pipeline(model.state_dict(), cfg).unet
+
+
+@pytest.mark.parametrize("preset", ["smoke", "default", "cifar10"])
+def test_exported_unet_computes_what_raydiffs_computes(preset):
+    cfg = load_config(preset, check_source=False)
+    model = randomised(cfg)
+    unet = exported_unet(model, cfg)
+    x = torch.randn(2, cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
+    t = torch.tensor([0, 999])
+    with torch.no_grad():
+        ours, theirs = model(x, t), unet(x, t).sample
+    print(f"{preset}: max |raydiff - diffusers| = {(ours - theirs).abs().max().item():.2e} "
+          f"(outputs up to {ours.abs().max().item():.2f})")
+    assert ours.std() > 0.3  # a real output, not the ~0 of a fresh model
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    # The mapping is a bijection: back to raydiff's names gives every tensor unchanged.
+    back = diffusers_io.from_diffusers(unet.state_dict(), cfg)
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_exported_scheduler_is_raydiffs_schedule(schedule):
+    # diffusers' squaredcos_cap_v2 is Nichol & Dhariwal's alpha_bar with s = 0.008 and betas clipped at 0.999, as
+    # raydiff's cosine; it computes in float32 where raydiff keeps float64 tables, hence the tolerances.
+    cfg = load_config("default", [f"diffusion.schedule={schedule}"], check_source=False)
+    diffusion = build_diffusion(cfg)
+    scheduler = DDPMScheduler(**diffusers_io.scheduler_config(cfg))
+    gap = (scheduler.alphas_cumprod.double() - diffusion.alpha_bar).abs().max().item()
+    x0, noise = torch.rand(64, 1, 16, 16) * 2 - 1, torch.randn(64, 1, 16, 16)
+    t = torch.randint(0, cfg.diffusion.timesteps, (64,))
+    noised = (scheduler.add_noise(x0, noise, t) - diffusion.q_sample(x0, t, noise)).abs().max().item()
+    print(f"{schedule}: max |alphas_cumprod - alpha_bar| = {gap:.2e}, max |add_noise - q_sample| = {noised:.2e}")
+    assert gap < 1e-6 and noised < 1e-5
+
+
+def _diffusers_ddim(unet: UNet2DModel, scheduler_config, x: torch.Tensor, steps: int) -> torch.Tensor:
+    """diffusers' DDIM (eta 0) from `x`; raydiff recomputes eps from the clipped x0: use_clipped_model_output."""
+    ddim = DDIMScheduler.from_config(scheduler_config)
+    ddim.set_timesteps(steps)
+    with torch.no_grad():
+        for t in ddim.timesteps:
+            x = ddim.step(unet(x, t).sample, t, x, use_clipped_model_output=True).prev_sample
+    return x
+
+
+def test_diffusers_samplers_reproduce_raydiffs():
+    cfg = load_config("smoke", ["diffusion.timesteps=50"], check_source=False)
+    T, shape = cfg.diffusion.timesteps, (4, 1, 8, 8)
+    model, diffusion = randomised(cfg), build_diffusion(cfg)
+    pipeline = diffusers_io.build_pipeline(model.state_dict(), cfg)
+
+    # DDIM over all T steps, from the same initial noise (raydiff draws it first from the generator).
+    ours = diffusion.sample(model, shape, sampler="ddim", steps=T, generator=torch.Generator().manual_seed(0))
+    theirs = _diffusers_ddim(pipeline.unet, pipeline.scheduler.config, torch.randn(shape, generator=torch.Generator()
+                                                                                  .manual_seed(0)), T)
+    print(f"DDIM, {T} steps: max |raydiff - diffusers| = {(ours - theirs).abs().max().item():.2e}")
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+    # DDPMPipeline draws its noise in raydiff's order, and linspace spacing respaces as raydiff does: the same
+    # images at fewer steps too.
+    for steps in (T, 10):
+        ours = diffusion.sample(model, shape, sampler="ddpm", steps=steps, generator=torch.Generator().manual_seed(1))
+        images = pipeline(batch_size=4, num_inference_steps=steps, generator=torch.Generator().manual_seed(1),
+                          output_type="np").images
+        theirs = torch.from_numpy(images).permute(0, 3, 1, 2) * 2 - 1
+        print(f"DDPM, {steps} steps: max |raydiff - diffusers| = {(ours.clamp(-1, 1) - theirs).abs().max():.2e}")
+        torch.testing.assert_close(theirs, ours.clamp(-1, 1), atol=1e-4, rtol=0)
+
+
+def test_imports_google_ddpm_cifar10_exactly(tmp_path):
+    torch.manual_seed(0)
+    unet = UNet2DModel(**GOOGLE_DDPM_CIFAR10).eval()  # diffusers' own random initialisation: nothing is zero
+    unet.save_pretrained(tmp_path / "unet")
+    cfg = load_config("cifar10", [f"model.init_from={tmp_path}"], check_source=False)  # a pipeline-style folder
+    model = build_model(cfg).eval()
+    model.load_state_dict(diffusers_io.load_init_weights(cfg))
+    x, t = torch.randn(2, 3, 32, 32), torch.tensor([3, 700])
+    with torch.no_grad():
+        ours, theirs = model(x, t), unet(x, t).sample
+    print(f"google/ddpm-cifar10-32 shape: max |raydiff - diffusers| = {(ours - theirs).abs().max().item():.2e}")
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+    smoke = load_config("smoke", [f"model.init_from={tmp_path / 'unet'}"], check_source=False)  # a UNet folder
+    with pytest.raises(ConfigError, match=r"data\.resolution = 8 here, but the UNet there has sample_size = 32$"):
+        diffusers_io.load_init_weights(smoke)
+
+
+@pytest.mark.parametrize(("override", "unet_key", "message"), [
+    ("model.attention_resolutions=[8]", {}, r"model\.attention_resolutions = \[8\] here, but .* attends at \[16\]"),
+    ("model.norm_eps=1e-5", {}, r"model\.norm_eps = 1e-05 here, but the UNet there has norm_eps = 1e-06"),
+    ("model.channel_mult=[1,2,2]", {}, r"model\.base_channels x model\.channel_mult = \[128, 256, 256\] here"),
+    (None, {"freq_shift": 0}, r"the UNet there has freq_shift = 0; raydiff's UNet needs 1"),
+    (None, {"downsample_padding": 1}, r"downsample_padding = 1; raydiff's UNet needs 0"),
+    (None, {"attention_head_dim": 8}, r"attention_head_dim = 8; raydiff's attention has one head"),
+])
+def test_a_unet_that_does_not_fit_the_run_is_refused_naming_the_key(override, unet_key, message):
+    cfg = load_config("cifar10", [override] if override else [], check_source=False)
+    with pytest.raises(ConfigError, match=message):
+        diffusers_io.check_matches(cfg, {**GOOGLE_DDPM_CIFAR10, **unet_key}, where="model.init_from = 'x'")
+
+
+def test_what_diffusers_cannot_express_is_refused():
+    cfg = load_config("smoke", ["model.channel_mult=[2,2]"], check_source=False)
+    with pytest.raises(ConfigError, match=r"^model\.channel_mult = \[2, 2\]: diffusers' UNet2DModel needs"):
+        diffusers_io.unet_config(cfg)
+
+
+def test_init_from_is_checked_cheaply_and_is_not_an_identity_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.init_from = '.*missing': must be a diffusers pipeline folder"):
+        load_config("smoke", [f"model.init_from={tmp_path / 'missing'}"], check_source=False)
+    assert load_config("smoke", ["model.init_from=google/ddpm-cifar10-32"], check_source=False)  # a hub id
+    old = load_config("smoke", check_source=False).to_dict()
+    new = load_config("smoke", ["model.init_from=google/ddpm-cifar10-32"], check_source=False).to_dict()
+    assert identity_changes(old, new) == []  # a continuing run is not refused over it

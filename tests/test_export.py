@@ -1,0 +1,174 @@
+"""python -m raydiff.export, raydiff.sample on an exported folder, and training from model.init_from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import run_cli
+from diffusers import DDIMScheduler, DDPMPipeline
+from PIL import Image
+
+from raydiff import cli, export, train
+from raydiff.config import load_config
+from raydiff.model import diffusers_io
+from raydiff.model.ema import make_ema
+from raydiff.model.unet import build_model
+from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
+from raydiff.runs.state import Progress, training_state
+
+T = 50  # a short chain, so that sampling every step stays fast
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # small models: see _one_thread
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these models are small, and on a busy shared machine two threads wait on each other at
+    every op (a 1 s sampling loop then takes a minute)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_checkpoint(run_dir, cfg, *, step: int = 20):
+    """A checkpoint as training writes it, without Ray: random weights, and an EMA that differs from them."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # nothing ~0, so the samples depend on every layer
+    ema = make_ema(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.9)
+    folder = run_dir / f"checkpoint_{step:08d}"
+    folder.mkdir(parents=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    write_state(folder, training_state(model, ema, optimizer, scaler, Progress(step=step), cfg.train.global_batch,
+                                       cfg.to_dict()))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A smoke-shaped run with T = 50, exported through the CLI."""
+    root = tmp_path_factory.mktemp("export")
+    cfg = load_config("smoke", [f"diffusion.timesteps={T}"], check_source=False)
+    checkpoint = write_checkpoint(root / "run", cfg)
+    proc = run_cli("raydiff.export", "--checkpoint", str(root / "run"), "--out", str(root / "pipeline"))
+    assert proc.returncode == 0, proc.stderr
+    return checkpoint, root / "pipeline"
+
+
+def test_export_writes_a_pipeline_that_diffusers_loads_without_warnings(exported):
+    checkpoint, folder = exported
+    names = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    assert names == {"model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
+                     "scheduler/scheduler_config.json", "raydiff_config.yaml", "raydiff_export.json", "README.md"}
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".pipeline")]  # no temp folder left
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipeline = DDPMPipeline.from_pretrained(folder)
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    # No warning (missing or unexpected keys, config keys), except diffusers' advice to install `accelerate`,
+    # which it logs for every model it loads without it.
+    notes = [str(w.message) for w in caught] + [r.getMessage() for r in records if r.levelno >= logging.WARNING
+                                                and "`accelerate` was not found" not in r.getMessage()]
+    assert not notes, notes
+
+    state = read_state(checkpoint)
+    expected = diffusers_io.to_diffusers(state["ema"], load_config("smoke", [f"diffusion.timesteps={T}"],
+                                                                   check_source=False))
+    assert all(torch.equal(pipeline.unet.state_dict()[k], v) for k, v in expected.items())  # the EMA by default
+    scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    assert {k: scheduler[k] for k in ("num_train_timesteps", "beta_schedule", "prediction_type", "clip_sample",
+                                      "variance_type")} == {"num_train_timesteps": T, "beta_schedule": "linear",
+                                                            "prediction_type": "epsilon", "clip_sample": True,
+                                                            "variance_type": "fixed_small"}
+    assert scheduler["beta_start"] == pytest.approx(1000 / T * 1e-4) and scheduler["beta_end"] == pytest.approx(0.4)
+    assert yaml.safe_load((folder / "raydiff_config.yaml").read_text()) == state["config"]
+    card = (folder / "README.md").read_text()
+    assert "builtin:digits" in card and "| training steps | 20 |" in card and "| images seen | 320 |" in card
+    assert "DDPMPipeline.from_pretrained" in card
+
+
+def test_sample_cli_on_the_exported_folder_matches_diffusers_ddim(exported, tmp_path):
+    _, folder = exported
+    proc = run_cli("raydiff.sample", "--checkpoint", str(folder), "--sampler", "ddim", "--steps", str(T),
+                   "--num", "4", "--seed", "3", "--out", str(tmp_path / "samples"), env=ONE_THREAD)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 20, EMA weights" in proc.stdout
+
+    pipeline = DDPMPipeline.from_pretrained(folder, low_cpu_mem_usage=False)
+    ddim = DDIMScheduler.from_config(pipeline.scheduler.config)
+    ddim.set_timesteps(T)
+    x = torch.randn((4, 1, 8, 8), generator=torch.Generator().manual_seed(3))  # raydiff's first draw
+    with torch.no_grad():
+        for t in ddim.timesteps:
+            x = ddim.step(pipeline.unet(x, t).sample, t, x, use_clipped_model_output=True).prev_sample
+    # PNGs hold 8 bits: values within 1e-4 of each other round to the same level or, rarely, a neighbour.
+    theirs = ((x.clamp(-1, 1) + 1) / 2 * 255 + 0.5).clamp(0, 255).floor().numpy()[:, 0]
+    ours = np.stack([np.asarray(Image.open(tmp_path / "samples" / f"sample_{i:05d}.png").convert("L"))
+                     for i in range(4)])
+    assert np.abs(ours.astype(float) - theirs).max() <= 1 and (ours == theirs).mean() > 0.99
+
+
+def test_export_refuses_a_non_empty_folder_and_changes_nothing(exported, tmp_path):
+    checkpoint, _ = exported
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = run_cli("raydiff.export", "--checkpoint", str(checkpoint), "--out", str(out))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "exists and is not an empty folder" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
+
+
+def test_no_ema_exports_the_online_weights(exported, tmp_path, capsys):
+    checkpoint, _ = exported
+    assert cli.run(export.main, ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "online"), "--no-ema"]) == 0
+    assert "online weights" in capsys.readouterr().out
+    state = diffusers_io.state_from_folder(tmp_path / "online")
+    assert state["weights"] == "online" and state["step"] == 20
+    assert all(torch.equal(state["model"][k], v) for k, v in read_state(checkpoint)["model"].items())
+
+
+def test_train_refuses_a_mismatched_init_from_before_writing_anything(exported, tmp_path, capsys):
+    _, folder = exported  # an 8x8 model, T = 50; the default preset is 16x16
+    # In this process (the check comes before Ray starts): what `python -m raydiff.train` runs.
+    code = cli.run(train.main, ["--set", f"model.init_from={folder}", "--set", f"run.storage={tmp_path}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (f"raydiff: config error: model.init_from = '{folder}': "
+                                               f"data.resolution = 16 here, but the UNet there has sample_size = 8")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.ray
+def test_a_new_run_starts_from_init_from(exported, tmp_path):
+    checkpoint, folder = exported
+    # lr 1e-12: two steps move no weight measurably, so the run's final weights show where it started.
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"model.init_from={folder}",
+                   "--set", f"diffusion.timesteps={T}", "--set", "train.total_steps=2", "--set", "train.lr=1e-12",
+                   "--set", "scaling.num_workers=1", "--set", "train.sample_num=1", "--set", "train.sample_steps=1",
+                   "--set", f"run.storage={tmp_path}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_dir = tmp_path / "smoke"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["init_from"] == str(folder)
+    trained = read_state(list_checkpoints(run_dir)[-1])["model"]
+    exported_ema = read_state(checkpoint)["ema"]
+    assert all(torch.allclose(trained[k], v, atol=1e-8) for k, v in exported_ema.items())
