@@ -51,6 +51,8 @@ class ModelSection:
     dropout: float = 0.0
     norm_groups: int = 16
     norm_eps: float = 1e-6  # GroupNorm epsilon (Ho et al.'s reference: 1e-6; torch's default is 1e-5)
+    # A new run starts from these weights: a diffusers pipeline or UNet2DModel folder, or a hub id (needs diffusers)
+    init_from: str | None = None
 
 
 @dataclass
@@ -73,6 +75,8 @@ class TrainSection:
     total_steps: int = 1400
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    compile: Literal["auto"] | bool | str = "auto"  # torch.compile: auto (on GPUs), true, false, or a backend name
+    channels_last: Literal["auto"] | bool = "auto"  # NHWC activations; auto = off (see README "Performance")
     weight_decay: float = 0.0
     ema_decay: float = 0.995
     ema_warmup_steps: int = 100  # the EMA window grows linearly from 1 step to 1/(1-ema_decay) steps
@@ -88,7 +92,7 @@ class TrainSection:
 
 @dataclass
 class ScalingSection:
-    num_workers: int | tuple[int, ...] = 2  # an int, or [min, max] for elastic training
+    num_workers: Literal["auto"] | int | tuple[int, ...] = 2  # an int, [min, max] (elastic), or auto (every GPU)
     use_gpu: Literal["auto"] | bool = "auto"
     cpus_per_worker: float | None = None  # null = share the node's CPUs among the workers
     resize_check_s: float = 60.0  # elastic: how often Ray Train looks for room to grow
@@ -98,8 +102,13 @@ class ScalingSection:
         return isinstance(self.num_workers, tuple)
 
     @property
+    def auto(self) -> bool:
+        return self.num_workers == "auto"
+
+    @property
     def max_workers(self) -> int:
-        return max(self.num_workers) if self.elastic else self.num_workers
+        """The most workers the run may have (auto counts as 1 until the driver resolves it)."""
+        return 1 if self.auto else max(self.num_workers) if self.elastic else self.num_workers
 
 
 @dataclass
@@ -311,10 +320,22 @@ def _resolve_paths(cfg: Config) -> None:
         cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
     if "://" not in cfg.run.storage:
         cfg.run.storage = str(Path(cfg.run.storage).expanduser().resolve())
+    if cfg.model.init_from and Path(cfg.model.init_from).expanduser().exists():  # else a hub id, kept as it is
+        cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().resolve())
 
 
 # Validation.
 BUILTIN_SOURCES = ("builtin:digits",)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face repository id, e.g. google/ddpm-cifar10-32
+
+
+def _is_diffusers_unet(location: str) -> bool:
+    """A local diffusers pipeline folder (unet/config.json) or UNet2DModel folder (config.json), or, when no such
+    path exists here, something shaped like a hub id. Cheap: the driver reads and checks it before training."""
+    path = Path(location).expanduser()
+    if path.exists():
+        return (path / "unet" / "config.json").is_file() or (path / "config.json").is_file()
+    return HUB_ID.fullmatch(location) is not None
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -361,6 +382,9 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
         _check(res in resolutions, "model.attention_resolutions", list(m.attention_resolutions),
                f"each must be one of the model's resolutions {resolutions}")
     _check(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
+    _check(m.init_from is None or _is_diffusers_unet(m.init_from), "model.init_from", m.init_from,
+           "must be a diffusers pipeline folder (with unet/config.json), a UNet2DModel folder (with config.json) "
+           "or a Hugging Face hub id such as google/ddpm-cifar10-32")
 
     # Diffusion.
     _check(2 <= f.timesteps <= 100_000, "diffusion.timesteps", f.timesteps, "must be between 2 and 100000")
@@ -391,9 +415,16 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
+    if isinstance(t.compile, str) and t.compile != "auto":
+        from torch._dynamo import list_backends  # only for a backend name: a slow import
+
+        _check(t.compile in list_backends(), "train.compile", t.compile,
+               f"auto, true, false, or a torch.compile backend: {', '.join(list_backends())}")
 
     # Scaling and the batch arithmetic: global = micro x workers x accumulation, exactly.
-    if s.elastic:
+    if s.auto:
+        pass  # the driver resolves it once it sees the cluster, then checks the batch (`check_workers`)
+    elif s.elastic:
         _check(len(s.num_workers) == 2 and 1 <= s.num_workers[0] <= s.num_workers[1], "scaling.num_workers",
                list(s.num_workers), "must be an integer >= 1, or [min, max] with 1 <= min <= max")
     else:
@@ -401,19 +432,8 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(s.cpus_per_worker is None or s.cpus_per_worker > 0, "scaling.cpus_per_worker", s.cpus_per_worker,
            "must be > 0 or null")
     _check(s.resize_check_s > 0, "scaling.resize_check_s", s.resize_check_s, "must be > 0 seconds")
-    _check(t.global_batch >= s.max_workers, "train.global_batch", t.global_batch,
-           f"must be at least the number of workers ({s.max_workers}): every worker needs a sample per step")
-    if not s.elastic:
-        # A fixed world size must reach the global batch exactly as micro_batch x workers x accumulation.
-        # (Elastic runs split each global batch as evenly as the current world size allows instead.)
-        w = s.num_workers
-        _check(t.global_batch % w == 0, "train.global_batch", t.global_batch,
-               f"not reachable with scaling.num_workers = {w}: must be a multiple of the number of workers")
-        per_worker = t.global_batch // w
-        _check(not isinstance(t.micro_batch, int) or per_worker % t.micro_batch == 0, "train.micro_batch",
-               t.micro_batch,
-               f"train.global_batch = {t.global_batch} is not reachable as micro_batch x {w} workers x "
-               f"accumulation: {per_worker} images per worker must be a multiple of micro_batch")
+    if not s.auto:
+        check_workers(cfg)
 
     # Run.
     _check(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", r.name) is not None, "run.name", r.name,
@@ -436,3 +456,22 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(cfg.debug.preemption_from_step >= 0, "debug.preemption_from_step", cfg.debug.preemption_from_step,
            "must be >= 0 (0 = never)")
     _check(0 <= cfg.debug.step_delay_s <= 60, "debug.step_delay_s", cfg.debug.step_delay_s, "must be in [0, 60]")
+
+
+def check_workers(cfg: Config) -> None:
+    """The global batch against a known number of workers (validate() calls it; the driver again once it has
+    resolved `scaling.num_workers: auto`)."""
+    s, t = cfg.scaling, cfg.train
+    _check(t.global_batch >= s.max_workers, "train.global_batch", t.global_batch,
+           f"must be at least the number of workers ({s.max_workers}): every worker needs a sample per step")
+    if not s.elastic:
+        # A fixed world size must reach the global batch exactly as micro_batch x workers x accumulation.
+        # (Elastic runs split each global batch as evenly as the current world size allows instead.)
+        w = s.num_workers
+        _check(t.global_batch % w == 0, "train.global_batch", t.global_batch,
+               f"not reachable with scaling.num_workers = {w}: must be a multiple of the number of workers")
+        per_worker = t.global_batch // w
+        _check(not isinstance(t.micro_batch, int) or per_worker % t.micro_batch == 0, "train.micro_batch",
+               t.micro_batch,
+               f"train.global_batch = {t.global_batch} is not reachable as micro_batch x {w} workers x "
+               f"accumulation: {per_worker} images per worker must be a multiple of micro_batch")

@@ -70,7 +70,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     micro_batch = t.micro_batch if isinstance(t.micro_batch, int) else t.global_batch
     stream = BatchStream(table=table, order=SampleOrder(train_indices, t.seed), global_batch=t.global_batch,
                          share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
-                         pin_memory=device.type == "cuda")
+                         pin_memory=device.type == "cuda", noise=(t.seed, cfg.diffusion.timesteps))
 
     torch.manual_seed(t.seed)
     model = build_model(cfg).to(device)

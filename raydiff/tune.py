@@ -118,6 +118,8 @@ def concurrent_trials(cfg: Config, cpus: float, gpus: float) -> int:
 def trial_config(base: dict[str, Any], params: dict[str, Any], sweep: Sweep, runs_dir: str) -> Config:
     """The full config of one trial: the base config with this trial's batch, base LR, rule and budget."""
     cfg = Config.from_dict(base)
+    if cfg.scaling.auto:  # a sweep runs trials side by side: one worker each, not every GPU each
+        cfg.scaling.num_workers = 1
     t, batch = cfg.train, params["batch"]
     # Trials are compared at equal images seen: keep the LR warmup, the EMA warmup and the EMA half-life what they
     # are in images for the base config (EDM's half-life rule), not in steps, which would favour small batches.

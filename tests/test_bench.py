@@ -36,3 +36,22 @@ def test_ingest_bench_measures_raydiff_against_the_dataloader(tmp_path):
         assert result[f"{name}_img_s"] > 0 and result[f"{name}_first_epoch_s"] > 0
     assert result["raw_ratio"] == round(result["raw_img_s"] / result["dataloader_img_s"], 2)
     assert result["cached_ratio"] == round(result["cached_img_s"] / result["dataloader_img_s"], 2)
+
+
+@pytest.mark.ray
+def test_throughput_bench_compares_raydiff_with_the_plain_loop():
+    proc = run_cli("raydiff.bench", "throughput", "--config", "smoke", "--steps", "3", "--peak-tflops", "1.0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "throughput" and result["device"] == "cpu" and result["precision"] == "fp32"
+    assert result["plain_img_s"] > 0 and result["raydiff_img_s"] > 0 and result["warmup_s"] > 0
+    assert result["ratio"] == pytest.approx(result["raydiff_img_s"] / result["plain_img_s"], rel=1e-2)
+    # The smoke UNet at 8x8: a few MFLOPs per image; MFU against the given peak.
+    assert 1e6 < result["flops_per_image"] < 1e9
+    assert result["mfu"] == pytest.approx(result["tflops"] / 1.0, abs=1e-3)
+    assert result["options"]["fused_adamw"] and result["options"]["compile"] is False
+
+
+def test_throughput_bench_rejects_bad_arguments():
+    proc = run_cli("raydiff.bench", "throughput", "--steps", "1")
+    assert proc.returncode == 2 and "--steps 1" in proc.stderr

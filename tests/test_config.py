@@ -88,6 +88,8 @@ def test_round_trip_through_plain_dict():
     ("model.norm_groups=24", "must divide every channel count"),
     ("model.norm_eps=0", "model.norm_eps = 0.0: must be > 0"),
     ("model.dropout=1.0", "must be in [0, 1)"),
+    ("train.compile=turbo", "train.compile = 'turbo': auto, true, false, or a torch.compile backend: "),
+    ("train.channels_last=maybe", "train.channels_last"),
     ("train.ema_decay=1", "must be in [0, 1)"),
     ("run.name=a/b", "use letters, digits"),
     ("train.lr", "expected key=value"),

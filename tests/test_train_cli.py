@@ -83,9 +83,11 @@ def test_sample_cli_grid_folder_and_determinism(smoke_run, tmp_path):
 def test_one_worker_computes_the_same_run(smoke_run, tmp_path):
     """Global batch, loss scaling and per-sample noise do not depend on the world size."""
     run_dir, _ = smoke_run
-    proc = run_cli("raydiff.train", "--config", "smoke", "--set", "scaling.num_workers=1",
+    # scaling.num_workers=auto: one worker per GPU, on a cluster without GPUs one worker with every CPU.
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", "scaling.num_workers=auto",
                    "--set", "train.micro_batch=4", "--set", f"run.storage={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on 1 (scaling.num_workers=auto) CPU worker(s)" in proc.stdout
     two = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     one = [json.loads(line) for line in (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()]
     assert [r["world_size"] for r in one] == [1] * 4

@@ -3,6 +3,7 @@
     python -m raydiff.bench checkpoint [--config cifar10] [--set key=value ...] [--repeat 3]
     python -m raydiff.bench recovery [--config smoke] [--set key=value ...]
     python -m raydiff.bench ingest [--source PATH] [--resolution 32] [--batch 128] [--epochs 5] [--synthetic 4000]
+    python -m raydiff.bench throughput [--config cifar10] [--set key=value ...] [--steps 50] [--peak-tflops F]
 
 `checkpoint`: how long writing and reading the full training state (model, EMA, AdamW state, scaler,
 counters) takes and how large it is, for a preset's model; baseline: the bare weights, as `torch.save` of
@@ -15,6 +16,10 @@ of the same run (launch to first training step).
 `ingest`: img/s that raydiff's training ingest delivers from raw files and from prepared Parquet, against the
 textbook torch DataLoader on the same files (see `raydiff.bench.ingest`); without --source it writes
 --synthetic 64x64 JPEGs first.
+
+`throughput`: img/s of raydiff's training (one Ray Train worker, its defaults for the device) against the
+textbook eager PyTorch loop on the same device, with FLOPs per image, TFLOP/s and MFU (see
+`raydiff.bench.throughput`).
 """
 
 from __future__ import annotations
@@ -134,7 +139,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ckpt.add_argument("--repeat", type=int, default=3)
     rec = sub.add_parser("recovery", help="time from a killed worker to training again")
     rec.add_argument("--config", default="smoke")
-    for p in (ckpt, rec):
+    speed = sub.add_parser("throughput", help="img/s of raydiff's training vs the textbook eager loop, MFU")
+    speed.add_argument("--config", default="cifar10")
+    speed.add_argument("--steps", type=int, default=50, help="warm-up steps, then as many measured (default 50)")
+    speed.add_argument("--peak-tflops", type=float, default=None,
+                       help="the device's peak dense bf16 TFLOP/s, for MFU (known GPUs are looked up)")
+    for p in (ckpt, rec, speed):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ingest = sub.add_parser("ingest", help="img/s of raydiff's ingest (raw, prepared) vs the torch DataLoader")
     ingest.add_argument("--source", default=None, help="folder of images (default: synthetic JPEGs)")
@@ -145,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         parser.error(f"--repeat {args.repeat}: must be >= 1")
+    if args.bench == "throughput" and (args.steps < 2 or (args.peak_tflops is not None and args.peak_tflops <= 0)):
+        parser.error(f"--steps {args.steps} / --peak-tflops {args.peak_tflops}: need steps >= 2 and a positive peak")
     if args.bench == "ingest":
         for name in ("resolution", "batch", "synthetic"):
             if getattr(args, name) < 1:
@@ -163,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
 
         result = bench_ingest(args.source, resolution=args.resolution, batch=args.batch, epochs=args.epochs,
                               synthetic=args.synthetic)
+    elif args.bench == "throughput":
+        from raydiff.bench.throughput import bench_throughput
+
+        result = bench_throughput(args.config, args.set, steps=args.steps, peak=args.peak_tflops)
     else:
         result = bench_recovery(args.config, ["train.total_steps=200", "train.checkpoint_every=20",
                                               "train.sample_every=0", *args.set])

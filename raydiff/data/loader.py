@@ -47,6 +47,8 @@ class MicroBatch:
     flips: torch.Tensor  # bool (n,)
     position: int  # stream position of the first sample
     indices: np.ndarray  # dataset indices of the samples (for the order audit)
+    timesteps: torch.Tensor | None = None  # diffusion timesteps and noise, on the host, once drawn
+    noise: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.images)
@@ -60,9 +62,12 @@ class MicroBatch:
         return x
 
     def diffusion_inputs(self, seed: int, timesteps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This micro-batch's diffusion timesteps and noise (see `position_noise`)."""
-        return position_noise(seed, self.position, len(self), timesteps=timesteps, shape=tuple(self.images.shape[1:]),
-                              device=device)
+        """This micro-batch's diffusion timesteps and noise on `device` (see `position_noise`): drawn ahead by
+        the loader thread when it knew the seed, else now."""
+        if self.noise is None:
+            self.timesteps, self.noise = position_noise(seed, self.position, len(self), timesteps=timesteps,
+                                                        shape=tuple(self.images.shape[1:]))
+        return self.timesteps.to(device, non_blocking=True), self.noise.to(device, non_blocking=True)
 
 
 class BatchStream:
@@ -76,13 +81,14 @@ class BatchStream:
     :param start_step: the first optimizer step to produce (resume point).
     :param pin_memory: pin host buffers for asynchronous copies to a GPU.
     :param prefetch_steps: how many steps the background thread may run ahead.
+    :param noise: (seed, T): also draw each micro-batch's diffusion timesteps and noise ahead, in the thread.
     """
 
     def __init__(
         self, *, table: ImageTable, order: SampleOrder, global_batch: int, share: Share, micro_batch: int,
-        start_step: int, pin_memory: bool, prefetch_steps: int = 4,
+        start_step: int, pin_memory: bool, prefetch_steps: int = 4, noise: tuple[int, int] | None = None,
     ) -> None:
-        self._table, self._order = table, order
+        self._table, self._order, self._noise = table, order, noise
         self._global_batch, self._pin = global_batch, pin_memory
         self._layout = micro_batches(share, micro_batch)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch_steps)
@@ -97,7 +103,12 @@ class BatchStream:
             indices, flips = self._order.take(position, size)
             images = torch.empty((size, *self._table.shape), dtype=torch.uint8, pin_memory=self._pin)
             self._table.gather(indices, images.numpy())
-            batches.append(MicroBatch(images=images, flips=torch.from_numpy(flips), position=position, indices=indices))
+            batch = MicroBatch(images=images, flips=torch.from_numpy(flips), position=position, indices=indices)
+            if self._noise is not None:
+                seed, timesteps = self._noise
+                t, noise = position_noise(seed, position, size, timesteps=timesteps, shape=tuple(self._table.shape))
+                batch.timesteps, batch.noise = (t.pin_memory(), noise.pin_memory()) if self._pin else (t, noise)
+            batches.append(batch)
         return batches
 
     def _produce(self, step: int) -> None:

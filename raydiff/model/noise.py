@@ -1,12 +1,14 @@
 """Per-sample diffusion inputs (timestep and Gaussian noise) as pure functions of (seed, stream position).
 
-Training draws them on the training device from a generator keyed by (seed, position // NOISE_BLOCK): one
-vectorized draw per block of positions. A sample therefore gets the same noise whatever the world size,
-micro-batch size or restart history (on the same kind of device). The small, fixed validation set uses a
+Training draws them on the CPU from a generator keyed by (seed, position // NOISE_BLOCK): one vectorized draw
+per block of positions, done by the loader thread ahead of the step. A sample therefore gets the same noise
+whatever the world size, micro-batch size, restart history or device. The small, fixed validation set uses a
 numpy Philox stream per position instead, identical on every device.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -16,23 +18,26 @@ from raydiff.data.order import derive_seed
 NOISE_BLOCK = 16  # positions per noise draw: vectorized, with little waste at uneven share boundaries
 _NOISE_TAG = 0x6E6F697365  # keeps the noise streams apart from the dropout seeds (seed, position)
 
-_generators: dict[str, torch.Generator] = {}
+_local = threading.local()  # one CPU generator per thread: the loader thread draws ahead of the training thread
 
 
 def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: tuple[int, ...],
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Timesteps (count,) and Gaussian noise (count, *shape) of stream positions [start, start + count), on
-    `device`: a pure function of (seed, position) for a given device type."""
-    generator = _generators.setdefault(str(device), torch.Generator(device=device))
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Timesteps (count,) and Gaussian noise (count, *shape) of stream positions [start, start + count): a pure
+    function of (seed, position), drawn on the CPU (so the same on every device) and moved to `device`. The
+    loader thread draws them ahead of time (`BatchStream`), off the training step's path."""
+    if not hasattr(_local, "generator"):
+        _local.generator = torch.Generator()
+    generator = _local.generator
     t_parts, noise_parts = [], []
     for block in range(start // NOISE_BLOCK, (start + count - 1) // NOISE_BLOCK + 1):
         generator.manual_seed(derive_seed(seed, _NOISE_TAG, block))
-        block_t = torch.randint(timesteps, (NOISE_BLOCK,), generator=generator, device=device)
-        block_noise = torch.randn((NOISE_BLOCK, *shape), generator=generator, device=device)
+        block_t = torch.randint(timesteps, (NOISE_BLOCK,), generator=generator)
+        block_noise = torch.randn((NOISE_BLOCK, *shape), generator=generator)
         low, high = max(start, block * NOISE_BLOCK), min(start + count, (block + 1) * NOISE_BLOCK)
         t_parts.append(block_t[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
         noise_parts.append(block_noise[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
-    return torch.cat(t_parts), torch.cat(noise_parts)
+    return torch.cat(t_parts).to(device), torch.cat(noise_parts).to(device)
 
 
 def sample_noise(seed: int, positions: np.ndarray, timesteps: int, shape: tuple[int, ...],

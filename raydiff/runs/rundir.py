@@ -34,10 +34,10 @@ class RunDir:
         return RunDir._open, (self.uri, self.endpoint)
 
     @staticmethod
-    def _open(uri: str, endpoint: str | None) -> "RunDir":
+    def _open(uri: str, endpoint: str | None) -> RunDir:
         return RunDir(uri, endpoint=endpoint)
 
-    def __truediv__(self, name: str) -> "RunDir":
+    def __truediv__(self, name: str) -> RunDir:
         return RunDir(f"{self.uri}/{name}", endpoint=self.endpoint)
 
     def __str__(self) -> str:
@@ -57,7 +57,7 @@ class RunDir:
         return PurePosixPath(self.path).name
 
     @property
-    def parent(self) -> "RunDir":
+    def parent(self) -> RunDir:
         return RunDir(self.uri.rsplit("/", 1)[0], endpoint=self.endpoint)
 
     @property
@@ -88,7 +88,7 @@ class RunDir:
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
 
-    def subdirs(self, pattern_prefix: str = "") -> list["RunDir"]:
+    def subdirs(self, pattern_prefix: str = "") -> list[RunDir]:
         """Immediate sub-folders whose names start with `pattern_prefix`."""
         if not self.exists():
             return []
@@ -122,7 +122,7 @@ class RunDir:
         with path.open("a") as f:
             f.write(text)
 
-    def move_to(self, target: "RunDir") -> None:
+    def move_to(self, target: RunDir) -> None:
         """Move the whole folder (a rename locally; copy and delete on an object store)."""
         if not self.remote:
             os.replace(self.path, target.path)

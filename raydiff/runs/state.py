@@ -127,7 +127,7 @@ def restore_newest(candidates: list[RunDir], model, ema, optimizer, scaler) -> R
         try:
             progress, notes = restore(read_with_retries(path), model, ema, optimizer, scaler)
             return Restored(progress, path, notes)
-        except Exception as exc:  # a truncated file, a missing key, a shape mismatch: try the previous one
+        except Exception as exc:  # noqa: BLE001 - a truncated file, a missing key, a misfit: try the previous one
             reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             failures.append(f"{path.name} ({reason})")
             logger.warning(f"[raydiff] WARNING: checkpoint {path} is unreadable ({reason}); falling back to the "

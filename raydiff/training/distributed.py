@@ -41,7 +41,8 @@ def summed(values: list[float], device: torch.device) -> list[float]:
     return box.tolist()
 
 
-def interrupt_requested(stop_flag, is_chief: bool, device: torch.device, simulated_preemption: bool = False) -> str | None:
+def interrupt_requested(stop_flag, is_chief: bool, device: torch.device,
+                        simulated_preemption: bool = False) -> str | None:
     """Whether to checkpoint now, decided alike on every worker: "stop" when the driver was asked to stop (rank 0
     asks it), "preemption" when any worker's node is about to be reclaimed, else None."""
     preempted = ray.train.get_preemption_info() is not None  # a collective itself: every rank must call it

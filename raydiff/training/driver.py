@@ -16,9 +16,10 @@ import ray.train
 import yaml
 from ray.train.torch import TorchTrainer
 
-from raydiff.config import Config, ConfigError
+from raydiff.config import Config, ConfigError, check_workers
 from raydiff.data.ingest import ImageStore, load_data
 from raydiff.data.sources import DataError, source_of
+from raydiff.model.diffusers_io import load_init_weights
 from raydiff.runs.resume import DATA_FILE, plan_run
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
@@ -92,6 +93,20 @@ def check_shared_storage(storage: str, probe=None) -> None:
                           f"an NFS path mounted at the same place on every node")
 
 
+def auto_workers(cfg: Config, gpus: float) -> Config:
+    """`scaling.num_workers: auto` made concrete: one worker per GPU of the cluster (`gpus`), or one worker
+    with every CPU where the run does not use GPUs. A global batch the workers cannot split evenly is split as
+    evenly as possible (as elastic runs do). Other configs are returned as they are."""
+    if not cfg.scaling.auto:
+        return cfg
+    use_gpu = gpus > 0 if cfg.scaling.use_gpu == "auto" else cfg.scaling.use_gpu
+    workers = max(1, min(int(gpus), cfg.train.global_batch)) if use_gpu else 1
+    resolved = Config.from_dict(cfg.to_dict())
+    resolved.scaling.num_workers = workers if cfg.train.global_batch % workers == 0 else (workers, workers)
+    check_workers(resolved)
+    return resolved
+
+
 def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, int]:
     """Workers, devices and CPUs per worker; returns Ray's ScalingConfig and torch threads per worker.
 
@@ -128,6 +143,8 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     """
     started = time.perf_counter()
     run_dir = run_dir_of(cfg)
+    # model.init_from is read and checked against the run's model before anything is written or started.
+    init_weights = load_init_weights(cfg) if cfg.model.init_from else None
 
     # Decide what this command means for the run directory before starting anything.
     source = source_of(cfg.data)
@@ -142,6 +159,11 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     # Decode the data once with Ray Data.
     init_ray()
     check_shared_storage(cfg.run.storage)
+    resolved = auto_workers(cfg, ray.cluster_resources().get("GPU", 0))  # the config the workers get
+    if init_weights is not None:  # a new run starts from them; a continuing run restores its checkpoint instead
+        init_weights = ray.put(init_weights) if plan.action == "start" else None
+        print(f"[raydiff] model.init_from: {'starting from' if init_weights is not None else 'continuing: not using'} "
+              f"{cfg.model.init_from}")
     decode_start = time.perf_counter()
     decoded = "decoded earlier"
     if images is None:
@@ -151,8 +173,10 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
         raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of usable images in "
                         f"data.source ({images.num_good})")
     skipped = f", {len(images.bad)} skipped as unusable (see summary.json)" if images.bad else ""
-    scaling, torch_threads = plan_scaling(cfg, cpus)
-    workers = "-".join(map(str, cfg.scaling.num_workers)) if cfg.scaling.elastic else cfg.scaling.num_workers
+    scaling, torch_threads = plan_scaling(resolved, cpus)
+    s = resolved.scaling
+    workers = "-".join(map(str, s.num_workers)) if s.elastic and not cfg.scaling.auto else s.max_workers
+    workers = f"{workers} (scaling.num_workers=auto)" if cfg.scaling.auto else workers
     print(f"[raydiff] {images.num_good} images from {source.describe()} at {cfg.data.resolution}px ({decoded}"
           f"{skipped}); "
           f"{'continuing at step ' + str(plan.step) if plan.step else 'training'}"
@@ -169,8 +193,9 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"config": cfg.to_dict(), "images": images, "run_dir": run_dir,
-                           "torch_threads": torch_threads, "invocation": invocation, "stop_flag": stop_flag},
+        train_loop_config={"config": resolved.to_dict(), "images": images, "run_dir": run_dir,
+                           "torch_threads": torch_threads, "invocation": invocation, "stop_flag": stop_flag,
+                           "init_weights": init_weights},
         scaling_config=scaling,
         run_config=ray.train.RunConfig(
             name=cfg.run.name,

@@ -43,7 +43,15 @@ from raydiff.runs.state import (
 from raydiff.training.distributed import from_rank_zero, interrupt_requested, smallest
 from raydiff.training.lr import describe_lr, lr_at
 from raydiff.training.microbatch import measure_micro_batch
-from raydiff.training.step import StepInputs, StepResult, make_optimizer, optimizer_step, resolve_precision
+from raydiff.training.step import (
+    StepInputs,
+    StepResult,
+    compiled,
+    make_optimizer,
+    optimizer_step,
+    resolve_precision,
+    speed_options,
+)
 from raydiff.training.validation import Validation, holdout_split
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
@@ -72,6 +80,7 @@ class Worker:
     model: torch.nn.Module  # the bare model (the EMA follows it; checkpoints hold it)
     ema: torch.nn.Module
     ema_update: EmaUpdater
+    speed: dict[str, Any]  # what train.compile and train.channels_last mean here (`speed_options`)
     step_inputs: StepInputs
     table: ImageTable
     order: SampleOrder
@@ -93,7 +102,8 @@ class Worker:
         t = self.cfg.train
         return BatchStream(table=self.table, order=self.order, global_batch=t.global_batch,
                            share=rank_share(t.global_batch, self.world_size, self.rank), micro_batch=self.micro_batch,
-                           start_step=progress.stream_step, pin_memory=self.device.type == "cuda")
+                           start_step=progress.stream_step, pin_memory=self.device.type == "cuda",
+                           noise=(t.seed, self.cfg.diffusion.timesteps))
 
     def event(self, event: str, **fields: Any) -> None:
         if self.events is not None:
@@ -121,7 +131,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         share = rank_share(t.global_batch, w.world_size, 0)
         logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
                     f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
-                    f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}")
+                    f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; compile "
+                    f"{w.speed['compile']}, channels_last {w.speed['channels_last']}")
     order_log = _order_log(w.run_dir, w.rank) if cfg.debug.record_order else None
     fault = _fault_injection(cfg, w.is_chief)
     nonfinite = NonFiniteSteps(w.device, progress.counters["skipped_steps"])
@@ -180,6 +191,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 metrics = window.close(step=step, global_batch=t.global_batch, lr=lr, ema_decay=ema_decay,
                                        world_size=w.world_size, skipped_steps=progress.counters["skipped_steps"])
                 metrics["time_s"] = round(time.perf_counter() - run_start, 3)
+                if w.device.type == "cuda":
+                    metrics["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(w.device) / 1e9, 3)
                 if validated:
                     metrics["val_loss"] = val_loss
                 last_row = metrics
@@ -232,8 +245,14 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
+    speed = speed_options(t.compile, t.channels_last, device)
+    torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: autotune the convolutions once
     torch.manual_seed(t.seed)  # identical initial weights on every worker
     model = build_model(cfg).to(device)
+    if loop_config.get("init_weights") is not None:  # model.init_from: the driver sends it to new runs only
+        model.load_state_dict(ray.get(loop_config["init_weights"]))
+    if speed["channels_last"]:
+        model = model.to(memory_format=torch.channels_last)
     ema = make_ema(model)
     optimizer = make_optimizer(model, lr=t.lr, weight_decay=t.weight_decay)
     autocast_dtype = resolve_precision(t.precision, device)
@@ -258,10 +277,10 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
     step_inputs = StepInputs(model=model, optimizer=optimizer, scaler=scaler, diffusion=diffusion, device=device,
                              autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip,
                              global_batch=t.global_batch, world_size=world_size, grad_clip=t.grad_clip,
-                             dropout=cfg.model.dropout > 0)
+                             dropout=cfg.model.dropout > 0, channels_last=speed["channels_last"])
     return Worker(
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
-        ema_update=EmaUpdater(ema, model),
+        ema_update=EmaUpdater(ema, model), speed=speed,
         step_inputs=step_inputs, table=table, order=SampleOrder(train_indices, t.seed), validation=validation,
         micro_batch=micro_batch,
         metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S) if is_chief else None,
@@ -295,7 +314,9 @@ def _resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
             for note in notes:
                 logger.warning(f"[raydiff] note: {note}")
     apply_config(w.step_inputs.optimizer, weight_decay=w.cfg.train.weight_decay)
-    w.step_inputs.model = ray.train.torch.prepare_model(w.model)
+    # DDP's gradient buckets double as the .grad tensors: no copy between them after each all-reduce.
+    model = ray.train.torch.prepare_model(w.model, parallel_strategy_kwargs={"gradient_as_bucket_view": True})
+    w.step_inputs.model = compiled(model, w.speed["compile"], fallback=w.speed["compile_fallback"])
     return progress
 
 

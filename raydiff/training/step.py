@@ -35,6 +35,26 @@ def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
+def speed_options(compile_option: bool | str, channels_last: bool | str, device: torch.device) -> dict[str, object]:
+    """What `train.compile` and `train.channels_last` mean on this device: {"compile": False | True | backend,
+    "channels_last": bool}. auto compiles on GPUs (falling back to eager if compilation fails there) and keeps
+    NCHW (GroupNorm, most of this UNet's memory traffic, is not faster in NHWC everywhere)."""
+    chosen = device.type == "cuda" if compile_option == "auto" else compile_option
+    return {"compile": chosen, "compile_fallback": compile_option == "auto",
+            "channels_last": False if channels_last == "auto" else bool(channels_last)}
+
+
+def compiled(model: nn.Module, option: bool | str, *, fallback: bool) -> nn.Module:
+    """`model` under torch.compile (option True = the default backend, a string = that backend), or as it is."""
+    if option is False:
+        return model
+    if fallback:
+        from torch import _dynamo
+
+        _dynamo.config.suppress_errors = True  # auto: an unsupported setup trains in eager mode instead
+    return torch.compile(model) if option is True else torch.compile(model, backend=option)
+
+
 @dataclass
 class StepInputs:
     """What does not change from step to step."""

@@ -23,9 +23,9 @@ def test_stream_yields_the_order_for_each_step_and_resumes_exactly():
     images, table = make_table()
     order = SampleOrder(len(images), seed=5)
 
-    def stream(start_step, rank, world):
+    def stream(start_step, rank, world, noise=None):
         return BatchStream(table=table, order=order, global_batch=8, share=rank_share(8, world, rank),
-                           micro_batch=3, start_step=start_step, pin_memory=False)
+                           micro_batch=3, start_step=start_step, pin_memory=False, noise=noise)
 
     s = stream(0, 0, 1)
     steps = [next(s) for _ in range(4)]
@@ -34,11 +34,12 @@ def test_stream_yields_the_order_for_each_step_and_resumes_exactly():
         assert [len(b.images) for b in batches] == [3, 3, 2]
         expected, _ = order.take(step * 8, 8)
         assert np.array_equal(torch.cat([b.images for b in batches]).numpy(), images[expected])
-    resumed = stream(2, 1, 2)  # restart at step 2 as rank 1 of 2: second half of that step's batch
+    resumed = stream(2, 1, 2, noise=(5, 100))  # restart at step 2 as rank 1 of 2: second half of that step's batch
     batches = next(resumed)
     resumed.close()
     assert np.array_equal(torch.cat([b.images for b in batches]).numpy(), images[order.take(2 * 8 + 4, 4)[0]])
-    # The same sample gets the same timestep and noise whatever the layout.
+    # The same sample gets the same timestep and noise whatever the layout, drawn ahead by the loader or not.
+    assert batches[0].noise is not None and steps[2][1].noise is None
     cpu = torch.device("cpu")
     t_resumed, noise_resumed = batches[0].diffusion_inputs(5, 100, cpu)
     t_first, noise_first = steps[2][1].diffusion_inputs(5, 100, cpu)

@@ -23,8 +23,8 @@ import torch
 from conftest import ROOT, run_cli
 from PIL import Image
 
-from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints, read_state
 from raydiff.data.order import SampleOrder
+from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints, read_state
 
 pytestmark = pytest.mark.ray
 

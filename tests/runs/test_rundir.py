@@ -15,8 +15,8 @@ import torch
 from conftest import ROOT, run_cli
 from PIL import Image
 
-from raydiff.runs.checkpoint import list_checkpoints, read_state
 from raydiff.config import ConfigError
+from raydiff.runs.checkpoint import list_checkpoints, read_state
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
 

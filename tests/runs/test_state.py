@@ -7,13 +7,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from raydiff.runs.checkpoint import checkpoint_name, read_state, write_state
 from raydiff.config import Config
 from raydiff.model.ema import make_ema
-from raydiff.runs.rundir import RunDir
-from raydiff.runs.state import Progress, Unresumable, apply_config, checkpoint_candidates, restore, restore_newest, \
-    training_state
 from raydiff.model.unet import build_model
+from raydiff.runs.checkpoint import checkpoint_name, read_state, write_state
+from raydiff.runs.rundir import RunDir
+from raydiff.runs.state import (
+    Progress,
+    Unresumable,
+    apply_config,
+    checkpoint_candidates,
+    restore,
+    restore_newest,
+    training_state,
+)
 
 
 def _objects(seed: int):

@@ -11,7 +11,7 @@ from raydiff.data.loader import MicroBatch
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
-from raydiff.training.step import StepInputs, make_optimizer, optimizer_step
+from raydiff.training.step import StepInputs, compiled, make_optimizer, optimizer_step, speed_options
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
@@ -94,3 +94,24 @@ def test_a_step_is_a_function_of_its_stream_positions():
     optimizer_step(b, _batches(7), lr=0.0)  # lr 0: b's weights unchanged, but its random streams advanced
     ra, rb = (optimizer_step(x, _batches(1), lr=1e-3) for x in (a, b))
     assert torch.equal(ra.loss_sum, rb.loss_sum)
+
+
+def test_a_compiled_model_trains_the_same_step():
+    """train.compile with a CPU backend: the compiled model computes the same losses and update as eager."""
+    eager, _, _ = _setup()
+    compiled_inputs, _, _ = _setup()
+    compiled_inputs.model = compiled(compiled_inputs.model, "aot_eager", fallback=False)
+    for step in range(2):
+        a = optimizer_step(eager, _batches(step), lr=1e-3)
+        b = optimizer_step(compiled_inputs, _batches(step), lr=1e-3)
+        assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-5) and torch.allclose(a.grad_norm, b.grad_norm, rtol=1e-4)
+    bare = compiled_inputs.model._orig_mod
+    for (name, p), q in zip(eager.model.named_parameters(), bare.parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), name
+
+
+def test_speed_options_per_device():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert speed_options("auto", "auto", cpu) == {"compile": False, "compile_fallback": True, "channels_last": False}
+    assert speed_options("auto", True, gpu) == {"compile": True, "compile_fallback": True, "channels_last": True}
+    assert speed_options("aot_eager", False, cpu)["compile"] == "aot_eager"
