@@ -30,6 +30,18 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("RAYDIFF_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread, for tests of small models: on a busy shared machine two threads wait on each other at
+    every op (a 1 s sampling loop then takes a minute)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -23,17 +23,10 @@ from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
 from raydiff.runs.state import Progress, training_state
 
 T = 50  # a short chain, so that sampling every step stays fast
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # small models: see _one_thread
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # small models: see one_torch_thread in conftest.py
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are small, and on a busy shared machine two threads wait on each other at
-    every op (a 1 s sampling loop then takes a minute)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def write_checkpoint(run_dir, cfg, *, step: int = 20):

@@ -23,14 +23,7 @@ GOOGLE_DDPM_CIFAR10 = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are small, and on a busy shared machine two threads wait on each other at
-    every op (a 1 s sampling loop then takes a minute)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def randomised(cfg, seed: int = 0) -> UNet:
