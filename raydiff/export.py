@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # an unsupported URI scheme
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {exc}") from None
 
-    from raydiff.model import diffusers_io
+    from raydiff.model import diffusers_folder, diffusers_io
 
     diffusers_io.require_diffusers("raydiff.export")
     state = read_state(checkpoint)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        diffusers_io.save_pipeline_folder(tmp, state, use_ema=not args.no_ema, checkpoint=str(checkpoint))
+        diffusers_folder.save_pipeline_folder(tmp, state, use_ema=not args.no_ema, checkpoint=str(checkpoint))
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)

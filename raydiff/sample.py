@@ -22,7 +22,7 @@ import torch
 
 from raydiff import cli
 from raydiff.config import Config
-from raydiff.model import diffusers_io
+from raydiff.model import diffusers_folder
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import read_state, resolve_checkpoint
@@ -91,9 +91,9 @@ def generate(state: dict, *, num: int, sampler: str, steps: int | None, eta: flo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "://" not in args.checkpoint and diffusers_io.is_diffusers_folder(args.checkpoint):
+    if "://" not in args.checkpoint and diffusers_folder.is_diffusers_folder(args.checkpoint):
         # An exported pipeline: one set of weights, converted back to raydiff's names.
-        checkpoint, load = args.checkpoint, diffusers_io.state_from_folder
+        checkpoint, load = args.checkpoint, diffusers_folder.state_from_folder
     else:
         try:
             checkpoint, load = resolve_checkpoint(RunDir(args.checkpoint, endpoint=args.endpoint)), read_state

@@ -16,7 +16,7 @@ from PIL import Image
 
 from raydiff import cli, export, train
 from raydiff.config import load_config
-from raydiff.model import diffusers_io
+from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.ema import make_ema
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
@@ -136,7 +136,7 @@ def test_no_ema_exports_the_online_weights(exported, tmp_path, capsys):
     checkpoint, _ = exported
     assert cli.run(export.main, ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "online"), "--no-ema"]) == 0
     assert "online weights" in capsys.readouterr().out
-    state = diffusers_io.state_from_folder(tmp_path / "online")
+    state = diffusers_folder.state_from_folder(tmp_path / "online")
     assert state["weights"] == "online" and state["step"] == 20
     assert all(torch.equal(state["model"][k], v) for k, v in read_state(checkpoint)["model"].items())
 

@@ -19,7 +19,7 @@ from ray.train.torch import TorchTrainer
 from raydiff.config import Config, ConfigError, check_workers
 from raydiff.data.ingest import ImageStore, load_data
 from raydiff.data.sources import DataError, source_of
-from raydiff.model.diffusers_io import load_init_weights
+from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.runs.resume import DATA_FILE, plan_run
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog

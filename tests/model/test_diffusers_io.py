@@ -8,7 +8,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, UNet2DModel
 from torch import nn
 
 from raydiff.config import ConfigError, load_config
-from raydiff.model import diffusers_io
+from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import AttnBlock, ResBlock, UNet, build_model, variance_scaling_
 from raydiff.runs.resume import identity_changes
@@ -48,7 +48,7 @@ def randomised(cfg, seed: int = 0) -> UNet:
 
 
 def exported_unet(model: UNet, cfg) -> UNet2DModel:
-    return diffusers_io.build_pipeline(model.state_dict(), cfg).unet
+    return diffusers_folder.build_pipeline(model.state_dict(), cfg).unet
 
 
 @pytest.mark.parametrize("preset", ["smoke", "default", "cifar10"])
@@ -99,7 +99,7 @@ def test_diffusers_samplers_reproduce_raydiffs():
     cfg = load_config("smoke", ["diffusion.timesteps=50"], check_source=False)
     T, shape = cfg.diffusion.timesteps, (4, 1, 8, 8)
     model, diffusion = randomised(cfg), build_diffusion(cfg)
-    pipeline = diffusers_io.build_pipeline(model.state_dict(), cfg)
+    pipeline = diffusers_folder.build_pipeline(model.state_dict(), cfg)
 
     # DDIM over all T steps, from the same initial noise (raydiff draws it first from the generator).
     ours = diffusion.sample(model, shape, sampler="ddim", steps=T, generator=torch.Generator().manual_seed(0))
@@ -125,7 +125,7 @@ def test_imports_google_ddpm_cifar10_exactly(tmp_path):
     unet.save_pretrained(tmp_path / "unet")
     cfg = load_config("cifar10", [f"model.init_from={tmp_path}"], check_source=False)  # a pipeline-style folder
     model = build_model(cfg).eval()
-    model.load_state_dict(diffusers_io.load_init_weights(cfg))
+    model.load_state_dict(diffusers_folder.load_init_weights(cfg))
     x, t = torch.randn(2, 3, 32, 32), torch.tensor([3, 700])
     with torch.no_grad():
         ours, theirs = model(x, t), unet(x, t).sample
@@ -134,7 +134,7 @@ def test_imports_google_ddpm_cifar10_exactly(tmp_path):
 
     smoke = load_config("smoke", [f"model.init_from={tmp_path / 'unet'}"], check_source=False)  # a UNet folder
     with pytest.raises(ConfigError, match=r"data\.resolution = 8 here, but the UNet there has sample_size = 32$"):
-        diffusers_io.load_init_weights(smoke)
+        diffusers_folder.load_init_weights(smoke)
 
 
 @pytest.mark.parametrize(("override", "unet_key", "message"), [
