@@ -43,8 +43,3 @@ class EmaUpdater:
         torch._foreach_lerp_(self._ema, self._model, weight)
         for e, b in zip(self._ema_buffers, self._model_buffers):
             e.copy_(b)
-
-
-def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    """One update of `ema` towards `model` (building the parameter lists each time: for one-off use)."""
-    EmaUpdater(ema, model)(decay)

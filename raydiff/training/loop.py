@@ -292,32 +292,28 @@ def _resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
     """Restore the newest checkpoint that loads, then wrap the model for DDP. Rank 0 chooses (it lists storage
     and tries the candidates); every other worker restores the same one. Raises `Unresumable` on every worker
     when checkpoints exist and none restores."""
-    chosen = None
+    restored, refusal = None, None
     if w.is_chief:
         try:
             restored = restore_newest(checkpoint_candidates(w.run_dir, latest), *w.objects)
-            chosen = ("ok", restored and restored.checkpoint, restored and restored.notes)
         except Unresumable as exc:
-            chosen = ("unresumable", str(exc), None)
-    status, found, notes = from_rank_zero(chosen)
-    if status == "unresumable":
-        raise Unresumable(found)
-    progress = Progress()
-    if found is not None:
-        if not w.is_chief:
-            try:
-                restored = restore_newest([found], *w.objects)
-            except Unresumable as exc:  # rank 0 could restore it: a failure here is this worker's (Ray restarts)
-                raise RuntimeError(str(exc)) from exc
-        progress = restored.progress
-        if w.is_chief:
-            for note in notes:
-                logger.warning(f"[raydiff] note: {note}")
+            refusal = str(exc)
+    refusal, found = from_rank_zero((refusal, restored and restored.checkpoint))
+    if refusal:
+        raise Unresumable(refusal)
+    if found is not None and not w.is_chief:
+        try:
+            restored = restore_newest([found], *w.objects)
+        except Unresumable as exc:  # rank 0 could restore it: a failure here is this worker's (Ray restarts)
+            raise RuntimeError(str(exc)) from exc
+    if restored is not None and w.is_chief:
+        for note in restored.notes:
+            logger.warning(f"[raydiff] note: {note}")
     apply_config(w.step_inputs.optimizer, weight_decay=w.cfg.train.weight_decay)
     # DDP's gradient buckets double as the .grad tensors: no copy between them after each all-reduce.
     model = ray.train.torch.prepare_model(w.model, parallel_strategy_kwargs={"gradient_as_bucket_view": True})
     w.step_inputs.model = compiled(model, w.speed["compile"], fallback=w.speed["compile_fallback"])
-    return progress
+    return restored.progress if restored is not None else Progress()
 
 
 def _roll_back(w: Worker, progress: Progress) -> Progress | None:

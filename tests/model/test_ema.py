@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydiff.model.ema import ema_decay_at, make_ema, update_ema
+from raydiff.model.ema import EmaUpdater, ema_decay_at, make_ema
 
 
 def test_warmup_grows_the_window_linearly_to_its_full_length():
@@ -20,8 +20,9 @@ def test_update_is_an_exponential_moving_average():
     with torch.no_grad():
         model.weight.fill_(1.0)
         ema.weight.fill_(0.0)
-    update_ema(ema, model, 0.9)
+    update = EmaUpdater(ema, model)
+    update(0.9)
     assert torch.allclose(ema.weight, torch.full_like(ema.weight, 0.1))
-    update_ema(ema, model, 0.9)
+    update(0.9)
     assert torch.allclose(ema.weight, torch.full_like(ema.weight, 0.19))
     assert not ema.weight.requires_grad and not ema.training
