@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import re
 import types
 from dataclasses import dataclass, field
@@ -122,6 +123,33 @@ class RunSection:
 
 
 @dataclass
+class EvalSection:
+    """Sample quality during and after training (see README "Measuring quality")."""
+
+    every: int = 0  # steps between evaluations in the run; 0 = none during the run
+    at_end: bool = False  # evaluate once more when the run finishes (the default and digits presets do)
+    num: int = 500  # images generated per evaluation (the DDPM paper's FID uses 50,000)
+    sampler: Literal["ddim", "ddpm"] = "ddim"
+    steps: int = 50  # sampling steps
+    metrics: tuple[str, ...] = ("fid",)  # fid and/or kid
+    features: Literal["auto", "inception", "digits"] = "auto"  # auto: digits for builtin:digits, else inception
+    inception_weights: str | None = None  # a local copy of the Inception-v3 (2015-12-05) weights; null: download
+    ref: str | None = None  # reference: null = the run's data.source; an .npz with mu/sigma; or a folder of images
+    seed: int = 0  # image i of an evaluation is a pure function of (seed, i)
+
+
+@dataclass
+class LogSection:
+    """Dashboards beside metrics.jsonl (rank 0 writes them). Credentials come from the environment only."""
+
+    tensorboard: bool = True  # <run>/tensorboard/: every metrics row, the sample grids, the config
+    mlflow_uri: str | None = None  # MLflow tracking URI (http://host:5000, sqlite:///mlflow.db, ...); null = off
+    mlflow_experiment: str = "raydiff"
+    wandb_project: str | None = None  # Weights & Biases project; null = off (WANDB_MODE=offline is honoured)
+    wandb_entity: str | None = None
+
+
+@dataclass
 class DebugSection:
     """Fault injection and audit trails, for testing raydiff itself."""
 
@@ -140,6 +168,8 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     scaling: ScalingSection = field(default_factory=ScalingSection)
     run: RunSection = field(default_factory=RunSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    log: LogSection = field(default_factory=LogSection)
     debug: DebugSection = field(default_factory=DebugSection)
 
     def to_dict(self) -> dict[str, Any]:
@@ -322,6 +352,10 @@ def _resolve_paths(cfg: Config) -> None:
         cfg.run.storage = str(Path(cfg.run.storage).expanduser().resolve())
     if cfg.model.init_from and Path(cfg.model.init_from).expanduser().exists():  # else a hub id, kept as it is
         cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().resolve())
+    for key in ("inception_weights", "ref"):
+        value = getattr(cfg.eval, key)
+        if value and "://" not in value:
+            setattr(cfg.eval, key, str(Path(value).expanduser().resolve()))
 
 
 # Validation.
@@ -447,6 +481,26 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
            "debug.record_order", True, "needs a local run.storage")
     _check(r.max_failures >= -1, "run.max_failures", r.max_failures, "must be >= 0, or -1 for unlimited")
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")
+
+    # Evaluation and dashboards.
+    e = cfg.eval
+    _check(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = none during the run)")
+    _check(e.num >= 2, "eval.num", e.num, "must be >= 2 (a covariance needs two images; FID uses 50000)")
+    _check(e.steps >= 1, "eval.steps", e.steps, "must be >= 1")
+    _check(e.seed >= 0, "eval.seed", e.seed, "must be >= 0")
+    _check(len(e.metrics) >= 1 and set(e.metrics) <= {"fid", "kid"}, "eval.metrics", list(e.metrics),
+           "must be a list of fid and/or kid")
+    _check(e.features != "digits" or d.source == "builtin:digits", "eval.features", e.features,
+           "digits features apply to data.source = builtin:digits only; use inception or auto")
+    _check(e.inception_weights is None or "://" in e.inception_weights or Path(e.inception_weights).is_file(),
+           "eval.inception_weights", e.inception_weights, "no such file")
+    _check(cfg.log.mlflow_uri is None or bool(cfg.log.mlflow_uri.strip()), "log.mlflow_uri", cfg.log.mlflow_uri,
+           "must be a tracking URI such as http://127.0.0.1:5000, or null")
+    _check(bool(cfg.log.mlflow_experiment), "log.mlflow_experiment", cfg.log.mlflow_experiment, "must name one")
+    for key, package in (("mlflow_uri", "mlflow"), ("wandb_project", "wandb")):
+        if getattr(cfg.log, key):
+            _check(importlib.util.find_spec(package) is not None, f"log.{key}", getattr(cfg.log, key),
+                   f"needs the {package} package: pip install 'raydiff[{package}]'")
 
     # Debug.
     _check(all(step >= 1 for step in cfg.debug.nan_at_steps), "debug.nan_at_steps", list(cfg.debug.nan_at_steps),

@@ -93,6 +93,11 @@ def test_round_trip_through_plain_dict():
     ("train.ema_decay=1", "must be in [0, 1)"),
     ("run.name=a/b", "use letters, digits"),
     ("train.lr", "expected key=value"),
+    ("eval.num=1", "eval.num = 1: must be >= 2"),
+    ("eval.metrics=[fid,is]", "eval.metrics = ['fid', 'is']: must be a list of fid and/or kid"),
+    ("eval.features=clip", "eval.features = 'clip': expected auto | inception | digits"),
+    ("eval.inception_weights=/no/such.pth", "eval.inception_weights = '/no/such.pth': no such file"),
+    ("eval.sampler=euler", "expected ddim | ddpm"),
 ])
 def test_bad_values_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as info:
@@ -141,3 +146,14 @@ def test_smallest_linear_schedule_gives_finite_tables():
     assert diffusion.betas.max().item() < 1 and diffusion.alpha_bar.min().item() > 0
     tables = diffusion._tables(torch.device("cpu"))
     assert all(torch.isfinite(table).all() for table in tables.values()) and tables["alpha_bar"].min().item() > 0
+
+
+def test_digits_features_need_the_digits_and_dashboards_need_their_package(monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match="eval.features = 'digits': digits features apply to data.source = builtin"):
+        load_config("default", ["eval.features=digits", f"data.source={tmp_path}"])
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"log.wandb_project = 'p': needs the wandb package: pip install 'raydiff\[wandb\]'"):
+        load_config("default", ["log.wandb_project=p"])

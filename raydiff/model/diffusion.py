@@ -180,12 +180,13 @@ class GaussianDiffusion:
         sampler: Literal["ddpm", "ddim"] = "ddim",
         steps: int | None = None,
         eta: float = 0.0,
-        generator: torch.Generator,
+        generator: torch.Generator | list[torch.Generator],
         device: torch.device | str = "cpu",
     ) -> torch.Tensor:
         """Generate images in [-1, 1]. All noise comes from `generator` on the CPU, so a seed gives the
-        same starting point and the same per-step noise on every device."""
-        x = torch.randn(shape, generator=generator).to(device)
+        same starting point and the same per-step noise on every device. A list holds one generator per image
+        (as EDM does): each image is then a pure function of its own generator, whatever the batch."""
+        x = _randn(shape, generator).to(device)
         timesteps = self.sample_timesteps(steps)
         # All steps' coefficients at once, in float64, then moved to the device: no host sync in the loop.
         pairs = torch.tensor(timesteps), torch.tensor(timesteps[1:] + [-1])  # the last step lands on x0
@@ -193,10 +194,18 @@ class GaussianDiffusion:
         for i, step in enumerate(timesteps):
             t = torch.full((shape[0],), step, dtype=torch.long, device=x.device)
             x0, eps = self.predict_x0_eps(model(x, t).float(), x, t)
-            noise = torch.randn(shape, generator=generator).to(device)
+            noise = _randn(shape, generator).to(device)
             c = {k: v[i] for k, v in coefs.items()}
             x = self._ddpm(c, x0, x, noise) if sampler == "ddpm" else self._ddim(c, x0, eps, noise)
         return x
+
+
+def _randn(shape: tuple[int, ...], generator: torch.Generator | list[torch.Generator]) -> torch.Tensor:
+    if isinstance(generator, torch.Generator):
+        return torch.randn(shape, generator=generator)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]} images")
+    return torch.stack([torch.randn(shape[1:], generator=g) for g in generator])
 
 
 def build_diffusion(cfg) -> GaussianDiffusion:

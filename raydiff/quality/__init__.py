@@ -1,0 +1,1 @@
+"""Sample quality: feature statistics, Frechet distance, KID, and the evaluation that produces them."""

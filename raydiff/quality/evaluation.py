@@ -1,0 +1,129 @@
+"""Generating images and reducing them to feature statistics, on one process or spread over Ray tasks.
+
+Image i of an evaluation is a pure function of (seed, i): it has its own noise generator, as in EDM. Images are
+generated and measured in fixed chunks of `CHUNK_IMAGES` (the same batches whatever the number of workers),
+and the chunks' float64 sums are added in chunk order, so the result does not depend on the worker count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raydiff.data.order import derive_seed
+from raydiff.quality.features import Features, metric_names
+from raydiff.quality.stats import FeatureStats, coverage, frechet_distance, kernel_distance
+
+CHUNK_IMAGES = 100
+_IMAGE_NOISE = 7  # the key tag of evaluation noise (training noise uses other tags)
+
+
+def chunks(num: int) -> list[range]:
+    return [range(start, min(start + CHUNK_IMAGES, num)) for start in range(0, num, CHUNK_IMAGES)]
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] -> uint8 [0, 255], rounded as a PNG of the image would be."""
+    return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+@dataclass
+class SampleJob:
+    """What to generate: `sampler` with `steps` from a model, image i seeded by (seed, i)."""
+
+    model: torch.nn.Module
+    diffusion: Any  # raydiff.model.diffusion.GaussianDiffusion
+    shape: tuple[int, int, int]
+    sampler: str
+    steps: int
+    seed: int
+
+    @torch.no_grad()
+    def images(self, indices: range, device: torch.device) -> torch.Tensor:
+        generators = [torch.Generator().manual_seed(derive_seed(self.seed, i, _IMAGE_NOISE)) for i in indices]
+        x = self.diffusion.sample(self.model, (len(indices), *self.shape), sampler=self.sampler, steps=self.steps,
+                                  generator=generators, device=device)
+        return to_uint8(x)
+
+
+def empty_stats(features: Features, keep_features: bool, dim: int) -> FeatureStats:
+    return FeatureStats.empty(dim, classes=features.classes, keep_features=keep_features)
+
+
+@torch.no_grad()
+def stats_of(images: torch.Tensor, features: Features, keep_features: bool) -> FeatureStats:
+    """The statistics of one batch of uint8 images."""
+    f, logits = features(images)
+    stats = empty_stats(features, keep_features, f.shape[1])
+    stats.add(f, logits)
+    return stats
+
+
+def total(parts: list[FeatureStats]) -> FeatureStats:
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
+    return out
+
+
+def sample_stats(job: SampleJob, features: Features, ranges: list[range], device: torch.device,
+                 keep_features: bool) -> list[FeatureStats]:
+    """Generate and measure each range of image indices (one batch each) on this process."""
+    job.model.to(device).eval()
+    return [stats_of(job.images(r, device), features, keep_features) for r in ranges]
+
+
+def array_stats(arrays: np.ndarray, features: Features, ranges: list[range], device: torch.device,
+                keep_features: bool) -> list[FeatureStats]:
+    """Measure ranges of rows of a uint8 (N, C, H, W) array (real images, for the reference)."""
+    return [stats_of(torch.from_numpy(np.array(arrays[r.start:r.stop])).to(device), features,
+                     keep_features) for r in ranges]
+
+
+@ray.remote
+def _remote(kind: str, payload: Any, features: Features, ranges: list[range], keep_features: bool):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(1)  # one task per CPU
+    if kind == "sample":
+        return sample_stats(payload, features, ranges, device, keep_features)
+    return array_stats(payload, features, ranges, device, keep_features)
+
+
+def parallel_stats(kind: str, payload: Any, features: Features, num: int, *, workers: int | None = None,
+                   keep_features: bool = False) -> FeatureStats:
+    """Statistics of `num` images (kind "sample": a SampleJob; "arrays": a uint8 array) over `workers` Ray tasks
+    (default: one per GPU of the cluster, else one per CPU), each taking an equal run of chunks."""
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    all_chunks = chunks(num)
+    workers = max(1, min(workers or gpus or int(resources.get("CPU", 1)), len(all_chunks)))
+    options = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
+    # Not in the caller's placement group (a Tune trial's holds no CPU for this): the cluster's free resources.
+    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=None)
+    payload_ref = ray.put(payload)
+    parts = np.array_split(np.arange(len(all_chunks)), workers)
+    futures = [_remote.options(**options).remote(kind, payload_ref, features, [all_chunks[i] for i in part],
+                                                 keep_features) for part in parts]
+    return total([s for result in ray.get(futures) for s in result])
+
+
+def scores(samples: FeatureStats, reference: Any, features: Features, metrics: tuple[str, ...],
+           seed: int = 0) -> dict[str, float]:
+    """The metrics row of an evaluation: the Frechet distance, KID if asked (and the class coverage for a
+    classifier). `reference` is a `raydiff.quality.reference.Reference`."""
+    fd_name, kid_name = metric_names(features)
+    out: dict[str, float] = {}
+    if "fid" in metrics:
+        out[fd_name] = frechet_distance(samples.mu_sigma(), (reference.mu, reference.sigma))
+    if "kid" in metrics:
+        out[kid_name], out[f"{kid_name}_std"] = kernel_distance(samples.all_features(), reference.features_for_kid(),
+                                                               seed=seed)
+    if features.classes:
+        prefix = fd_name.removesuffix("_fd")
+        out.update({f"{prefix}_{k}": v for k, v in coverage(samples).items()})
+    return out

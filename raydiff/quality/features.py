@@ -1,0 +1,123 @@
+"""Feature extractors: uint8 images (N, C, H, W) -> features (N, D), and class logits for classifiers.
+
+Each is small to pickle (Ray ships it to the evaluation workers) and builds its network on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+from torch import nn
+
+INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
+                 "weights-inception-2015-12-05-6726825d.pth")
+
+
+class QualityError(RuntimeError):
+    """Evaluation cannot run as configured (missing weights, a bad reference); the message is one line."""
+
+
+class Features(Protocol):
+    name: str  # part of the reference statistics' cache key
+    classes: int  # > 0 for a classifier, whose logits give the class coverage
+
+    def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def inception_weights_path(configured: str | None) -> str:
+    """The Inception-v3 weights file: `eval.inception_weights`, else torch hub's cache, downloaded there if
+    missing. Raises QualityError (how to get the file) when it cannot be had."""
+    if configured:
+        if not os.path.isfile(configured):
+            raise QualityError(f"eval.inception_weights = {configured!r}: no such file; download {INCEPTION_URL}")
+        return configured
+    cached = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(INCEPTION_URL))
+    if not os.path.isfile(cached):
+        try:
+            torch.hub.download_url_to_file(INCEPTION_URL, cached, progress=False)
+        except Exception as exc:  # noqa: BLE001 - any network failure means the same thing here
+            raise QualityError(f"the Inception-v3 weights for FID/KID could not be downloaded ({type(exc).__name__}); "
+                               f"download {INCEPTION_URL} on a machine with internet and set "
+                               f"eval.inception_weights=PATH (--weights PATH for raydiff.evaluate)") from None
+    return cached
+
+
+class InceptionFeatures:
+    """The 2048-d pool features of the TF Inception-v3 of 2015-12-05 (the network of every published FID), as
+    torch-fidelity reimplements it bit for bit, including TF's bilinear resize to 299 px."""
+
+    name, classes = "inception-2015-12-05-pool3", 0
+
+    def __init__(self, weights_path: str) -> None:
+        self.weights_path = weights_path
+        self._net: nn.Module | None = None
+
+    def __getstate__(self) -> dict:
+        return {"weights_path": self.weights_path, "_net": None}
+
+    def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if self._net is None:
+            from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+            self._net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"],
+                                                    feature_extractor_weights_path=self.weights_path)
+        self._net.to(images.device)
+        if images.shape[1] == 1:
+            images = images.expand(-1, 3, -1, -1)
+        return self._net(images)[0], None
+
+
+class DigitsFeatures:
+    """The built-in digits' classifier (`raydiff.quality.digits_classifier`): 128-d features and 10 classes."""
+
+    name, classes = "digits-classifier-v1", 10
+
+    def __init__(self) -> None:
+        from raydiff.quality.digits_classifier import cached_classifier
+
+        net, self.accuracy = cached_classifier()
+        self.state = net.state_dict()
+        self._net: nn.Module | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_net": None}
+
+    def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._net is None:
+            from raydiff.quality.digits_classifier import DigitsNet
+
+            self._net = DigitsNet().eval()
+            self._net.load_state_dict(self.state)
+        return self._net.to(images.device)(images)
+
+
+class ModuleFeatures:
+    """Any module from float images in [0, 1] to (N, D) features: a domain-specific network, or a small one in
+    tests. `name` keys the cached reference statistics."""
+
+    classes = 0
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module, self.name = module.eval(), name
+
+    def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.module.to(images.device)(images.float() / 255), None
+
+
+def features_for(kind: str, source: str | None, inception_weights: str | None) -> Features:
+    """`eval.features` made concrete: auto = digits for builtin:digits, else Inception."""
+    if kind == "auto":
+        kind = "digits" if source == "builtin:digits" else "inception"
+    if kind == "digits":
+        return DigitsFeatures()
+    return InceptionFeatures(inception_weights_path(inception_weights))
+
+
+def metric_names(features: Features) -> tuple[str, str]:
+    """The metrics row's names for the Frechet distance and KID with these features."""
+    if isinstance(features, InceptionFeatures):
+        return "fid", "kid"
+    prefix = "digits" if isinstance(features, DigitsFeatures) else "features"
+    return f"{prefix}_fd", f"{prefix}_kid"

@@ -1,0 +1,93 @@
+"""The reference statistics that samples are compared with.
+
+By default they are computed once from the run's `data.source`, read through raydiff's own ingest at the run's
+resolution, and cached in `<run.storage>/.raydiff-reference/` keyed by the data's identity, the resolution and
+the feature network, so later runs, evaluations and every trial of a sweep reuse them. `eval.ref` may instead
+name a precomputed `.npz` with `mu` and `sigma` (the format of EDM and pytorch-fid), or another image folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from raydiff.quality.evaluation import parallel_stats
+from raydiff.quality.features import Features, QualityError
+from raydiff.runs.rundir import RunDir
+
+CACHE_FOLDER = ".raydiff-reference"
+
+
+@dataclass
+class Reference:
+    mu: np.ndarray
+    sigma: np.ndarray
+    count: int
+    features: np.ndarray | None  # kept for KID
+    description: str
+
+    def features_for_kid(self) -> np.ndarray:
+        if self.features is None:
+            raise QualityError(f"KID needs the reference's features, and {self.description} has only mu/sigma; "
+                               f"use eval.metrics=[fid], or a folder or the run's data as the reference")
+        return self.features
+
+    def to_npz(self) -> bytes:
+        buffer = io.BytesIO()
+        extra = {"features": self.features} if self.features is not None else {}
+        np.savez(buffer, mu=self.mu, sigma=self.sigma, count=self.count, **extra)
+        return buffer.getvalue()
+
+
+def read_npz(data: bytes, description: str) -> Reference:
+    try:
+        with np.load(io.BytesIO(data)) as npz:
+            mu, sigma = np.asarray(npz["mu"], np.float64), np.asarray(npz["sigma"], np.float64)
+            features = npz.get("features")
+            count = int(npz["count"]) if "count" in npz else 0
+    except (KeyError, ValueError, OSError) as exc:
+        raise QualityError(f"{description}: not an .npz with mu and sigma ({str(exc).splitlines()[0]})") from None
+    if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
+        raise QualityError(f"{description}: mu {mu.shape} and sigma {sigma.shape} do not match")
+    return Reference(mu, sigma, count, features, description)
+
+
+def _npz_file(uri: str) -> tuple[RunDir, str]:
+    folder, _, name = uri.rstrip("/").rpartition("/")
+    return RunDir(folder or "."), name
+
+
+def reference_for(cfg, features: Features, *, keep_features: bool, images=None) -> Reference:
+    """The reference of `cfg.eval.ref` (see the module docstring). `images`: the run's data already decoded."""
+    from raydiff.data.ingest import load_data
+    from raydiff.data.sources import source_of
+
+    ref = cfg.eval.ref
+    if ref and ref.lower().endswith(".npz"):
+        folder, name = _npz_file(ref)
+        if not folder.is_file(name):
+            raise QualityError(f"eval.ref = {ref!r}: no such file")
+        reference = read_npz(folder.read_bytes(name), f"eval.ref {ref}")
+        return reference
+    data = copy.deepcopy(cfg.data)
+    if ref:
+        data.source, data.format, images = ref, "auto", None
+    source = source_of(data)
+    key = hashlib.sha256(json.dumps([source.identity(), data.resolution, data.channels, features.name,
+                                     keep_features]).encode()).hexdigest()[:24]
+    cache = RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / CACHE_FOLDER
+    description = f"the reference statistics of {source.uri} at {data.resolution}px"
+    if cache.is_file(f"{key}.npz"):
+        return read_npz(cache.read_bytes(f"{key}.npz"), description)
+    store = images if images is not None else load_data(data, source)
+    arrays = np.concatenate(store.arrays())[store.usable_indices()]
+    stats = parallel_stats("arrays", arrays, features, len(arrays), keep_features=keep_features)
+    mu, sigma = stats.mu_sigma()
+    reference = Reference(mu, sigma, stats.count, stats.all_features() if keep_features else None, description)
+    cache.write_bytes(f"{key}.npz", reference.to_npz())
+    return reference

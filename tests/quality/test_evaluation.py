@@ -1,0 +1,59 @@
+"""Generating and measuring images on Ray tasks, with a small injected feature extractor (the Inception path's
+code without its download)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from raydiff.config import Config
+from raydiff.model.diffusion import build_diffusion
+from raydiff.model.unet import build_model
+from raydiff.quality.digits_classifier import digits_arrays
+from raydiff.quality.evaluation import SampleJob, parallel_stats, scores
+from raydiff.quality.features import ModuleFeatures
+from raydiff.quality.reference import Reference
+
+pytestmark = pytest.mark.ray
+
+
+def small_extractor() -> ModuleFeatures:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
+    return ModuleFeatures(net, "test-conv")
+
+
+def _reference(stats) -> Reference:
+    mu, sigma = stats.mu_sigma()
+    return Reference(mu, sigma, stats.count, stats.all_features() if stats.features else None, "test")
+
+
+def test_fid_of_a_set_against_itself_shifted_and_over_1_or_2_workers(ray_session):
+    images = digits_arrays()[0][:600]
+    features = small_extractor()
+    one = parallel_stats("arrays", images, features, len(images), workers=1, keep_features=True)
+    two = parallel_stats("arrays", images, features, len(images), workers=2, keep_features=True)
+    assert np.array_equal(one.sum, two.sum) and np.array_equal(one.outer, two.outer)  # the same chunks, summed alike
+    brighter = np.clip(images.astype(np.int16) + 60, 0, 255).astype(np.uint8)
+    shifted = parallel_stats("arrays", brighter, features, len(images), workers=2, keep_features=True)
+    reference = _reference(one)
+    same, moved = (scores(s, reference, features, ("fid", "kid")) for s in (two, shifted))
+    assert same["features_fd"] == pytest.approx(0, abs=1e-8) and abs(same["features_kid"]) < 1e-3
+    assert moved["features_fd"] > 1e-3 and moved["features_kid"] > 1e-3
+
+
+def test_image_i_depends_on_seed_and_i_only(one_torch_thread):
+    cfg = Config.from_dict({"data": {"resolution": 8}, "model": {"base_channels": 16, "channel_mult": [1, 2],
+                                                                 "attention_resolutions": [4], "norm_groups": 8}})
+    torch.manual_seed(0)
+    job = SampleJob(model=build_model(cfg).eval(), diffusion=build_diffusion(cfg), shape=(1, 8, 8), sampler="ddpm",
+                    steps=5, seed=3)
+    for p in job.model.parameters():  # the zero-initialised output layers would make every image the same
+        nn.init.normal_(p, std=0.05)
+    batch = job.images(range(5), torch.device("cpu"))
+    alone = job.images(range(3, 4), torch.device("cpu"))
+    assert batch.dtype == torch.uint8 and torch.equal(batch[3], alone[0]) and not torch.equal(batch[2], batch[3])
+    other_seed = SampleJob(**{**job.__dict__, "seed": 4}).images(range(3, 4), torch.device("cpu"))
+    assert not torch.equal(other_seed, alone)
