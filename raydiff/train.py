@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     restarts = f", {summary['restarts']} restart(s)" if summary["restarts"] else ""
     print(f"[raydiff] finished: {summary['steps']} steps, {summary['images_seen']:,} images, final loss "
           f"{summary['final_loss']:.4f}, {summary['wall_s']:.0f} s{resumed}{restarts}")
+    if summary.get("quality"):
+        from raydiff.evaluate import describe
+
+        e = cfg.eval
+        settings = {"step": summary["steps"], "num": e.num, "sampler": e.sampler, "steps": e.steps, "seed": e.seed}
+        print(f"[raydiff] quality:    {describe({**summary['quality'], **settings})}")
     print(f"[raydiff] results:    {run_dir}")
     print(f"[raydiff] samples:    {run_dir}/samples/")
     print(f"[raydiff] checkpoint: {summary['checkpoint']}")

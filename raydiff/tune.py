@@ -2,12 +2,14 @@
 
     python -m raydiff.tune [--config NAME_OR_PATH] [--set key=value ...] --lr 1e-5:1e-3 --batch 64,128,256
         [--scaling linear|sqrt|none|compare] [--samples N] [--max-concurrent K] [--budget-images M] [--name SWEEP]
+        [--metric val_loss|fid]
 
 Every trial is a full raydiff run (a Ray Train TorchTrainer launched from a Tune function trainable) on images
 decoded once for the whole sweep. --lr is the range of the base learning rate (at train.base_batch); --samples
 log-spaced values of it are tried for every batch size and scaling rule. Trials train on the same number of
 images whatever their batch and are compared on a held-out validation loss (fixed images, timesteps and
-noise), evaluated at the same images-seen points in every trial; ASHA stops the worse ones early.
+noise), evaluated at the same images-seen points in every trial; ASHA stops the worse ones early. With
+--metric fid they are compared on the Frechet distance of eval.features there instead.
 `--scaling compare` runs every rule: if a rule holds, the best base learning rate is the same at every batch
 size under it, so the sweep reports the spread of the best base LR across batch sizes per rule.
 
@@ -51,6 +53,7 @@ class Sweep:
     budget_images: int  # images per trial, a multiple of interval_images
     interval_images: int  # images between validation points, a multiple of every batch size
     max_concurrent: int | None  # None: as many as the cluster fits
+    metric: str = "val_loss"  # what trials are ranked by (lower is better): val_loss, fid or digits_fd
 
 
 def _parse_lrs(text: str, samples: int) -> tuple[float, ...]:
@@ -103,8 +106,15 @@ def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
     name = args.name or f"sweep-{cfg.run.name}"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ConfigError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    metric = "val_loss" if args.metric == "val_loss" else fd_metric_name(cfg)
     return Sweep(name=name, base_lrs=base_lrs, batches=batches, rules=rules, budget_images=budget,
-                 interval_images=interval, max_concurrent=args.max_concurrent)
+                 interval_images=interval, max_concurrent=args.max_concurrent, metric=metric)
+
+
+def fd_metric_name(cfg: Config) -> str:
+    """The metrics key of the Frechet distance the run's eval.features give: fid (Inception) or digits_fd."""
+    digits = cfg.eval.features == "digits" or (cfg.eval.features == "auto" and cfg.data.source == "builtin:digits")
+    return "digits_fd" if digits else "fid"
 
 
 def concurrent_trials(cfg: Config, cpus: float, gpus: float) -> int:
@@ -132,6 +142,8 @@ def trial_config(base: dict[str, Any], params: dict[str, Any], sweep: Sweep, run
     t.val_every = t.checkpoint_every = sweep.interval_images // batch  # every report carries a validation loss
     t.log_every = min(t.log_every, t.val_every)
     t.sample_every = 0  # grids only at the end
+    if sweep.metric != "val_loss":  # every report carries the Frechet distance too
+        cfg.eval.every, cfg.eval.at_end = t.val_every, True
     cfg.run.name = trial_name(params)
     cfg.run.storage = runs_dir
     cfg.run.keep_checkpoints = 1
@@ -220,7 +232,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
             param_space={"base_lr": tune.grid_search(list(sweep.base_lrs)),
                          "batch": tune.grid_search(list(sweep.batches)),
                          "rule": tune.grid_search(list(sweep.rules))},
-            tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler,
+            tune_config=tune.TuneConfig(metric=sweep.metric, mode="min", scheduler=scheduler,
                                         max_concurrent_trials=concurrent),
             run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=1)),
@@ -241,10 +253,10 @@ def _result_row(result, cfg: Config, sweep: Sweep, sweep_dir: Path) -> dict[str,
     trial = trial_config(cfg.to_dict(), params, sweep, str(sweep_dir / "runs"))
     return {"trial": trial.run.name, "rule": params["rule"], "batch": params["batch"], "base_lr": params["base_lr"],
             "lr": trial.train.lr, "images_seen": images_seen, "val_loss": metrics.get("val_loss"),
-            "status": status}
+            **({sweep.metric: metrics.get(sweep.metric)} if sweep.metric != "val_loss" else {}), "status": status}
 
 
-def rule_spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def rule_spread(rows: list[dict[str, Any]], metric: str = "val_loss") -> dict[str, Any]:
     """Per rule: the best base LR at each batch size (finished trials) and their spread in decades. A rule that
     holds puts the optimum at the same base LR for every batch: a spread near 0."""
     out = {}
@@ -252,9 +264,9 @@ def rule_spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
         best = {}
         for batch in sorted({r["batch"] for r in rows}):
             done = [r for r in rows if r["rule"] == rule and r["batch"] == batch and r["status"] == "finished"
-                    and r["val_loss"] is not None]
+                    and r[metric] is not None]
             if done:
-                best[batch] = min(done, key=lambda r: r["val_loss"])["base_lr"]
+                best[batch] = min(done, key=lambda r: r[metric])["base_lr"]
         spread = float(np.ptp(np.log10(list(best.values())))) if len(best) > 1 else None
         out[rule] = {"best_base_lr_by_batch": best, "spread_decades": spread}
     return out
@@ -269,17 +281,18 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_d
         writer.writeheader()
         writer.writerows(rows)
     plot_sweep(rows, sweep_dir / "sweep.png")
-    finished = [r for r in rows if r["status"] == "finished" and r["val_loss"] is not None]
-    summary: dict[str, Any] = {"sweep": sweep.name, "trials": len(rows),
+    metric = sweep.metric
+    finished = [r for r in rows if r["status"] == "finished" and r[metric] is not None]
+    summary: dict[str, Any] = {"sweep": sweep.name, "metric": metric, "trials": len(rows),
                                "finished": len(finished), "stopped": sum(r["status"] == "stopped" for r in rows),
-                               "errors": sum(r["status"] == "error" for r in rows), "rules": rule_spread(rows)}
+                               "errors": sum(r["status"] == "error" for r in rows), "rules": rule_spread(rows, metric)}
     if finished:
-        best = min(finished, key=lambda r: r["val_loss"])
+        best = min(finished, key=lambda r: r[metric])
         best_cfg = trial_config(cfg.to_dict(), best, sweep, cfg.run.storage)
         best_cfg.run.name = f"{sweep.name}-best"
         best_cfg.train.lr = None  # re-derived from base_lr by the rule, so a changed global_batch rescales it
         best_cfg.run.keep_checkpoints = cfg.run.keep_checkpoints
-        header = (f"# Best trial of sweep {sweep.name}: {best['trial']}, validation loss {best['val_loss']:.5g} after "
+        header = (f"# Best trial of sweep {sweep.name}: {best['trial']}, {metric} {best[metric]:.5g} after "
                   f"{best['images_seen']:,} images.\n# Train it longer with --set train.total_steps=N.\n")
         (sweep_dir / "best.yaml").write_text(header + yaml.safe_dump(best_cfg.to_dict(), sort_keys=False))
         summary["best"] = best
@@ -303,6 +316,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-images", type=int, default=None,
                         help="images each trial trains on (default: the config's total_steps x global_batch)")
     parser.add_argument("--name", default=None, help="sweep folder under run.storage (default sweep-<run.name>)")
+    parser.add_argument("--metric", choices=("val_loss", "fid"), default="val_loss",
+                        help="rank trials by the validation loss (default) or the Frechet distance of eval.features "
+                             "(FID; digits_fd on the built-in digits), measured at every validation point")
     return parser.parse_args(argv)
 
 
@@ -325,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[raydiff] {rule} rule: best base LR {best or '-'}{spread}")
     if "best" in summary:
         best = summary["best"]
-        print(f"[raydiff] best: {best['trial']} (lr {best['lr']:.3g}), validation loss {best['val_loss']:.5g}")
+        print(f"[raydiff] best: {best['trial']} (lr {best['lr']:.3g}), {summary['metric']} {best[summary['metric']]:.5g}")
         print(f"[raydiff] train it: python -m raydiff.train --config {summary['dir']}/best.yaml")
     print(f"[raydiff] results: {summary['dir']}/results.csv, sweep.png, summary.json")
     return 0 if "best" in summary else 1

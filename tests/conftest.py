@@ -125,6 +125,19 @@ def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout:
                           timeout=timeout, env=full_env, cwd=ROOT, stdin=subprocess.DEVNULL)
 
 
+SMOKE_EVAL = ["--set", "eval.every=10", "--set", "eval.at_end=true", "--set", "eval.num=200", "--set", "eval.steps=10"]
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, cluster):
+    """One run of the smoke preset (2 workers, 20 steps), with the digits' quality measured at steps 10 and 20;
+    yields (run directory, the CLI's output). Tests only read it."""
+    storage = tmp_path_factory.mktemp("runs")
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={storage}", *SMOKE_EVAL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return storage / "smoke", proc.stdout + proc.stderr
+
+
 def write_messy_folder(folder: Path, good: int = 40) -> dict[str, list[str]]:
     """`good` synthetic images, one of each awkward mode raydiff converts (CMYK, 16-bit, palette with
     transparency, RGBA), and one of each kind it must skip (truncated, corrupt, empty, not an image).

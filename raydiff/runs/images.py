@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-MIN_DISPLAY_PX = 32  # tiny images (digits are 16 px) are enlarged with nearest-neighbour in grids
+MIN_GRID_PX = 512  # grids of small images (digits are 16 px) are enlarged, nearest-neighbour, to at least this width
 
 
 def _to_unit(images: torch.Tensor) -> torch.Tensor:
@@ -36,10 +36,11 @@ def _grid(images: torch.Tensor) -> torch.Tensor:
     from torchvision.utils import make_grid
 
     unit = _to_unit(images)
-    scale = max(1, MIN_DISPLAY_PX // unit.shape[-1])
+    nrow = math.ceil(math.sqrt(len(unit)))
+    scale = math.ceil(MIN_GRID_PX / (nrow * unit.shape[-1]))
     if scale > 1:
         unit = F.interpolate(unit, scale_factor=scale, mode="nearest")
-    return make_grid(unit, nrow=math.ceil(math.sqrt(len(unit))), padding=2, pad_value=0.5)
+    return make_grid(unit, nrow=nrow, padding=2, pad_value=0.5)
 
 
 def save_grid(images: torch.Tensor, path: Path) -> Path:

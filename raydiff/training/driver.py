@@ -20,6 +20,7 @@ from raydiff.config import Config, ConfigError, check_workers
 from raydiff.data.ingest import ImageStore, load_data
 from raydiff.data.sources import DataError, source_of
 from raydiff.model.diffusers_folder import load_init_weights
+from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.resume import DATA_FILE, plan_run
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
@@ -183,6 +184,8 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
           f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); {describe_lr(cfg.train)}; run directory "
           f"{run_dir}")
 
+    quality = _prepare_quality(cfg, images)
+
     # Record the resolved config and the data's identity next to the results.
     run_dir.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     run_dir.write_text(DATA_FILE, json.dumps(data, indent=2) + "\n")
@@ -195,7 +198,7 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
         train_worker,
         train_loop_config={"config": resolved.to_dict(), "images": images, "run_dir": run_dir,
                            "torch_threads": torch_threads, "invocation": invocation, "stop_flag": stop_flag,
-                           "init_weights": init_weights},
+                           "init_weights": init_weights, "quality": quality},
         scaling_config=scaling,
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
@@ -219,7 +222,30 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
         raise Unresumable(outcome["diagnostic"])
     summary = _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started,
                              bad_images=images.bad_report())
+    dashboards = dashboards_for(cfg, run_dir, resume_step=summary["steps"])
+    if dashboards is not None:  # the final numbers (and the run's status) beside its curves
+        dashboards.summary(summary)
+        dashboards.close()
     return {**summary, "signal": received["signal"]}
+
+
+def _prepare_quality(cfg: Config, images: ImageStore) -> ray.ObjectRef | None:
+    """eval.every / eval.at_end: the feature network and the reference statistics, once, before training (a
+    missing Inception download stops the run here, not after hours of training)."""
+    e = cfg.eval
+    if not (e.every or e.at_end):
+        return None
+    from raydiff.quality.features import features_for, metric_names
+    from raydiff.quality.reference import reference_for
+    from raydiff.training.evaluation import InRunQuality
+
+    features = features_for(e.features, cfg.data.source, e.inception_weights)
+    reference = reference_for(cfg, features, keep_features="kid" in e.metrics, images=images)
+    when = ", ".join(filter(None, [f"every {e.every} steps" if e.every else "", "at the end" if e.at_end else ""]))
+    names = [n for n, m in zip(metric_names(features), ("fid", "kid")) if m in e.metrics]
+    print(f"[raydiff] quality: {', '.join(names)} of {e.num} samples ({e.sampler}, {e.steps} steps) {when}, against "
+          f"{reference.description} ({reference.count} images)")
+    return ray.put(InRunQuality(features, reference))
 
 
 def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, error, started,
@@ -237,6 +263,7 @@ def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, 
         "images_seen": outcome.get("images_seen", last.get("images_seen", planned_step * cfg.train.global_batch)),
         "final_loss": outcome["final_loss"] if outcome.get("final_loss") is not None else last.get("loss"),
         "final_val_loss": outcome.get("val_loss"),
+        "quality": outcome.get("quality"),
         "checkpoint": checkpoint,
         "world_sizes": list(dict.fromkeys(e["world_size"] for e in starts)),
         "restarts": max(0, len(this_invocation) - 1),

@@ -29,6 +29,7 @@ from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import EmaUpdater, ema_decay_at, make_ema
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_name, write_state
+from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.images import grid_png
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog, progress_line
@@ -41,6 +42,7 @@ from raydiff.runs.state import (
     training_state,
 )
 from raydiff.training.distributed import from_rank_zero, interrupt_requested, smallest
+from raydiff.training.evaluation import InRunQuality, ema_drift, evaluate_in_run
 from raydiff.training.lr import describe_lr, lr_at
 from raydiff.training.microbatch import measure_micro_batch
 from raydiff.training.step import (
@@ -85,6 +87,7 @@ class Worker:
     table: ImageTable
     order: SampleOrder
     validation: Validation | None
+    quality: InRunQuality | None  # eval.every / eval.at_end: the feature network and the reference
     micro_batch: int
     metrics_log: JsonlLog | None  # rank 0 only
     events: JsonlLog | None  # rank 0 only
@@ -124,6 +127,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         return {"status": "unresumable", "diagnostic": str(exc), "steps": 0}
     start_step = progress.step
     stream, window = w.open_stream(progress), MetricsWindow(w.device, progress.window, w.is_chief)
+    # TensorBoard / MLflow / W&B from rank 0; points past the checkpoint (lost work) are hidden on TensorBoard.
+    dashboards = dashboards_for(cfg, w.run_dir, resume_step=progress.step) if w.is_chief else None
     if w.is_chief:
         w.metrics_log.truncate_after(progress.step)  # rows past the checkpoint belong to lost work
         w.event("start", invocation=loop_config["invocation"], step=progress.step, world_size=w.world_size,
@@ -137,6 +142,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     fault = _fault_injection(cfg, w.is_chief)
     nonfinite = NonFiniteSteps(w.device, progress.counters["skipped_steps"])
     last_row, last_checkpoint_step, diagnostic, val_loss, stopped = None, progress.step, None, None, False
+    quality: dict[str, Any] | None = None  # the newest evaluation's metrics
     preemption_handled = False  # one checkpoint per preemption notice, not one per check while it lasts
     run_start = time.perf_counter()
     try:
@@ -173,6 +179,9 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                     stream.close()
                     stream, window = w.open_stream(progress), MetricsWindow(w.device, progress.window, w.is_chief)
                     nonfinite = NonFiniteSteps(w.device, progress.counters["skipped_steps"])
+                    if dashboards is not None:  # reopened: the rolled-back steps' points disappear
+                        dashboards.close()
+                        dashboards = dashboards_for(cfg, w.run_dir, resume_step=progress.step)
                     continue
                 diagnostic = _divergence_report(t, step, lr, result, cfg.diffusion.timesteps)
                 w.event("diverged", step=step, diagnostic=diagnostic)
@@ -186,22 +195,35 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 val_start = time.perf_counter()
                 val_loss = w.validation.loss(w.ema, w.step_inputs.diffusion, w.device)
                 window.paused_s += time.perf_counter() - val_start
+            e = cfg.eval
+            evaluated = w.quality is not None and ((e.every and step % e.every == 0) or (done and e.at_end))
+            if evaluated:
+                eval_start = time.perf_counter()
+                quality = evaluate_in_run(w.quality, w.ema, w.step_inputs.diffusion, cfg, w.rank, w.world_size,
+                                          w.device)
+                quality["eval_s"] = round(time.perf_counter() - eval_start, 2)
+                window.paused_s += quality["eval_s"]  # like sampling: not training time
             metrics = None
-            if step % t.log_every == 0 or done or validated:
+            if step % t.log_every == 0 or done or validated or evaluated:
                 metrics = window.close(step=step, global_batch=t.global_batch, lr=lr, ema_decay=ema_decay,
                                        world_size=w.world_size, skipped_steps=progress.counters["skipped_steps"])
                 metrics["time_s"] = round(time.perf_counter() - run_start, 3)
                 if w.device.type == "cuda":
                     metrics["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(w.device) / 1e9, 3)
+                metrics["ema_drift"] = ema_drift(w.ema, w.model)
                 if validated:
                     metrics["val_loss"] = val_loss
+                if evaluated:
+                    metrics.update(quality)
                 last_row = metrics
                 if w.is_chief:
                     w.metrics_log.append(metrics)
+                    if dashboards is not None:
+                        dashboards.metrics(metrics)
                     logger.info(progress_line(metrics, t.total_steps, start_step, time.perf_counter() - run_start))
             pause_start = time.perf_counter()  # sampling and checkpointing do not count as training time
             if w.is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
-                _save_sample_grid(w, step)
+                _save_sample_grid(w, step, dashboards)
             interrupt = None
             if check and not done:
                 simulated = 0 < cfg.debug.preemption_from_step <= step
@@ -210,16 +232,18 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
                 if notice and preemption_handled:
                     interrupt = None  # this notice has its checkpoint already
                 preemption_handled = notice
-            # Ray sees checkpoints and validation losses (Tune stops trials on them). Other metrics rows go to
+            # Ray sees checkpoints, validation losses and quality metrics (Tune stops trials on them). Other rows go to
             # metrics.jsonl only: each report waits for Ray Train's controller to poll it (every 2 s).
-            report = {"step": step, "images_seen": step * t.global_batch, **(metrics or {}),
+            report = {"step": step, "images_seen": step * t.global_batch, **(quality or {}), **(metrics or {}),
                       **({"val_loss": val_loss} if val_loss is not None else {})}
             if step % t.checkpoint_every == 0 or done or (interrupt and last_checkpoint_step != step):
                 if interrupt:
                     w.event(f"{interrupt}_checkpoint", step=step)
                 _report_checkpoint(w, report, progress, window)
                 last_checkpoint_step = step
-            elif validated:
+                if dashboards is not None:
+                    dashboards.flush()
+            elif validated or evaluated:
                 ray.train.report(report, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
             window.paused_s += time.perf_counter() - pause_start
             if interrupt == "stop":
@@ -228,6 +252,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     finally:
         if w.is_chief:
             w.metrics_log.flush()
+        if dashboards is not None:
+            dashboards.close()
         stream.close()
         if order_log is not None:
             order_log.close()
@@ -236,7 +262,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     return {"status": status, "diagnostic": diagnostic, "steps": progress.step,
             "images_seen": progress.step * t.global_batch, "final_loss": last_row and last_row["loss"],
             "skipped_steps": progress.counters["skipped_steps"], "rollbacks": progress.counters["rollbacks"],
-            "world_size": w.world_size, "resumed_from_step": start_step, "val_loss": val_loss}
+            "world_size": w.world_size, "resumed_from_step": start_step, "val_loss": val_loss,
+            "quality": quality}
 
 
 def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
@@ -282,6 +309,7 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
         ema_update=EmaUpdater(ema, model), speed=speed,
         step_inputs=step_inputs, table=table, order=SampleOrder(train_indices, t.seed), validation=validation,
+        quality=ray.get(loop_config["quality"]) if loop_config.get("quality") is not None else None,
         micro_batch=micro_batch,
         metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S) if is_chief else None,
         events=JsonlLog(run_dir, "events.jsonl") if is_chief else None,
@@ -384,13 +412,16 @@ def _divergence_report(t, step: int, lr: float, result: StepResult, num_timestep
 
 
 @torch.no_grad()
-def _save_sample_grid(w: Worker, step: int) -> None:
-    """A fixed-seed DDIM grid from the EMA weights in fp32."""
+def _save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None) -> None:
+    """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards."""
     t, d = w.cfg.train, w.cfg.data
     images = w.step_inputs.diffusion.sample(
         w.ema, (t.sample_num, d.channels, d.resolution, d.resolution), sampler="ddim", steps=t.sample_steps,
         generator=torch.Generator().manual_seed(t.seed), device=w.device)
-    w.run_dir.write_bytes(f"samples/step_{step:08d}.png", grid_png(images))
+    png = grid_png(images)
+    w.run_dir.write_bytes(f"samples/step_{step:08d}.png", png)
+    if dashboards is not None:
+        dashboards.image("samples", png, step)
 
 
 def _report_checkpoint(w: Worker, metrics: dict[str, Any], progress: Progress, window: MetricsWindow) -> None:

@@ -82,6 +82,7 @@ class StepResult:
     grad_norm: torch.Tensor  # pre-clip global norm
     loss_sum: torch.Tensor  # this worker's summed per-sample losses
     samples: int  # this worker's samples
+    quarter_sums: torch.Tensor  # (2, 4): summed losses and sample counts per timestep quarter [0, T/4), ...
     # The last micro-batch, for the divergence diagnostic.
     x0: torch.Tensor
     timesteps: torch.Tensor
@@ -98,6 +99,7 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
     is_ddp = isinstance(unwrap_compiled(s.model), nn.parallel.DistributedDataParallel)
     s.model.train()
     loss_sum, samples = torch.zeros((), device=s.device), 0
+    quarter_sums = torch.zeros((2, 4), device=s.device)
 
     # Accumulate gradients; all-reduce only on the last micro-batch.
     for i, batch in enumerate(batches):
@@ -117,6 +119,9 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
             s.scaler.scale(losses.sum() * (s.world_size / s.global_batch)).backward()
         loss_sum += losses.detach().float().sum()
         samples += len(x0)
+        quarter = timesteps * 4 // s.diffusion.timesteps
+        quarter_sums[0].index_add_(0, quarter, losses.detach().float())
+        quarter_sums[1].index_add_(0, quarter, torch.ones_like(losses, dtype=torch.float32))
 
     # Unscale, clip, and skip the step on the device if anything is not finite (the gradients are all-reduced,
     # so every worker agrees).
@@ -131,7 +136,7 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
     # Update the EMA, once per optimizer step, on every worker (not at all after a skipped step).
     if ema is not None:
         ema(ema_decay, finite)
-    return StepResult(finite, grad_norm, loss_sum, samples, x0, timesteps, losses)
+    return StepResult(finite, grad_norm, loss_sum, samples, quarter_sums, x0, timesteps, losses)
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

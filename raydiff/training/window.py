@@ -30,12 +30,16 @@ class MetricsWindow:
         # Gradient norms are global (the gradients are all-reduced): every worker holds the same sums.
         self.grad_norm_sum = torch.tensor(float(saved.get("grad_norm_sum", 0.0)), dtype=torch.float64, device=device)
         self.finite_steps = torch.tensor(int(saved.get("finite_steps", 0)), device=device)
+        # Loss sums and sample counts per timestep quarter, like loss_sum (global in a checkpoint, on rank 0).
+        self.quarter_sums = torch.tensor(saved.get("quarter_sums", [[0.0] * 4] * 2) if own else [[0.0] * 4] * 2,
+                                         dtype=torch.float64, device=device)
         self.steps, self.data_wait_s, self.paused_s = 0, 0.0, 0.0
         self.start = time.perf_counter()
 
     def add(self, result: StepResult, data_wait_s: float) -> None:
         """On the device: no host sync."""
         self.loss_sum += result.loss_sum.double()
+        self.quarter_sums += result.quarter_sums.double()
         self.samples += result.samples
         self.grad_norm_sum += torch.where(result.finite, result.grad_norm.double(), 0.0)
         self.finite_steps += result.finite
@@ -44,16 +48,18 @@ class MetricsWindow:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The window's sums over all workers, for the checkpoint (a collective: every worker calls it)."""
-        loss_sum, samples = summed([float(self.loss_sum), float(self.samples)], self.device)
+        loss_sum, samples, *quarters = summed([float(self.loss_sum), float(self.samples),
+                                               *self.quarter_sums.flatten().tolist()], self.device)
         return {"loss_sum": loss_sum, "samples": int(samples), "grad_norm_sum": float(self.grad_norm_sum),
-                "finite_steps": int(self.finite_steps)}
+                "finite_steps": int(self.finite_steps), "quarter_sums": [quarters[:4], quarters[4:]]}
 
     def close(self, *, step: int, global_batch: int, lr: float, ema_decay: float, world_size: int,
               skipped_steps: int) -> dict[str, Any]:
         """One metrics row, averaged over all workers (a collective); the window starts afresh."""
         elapsed = time.perf_counter() - self.start - self.paused_s
-        loss_sum, samples, wait_frac_sum = summed(
-            [float(self.loss_sum), float(self.samples), self.data_wait_s / max(elapsed, 1e-9)], self.device)
+        loss_sum, samples, wait_frac_sum, *quarters = summed(
+            [float(self.loss_sum), float(self.samples), self.data_wait_s / max(elapsed, 1e-9),
+             *self.quarter_sums.flatten().tolist()], self.device)
         finite_steps = int(self.finite_steps)
         row = {
             "step": step,
@@ -66,6 +72,8 @@ class MetricsWindow:
             "data_wait_frac": wait_frac_sum / world_size,
             "world_size": world_size,
             "skipped_steps": skipped_steps,
+            # The loss per timestep quarter: q1 = t in [0, T/4) (fine detail) ... q4 (coarse layout).
+            **{f"loss_q{q + 1}": quarters[q] / quarters[4 + q] if quarters[4 + q] else None for q in range(4)},
         }
         self.__init__(self.device)
         return row

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -11,7 +12,12 @@ from raydiff.runs.images import save_samples
 def test_grid_and_folder(tmp_path):
     images = torch.linspace(-1, 1, 5 * 3 * 16 * 16).reshape(5, 3, 16, 16)
     grid = save_samples(images, tmp_path / "grid.png")
-    assert Image.open(grid).size == (3 * (32 + 2) + 2, 2 * (32 + 2) + 2)  # 3 columns, 16 px shown as 32, 2 px padding
+    # 3 columns of 16 px enlarged 11x (nearest neighbour) to pass 512 px, 2 px padding
+    assert Image.open(grid).size == (3 * (176 + 2) + 2, 2 * (176 + 2) + 2)
+    tile = np.asarray(Image.open(grid))[2:2 + 176, 2:2 + 176]
+    assert (tile[::11, ::11].repeat(11, 0).repeat(11, 1) == tile).all()  # blocks of 11x11 equal pixels
+    digits = save_samples(torch.zeros(64, 1, 16, 16), tmp_path / "digits.png")
+    assert Image.open(digits).size[0] == 8 * (64 + 2) + 2  # the default run's grid: 530 px wide
     folder = save_samples(images, tmp_path / "out")
     assert sorted(p.name for p in folder.iterdir()) == ["grid.png"] + [f"sample_{i:05d}.png" for i in range(5)]
     assert Image.open(folder / "sample_00004.png").size == (16, 16)

@@ -66,8 +66,10 @@ def test_ddp_accumulation_and_uneven_shares_match_one_worker(tmp_path):
     """Under real DDP: 2 workers accumulating 2 micro-batches each (no_sync on the first), and 3 workers with
     uneven shares of the 16-image batch (6, 5, 5, each in 2 micro-batches; an elastic range, since only elastic
     runs split a batch unevenly), train the same steps as one worker."""
-    _, one_rows, one = _cli_run(tmp_path, "one", "scaling.num_workers=1")
+    # scaling.num_workers=auto: one worker per GPU, on a cluster without GPUs one worker with every CPU.
+    one_log, one_rows, one = _cli_run(tmp_path, "one", "scaling.num_workers=auto")
     two_log, two_rows, two = _cli_run(tmp_path, "two", "scaling.num_workers=2", "train.micro_batch=4")
+    assert "on 1 (scaling.num_workers=auto) CPU worker(s)" in one_log
     three_log, three_rows, three = _cli_run(tmp_path, "three", "scaling.num_workers=[3,3]", "train.micro_batch=4")
     assert "2 worker(s), global batch 16 = 8 on worker 0 in micro-batches of up to 4" in two_log
     assert "3 worker(s), global batch 16 = 6 on worker 0 in micro-batches of up to 4" in three_log

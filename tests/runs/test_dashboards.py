@@ -1,0 +1,251 @@
+"""Dashboards: TensorBoard read back with its own reader, MLflow against a real server on loopback, W&B offline.
+No Ray: the class is what rank 0 and the driver call."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+from PIL import Image
+
+from raydiff.config import Config
+from raydiff.runs.dashboards import Dashboards, dashboards_for
+from raydiff.runs.rundir import RunDir
+
+
+def _config(name: str = "dash", *, tensorboard: bool = True, mlflow_uri: str | None = None,
+            mlflow_experiment: str = "raydiff", wandb_project: str | None = None) -> Config:
+    cfg = Config()
+    cfg.run.name = name
+    cfg.log.tensorboard, cfg.log.mlflow_uri, cfg.log.wandb_project = tensorboard, mlflow_uri, wandb_project
+    cfg.log.mlflow_experiment = mlflow_experiment
+    return cfg.resolve()
+
+
+def _png(color: int = 200) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("L", (32, 16), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _row(step: int, loss: float) -> dict:
+    # What metrics.jsonl rows hold, plus what must not become a curve: a bool, a None, a NaN, a string.
+    return {"step": step, "loss": loss, "lr": 1e-3, "images_seen": step * 64, "diverged": False,
+            "peak_memory_gb": None, "grad_norm": float("nan"), "note": "x"}
+
+
+def _crash_and_resume(cfg: Config, run_dir: RunDir) -> None:
+    """A session logs steps 10..50 and crashes after its checkpoint at 30; the next continues from 30."""
+    first = Dashboards(cfg, run_dir, resume_step=0)
+    for step in range(10, 60, 10):
+        first.metrics(_row(step, loss=1.0 / step))
+    first.image("samples", _png(), 20)
+    first.flush()
+    first.close()
+    # TensorBoard's event files are named by the second; real sessions are far apart, and the reader takes
+    # the files in name order.
+    time.sleep(1.1)
+    second = Dashboards(cfg, run_dir, resume_step=30)
+    for step in range(40, 70, 10):
+        second.metrics(_row(step, loss=100.0 + step))
+    second.image("samples", _png(50), 60)
+    second.summary({"status": "finished", "steps": 60, "final_loss": 160.0, "world_sizes": [2, 1], "error": None})
+    second.close()
+
+
+def _read_tensorboard(folder: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_resume_drops_the_crashed_sessions_points(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    _crash_and_resume(_config(), run_dir)
+    acc = _read_tensorboard(tmp_path / "run" / "tensorboard")
+    assert sorted(acc.Tags()["scalars"]) == ["images_seen", "loss", "lr"]  # no bool, None, NaN or string
+    loss = {e.step: e.value for e in acc.Scalars("loss")}
+    assert [e.step for e in acc.Scalars("loss")] == [10, 20, 30, 40, 50, 60]  # each step once, in order
+    assert loss[30] == pytest.approx(1 / 30) and loss[40] == pytest.approx(140) and loss[50] == pytest.approx(150)
+    images = acc.Images("samples")
+    assert [e.step for e in images] == [20, 60] and (images[0].width, images[0].height) == (32, 16)
+    texts = {tag: acc.Tensors(tag) for tag in acc.Tags()["tensors"]}
+    config_text = texts["config/text_summary"][0].tensor_proto.string_val[0].decode()
+    assert config_text.startswith("```yaml\n") and "name: dash" in config_text
+    assert len(texts["config/text_summary"]) == 1  # written by the fresh start only
+    assert '"final_loss": 160.0' in texts["summary/text_summary"][0].tensor_proto.string_val[0].decode()
+
+
+def test_tensorboard_on_an_object_store_uploads_at_flush(tmp_path, monkeypatch):
+    # A RunDir that reports no local folder takes the object-store path; its writes still land in tmp_path.
+    monkeypatch.setattr(RunDir, "local", property(lambda self: None))
+    run_dir = RunDir(tmp_path / "run")
+    dash = Dashboards(_config(), run_dir, resume_step=0)
+    for step in (10, 20):
+        dash.metrics(_row(step, loss=0.5))
+    assert not (tmp_path / "run" / "tensorboard").exists()  # nothing uploaded per row
+    dash.flush()
+    assert [e.step for e in _read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")] == [10, 20]
+    dash.metrics(_row(30, loss=0.5))
+    dash.close()
+    assert [e.step for e in _read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")] == [10, 20, 30]
+    assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 1
+
+
+def test_nothing_configured_means_no_dashboards(tmp_path):
+    assert dashboards_for(_config(tensorboard=False), RunDir(tmp_path), resume_step=0) is None
+    assert isinstance(dashboards_for(_config(), RunDir(tmp_path), resume_step=0), Dashboards)
+
+
+@pytest.mark.parametrize(("module", "key", "message"), [
+    ("mlflow", "mlflow_uri", "log.mlflow_uri needs MLflow: pip install 'raydiff[mlflow]'"),
+    ("wandb", "wandb_project", "log.wandb_project needs wandb: pip install 'raydiff[wandb]'"),
+])
+def test_a_missing_package_is_one_line(tmp_path, monkeypatch, module, key, message):
+    monkeypatch.setitem(sys.modules, module, None)
+    cfg = _config()
+    setattr(cfg.log, key, "http://127.0.0.1:1" if key == "mlflow_uri" else "proj")
+    with pytest.raises(ImportError) as info:
+        Dashboards(cfg, RunDir(tmp_path / "run"), resume_step=0)
+    assert str(info.value) == message
+    assert not (tmp_path / "run").exists()  # refused before writing anything
+
+
+# MLflow.
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` on a free loopback port with a SQLite store; only its own process group is stopped."""
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    log = (root / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=root,
+        # No job runner: it starts eight worker processes the tests never use.
+        env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                tail = (root / "server.log").read_text()[-2000:]
+                pytest.fail(f"mlflow server did not answer {url}/health within 60 s "
+                            f"(exit code {server.poll()}); its log ends with:\n{tail}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def test_mlflow_one_run_continued_across_sessions(tmp_path, mlflow_server):
+    import mlflow
+
+    cfg = _config(tensorboard=False, mlflow_uri=mlflow_server, mlflow_experiment="continued")
+    run_dir = RunDir(tmp_path / "run")
+    _crash_and_resume(cfg, run_dir)
+
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("continued")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1  # the resume continued the run
+    run = runs[0]
+    assert json.loads((tmp_path / "run" / "dashboards.json").read_text())["mlflow_run_id"] == run.info.run_id
+    assert run.info.run_name == "dash" and run.info.status == "FINISHED"
+    assert run.data.params["run.name"] == "dash" and run.data.params["model.channel_mult"] == "[1, 2, 2]"
+    assert run.data.params["log.wandb_project"] == "null" and len(run.data.params) > 50
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+    # MLflow cannot delete points: the crashed session's 40 and 50 stay beside the continued run's.
+    assert {s for s, _ in history} == {10, 20, 30, 40, 50, 60}
+    assert (40, 140.0) in history and (60, 160.0) in history
+    assert "grad_norm" not in run.data.metrics and "diverged" not in run.data.metrics
+    assert run.data.metrics["final_loss"] == 160.0 and run.data.metrics["final_steps"] == 60
+    assert run.data.tags["raydiff.status"] == "finished" and run.data.tags["raydiff.world_sizes"] == "[2, 1]"
+    samples = sorted(f.path for f in client.list_artifacts(run.info.run_id, "samples"))
+    assert samples == ["samples/step_00000020.png", "samples/step_00000060.png"]
+    png = Path(client.download_artifacts(run.info.run_id, "samples/step_00000020.png", str(tmp_path)))
+    assert png.read_bytes() == _png()
+
+    # A third session (say, the run extended) re-opens the finished run instead of starting another.
+    again = Dashboards(cfg, run_dir, resume_step=60)
+    again.metrics(_row(70, loss=170.0))
+    again.close()
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "RUNNING" and runs[0].data.metrics["loss"] == 170.0
+
+
+def test_mlflow_server_down_does_not_stop_training(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once instead of retrying for minutes
+    cfg = _config(mlflow_uri=f"http://127.0.0.1:{free_port()}")
+    dash = Dashboards(cfg, RunDir(tmp_path / "run"), resume_step=0)
+    with caplog.at_level(logging.WARNING, logger="raydiff"):
+        for step in range(10, 60, 10):
+            dash.metrics(_row(step, loss=0.5))
+        dash.close()
+    warnings = [r.getMessage() for r in caplog.records if "MLflow" in r.getMessage()]
+    assert len(warnings) == 1 and "off for the rest of this session" in warnings[0]
+    # TensorBoard went on regardless.
+    assert len(_read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")) == 5
+
+
+# Weights & Biases.
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """W&B offline, with its own folders and settings in tmp_path: nothing reaches the network or ~/."""
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    yield
+    import wandb
+
+    wandb.teardown()  # stop the wandb-core service process: it would otherwise live as long as pytest
+
+
+def test_wandb_offline_keeps_one_run_id(tmp_path, wandb_offline):
+    cfg = _config(tensorboard=False, wandb_project="raydiff-tests")
+    run_dir = RunDir(tmp_path / "run")
+    _crash_and_resume(cfg, run_dir)
+
+    run_id = json.loads((tmp_path / "run" / "dashboards.json").read_text())["wandb_run_id"]
+    sessions = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(sessions) == 2
+    for folder in sessions:
+        assert folder.name.split("-")[3] == run_id  # offline-run-<date>_<time>-<id>[-n]
+        assert (folder / f"run-{run_id}.wandb").stat().st_size > 0
+    assert list((tmp_path / "run" / "wandb").rglob("media/images/samples_*.png"))
+
+
+def test_wandb_offline_on_an_object_store_uploads_the_run_files(tmp_path, monkeypatch, wandb_offline):
+    monkeypatch.setattr(RunDir, "local", property(lambda self: None))  # the object-store path, writing to tmp_path
+    dash = Dashboards(_config(tensorboard=False, wandb_project="raydiff-tests"), RunDir(tmp_path / "run"),
+                      resume_step=0)
+    dash.metrics(_row(10, loss=0.5))
+    dash.close()
+    run_id = json.loads((tmp_path / "run" / "dashboards.json").read_text())["wandb_run_id"]
+    assert list((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
