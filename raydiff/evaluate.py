@@ -79,6 +79,8 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     init_ray()
     started = time.perf_counter()
     reference = reference_for(cfg, features, keep_features=keep)
+    if keep:
+        reference.features_for_kid()  # refuse before generating anything
     reference_s = time.perf_counter() - started
     model = build_model(cfg)
     model.load_state_dict(state["ema"])

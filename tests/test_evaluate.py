@@ -51,3 +51,28 @@ def test_bad_input_is_one_line_exit_2(smoke_run, args, fragment, capsys):
 def test_missing_run_is_one_line(tmp_path, capsys):
     assert cli.run(evaluate_main, ["--checkpoint", str(tmp_path / "nothing")]) == 2
     assert "no such run or checkpoint folder" in capsys.readouterr().err
+
+
+def test_reference_from_an_npz_or_a_folder(smoke_run, ray_session, capsys, tmp_path):
+    """--ref: the run's data.source (cached), the same images as a folder, or their mu/sigma as an .npz give the
+    same distance; KID needs features, which an .npz of mu/sigma lacks."""
+    import numpy as np
+
+    from raydiff.data.datasets import builtin_folder
+
+    run_dir, _ = smoke_run
+    args = ["--checkpoint", str(run_dir), "--num", "100", "--steps", "5"]
+    assert cli.run(evaluate_main, args) == 0
+    cached = sorted((run_dir.parent / ".raydiff-reference").glob("*.npz"))
+    assert cached
+    with np.load(cached[0]) as npz:
+        np.savez(tmp_path / "digits.npz", mu=npz["mu"], sigma=npz["sigma"])
+    assert cli.run(evaluate_main, [*args, "--ref", str(tmp_path / "digits.npz")]) == 0
+    assert cli.run(evaluate_main, [*args, "--ref", str(builtin_folder("builtin:digits"))]) == 0
+    rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()][-3:]
+    assert rows[0]["digits_fd"] == pytest.approx(rows[1]["digits_fd"], rel=1e-9)
+    assert rows[0]["digits_fd"] == pytest.approx(rows[2]["digits_fd"], rel=1e-9)
+    assert "digits.npz" in rows[1]["reference"] and rows[2]["reference_images"] == 1797
+    capsys.readouterr()
+    assert cli.run(evaluate_main, [*args, "--ref", str(tmp_path / "digits.npz"), "--metrics", "kid"]) == 2
+    assert "KID needs the reference's features" in capsys.readouterr().err

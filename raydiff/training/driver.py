@@ -241,6 +241,8 @@ def _prepare_quality(cfg: Config, images: ImageStore) -> ray.ObjectRef | None:
 
     features = features_for(e.features, cfg.data.source, e.inception_weights)
     reference = reference_for(cfg, features, keep_features="kid" in e.metrics, images=images)
+    if "kid" in e.metrics:
+        reference.features_for_kid()  # an .npz of mu/sigma cannot give KID: refuse before training
     when = ", ".join(filter(None, [f"every {e.every} steps" if e.every else "", "at the end" if e.at_end else ""]))
     names = [n for n, m in zip(metric_names(features), ("fid", "kid")) if m in e.metrics]
     print(f"[raydiff] quality: {', '.join(names)} of {e.num} samples ({e.sampler}, {e.steps} steps) {when}, against "
