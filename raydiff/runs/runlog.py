@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from raydiff.runs.rundir import RunDir
+from raydiff.runs.writer import BackgroundWrites
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -26,10 +27,12 @@ class JsonlLog:
     :param run: the run directory.
     :param name: the file's name in it.
     :param flush_every_s: object stores: the longest an appended row waits to be written (0 = at once).
+    :param writes: object stores: rewrite the file on this background thread (`writes.drain()` waits for it).
     """
 
-    def __init__(self, run: RunDir, name: str, *, flush_every_s: float = 0.0) -> None:
-        self.run, self.name = run, name
+    def __init__(self, run: RunDir, name: str, *, flush_every_s: float = 0.0,
+                 writes: BackgroundWrites | None = None) -> None:
+        self.run, self.name, self.writes = run, name, writes
         self._rows: list[dict[str, Any]] | None = None  # object stores: every row, written by flush()
         self._dirty = False
         self._flush_every_s, self._flushed_at = flush_every_s, time.monotonic()
@@ -66,9 +69,12 @@ class JsonlLog:
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered rows (object stores only; a no-op for local files)."""
+        """Write buffered rows (object stores only; a no-op for local files); in the background with `writes`."""
         if self._dirty and self._rows is not None:
-            self._write(self._rows)
+            if self.writes is not None:
+                self.writes.submit(self._write, list(self._rows))  # a snapshot: appends go on meanwhile
+            else:
+                self._write(self._rows)
             self._dirty = False
         self._flushed_at = time.monotonic()
 

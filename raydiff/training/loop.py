@@ -33,6 +33,7 @@ from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.images import grid_png
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog, progress_line
+from raydiff.runs.writer import BackgroundWrites
 from raydiff.runs.state import (
     Progress,
     Unresumable,
@@ -91,6 +92,7 @@ class Worker:
     micro_batch: int
     metrics_log: JsonlLog | None  # rank 0 only
     events: JsonlLog | None  # rank 0 only
+    writes: BackgroundWrites | None  # rank 0 only: metrics and sample grids go to storage on this thread
 
     @property
     def is_chief(self) -> bool:
@@ -252,6 +254,7 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     finally:
         if w.is_chief:
             w.metrics_log.flush()
+            w.writes.close()
         if dashboards is not None:
             dashboards.close()
         stream.close()
@@ -301,6 +304,7 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
         micro_batch = cfg.micro_batch_for(world_size)
 
     is_chief = rank == 0
+    writes = BackgroundWrites() if is_chief else None
     step_inputs = StepInputs(model=model, optimizer=optimizer, scaler=scaler, diffusion=diffusion, device=device,
                              autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip,
                              global_batch=t.global_batch, world_size=world_size, grad_clip=t.grad_clip,
@@ -311,8 +315,9 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
         step_inputs=step_inputs, table=table, order=SampleOrder(train_indices, t.seed), validation=validation,
         quality=ray.get(loop_config["quality"]) if loop_config.get("quality") is not None else None,
         micro_batch=micro_batch,
-        metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S) if is_chief else None,
-        events=JsonlLog(run_dir, "events.jsonl") if is_chief else None,
+        metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S,
+                             writes=writes) if is_chief else None,
+        events=JsonlLog(run_dir, "events.jsonl") if is_chief else None, writes=writes,
     )
 
 
@@ -419,7 +424,7 @@ def _save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None) -> No
         w.ema, (t.sample_num, d.channels, d.resolution, d.resolution), sampler="ddim", steps=t.sample_steps,
         generator=torch.Generator().manual_seed(t.seed), device=w.device)
     png = grid_png(images)
-    w.run_dir.write_bytes(f"samples/step_{step:08d}.png", png)
+    w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
     if dashboards is not None:
         dashboards.image("samples", png, step)
 
@@ -430,7 +435,8 @@ def _report_checkpoint(w: Worker, metrics: dict[str, Any], progress: Progress, w
     progress.window = window.checkpoint_state()  # a collective: the window's sums over all workers
     checkpoint = None
     if w.is_chief:
-        w.metrics_log.flush()  # the rows up to this checkpoint are kept on resume
+        w.metrics_log.flush()  # the rows up to this checkpoint are kept on resume: on storage before it
+        w.writes.drain()
         directory = Path(tempfile.mkdtemp(prefix="raydiff-ckpt-"))
         write_state(directory, training_state(*w.objects, progress, w.cfg.train.global_batch, w.cfg.to_dict()))
         checkpoint = ray.train.Checkpoint.from_directory(directory)
