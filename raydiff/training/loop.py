@@ -33,7 +33,6 @@ from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.images import grid_png
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog, progress_line
-from raydiff.runs.writer import BackgroundWrites
 from raydiff.runs.state import (
     Progress,
     Unresumable,
@@ -42,6 +41,7 @@ from raydiff.runs.state import (
     restore_newest,
     training_state,
 )
+from raydiff.runs.writer import BackgroundWrites
 from raydiff.training.distributed import from_rank_zero, interrupt_requested, smallest
 from raydiff.training.evaluation import InRunQuality, ema_drift, evaluate_in_run
 from raydiff.training.lr import describe_lr, lr_at
