@@ -78,6 +78,7 @@ class TrainSection:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: Literal["auto"] | bool | str = "auto"  # torch.compile: auto (on GPUs), true, false, or a backend name
     channels_last: Literal["auto"] | bool = "auto"  # NHWC activations; auto = off (see README "Performance")
+    grad_compression: Literal["none", "bf16"] = "none"  # DDP all-reduces gradients in bf16: half the network bytes
     weight_decay: float = 0.0
     ema_decay: float = 0.995
     ema_warmup_steps: int = 100  # the EMA window grows linearly from 1 step to 1/(1-ema_decay) steps

@@ -35,6 +35,7 @@ def test_cluster_presets_dry_run(preset, capsys):
     assert "# model parameters: 35,746,307" in capsys.readouterr().out
     cfg = config.load_config(preset, check_source=False)
     assert cfg.scaling.num_workers == (2, 8) and cfg.scaling.use_gpu is True
+    assert cfg.train.grad_compression == "bf16"  # multi-node links: half the gradient bytes (README: Performance)
 
 
 def _refused(capsys, *paths: Path) -> str:

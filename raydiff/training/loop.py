@@ -21,6 +21,7 @@ from typing import Any
 import ray.train
 import ray.train.torch
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from raydiff.config import Config
 from raydiff.data.loader import BatchStream, ImageTable, MicroBatch
@@ -345,6 +346,8 @@ def _resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
     apply_config(w.step_inputs.optimizer, weight_decay=w.cfg.train.weight_decay)
     # DDP's gradient buckets double as the .grad tensors: no copy between them after each all-reduce.
     model = ray.train.torch.prepare_model(w.model, parallel_strategy_kwargs={"gradient_as_bucket_view": True})
+    if w.cfg.train.grad_compression == "bf16" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(state=None, hook=bf16_compress_hook)  # averages in bf16, as the default does in fp32
     w.step_inputs.model = compiled(model, w.speed["compile"], fallback=w.speed["compile_fallback"])
     return restored.progress if restored is not None else Progress()
 
