@@ -105,9 +105,9 @@ def parallel_stats(kind: str, payload: Any, features: Features, num: int, *, wor
     options = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
     # Not in the caller's placement group (a Tune trial's holds no CPU for this): the cluster's free resources.
     options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=None)
-    payload_ref = ray.put(payload)
+    payload_ref, features_ref = ray.put(payload), ray.put(features)  # once, not once per task (Inception: 92 MB)
     parts = np.array_split(np.arange(len(all_chunks)), workers)
-    futures = [_remote.options(**options).remote(kind, payload_ref, features, [all_chunks[i] for i in part],
+    futures = [_remote.options(**options).remote(kind, payload_ref, features_ref, [all_chunks[i] for i in part],
                                                  keep_features) for part in parts]
     return total([s for result in ray.get(futures) for s in result])
 

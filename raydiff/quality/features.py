@@ -6,6 +6,7 @@ Each is small to pickle (Ray ships it to the evaluation workers) and builds its 
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Protocol
 
 import torch
@@ -46,23 +47,34 @@ def inception_weights_path(configured: str | None) -> str:
 
 class InceptionFeatures:
     """The 2048-d pool features of the TF Inception-v3 of 2015-12-05 (the network of every published FID), as
-    torch-fidelity reimplements it bit for bit, including TF's bilinear resize to 299 px."""
+    torch-fidelity reimplements it bit for bit, including TF's bilinear resize to 299 px.
+
+    The weights are read here, on the driver, and travel with the object: the file need not exist on the nodes
+    that compute the features."""
 
     name, classes = "inception-2015-12-05-pool3", 0
 
     def __init__(self, weights_path: str) -> None:
-        self.weights_path = weights_path
+        try:
+            self.state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a truncated download, a wrong file: one message
+            raise QualityError(f"{weights_path}: not the Inception-v3 weights ({type(exc).__name__}); download "
+                               f"{INCEPTION_URL} again") from None
         self._net: nn.Module | None = None
 
     def __getstate__(self) -> dict:
-        return {"weights_path": self.weights_path, "_net": None}
+        return {"state": self.state, "_net": None}
 
     def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, None]:
         if self._net is None:
             from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
-            self._net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"],
-                                                    feature_extractor_weights_path=self.weights_path)
+            # torch-fidelity takes its weights from a file or a download: give it a file of the weights we carry.
+            with tempfile.TemporaryDirectory() as folder:
+                path = os.path.join(folder, os.path.basename(INCEPTION_URL))
+                torch.save(self.state, path)
+                self._net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"],
+                                                        feature_extractor_weights_path=path)
         self._net.to(images.device)
         if images.shape[1] == 1:
             images = images.expand(-1, 3, -1, -1)

@@ -7,7 +7,13 @@ import torch
 
 from raydiff.quality import features as features_module
 from raydiff.quality.digits_classifier import cached_classifier, digits_arrays
-from raydiff.quality.features import DigitsFeatures, QualityError, features_for, inception_weights_path
+from raydiff.quality.features import (
+    DigitsFeatures,
+    InceptionFeatures,
+    QualityError,
+    features_for,
+    inception_weights_path,
+)
 
 
 def test_digits_classifier_is_accurate_and_cached(one_torch_thread):
@@ -21,11 +27,43 @@ def test_digits_classifier_is_accurate_and_cached(one_torch_thread):
     assert features.shape == (200, 128) and (logits.argmax(-1) == torch.from_numpy(labels[:200])).float().mean() > 0.95
 
 
-def test_auto_features_follow_the_source(monkeypatch, tmp_path):
+def test_auto_features_follow_the_source(tmp_path):
     assert isinstance(features_for("auto", "builtin:digits", None), DigitsFeatures)
     weights = tmp_path / "inception.pth"
-    weights.write_bytes(b"not read until first use")
-    assert features_for("auto", "/data/cifar10", str(weights)).weights_path == str(weights)
+    torch.save({"fc.weight": torch.ones(2, 2)}, weights)
+    assert isinstance(features_for("auto", "/data/cifar10", str(weights)), InceptionFeatures)
+
+
+def test_inception_weights_travel_with_the_extractor(tmp_path, monkeypatch):
+    """Read on the driver, pickled to the workers: a node without the file still builds the network from them."""
+    import pickle
+
+    from torch_fidelity import feature_extractor_inceptionv3
+
+    state = {"Conv2d_1a_3x3.conv.weight": torch.randn(4, 3, 3, 3)}
+    weights = tmp_path / "inception.pth"
+    torch.save(state, weights)
+    features = pickle.loads(pickle.dumps(InceptionFeatures(str(weights))))
+    weights.unlink()  # as on a worker node that never had the file
+    built = {}
+
+    class FakeInception(torch.nn.Module):  # the real one needs the 92 MB weights
+        def __init__(self, name, features_list, feature_extractor_weights_path=None):
+            super().__init__()
+            built["state"] = torch.load(feature_extractor_weights_path, weights_only=True)
+
+        def forward(self, x):
+            assert x.dtype == torch.uint8 and x.shape[1] == 3
+            return (x.float().mean((2, 3)),)
+
+    monkeypatch.setattr(feature_extractor_inceptionv3, "FeatureExtractorInceptionV3", FakeInception)
+    out, logits = features(torch.zeros(2, 1, 8, 8, dtype=torch.uint8))  # grayscale is repeated to 3 channels
+    assert out.shape == (2, 3) and logits is None
+    assert torch.equal(built["state"]["Conv2d_1a_3x3.conv.weight"], state["Conv2d_1a_3x3.conv.weight"])
+    broken = tmp_path / "broken.pth"
+    broken.write_bytes(b"<html>rate limited</html>")
+    with pytest.raises(QualityError, match="not the Inception-v3 weights"):
+        InceptionFeatures(str(broken))
 
 
 def test_missing_inception_weights_say_how_to_get_them(monkeypatch, tmp_path):
