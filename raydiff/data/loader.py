@@ -103,7 +103,9 @@ class BatchStream:
             indices, flips = self._order.take(position, size)
             images = torch.empty((size, *self._table.shape), dtype=torch.uint8, pin_memory=self._pin)
             self._table.gather(indices, images.numpy())
-            batch = MicroBatch(images=images, flips=torch.from_numpy(flips), position=position, indices=indices)
+            flips = torch.from_numpy(flips)
+            batch = MicroBatch(images=images, flips=flips.pin_memory() if self._pin else flips, position=position,
+                               indices=indices)
             if self._noise is not None:
                 seed, timesteps = self._noise
                 t, noise = position_noise(seed, position, size, timesteps=timesteps, shape=tuple(self._table.shape))

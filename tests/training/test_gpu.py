@@ -1,0 +1,139 @@
+"""The training step on a CUDA GPU: bf16 and fp16 autocast, the fp16 loss scaler, no host sync in the steady
+state, torch.compile, channels_last, micro_batch=auto and pinned host buffers. Skipped where there is no GPU
+(CI); run them on a GPU machine with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from raydiff.config import load_config
+from raydiff.data.loader import BatchStream, ImageTable
+from raydiff.data.order import SampleOrder, rank_share
+from raydiff.model.diffusion import build_diffusion
+from raydiff.model.ema import EmaUpdater, make_ema
+from raydiff.model.unet import build_model
+from raydiff.training.microbatch import measure_micro_batch
+from raydiff.training.step import StepInputs, compiled, make_optimizer, optimizer_step
+from raydiff.training.window import MetricsWindow, NonFiniteSteps
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+GLOBAL_BATCH = 16
+
+
+def _setup(precision: str = "fp32", *, channels_last: bool = False):
+    cfg = load_config("smoke", [])
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    for p in model.parameters():  # leave the near-zero init: gradients everywhere
+        torch.nn.init.normal_(p, std=0.05)
+    model = model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    dtype = DTYPES[precision]
+    inputs = StepInputs(model=model, optimizer=make_optimizer(model, lr=1e-3, weight_decay=0.0),
+                        scaler=torch.amp.GradScaler("cuda", enabled=dtype == torch.float16),
+                        diffusion=build_diffusion(cfg), device=device, autocast_dtype=dtype, seed=0, flip=True,
+                        global_batch=GLOBAL_BATCH, world_size=1, grad_clip=1.0, dropout=False,
+                        channels_last=channels_last)
+    ema = make_ema(model)
+    return inputs, ema, EmaUpdater(ema, model), cfg
+
+
+def _stream(cfg, micro_batch: int = 8) -> BatchStream:
+    """The loop's own loader: pinned host buffers, noise drawn ahead on its thread."""
+    images = np.random.default_rng(0).integers(0, 256, (64, 1, 8, 8), dtype=np.uint8)
+    return BatchStream(table=ImageTable([images]), order=SampleOrder(64, seed=0), global_batch=GLOBAL_BATCH,
+                       share=rank_share(GLOBAL_BATCH, 1, 0), micro_batch=micro_batch, start_step=0,
+                       pin_memory=True, noise=(0, cfg.diffusion.timesteps))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_steps_train(precision):
+    inputs, _, ema_update, cfg = _setup(precision)
+    before = [p.detach().clone() for p in inputs.model.parameters()]
+    stream = _stream(cfg)
+    try:
+        results = [optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update, ema_decay=0.9) for _ in range(5)]
+    finally:
+        stream.close()
+    assert all(bool(r.finite) for r in results) and all(torch.isfinite(r.loss_sum) for r in results)
+    assert any(not torch.equal(a, b) for a, b in zip(before, inputs.model.parameters()))
+    assert inputs.scaler.is_enabled() == (precision == "fp16")
+    if precision == "fp16":
+        assert inputs.scaler.get_scale() > 0
+
+
+def test_fp16_non_finite_step_is_skipped_and_the_scale_backs_off():
+    inputs, _, ema_update, cfg = _setup("fp16")
+    stream = _stream(cfg)
+    try:
+        optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update, ema_decay=0.5)
+        weights = {k: v.clone() for k, v in inputs.model.state_dict().items()}
+        scale = inputs.scaler.get_scale()
+        result = optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update, ema_decay=0.5, fault=lambda b: True)
+    finally:
+        stream.close()
+    assert not bool(result.finite)
+    assert all(torch.equal(weights[k], v) for k, v in inputs.model.state_dict().items())
+    assert inputs.scaler.get_scale() < scale
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_steady_state_step_never_synchronises(precision):
+    """The issue's check: CUDA's sync debug mode raises on any host-device synchronisation inside the steps."""
+    inputs, _, ema_update, cfg = _setup(precision)
+    window, nonfinite = MetricsWindow(inputs.device), NonFiniteSteps(inputs.device)
+    stream = _stream(cfg)
+    try:
+        for _ in range(2):  # the optimizer's lazy state, cuDNN's first calls
+            optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update, ema_decay=0.9)
+        batches = [next(stream) for _ in range(3)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step_batches in batches:
+                result = optimizer_step(inputs, step_batches, lr=1e-3, ema=ema_update, ema_decay=0.9)
+                window.add(result, 0.0)
+                nonfinite.add(result.finite)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    finally:
+        stream.close()
+    assert nonfinite.skipped_steps() == 0
+
+
+def test_compiled_and_channels_last_steps_match_eager():
+    losses = {}
+    for name, compile_model, channels_last in (("eager", False, False), ("compiled", True, False),
+                                               ("channels_last", False, True)):
+        inputs, _, ema_update, cfg = _setup("fp32", channels_last=channels_last)
+        inputs.model = compiled(inputs.model, compile_model, fallback=False)
+        stream = _stream(cfg)
+        try:
+            losses[name] = [float(optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update,
+                                                 ema_decay=0.9).loss_sum) for _ in range(3)]
+        finally:
+            stream.close()
+    # TF32 convolutions and fused kernels change the last bits, not the steps.
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-2)
+    assert losses["channels_last"] == pytest.approx(losses["eager"], rel=1e-2)
+
+
+def test_micro_batch_auto_measures_what_fits():
+    inputs, *_ = _setup("bf16")
+    chosen = measure_micro_batch(inputs.model, inputs.diffusion, inputs.optimizer, share=64, shape=(1, 8, 8),
+                                 device=inputs.device, autocast_dtype=torch.bfloat16)
+    assert chosen == 64  # the smoke model at 8x8 fits whole shares on any GPU
+
+
+def test_loader_buffers_are_pinned_for_asynchronous_copies():
+    _, _, _, cfg = _setup()
+    stream = _stream(cfg)
+    try:
+        batches = next(stream)
+    finally:
+        stream.close()
+    assert all(b.images.is_pinned() and b.flips.is_pinned() and b.noise.is_pinned() and b.timesteps.is_pinned()
+               for b in batches)
