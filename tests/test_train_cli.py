@@ -11,6 +11,7 @@ import yaml
 from conftest import run_cli
 from PIL import Image
 
+from raydiff import cli, sample, train
 from raydiff.runs.checkpoint import list_checkpoints, read_state
 
 pytestmark = pytest.mark.ray
@@ -97,13 +98,19 @@ def test_sample_cli_grid_folder_and_determinism(smoke_run, tmp_path):
     (["--set", "data.source=/definitely/missing"], "no such file or folder"),
     (["--config", "nosuch"], "not a file and not a preset"),
 ])
-def test_bad_config_is_one_line_exit_2_nothing_written(tmp_path, args, fragment):
+def test_bad_config_is_one_line_exit_2_nothing_written(tmp_path, args, fragment, capsys):
     storage = tmp_path / "storage"
-    proc = run_cli("raydiff.train", *args, "--set", f"run.storage={storage}")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and fragment in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
+    assert cli.run(train.main, [*args, "--set", f"run.storage={storage}"]) == 2  # what the command's entry runs
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and fragment in err, err
     assert not storage.exists()
+
+
+def test_a_bad_config_exits_2_from_the_shell(tmp_path):
+    proc = run_cli("raydiff.train", "--set", "train.lr=-1", "--set", f"run.storage={tmp_path / 'storage'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "raydiff: config error: train.lr = -1.0: must be > 0, or null to scale train.base_lr"
+    assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "storage").exists()
 
 
 def test_empty_source_fails_before_training(tmp_path):
@@ -127,6 +134,9 @@ def test_dry_run_prints_config_and_parameters(tmp_path):
     (["--checkpoint", ".", "--num", "0", "--out", "x.png"], "--num 0: must be >= 1"),
     (["--checkpoint", ".", "--sampler", "ddpm", "--eta", "0.5", "--out", "x.png"], "--eta applies to --sampler ddim"),
 ])
-def test_sample_cli_bad_input(args, fragment):
-    proc = run_cli("raydiff.sample", *args)
-    assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr
+def test_sample_cli_bad_input(args, fragment, capsys):
+    try:
+        code = cli.run(sample.main, args)
+    except SystemExit as exit_:  # argparse's usage errors, as the shell sees them
+        code = exit_.code
+    assert code == 2 and fragment in capsys.readouterr().err

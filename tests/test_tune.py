@@ -106,7 +106,7 @@ def test_sweep_ranked_by_the_frechet_distance(tmp_path):
     """--metric fid: every report carries the Frechet distance of eval.features (the digits classifier's here),
     and trials are ranked by it."""
     proc = run_cli("raydiff.tune", "--config", "smoke", "--lr", "3e-3", "--samples", "1", "--batch", "16",
-                   "--budget-images", "320",
+                   "--budget-images", "160",
                    "--metric", "fid", "--name", "q", "--set", "eval.num=100", "--set", "eval.steps=5",
                    "--set", f"run.storage={tmp_path}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -117,4 +117,4 @@ def test_sweep_ranked_by_the_frechet_distance(tmp_path):
     assert "), digits_fd " in proc.stdout
     trial_rows = [json.loads(line) for line in (tmp_path / "q" / "runs" / rows[0]["trial"] / "metrics.jsonl")
                   .read_text().splitlines()]
-    assert sum("digits_fd" in r for r in trial_rows) == sum("val_loss" in r for r in trial_rows) >= 8
+    assert sum("digits_fd" in r for r in trial_rows) == sum("val_loss" in r for r in trial_rows) >= 5

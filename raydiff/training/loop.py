@@ -140,7 +140,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
         logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
                     f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
                     f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; compile "
-                    f"{w.speed['compile']}, channels_last {w.speed['channels_last']}")
+                    f"{w.speed['compile']}, channels_last {w.speed['channels_last']}, gradient compression "
+                    f"{w.speed['grad_compression']}")
     order_log = _order_log(w.run_dir, w.rank) if cfg.debug.record_order else None
     fault = _fault_injection(cfg, w.is_chief)
     nonfinite = NonFiniteSteps(w.device, progress.counters["skipped_steps"])
@@ -346,8 +347,10 @@ def _resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
     apply_config(w.step_inputs.optimizer, weight_decay=w.cfg.train.weight_decay)
     # DDP's gradient buckets double as the .grad tensors: no copy between them after each all-reduce.
     model = ray.train.torch.prepare_model(w.model, parallel_strategy_kwargs={"gradient_as_bucket_view": True})
+    w.speed["grad_compression"] = "none"
     if w.cfg.train.grad_compression == "bf16" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model.register_comm_hook(state=None, hook=bf16_compress_hook)  # averages in bf16, as the default does in fp32
+        w.speed["grad_compression"] = "bf16"
     w.step_inputs.model = compiled(model, w.speed["compile"], fallback=w.speed["compile_fallback"])
     return restored.progress if restored is not None else Progress()
 

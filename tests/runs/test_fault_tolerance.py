@@ -267,13 +267,17 @@ def test_elastic_resize_keeps_global_batch_and_epoch_order(tmp_path, monkeypatch
 
 def test_precision_and_weight_decay_may_change_between_runs(cluster, tmp_path):
     # fp32 -> fp16 (no loss scale in the checkpoint: it starts afresh) -> bf16 (the fp16 loss scale is dropped),
-    # each run continuing the last.
+    # each run continuing the last. The bf16 run also all-reduces its gradients in bf16 (train.grad_compression),
+    # which a run may switch on and off: it is not part of the training state.
     # The new weight decay is the one the optimizer uses from the first step after the resume.
     chain = [("fp32", 0.0, 10), ("fp16", 0.05, 20), ("bf16", 0.0, 30)]
     for precision, weight_decay, total in chain:
+        compression = "bf16" if precision == "bf16" else "none"
         proc = train(cluster, tmp_path, "precision", "--set", f"train.precision={precision}",
-                     "--set", f"train.weight_decay={weight_decay}", total=total)
+                     "--set", f"train.weight_decay={weight_decay}", "--set", f"train.grad_compression={compression}",
+                     total=total)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"gradient compression {compression}" in proc.stdout + proc.stderr  # DDP's comm hook registered
         run = summary(tmp_path / "precision")
         assert run["status"] == "finished" and run["steps"] == total
         assert run["resumed_from_step"] == total - 10
