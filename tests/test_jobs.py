@@ -3,6 +3,7 @@ token authentication on (the client presents the token). Only the processes the 
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -117,11 +118,20 @@ def test_train_job_succeeds_and_writes_to_run_storage(head, tmp_path):
 
 
 def test_tune_job_succeeds(head, tmp_path):
+    """A sweep submitted as a job, ranked by sample quality (--metric fid: the digits' Frechet distance, measured
+    at every validation point of every trial)."""
     proc = submit(head, "python", "-m", "raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3", "--batch", "16",
-                  "--samples", "2", "--budget-images", "320", "--name", "jobsweep", "--set", f"run.storage={tmp_path}")
+                  "--samples", "2", "--budget-images", "320", "--name", "jobsweep", "--metric", "fid",
+                  "--set", "eval.num=100", "--set", "eval.steps=5", "--set", f"run.storage={tmp_path}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (tmp_path / "jobsweep" / "results.csv").read_text().count("\n") == 3  # header + 2 trials
-    assert (tmp_path / "jobsweep" / "best.yaml").exists()
+    rows = list(csv.DictReader((tmp_path / "jobsweep" / "results.csv").open()))
+    assert len(rows) == 2 and all(float(r["digits_fd"]) > 0 for r in rows if r["status"] == "finished")
+    summary = json.loads((tmp_path / "jobsweep" / "summary.json").read_text())
+    assert summary["metric"] == "digits_fd" and summary["best"]["digits_fd"] > 0
+    assert "digits_fd" in (tmp_path / "jobsweep" / "best.yaml").read_text().splitlines()[0]
+    trial = tmp_path / "jobsweep" / "runs" / summary["best"]["trial"] / "metrics.jsonl"
+    trial_rows = [json.loads(line) for line in trial.read_text().splitlines()]
+    assert sum("digits_fd" in r for r in trial_rows) == sum("val_loss" in r for r in trial_rows) >= 8
 
 
 def test_job_stop_checkpoints_and_a_resubmitted_job_resumes(head, tmp_path):

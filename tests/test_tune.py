@@ -100,21 +100,3 @@ def test_trials_keep_warmup_and_ema_half_life_in_images(tmp_path):
     assert half_life_images[0] == pytest.approx(half_life_images[1])
     assert big.train.total_steps == 10 and big.train.lr == pytest.approx(4e-3)  # linear rule from batch 16
 
-
-@pytest.mark.ray
-def test_sweep_ranked_by_the_frechet_distance(tmp_path):
-    """--metric fid: every report carries the Frechet distance of eval.features (the digits classifier's here),
-    and trials are ranked by it."""
-    proc = run_cli("raydiff.tune", "--config", "smoke", "--lr", "3e-3", "--samples", "1", "--batch", "16",
-                   "--budget-images", "160",
-                   "--metric", "fid", "--name", "q", "--set", "eval.num=100", "--set", "eval.steps=5",
-                   "--set", f"run.storage={tmp_path}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = list(csv.DictReader((tmp_path / "q" / "results.csv").open()))
-    assert len(rows) == 1 and float(rows[0]["digits_fd"]) > 0 and rows[0]["status"] == "finished"
-    summary = json.loads((tmp_path / "q" / "summary.json").read_text())
-    assert summary["metric"] == "digits_fd" and summary["best"]["digits_fd"] == float(rows[0]["digits_fd"])
-    assert "), digits_fd " in proc.stdout
-    trial_rows = [json.loads(line) for line in (tmp_path / "q" / "runs" / rows[0]["trial"] / "metrics.jsonl")
-                  .read_text().splitlines()]
-    assert sum("digits_fd" in r for r in trial_rows) == sum("val_loss" in r for r in trial_rows) >= 5
