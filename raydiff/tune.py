@@ -113,8 +113,9 @@ def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
 
 def fd_metric_name(cfg: Config) -> str:
     """The metrics key of the Frechet distance the run's eval.features give: fid (Inception) or digits_fd."""
-    digits = cfg.eval.features == "digits" or (cfg.eval.features == "auto" and cfg.data.source == "builtin:digits")
-    return "digits_fd" if digits else "fid"
+    from raydiff.quality.features import feature_kind
+
+    return "digits_fd" if feature_kind(cfg.eval.features, cfg.data.source) == "digits" else "fid"
 
 
 def concurrent_trials(cfg: Config, cpus: float, gpus: float) -> int:

@@ -118,11 +118,16 @@ class ModuleFeatures:
         return self.module.to(images.device)(images.float() / 255), None
 
 
-def features_for(kind: str, source: str | None, inception_weights: str | None) -> Features:
-    """`eval.features` made concrete: auto = digits for builtin:digits, else Inception."""
+def feature_kind(kind: str, source: str | None) -> str:
+    """`eval.features` made concrete: auto = digits for builtin:digits, else inception."""
     if kind == "auto":
-        kind = "digits" if source == "builtin:digits" else "inception"
-    if kind == "digits":
+        return "digits" if source == "builtin:digits" else "inception"
+    return kind
+
+
+def features_for(kind: str, source: str | None, inception_weights: str | None) -> Features:
+    """The feature network `eval.features` names (see `feature_kind`)."""
+    if feature_kind(kind, source) == "digits":
         return DigitsFeatures()
     return InceptionFeatures(inception_weights_path(inception_weights))
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from raydiff.quality.evaluation import SampleJob, chunks, empty_stats, sample_stats, scores, total
 from raydiff.quality.features import Features
 from raydiff.quality.reference import Reference
-from raydiff.training.distributed import from_rank_zero
+from raydiff.training.distributed import _active, from_rank_zero
 
 
 @dataclass
@@ -25,10 +25,6 @@ class InRunQuality:
 
     features: Features
     reference: Reference
-
-
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 @torch.no_grad()
