@@ -41,6 +41,10 @@ class DataSection:
     channels: int = 1  # 1 = grayscale, 3 = RGB
     flip: bool = False  # random horizontal flips (off for digits: a mirrored 3 is not a digit)
     val_images: int = 0  # images held out of training for the validation loss (0 = none)
+    cache: Literal["auto", "memory", "stream"] = "auto"  # memory: every node holds the decoded dataset; stream:
+    # a window of prepared shards at a time; auto: memory if it takes at most half the smallest object store
+    stream_buffer_gb: float = 4.0  # stream: the most a node holds (capped at half its object store)
+    stream_window_shards: int = 8  # stream: shards shuffled together (the shuffle's reach; see README)
 
 
 @dataclass
@@ -397,6 +401,9 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(d.endpoint is None or "://" in d.endpoint, "data.endpoint", d.endpoint,
            "must be a URL such as http://127.0.0.1:9000, or null")
     _check(d.channels in (1, 3), "data.channels", d.channels, "must be 1 (grayscale) or 3 (RGB)")
+    _check(d.cache in ("auto", "memory", "stream"), "data.cache", d.cache, "must be auto, memory or stream")
+    _check(d.stream_buffer_gb > 0, "data.stream_buffer_gb", d.stream_buffer_gb, "must be > 0")
+    _check(d.stream_window_shards >= 1, "data.stream_window_shards", d.stream_window_shards, "must be >= 1")
 
     # Model.
     levels = len(m.channel_mult)

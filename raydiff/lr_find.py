@@ -51,9 +51,10 @@ def suggest(lrs: np.ndarray, smoothed: list[float]) -> tuple[float, float, float
 
 
 def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
-    from raydiff.data.ingest import load_data
-    from raydiff.data.loader import BatchStream, ImageTable
-    from raydiff.data.order import SampleOrder, Share
+    from raydiff.data.loader import BatchStream
+    from raydiff.data.order import Share
+    from raydiff.data.sources import source_of
+    from raydiff.data.stream import open_images, open_tables
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
     from raydiff.sample import resolve_device
@@ -63,12 +64,12 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
 
     t = cfg.train
     init_ray()
-    store = load_data(cfg.data)
-    table = ImageTable(store.arrays())
-    train_indices, _ = holdout_split(store.usable_indices(), cfg.data.val_images, t.seed)
+    images, _ = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint)
+    train_indices, _ = holdout_split(images.usable_indices(), cfg.data.val_images, t.seed)
+    table, order, _, _ = open_tables(images, train_indices, np.empty(0, np.int64), t.seed, group="lr-find")
     device = resolve_device("auto")
     micro_batch = t.micro_batch if isinstance(t.micro_batch, int) else t.global_batch
-    stream = BatchStream(table=table, order=SampleOrder(train_indices, t.seed), global_batch=t.global_batch,
+    stream = BatchStream(table=table, order=order, global_batch=t.global_batch,
                          share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
                          pin_memory=device.type == "cuda", noise=(t.seed, cfg.diffusion.timesteps))
 

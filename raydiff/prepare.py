@@ -3,7 +3,8 @@
     python -m raydiff.prepare SOURCE OUT --resolution R [--channels C] [--format auto|images|parquet|webdataset]
         [--image-column NAME] [--endpoint URL] [--anonymous] [--max-bad-fraction F]
 
-Ray Data decodes, converts, resizes and center-crops every image in parallel (the same code as training).
+Ray Data decodes, converts, resizes and center-crops every image in parallel (the same code as training),
+streaming: the decoded dataset never has to fit in memory.
 OUT (a folder, or an s3:// / gs:// URI) receives `part-NNNNN.parquet` shards, whose `image` column is Arrow's
 fixed-shape uint8 tensor (C, R, R), and `manifest.json`: count, resolution, channels, source, shards, and every
 sample that could not be used and why. Training with `data.source=OUT` then skips decoding. The manifest is
@@ -19,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,31 +34,33 @@ from raydiff.data.sources import MANIFEST, PREPARED_FORMAT, DataError, open_sour
 SHARD_BYTES = 128 * 1024 * 1024  # uncompressed image bytes per Parquet shard
 
 
-def _shards(store, rows_per_shard: int):
-    """Yield uint8 (n, C, R, R) arrays of the usable samples, in order, `rows_per_shard` at a time; one object-store
-    chunk in memory at a time."""
-    import ray
-
-    bad = np.array(sorted(b.index for b in store.bad), dtype=np.int64)
-    pending, start = [], 0
-    for ref, count in zip(store.chunks, store.counts):
-        chunk = ray.get(ref)
-        keep = np.ones(count, bool)
-        keep[bad[(bad >= start) & (bad < start + count)] - start] = False
-        pending.append(chunk[keep])
-        start += count
-        while sum(len(p) for p in pending) >= rows_per_shard:
+def _shards(decoded, rows_per_shard: int, bad: list):
+    """Regroup (usable images, bad samples) batches into uint8 (n, C, R, R) shards of `rows_per_shard` rows, in
+    order; the bad samples are collected into `bad`. Holds at most one shard and one batch."""
+    pending, held = [], 0
+    for images, bad_here in decoded:
+        bad.extend(bad_here)
+        pending.append(images)
+        held += len(images)
+        while held >= rows_per_shard:
             joined = np.concatenate(pending)
             yield joined[:rows_per_shard]
-            pending = [joined[rows_per_shard:]]
-    rest = np.concatenate(pending) if pending else np.empty((0, *store.shape), np.uint8)
-    if len(rest):
-        yield rest
+            pending, held = [joined[rows_per_shard:]], held - rows_per_shard
+    if held:
+        yield np.concatenate(pending)
 
 
-def write_prepared(store, source, out: str, *, endpoint: str | None = None) -> dict:
-    """Write `store` (a decoded source) to `out` as prepared shards plus manifest; return the manifest."""
+def rows_per_shard_for(shape: tuple[int, int, int], shard_bytes: int = SHARD_BYTES) -> int:
+    return max(1, shard_bytes // int(np.prod(shape)))
+
+
+def write_prepared(decoded, source, out: str, *, shape: tuple[int, int, int], rows_per_shard: int | None = None,
+                   max_bad_fraction: float = 1.0, endpoint: str | None = None) -> dict:
+    """Write the batches of `decoded` ((usable uint8 images, bad samples), as `decode_stream` yields them) to `out`
+    as prepared shards plus manifest; return the manifest. Streams: memory holds one shard, not the dataset.
+    Too many bad samples (> max_bad_fraction) stop it before the manifest, and a local `out` is not created."""
     from raydiff.data.fs import filesystem_for
+    from raydiff.data.ingest import check_bad_fraction
 
     try:
         filesystem, root = filesystem_for(out, endpoint=endpoint)
@@ -74,22 +78,26 @@ def write_prepared(store, source, out: str, *, endpoint: str | None = None) -> d
     else:
         filesystem.create_dir(root, recursive=True)
 
-    c, r, _ = store.shape
-    rows_per_shard = max(1, SHARD_BYTES // (c * r * r))
+    c, r, _ = shape
+    rows_per_shard = rows_per_shard or rows_per_shard_for(shape)
     tensor_type = pa.fixed_shape_tensor(pa.uint8(), [c, r, r])
-    shards, count = [], 0
+    shards, counts, bad = [], [], []
     try:
-        for i, images in enumerate(_shards(store, rows_per_shard)):
+        for i, images in enumerate(_shards(decoded, rows_per_shard, bad)):
             name = f"part-{i:05d}.parquet"
             storage = pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1), pa.uint8()), c * r * r)
             table = pa.table({"image": pa.ExtensionArray.from_storage(tensor_type, storage)})
             pq.write_table(table, f"{target}/{name}", filesystem=filesystem, compression="zstd")
             shards.append(name)
-            count += len(images)
+            counts.append(len(images))
+        count = sum(counts)
+        if not count:
+            raise DataError(f"data.source = {source.uri!r}: no usable samples in {source.describe()}")
+        check_bad_fraction(BadCount(source.uri, count + len(bad), tuple(bad)), max_bad_fraction)
         manifest = {
             "format": PREPARED_FORMAT, "version": 1, "count": count, "resolution": r, "channels": c,
-            "source": source.uri, "source_identity": source.identity(), "shards": shards,
-            "bad": [b.to_dict() for b in store.bad], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "source": source.uri, "source_identity": source.identity(), "shards": shards, "shard_counts": counts,
+            "bad": [b.to_dict() for b in bad], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with filesystem.open_output_stream(f"{target}/{MANIFEST}") as f:
             f.write((json.dumps(manifest, indent=1) + "\n").encode())
@@ -100,6 +108,15 @@ def write_prepared(store, source, out: str, *, endpoint: str | None = None) -> d
             shutil.rmtree(target, ignore_errors=True)
         raise
     return manifest
+
+
+@dataclass(frozen=True)
+class BadCount:
+    """What `check_bad_fraction` reads of a decoded source."""
+
+    source: str
+    num_images: int
+    bad: tuple
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -124,7 +141,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raydiff.data.ingest import check_bad_fraction, load_images
+    from raydiff.data.ingest import decode_stream
     from raydiff.training.driver import init_ray
 
     args = parse_args(argv)
@@ -133,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     if source.kind == "prepared":
         raise DataError(f"SOURCE = {args.source!r} is already prepared data")
     init_ray()
-    store = load_images(source, resolution=args.resolution, channels=args.channels, image_column=args.image_column)
-    check_bad_fraction(store, args.max_bad_fraction)
-    manifest = write_prepared(store, source, args.out, endpoint=args.endpoint)
-    skipped = f"; {len(store.bad)} unusable sample(s) skipped (listed in {MANIFEST})" if store.bad else ""
+    decoded = decode_stream(source, resolution=args.resolution, channels=args.channels, image_column=args.image_column)
+    manifest = write_prepared(decoded, source, args.out, shape=(args.channels, args.resolution, args.resolution),
+                              max_bad_fraction=args.max_bad_fraction, endpoint=args.endpoint)
+    skipped = f"; {len(manifest['bad'])} unusable sample(s) skipped (listed in {MANIFEST})" if manifest["bad"] else ""
     print(f"[raydiff] prepared {manifest['count']} images at {args.resolution}px from {source.describe()} in "
           f"{time.perf_counter() - started:.1f} s: {len(manifest['shards'])} shard(s) in {args.out}{skipped}")
     print(f"[raydiff] train on it: python -m raydiff.train --set data.source={args.out} "

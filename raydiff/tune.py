@@ -189,8 +189,10 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from raydiff.data.ingest import load_data
+    from raydiff.data.sources import source_of
+    from raydiff.data.stream import ShardedImages, open_images
     from raydiff.training.driver import init_ray
+    from raydiff.training.validation import holdout_split
 
     sweep_dir = Path(cfg.run.storage) / sweep.name
     spec_file = sweep_dir / "sweep.json"
@@ -202,16 +204,18 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
 
     init_ray()
     _require_state_api()
-    images = load_data(cfg.data)
+    images, cache = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint)
     if cfg.data.val_images >= images.num_good:
         raise ConfigError(f"data.val_images = {cfg.data.val_images}: must be below the {images.num_good} images")
+    if isinstance(images, ShardedImages):  # once for every trial: they all hold out the same images
+        images = images.with_holdout(holdout_split(images.usable_indices(), cfg.data.val_images, cfg.train.seed)[1])
     resources = ray.cluster_resources()
     cpus = resources.get("CPU", 1)
     concurrent = sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0))
     print(f"[raydiff] sweep {sweep.name}: {len(sweep.base_lrs)} base LR(s) x {len(sweep.batches)} batch size(s) x "
           f"{len(sweep.rules)} rule(s) = {len(sweep.base_lrs) * len(sweep.batches) * len(sweep.rules)} trials of "
           f"{sweep.budget_images:,} images, validation every {sweep.interval_images:,} images on "
-          f"{cfg.data.val_images} held-out images, {concurrent} at a time")
+          f"{cfg.data.val_images} held-out images, {concurrent} at a time; {cache}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(json.dumps(spec, indent=2) + "\n")
 

@@ -152,14 +152,35 @@ def _errors_of(errors: np.ndarray) -> tuple[int, list[tuple[int, str]]]:
     return len(errors), [(i, str(e)) for i, e in enumerate(errors) if e]
 
 
-def load_images(source: Source, *, resolution: int, channels: int, image_column: str = "image") -> ImageStore:
-    """Decode every sample of `source` once with Ray Data; return an `ImageStore` (bad samples listed)."""
+def check_prepared(source: Source, resolution: int, channels: int) -> None:
+    """A prepared source must have been made at the run's resolution and channels."""
     if source.kind == "prepared":
         made = (source.manifest["resolution"], source.manifest["channels"])
         if made != (resolution, channels):
             raise DataError(f"data.source = {source.uri!r} was prepared at {made[0]}px with {made[1]} channel(s), but "
                             f"data.resolution = {resolution} and data.channels = {channels}: set those, or prepare "
                             f"the raw source again")
+
+
+def decode_stream(source: Source, *, resolution: int, channels: int, image_column: str = "image"):
+    """Decode `source` with Ray Data, streaming: yield (uint8 (n, C, R, R) usable images, [BadSample]) in sample
+    order, never holding more than Ray Data's bounded window (for `raydiff.prepare` and data.cache=stream)."""
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    start = 0
+    for batch in _read(source, resolution, channels, image_column).iter_batches(
+            batch_size=DECODE_BATCH * 4, batch_format="numpy", prefetch_batches=4):
+        errors = batch["error"]
+        bad = []
+        for row in np.flatnonzero(errors != ""):
+            where, _, reason = str(errors[row]).partition(_SEP)
+            bad.append(BadSample(index=start + int(row), where=where, reason=reason))
+        start += len(errors)
+        yield batch["image"][errors == ""], bad
+
+
+def load_images(source: Source, *, resolution: int, channels: int, image_column: str = "image") -> ImageStore:
+    """Decode every sample of `source` once with Ray Data; return an `ImageStore` (bad samples listed)."""
+    check_prepared(source, resolution, channels)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # sample i must be the same image in every run
     rows_per_chunk = max(1, CHUNK_BYTES // (channels * resolution * resolution))

@@ -33,6 +33,9 @@ class ImageTable:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def prepare(self, position: int) -> None:
+        """Nothing to read ahead: every chunk is in memory (see `raydiff.data.stream.StreamTable`)."""
+
     def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
         chunk_of = np.searchsorted(self.starts, indices, side="right") - 1
         for c in np.unique(chunk_of):
@@ -73,7 +76,7 @@ class MicroBatch:
 class BatchStream:
     """Yields, for every optimizer step from `start_step` on, this worker's micro-batches.
 
-    :param table: the decoded images.
+    :param table: the decoded images (an `ImageTable`, or a `StreamTable` for streamed data).
     :param order: the global sample stream.
     :param global_batch: samples per optimizer step over all workers.
     :param share: this worker's slice of every global batch.
@@ -98,6 +101,7 @@ class BatchStream:
 
     def _step_batches(self, step: int) -> list[MicroBatch]:
         batches = []
+        self._table.prepare(step * self._global_batch)
         for offset, size in self._layout:
             position = step * self._global_batch + offset
             indices, flips = self._order.take(position, size)

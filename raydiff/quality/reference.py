@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raydiff.quality.evaluation import parallel_stats
+from raydiff.quality.evaluation import parallel_stats, total
 from raydiff.quality.features import Features, QualityError
 from raydiff.runs.rundir import RunDir
 
@@ -64,8 +64,8 @@ def _npz_file(uri: str) -> tuple[RunDir, str]:
 
 def reference_for(cfg, features: Features, *, keep_features: bool, images=None) -> Reference:
     """The reference of `cfg.eval.ref` (see the module docstring). `images`: the run's data already decoded."""
-    from raydiff.data.ingest import load_data
     from raydiff.data.sources import source_of
+    from raydiff.data.stream import ShardedImages, open_images
 
     ref = cfg.eval.ref
     if ref and ref.lower().endswith(".npz"):
@@ -84,9 +84,14 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
     description = f"the reference statistics of {source.uri} at {data.resolution}px"
     if cache.is_file(f"{key}.npz"):
         return read_npz(cache.read_bytes(f"{key}.npz"), description)
-    store = images if images is not None else load_data(data, source)
-    arrays = np.concatenate(store.arrays())[store.usable_indices()]
-    stats = parallel_stats("arrays", arrays, features, len(arrays), keep_features=keep_features)
+    if images is None:
+        images, _ = open_images(data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
+    if isinstance(images, ShardedImages):  # streamed: a few shards at a time
+        stats = total([parallel_stats("arrays", a, features, len(a), keep_features=keep_features)
+                       for a in images.iter_arrays()])
+    else:
+        arrays = np.concatenate(images.arrays())[images.usable_indices()]
+        stats = parallel_stats("arrays", arrays, features, len(arrays), keep_features=keep_features)
     mu, sigma = stats.mu_sigma()
     reference = Reference(mu, sigma, stats.count, stats.all_features() if keep_features else None, description)
     cache.write_bytes(f"{key}.npz", reference.to_npz())

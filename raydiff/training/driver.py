@@ -17,8 +17,9 @@ import yaml
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import Config, ConfigError, check_workers
-from raydiff.data.ingest import ImageStore, load_data
+from raydiff.data.ingest import ImageStore
 from raydiff.data.sources import DataError, source_of
+from raydiff.data.stream import ShardedImages, open_images
 from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.resume import DATA_FILE, plan_run
@@ -28,6 +29,7 @@ from raydiff.runs.state import Unresumable
 from raydiff.training.loop import train_worker
 from raydiff.training.lr import describe_lr
 from raydiff.training.stop import StopFlag, stop_on_signals
+from raydiff.training.validation import holdout_split
 
 BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
 
@@ -111,8 +113,9 @@ def auto_workers(cfg: Config, gpus: float) -> Config:
 def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, int]:
     """Workers, devices and CPUs per worker; returns Ray's ScalingConfig and torch threads per worker.
 
-    Ray Data decodes the whole dataset before training starts (see `raydiff.data.ingest`), so training may use
-    every CPU without starving the data pipeline: the two never compete, and nothing can deadlock.
+    Ray Data decodes (or, for streamed data, prepares) the dataset before training starts (see
+    `raydiff.data.ingest`), and streamed shards are read by zero-CPU actors, so training may use every CPU
+    without starving the data pipeline: the two never compete, and nothing can deadlock.
     `cpus` is this run's part of the cluster's CPUs (a Tune sweep runs several runs at once); default all.
     """
     s = cfg.scaling
@@ -134,7 +137,7 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     return scaling, max(1, math.floor(cpus_per_worker))
 
 
-def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float | None = None,
+def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = None, cpus: float | None = None,
                  callbacks: list | None = None) -> dict[str, Any]:
     """Train to `cfg.train.total_steps`, continuing the run's newest checkpoint; return the summary.
 
@@ -168,12 +171,15 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     decode_start = time.perf_counter()
     decoded = "decoded earlier"
     if images is None:
-        images = load_data(cfg.data, source)
-        decoded = f"decoded in {time.perf_counter() - decode_start:.1f} s"
+        images, cache = open_images(cfg.data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
+        decoded = f"{cache}; ready in {time.perf_counter() - decode_start:.1f} s"
     if cfg.data.val_images >= images.num_good:
         raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of usable images in "
                         f"data.source ({images.num_good})")
-    skipped = f", {len(images.bad)} skipped as unusable (see summary.json)" if images.bad else ""
+    if isinstance(images, ShardedImages) and cfg.data.val_images:  # streamed: the driver gathers the few held out
+        images = images.with_holdout(holdout_split(images.usable_indices(), cfg.data.val_images, cfg.train.seed)[1])
+    unusable = images.bad_report()["count"]
+    skipped = f", {unusable} skipped as unusable (see summary.json)" if unusable else ""
     scaling, torch_threads = plan_scaling(resolved, cpus)
     s = resolved.scaling
     workers = "-".join(map(str, s.num_workers)) if s.elastic and not cfg.scaling.auto else s.max_workers
@@ -189,8 +195,8 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     # Record the resolved config and the data's identity next to the results.
     run_dir.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     run_dir.write_text(DATA_FILE, json.dumps(data, indent=2) + "\n")
-    if images.bad:
-        run_dir.write_text(BAD_FILE, json.dumps([b.to_dict() for b in images.bad], indent=1) + "\n")
+    if unusable:
+        run_dir.write_text(BAD_FILE, json.dumps(images.bad_report(limit=None)["examples"], indent=1) + "\n")
 
     invocation, stop_flag = uuid.uuid4().hex, StopFlag.remote()
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
@@ -229,7 +235,7 @@ def run_training(cfg: Config, *, images: ImageStore | None = None, cpus: float |
     return {**summary, "signal": received["signal"]}
 
 
-def _prepare_quality(cfg: Config, images: ImageStore) -> ray.ObjectRef | None:
+def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages) -> ray.ObjectRef | None:
     """eval.every / eval.at_end: the feature network and the reference statistics, once, before training (a
     missing Inception download stops the run here, not after hours of training)."""
     e = cfg.eval

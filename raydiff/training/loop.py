@@ -14,10 +14,12 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
@@ -26,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from raydiff.config import Config
 from raydiff.data.loader import BatchStream, ImageTable, MicroBatch
 from raydiff.data.order import SampleOrder, rank_share
+from raydiff.data.stream import StreamTable, open_tables
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import EmaUpdater, ema_decay_at, make_ema
 from raydiff.model.unet import build_model
@@ -86,7 +89,7 @@ class Worker:
     ema_update: EmaUpdater
     speed: dict[str, Any]  # what train.compile and train.channels_last mean here (`speed_options`)
     step_inputs: StepInputs
-    table: ImageTable
+    table: ImageTable | StreamTable
     order: SampleOrder
     validation: Validation | None
     quality: InRunQuality | None  # eval.every / eval.at_end: the feature network and the reference
@@ -292,15 +295,16 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
     diffusion = build_diffusion(cfg)
     run_dir: RunDir = loop_config["run_dir"]
 
-    # Split off the held-out images; the rest is the training stream.
-    store = loop_config["images"]
-    table = ImageTable(store.arrays())
-    train_indices, val_indices = holdout_split(store.usable_indices(), cfg.data.val_images, t.seed)
-    validation = Validation(table=table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
+    # Split off the held-out images; the rest is the training stream (from memory, or streamed shard by shard).
+    images = loop_config["images"]
+    train_indices, val_indices = holdout_split(images.usable_indices(), cfg.data.val_images, t.seed)
+    table, order, val_table, val_indices = open_tables(images, train_indices, val_indices, t.seed,
+                                                      group=from_rank_zero(uuid.uuid4().hex))
+    validation = Validation(table=val_table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
                             rank=rank, world_size=world_size) if len(val_indices) else None
     if t.micro_batch == "auto":
         share = rank_share(t.global_batch, world_size, rank)
-        micro_batch = smallest(measure_micro_batch(model, diffusion, optimizer, share=share.size, shape=store.shape,
+        micro_batch = smallest(measure_micro_batch(model, diffusion, optimizer, share=share.size, shape=images.shape,
                                                    device=device, autocast_dtype=autocast_dtype), device)
     else:
         micro_batch = cfg.micro_batch_for(world_size)
@@ -314,7 +318,7 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
     return Worker(
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
         ema_update=EmaUpdater(ema, model), speed=speed,
-        step_inputs=step_inputs, table=table, order=SampleOrder(train_indices, t.seed), validation=validation,
+        step_inputs=step_inputs, table=table, order=order, validation=validation,
         quality=ray.get(loop_config["quality"]) if loop_config.get("quality") is not None else None,
         micro_batch=micro_batch,
         metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S,

@@ -1,0 +1,374 @@
+"""Streamed data (`data.cache=stream`): train on datasets bigger than a node's memory.
+
+Memory mode (`raydiff.data.ingest`) keeps the whole decoded dataset in every node's object store. Stream mode
+reads prepared Parquet shards (`raydiff.prepare`; a raw source is prepared once into the run storage) one
+window at a time:
+
+- the sample order is shard-aware (`SampleOrder(shard_starts=...)`): each epoch shuffles the shards, groups
+  them into windows of `data.stream_window_shards` and shuffles the samples within a window, so a step needs
+  the shards of one window (two at a window's edge), and a step's samples are still a pure function of
+  (seed, step);
+- one `NodeShards` actor per node reads each shard once per epoch into the node's object store and hands it to
+  every worker of that node (zero-copy), reading the next window ahead while the current one trains; it holds
+  at most `data.stream_buffer_gb` and drops the oldest shards first;
+- the held-out validation images are gathered once by the driver (a few hundred images).
+
+`data.cache=auto` chooses memory when the decoded dataset takes at most MEMORY_SHARE of the smallest node's
+object store, else stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from raydiff.data.order import SampleOrder
+from raydiff.data.sources import DataError, Source, open_source
+
+MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
+STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
+WINDOWS_HELD = 3  # the window being trained, the one before (a step may straddle two) and the one read ahead
+STREAM_FOLDER = ".raydiff-stream"  # raw sources prepared for streaming, under run.storage
+GB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class ShardedImages:
+    """A prepared dataset read shard by shard; picklable, so it travels to the workers.
+
+    :param uri: where the prepared shards are.
+    :param source: `data.source` as the user gave it.
+    :param files, counts: the shards (paths in `filesystem`) and their rows.
+    :param window_shards: shards shuffled together (`data.stream_window_shards`).
+    :param buffer_bytes: the most a node holds at once.
+    :param holdout: uint8 images of the held-out indices, once gathered (`with_holdout`).
+    :param skipped: samples of the raw source that could not be decoded (not in the shards; reported only).
+    """
+
+    uri: str
+    source: str
+    filesystem: pafs.FileSystem
+    files: tuple[str, ...]
+    counts: tuple[int, ...]
+    shape: tuple[int, int, int]
+    window_shards: int
+    buffer_bytes: int
+    holdout: ray.ObjectRef | None = None
+    holdout_indices: tuple[int, ...] = ()
+    skipped: tuple[dict, ...] = ()
+
+    bad = ()  # bad samples were left out when the shards were written: every index holds an image
+
+    @property
+    def num_images(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def num_good(self) -> int:
+        return self.num_images
+
+    @property
+    def shard_starts(self) -> np.ndarray:
+        return np.cumsum([0, *self.counts])
+
+    def usable_indices(self) -> np.ndarray:
+        return np.arange(self.num_images)
+
+    def bad_report(self, limit: int = 20) -> dict[str, Any]:
+        total = self.num_images + len(self.skipped)
+        return {"count": len(self.skipped), "fraction": round(len(self.skipped) / max(total, 1), 6),
+                "examples": list(self.skipped[:limit])}
+
+    def order(self, indices: np.ndarray, seed: int) -> SampleOrder:
+        return SampleOrder(indices, seed, shard_starts=self.shard_starts, window_shards=self.window_shards)
+
+    def describe(self) -> str:
+        shard_mb = max(self.counts) * int(np.prod(self.shape)) / 2 ** 20
+        return (f"streamed from {self.uri}: {len(self.files)} shards of up to {shard_mb:.3g} MB, shuffled in "
+                f"windows of {self.window_shards}, at most {self.buffer_bytes / GB:.3g} GB per node")
+
+    def with_holdout(self, indices: np.ndarray) -> ShardedImages:
+        """A copy that carries the held-out images (gathered in parallel, one Ray task per shard holding any)."""
+        indices = np.asarray(indices)
+        if tuple(indices.tolist()) == self.holdout_indices and self.holdout is not None:
+            return self
+        shard_of = np.searchsorted(self.shard_starts, indices, "right") - 1
+        starts = self.shard_starts
+        options = {"num_cpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None)}
+        parts = ray.get([_rows.options(**options).remote(self.filesystem, self.files[s], self.shape,
+                                                         indices[shard_of == s] - starts[s])
+                         for s in np.unique(shard_of)])
+        images = np.concatenate(parts) if parts else np.empty((0, *self.shape), np.uint8)
+        return replace(self, holdout=ray.put(images), holdout_indices=tuple(indices.tolist()))
+
+
+    def iter_arrays(self, max_bytes: int = 256 * 2 ** 20):
+        """All images in index order, a few shards (up to about `max_bytes`) at a time."""
+        pending, held = [], 0
+        for path in self.files:
+            pending.append(read_shard(self.filesystem, path, self.shape))
+            held += pending[-1].nbytes
+            if held >= max_bytes:
+                yield np.concatenate(pending)
+                pending, held = [], 0
+        if pending:
+            yield np.concatenate(pending)
+
+
+def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed: int, group: str):
+    """A worker's view of the run's images: (table, order) of the training stream, and (table, indices) of the
+    held-out images, for memory (`ImageStore`) or streamed (`ShardedImages`) data. `group`: the same string on
+    every worker of one worker group (names the node caches)."""
+    from raydiff.data.loader import ImageTable
+
+    if isinstance(images, ShardedImages):
+        order = images.order(train_indices, seed)
+        table = StreamTable(images, order, node_shards(images, group))
+        held_out = ImageTable([ray.get(images.holdout)]) if len(val_indices) else None
+        return table, order, held_out, np.arange(len(val_indices))
+    table = ImageTable(images.arrays())
+    return table, SampleOrder(train_indices, seed), table, val_indices
+
+
+def open_images(data, source: Source, *, storage: str, endpoint: str | None):
+    """The run's images as `data.cache` says: an `ImageStore` (memory) or `ShardedImages` (stream), and a phrase
+    for the start line saying which and why."""
+    from raydiff.data.ingest import load_data
+
+    mode, why = choose_cache(data, source)
+    if mode == "stream":
+        images = stream_images(data, source, storage=storage, endpoint=endpoint)
+        return images, f"{why}; {images.describe()}"
+    return load_data(data, source), why
+
+
+def read_shard(filesystem: pafs.FileSystem, path: str, shape: tuple[int, int, int]) -> np.ndarray:
+    """A prepared shard's images as uint8 (n, C, R, R)."""
+    column = pq.read_table(path, filesystem=filesystem, columns=["image"]).column("image").combine_chunks()
+    return column.to_numpy_ndarray().reshape(-1, *shape)
+
+
+@ray.remote
+def _rows(filesystem, path: str, shape, rows: np.ndarray) -> np.ndarray:
+    return read_shard(filesystem, path, shape)[rows]
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)
+class NodeShards:
+    """The shards one node holds in its object store for all its workers, least recently used dropped first."""
+
+    def __init__(self, images: ShardedImages, readers: int = 2) -> None:
+        self._images = images
+        self._lock = threading.Lock()
+        self._held: OrderedDict[int, tuple[ray.ObjectRef, int]] = OrderedDict()
+        self._loading: dict[int, Future] = {}
+        self._pool = ThreadPoolExecutor(readers, thread_name_prefix="raydiff-shards")
+        self._reads: Counter = Counter()
+        self._peak_bytes = 0
+
+    def _request(self, shard: int) -> Future:
+        with self._lock:
+            if shard in self._held:
+                self._held.move_to_end(shard)
+                done: Future = Future()
+                done.set_result(self._held[shard][0])
+                return done
+            if shard not in self._loading:
+                self._loading[shard] = self._pool.submit(self._load, shard)
+            return self._loading[shard]
+
+    def _load(self, shard: int) -> ray.ObjectRef:
+        images = self._images
+        array = read_shard(images.filesystem, images.files[shard], images.shape)
+        ref = ray.put(array)
+        with self._lock:
+            self._held[shard] = (ref, array.nbytes)
+            self._reads[shard] += 1
+            del self._loading[shard]
+            held = sum(n for _, n in self._held.values())
+            while held > images.buffer_bytes and len(self._held) > 1:
+                _, (_, nbytes) = self._held.popitem(last=False)
+                held -= nbytes
+            self._peak_bytes = max(self._peak_bytes, held)
+        return ref
+
+    def get(self, shards: list[int]) -> list[list[ray.ObjectRef]]:
+        """Object refs of `shards` (read now if not held). Each is wrapped in a list, so that Ray hands over the
+        reference rather than the array."""
+        futures = [self._request(s) for s in shards]
+        return [[f.result()] for f in futures]
+
+    def prefetch(self, shards: list[int]) -> None:
+        for s in shards:
+            self._request(s)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"reads": dict(self._reads), "held_bytes": sum(n for _, n in self._held.values()),
+                    "peak_bytes": self._peak_bytes}
+
+
+def node_shards(images: ShardedImages, group: str) -> ray.actor.ActorHandle:
+    """This node's `NodeShards` for worker group `group` (created by the first worker of the node to ask). It
+    lives as long as the worker that created it: a restarted worker group gets new ones."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return NodeShards.options(
+        name=f"raydiff-shards-{group}-{node_id}", get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(images)
+
+
+class StreamTable:
+    """Random access by sample index over streamed shards, for one worker (see `raydiff.data.loader.ImageTable`).
+
+    `prepare(position)`, called before each step, asks the node to read the next window ahead.
+    """
+
+    def __init__(self, images: ShardedImages, order: SampleOrder, shards: ray.actor.ActorHandle) -> None:
+        self._images, self._order, self._shards = images, order, shards
+        self._starts = images.shard_starts
+        self.shape = images.shape
+        self._arrays: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._keep = WINDOWS_HELD * images.window_shards
+        self._window: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def prepare(self, position: int) -> None:
+        window, _ = self._order.window_shards_at(position)
+        if window != self._window:
+            self._window = window
+            _, upcoming = self._order.window_shards_at(self._order.next_window(window))
+            self._shards.prefetch.remote(upcoming)
+
+    def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
+        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        needed = np.unique(shard_of).tolist()
+        missing = [s for s in needed if s not in self._arrays]
+        if missing:
+            refs = ray.get(self._shards.get.remote(missing))
+            for s, array in zip(missing, ray.get([r[0] for r in refs])):
+                self._arrays[s] = array
+        for s in needed:
+            self._arrays.move_to_end(s)
+            selected = shard_of == s
+            out[selected] = self._arrays[s][indices[selected] - self._starts[s]]
+        while len(self._arrays) > max(self._keep, len(needed)):
+            self._arrays.popitem(last=False)
+        return out
+
+
+# The driver's side: which mode, and the shards to stream.
+def smallest_object_store() -> int:
+    """Bytes of object store on the smallest alive node that can run a worker (has a CPU or a GPU)."""
+    sizes = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes()
+             if n.get("Alive") and (n["Resources"].get("CPU", 0) or n["Resources"].get("GPU", 0))]
+    return int(min(sizes)) if sizes else 0
+
+
+def estimated_count(source: Source) -> int:
+    """Samples in `source` without decoding it: exact for folders and Parquet (footers), estimated for
+    WebDataset (the first shard's images times the shards)."""
+    if source.kind == "prepared":
+        return int(source.manifest["count"])
+    if source.kind == "images":
+        return len(source.files)
+    if source.kind == "parquet":
+        return sum(pq.read_metadata(f, filesystem=source.filesystem).num_rows for f in source.files)
+    import tarfile
+
+    from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS
+
+    with source.filesystem.open_input_file(source.files[0]) as f, tarfile.open(fileobj=f) as tar:
+        first = sum(m.name.rsplit(".", 1)[-1].lower() in WEBDATASET_IMAGE_KEYS for m in tar.getmembers())
+    return first * len(source.files)
+
+
+def choose_cache(data, source: Source) -> tuple[str, str]:
+    """(memory | stream, why) for `data.cache`; warns on stderr when memory mode is forced where it does not fit."""
+    image_bytes = data.channels * data.resolution ** 2
+    decoded = estimated_count(source) * image_bytes
+    store = smallest_object_store()
+    sizes = f"the decoded dataset ({decoded / 2 ** 20:,.0f} MB) and the smallest node's object store " \
+            f"({store / 2 ** 20:,.0f} MB)"
+    fits = decoded <= MEMORY_SHARE * store
+    if data.cache == "memory" and not fits:
+        print(f"[raydiff] warning: data.cache = memory, but {sizes}: every node would spill it to disk; "
+              f"set data.cache=stream", file=sys.stderr)
+    if data.cache != "auto":
+        return data.cache, f"data.cache {data.cache}"
+    mode = "memory" if fits else "stream"
+    return mode, f"data.cache auto: {mode}, from {sizes}"
+
+
+def stream_images(data, source: Source, *, storage: str, endpoint: str | None) -> ShardedImages:
+    """The shards to stream `source` from: itself when prepared, else a prepared copy under
+    `<storage>/.raydiff-stream/` (written once, with Ray Data, and reused by later runs and sweep trials)."""
+    from raydiff.data.ingest import check_prepared
+
+    shape = (data.channels, data.resolution, data.resolution)
+    buffer = min(int(data.stream_buffer_gb * GB), int(STORE_SHARE * smallest_object_store()) or 2 ** 62)
+    if source.kind != "prepared":
+        source = _prepared_copy(data, source, shape, buffer, storage, endpoint)
+    check_prepared(source, data.resolution, data.channels)
+    manifest = source.manifest
+    counts = manifest.get("shard_counts") or [pq.read_metadata(f, filesystem=source.filesystem).num_rows
+                                              for f in source.files]
+    shard_bytes = max(counts) * int(np.prod(shape))
+    window = min(data.stream_window_shards, len(counts), buffer // (WINDOWS_HELD * shard_bytes))
+    if window < 1:
+        raise DataError(f"data.stream_buffer_gb = {data.stream_buffer_gb:g}: a node must hold {WINDOWS_HELD} shards "
+                        f"of {shard_bytes / 2 ** 20:.3g} MB of {source.uri} (the buffer is {buffer / 2 ** 20:.3g} MB, "
+                        f"at most {STORE_SHARE:.0%} of the smallest node's object store): raise it, or prepare "
+                        f"smaller shards")
+    if window < min(data.stream_window_shards, len(counts)):
+        print(f"[raydiff] data.stream_window_shards = {data.stream_window_shards}: shuffling windows of {window} "
+              f"shards instead, the most of which {WINDOWS_HELD} fit the {buffer / 2 ** 20:,.0f} MB buffer")
+    return ShardedImages(uri=source.uri, source=data.source, filesystem=source.filesystem, files=source.files,
+                         counts=tuple(int(c) for c in counts), shape=shape, window_shards=window,
+                         buffer_bytes=buffer, skipped=tuple(manifest.get("bad", ())))
+
+
+def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpoint: str | None) -> Source:
+    from raydiff.data.ingest import decode_stream
+    from raydiff.prepare import SHARD_BYTES, rows_per_shard_for, write_prepared
+
+    # Shards small enough that WINDOWS_HELD windows fit the buffer.
+    shard_bytes = min(SHARD_BYTES, buffer // (WINDOWS_HELD * data.stream_window_shards))
+    rows = rows_per_shard_for(shape, shard_bytes)
+    key = hashlib.sha256(json.dumps([source.identity(), list(shape), data.image_column, rows]).encode()).hexdigest()
+    out = f"{storage.rstrip('/')}/{STREAM_FOLDER}/{key[:24]}"
+    try:
+        found = open_source(out, endpoint=endpoint)
+        if found.kind == "prepared":
+            return found
+    except DataError:
+        pass
+    print(f"[raydiff] data.cache stream: preparing {source.describe()} once into {out} ({rows} images per shard)")
+    _clear_partial(out, endpoint)
+    decoded = decode_stream(source, resolution=data.resolution, channels=data.channels,
+                            image_column=data.image_column)
+    write_prepared(decoded, source, out, shape=shape, rows_per_shard=rows, max_bad_fraction=data.max_bad_fraction,
+                   endpoint=endpoint)
+    return open_source(out, endpoint=endpoint)
+
+
+def _clear_partial(out: str, endpoint: str | None) -> None:
+    """An object-store copy cut short (no manifest) is ours to replace."""
+    from raydiff.data.fs import filesystem_for
+
+    filesystem, root = filesystem_for(out, endpoint=endpoint)
+    if filesystem.get_file_info(root).type == pafs.FileType.Directory:
+        filesystem.delete_dir(root)

@@ -1,0 +1,145 @@
+"""Streamed data: the shard-aware order, the node cache that reads each shard once, and the mode choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from raydiff.data.loader import BatchStream, ImageTable
+from raydiff.data.order import SampleOrder, rank_share
+from raydiff.data.sources import DataError, open_source
+from raydiff.data.stream import (
+    ShardedImages,
+    choose_cache,
+    node_shards,
+    open_tables,
+    stream_images,
+)
+from raydiff.prepare import write_prepared
+
+SHAPE = (3, 4, 4)
+
+
+def _data(**overrides) -> SimpleNamespace:
+    values = {"source": "x", "cache": "stream", "resolution": SHAPE[1], "channels": SHAPE[0],
+              "stream_buffer_gb": 0.001, "stream_window_shards": 2, "image_column": "image",
+              "max_bad_fraction": 0.1}
+    return SimpleNamespace(**{**values, **overrides})
+
+
+def _prepared(tmp_path: Path, num: int = 1000, rows: int = 60) -> tuple[str, np.ndarray]:
+    images = np.random.default_rng(0).integers(0, 256, (num, *SHAPE), dtype=np.uint8)
+    source = open_source(_folder_with_one_png(tmp_path))
+    batches = [(images[i:i + 128], []) for i in range(0, num, 128)]
+    write_prepared(iter(batches), source, str(tmp_path / "prepared"), shape=SHAPE, rows_per_shard=rows)
+    return str(tmp_path / "prepared"), images
+
+
+def _folder_with_one_png(tmp_path: Path) -> str:
+    from raydiff.data.datasets import write_synthetic
+
+    write_synthetic(tmp_path / "raw", num=1, resolution=8)
+    return str(tmp_path / "raw")
+
+
+def test_shard_aware_order_is_a_per_epoch_permutation_in_windows():
+    starts = np.cumsum([0] + [10] * 9 + [7])  # 10 shards, the last one short
+    train = np.setdiff1d(np.arange(97), [3, 50, 96])  # held-out samples never appear
+    order = SampleOrder(train, seed=1, shard_starts=starts, window_shards=3)
+    n = len(train)
+    for epoch in range(2):
+        indices, _ = order.take(epoch * n, n)
+        assert sorted(indices.tolist()) == train.tolist()
+        # The stream goes window by window; each window's samples come from its own <= 3 shards.
+        position, seen = epoch * n, set()
+        while position < (epoch + 1) * n:
+            key, shards = order.window_shards_at(position)
+            end = order.next_window(key)
+            window_indices, _ = order.take(position, end - position)
+            assert len(shards) <= 3 and set(np.searchsorted(starts, window_indices, "right") - 1) == set(shards)
+            assert seen.isdisjoint(shards)
+            seen |= set(shards)
+            position = end
+        assert seen == set(range(10))
+    # A pure function of (seed, position), and epochs differ.
+    again = SampleOrder(train, seed=1, shard_starts=starts, window_shards=3)
+    assert np.array_equal(again.take(130, 40)[0], order.take(130, 40)[0])
+    assert not np.array_equal(order.take(0, n)[0], order.take(n, n)[0])
+
+
+@pytest.mark.ray
+def test_workers_of_a_node_share_one_read_of_each_shard_per_epoch(ray_session, tmp_path):
+    uri, images = _prepared(tmp_path)
+    sharded = stream_images(_data(), open_source(uri), storage=str(tmp_path), endpoint=None)
+    assert sharded.counts == (60,) * 16 + (40,) and sharded.window_shards == 2
+    train = np.arange(len(images))
+    # Two workers of one node (one worker group): each gathers its share of every step for a whole epoch.
+    tables, streams = [], []
+    for rank in range(2):
+        table, order, _, _ = open_tables(sharded, train, np.empty(0, np.int64), seed=3, group=f"t-{tmp_path.name}")
+        tables.append(table)
+        streams.append(BatchStream(table=table, order=order, global_batch=20, share=rank_share(20, 2, rank),
+                                   micro_batch=10, start_step=0, pin_memory=False, prefetch_steps=2))
+    memory = ImageTable([images])
+    expected_order = sharded.order(train, 3)
+    for step in range(len(images) // 20):
+        for rank, stream in enumerate(streams):
+            for batch in next(stream):
+                want, _ = expected_order.take(batch.position, len(batch))
+                assert np.array_equal(batch.indices, want)
+                assert np.array_equal(batch.images.numpy(), memory.gather(want, np.empty((len(want), *SHAPE),
+                                                                                         np.uint8)))
+    for stream in streams:
+        stream.close()
+    stats = ray_session.get(node_shards(sharded, f"t-{tmp_path.name}").stats.remote())
+    assert stats["reads"] == {s: 1 for s in range(17)}  # every shard read once, for both workers
+    assert stats["peak_bytes"] <= sharded.buffer_bytes
+
+
+@pytest.mark.ray
+def test_held_out_images_are_gathered_by_the_driver(ray_session, tmp_path):
+    uri, images = _prepared(tmp_path)
+    sharded = stream_images(_data(), open_source(uri), storage=str(tmp_path), endpoint=None)
+    held_out = np.array([5, 61, 62, 999])
+    with_holdout = sharded.with_holdout(held_out)
+    _, _, table, indices = open_tables(with_holdout, np.arange(10), held_out, seed=0, group="h")
+    assert np.array_equal(table.gather(indices, np.empty((4, *SHAPE), np.uint8)), images[held_out])
+    assert with_holdout.with_holdout(held_out) is with_holdout  # gathered once
+
+
+@pytest.mark.ray
+def test_a_raw_source_is_prepared_once_into_the_run_storage(ray_session, tmp_path):
+    data = _data(source="builtin:digits", resolution=8, channels=1, stream_window_shards=4, stream_buffer_gb=0.0001)
+    first = stream_images(data, open_source("builtin:digits"), storage=str(tmp_path), endpoint=None)
+    assert first.num_images == 1797 and len(first.files) > 4 and str(tmp_path) in first.uri
+    manifest = json.loads((Path(first.uri) / "manifest.json").read_text())
+    assert manifest["source"] == "builtin:digits" and sum(manifest["shard_counts"]) == 1797
+    again = stream_images(data, open_source("builtin:digits"), storage=str(tmp_path), endpoint=None)
+    assert again.uri == first.uri  # reused, not written twice
+    assert len(list((tmp_path / ".raydiff-stream").iterdir())) == 1
+
+
+@pytest.mark.ray
+def test_the_cache_mode_follows_the_object_store(ray_session, tmp_path, capsys):
+    digits = open_source("builtin:digits")
+    assert choose_cache(_data(cache="auto", resolution=8, channels=1), digits)[0] == "memory"
+    mode, why = choose_cache(_data(cache="auto", resolution=8192, channels=3), digits)  # 360 GB decoded
+    assert mode == "stream" and "data.cache auto: stream" in why and "object store" in why
+    assert choose_cache(_data(cache="memory", resolution=8192, channels=3), digits)[0] == "memory"
+    warning = capsys.readouterr().err
+    assert "data.cache = memory" in warning and "set data.cache=stream" in warning and "MB" in warning
+    uri, _ = _prepared(tmp_path)
+    with pytest.raises(DataError, match=r"data.stream_buffer_gb = 1e-06: a node must hold 3 shards of"):
+        stream_images(_data(stream_buffer_gb=0.000001), open_source(uri), storage=str(tmp_path), endpoint=None)
+
+
+def test_sharded_images_report_what_the_prepare_step_skipped():
+    images = ShardedImages(uri="u", source="s", filesystem=None, files=("a",), counts=(9,), shape=SHAPE,
+                           window_shards=1, buffer_bytes=1, skipped=({"index": 3, "where": "x", "reason": "y"},))
+    assert images.num_good == 9 and images.usable_indices().tolist() == list(range(9))
+    assert images.bad_report() == {"count": 1, "fraction": 0.1, "examples": [{"index": 3, "where": "x",
+                                                                              "reason": "y"}]}

@@ -1,0 +1,124 @@
+"""A dataset five times bigger than the object store: auto picks stream mode, which trains, keeps the order,
+resumes bit for bit after a driver kill, and leaves nothing spilled behind. Memory mode there is warned about.
+
+Runs the real CLI against a Ray cluster of its own whose object store (80 MB) holds a fifth of the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from test_fault_tolerance import assert_same_weights, final_state, losses, summary, wait_for
+
+from raydiff.data.order import SampleOrder
+from raydiff.data.sources import open_source
+from raydiff.data.stream import MEMORY_SHARE
+from raydiff.prepare import write_prepared
+
+pytestmark = pytest.mark.ray
+
+OBJECT_STORE = 80 * 2 ** 20
+SHAPE = (1, 8, 8)  # the smoke preset's digits size: 64 bytes per image
+NUM = 5 * OBJECT_STORE // 64  # 6.5M images, 400 MB decoded
+ROWS_PER_SHARD = 64 * 1024  # 4 MB shards: 100 of them
+TOTAL = 40
+FAST = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
+        "--set", "train.sample_every=0", "--set", "run.keep_checkpoints=10", "--set", "log.tensorboard=false",
+        "--set", f"train.total_steps={TOTAL}"]
+
+
+@pytest.fixture(scope="module")
+def small_cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": OBJECT_STORE,
+                                                      "include_dashboard": False})
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def big_data(tmp_path_factory) -> str:
+    """400 MB of prepared 8x8 grayscale images (random pixels: the test is about bytes, not looks)."""
+    from raydiff.data.datasets import write_synthetic
+
+    folder = tmp_path_factory.mktemp("big")
+    write_synthetic(folder / "raw", num=1, resolution=8)  # the prepared data's nominal source
+    rng = np.random.default_rng(0)
+    batches = ((rng.integers(0, 256, (min(ROWS_PER_SHARD, NUM - i), *SHAPE), dtype=np.uint8), [])
+               for i in range(0, NUM, ROWS_PER_SHARD))
+    write_prepared(batches, open_source(str(folder / "raw")), str(folder / "prepared"), shape=SHAPE,
+                   rows_per_shard=ROWS_PER_SHARD)
+    return str(folder / "prepared")
+
+
+def _train(cluster, storage: Path, name: str, data: str, *extra: str, wait: bool = True):
+    args = [sys.executable, "-m", "raydiff.train", *FAST, "--set", f"data.source={data}",
+            "--set", f"run.storage={storage}", "--set", f"run.name={name}", *extra]
+    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    if wait:
+        return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+                              stdin=subprocess.DEVNULL)
+    log = open(storage / f"{name}.log", "w")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
+
+
+def test_auto_streams_in_order_and_resumes_bit_identically(small_cluster, big_data, tmp_path):
+    reference = _train(small_cluster, tmp_path, "ref", big_data, "--set", "debug.record_order=true")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "data.cache auto: stream, from the decoded dataset (400 MB)" in reference.stdout, reference.stdout
+    assert "object store (80 MB)" in reference.stdout
+
+    # The order audit: every step trained on its stream positions of the shard-aware permutation.
+    manifest = json.loads((Path(big_data) / "manifest.json").read_text())
+    order = SampleOrder(manifest["count"], seed=0, shard_starts=np.cumsum([0, *manifest["shard_counts"]]),
+                        window_shards=int(reference.stdout.split("shuffled in windows of ")[1].split(",")[0]))
+    positions: dict[int, int] = {}
+    for path in (tmp_path / "ref" / "order").iterdir():
+        for record in map(json.loads, path.read_text().splitlines()):
+            start, end = record["positions"]
+            for position, index in zip(range(start, end), record["indices"]):
+                assert positions.setdefault(position, index) == index
+    assert sorted(positions) == list(range(TOTAL * 16))
+    assert [positions[p] for p in range(TOTAL * 16)] == order.take(0, TOTAL * 16)[0].tolist()
+
+    # A driver killed after a checkpoint; the re-run ends with the same weights and losses. Checkpoints every 15
+    # steps, metrics rows every 10: it resumes inside a logging window, whose sums must count once.
+    proc = _train(small_cluster, tmp_path, "killed", big_data, "--set", "train.checkpoint_every=15", wait=False)
+    wait_for(lambda: (tmp_path / "killed" / "checkpoint_00000015" / "state.pt").exists(), what="a checkpoint")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    rerun = _train(small_cluster, tmp_path, "killed", big_data, "--set", "train.checkpoint_every=15")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    run = summary(tmp_path / "killed")
+    assert run["status"] == "finished" and run["resumed_from_step"] in (15, 30)
+    assert_same_weights(final_state(tmp_path / "killed"), final_state(tmp_path / "ref"))
+    assert losses(tmp_path / "killed") == losses(tmp_path / "ref")
+
+    # Nothing spilled to disk, allocated outside the object store, or left in it.
+    stats = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "memory", "--stats-only", "--address",
+                            small_cluster.address], capture_output=True, text=True, timeout=120)
+    assert stats.returncode == 0, stats.stderr
+    assert "Plasma memory usage 0 MiB" in stats.stdout, stats.stdout
+    assert "Spilled" not in stats.stdout and "filesystem mmap" not in stats.stdout, stats.stdout
+
+
+def test_memory_mode_that_does_not_fit_is_warned_about(small_cluster, big_data, tmp_path):
+    proc = _train(small_cluster, tmp_path, "memory", big_data, "--set", "data.cache=memory", wait=False)
+    try:
+        log = tmp_path / "memory.log"
+        line = wait_for(lambda: next((x for x in log.read_text().splitlines() if "warning: data.cache" in x), None),
+                        timeout=120, what="the warning")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "400 MB" in line and "80 MB" in line and "set data.cache=stream" in line
+    assert MEMORY_SHARE * OBJECT_STORE < 400 * 2 ** 20
