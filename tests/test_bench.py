@@ -28,12 +28,16 @@ def test_ingest_bench_measures_raydiff_against_the_dataloader(tmp_path):
 
     write_synthetic(tmp_path, num=64, resolution=24, fmt="jpg")
     proc = run_cli("raydiff.bench", "ingest", "--source", str(tmp_path), "--resolution", "16", "--batch", "16",
-                   "--epochs", "2", timeout=300)
+                   "--epochs", "2", "--cache", "stream", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["bench"] == "ingest" and result["images"] == 64
-    for name in ("dataloader", "raw", "cached"):
+    for name in ("dataloader", "raw", "cached", "stream"):
         assert result[f"{name}_img_s"] > 0 and result[f"{name}_first_epoch_s"] > 0
+    for name in ("raw", "cached", "stream"):
+        assert result[f"{name}_peak_store_mb"] >= 0 and result[f"{name}_peak_rss_mb"] >= 0
+    assert result["stream_shards"] == 16 and result["stream_vs_memory"] == round(
+        result["stream_img_s"] / result["cached_img_s"], 2)
     assert result["raw_ratio"] == round(result["raw_img_s"] / result["dataloader_img_s"], 2)
     assert result["cached_ratio"] == round(result["cached_img_s"] / result["dataloader_img_s"], 2)
 

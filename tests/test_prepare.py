@@ -82,12 +82,13 @@ def test_s3_source_prepare_and_train_against_a_loopback_server(s3_server, tmp_pa
     keys = sorted(o["Key"] for o in objects if not o["Key"].endswith("/"))  # "prepared/": a folder marker
     assert keys == ["prepared/manifest.json", "prepared/part-00000.parquet"]
 
-    for source in ("s3://raydiff-data/raw", "s3://raydiff-data/prepared"):
+    for source, cache in (("s3://raydiff-data/raw", "memory"), ("s3://raydiff-data/prepared", "stream")):
         name = source.rsplit("/", 1)[1]
         train = run_cli("raydiff.train", *TINY, "--set", f"data.source={source}", "--set", f"data.endpoint={endpoint}",
-                        "--set", f"run.storage={tmp_path}", "--set", f"run.name={name}")
+                        "--set", f"run.storage={tmp_path}", "--set", f"run.name={name}", "--set", f"data.cache={cache}")
         assert train.returncode == 0, train.stderr[-3000:]
         assert summary_of(tmp_path / name)["status"] == "finished"
+    assert "streamed from s3://raydiff-data/prepared: 1 shards" in train.stdout  # read from S3 by the node cache
 
     missing = run_cli("raydiff.train", *TINY, "--set", "data.source=s3://raydiff-data/nothing",
                       "--set", f"data.endpoint={endpoint}", "--set", f"run.storage={tmp_path}")

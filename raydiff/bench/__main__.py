@@ -3,6 +3,7 @@
     python -m raydiff.bench checkpoint [--config cifar10] [--set key=value ...] [--repeat 3]
     python -m raydiff.bench recovery [--config smoke] [--set key=value ...]
     python -m raydiff.bench ingest [--source PATH] [--resolution 32] [--batch 128] [--epochs 5] [--synthetic 4000]
+        [--cache memory|stream]
     python -m raydiff.bench throughput [--config cifar10] [--set key=value ...] [--steps 50] [--peak-tflops F]
 
 `checkpoint`: how long writing and reading the full training state (model, EMA, AdamW state, scaler,
@@ -13,9 +14,10 @@ counters) takes and how large it is, for a preset's model; baseline: the bare we
 checkpoint, and measures the time from the kill to the worker group training again; baseline: the cold start
 of the same run (launch to first training step).
 
-`ingest`: img/s that raydiff's training ingest delivers from raw files and from prepared Parquet, against the
-textbook torch DataLoader on the same files (see `raydiff.bench.ingest`); without --source it writes
---synthetic 64x64 JPEGs first.
+`ingest`: img/s that raydiff's training ingest delivers from raw files and from prepared Parquet (held in memory,
+and with --cache stream also streamed shard by shard), against the textbook torch DataLoader on the same files,
+with peak object-store and RSS memory (see `raydiff.bench.ingest`); without --source it writes --synthetic
+64x64 JPEGs first.
 
 `throughput`: img/s of raydiff's training (one Ray Train worker, its defaults for the device) against the
 textbook eager PyTorch loop on the same device, with FLOPs per image, TFLOP/s and MFU (see
@@ -152,6 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ingest.add_argument("--batch", type=int, default=128)
     ingest.add_argument("--epochs", type=int, default=5, help="epochs per pipeline; the first is not timed")
     ingest.add_argument("--synthetic", type=int, default=4000, help="synthetic JPEGs to write without --source")
+    ingest.add_argument("--cache", choices=("memory", "stream"), default="memory",
+                        help="stream: also stream the prepared copy shard by shard (data.cache=stream)")
     args = parser.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         parser.error(f"--repeat {args.repeat}: must be >= 1")
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         from raydiff.bench.ingest import bench_ingest
 
         result = bench_ingest(args.source, resolution=args.resolution, batch=args.batch, epochs=args.epochs,
-                              synthetic=args.synthetic)
+                              synthetic=args.synthetic, cache=args.cache)
     elif args.bench == "throughput":
         from raydiff.bench.throughput import bench_throughput
 

@@ -6,10 +6,16 @@ batches in [-1, 1] at the target resolution to a consumer loop that moves them t
 - `dataloader` (baseline): torchvision Resize + CenterCrop + RandomHorizontalFlip + ToTensor + Normalize in a
   DataLoader with 2 workers, pin_memory, persistent workers and prefetch 2, decoding every image every epoch;
 - `raw`: raydiff from the raw files (Ray Data decodes once, then every epoch gathers from the object store);
-- `cached`: raydiff from the same files prepared by `raydiff.prepare` (Parquet shards, no decoding).
+- `cached`: raydiff from the same files prepared by `raydiff.prepare` (Parquet shards, no decoding), held in
+  the object store (`data.cache=memory`);
+- `stream` (with `--cache stream`): the same prepared files cut into STREAM_SHARDS shards and streamed
+  (`data.cache=stream`) through the node's cache actor, in windows of STREAM_WINDOW shards, with a buffer of
+  three windows.
 
 Steady-state img/s excludes the first epoch (worker start-up, raydiff's decode) and covers whole epochs for at
-least MIN_STEADY_S; the first epoch's seconds are reported too, because that is where decoding costs.
+least MIN_STEADY_S; the first epoch's seconds are reported too, because that is where decoding costs. For each
+raydiff pipeline the node's object-store bytes and the consuming process's RSS are sampled while it runs; the
+peaks above what was in use when it started are `*_peak_store_mb` and `*_peak_rss_mb`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,42 @@ import torch
 
 SYNTHETIC_SOURCE_RESOLUTION = 64
 MIN_STEADY_S = 3.0  # a fast pipeline runs more epochs, so that its rate is not a few milliseconds' sample
+STREAM_SHARDS, STREAM_WINDOW = 16, 2
+
+
+class _Peaks:
+    """Samples the node's object-store bytes in use and this process's RSS every 50 ms, in a thread; keeps the
+    peaks above the levels at the start."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import psutil
+        import ray
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+        self._state = get_state_from_address(ray.get_runtime_context().gcs_address)
+        self._reply, self._process = get_memory_info_reply, psutil.Process()
+        self._store_before, self._rss_before = self._store_used(), self._process.memory_info().rss
+        self.store = self.rss = 0  # peaks above what was in use before
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _store_used(self) -> int:
+        return self._reply(self._state).store_stats.object_store_bytes_used
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.store = max(self.store, self._store_used() - self._store_before)
+            self.rss = max(self.rss, self._process.memory_info().rss - self._rss_before)
+
+    def __enter__(self) -> _Peaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _consume(batches, device: torch.device, epochs: int, epoch_images: int) -> tuple[float, float]:
@@ -69,17 +111,24 @@ def _dataloader(paths: list[str], resolution: int, batch: int, workers: int):
         yield from loader
 
 
-def _raydiff_batches(source, resolution: int, batch: int, seed: int = 0):
-    """raydiff's training ingest for one worker taking the whole global batch: decode/load, then stream."""
-    from raydiff.data.ingest import load_images
-    from raydiff.data.loader import BatchStream, ImageTable
-    from raydiff.data.order import SampleOrder, Share
+def _raydiff_batches(source, resolution: int, batch: int, seed: int = 0, stream_buffer_gb: float | None = None):
+    """raydiff's training ingest for one worker taking the whole global batch: decode/load (or stream, with a
+    buffer), then gather."""
+    import numpy as np
 
-    store = load_images(source, resolution=resolution, channels=3)
+    from raydiff.config import DataSection
+    from raydiff.data.loader import BatchStream
+    from raydiff.data.order import Share
+    from raydiff.data.stream import open_images, open_tables
+
+    data = DataSection(source=source.uri, resolution=resolution, channels=3,
+                       cache="memory" if stream_buffer_gb is None else "stream",
+                       stream_buffer_gb=stream_buffer_gb or 1.0, stream_window_shards=STREAM_WINDOW)
+    images, _ = open_images(data, source, storage=source.uri, endpoint=None)
+    table, order, _, _ = open_tables(images, images.usable_indices(), np.empty(0, np.int64), seed, group="bench")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    stream = BatchStream(table=ImageTable(store.arrays()), order=SampleOrder(store.usable_indices(), seed),
-                         global_batch=batch, share=Share(0, batch), micro_batch=batch, start_step=0,
-                         pin_memory=device.type == "cuda")
+    stream = BatchStream(table=table, order=order, global_batch=batch, share=Share(0, batch), micro_batch=batch,
+                         start_step=0, pin_memory=device.type == "cuda")
     try:
         for micro_batches in stream:
             for b in micro_batches:
@@ -88,7 +137,16 @@ def _raydiff_batches(source, resolution: int, batch: int, seed: int = 0):
         stream.close()
 
 
-def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int, synthetic: int) -> dict:
+def _measure(result: dict, name: str, batches, device, epochs: int, epoch: int) -> None:
+    with _Peaks() as peaks:
+        first, steady = _consume(batches, device, epochs, epoch)
+    result.update({f"{name}_img_s": round(steady), f"{name}_first_epoch_s": round(first, 2),
+                   f"{name}_peak_store_mb": round(peaks.store / 2 ** 20, 1),
+                   f"{name}_peak_rss_mb": round(peaks.rss / 2 ** 20, 1)})
+
+
+def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int, synthetic: int,
+                 cache: str = "memory") -> dict:
     import ray
 
     from raydiff.data.datasets import write_synthetic
@@ -116,21 +174,33 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
         ray.init(num_cpus=cpus, include_dashboard=False, logging_level="ERROR", address="local")
         ray.data.DataContext.get_current().enable_progress_bars = False
         try:
-            first, steady = _consume(_raydiff_batches(raw, resolution, batch), device, epochs, epoch)
-            result.update(raw_img_s=round(steady), raw_first_epoch_s=round(first, 2))
+            _measure(result, "raw", _raydiff_batches(raw, resolution, batch), device, epochs, epoch)
+
+            from raydiff.data.ingest import decode_stream
 
             prepare_start = time.perf_counter()
-            from raydiff.data.ingest import load_images
-
-            write_prepared(load_images(raw, resolution=resolution, channels=3), raw, str(Path(tmp) / "prepared"))
+            prepared = str(Path(tmp) / "prepared")
+            shape = (3, resolution, resolution)
+            write_prepared(decode_stream(raw, resolution=resolution, channels=3), raw, prepared, shape=shape,
+                           rows_per_shard=-(-len(paths) // STREAM_SHARDS))
             result["prepare_s"] = round(time.perf_counter() - prepare_start, 2)
-            cached = open_source(str(Path(tmp) / "prepared"))
-            first, steady = _consume(_raydiff_batches(cached, resolution, batch), device, epochs, epoch)
-            result.update(cached_img_s=round(steady), cached_first_epoch_s=round(first, 2))
+            cached = open_source(prepared)
+            _measure(result, "cached", _raydiff_batches(cached, resolution, batch), device, epochs, epoch)
+            if cache == "stream":
+                shard_bytes = -(-len(paths) // STREAM_SHARDS) * 3 * resolution ** 2
+                buffer_gb = 3 * STREAM_WINDOW * shard_bytes / 2 ** 30
+                _measure(result, "stream", _raydiff_batches(cached, resolution, batch, stream_buffer_gb=buffer_gb),
+                         device, epochs, epoch)
+                result.update(stream_buffer_mb=round(buffer_gb * 1024, 1), stream_shards=STREAM_SHARDS,
+                              stream_window_shards=STREAM_WINDOW,
+                              decoded_mb=round(len(paths) * 3 * resolution ** 2 / 2 ** 20, 1))
         finally:
             ray.shutdown()
     result["raw_ratio"] = round(result["raw_img_s"] / result["dataloader_img_s"], 2)
     result["cached_ratio"] = round(result["cached_img_s"] / result["dataloader_img_s"], 2)
     result["raw_first_epoch_ratio"] = round(result["dataloader_first_epoch_s"] / result["raw_first_epoch_s"], 2)
     result["cached_first_epoch_ratio"] = round(result["dataloader_first_epoch_s"] / result["cached_first_epoch_s"], 2)
+    if cache == "stream":
+        result["stream_ratio"] = round(result["stream_img_s"] / result["dataloader_img_s"], 2)
+        result["stream_vs_memory"] = round(result["stream_img_s"] / result["cached_img_s"], 2)
     return result

@@ -103,9 +103,13 @@ def _decode_files(batch: dict[str, np.ndarray], resolution: int, channels: int) 
     return _decode_encoded(batch["bytes"], batch["path"], resolution, channels)
 
 
-def _decode_parquet(batch: dict[str, np.ndarray], column: str, resolution: int, channels: int) -> dict[str, np.ndarray]:
+def _decode_parquet(batch: dict[str, np.ndarray], column: str, resolution: int, channels: int,
+                    prepared: bool = False) -> dict[str, np.ndarray]:
     values, wheres = batch[column], batch["path"]
-    if values.dtype == np.uint8 and values.shape[1:] == (channels, resolution, resolution):
+    shape = (channels, resolution, resolution)
+    if prepared and values.dtype != np.uint8:  # version 2: each row's pixels as one fixed-size binary value
+        values = np.frombuffer(b"".join(values.tolist()), np.uint8).reshape(-1, *shape)
+    if values.dtype == np.uint8 and values.shape[1:] == shape:
         return {"image": values, "error": np.full(len(values), "", dtype=object)}  # prepared: nothing to do
     first = next((v for v in values if v is not None), None)
     if values.dtype != object or isinstance(first, np.ndarray):  # decoded tensors of another shape
@@ -141,7 +145,7 @@ def _read(source: Source, resolution: int, channels: int, image_column: str) -> 
     names = pq.read_schema(files[0], filesystem=fs).names
     if column not in names:
         raise DataError(f"data.image_column = {column!r}: not a column of {files[0]}; its columns: {', '.join(names)}")
-    kwargs["fn_kwargs"]["column"] = column
+    kwargs["fn_kwargs"].update(column=column, prepared=source.kind == "prepared")
     return (ray.data.read_parquet(files, filesystem=fs, columns=[column], include_paths=True)
             .map_batches(_decode_parquet, **kwargs))
 

@@ -9,8 +9,8 @@ window at a time:
   the shards of one window (two at a window's edge), and a step's samples are still a pure function of
   (seed, step);
 - one `NodeShards` actor per node reads each shard once per epoch into the node's object store and hands it to
-  every worker of that node (zero-copy), reading the next window ahead while the current one trains; it holds
-  at most `data.stream_buffer_gb` and drops the oldest shards first;
+  every worker of that node (zero-copy), reading two windows ahead of the one being trained; it holds at most
+  `data.stream_buffer_gb` and drops the oldest shards first;
 - the held-out validation images are gathered once by the driver (a few hundred images).
 
 `data.cache=auto` chooses memory when the decoded dataset takes at most MEMORY_SHARE of the smallest node's
@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
@@ -39,7 +40,8 @@ from raydiff.data.sources import DataError, Source, open_source
 
 MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
-WINDOWS_HELD = 3  # the window being trained, the one before (a step may straddle two) and the one read ahead
+READ_AHEAD_WINDOWS = 2  # windows the node reads ahead of the one being trained
+WINDOWS_HELD = READ_AHEAD_WINDOWS + 2  # those, the one being trained and the one before (a step may straddle two)
 STREAM_FOLDER = ".raydiff-stream"  # raw sources prepared for streaming, under run.storage
 GB = 1024 ** 3
 
@@ -155,8 +157,12 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None):
 
 
 def read_shard(filesystem: pafs.FileSystem, path: str, shape: tuple[int, int, int]) -> np.ndarray:
-    """A prepared shard's images as uint8 (n, C, R, R)."""
+    """A prepared shard's images as uint8 (n, C, R, R): fixed-size binary rows (version 2) or a fixed-shape
+    tensor column (version 1)."""
     column = pq.read_table(path, filesystem=filesystem, columns=["image"]).column("image").combine_chunks()
+    if pa.types.is_fixed_size_binary(column.type):
+        return np.frombuffer(column.buffers()[1], np.uint8, len(column) * int(np.prod(shape)),
+                             column.offset * int(np.prod(shape))).reshape(-1, *shape)
     return column.to_numpy_ndarray().reshape(-1, *shape)
 
 
@@ -232,7 +238,8 @@ def node_shards(images: ShardedImages, group: str) -> ray.actor.ActorHandle:
 class StreamTable:
     """Random access by sample index over streamed shards, for one worker (see `raydiff.data.loader.ImageTable`).
 
-    `prepare(position)`, called before each step, asks the node to read the next window ahead.
+    `prepare(position)`, called before each step, asks the node for the next READ_AHEAD_WINDOWS windows when a
+    new window begins.
     """
 
     def __init__(self, images: ShardedImages, order: SampleOrder, shards: ray.actor.ActorHandle) -> None:
@@ -242,25 +249,43 @@ class StreamTable:
         self._arrays: OrderedDict[int, np.ndarray] = OrderedDict()
         self._keep = WINDOWS_HELD * images.window_shards
         self._window: tuple[int, int] | None = None
+        self._upcoming: dict[int, tuple] = {}  # shard -> (the node's answer on its way, the shards it answers)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def prepare(self, position: int) -> None:
         window, _ = self._order.window_shards_at(position)
-        if window != self._window:
+        if window != self._window:  # a new window: ask for the next one now (the node reads it while we train)
             self._window = window
-            _, upcoming = self._order.window_shards_at(self._order.next_window(window))
-            self._shards.prefetch.remote(upcoming)
+            upcoming, ahead = [], window
+            for _ in range(READ_AHEAD_WINDOWS):
+                ahead, shards = self._order.window_shards_at(self._order.next_window(ahead))
+                upcoming += shards
+            upcoming = [s for s in dict.fromkeys(upcoming) if s not in self._arrays and s not in self._upcoming]
+            if upcoming:
+                answer = (self._shards.get.remote(upcoming), upcoming)
+                self._upcoming.update(dict.fromkeys(upcoming, answer))
+
+    def _fetch(self, shards: list[int]) -> None:
+        """Map `shards` (zero-copy from the node's object store); one call to the node for those not asked for
+        ahead."""
+        asked = [self._upcoming.pop(s) for s in shards if s in self._upcoming]
+        now = [s for s in shards if all(s not in names for _, names in asked)]
+        if now:
+            asked.append((self._shards.get.remote(now), now))
+        refs: dict[int, ray.ObjectRef] = {}
+        for answer, names in {id(answer): (answer, names) for answer, names in asked}.values():
+            refs.update(zip(names, (wrapped[0] for wrapped in ray.get(answer))))
+        for s, array in zip(shards, ray.get([refs[s] for s in shards])):
+            self._arrays[s] = array
 
     def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
         shard_of = np.searchsorted(self._starts, indices, side="right") - 1
         needed = np.unique(shard_of).tolist()
         missing = [s for s in needed if s not in self._arrays]
         if missing:
-            refs = ray.get(self._shards.get.remote(missing))
-            for s, array in zip(missing, ray.get([r[0] for r in refs])):
-                self._arrays[s] = array
+            self._fetch(missing)
         for s in needed:
             self._arrays.move_to_end(s)
             selected = shard_of == s

@@ -133,7 +133,7 @@ def test_the_cache_mode_follows_the_object_store(ray_session, tmp_path, capsys):
     warning = capsys.readouterr().err
     assert "data.cache = memory" in warning and "set data.cache=stream" in warning and "MB" in warning
     uri, _ = _prepared(tmp_path)
-    with pytest.raises(DataError, match=r"data.stream_buffer_gb = 1e-06: a node must hold 3 shards of"):
+    with pytest.raises(DataError, match=r"data.stream_buffer_gb = 1e-06: a node must hold 4 shards of"):
         stream_images(_data(stream_buffer_gb=0.000001), open_source(uri), storage=str(tmp_path), endpoint=None)
 
 

@@ -208,7 +208,7 @@ def test_divergence_stops_with_a_diagnostic(cluster, tmp_path):
     assert "training diverged" in proc.stderr
 
 
-def test_elastic_resize_keeps_global_batch_and_epoch_order(tmp_path, monkeypatch):
+def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_path, monkeypatch):
     from ray.cluster_utils import Cluster
 
     # After a node is lost, Ray Train may first try the old size until its resource view catches up; let that
@@ -225,7 +225,10 @@ def test_elastic_resize_keeps_global_batch_and_epoch_order(tmp_path, monkeypatch
             [sys.executable, "-m", "raydiff.train", *FAST, "--set", f"run.storage={tmp_path}",
              "--set", f"train.total_steps={total}", "--set", "scaling.num_workers=[1,2]",
              "--set", "scaling.cpus_per_worker=1", "--set", "scaling.resize_check_s=1",
-             "--set", "debug.record_order=true", "--set", "debug.step_delay_s=0.04", "--set", "run.max_failures=5"],
+             "--set", "debug.record_order=true", "--set", "debug.step_delay_s=0.04", "--set", "run.max_failures=5",
+             # Streamed, in 7 shards shuffled two at a time: each node's cache actor comes and goes with it.
+             "--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001",
+             "--set", "data.stream_window_shards=2"],
             stdout=open(tmp_path / "elastic.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             cwd=ROOT, env=dict(os.environ, RAY_ADDRESS=c.address))
         metrics = tmp_path / "smoke" / "metrics.jsonl"
@@ -250,7 +253,7 @@ def test_elastic_resize_keeps_global_batch_and_epoch_order(tmp_path, monkeypatch
     assert all(r["images_seen"] == r["step"] * 16 for r in rows())
 
     # Every step trained on exactly its 16 stream positions, whatever the world size, and the stream is
-    # the (seed, epoch) permutation: no image twice and none skipped within an epoch.
+    # the (seed, epoch) shard-aware permutation: no image twice and none skipped within an epoch.
     positions: dict[int, int] = {}
     for path in (run_dir / "order").iterdir():
         for record in map(json.loads, path.read_text().splitlines()):
@@ -258,7 +261,10 @@ def test_elastic_resize_keeps_global_batch_and_epoch_order(tmp_path, monkeypatch
             for position, index in zip(range(start, end), record["indices"]):
                 assert positions.setdefault(position, index) == index  # replays after a restart agree
     assert sorted(positions) == list(range(total * 16))
-    expected, _ = SampleOrder(1797, seed=0).take(0, total * 16)
+    manifest = json.loads(next((tmp_path / ".raydiff-stream").glob("*/manifest.json")).read_text())
+    assert len(manifest["shards"]) == 7
+    expected, _ = SampleOrder(1797, seed=0, shard_starts=np.cumsum([0, *manifest["shard_counts"]]),
+                              window_shards=2).take(0, total * 16)
     assert [positions[p] for p in range(total * 16)] == expected.tolist()
     for epoch in range(total * 16 // 1797):
         assert sorted(positions[p] for p in range(epoch * 1797, (epoch + 1) * 1797)) == list(range(1797))

@@ -84,7 +84,9 @@ def test_the_probe_really_runs_on_every_node(ray_session, tmp_path):
 
 
 STEPS = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=10",
-         "--set", "train.sample_every=20", "--set", "train.log_every=10", "--set", "run.keep_checkpoints=10"]
+         "--set", "train.sample_every=20", "--set", "train.log_every=10", "--set", "run.keep_checkpoints=10",
+         # Streamed: the digits are prepared once into the run storage (S3 here), in 7 shards, and read from there.
+         "--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001", "--set", "data.stream_window_shards=2"]
 
 
 @pytest.mark.ray
@@ -109,6 +111,7 @@ def test_s3_storage_train_kill_resume_is_identical(s3_server, tmp_path):
     rerun = run_cli("raydiff.train", *STEPS, *storage)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(run.read_text("summary.json"))
+    assert "streamed from s3://raydiff-runs/runs/.raydiff-stream/" in rerun.stdout
     assert summary["status"] == "finished" and summary["steps"] == 40 and summary["resumed_from_step"] >= 20
     assert summary["checkpoint"] == "s3://raydiff-runs/runs/smoke/checkpoint_00000040"
     assert run.is_file("samples/step_00000040.png") and run.is_file("config.yaml")
