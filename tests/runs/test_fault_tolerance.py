@@ -1,4 +1,5 @@
-"""A crash changes nothing: driver and worker kills, corrupt checkpoints, NaNs, and elastic resizes.
+"""A crash changes nothing: worker kills, corrupt checkpoints, NaNs, and elastic resizes (driver kills: the S3
+and streaming tests).
 
 Each test runs the real CLI against a multi-node Ray cluster built inside this machine with
 `ray.cluster_utils.Cluster` (all nodes share the disk, so a local run.storage works) and compares the result
@@ -21,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, run_cli
-from PIL import Image
 
 from raydiff.data.order import SampleOrder
 from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints, read_state
@@ -82,31 +82,6 @@ def reference(cluster, tmp_path_factory):
     proc = train(cluster, storage, "ref")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return storage / "ref"
-
-
-def test_killed_driver_rerun_ends_bit_identical(cluster, reference, tmp_path):
-    # Checkpoints every 15 steps, metrics rows every 10: the run resumes in the middle of a logging window, whose
-    # partial sums (over both workers) must count once.
-    proc = start_train(cluster, tmp_path, "killed", "--set", "train.checkpoint_every=15")
-    wait_for(lambda: (tmp_path / "killed" / "checkpoint_00000045" / "state.pt").exists(), what="a checkpoint")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (tmp_path / "killed" / "summary.json").exists()
-
-    rerun = train(cluster, tmp_path, "killed")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    run = summary(tmp_path / "killed")
-    assert run["status"] == "finished" and run["steps"] == TOTAL and run["images_seen"] == TOTAL * 16
-    assert 0 < run["resumed_from_step"] < TOTAL and run["resumed_from_step"] % 10 != 0
-    assert_same_weights(final_state(tmp_path / "killed"), final_state(reference))
-    assert losses(tmp_path / "killed") == losses(reference)
-
-    # The user-visible check: the same seed gives the same images.
-    for run_dir, out in ((reference, "a.png"), (tmp_path / "killed", "b.png")):
-        sampled = run_cli("raydiff.sample", "--checkpoint", str(run_dir), "--num", "8", "--sampler", "ddim",
-                          "--steps", "10", "--seed", "0", "--out", str(tmp_path / out))
-        assert sampled.returncode == 0, sampled.stderr
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "a.png")), np.asarray(Image.open(tmp_path / "b.png")))
 
 
 def _train_worker_pids() -> list[int]:
@@ -226,7 +201,7 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
              "--set", f"train.total_steps={total}", "--set", "scaling.num_workers=[1,2]",
              "--set", "scaling.cpus_per_worker=1", "--set", "scaling.resize_check_s=1",
              "--set", "debug.record_order=true", "--set", "debug.step_delay_s=0.04", "--set", "run.max_failures=5",
-             # Streamed, in 7 shards shuffled two at a time: each node's cache actor comes and goes with it.
+             # Streamed, in 9 small shards shuffled two at a time: each node's cache actor comes and goes with it.
              "--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001",
              "--set", "data.stream_window_shards=2"],
             stdout=open(tmp_path / "elastic.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -262,7 +237,7 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
                 assert positions.setdefault(position, index) == index  # replays after a restart agree
     assert sorted(positions) == list(range(total * 16))
     manifest = json.loads(next((tmp_path / ".raydiff-stream").glob("*/manifest.json")).read_text())
-    assert len(manifest["shards"]) == 7
+    assert len(manifest["shards"]) > 4  # several windows per epoch
     expected, _ = SampleOrder(1797, seed=0, shard_starts=np.cumsum([0, *manifest["shard_counts"]]),
                               window_shards=2).take(0, total * 16)
     assert [positions[p] for p in range(total * 16)] == expected.tolist()

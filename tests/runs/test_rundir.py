@@ -85,7 +85,7 @@ def test_the_probe_really_runs_on_every_node(ray_session, tmp_path):
 
 STEPS = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=10",
          "--set", "train.sample_every=20", "--set", "train.log_every=10", "--set", "run.keep_checkpoints=10",
-         # Streamed: the digits are prepared once into the run storage (S3 here), in 7 shards, and read from there.
+         # Streamed: the digits are prepared once into the run storage (S3 here), in 9 shards, and read from there.
          "--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001", "--set", "data.stream_window_shards=2"]
 
 
