@@ -88,9 +88,10 @@ def write_prepared(decoded, source, out: str, *, shape: tuple[int, int, int], ro
             images = np.ascontiguousarray(images)
             column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(c * r * r), len(images),
                                                           [None, pa.py_buffer(images)])
-            # No dictionary: images are unique, and a dictionary attempt makes every read about 15x slower.
+            # No dictionary: images are unique, and a dictionary attempt makes every read about 15x slower. LZ4:
+            # within 3% of zstd's size on decoded images, and read 2.7x faster (stream mode reads every epoch).
             pq.write_table(pa.table({"image": column}), f"{target}/{name}", filesystem=filesystem,
-                           compression="zstd", use_dictionary=False)
+                           compression="lz4", use_dictionary=False)
             shards.append(name)
             counts.append(len(images))
         count = sum(counts)

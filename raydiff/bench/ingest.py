@@ -9,8 +9,8 @@ batches in [-1, 1] at the target resolution to a consumer loop that moves them t
 - `cached`: raydiff from the same files prepared by `raydiff.prepare` (Parquet shards, no decoding), held in
   the object store (`data.cache=memory`);
 - `stream` (with `--cache stream`): the same prepared files cut into STREAM_SHARDS shards and streamed
-  (`data.cache=stream`) through the node's cache actor, in windows of STREAM_WINDOW shards, with a buffer of
-  three windows.
+  (`data.cache=stream`) through the node's cache actor, in windows of STREAM_WINDOW shards, with the smallest
+  buffer that allows them (WINDOWS_HELD windows).
 
 Steady-state img/s excludes the first epoch (worker start-up, raydiff's decode) and covers whole epochs for at
 least MIN_STEADY_S; the first epoch's seconds are reported too, because that is where decoding costs. For each
@@ -188,8 +188,10 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
             cached = open_source(prepared)
             _measure(result, "cached", _raydiff_batches(cached, resolution, batch), device, epochs, epoch)
             if cache == "stream":
+                from raydiff.data.stream import WINDOWS_HELD
+
                 shard_bytes = -(-len(paths) // STREAM_SHARDS) * 3 * resolution ** 2
-                buffer_gb = 3 * STREAM_WINDOW * shard_bytes / 2 ** 30
+                buffer_gb = WINDOWS_HELD * STREAM_WINDOW * shard_bytes / 2 ** 30
                 _measure(result, "stream", _raydiff_batches(cached, resolution, batch, stream_buffer_gb=buffer_gb),
                          device, epochs, epoch)
                 result.update(stream_buffer_mb=round(buffer_gb * 1024, 1), stream_shards=STREAM_SHARDS,

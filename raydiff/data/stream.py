@@ -19,6 +19,7 @@ object store, else stream.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import sys
@@ -182,7 +183,8 @@ class NodeShards:
         self._loading: dict[int, Future] = {}
         self._pool = ThreadPoolExecutor(readers, thread_name_prefix="raydiff-shards")
         self._reads: Counter = Counter()
-        self._peak_bytes = 0
+        self._peak_bytes = self._dropped_bytes = 0
+        gc.freeze()  # what exists now (modules, mostly) lives on: the collections after evictions skip it
 
     def _request(self, shard: int) -> Future:
         with self._lock:
@@ -206,8 +208,13 @@ class NodeShards:
             held = sum(n for _, n in self._held.values())
             while held > images.buffer_bytes and len(self._held) > 1:
                 _, (_, nbytes) = self._held.popitem(last=False)
-                held -= nbytes
+                held, self._dropped_bytes = held - nbytes, self._dropped_bytes + nbytes
             self._peak_bytes = max(self._peak_bytes, held)
+            collect = self._dropped_bytes >= images.buffer_bytes // WINDOWS_HELD
+            if collect:
+                self._dropped_bytes = 0
+        if collect:  # handing references over leaves closure cycles behind that keep dropped shards alive: once a
+            gc.collect()  # window's worth is dropped, collect them (gc.freeze keeps that cheap)
         return ref
 
     def get(self, shards: list[int]) -> list[list[ray.ObjectRef]]:
@@ -247,7 +254,7 @@ class StreamTable:
         self._starts = images.shard_starts
         self.shape = images.shape
         self._arrays: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._keep = WINDOWS_HELD * images.window_shards
+        self._keep = 2 * images.window_shards  # the window being trained and the one before; the node holds the rest
         self._window: tuple[int, int] | None = None
         self._upcoming: dict[int, tuple] = {}  # shard -> (the node's answer on its way, the shards it answers)
 
