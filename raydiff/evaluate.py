@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 from raydiff import cli
-from raydiff.config import Config, ConfigError, set_key, validate
+from raydiff.config import Config, ConfigError, set_key
+from raydiff.config_checks import validate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -34,7 +34,8 @@ import numpy as np
 import yaml
 
 from raydiff import cli
-from raydiff.config import Config, ConfigError, load_config, preset_names, validate
+from raydiff.config import Config, ConfigError, load_config, preset_names
+from raydiff.config_checks import validate
 from raydiff.training.lr import LR_RULES
 
 REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them

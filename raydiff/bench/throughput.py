@@ -99,7 +99,8 @@ def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, fl
 
 def raydiff_run(cfg: Config, *, steps: int, storage: Path) -> dict[str, Any]:
     """raydiff's own training, one worker, `steps` warm-up steps then `steps` measured ones."""
-    from raydiff.config import set_key, validate
+    from raydiff.config import set_key
+    from raydiff.config_checks import validate
     from raydiff.training.driver import run_training
 
     for key, value in (("scaling.num_workers", 1), ("train.total_steps", 2 * steps), ("train.log_every", steps),

@@ -16,7 +16,8 @@ import ray.train
 import yaml
 from ray.train.torch import TorchTrainer
 
-from raydiff.config import Config, ConfigError, check_workers
+from raydiff.config import Config, ConfigError
+from raydiff.config_checks import check_workers
 from raydiff.data.ingest import ImageStore
 from raydiff.data.sources import DataError, source_of
 from raydiff.data.stream import ShardedImages, open_images
