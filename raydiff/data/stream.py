@@ -328,13 +328,17 @@ def estimated_count(source: Source) -> int:
     return first * len(source.files)
 
 
+def _mb(nbytes: float) -> str:
+    mb = nbytes / 2 ** 20
+    return f"{mb:,.0f} MB" if mb >= 10 else f"{mb:.2g} MB"
+
+
 def choose_cache(data, source: Source) -> tuple[str, str]:
     """(memory | stream, why) for `data.cache`; warns on stderr when memory mode is forced where it does not fit."""
     image_bytes = data.channels * data.resolution ** 2
     decoded = estimated_count(source) * image_bytes
     store = smallest_object_store()
-    sizes = f"the decoded dataset ({decoded / 2 ** 20:,.0f} MB) and the smallest node's object store " \
-            f"({store / 2 ** 20:,.0f} MB)"
+    sizes = f"the decoded dataset ({_mb(decoded)}) and the smallest node's object store ({_mb(store)})"
     fits = decoded <= MEMORY_SHARE * store
     if data.cache == "memory" and not fits:
         print(f"[raydiff] warning: data.cache = memory, but {sizes}: every node would spill it to disk; "
@@ -367,7 +371,7 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None) -
                         f"smaller shards")
     if window < min(data.stream_window_shards, len(counts)):
         print(f"[raydiff] data.stream_window_shards = {data.stream_window_shards}: shuffling windows of {window} "
-              f"shards instead, the most of which {WINDOWS_HELD} fit the {buffer / 2 ** 20:,.0f} MB buffer")
+              f"shards instead, the most of which {WINDOWS_HELD} fit the {_mb(buffer)} buffer")
     return ShardedImages(uri=source.uri, source=data.source, filesystem=source.filesystem, files=source.files,
                          counts=tuple(int(c) for c in counts), shape=shape, window_shards=window,
                          buffer_bytes=buffer, skipped=tuple(manifest.get("bad", ())))
