@@ -223,10 +223,6 @@ class NodeShards:
         futures = [self._request(s) for s in shards]
         return [[f.result()] for f in futures]
 
-    def prefetch(self, shards: list[int]) -> None:
-        for s in shards:
-            self._request(s)
-
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"reads": dict(self._reads), "held_bytes": sum(n for _, n in self._held.values()),
@@ -250,7 +246,7 @@ class StreamTable:
     """
 
     def __init__(self, images: ShardedImages, order: SampleOrder, shards: ray.actor.ActorHandle) -> None:
-        self._images, self._order, self._shards = images, order, shards
+        self._order, self._shards = order, shards
         self._starts = images.shard_starts
         self.shape = images.shape
         self._arrays: OrderedDict[int, np.ndarray] = OrderedDict()
