@@ -199,7 +199,12 @@ class NodeShards:
 
     def _load(self, shard: int) -> ray.ObjectRef:
         images = self._images
-        array = read_shard(images.filesystem, images.files[shard], images.shape)
+        try:
+            array = read_shard(images.filesystem, images.files[shard], images.shape)
+        except BaseException:
+            with self._lock:  # the asking worker gets the error; a later request tries again
+                del self._loading[shard]
+            raise
         ref = ray.put(array)
         with self._lock:
             self._held[shard] = (ref, array.nbytes)
@@ -259,7 +264,7 @@ class StreamTable:
 
     def prepare(self, position: int) -> None:
         window, _ = self._order.window_shards_at(position)
-        if window != self._window:  # a new window: ask for the next one now (the node reads it while we train)
+        if window != self._window:  # a new window: ask for the next ones now (the node reads them while we train)
             self._window = window
             upcoming, ahead = [], window
             for _ in range(READ_AHEAD_WINDOWS):

@@ -156,3 +156,16 @@ def test_sharded_images_report_what_the_prepare_step_skipped():
     assert images.num_good == 9 and images.usable_indices().tolist() == list(range(9))
     assert images.bad_report() == {"count": 1, "fraction": 0.1, "examples": [{"index": 3, "where": "x",
                                                                               "reason": "y"}]}
+
+
+@pytest.mark.ray
+def test_a_failed_read_is_raised_and_tried_again(ray_session, tmp_path):
+    uri, images = _prepared(tmp_path)
+    sharded = stream_images(_data(), open_source(uri), storage=str(tmp_path), endpoint=None)
+    moved = Path(sharded.files[1]).rename(tmp_path / "away.parquet")
+    shards = node_shards(sharded, f"f-{tmp_path.name}")
+    with pytest.raises(Exception, match="away|No such file|not found|part-00001"):
+        ray_session.get(shards.get.remote([1]))
+    moved.rename(sharded.files[1])  # back: the next request reads it
+    [[ref]] = ray_session.get(shards.get.remote([1]))
+    assert np.array_equal(ray_session.get(ref), images[60:120])
