@@ -191,9 +191,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray.tune.schedulers import ASHAScheduler
 
     from raydiff.data.sources import source_of
-    from raydiff.data.stream import ShardedImages, open_images
-    from raydiff.training.driver import init_ray
-    from raydiff.training.validation import holdout_split
+    from raydiff.data.stream import open_images
+    from raydiff.training.driver import init_ray, with_held_out
 
     sweep_dir = Path(cfg.run.storage) / sweep.name
     spec_file = sweep_dir / "sweep.json"
@@ -208,8 +207,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     images, cache = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint)
     if cfg.data.val_images >= images.num_good:
         raise ConfigError(f"data.val_images = {cfg.data.val_images}: must be below the {images.num_good} images")
-    if isinstance(images, ShardedImages):  # once for every trial: they all hold out the same images
-        images = images.with_holdout(holdout_split(images.usable_indices(), cfg.data.val_images, cfg.train.seed)[1])
+    images = with_held_out(cfg, images)  # once for every trial: they all hold out the same images
     resources = ray.cluster_resources()
     cpus = resources.get("CPU", 1)
     concurrent = sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0))

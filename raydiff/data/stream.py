@@ -116,7 +116,6 @@ class ShardedImages:
         images = np.concatenate(parts) if parts else np.empty((0, *self.shape), np.uint8)
         return replace(self, holdout=ray.put(images), holdout_indices=tuple(indices.tolist()))
 
-
     def iter_arrays(self, max_bytes: int = 256 * 2 ** 20):
         """All images in index order, a few shards (up to about `max_bytes`) at a time."""
         pending, held = [], 0

@@ -177,8 +177,7 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
     if cfg.data.val_images >= images.num_good:
         raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of usable images in "
                         f"data.source ({images.num_good})")
-    if isinstance(images, ShardedImages) and cfg.data.val_images:  # streamed: the driver gathers the few held out
-        images = images.with_holdout(holdout_split(images.usable_indices(), cfg.data.val_images, cfg.train.seed)[1])
+    images = with_held_out(cfg, images)
     unusable = images.bad_report()["count"]
     skipped = f", {unusable} skipped as unusable (see summary.json)" if unusable else ""
     scaling, torch_threads = plan_scaling(resolved, cpus)
@@ -234,6 +233,14 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
         dashboards.summary(summary)
         dashboards.close()
     return {**summary, "signal": received["signal"]}
+
+
+def with_held_out(cfg: Config, images: ImageStore | ShardedImages) -> ImageStore | ShardedImages:
+    """The images as the workers need them: streamed ones carry their `data.val_images` held-out images, which
+    the driver gathers once (a sweep once for all its trials); images in memory hold them already."""
+    if not isinstance(images, ShardedImages) or not cfg.data.val_images:
+        return images
+    return images.with_holdout(holdout_split(images.usable_indices(), cfg.data.val_images, cfg.train.seed)[1])
 
 
 def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages) -> ray.ObjectRef | None:
