@@ -107,8 +107,8 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
         if s.channels_last:
             x0 = x0.contiguous(memory_format=torch.channels_last)
         timesteps, noise = batch.diffusion_inputs(s.seed, s.diffusion.timesteps, s.device)
-        if s.dropout:
-            torch.manual_seed(derive_seed(s.seed, batch.position))  # dropout, a function of the stream position
+        if s.dropout:  # dropout masks, a function of the stream position
+            dropout_generator(s.device).manual_seed(derive_seed(s.seed, batch.position))
         sync = not is_ddp or i == len(batches) - 1
         with contextlib.nullcontext() if sync else unwrap_compiled(s.model).no_sync():
             with torch.autocast(s.device.type, dtype=s.autocast_dtype, enabled=s.autocast_dtype is not None):
@@ -137,6 +137,15 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
     if ema is not None:
         ema(ema_decay, finite)
     return StepResult(finite, grad_norm, loss_sum, samples, quarter_sums, x0, timesteps, losses)
+
+
+def dropout_generator(device: torch.device) -> torch.Generator:
+    """The generator dropout on `device` draws from (eager and compiled alike): the device's default one.
+    Reseeding only it costs about a microsecond, where `torch.manual_seed` also reseeds the CPU's Mersenne
+    Twister and every GPU (and, in a process that has not initialised CUDA, formats a stack trace: 0.13 ms)."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

@@ -23,8 +23,8 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GLOBAL_BATCH = 16
 
 
-def _setup(precision: str = "fp32", *, channels_last: bool = False):
-    cfg = load_config("smoke", [])
+def _setup(precision: str = "fp32", *, channels_last: bool = False, dropout: float = 0.0):
+    cfg = load_config("smoke", [f"model.dropout={dropout}"])
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -35,7 +35,7 @@ def _setup(precision: str = "fp32", *, channels_last: bool = False):
     inputs = StepInputs(model=model, optimizer=make_optimizer(model, lr=1e-3, weight_decay=0.0),
                         scaler=torch.amp.GradScaler("cuda", enabled=dtype == torch.float16),
                         diffusion=build_diffusion(cfg), device=device, autocast_dtype=dtype, seed=0, flip=True,
-                        global_batch=GLOBAL_BATCH, world_size=1, grad_clip=1.0, dropout=False,
+                        global_batch=GLOBAL_BATCH, world_size=1, grad_clip=1.0, dropout=dropout > 0,
                         channels_last=channels_last)
     ema = make_ema(model)
     return inputs, ema, EmaUpdater(ema, model), cfg
@@ -82,8 +82,9 @@ def test_fp16_non_finite_step_is_skipped_and_the_scale_backs_off():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_steady_state_step_never_synchronises(precision):
-    """The issue's check: CUDA's sync debug mode raises on any host-device synchronisation inside the steps."""
-    inputs, _, ema_update, cfg = _setup(precision)
+    """The issue's check: CUDA's sync debug mode raises on any host-device synchronisation inside the steps
+    (with dropout, reseeded per micro-batch, as in the cifar10 preset)."""
+    inputs, _, ema_update, cfg = _setup(precision, dropout=0.1)
     window, nonfinite = MetricsWindow(inputs.device), NonFiniteSteps(inputs.device)
     stream = _stream(cfg)
     try:
@@ -102,6 +103,27 @@ def test_the_steady_state_step_never_synchronises(precision):
     finally:
         stream.close()
     assert nonfinite.skipped_steps() == 0
+
+
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_dropout_on_the_gpu_is_a_function_of_the_stream_position(compile_model):
+    """The step seeds the generator CUDA dropout draws from (compiled dropout too): the same micro-batches give the
+    same loss whatever was drawn before, and unseeded they do not."""
+    inputs, _, _, cfg = _setup(dropout=0.5)
+    inputs.model = compiled(inputs.model, compile_model, fallback=False)
+    stream = _stream(cfg)
+    try:
+        batches = next(stream)
+    finally:
+        stream.close()
+
+    def loss_sum() -> float:
+        torch.rand(4096, device="cuda")  # other draws from the device's generator in between
+        return float(optimizer_step(inputs, batches, lr=0.0).loss_sum)  # lr 0: the weights stay
+
+    first, second = loss_sum(), loss_sum()
+    inputs.dropout = False
+    assert first == pytest.approx(second, rel=1e-6) and loss_sum() != pytest.approx(first, rel=1e-3)
 
 
 def test_compiled_and_channels_last_steps_match_eager():
