@@ -50,6 +50,8 @@ def test_throughput_bench_compares_raydiff_with_the_plain_loop():
     assert result["bench"] == "throughput" and result["device"] == "cpu" and result["precision"] == "fp32"
     assert result["plain_img_s"] > 0 and result["raydiff_img_s"] > 0 and result["warmup_s"] > 0
     assert result["ratio"] == pytest.approx(result["raydiff_img_s"] / result["plain_img_s"], rel=1e-2)
+    before, after = result["plain_img_s_runs"]  # the plain loop brackets raydiff's run
+    assert before > 0 and after > 0 and result["plain_img_s"] == pytest.approx((before + after) / 2, rel=1e-2)
     # The smoke UNet at 8x8: a few MFLOPs per image; MFU against the given peak.
     assert 1e6 < result["flops_per_image"] < 1e9
     assert result["mfu"] == pytest.approx(result["tflops"] / 1.0, abs=1e-3)

@@ -3,7 +3,8 @@
 Both train the config's model at its global batch and precision, on one device, in one run:
 - `plain`: what a user would write by hand: eager model, AdamW (torch's default implementation), autocast,
   GradScaler for fp16, gradient clipping, one fresh batch of timesteps and noise per step; no compile. It runs
-  in this process once Ray is up, so that Ray's own processes are there for both.
+  in this process once Ray is up, so that Ray's own processes are there for both, once before raydiff's run and
+  once after it: `plain_img_s` is their mean, and `plain_img_s_runs` shows how much the machine drifted.
 - `raydiff`: the real thing, `python -m raydiff.train` through Ray Train with one worker, with its defaults for
   the device (fused AdamW, no host sync per step, compile on GPUs, ...), on images decoded by its own ingest.
   Its speed is the `images_per_s` of the second metrics window: the first (`warmup_s`) holds start-up and
@@ -129,7 +130,7 @@ def bench_throughput(config: str, overrides: list[str], *, steps: int, peak: flo
     name = device_name(device)
     flops = flops_per_image(cfg, device)
     init_ray()  # the plain loop runs beside the same idle Ray processes as raydiff's worker: same conditions
-    plain = plain_loop(cfg, device, steps=steps)
+    plain = [plain_loop(cfg, device, steps=steps)]
     with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as tmp:
         if not cfg.data.source:  # no dataset at hand (cifar10 needs one): synthetic images of the same shape
             images = Path(tmp) / "images"
@@ -137,6 +138,8 @@ def bench_throughput(config: str, overrides: list[str], *, steps: int, peak: flo
                             fmt="png", seed=0)
             cfg.data.source = str(images)
         ours = raydiff_run(cfg, steps=steps, storage=Path(tmp) / "runs")
+    plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows, and averages out
+    plain_img_s = sum(p["img_s"] for p in plain) / len(plain)
     dtype = resolve_precision(cfg.train.precision, device)
     peak = peak or peak_tflops(name)
     tflops = flops * ours["img_s"] / 1e12
@@ -144,11 +147,12 @@ def bench_throughput(config: str, overrides: list[str], *, steps: int, peak: flo
         "bench": "throughput", "config": config, "device": name, "torch": torch.__version__,
         "precision": {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         "global_batch": cfg.train.global_batch, "steps": steps,
-        "plain_img_s": round(plain["img_s"], 1), "raydiff_img_s": round(ours["img_s"], 1),
-        "ratio": round(ours["img_s"] / plain["img_s"], 3), "warmup_s": ours["warmup_s"],
+        "plain_img_s": round(plain_img_s, 1), "plain_img_s_runs": [round(p["img_s"], 1) for p in plain],
+        "raydiff_img_s": round(ours["img_s"], 1), "ratio": round(ours["img_s"] / plain_img_s, 3),
+        "warmup_s": ours["warmup_s"],
         "flops_per_image": round(flops), "tflops": round(tflops, 3),
         "mfu": round(tflops / peak, 4) if peak else None, "peak_tflops": peak,
-        "peak_memory_gb": ours["peak_memory_gb"], "plain_peak_memory_gb": plain["peak_memory_gb"],
+        "peak_memory_gb": ours["peak_memory_gb"], "plain_peak_memory_gb": plain[0]["peak_memory_gb"],
         "data_wait_frac": ours["data_wait_frac"],
         "options": {**speed_options(cfg.train.compile, cfg.train.channels_last, device), "fused_adamw": True,
                     "cudnn_benchmark": device.type == "cuda", "gradient_as_bucket_view": True},
