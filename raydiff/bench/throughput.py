@@ -4,11 +4,13 @@ Both train the config's model at its global batch and precision, on one device, 
 - `plain`: what a user would write by hand: eager model, AdamW (torch's default implementation), autocast,
   GradScaler for fp16, gradient clipping, one fresh batch of timesteps and noise per step; no compile. It runs
   in this process once Ray is up, so that Ray's own processes are there for both, once before raydiff's run and
-  once after it: `plain_img_s` is their mean, and `plain_img_s_runs` shows how much the machine drifted.
+  once after it (`plain_img_s_runs` shows how much the machine drifted).
 - `raydiff`: the real thing, `python -m raydiff.train` through Ray Train with one worker, with its defaults for
   the device (fused AdamW, no host sync per step, compile on GPUs, ...), on images decoded by its own ingest.
-  Its speed is the `images_per_s` of the second metrics window: the first (`warmup_s`) holds start-up and
-  compilation.
+  The first `steps` steps (`warmup_s`) hold start-up and compilation.
+
+Each side's img/s is the median over MEASURED_CHUNKS chunks of its measured steps (raydiff's metrics windows), so
+that a moment when the machine was busy elsewhere does not decide the ratio.
 FLOPs per trained image are counted with torch's FlopCounterMode (forward + backward of the model), so
 `tflops` = FLOPs x img/s, and `mfu` = tflops / the device's peak dense bf16 throughput.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +28,8 @@ from typing import Any
 import torch
 
 from raydiff.config import Config, load_config
+
+MEASURED_CHUNKS = 5
 
 # Peak dense bf16 tensor throughput (TFLOP/s) by device name; --peak-tflops for others.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
@@ -55,7 +60,8 @@ def flops_per_image(cfg: Config, device: torch.device) -> float:
 
 
 def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, float]:
-    """The textbook loop's img/s (after `steps` warm-up steps) and peak memory."""
+    """The textbook loop's img/s (after `steps` warm-up steps; the median of MEASURED_CHUNKS chunks of `steps`)
+    and peak memory."""
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
     from raydiff.training.step import resolve_precision
@@ -89,13 +95,21 @@ def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, fl
     synchronize()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synchronize()
-    elapsed = time.perf_counter() - start
+    rates = []
+    for chunk in _chunks(steps):
+        start = time.perf_counter()
+        for _ in range(chunk):
+            step()
+        synchronize()
+        rates.append(chunk * t.global_batch / (time.perf_counter() - start))
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    return {"img_s": steps * t.global_batch / elapsed, "peak_memory_gb": peak}
+    return {"img_s": statistics.median(rates), "chunks_img_s": rates, "peak_memory_gb": peak}
+
+
+def _chunks(steps: int) -> list[int]:
+    """`steps` split into up to MEASURED_CHUNKS near-equal chunks."""
+    n = min(MEASURED_CHUNKS, steps)
+    return [steps // n + (i < steps % n) for i in range(n)]
 
 
 def raydiff_run(cfg: Config, *, steps: int, storage: Path) -> dict[str, Any]:
@@ -104,7 +118,8 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path) -> dict[str, Any]:
     from raydiff.config_checks import validate
     from raydiff.training.driver import run_training
 
-    for key, value in (("scaling.num_workers", 1), ("train.total_steps", 2 * steps), ("train.log_every", steps),
+    for key, value in (("scaling.num_workers", 1), ("train.total_steps", 2 * steps),
+                       ("train.log_every", _chunks(steps)[-1]),
                        ("train.checkpoint_every", 2 * steps), ("train.sample_every", 0), ("train.sample_num", 1),
                        ("train.sample_steps", 1), ("data.val_images", 0), ("run.storage", str(storage)),
                        ("run.name", "throughput"), ("train.micro_batch", None)):
@@ -114,9 +129,12 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path) -> dict[str, Any]:
     if summary["status"] != "finished":
         raise RuntimeError(f"the raydiff run ended {summary['status']}: {summary.get('error')}")
     rows = [json.loads(line) for line in (storage / "throughput" / "metrics.jsonl").read_text().splitlines()]
-    warm, measured = rows[0], rows[-1]
-    return {"img_s": measured["images_per_s"], "warmup_s": warm["time_s"],
-            "peak_memory_gb": measured.get("peak_memory_gb"), "data_wait_frac": measured["data_wait_frac"]}
+    warm = [row for row in rows if row["step"] <= steps][-1]
+    measured = [row for row in rows if row["step"] > steps]
+    peaks = [row["peak_memory_gb"] for row in measured if row.get("peak_memory_gb") is not None]
+    return {"img_s": statistics.median(row["images_per_s"] for row in measured), "warmup_s": warm["time_s"],
+            "peak_memory_gb": max(peaks) if peaks else None,
+            "data_wait_frac": statistics.median(row["data_wait_frac"] for row in measured)}
 
 
 def bench_throughput(config: str, overrides: list[str], *, steps: int, peak: float | None) -> dict[str, Any]:
