@@ -11,6 +11,7 @@ Both train the config's model at its global batch and precision, on one device, 
 
 Each side's img/s is the median over MEASURED_CHUNKS chunks of its measured steps (raydiff's metrics windows), so
 that a moment when the machine was busy elsewhere does not decide the ratio.
+
 FLOPs per trained image are counted with torch's FlopCounterMode (forward + backward of the model), so
 `tflops` = FLOPs x img/s, and `mfu` = tflops / the device's peak dense bf16 throughput.
 """
@@ -103,7 +104,7 @@ def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, fl
         synchronize()
         rates.append(chunk * t.global_batch / (time.perf_counter() - start))
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    return {"img_s": statistics.median(rates), "chunks_img_s": rates, "peak_memory_gb": peak}
+    return {"img_s": statistics.median(rates), "peak_memory_gb": peak}
 
 
 def _chunks(steps: int) -> list[int]:
