@@ -159,14 +159,16 @@ def trial_name(params: dict[str, Any]) -> str:
 
 
 def _run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep: Sweep, runs_dir: str, images,
-               cpus_per_trial: float) -> None:
+               cpus_per_trial: float, trial_runs) -> None:
     """A Tune function trainable: one raydiff run whose every report reaches Tune."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from raydiff.training.driver import run_training
+    from raydiff.training.reservations import note_trial_run
 
     cfg = trial_config(base, params, sweep, runs_dir)
-    summary = run_training(cfg, images=images, cpus=cpus_per_trial, callbacks=[TuneReportCallback()])
+    summary = run_training(cfg, images=images, cpus=cpus_per_trial, callbacks=[TuneReportCallback()],
+                           note_run=lambda requester: note_trial_run(trial_runs, requester))
     if summary["status"] not in ("finished",):
         raise RuntimeError(f"trial {cfg.run.name} {summary['status']}: {summary.get('error', 'unknown error')}")
 
@@ -193,6 +195,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from raydiff.data.sources import source_of
     from raydiff.data.stream import open_images
     from raydiff.training.driver import init_ray, with_held_out
+    from raydiff.training.reservations import TrialRuns, releasing_killed_trials
 
     sweep_dir = Path(cfg.run.storage) / sweep.name
     spec_file = sweep_dir / "sweep.json"
@@ -218,9 +221,10 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(json.dumps(spec, indent=2) + "\n")
 
+    trial_runs = TrialRuns.remote()
     trainable = tune.with_resources(
         tune.with_parameters(_run_trial, base=cfg.to_dict(), sweep=sweep, runs_dir=str(sweep_dir / "runs"),
-                             images=images, cpus_per_trial=cpus / concurrent - TRIAL_CPU),
+                             images=images, cpus_per_trial=cpus / concurrent - TRIAL_CPU, trial_runs=trial_runs),
         {"CPU": TRIAL_CPU},
     )
     experiment = str(sweep_dir / "tune")
@@ -241,7 +245,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
             run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=1)),
         )
-    grid = tuner.fit()
+    with releasing_killed_trials(trial_runs):
+        grid = tuner.fit()
     rows = [_result_row(result, cfg, sweep, sweep_dir) for result in grid]
     return write_outputs(rows, cfg, sweep, sweep_dir)
 

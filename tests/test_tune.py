@@ -16,17 +16,28 @@ SWEEP = ["--config", "smoke", "--lr", "1e-6:3e-3", "--batch", "16", "--samples",
          "--name", "s"]
 
 
+def reserving(ray_session) -> set[str]:
+    """The Ray Train runs that hold a reservation with the cluster's autoscaling coordinator."""
+    try:
+        coordinator = ray_session.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    except ValueError:
+        return set()
+    requesters = ray_session.get(coordinator.__ray_call__.remote(lambda actor: list(actor._ongoing_reqs)))
+    return {r for r in requesters if r.startswith("train-")}
+
+
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def sweep(tmp_path_factory, ray_session):
     storage = tmp_path_factory.mktemp("sweeps")
+    reserving_before = reserving(ray_session)
     proc = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return storage, proc.stdout
+    return storage, proc.stdout, reserving(ray_session) - reserving_before
 
 
 @pytest.mark.ray
 def test_two_trial_sweep_stops_the_worse_trial_and_writes_its_outputs(sweep):
-    storage, output = sweep
+    storage, output, _ = sweep
     sweep_dir = storage / "s"
     rows = list(csv.DictReader((sweep_dir / "results.csv").open()))
     assert [(r["base_lr"], r["batch"], r["rule"]) for r in rows] == [("0.003", "16", "linear"),
@@ -46,8 +57,16 @@ def test_two_trial_sweep_stops_the_worse_trial_and_writes_its_outputs(sweep):
 
 
 @pytest.mark.ray
+def test_a_sweep_leaves_no_resources_reserved_for_its_killed_trials(sweep):
+    """Tune kills both trials (one early, one at its budget) and their Train controllers with them; left alone,
+    Ray would keep their CPUs reserved for 3 minutes, and an elastic run started next would wait on them."""
+    _, _, still_reserving = sweep
+    assert still_reserving == set()
+
+
+@pytest.mark.ray
 def test_best_yaml_trains_as_is(sweep):
-    storage, _ = sweep
+    storage, _, _ = sweep
     proc = run_cli("raydiff.train", "--config", str(storage / "s" / "best.yaml"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads((storage / "s-best" / "summary.json").read_text())
@@ -57,7 +76,7 @@ def test_best_yaml_trains_as_is(sweep):
 
 @pytest.mark.ray
 def test_rerunning_a_sweep_continues_it_and_other_arguments_are_refused(sweep):
-    storage, _ = sweep
+    storage, _, _ = sweep
     again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "continuing the sweep" in again.stdout + again.stderr

@@ -8,6 +8,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -29,6 +30,7 @@ from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
 from raydiff.training.loop import train_worker
 from raydiff.training.lr import describe_lr
+from raydiff.training.reservations import requester_of
 from raydiff.training.stop import StopFlag, stop_on_signals
 from raydiff.training.validation import holdout_split
 
@@ -139,12 +141,14 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
 
 
 def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = None, cpus: float | None = None,
-                 callbacks: list | None = None) -> dict[str, Any]:
+                 callbacks: list | None = None, note_run: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train to `cfg.train.total_steps`, continuing the run's newest checkpoint; return the summary.
 
     :param images: the source already decoded (a sweep decodes once for all its trials).
     :param cpus: this run's part of the cluster's CPUs (default all).
     :param callbacks: Ray Train callbacks, e.g. Tune's report callback.
+    :param note_run: called with the name the run reserves its resources under, before it starts (a sweep
+        releases them if Tune kills the trial).
     """
     started = time.perf_counter()
     run_dir = run_dir_of(cfg)
@@ -216,6 +220,8 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
             callbacks=callbacks or [],
         ),
     )
+    if note_run is not None:
+        note_run(requester_of(trainer))
     error = None
     with stop_on_signals(stop_flag) as received:
         try:

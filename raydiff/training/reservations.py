@@ -1,0 +1,98 @@
+"""Releasing the resources a killed Ray Train run still has reserved, for the sweeps whose trials Tune kills.
+
+Ray Train registers every run's workers with the cluster's autoscaling coordinator (requester `train-<run id>`,
+renewed every 20 s, expiring 180 s after the last renewal), and the run's controller cancels that request when it
+shuts down. Tune stops a trial, early or at its budget, by killing the trial's actor, and the Train controller
+that actor owns dies with it without cancelling. For three minutes the coordinator then keeps those CPUs/GPUs for
+a run that no longer exists: an elastic run waits on them ("ready resources for 0 workers") and Ray Data gets a
+smaller share. A sweep therefore notes each trial's run and cancels its request once the trial's actor is dead
+(no renewal can follow), and every one at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+import ray
+
+COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's detached actor: (name, namespace)
+CHECK_EVERY_S = 5.0
+logger = logging.getLogger("raydiff")
+
+
+def requester_of(trainer) -> str:
+    """The name under which `trainer`'s run reserves its resources with the coordinator."""
+    return f"train-{trainer.train_run_context.run_id}"
+
+
+@ray.remote(num_cpus=0)
+class TrialRuns:
+    """The Train runs of a sweep's trials: requester name -> the actor id of the trial that started it."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, str] = {}
+
+    def add(self, requester: str, trial_actor_id: str) -> None:
+        self._runs[requester] = trial_actor_id
+
+    def all(self) -> dict[str, str]:
+        return dict(self._runs)
+
+
+def note_trial_run(runs, requester: str) -> None:
+    """Called in a trial, before its run starts: record the run against the trial's actor."""
+    ray.get(runs.add.remote(requester, ray.get_runtime_context().get_actor_id()))
+
+
+def cancel_requests(requesters: list[str]) -> None:
+    """Cancel these requesters' reservations (a no-op for any already cancelled or expired)."""
+    try:
+        coordinator = ray.get_actor(*COORDINATOR)
+    except ValueError:  # never created: nothing on this cluster reserves anything
+        return
+    ray.get([coordinator.cancel_request.remote(requester_id=r) for r in requesters], timeout=30)
+
+
+def _dead(actor_id: str) -> bool:
+    from ray.util.state import get_actor
+
+    state = get_actor(actor_id, timeout=10)
+    return state is None or state.state == "DEAD"
+
+
+@contextlib.contextmanager
+def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[None]:
+    """While a sweep runs, cancel the reservation of each trial whose actor has died; at the end (every trial
+    stopped), of all of them. Needs the state API, which sweeps require anyway."""
+    released: set[str] = set()
+    done = threading.Event()
+
+    def release(everything: bool) -> None:
+        pending = {r: a for r, a in ray.get(runs.all.remote()).items() if everything or r not in released}
+        gone = [r for r, actor in pending.items() if everything or _dead(actor)]
+        if gone:
+            cancel_requests(gone)
+            released.update(gone)
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            try:
+                release(everything=False)
+            except Exception:  # best effort while trials run; the final release retries
+                logger.debug("releasing the reservations of killed trials failed", exc_info=True)
+
+    watcher = threading.Thread(target=watch, name="raydiff-release-reservations", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        try:
+            release(everything=True)
+        except Exception as exc:  # noqa: BLE001 - the sweep's results stand; Ray expires the requests itself
+            print(f"[raydiff] could not release the trials' resource reservations ({type(exc).__name__}: {exc}); "
+                  f"Ray frees them within 3 minutes")
