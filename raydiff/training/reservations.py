@@ -60,7 +60,7 @@ def _dead(actor_id: str) -> bool:
     from ray.util.state import get_actor
 
     state = get_actor(actor_id, timeout=10)
-    return state is None or state.state == "DEAD"
+    return state is not None and state.state == "DEAD"  # unknown: leave it to the release at the end
 
 
 @contextlib.contextmanager
