@@ -10,6 +10,7 @@ import yaml
 from conftest import run_cli
 
 from raydiff import cli
+from raydiff.training.reservations import COORDINATOR
 from raydiff.tune import main as tune_main
 
 SWEEP = ["--config", "smoke", "--lr", "1e-6:3e-3", "--batch", "16", "--samples", "2", "--budget-images", "640",
@@ -19,7 +20,7 @@ SWEEP = ["--config", "smoke", "--lr", "1e-6:3e-3", "--batch", "16", "--samples",
 def reserving(ray_session) -> set[str]:
     """The Ray Train runs that hold a reservation with the cluster's autoscaling coordinator."""
     try:
-        coordinator = ray_session.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+        coordinator = ray_session.get_actor(*COORDINATOR)
     except ValueError:
         return set()
     requesters = ray_session.get(coordinator.__ray_call__.remote(lambda actor: list(actor._ongoing_reqs)))

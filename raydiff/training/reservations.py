@@ -71,8 +71,8 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
     done = threading.Event()
 
     def release(everything: bool) -> None:
-        pending = {r: a for r, a in ray.get(runs.all.remote()).items() if everything or r not in released}
-        gone = [r for r, actor in pending.items() if everything or _dead(actor)]
+        gone = [r for r, actor in ray.get(runs.all.remote()).items()
+                if everything or (r not in released and _dead(actor))]
         if gone:
             cancel_requests(gone)
             released.update(gone)
