@@ -8,9 +8,10 @@ from collections.abc import Callable
 from raydiff.config import ConfigError
 from raydiff.data.sources import DataError
 from raydiff.quality.features import QualityError
+from raydiff.runs.rundir import RunInUse
 from raydiff.runs.state import Unresumable
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse)
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

@@ -84,6 +84,18 @@ def ray_session(cluster):
     ray.shutdown()
 
 
+def reserving(ray_session) -> set[str]:
+    """The Ray Train runs that hold a reservation with the cluster's autoscaling coordinator."""
+    from raydiff.training.reservations import COORDINATOR
+
+    try:
+        coordinator = ray_session.get_actor(*COORDINATOR)
+    except ValueError:
+        return set()
+    requesters = ray_session.get(coordinator.__ray_call__.remote(lambda actor: list(actor._ongoing_reqs)))
+    return {r for r in requesters if r.startswith("train-")}
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto's) on a free loopback port; yields (endpoint URL, boto3 client)."""

@@ -7,24 +7,13 @@ import json
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import reserving, run_cli
 
 from raydiff import cli
-from raydiff.training.reservations import COORDINATOR
 from raydiff.tune import main as tune_main
 
 SWEEP = ["--config", "smoke", "--lr", "1e-6:3e-3", "--batch", "16", "--samples", "2", "--budget-images", "640",
          "--name", "s"]
-
-
-def reserving(ray_session) -> set[str]:
-    """The Ray Train runs that hold a reservation with the cluster's autoscaling coordinator."""
-    try:
-        coordinator = ray_session.get_actor(*COORDINATOR)
-    except ValueError:
-        return set()
-    requesters = ray_session.get(coordinator.__ray_call__.remote(lambda actor: list(actor._ongoing_reqs)))
-    return {r for r in requesters if r.startswith("train-")}
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,10 @@ import pyarrow.fs as pafs
 from raydiff.data.fs import filesystem_for, is_remote
 
 
+class RunInUse(RuntimeError):
+    """Another live driver on this Ray cluster trains the same run directory."""
+
+
 class RunDir:
     """A folder of files addressed by relative names (`metrics.jsonl`, `samples/step_00000100.png`).
 

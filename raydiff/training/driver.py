@@ -24,14 +24,15 @@ from raydiff.data.sources import DataError, source_of
 from raydiff.data.stream import ShardedImages, open_images
 from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.runs.dashboards import dashboards_for
-from raydiff.runs.resume import DATA_FILE, plan_run
+from raydiff.runs.resume import DATA_FILE, RunPlan, plan_run
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
+from raydiff.training.claim import claim_run_dir, take_over_reservation
 from raydiff.training.loop import train_worker
 from raydiff.training.lr import describe_lr
 from raydiff.training.reservations import requester_of
-from raydiff.training.stop import StopFlag, stop_on_signals
+from raydiff.training.stop import stop_on_signals
 from raydiff.training.validation import holdout_split
 
 BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
@@ -165,8 +166,18 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
         summary = json.loads(run_dir.read_text("summary.json"))
         return {**summary, "already_finished": True, "run_dir": str(run_dir)}
 
-    # Decode the data once with Ray Data.
+    # Start or join Ray, and claim the run directory: from here on this driver alone writes to it.
     init_ray()
+    invocation = uuid.uuid4().hex
+    with claim_run_dir(run_dir, invocation) as stop_flag:
+        return _train(cfg, run_dir, plan, data, source, init_weights, invocation, stop_flag, started,
+                      images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
+
+
+def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, data: dict[str, Any], source, init_weights,
+           invocation: str, stop_flag, started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
+    """run_training, once the run directory is claimed: decode, train, summarise."""
+    # Decode the data once with Ray Data.
     check_shared_storage(cfg.run.storage)
     resolved = auto_workers(cfg, ray.cluster_resources().get("GPU", 0))  # the config the workers get
     if init_weights is not None:  # a new run starts from them; a continuing run restores its checkpoint instead
@@ -202,7 +213,6 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
     if unusable:
         run_dir.write_text(BAD_FILE, json.dumps(images.bad_report(limit=None)["examples"], indent=1) + "\n")
 
-    invocation, stop_flag = uuid.uuid4().hex, StopFlag.remote()
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     trainer = TorchTrainer(
         train_worker,
@@ -220,6 +230,7 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
             callbacks=callbacks or [],
         ),
     )
+    take_over_reservation(run_dir, invocation, requester_of(trainer))
     if note_run is not None:
         note_run(requester_of(trainer))
     error = None

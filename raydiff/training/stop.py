@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import ray
 
@@ -19,10 +20,15 @@ logger = logging.getLogger("raydiff")
 
 @ray.remote(num_cpus=0)
 class StopFlag:
-    """Holds the reason the driver was asked to stop, if it was."""
+    """Holds the reason the driver was asked to stop, if it was, and who the driver is (the run's claim: see
+    `raydiff.training.claim`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, driver: dict[str, Any]) -> None:
         self._reason: str | None = None
+        self._driver = driver
+
+    def driver(self) -> dict[str, Any]:
+        return self._driver
 
     def request(self, reason: str) -> None:
         self._reason = self._reason or reason

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, reserving, run_cli
 from PIL import Image
 
 from raydiff.config import ConfigError
@@ -90,7 +90,7 @@ STEPS = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.c
 
 
 @pytest.mark.ray
-def test_s3_storage_train_kill_resume_is_identical(s3_server, tmp_path):
+def test_s3_storage_train_kill_resume_is_identical(s3_server, ray_session, tmp_path):
     endpoint, client = s3_server
     client.create_bucket(Bucket="raydiff-runs")
     storage = ["--set", "run.storage=s3://raydiff-runs/runs", "--set", f"run.endpoint={endpoint}"]
@@ -107,9 +107,12 @@ def test_s3_storage_train_kill_resume_is_identical(s3_server, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not run.is_file("summary.json")
+    killed = json.loads(run.read_text("driver.json"))
+    assert killed["pid"] == proc.pid and killed["requester"] in reserving(ray_session)  # left for 3 minutes
 
     rerun = run_cli("raydiff.train", *STEPS, *storage)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert killed["requester"] not in reserving(ray_session)  # released by the re-run, long before Ray would
     summary = json.loads(run.read_text("summary.json"))
     assert "streamed from s3://raydiff-runs/runs/.raydiff-stream/" in rerun.stdout
     assert summary["status"] == "finished" and summary["steps"] == 40 and summary["resumed_from_step"] >= 20
