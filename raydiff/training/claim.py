@@ -74,7 +74,8 @@ def claim_run_dir(run_dir: RunDir, invocation: str, grace_s: float = GRACE_S) ->
     try:
         yield flag
     finally:
-        ray.kill(flag)
+        with contextlib.suppress(Exception):  # never hide what ended the block; the driver's exit removes it too
+            ray.kill(flag)
 
 
 def take_over_reservation(run_dir: RunDir, invocation: str, requester: str) -> None:
