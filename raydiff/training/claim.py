@@ -47,13 +47,6 @@ def this_driver(invocation: str) -> dict[str, Any]:
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _holder(flag) -> dict[str, Any] | None:
-    try:
-        return ray.get(flag.driver.remote(), timeout=60)
-    except ray.exceptions.RayActorError:  # its driver has just ended and Ray is removing it
-        return None
-
-
 @contextlib.contextmanager
 def claim_run_dir(run_dir: RunDir, invocation: str, grace_s: float = GRACE_S) -> Iterator[Any]:
     """Hold `run_dir` for this driver while the block runs; yield the run's StopFlag (the claim itself).
@@ -61,15 +54,22 @@ def claim_run_dir(run_dir: RunDir, invocation: str, grace_s: float = GRACE_S) ->
     me = this_driver(invocation)
     deadline = time.monotonic() + grace_s
     while True:
-        flag = StopFlag.options(name=claim_name(run_dir), namespace=NAMESPACE, get_if_exists=True).remote(me)
-        holder = _holder(flag)
-        if holder is not None and holder["invocation"] == invocation:
-            break
-        if time.monotonic() > deadline:
-            who = (f"pid {holder['pid']} on {holder['host']}, Ray job {holder['ray_job']}, since {holder['started']}"
-                   if holder else "a driver that is still shutting down")
-            raise RunInUse(f"run directory {run_dir} is in use by another raydiff run on this Ray cluster ({who}): "
-                           f"wait for it to finish or stop it, or set run.name to start another run")
+        try:
+            flag = StopFlag.options(name=claim_name(run_dir), namespace=NAMESPACE, get_if_exists=True).remote(me)
+            holder = ray.get(flag.driver.remote(), timeout=60)
+        except Exception:
+            # The holder's driver has just ended and Ray is removing its claim: the actor is dead, or its class
+            # went with the driver's job ("Expected str or bytes" from Ray). Once gone, the name is free.
+            if time.monotonic() > deadline:
+                raise
+        else:
+            if holder["invocation"] == invocation:
+                break
+            if time.monotonic() > deadline:
+                raise RunInUse(f"run directory {run_dir} is in use by another raydiff run on this Ray cluster (pid "
+                               f"{holder['pid']} on {holder['host']}, Ray job {holder['ray_job']}, since "
+                               f"{holder['started']}): wait for it to finish or stop it, or set run.name to start "
+                               f"another run")
         time.sleep(0.5)
     try:
         yield flag
