@@ -48,14 +48,13 @@ def this_driver(invocation: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def claim_run_dir(run_dir: RunDir, invocation: str, grace_s: float = GRACE_S) -> Iterator[Any]:
-    """Hold `run_dir` for this driver while the block runs; yield the run's StopFlag (the claim itself).
-    Raises RunInUse if another live driver on this cluster holds it."""
-    me = this_driver(invocation)
+def claim_run_dir(run_dir: RunDir, driver: dict[str, Any], grace_s: float = GRACE_S) -> Iterator[Any]:
+    """Hold `run_dir` for `driver` (this_driver()) while the block runs; yield the run's StopFlag (the claim
+    itself). Raises RunInUse if another live driver on this cluster holds it."""
     deadline = time.monotonic() + grace_s
     while True:
         try:
-            flag = StopFlag.options(name=claim_name(run_dir), namespace=NAMESPACE, get_if_exists=True).remote(me)
+            flag = StopFlag.options(name=claim_name(run_dir), namespace=NAMESPACE, get_if_exists=True).remote(driver)
             holder = ray.get(flag.driver.remote(), timeout=60)
         except Exception:
             # The holder's driver has just ended and Ray is removing its claim: the actor is dead, or its class
@@ -63,7 +62,7 @@ def claim_run_dir(run_dir: RunDir, invocation: str, grace_s: float = GRACE_S) ->
             if time.monotonic() > deadline:
                 raise
         else:
-            if holder["invocation"] == invocation:
+            if holder["invocation"] == driver["invocation"]:
                 break
             if time.monotonic() > deadline:
                 raise RunInUse(f"run directory {run_dir} is in use by another raydiff run on this Ray cluster (pid "
@@ -78,7 +77,7 @@ def claim_run_dir(run_dir: RunDir, invocation: str, grace_s: float = GRACE_S) ->
             ray.kill(flag)
 
 
-def take_over_reservation(run_dir: RunDir, invocation: str, requester: str) -> None:
+def take_over_reservation(run_dir: RunDir, driver: dict[str, Any], requester: str) -> None:
     """Record this driver and its run's reservation name in `driver.json`, first cancelling the reservation of
     the previous driver, if it left one. Call only while holding the claim: that driver has ended, so its run
     can no longer renew the reservation."""
@@ -92,4 +91,4 @@ def take_over_reservation(run_dir: RunDir, invocation: str, requester: str) -> N
             cancel_requests([stale])
         except Exception:  # Ray expires it within 3 minutes anyway
             logger.debug("cancelling the previous driver's reservation failed", exc_info=True)
-    run_dir.write_text(DRIVER_FILE, json.dumps({**this_driver(invocation), "requester": requester}, indent=2) + "\n")
+    run_dir.write_text(DRIVER_FILE, json.dumps({**driver, "requester": requester}, indent=2) + "\n")

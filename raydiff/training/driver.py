@@ -28,7 +28,7 @@ from raydiff.runs.resume import DATA_FILE, RunPlan, plan_run
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
-from raydiff.training.claim import claim_run_dir, take_over_reservation
+from raydiff.training.claim import claim_run_dir, take_over_reservation, this_driver
 from raydiff.training.loop import train_worker
 from raydiff.training.lr import describe_lr
 from raydiff.training.reservations import requester_of
@@ -168,15 +168,16 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
 
     # Start or join Ray, and claim the run directory: from here on this driver alone writes to it.
     init_ray()
-    invocation = uuid.uuid4().hex
-    with claim_run_dir(run_dir, invocation) as stop_flag:
-        return _train(cfg, run_dir, plan, data, source, init_weights, invocation, stop_flag, started,
+    driver = this_driver(invocation=uuid.uuid4().hex)
+    with claim_run_dir(run_dir, driver) as stop_flag:
+        return _train(cfg, run_dir, plan, data, source, init_weights, driver, stop_flag, started,
                       images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
 def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, data: dict[str, Any], source, init_weights,
-           invocation: str, stop_flag, started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
+           driver: dict[str, Any], stop_flag, started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
     """run_training, once the run directory is claimed: decode, train, summarise."""
+    invocation = driver["invocation"]
     # Decode the data once with Ray Data.
     check_shared_storage(cfg.run.storage)
     resolved = auto_workers(cfg, ray.cluster_resources().get("GPU", 0))  # the config the workers get
@@ -230,7 +231,7 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, data: dict[str, Any], so
             callbacks=callbacks or [],
         ),
     )
-    take_over_reservation(run_dir, invocation, requester_of(trainer))
+    take_over_reservation(run_dir, driver, requester_of(trainer))
     if note_run is not None:
         note_run(requester_of(trainer))
     error = None

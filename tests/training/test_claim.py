@@ -11,16 +11,16 @@ import pytest
 from conftest import ROOT, run_cli
 
 from raydiff.runs.rundir import RunDir, RunInUse
-from raydiff.training.claim import claim_run_dir
+from raydiff.training.claim import claim_run_dir, this_driver
 
 pytestmark = pytest.mark.ray
 
 HOLDER = """
 import sys, time, ray
 from raydiff.runs.rundir import RunDir
-from raydiff.training.claim import claim_run_dir
+from raydiff.training.claim import claim_run_dir, this_driver
 ray.init(address=sys.argv[1], logging_level="ERROR")
-with claim_run_dir(RunDir(sys.argv[2]), "another driver"):
+with claim_run_dir(RunDir(sys.argv[2]), this_driver("another driver")):
     print("claimed", flush=True)
     time.sleep(600)
 """
@@ -42,8 +42,8 @@ def test_a_second_driver_is_refused_until_the_first_is_gone(cluster, ray_session
     finally:
         holder.kill()  # as SIGKILL or an out-of-memory kill would: its claim must go with it
         holder.wait()
-    with claim_run_dir(run_dir, "this test"):  # within the grace a dead driver's claim gets
+    with claim_run_dir(run_dir, this_driver("this test")):  # within the grace a dead driver's claim gets
         pass
-    with (claim_run_dir(run_dir, "first"), pytest.raises(RunInUse, match=f"pid {os.getpid()} on "),
-          claim_run_dir(run_dir, "second", grace_s=0)):
+    with (claim_run_dir(run_dir, this_driver("first")), pytest.raises(RunInUse, match=f"pid {os.getpid()} on "),
+          claim_run_dir(run_dir, this_driver("second"), grace_s=0)):
         pass
