@@ -231,9 +231,10 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, data: dict[str, Any], so
             callbacks=callbacks or [],
         ),
     )
-    take_over_reservation(run_dir, driver, requester_of(trainer))
+    requester = requester_of(trainer)  # the name the run reserves its resources under
+    take_over_reservation(run_dir, driver, requester)
     if note_run is not None:
-        note_run(requester_of(trainer))
+        note_run(requester)
     error = None
     with stop_on_signals(stop_flag) as received:
         try:
