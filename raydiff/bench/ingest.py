@@ -24,7 +24,6 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Self
 
 import torch
 
@@ -59,7 +58,7 @@ class _Peaks:
             self.store = max(self.store, self._store_used() - self._store_before)
             self.rss = max(self.rss, self._process.memory_info().rss - self._rss_before)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> _Peaks:
         self._thread.start()
         return self
 
