@@ -58,7 +58,7 @@ class _Peaks:
             self.store = max(self.store, self._store_used() - self._store_before)
             self.rss = max(self.rss, self._process.memory_info().rss - self._rss_before)
 
-    def __enter__(self) -> _Peaks:
+    def __enter__(self) -> _Peaks:  # noqa: PYI034 -- typing.Self is Python 3.11+, raydiff runs on 3.10
         self._thread.start()
         return self
 
