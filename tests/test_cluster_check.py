@@ -3,6 +3,8 @@ refused with one clear line on stderr and exit code 2. Nothing here starts Ray."
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from raydiff import cli, config, train
 from raydiff.cluster_check import main
@@ -27,6 +30,28 @@ def test_every_cluster_file_validates():
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [f"OK {name}" for name in CLUSTER_FILES]
     assert result.stderr == ""
+
+
+def test_job_dependency_lists_match_pyproject():
+    """The RayJob and the README's job commands list by hand what Ray's images lack: the same bounds as
+    pyproject.toml, and everything a training job imports (TensorBoard logging is on by default)."""
+    tomllib = pytest.importorskip("tomllib")
+    declared = {r.name: r.specifier for r in map(Requirement, tomllib.loads(
+        (ROOT / "pyproject.toml").read_text())["project"]["dependencies"])}
+    job = next(d for d in yaml.safe_load_all((ROOT / "cluster" / "kuberay" / "rayjob.yaml").read_text())
+               if d["kind"] == "RayJob")
+    readme = (ROOT / "README.md").read_text()
+    lists = {"rayjob.yaml": yaml.safe_load(job["spec"]["runtimeEnvYAML"])["pip"],
+             **{f"README runtime env {i}": json.loads(found)["pip"]
+                for i, found in enumerate(re.findall(r"--runtime-env-json '(\{\"pip\": \[\".*?\})'", readme))},
+             "README prose": re.findall(r"`([a-z][a-z0-9-]*(?:>=|==|~=)[0-9][^`]*)`", readme)}
+    assert len(lists) == 3
+    for where, requirements in lists.items():
+        parsed = [Requirement(r) for r in requirements]
+        assert {"torch", "torchvision", "pillow", "scikit-learn", "matplotlib", "tensorboard"} <= {
+            r.name for r in parsed}, where
+        for requirement in parsed:
+            assert requirement.specifier == declared[requirement.name], (where, str(requirement))
 
 
 @pytest.mark.parametrize("preset", CLUSTER_PRESETS)
