@@ -60,4 +60,6 @@ def test_throughput_bench_compares_raydiff_with_the_plain_loop():
 
 def test_throughput_bench_rejects_bad_arguments():
     proc = run_cli("raydiff.bench", "throughput", "--steps", "1")
-    assert proc.returncode == 2 and "--steps 1" in proc.stderr
+    assert proc.returncode == 2 and "--steps 1: must be >= 2" in proc.stderr
+    proc = run_cli("raydiff.bench", "throughput", "--peak-tflops", "0")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("error: --peak-tflops 0.0: must be > 0")
