@@ -7,6 +7,7 @@ An S3-compatible server (MinIO, Ceph, moto) is reached with an endpoint: the con
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 
@@ -14,6 +15,11 @@ import pyarrow.fs as pafs
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://")
 SCHEMES = ("file://", *REMOTE_SCHEMES)
+# google-cloud-cpp retries a failing GCS request for 15 minutes by default, so a missing credential or an
+# unreachable endpoint left a run silent that long. A minute rides out transient errors (503s, rate limits), as
+# pyarrow's 3 attempts do on S3. Then the error surfaces: one line before training, or a failed worker that Ray
+# Train restarts from the last checkpoint.
+GCS_RETRY_LIMIT = datetime.timedelta(seconds=60)
 
 
 def is_remote(uri: str) -> bool:
@@ -43,7 +49,7 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
                 pass
         return pafs.S3FileSystem(**options), uri[5:].rstrip("/")
     if uri.startswith(("gs://", "gcs://")):
-        options = {"anonymous": anonymous}
+        options = {"anonymous": anonymous, "retry_time_limit": GCS_RETRY_LIMIT}
         if endpoint:
             scheme, _, host = endpoint.rpartition("://")
             options.update(endpoint_override=host or endpoint, scheme=scheme or "https")

@@ -72,6 +72,18 @@ def test_unusable_sources_are_one_line_errors(tmp_path, source, message):
     assert "\n" not in str(info.value)
 
 
+def test_an_unreachable_bucket_is_a_one_line_error_not_a_long_wait(monkeypatch):
+    """GCS's client would retry for 15 minutes; raydiff bounds it (a minute; 2 s here)."""
+    import datetime
+
+    from conftest import free_port
+
+    monkeypatch.setattr("raydiff.data.fs.GCS_RETRY_LIMIT", datetime.timedelta(seconds=2))
+    with pytest.raises(DataError, match=r"gs://bucket/imgs'?: cannot read it \(.*UNAVAILABLE") as info:
+        open_source("gs://bucket/imgs", endpoint=f"http://127.0.0.1:{free_port()}", anonymous=True)  # nobody listens
+    assert "\n" not in str(info.value)
+
+
 def test_builtin_digits_are_image_files():
     source = open_source("builtin:digits")
     assert source.kind == "images" and len(source.files) == 1797 and source.uri == "builtin:digits"
