@@ -106,6 +106,15 @@ def test_bad_config_is_one_line_exit_2_nothing_written(tmp_path, args, fragment,
     assert not storage.exists()
 
 
+def test_storage_that_cannot_be_written_is_one_line_before_ray_starts(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    storage = tmp_path / "file" / "runs"
+    assert cli.run(train.main, ["--config", "smoke", "--set", f"run.storage={storage}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"raydiff: config error: run.storage = '{storage}': cannot write the "
+                                               f"run directory {storage}/smoke ({tmp_path}/file is a file)")
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
 def test_a_bad_config_exits_2_from_the_shell(tmp_path):
     proc = run_cli("raydiff.train", "--set", "train.lr=-1", "--set", f"run.storage={tmp_path / 'storage'}")
     assert proc.returncode == 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
+import uuid
 from pathlib import Path, PurePosixPath
 
 import pyarrow.fs as pafs
@@ -101,6 +103,26 @@ class RunDir:
                 if e.type == pafs.FileType.Directory and PurePosixPath(e.path).name.startswith(pattern_prefix)]
 
     # Writing.
+    def check_writable(self) -> None:
+        """Raise OSError (with the reason) if files cannot be written here; leaves nothing behind. Locally the
+        check is a temporary folder in the nearest existing ancestor; on an object store, a probe object."""
+        if self.remote:
+            probe = f"{self.path}/.raydiff-write-check-{uuid.uuid4().hex}"
+            with self.fs.open_output_stream(probe) as f:
+                f.write(b"")
+            self.fs.delete_file(probe)
+            return
+        existing = Path(self.path)
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        try:
+            with tempfile.TemporaryDirectory(dir=existing, prefix=".raydiff-write-check-"):
+                pass
+        except OSError as exc:  # name the folder, not the probe
+            raise type(exc)(exc.errno, exc.strerror, str(existing)) from None
+
     def write_bytes(self, name: str, data: bytes) -> None:
         target = self._full(name)
         parent = str(PurePosixPath(target).parent)

@@ -166,6 +166,14 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
         summary = json.loads(run_dir.read_text("summary.json"))
         return {**summary, "already_finished": True, "run_dir": str(run_dir)}
 
+    # Storage the run cannot write to is the user's to fix: say so before Ray starts.
+    try:
+        run_dir.check_writable()
+    except OSError as exc:
+        reason = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc).splitlines()[0][:200]
+        raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})"
+                          ) from None
+
     # Start or join Ray, and claim the run directory: from here on this driver alone writes to it.
     init_ray()
     driver = this_driver(invocation=uuid.uuid4().hex)

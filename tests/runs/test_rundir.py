@@ -60,6 +60,25 @@ def test_s3_run_directory(s3_server):
     assert pickle.loads(pickle.dumps(run)).read_text.__self__.uri == run.uri
 
 
+def test_check_writable_says_why_and_leaves_nothing(tmp_path, s3_server):
+    RunDir(tmp_path / "new" / "run").check_writable()  # missing folders are fine: they would be created
+    RunDir(tmp_path).check_writable()
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="file is a file"):
+        RunDir(tmp_path / "file" / "run").check_writable()
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="rundir-writable")
+    run = RunDir("s3://rundir-writable/runs/one", endpoint=endpoint)
+    run.check_writable()
+    objects = [o["Key"] for o in client.list_objects_v2(Bucket="rundir-writable").get("Contents", [])]
+    assert run.is_empty() and all(key.endswith("/") for key in objects), objects  # the probe is gone (pyarrow
+    # may leave an empty folder marker, which is no file)
+    with pytest.raises(OSError, match="NoSuchBucket|not found|does not exist"):
+        RunDir("s3://rundir-missing/runs/one", endpoint=endpoint).check_writable()
+
+
 @pytest.mark.ray
 def test_local_storage_on_a_multi_node_cluster_is_refused_up_front(ray_session, tmp_path, monkeypatch):
     import ray
