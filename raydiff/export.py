@@ -21,7 +21,7 @@ from pathlib import Path
 from raydiff import cli
 from raydiff.config import Config
 from raydiff.runs.checkpoint import read_state, resolve_checkpoint
-from raydiff.runs.rundir import RunDir
+from raydiff.runs.rundir import RunDir, unwritable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         print(f"raydiff: error: --out {args.out}: exists and is not an empty folder; choose a new one", file=sys.stderr)
+        return 2
+    reason = unwritable(out.parent)  # the pipeline is built beside DIR, then renamed into place
+    if reason:
+        print(f"raydiff: error: --out {args.out}: cannot write there ({reason})", file=sys.stderr)
         return 2
     try:
         checkpoint = resolve_checkpoint(RunDir(args.checkpoint, endpoint=args.endpoint))

@@ -23,6 +23,7 @@ import torch
 
 from raydiff import cli
 from raydiff.config import Config, load_config, preset_names
+from raydiff.runs.rundir import unwritable
 
 SMOOTHING = 0.98  # exponential smoothing of the loss, bias-corrected
 DIVERGED = 4.0  # stop once the smoothed loss exceeds this multiple of its minimum
@@ -117,6 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps {args.steps}: must be >= 10")
     if args.out.suffix.lower() != ".png":
         parser.error(f"--out {args.out}: must end in .png")
+    reason = unwritable(args.out.parent)
+    if reason:
+        parser.error(f"--out {args.out}: cannot write there ({reason})")
     return args
 
 

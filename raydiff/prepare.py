@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 
 from raydiff import cli
 from raydiff.data.sources import MANIFEST, PREPARED_FORMAT, DataError, open_source
+from raydiff.runs.rundir import unwritable
 
 SHARD_BYTES = 128 * 1024 * 1024  # uncompressed image bytes per Parquet shard
 
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     source = open_source(args.source, format=args.format, endpoint=args.endpoint, anonymous=args.anonymous)
     if source.kind == "prepared":
         raise DataError(f"SOURCE = {args.source!r} is already prepared data")
+    reason = unwritable(args.out, endpoint=args.endpoint)
+    if reason:
+        raise DataError(f"OUT = {args.out!r}: cannot write there ({reason})")
     init_ray()
     decoded = decode_stream(source, resolution=args.resolution, channels=args.channels, image_column=args.image_column)
     manifest = write_prepared(decoded, source, args.out, shape=(args.channels, args.resolution, args.resolution),

@@ -27,7 +27,7 @@ from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import read_state, resolve_checkpoint
 from raydiff.runs.images import save_samples
-from raydiff.runs.rundir import RunDir
+from raydiff.runs.rundir import RunDir, unwritable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--eta {args.eta}: must be >= 0")
     if args.sampler == "ddpm" and args.eta:
         parser.error("--eta applies to --sampler ddim only")
+    reason = unwritable(args.out.parent if args.out.suffix.lower() == ".png" else args.out)
+    if reason:
+        parser.error(f"--out {args.out}: cannot write there ({reason})")
     return args
 
 

@@ -194,6 +194,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
 
     from raydiff.data.sources import source_of
     from raydiff.data.stream import open_images
+    from raydiff.runs.rundir import unwritable
     from raydiff.training.driver import init_ray, with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
 
@@ -204,6 +205,9 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     if spec_file.exists() and json.loads(spec_file.read_text()) != spec:
         raise ConfigError(f"--name {sweep.name}: {sweep_dir} holds a sweep with other arguments or config; "
                           f"use --name NEW for a new sweep")
+    reason = unwritable(sweep_dir)
+    if reason:
+        raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the sweep directory {sweep_dir} ({reason})")
 
     init_ray()
     _require_state_api()

@@ -106,12 +106,39 @@ def test_bad_config_is_one_line_exit_2_nothing_written(tmp_path, args, fragment,
     assert not storage.exists()
 
 
-def test_storage_that_cannot_be_written_is_one_line_before_ray_starts(tmp_path, capsys):
-    (tmp_path / "file").write_text("not a folder")
-    storage = tmp_path / "file" / "runs"
-    assert cli.run(train.main, ["--config", "smoke", "--set", f"run.storage={storage}"]) == 2
-    assert capsys.readouterr().err.strip() == (f"raydiff: config error: run.storage = '{storage}': cannot write the "
-                                               f"run directory {storage}/smoke ({tmp_path}/file is a file)")
+@pytest.mark.parametrize("module, args", [
+    ("train", ["--config", "smoke", "--set", "run.storage=FILE/runs"]),
+    ("tune", ["--config", "smoke", "--lr", "1e-3:1e-2", "--batch", "8", "--set", "run.storage=FILE/runs"]),
+    ("sample", ["--checkpoint", "runs", "--out", "FILE/grid.png"]),
+    ("export", ["--checkpoint", "runs", "--out", "FILE/pipeline"]),
+    ("prepare", ["builtin:digits", "FILE/prepared", "--resolution", "8"]),
+    ("lr_find", ["--out", "FILE/lr_find.png"]),
+    ("evaluate", ["--checkpoint", "RUN"]),  # its result goes into the run directory
+])
+def test_an_output_that_cannot_be_written_is_one_line_exit_2_before_any_work(module, args, tmp_path, capsys,
+                                                                             monkeypatch):
+    """A path through a file (a folder without write permission or a missing bucket go the same way)."""
+    import importlib
+
+    from raydiff.runs.rundir import RunDir
+
+    file = tmp_path / "file"
+    file.write_text("not a folder")
+    run = tmp_path / "run"
+    if module == "evaluate":  # a run folder this user may not write to (as root, every folder is writable)
+        (run / "checkpoint_00000010").mkdir(parents=True)
+        (run / "checkpoint_00000010" / "state.pt").write_bytes(b"")  # never read: refused before
+
+        def denied(self):
+            raise PermissionError(13, "Permission denied", self.path)
+        monkeypatch.setattr(RunDir, "check_writable", denied)
+    try:
+        code = cli.run(importlib.import_module(f"raydiff.{module}").main,
+                       [a.replace("FILE", str(file)).replace("RUN", str(run)) for a in args])
+    except SystemExit as exit_:  # argparse's usage errors, as the shell sees them
+        code = exit_.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "cannot write" in err[-1] and "Traceback" not in "\n".join(err), err
     assert (tmp_path / "file").read_text() == "not a folder"
 
 

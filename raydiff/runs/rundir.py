@@ -22,6 +22,18 @@ class RunInUse(RuntimeError):
     """Another live driver on this Ray cluster trains the same run directory."""
 
 
+def unwritable(uri: str | os.PathLike, *, endpoint: str | None = None) -> str | None:
+    """Why files cannot be written in the folder `uri` (existing or to be created), in one line; None if they
+    can. Nothing is left behind (see RunDir.check_writable)."""
+    try:
+        RunDir(uri, endpoint=endpoint).check_writable()
+    except ValueError as exc:  # an unsupported URI scheme
+        return str(exc)
+    except OSError as exc:
+        return f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc).splitlines()[0][:200]
+    return None
+
+
 class RunDir:
     """A folder of files addressed by relative names (`metrics.jsonl`, `samples/step_00000100.png`).
 

@@ -25,7 +25,7 @@ from raydiff.data.stream import ShardedImages, open_images
 from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.resume import DATA_FILE, RunPlan, plan_run
-from raydiff.runs.rundir import RunDir
+from raydiff.runs.rundir import RunDir, unwritable
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
 from raydiff.training.claim import claim_run_dir, take_over_reservation, this_driver
@@ -167,12 +167,9 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
         return {**summary, "already_finished": True, "run_dir": str(run_dir)}
 
     # Storage the run cannot write to is the user's to fix: say so before Ray starts.
-    try:
-        run_dir.check_writable()
-    except OSError as exc:
-        reason = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc).splitlines()[0][:200]
-        raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})"
-                          ) from None
+    reason = unwritable(run_dir.uri, endpoint=run_dir.endpoint)
+    if reason:
+        raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})")
 
     # Start or join Ray, and claim the run directory: from here on this driver alone writes to it.
     init_ray()
