@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # an unsupported URI scheme
         raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {exc}") from None
     run_dir = checkpoint.parent
-    reason = unwritable(run_dir.uri, endpoint=run_dir.endpoint)  # the result goes there: know before sampling
+    reason = unwritable(run_dir)  # the result goes there: know before sampling
     if reason:
         print(f"raydiff: error: --checkpoint {args.checkpoint}: cannot write the result into {run_dir} ({reason})",
               file=sys.stderr)

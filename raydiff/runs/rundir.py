@@ -22,11 +22,11 @@ class RunInUse(RuntimeError):
     """Another live driver on this Ray cluster trains the same run directory."""
 
 
-def unwritable(uri: str | os.PathLike, *, endpoint: str | None = None) -> str | None:
-    """Why files cannot be written in the folder `uri` (existing or to be created), in one line; None if they
-    can. Nothing is left behind (see RunDir.check_writable)."""
+def unwritable(folder: RunDir | str | os.PathLike, *, endpoint: str | None = None) -> str | None:
+    """Why files cannot be written in `folder` (a RunDir, or its URI; existing or to be created), in one line;
+    None if they can. Nothing is left behind (see RunDir.check_writable)."""
     try:
-        RunDir(uri, endpoint=endpoint).check_writable()
+        (folder if isinstance(folder, RunDir) else RunDir(folder, endpoint=endpoint)).check_writable()
     except ValueError as exc:  # an unsupported URI scheme
         return str(exc)
     except OSError as exc:

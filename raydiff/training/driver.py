@@ -167,7 +167,7 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
         return {**summary, "already_finished": True, "run_dir": str(run_dir)}
 
     # Storage the run cannot write to is the user's to fix: say so before Ray starts.
-    reason = unwritable(run_dir.uri, endpoint=run_dir.endpoint)
+    reason = unwritable(run_dir)
     if reason:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})")
 
