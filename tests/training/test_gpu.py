@@ -80,11 +80,13 @@ def test_fp16_non_finite_step_is_skipped_and_the_scale_backs_off():
     assert inputs.scaler.get_scale() < scale
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_the_steady_state_step_never_synchronises(precision):
+@pytest.mark.parametrize("precision,compile_model", [("fp32", False), ("bf16", False), ("fp16", False),
+                                                     ("bf16", True)])
+def test_the_steady_state_step_never_synchronises(precision, compile_model):
     """The issue's check: CUDA's sync debug mode raises on any host-device synchronisation inside the steps
-    (with dropout, reseeded per micro-batch, as in the cifar10 preset)."""
+    (with dropout, reseeded per micro-batch, as in the cifar10 preset; compiled, as raydiff runs on a GPU)."""
     inputs, _, ema_update, cfg = _setup(precision, dropout=0.1)
+    inputs.model = compiled(inputs.model, compile_model, fallback=False)
     window, nonfinite = MetricsWindow(inputs.device), NonFiniteSteps(inputs.device)
     stream = _stream(cfg)
     try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from raydiff.config import load_config
 from raydiff.data.loader import MicroBatch
@@ -15,6 +18,27 @@ from raydiff.training.step import StepInputs, compiled, make_optimizer, optimize
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
+# What waits for a GPU below Python: a value read back (also a tensor passed where an op takes a number, such as
+# lerp's weight) or an output whose size depends on the data.
+SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique")
+
+
+class DeviceReads(TorchDispatchMode):
+    """Records the operators that would make the host wait for a GPU, with the line of raydiff that ran them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in SYNC_OPS:
+            self.reads.append(f"{func} at {_raydiff_caller()}")
+        return func(*args, **(kwargs or {}))
+
+
+def _raydiff_caller() -> str:
+    frames = [f for f in traceback.extract_stack() if "/raydiff/" in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 def _setup(precision_fp16: bool = False):
@@ -40,8 +64,9 @@ def _batches(step: int) -> list[MicroBatch]:
             MicroBatch(images=images[4:], flips=flips[4:], position=step * 8 + 4, indices=np.arange(4, 8))]
 
 
-def test_the_steady_state_step_never_reads_a_device_value(monkeypatch):
-    inputs, _, ema_update = _setup()
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_steady_state_step_never_reads_a_device_value(monkeypatch, fp16):
+    inputs, _, ema_update = _setup(fp16)
     window, nonfinite = MetricsWindow(inputs.device), NonFiniteSteps(inputs.device)
     optimizer_step(inputs, _batches(0), lr=1e-3, ema=ema_update, ema_decay=0.9)  # the optimizer's lazy state
     calls: list[str] = []
@@ -54,11 +79,12 @@ def test_the_steady_state_step_never_reads_a_device_value(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     # Nor reseeds every generator per micro-batch: dropout's own is seeded by stream position.
     monkeypatch.setattr(torch, "manual_seed", lambda seed: calls.append("manual_seed"))
-    for step in range(1, 4):
-        result = optimizer_step(inputs, _batches(step), lr=1e-3, ema=ema_update, ema_decay=0.9)
-        window.add(result, 0.0)
-        nonfinite.add(result.finite)
-    assert calls == []
+    with DeviceReads() as device_reads:
+        for step in range(1, 4):
+            result = optimizer_step(inputs, _batches(step), lr=1e-3, ema=ema_update, ema_decay=0.9)
+            window.add(result, 0.0)
+            nonfinite.add(result.finite)
+    assert calls == [] and device_reads.reads == []
     monkeypatch.undo()
     assert nonfinite.skipped_steps() == 0 and window.close(step=4, global_batch=8, lr=1e-3, ema_decay=0.9,
                                                             world_size=1, skipped_steps=0)["loss"] > 0
