@@ -39,14 +39,11 @@ class EmaUpdater:
 
     @torch.no_grad()
     def __call__(self, decay: float, finite: torch.Tensor | None = None) -> None:
-        if finite is None:
-            torch._foreach_lerp_(self._ema, self._model, 1.0 - decay)
-        else:
-            # ema += weight * (model - ema). Not lerp: its weight is a number, and a device tensor given there is
-            # read back to the host (a sync every step). A weight of 0 leaves the EMA exactly as it was.
-            weight = finite.to(self._ema[0].dtype) * (1.0 - decay)
-            increments = torch._foreach_sub(self._model, self._ema)
-            torch._foreach_mul_(increments, weight)
-            torch._foreach_add_(self._ema, increments)
+        # ema += weight * (model - ema). Not lerp: its weight is a number, and a device tensor given there is read
+        # back to the host (a sync every step). A weight of 0 leaves the EMA exactly as it was.
+        weight = 1.0 - decay if finite is None else finite.to(self._ema[0].dtype) * (1.0 - decay)
+        increments = torch._foreach_sub(self._model, self._ema)
+        torch._foreach_mul_(increments, weight)
+        torch._foreach_add_(self._ema, increments)
         for e, b in zip(self._ema_buffers, self._model_buffers):
             e.copy_(b)
