@@ -136,7 +136,7 @@ def test_tune_job_succeeds(head, tmp_path):
 
 def test_job_stop_checkpoints_and_a_resubmitted_job_resumes(head, tmp_path):
     command = ["python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
-               "--set", "train.total_steps=300", "--set", "train.checkpoint_every=100", "--set", "train.log_every=10",
+               "--set", "train.total_steps=150", "--set", "train.checkpoint_every=100", "--set", "train.log_every=10",
                "--set", "train.sample_every=0"]
     # Ray gives a stopped job 3 s before SIGKILL by default; raydiff needs a little longer for its last checkpoint.
     stop_env = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}
@@ -151,7 +151,7 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes(head, tmp_path):
     stopped = ray_job(head, "stop", "--address", head["address"], job_id)
     assert stopped.returncode == 0, stopped.stderr
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
-    assert summary["status"] == "stopped" and 30 <= summary["steps"] < 300
+    assert summary["status"] == "stopped" and 30 <= summary["steps"] < 150
     assert checkpoint_step(list_checkpoints(tmp_path / "smoke")[-1]) == summary["steps"]  # the stop's checkpoint
     events = [json.loads(line) for line in (tmp_path / "smoke" / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "stop_checkpoint" for e in events)
@@ -159,5 +159,5 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes(head, tmp_path):
     again = submit(head, *command)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     resumed = json.loads((tmp_path / "smoke" / "summary.json").read_text())
-    assert resumed["status"] == "finished" and resumed["steps"] == 300
+    assert resumed["status"] == "finished" and resumed["steps"] == 150
     assert resumed["resumed_from_step"] == summary["steps"]
