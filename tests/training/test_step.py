@@ -19,8 +19,9 @@ from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
 # What waits for a GPU below Python: a value read back (also a tensor passed where an op takes a number, such as
-# lerp's weight) or an output whose size depends on the data.
-SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique")
+# lerp's weight) or an output whose size depends on the data (torch.unique dispatches as _unique2 or unique_dim).
+SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique", "_unique2",
+            "unique_dim", "unique_consecutive")
 
 
 class DeviceReads(TorchDispatchMode):
@@ -31,9 +32,15 @@ class DeviceReads(TorchDispatchMode):
         self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in SYNC_OPS:
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS or (name == "index" and _has_bool_index(args)):  # x[mask] sizes its output by the mask
             self.reads.append(f"{func} at {_raydiff_caller()}")
         return func(*args, **(kwargs or {}))
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
 def _raydiff_caller() -> str:
