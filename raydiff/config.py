@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 from dataclasses import dataclass, field
@@ -224,7 +225,7 @@ def _describe(hint: Any) -> str:
         return " | ".join("null" if a is type(None) else _describe(a) for a in args)
     if origin is tuple:
         return f"list of {_describe(args[0])}"
-    return {int: "integer", float: "number", bool: "true | false", str: "string"}.get(hint, str(hint))
+    return {int: "integer", float: "a finite number", bool: "true | false", str: "string"}.get(hint, str(hint))
 
 
 def _coerce(value: Any, hint: Any) -> Any:
@@ -268,13 +269,12 @@ def _coerce(value: Any, hint: Any) -> Any:
             return int(value)
         raise ValueError
     if hint is float:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            return float(value)  # YAML 1.1 reads "1e-4" as a string
-        raise ValueError
+        number = float(value)  # YAML 1.1 reads "1e-4" as a string
+        if not math.isfinite(number):  # inf or nan would train NaNs, or never stop waiting
+            raise ValueError
+        return number
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import get_type_hints
+
 import pytest
 
 from raydiff.config import Config, ConfigError, all_keys, load_config, preset_names
@@ -73,7 +75,7 @@ def test_round_trip_through_plain_dict():
     ("train.lrr=1", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
     ("nosuch.key=1", "unknown key 'nosuch.key'"),
     ("train.lr=-1", "train.lr = -1.0: must be > 0"),
-    ("train.lr=fast", "train.lr = 'fast': expected number"),
+    ("train.lr=fast", "train.lr = 'fast': expected a finite number | null"),
     ("train.total_steps=1.5", "train.total_steps = 1.5: expected integer"),
     ("train.precision=fp8", "train.precision = 'fp8': expected auto | fp32 | bf16 | fp16"),
     ("diffusion.schedule=quadratic", "expected linear | cosine"),
@@ -105,6 +107,21 @@ def test_bad_values_name_the_key(override, fragment):
     message = str(info.value)
     assert fragment in message
     assert "\n" not in message
+
+
+def _numeric_keys() -> list[str]:
+    """Every key whose type admits a float (float, float | None, ...)."""
+    cfg = Config()
+    return [key for key in all_keys()
+            if "float" in str(get_type_hints(type(getattr(cfg, key.split(".")[0])))[key.split(".")[1]])]
+
+
+@pytest.mark.parametrize("key", _numeric_keys())
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", ".inf", ".nan"])
+def test_non_finite_numbers_are_refused_for_every_numeric_key(key, value):
+    with pytest.raises(ConfigError) as info:
+        load_config("default", [f"{key}={value}"])
+    assert str(info.value).startswith(f"{key} = ") and "expected a finite number" in str(info.value)
 
 
 def test_missing_source_is_an_error():
