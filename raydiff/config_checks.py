@@ -3,15 +3,20 @@ naming the key, its value and what is allowed. `raydiff.config.load_config` call
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import re
 from pathlib import Path
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from raydiff.config import Config, ConfigError
 from raydiff.data.fs import SCHEMES
 
 BUILTIN_SOURCES = ("builtin:digits",)
+# The oldest release of an optional package that raydiff works with (pyproject.toml's extras say the same).
+PACKAGE_FLOORS = {"wandb": "0.19.10"}  # wandb.init(reinit="create_new"): a run object of raydiff's own
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face repository id, e.g. google/ddpm-cifar10-32
 
 
@@ -156,6 +161,10 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
         if getattr(cfg.log, key):
             _check(importlib.util.find_spec(package) is not None, f"log.{key}", getattr(cfg.log, key),
                    f"needs the {package} package: pip install 'raydiff[{package}]'")
+            installed, floor = _version(package), PACKAGE_FLOORS.get(package)
+            _check(floor is None or installed is None or installed >= Version(floor), f"log.{key}",
+                   getattr(cfg.log, key), f"needs {package} >= {floor} (installed: {installed}): pip install -U "
+                                          f"'raydiff[{package}]'")
 
     # Debug.
     _check(all(step >= 1 for step in cfg.debug.nan_at_steps), "debug.nan_at_steps", list(cfg.debug.nan_at_steps),
@@ -165,6 +174,13 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(cfg.debug.preemption_from_step >= 0, "debug.preemption_from_step", cfg.debug.preemption_from_step,
            "must be >= 0 (0 = never)")
     _check(0 <= cfg.debug.step_delay_s <= 60, "debug.step_delay_s", cfg.debug.step_delay_s, "must be in [0, 60]")
+
+
+def _version(package: str) -> Version | None:
+    try:
+        return Version(importlib.metadata.version(package))
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return None
 
 
 def check_workers(cfg: Config) -> None:

@@ -4,6 +4,8 @@ from typing import get_type_hints
 
 import pytest
 
+from conftest import ROOT
+
 from raydiff.config import Config, ConfigError, all_keys, load_config, preset_names
 from raydiff.data.order import micro_batches, rank_share
 
@@ -174,3 +176,29 @@ def test_digits_features_need_the_digits_and_dashboards_need_their_package(monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"log.wandb_project = 'p': needs the wandb package: pip install 'raydiff\[wandb\]'"):
         load_config("default", ["log.wandb_project=p"])
+
+
+def test_an_optional_package_older_than_raydiff_needs_is_refused(monkeypatch):
+    """wandb older than 0.19.10 has no reinit="create_new" (it would fail in the middle of a run)."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.18.7" if name == "wandb" else real(name))
+    with pytest.raises(ConfigError) as info:
+        load_config("default", ["log.wandb_project=p"])
+    assert str(info.value) == ("log.wandb_project = 'p': needs wandb >= 0.19.10 (installed: 0.18.7): pip install -U "
+                               "'raydiff[wandb]'")
+
+
+def test_pyproject_declares_the_package_floors_raydiff_checks():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from raydiff.config_checks import PACKAGE_FLOORS
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = [Requirement(r) for group in extras.values() for r in group if not r.startswith("raydiff")]
+    for package, floor in PACKAGE_FLOORS.items():
+        specifiers = [str(r.specifier) for r in declared if r.name == package]
+        assert specifiers and set(specifiers) == {f">={floor}"}, (package, specifiers)
