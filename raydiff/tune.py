@@ -21,6 +21,7 @@ continues an interrupted sweep.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import math
@@ -305,6 +306,7 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_d
         best_cfg.run.name = f"{sweep.name}-best"
         best_cfg.train.lr = None  # re-derived from base_lr by the rule, so a changed global_batch rescales it
         best_cfg.run.keep_checkpoints = cfg.run.keep_checkpoints
+        best_cfg.scaling = copy.deepcopy(cfg.scaling)  # the long run's workers, not a trial's (auto: one each)
         header = (f"# Best trial of sweep {sweep.name}: {best['trial']}, {metric} {best[metric]:.5g} after "
                   f"{best['images_seen']:,} images.\n# Train it longer with --set train.total_steps=N.\n")
         (sweep_dir / "best.yaml").write_text(header + yaml.safe_dump(best_cfg.to_dict(), sort_keys=False))

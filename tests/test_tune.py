@@ -109,3 +109,19 @@ def test_trials_keep_warmup_and_ema_half_life_in_images(tmp_path):
     assert half_life_images[0] == pytest.approx(half_life_images[1])
     assert big.train.total_steps == 10 and big.train.lr == pytest.approx(4e-3)  # linear rule from batch 16
 
+
+
+@pytest.mark.parametrize("num_workers", ["auto", "[1, 2]"])
+def test_best_yaml_keeps_the_base_configs_scaling(tmp_path, num_workers):
+    """Trials of an `auto` config run one worker each, side by side; the long run from best.yaml must not."""
+    from raydiff.config import load_config
+    from raydiff.tune import Sweep, write_outputs
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", f"scaling.num_workers={num_workers}"])
+    sweep = Sweep(name="s", base_lrs=(1e-3,), batches=(16,), rules=("linear",), budget_images=640,
+                  interval_images=64, max_concurrent=None)
+    row = {"trial": "linear-b16-lr0.001", "rule": "linear", "batch": 16, "base_lr": 1e-3, "lr": 1e-3,
+           "images_seen": 640, "val_loss": 0.1, "status": "finished"}
+    write_outputs([row], cfg, sweep, tmp_path)
+    best = load_config(str(tmp_path / "best.yaml"))
+    assert best.scaling == cfg.scaling and best.train.global_batch == 16
