@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -20,6 +21,14 @@ METRIC_KEYS = {"step", "images_seen", "loss", "grad_norm", "lr", "ema_decay", "i
                "world_size", "loss_q1", "loss_q2", "loss_q3", "loss_q4", "ema_drift"}
 QUALITY_KEYS = {"digits_fd", "digits_coverage", "digits_confident", "eval_s"}
 SUMMARY_KEYS = {"status", "steps", "images_seen", "final_loss", "checkpoint", "world_sizes", "wall_s"}
+
+
+def test_a_successful_run_prints_no_error_lines(smoke_run):
+    """A newcomer reads an error-level line as a failure: a run that succeeds prints none (Ray's own included)."""
+    _, output = smoke_run
+    error_lines = [line for line in output.splitlines()
+                   if re.search(r"\[\d{4}-\d\d-\d\d [\d:,.]+ E \d+ \d+\]|\bERROR\b|Traceback", line)]
+    assert error_lines == []
 
 
 def test_run_directory_has_every_output(smoke_run):
