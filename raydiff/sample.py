@@ -7,9 +7,10 @@
 PATH ending in .png gets one grid; any other PATH becomes a folder of sample_00000.png, sample_00001.png, ...
 plus grid.png. --checkpoint also takes an s3:// or gs:// URI (--endpoint for an S3-compatible server), or a local
 diffusers pipeline folder (what raydiff.export writes; needs the diffusers extra).
-Sampling runs in fp32 from the EMA weights (unless --no-ema); all noise comes from one CPU generator seeded
-with --seed, so the same command gives the same images on any device. With --sampler ddim --steps
-<train.sample_steps> --seed <train.seed> --num <train.sample_num> it reproduces the run's own sample grid.
+Sampling runs in full fp32 (no TF32) from the EMA weights (unless --no-ema). Image i draws its noise on the
+sampling device from its own generator, seeded by (--seed, i): the same command gives the same images on the same
+kind of device (CPU, or a CUDA GPU), whatever --batch. With --sampler ddim --steps <train.sample_steps> --seed
+<train.seed> --num <train.sample_num> it reproduces the run's own sample grid.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from raydiff import cli
 from raydiff.config import Config
 from raydiff.model import diffusers_folder
 from raydiff.model.diffusion import build_diffusion
+from raydiff.model.noise import GRID_NOISE, image_generators
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import read_state, resolve_checkpoint
 from raydiff.runs.images import save_samples
@@ -76,19 +78,19 @@ def resolve_device(name: str) -> torch.device:
 
 def generate(state: dict, *, num: int, sampler: str, steps: int | None, eta: float, seed: int, use_ema: bool,
              batch: int, device: torch.device) -> torch.Tensor:
-    """Images in [-1, 1] from a training state, in batches drawn one after another from one generator."""
+    """Images in [-1, 1] from a training state; image i is a pure function of (seed, i), whatever `batch`."""
     cfg = Config.from_dict(state["config"])
     model = build_model(cfg)
     model.load_state_dict(state["ema" if use_ema else "model"])
     model = model.float().eval().to(device)
     diffusion = build_diffusion(cfg)
-    generator = torch.Generator().manual_seed(seed)
     shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
     images = []
     for start in range(0, num, batch):
-        n = min(batch, num - start)
-        images.append(diffusion.sample(model, (n, *shape), sampler=sampler, steps=steps, eta=eta,
-                                       generator=generator, device=device).cpu())
+        indices = range(start, min(start + batch, num))
+        images.append(diffusion.sample(model, (len(indices), *shape), sampler=sampler, steps=steps, eta=eta,
+                                       generator=image_generators(seed, indices, device, GRID_NOISE),
+                                       device=device).cpu())
     return torch.cat(images)
 
 

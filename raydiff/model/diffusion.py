@@ -14,8 +14,9 @@ necessarily adjacent) are computed in float64 from alpha_bar and only then cast 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -183,29 +184,58 @@ class GaussianDiffusion:
         generator: torch.Generator | list[torch.Generator],
         device: torch.device | str = "cpu",
     ) -> torch.Tensor:
-        """Generate images in [-1, 1]. All noise comes from `generator` on the CPU, so a seed gives the
-        same starting point and the same per-step noise on every device. A list holds one generator per image
-        (as EDM does): each image is then a pure function of its own generator, whatever the batch."""
-        x = _randn(shape, generator).to(device)
+        """Generate images in [-1, 1], in full fp32 (no TF32). Noise is drawn where `generator` lives: give
+        generators on `device` (`raydiff.model.noise.image_generators`), so that nothing crosses from the host at
+        each step. A list holds one generator per image (as EDM does): each image is then a pure function of its
+        own generator, whatever the batch. Draws that a step multiplies by zero (every step of DDIM with eta 0,
+        the last step of every sampler) are skipped."""
         timesteps = self.sample_timesteps(steps)
         # All steps' coefficients at once, in float64, then moved to the device: no host sync in the loop.
         pairs = torch.tensor(timesteps), torch.tensor(timesteps[1:] + [-1])  # the last step lands on x0
-        coefs = self._on(self._step_coefs(*pairs, eta), x)
-        for i, step in enumerate(timesteps):
-            t = torch.full((shape[0],), step, dtype=torch.long, device=x.device)
-            x0, eps = self.predict_x0_eps(model(x, t).float(), x, t)
-            noise = _randn(shape, generator).to(device)
-            c = {k: v[i] for k, v in coefs.items()}
-            x = self._ddpm(c, x0, x, noise) if sampler == "ddpm" else self._ddim(c, x0, eps, noise)
+        coefs64 = self._step_coefs(*pairs, eta)
+        noisy = (coefs64["std" if sampler == "ddpm" else "sigma"] > 0).tolist()  # on the host, before the loop
+        with full_fp32():
+            x = _randn(shape, generator).to(device)
+            coefs = self._on(coefs64, x)
+            for i, step in enumerate(timesteps):
+                t = torch.full((shape[0],), step, dtype=torch.long, device=x.device)
+                x0, eps = self.predict_x0_eps(model(x, t).float(), x, t)
+                noise = _randn(shape, generator).to(device) if noisy[i] else torch.zeros_like(x)
+                c = {k: v[i] for k, v in coefs.items()}
+                x = self._ddpm(c, x0, x, noise) if sampler == "ddpm" else self._ddim(c, x0, eps, noise)
         return x
 
 
 def _randn(shape: tuple[int, ...], generator: torch.Generator | list[torch.Generator]) -> torch.Tensor:
+    """Standard normal noise of `shape` drawn on the generator's device."""
     if isinstance(generator, torch.Generator):
-        return torch.randn(shape, generator=generator)
+        return torch.randn(shape, generator=generator, device=generator.device)
     if len(generator) != shape[0]:
         raise ValueError(f"{len(generator)} generators for a batch of {shape[0]} images")
-    return torch.stack([torch.randn(shape[1:], generator=g) for g in generator])
+    return torch.stack([torch.randn(shape[1:], generator=g, device=g.device) for g in generator])
+
+
+@contextlib.contextmanager
+def full_fp32() -> Iterator[None]:
+    """Convolutions and matmuls in IEEE fp32 while the block runs. On Ampere and newer GPUs cuDNN convolutions
+    use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32. torch 2.9 replaced the
+    allow_tf32 flags with fp32_precision (mixing the two raises), so use whichever this torch has."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        matmul = torch.backends.cuda.matmul
+        saved = conv.fp32_precision, matmul.fp32_precision
+        conv.fp32_precision = matmul.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision, matmul.fp32_precision = saved
+        return
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def build_diffusion(cfg) -> GaussianDiffusion:

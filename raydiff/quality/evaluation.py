@@ -1,6 +1,7 @@
 """Generating images and reducing them to feature statistics, on one process or spread over Ray tasks.
 
-Image i of an evaluation is a pure function of (seed, i): it has its own noise generator, as in EDM. Images are
+Image i of an evaluation is a pure function of (seed, i): it has its own noise generator on the sampling device, as
+in EDM. Images are
 generated and measured in fixed chunks of `CHUNK_IMAGES` (the same batches whatever the number of workers),
 and the chunks' float64 sums are added in chunk order, so the result does not depend on the worker count.
 """
@@ -15,12 +16,12 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raydiff.data.order import derive_seed
+from raydiff.model.diffusion import full_fp32
+from raydiff.model.noise import EVAL_NOISE, image_generators
 from raydiff.quality.features import Features, metric_names
 from raydiff.quality.stats import FeatureStats, coverage, frechet_distance, kernel_distance
 
 CHUNK_IMAGES = 100
-_IMAGE_NOISE = 7  # the key tag of evaluation noise (training noise uses other tags)
 
 
 def chunks(num: int) -> list[range]:
@@ -45,7 +46,7 @@ class SampleJob:
 
     @torch.no_grad()
     def images(self, indices: range, device: torch.device) -> torch.Tensor:
-        generators = [torch.Generator().manual_seed(derive_seed(self.seed, i, _IMAGE_NOISE)) for i in indices]
+        generators = image_generators(self.seed, indices, device, EVAL_NOISE)
         x = self.diffusion.sample(self.model, (len(indices), *self.shape), sampler=self.sampler, steps=self.steps,
                                   generator=generators, device=device)
         return to_uint8(x)
@@ -57,8 +58,9 @@ def empty_stats(features: Features, keep_features: bool, dim: int) -> FeatureSta
 
 @torch.no_grad()
 def stats_of(images: torch.Tensor, features: Features, keep_features: bool) -> FeatureStats:
-    """The statistics of one batch of uint8 images."""
-    f, logits = features(images)
+    """The statistics of one batch of uint8 images (features in full fp32, as the reference's)."""
+    with full_fp32():
+        f, logits = features(images)
     stats = empty_stats(features, keep_features, f.shape[1])
     stats.add(f, logits)
     return stats

@@ -31,6 +31,7 @@ from raydiff.data.order import SampleOrder, rank_share
 from raydiff.data.stream import StreamTable, open_tables
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import EmaUpdater, ema_decay_at, make_ema
+from raydiff.model.noise import GRID_NOISE, image_generators
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_name, write_state
 from raydiff.runs.dashboards import Dashboards, dashboards_for
@@ -432,7 +433,7 @@ def _save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None) -> No
     t, d = w.cfg.train, w.cfg.data
     images = w.step_inputs.diffusion.sample(
         w.ema, (t.sample_num, d.channels, d.resolution, d.resolution), sampler="ddim", steps=t.sample_steps,
-        generator=torch.Generator().manual_seed(t.seed), device=w.device)
+        generator=image_generators(t.seed, range(t.sample_num), w.device, GRID_NOISE), device=w.device)
     png = grid_png(images)
     w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
     if dashboards is not None:

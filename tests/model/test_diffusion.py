@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from raydiff.model.diffusion import GaussianDiffusion, make_betas
+from raydiff.model.noise import GRID_NOISE, image_generators
 
 
 def test_linear_schedule_matches_ddpm():
@@ -210,3 +212,57 @@ def test_training_path_stays_on_the_timesteps_device(prediction):
     assert d.loss_per_sample(lambda x, t: x, x0, t, torch.zeros_like(x0)).shape == (4,)
     assert d.predict_x0_eps(x0, x0, t)[1].device.type == "meta"
     assert d._tables(t.device)["sqrt_alpha_bar"].dtype == torch.float32
+
+
+class _RandomDraws(TorchDispatchMode):
+    """Records the device of every normal draw (randn, normal_) dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket in (torch.ops.aten.randn, torch.ops.aten.normal_):
+            self.devices.append(str(out.device))
+        return out
+
+
+@pytest.mark.parametrize("sampler, eta, draws_per_image", [
+    ("ddim", 0.0, 1),  # only x_T: every step multiplies its noise by 0
+    ("ddim", 1.0, 1 + 9),  # x_T and every step but the last (which lands on x0)
+    ("ddpm", 0.0, 1 + 9),
+])
+def test_sampling_draws_only_the_noise_it_uses(sampler, eta, draws_per_image):
+    d = GaussianDiffusion(schedule="linear", timesteps=100, prediction="eps")
+    generators = image_generators(0, range(3), "cpu", GRID_NOISE)
+    with _RandomDraws() as draws:
+        d.sample(lambda x, t: 0.1 * x, (3, 1, 2, 2), sampler=sampler, steps=10, eta=eta, generator=generators)
+    assert len(draws.devices) == 3 * draws_per_image and set(draws.devices) == {"cpu"}
+
+
+def test_image_i_is_a_function_of_seed_and_i_whatever_the_batch():
+    d = GaussianDiffusion(schedule="linear", timesteps=100, prediction="eps")
+    model = lambda x, t: 0.1 * x  # noqa: E731
+    whole = d.sample(model, (5, 1, 2, 2), sampler="ddpm", steps=10, generator=image_generators(3, range(5), "cpu", 8))
+    parts = [d.sample(model, (len(r), 1, 2, 2), sampler="ddpm", steps=10, generator=image_generators(3, r, "cpu", 8))
+             for r in (range(0, 2), range(2, 5))]
+    assert torch.equal(whole, torch.cat(parts))
+    other_tag = d.sample(model, (5, 1, 2, 2), sampler="ddpm", steps=10, generator=image_generators(3, range(5), "cpu", 7))
+    assert not torch.equal(whole, other_tag)
+
+
+def test_sampling_runs_in_full_fp32():
+    """cuDNN convolutions use TF32 on Ampere and newer GPUs unless told not to: sampling turns it off, then back."""
+    seen = []
+
+    def model(x, t):
+        seen.append((torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision))
+        return 0.1 * x
+
+    before = (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+    d = GaussianDiffusion(schedule="linear", timesteps=50, prediction="eps")
+    d.sample(model, (1, 1, 2, 2), sampler="ddim", steps=3, generator=torch.Generator().manual_seed(0))
+    assert seen and set(seen) == {("ieee", "ieee")}
+    assert (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == before

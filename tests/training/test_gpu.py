@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from raydiff.config import load_config
 from raydiff.data.loader import BatchStream, ImageTable
@@ -161,3 +162,38 @@ def test_loader_buffers_are_pinned_for_asynchronous_copies():
         stream.close()
     assert all(b.images.is_pinned() and b.flips.is_pinned() and b.noise.is_pinned() and b.timesteps.is_pinned()
                for b in batches)
+
+
+class _HostCopies(TorchDispatchMode):
+    """Counts the copies from host memory to the GPU dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        sources = [a for a in args if isinstance(a, torch.Tensor)]
+        if (func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_)
+                and isinstance(out, torch.Tensor) and out.device.type == "cuda"
+                and any(s.device.type == "cpu" and s.numel() > 1 for s in sources)):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "ddpm"])
+def test_sampling_draws_its_noise_on_the_gpu(sampler):
+    """Sample grids, in-run evaluation and FID generate on the GPU: no noise drawn on the host and copied over at
+    every step, so the steps never wait on the host."""
+    from raydiff.model.noise import GRID_NOISE, image_generators
+
+    _, ema, _, cfg = _setup()
+    diffusion, device = build_diffusion(cfg), torch.device("cuda")
+    counts = []
+    for steps in (5, 20):
+        with _HostCopies() as copies:
+            images = diffusion.sample(ema, (4, 1, 8, 8), sampler=sampler, steps=steps,
+                                      generator=image_generators(0, range(4), device, GRID_NOISE), device=device)
+        counts.append(copies.count)
+    assert images.device.type == "cuda" and counts[0] == counts[1]  # the step coefficients, once per call
