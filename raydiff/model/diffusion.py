@@ -196,11 +196,11 @@ class GaussianDiffusion:
         noisy = (coefs64["std" if sampler == "ddpm" else "sigma"] > 0).tolist()  # on the host, before the loop
         with full_fp32():
             x = _randn(shape, generator).to(device)
-            coefs = self._on(coefs64, x)
+            coefs, no_noise = self._on(coefs64, x), torch.zeros_like(x)
             for i, step in enumerate(timesteps):
                 t = torch.full((shape[0],), step, dtype=torch.long, device=x.device)
                 x0, eps = self.predict_x0_eps(model(x, t).float(), x, t)
-                noise = _randn(shape, generator).to(device) if noisy[i] else torch.zeros_like(x)
+                noise = _randn(shape, generator).to(device) if noisy[i] else no_noise
                 c = {k: v[i] for k, v in coefs.items()}
                 x = self._ddpm(c, x0, x, noise) if sampler == "ddpm" else self._ddim(c, x0, eps, noise)
         return x
