@@ -32,6 +32,7 @@ import yaml
 
 from raydiff.config import Config
 from raydiff.runs.rundir import RunDir
+from raydiff.runs.writer import BackgroundWrites
 
 logger = logging.getLogger("raydiff")
 
@@ -119,8 +120,11 @@ class _TensorBoard(_Backend):
     def __init__(self, cfg: Config, run_dir: RunDir, resume_step: int) -> None:
         super().__init__()
         self.run_dir = run_dir
-        # An object store cannot append: write locally and upload whole event files at flush() and close().
+        # An object store cannot append: write locally and upload whole event files at flush() and close(). The
+        # file grows all run long; flush() (at every checkpoint) uploads it on a thread of its own, not on the
+        # training thread.
         self._tmp = None if run_dir.local else Path(tempfile.mkdtemp(prefix="raydiff-tensorboard-"))
+        self._uploads = BackgroundWrites() if self._tmp else None
         self._uploaded: dict[str, int] = {}
         self.guard(self._open, cfg, resume_step)
 
@@ -149,21 +153,28 @@ class _TensorBoard(_Backend):
         step = summary.get("steps") if isinstance(summary.get("steps"), int) else 0
         self.writer.add_text("summary", f"```json\n{json.dumps(summary, indent=1, default=str)}\n```", step)
 
-    def flush(self) -> None:
+    def flush(self, *, wait: bool = False) -> None:
         self.writer.flush()
-        if self._tmp is not None:
-            for path in sorted(p for p in self._tmp.iterdir() if p.is_file()):
-                size = path.stat().st_size
-                if self._uploaded.get(path.name) != size:
-                    self.run_dir.write_bytes(f"{TENSORBOARD_DIR}/{path.name}", path.read_bytes())
-                    self._uploaded[path.name] = size
+        if self._tmp is None:
+            return
+        for path in sorted(p for p in self._tmp.iterdir() if p.is_file()):
+            size = path.stat().st_size
+            if self._uploaded.get(path.name) != size:
+                # Read now (what the writer has flushed), upload in the background, in order; a failed upload
+                # turns TensorBoard off like any other failure.
+                self._uploads.submit(self.guard, self.run_dir.write_bytes, f"{TENSORBOARD_DIR}/{path.name}",
+                                     path.read_bytes())
+                self._uploaded[path.name] = size
+        if wait:
+            self._uploads.drain()
 
     def close(self) -> None:
         try:
             self.writer.close()
-            self.flush()
+            self.flush(wait=True)
         finally:
             if self._tmp is not None:
+                self._uploads.close()
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
 
@@ -365,7 +376,8 @@ class Dashboards:
         self._each("summary", summary)
 
     def flush(self) -> None:
-        """Make what was logged visible (at checkpoints): TensorBoard's files, uploaded on object stores."""
+        """Make what was logged visible (at checkpoints): TensorBoard's files, uploaded on object stores by a
+        thread of their own, so that the caller (the training thread) does not wait for the upload."""
         self._each("flush")
 
     def close(self) -> None:

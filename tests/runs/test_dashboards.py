@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -96,12 +97,39 @@ def test_tensorboard_on_an_object_store_uploads_at_flush(tmp_path, monkeypatch):
     for step in (10, 20):
         dash.metrics(_row(step, loss=0.5))
     assert not (tmp_path / "run" / "tensorboard").exists()  # nothing uploaded per row
-    dash.flush()
+    dash.flush()  # uploads in the background
+    deadline = time.time() + 10
+    while not (tmp_path / "run" / "tensorboard").exists() and time.time() < deadline:
+        time.sleep(0.05)
     assert [e.step for e in _read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")] == [10, 20]
     dash.metrics(_row(30, loss=0.5))
     dash.close()
     assert [e.step for e in _read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")] == [10, 20, 30]
     assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 1
+
+
+def test_tensorboard_on_an_object_store_uploads_off_the_calling_thread(tmp_path, monkeypatch):
+    """flush() runs at every checkpoint on rank 0's training thread: the growing events file must not be uploaded
+    there (an object store PUT of megabytes takes seconds)."""
+    monkeypatch.setattr(RunDir, "local", property(lambda self: None))  # the object-store path, writing to tmp_path
+    uploads, real_write = [], RunDir.write_bytes
+
+    def write_bytes(self, name, data):
+        if name.startswith("tensorboard/"):
+            time.sleep(0.2)  # a slow PUT
+            uploads.append((threading.current_thread().name, len(data)))
+        real_write(self, name, data)
+
+    monkeypatch.setattr(RunDir, "write_bytes", write_bytes)
+    dash = Dashboards(_config(), RunDir(tmp_path / "run"), resume_step=0)
+    dash.metrics(_row(10, loss=0.5))
+    started = time.perf_counter()
+    dash.flush()
+    assert time.perf_counter() - started < 0.15  # did not wait for the upload
+    dash.metrics(_row(20, loss=0.25))
+    dash.close()  # waits for the uploads, then uploads the final file
+    assert len(uploads) == 2 and all(thread.startswith("raydiff-writes") for thread, _ in uploads)
+    assert [e.step for e in _read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")] == [10, 20]
 
 
 def test_nothing_configured_means_no_dashboards(tmp_path):
