@@ -117,20 +117,18 @@ def describe(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from raydiff.runs.checkpoint import read_state, resolve_checkpoint
-    from raydiff.runs.rundir import RunDir, unwritable
+    from raydiff.runs.checkpoint import STATE_FILE, checkpoint_location
+    from raydiff.runs.rundir import unwritable
+    from raydiff.runs.state import read_newest
 
-    try:
-        checkpoint = resolve_checkpoint(RunDir(args.checkpoint, endpoint=args.endpoint))
-    except ValueError as exc:  # an unsupported URI scheme
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {exc}") from None
-    run_dir = checkpoint.parent
+    location = checkpoint_location(args.checkpoint, args.endpoint)
+    run_dir = location.parent if location.is_file(STATE_FILE) else location
     reason = unwritable(run_dir)  # the result goes there: know before sampling
     if reason:
         print(f"raydiff: error: --checkpoint {args.checkpoint}: cannot write the result into {run_dir} ({reason})",
               file=sys.stderr)
         return 2
-    state = read_state(checkpoint)
+    checkpoint, state = read_newest(location)
     cfg = eval_config(state, args, storage=str(run_dir.parent))
     print(f"[raydiff] evaluating {checkpoint} (step {state['step']}): {cfg.eval.num} images, {cfg.eval.sampler} "
           f"{cfg.eval.steps} steps, metrics {','.join(cfg.eval.metrics)}", file=sys.stderr)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from raydiff import cli
 from raydiff.config import Config
-from raydiff.runs.checkpoint import read_state, resolve_checkpoint
-from raydiff.runs.rundir import RunDir, unwritable
+from raydiff.runs.checkpoint import checkpoint_location
+from raydiff.runs.rundir import unwritable
+from raydiff.runs.state import read_newest
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,15 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"raydiff: error: --out {args.out}: cannot write there ({reason})", file=sys.stderr)
         return 2
-    try:
-        checkpoint = resolve_checkpoint(RunDir(args.checkpoint, endpoint=args.endpoint))
-    except ValueError as exc:  # an unsupported URI scheme
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {exc}") from None
+    location = checkpoint_location(args.checkpoint, args.endpoint)
 
     from raydiff.model import diffusers_folder, diffusers_io
 
     diffusers_io.require_diffusers("raydiff.export")
-    state = read_state(checkpoint)
+    checkpoint, state = read_newest(location)
     diffusers_io.check_exportable(Config.from_dict(state["config"]))  # refused before anything is written
 
     # Build beside DIR and rename it into place: DIR is complete or absent.

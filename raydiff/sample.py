@@ -27,9 +27,10 @@ from raydiff.model import diffusers_folder
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.noise import GRID_NOISE, image_generators
 from raydiff.model.unet import build_model
-from raydiff.runs.checkpoint import read_state, resolve_checkpoint
+from raydiff.runs.checkpoint import checkpoint_location
 from raydiff.runs.images import save_samples
-from raydiff.runs.rundir import RunDir, unwritable
+from raydiff.runs.rundir import unwritable
+from raydiff.runs.state import read_newest
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,20 +97,16 @@ def generate(state: dict, *, num: int, sampler: str, steps: int | None, eta: flo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "://" not in args.checkpoint and diffusers_folder.is_diffusers_folder(args.checkpoint):
-        # An exported pipeline: one set of weights, converted back to raydiff's names.
-        checkpoint, load = args.checkpoint, diffusers_folder.state_from_folder
-    else:
-        try:
-            checkpoint, load = resolve_checkpoint(RunDir(args.checkpoint, endpoint=args.endpoint)), read_state
-        except ValueError as exc:  # an unsupported URI scheme
-            raise FileNotFoundError(f"--checkpoint {args.checkpoint}: {exc}") from None
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
-    state = load(checkpoint)
+    if "://" not in args.checkpoint and diffusers_folder.is_diffusers_folder(args.checkpoint):
+        # An exported pipeline: one set of weights, converted back to raydiff's names.
+        checkpoint, state = args.checkpoint, diffusers_folder.state_from_folder(args.checkpoint)
+    else:
+        checkpoint, state = read_newest(checkpoint_location(args.checkpoint, args.endpoint))
     steps = args.steps if args.steps is not None else (50 if args.sampler == "ddim" else None)
     weights = state.get("weights") or ("online" if args.no_ema else "EMA")  # a diffusers folder holds one set
     print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step'] or '?'}, {weights} weights) "

@@ -99,6 +99,28 @@ def test_sample_cli_grid_folder_and_determinism(smoke_run, tmp_path):
     assert Image.open(tmp_path / "folder" / "sample_00000.png").size == (8, 8)
 
 
+def test_commands_fall_back_from_a_checkpoint_being_written(smoke_run, tmp_path):
+    """sample, export and evaluate on a run whose newest checkpoint is still being written (a partial state.pt)
+    use the newest one that reads, and name the other in one line."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(smoke_run[0], run_dir)
+    newest = run_dir / "checkpoint_00000020" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    commands = {
+        "raydiff.sample": ["--num", "2", "--sampler", "ddim", "--steps", "2", "--out", str(tmp_path / "s.png")],
+        "raydiff.export": ["--out", str(tmp_path / "exported")],
+        "raydiff.evaluate": ["--num", "20", "--steps", "2"],
+    }
+    for module, args in commands.items():
+        proc = run_cli(module, "--checkpoint", str(run_dir), *args)
+        assert proc.returncode == 0, (module, proc.stderr[-3000:])
+        warnings = [line for line in proc.stderr.splitlines() if "cannot be read" in line]
+        assert len(warnings) == 1 and "checkpoint_00000020" in warnings[0], (module, proc.stderr)
+        assert "step 10" in proc.stdout + proc.stderr, (module, proc.stdout)
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--set", "train.lr=-1"], "train.lr = -1.0: must be > 0"),
     (["--set", "train.bogus=1"], "unknown key 'train.bogus'"),

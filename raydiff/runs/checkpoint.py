@@ -71,14 +71,10 @@ def list_checkpoints(run_dir: Location) -> list[RunDir]:
     return sorted(found, key=checkpoint_order)
 
 
-def resolve_checkpoint(location: Location) -> RunDir:
-    """A checkpoint folder, or a run folder (its newest checkpoint). Raises FileNotFoundError."""
-    run = as_rundir(location)
-    if run.is_file(STATE_FILE):
-        return run
-    if run.exists():
-        checkpoints = list_checkpoints(run)
-        if checkpoints:
-            return checkpoints[-1]
-        raise FileNotFoundError(f"{run}: no checkpoint_* folder with {STATE_FILE} in it")
-    raise FileNotFoundError(f"{run}: no such run or checkpoint folder")
+def checkpoint_location(uri: str, endpoint: str | None) -> RunDir:
+    """The RunDir of a command's --checkpoint (a local path or an s3:// / gs:// URI); FileNotFoundError (a user
+    error, one line) for an unsupported URI scheme."""
+    try:
+        return RunDir(uri, endpoint=endpoint)
+    except ValueError as exc:
+        raise FileNotFoundError(f"--checkpoint {uri}: {exc}") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raydiff.runs.checkpoint import as_rundir, checkpoint_order, list_checkpoints, read_state
+from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
 from raydiff.runs.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -83,6 +84,35 @@ def read_with_retries(path: RunDir) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
+def read_newest(location: Location) -> tuple[RunDir, dict[str, Any]]:
+    """(checkpoint, state) of a checkpoint folder, or of a run folder's newest checkpoint that reads: one still
+    being written (Ray uploads a checkpoint file by file) or damaged is named in one line on stderr and the
+    previous one is used, as training does. Raises FileNotFoundError (one line) when none reads."""
+    run = as_rundir(location)
+    if run.is_file(STATE_FILE):
+        candidates = [run]
+    elif not run.exists():
+        raise FileNotFoundError(f"{run}: no such run or checkpoint folder")
+    else:
+        candidates = list_checkpoints(run)[::-1]
+        if not candidates:
+            raise FileNotFoundError(f"{run}: no checkpoint_* folder with {STATE_FILE} in it")
+    failures = []
+    for i, checkpoint in enumerate(candidates):
+        try:
+            return checkpoint, read_with_retries(checkpoint)
+        except Exception as exc:  # noqa: BLE001 - a partial or damaged file: try the previous checkpoint
+            failures.append(f"{checkpoint.name} ({_reason(exc)})")
+            if i + 1 < len(candidates):
+                print(f"[raydiff] warning: checkpoint {checkpoint} cannot be read ({_reason(exc)}); using "
+                      f"{candidates[i + 1].name}", file=sys.stderr)
+    raise FileNotFoundError(f"{run}: no checkpoint can be read: {'; '.join(failures)}")
+
+
 def _scaler_state(state: dict[str, Any], scaler: torch.amp.GradScaler, notes: list[str]) -> dict[str, Any] | None:
     """The saved loss-scaler state if it applies to this scaler; None (with a note) when the precision changed."""
     saved = state["scaler"]
@@ -128,7 +158,7 @@ def restore_newest(candidates: list[RunDir], model, ema, optimizer, scaler) -> R
             progress, notes = restore(read_with_retries(path), model, ema, optimizer, scaler)
             return Restored(progress, path, notes)
         except Exception as exc:  # noqa: BLE001 - a truncated file, a missing key, a misfit: try the previous one
-            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            reason = _reason(exc)
             failures.append(f"{path.name} ({reason})")
             logger.warning(f"[raydiff] WARNING: checkpoint {path} is unreadable ({reason}); falling back to the "
                            f"previous one")

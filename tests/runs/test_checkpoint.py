@@ -5,7 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from raydiff.runs.checkpoint import checkpoint_name, list_checkpoints, read_state, resolve_checkpoint, write_state
+from raydiff.runs.checkpoint import checkpoint_name, list_checkpoints, read_state, write_state
+from raydiff.runs.state import read_newest
 from raydiff.runs.images import save_samples
 
 
@@ -30,11 +31,31 @@ def test_state_round_trip_and_lookup(tmp_path):
         write_state(directory, {"step": step, "w": torch.ones(2), "config": {"a": [1, 2]}})
     (tmp_path / "checkpoint_00000030").mkdir()  # incomplete: no state file
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_00000010", "checkpoint_00000020"]
-    latest = resolve_checkpoint(tmp_path)
-    assert read_state(latest)["step"] == 20
-    assert resolve_checkpoint(latest) == latest and latest.name == "checkpoint_00000020"
+    latest, state = read_newest(tmp_path)
+    assert state["step"] == 20 and latest.name == "checkpoint_00000020"
+    assert read_newest(latest)[0] == latest
     with pytest.raises(FileNotFoundError):
-        resolve_checkpoint(tmp_path / "nope")
+        read_newest(tmp_path / "nope")
+
+
+def test_the_newest_checkpoint_that_reads_is_used(tmp_path, capsys):
+    """A checkpoint still being written (Ray uploads it file by file) is named in one line and skipped."""
+    for step in (10, 20):
+        directory = tmp_path / checkpoint_name(step)
+        directory.mkdir()
+        write_state(directory, {"step": step, "w": torch.ones(2)})
+    newest = tmp_path / "checkpoint_00000020" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    checkpoint, state = read_newest(tmp_path)
+    assert state["step"] == 10 and checkpoint.name == "checkpoint_00000010"
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and "checkpoint_00000020 cannot be read" in warning[0]
+    assert warning[0].endswith("using checkpoint_00000010")
+    (tmp_path / "checkpoint_00000010" / "state.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no checkpoint can be read: checkpoint_00000020 .*; checkpoint_0000"):
+        read_newest(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint can be read"):
+        read_newest(tmp_path / "checkpoint_00000020")  # one checkpoint named: no fallback
 
 
 class Evil:
