@@ -40,6 +40,7 @@ from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog, progress_line
 from raydiff.runs.state import (
     Progress,
+    Restored,
     Unresumable,
     apply_config,
     checkpoint_candidates,
@@ -328,10 +329,11 @@ def _set_up(cfg: Config, loop_config: dict[str, Any]) -> Worker:
     )
 
 
-def _resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
-    """Restore the newest checkpoint that loads, then wrap the model for DDP. Rank 0 chooses (it lists storage
-    and tries the candidates); every other worker restores the same one. Raises `Unresumable` on every worker
-    when checkpoints exist and none restores."""
+def _restore_agreed(w: Worker, latest: ray.train.Checkpoint | None = None) -> Restored | None:
+    """Restore the newest checkpoint that loads on every worker alike. Rank 0 chooses: it lists storage and tries
+    the candidates; every other worker then restores exactly the one rank 0 restored (a newer one that another
+    worker could read, say one still being written, would leave replicas that differ). None when there are no
+    checkpoints; raises `Unresumable` on every worker when there are and none restores."""
     restored, refusal = None, None
     if w.is_chief:
         try:
@@ -346,6 +348,12 @@ def _resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
             restored = restore_newest([found], *w.objects)
         except Unresumable as exc:  # rank 0 could restore it: a failure here is this worker's (Ray restarts)
             raise RuntimeError(str(exc)) from exc
+    return restored
+
+
+def _resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
+    """Restore the newest checkpoint that loads (`_restore_agreed`), then wrap the model for DDP."""
+    restored = _restore_agreed(w, latest)
     if restored is not None and w.is_chief:
         for note in restored.notes:
             logger.warning(f"[raydiff] note: {note}")
@@ -363,9 +371,8 @@ def _resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
 def _roll_back(w: Worker, progress: Progress) -> Progress | None:
     """Back to the newest checkpoint, then on past the stream positions of the failed steps (as PaLM does): a
     replay of the same data from the same weights would fail again. None when no checkpoint restores."""
-    found = from_rank_zero(checkpoint_candidates(w.run_dir) if w.is_chief else None)
     try:
-        restored = restore_newest(found, *w.objects)
+        restored = _restore_agreed(w)
     except Unresumable:
         return None
     if restored is None:
