@@ -1,8 +1,13 @@
-"""The feature network for the built-in digits: a small classifier trained once on them, then cached.
+"""The feature network for the built-in digits: a small classifier trained on them, shipped with the package.
 
-Inception-v3 knows nothing of 16-pixel handwritten digits (and needs a download); this network does, and
-needs nothing but scikit-learn's digits. Its penultimate layer gives the features of the digits' Frechet
-distance, its predictions the class coverage of a set of samples.
+Inception-v3 knows nothing of 16-pixel handwritten digits (and needs a download); this network does. Its
+penultimate layer gives the features of the digits' Frechet distance, its predictions the class coverage of a
+set of samples. Its weights ship in `digits_classifier.pt` beside this module: trained once, by
+
+    python -m raydiff.quality.digits_classifier      # rewrites digits_classifier.pt (and bump VERSION)
+
+so every machine measures with the same network. (Trained on each machine, as before, CPU kernels that differ by
+machine gave networks, and so distances, that differ too.)
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raydiff.data.datasets import cache_dir
 from raydiff.data.decode import fit_array
 
 RESOLUTION = 16  # every image is seen at 16x16 grayscale, whatever the run's resolution
 FEATURES = 128
-VERSION = 1  # bump when the network or its training changes: the cache key
+VERSION = 2  # bump when the network, its training or the shipped weights change
+WEIGHTS_FILE = Path(__file__).with_name("digits_classifier.pt")
 
 
 class DigitsNet(nn.Module):
@@ -84,19 +89,36 @@ def train_classifier(*, epochs: int = 30, seed: int = 0) -> tuple[DigitsNet, flo
     return net, accuracy
 
 
-def cached_classifier() -> tuple[DigitsNet, float]:
-    """The trained network from the cache ($RAYDIFF_CACHE), trained and written there on first use."""
-    path = cache_dir() / f"digits-classifier-v{VERSION}.pt"
-    if path.is_file():
-        saved = torch.load(path, weights_only=True)
-        net = DigitsNet()
-        net.load_state_dict(saved["state"])
-        return net.eval(), float(saved["accuracy"])
+def shipped_classifier() -> tuple[DigitsNet, float]:
+    """The network with the weights that ship with raydiff, and its held-out accuracy."""
+    if not WEIGHTS_FILE.is_file():
+        raise FileNotFoundError(f"{WEIGHTS_FILE} is missing: reinstall raydiff, or write it with "
+                                f"python -m raydiff.quality.digits_classifier")
+    saved = torch.load(WEIGHTS_FILE, map_location="cpu", weights_only=True)
+    net = DigitsNet()
+    net.load_state_dict({k: v.float() for k, v in saved["state"].items()})
+    return net.eval(), float(saved["accuracy"])
+
+
+def write_weights(path: Path = WEIGHTS_FILE) -> float:
+    """Train the network and write the weights that ship (fp16: half the bytes; they load as fp32, and define the
+    network from then on). Returns the held-out accuracy of the weights as written."""
     with torch.random.fork_rng():
-        net, accuracy = train_classifier()
-    path.parent.mkdir(parents=True, exist_ok=True)
+        net, _ = train_classifier()
+    state = {k: v.half() for k, v in net.state_dict().items()}
+    net.load_state_dict({k: v.float() for k, v in state.items()})
+    generator = torch.Generator().manual_seed(0)
+    images, labels = (torch.from_numpy(a) for a in digits_arrays())
+    held_out = torch.randperm(len(images), generator=generator)[: len(images) // 5]  # train_classifier's split
+    with torch.no_grad():
+        accuracy = (net(images[held_out])[1].argmax(-1) == labels[held_out]).float().mean().item()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)
-    torch.save({"state": net.state_dict(), "accuracy": accuracy}, tmp)
-    os.replace(tmp, Path(path))
-    return net, accuracy
+    torch.save({"state": state, "accuracy": accuracy, "version": VERSION}, tmp)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return accuracy
+
+
+if __name__ == "__main__":
+    print(f"wrote {WEIGHTS_FILE}: held-out accuracy {write_weights():.4f}")

@@ -1,10 +1,13 @@
 """Feature extractors: uint8 images (N, C, H, W) -> features (N, D), and class logits for classifiers.
 
-Each is small to pickle (Ray ships it to the evaluation workers) and builds its network on first use.
+Each is small to pickle (Ray ships it to the evaluation workers) and builds its network on first use. Each has a
+`key` that names its network and a digest of its weights: cached reference statistics are keyed by it, so that
+statistics measured with other weights (another machine's, an older release's) are never used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from typing import Protocol
@@ -21,10 +24,21 @@ class QualityError(RuntimeError):
 
 
 class Features(Protocol):
-    name: str  # part of the reference statistics' cache key
+    name: str  # the network, as results name it
+    key: str  # the network and a digest of its weights: the reference statistics' cache key
     classes: int  # > 0 for a classifier, whose logits give the class coverage
 
     def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """A digest of a state dict's names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def inception_weights_path(configured: str | None) -> str:
@@ -60,10 +74,11 @@ class InceptionFeatures:
         except Exception as exc:  # noqa: BLE001 - a truncated download, a wrong file: one message
             raise QualityError(f"{weights_path}: not the Inception-v3 weights ({type(exc).__name__}); download "
                                f"{INCEPTION_URL} again") from None
+        self.key = f"{self.name}-{weights_digest(self.state)}"
         self._net: nn.Module | None = None
 
     def __getstate__(self) -> dict:
-        return {"state": self.state, "_net": None}
+        return {"state": self.state, "key": self.key, "_net": None}
 
     def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, None]:
         if self._net is None:
@@ -82,15 +97,18 @@ class InceptionFeatures:
 
 
 class DigitsFeatures:
-    """The built-in digits' classifier (`raydiff.quality.digits_classifier`): 128-d features and 10 classes."""
+    """The built-in digits' classifier (`raydiff.quality.digits_classifier`): 128-d features and 10 classes, with
+    the weights that ship with raydiff."""
 
-    name, classes = "digits-classifier-v1", 10
+    name, classes = "digits-classifier", 10
 
     def __init__(self) -> None:
-        from raydiff.quality.digits_classifier import cached_classifier
+        from raydiff.quality.digits_classifier import VERSION, shipped_classifier
 
-        net, self.accuracy = cached_classifier()
+        net, self.accuracy = shipped_classifier()
         self.state = net.state_dict()
+        self.name = f"digits-classifier-v{VERSION}"
+        self.key = f"{self.name}-{weights_digest(self.state)}"
         self._net: nn.Module | None = None
 
     def __getstate__(self) -> dict:
@@ -113,6 +131,7 @@ class ModuleFeatures:
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module, self.name = module.eval(), name
+        self.key = f"{name}-{weights_digest(module.state_dict())}"
 
     def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.module.to(images.device)(images.float() / 255), None

@@ -2,8 +2,9 @@
 
 By default they are computed once from the run's `data.source`, read through raydiff's own ingest at the run's
 resolution, and cached in `<run.storage>/.raydiff-reference/` keyed by the data's identity, the resolution and
-the feature network, so later runs, evaluations and every trial of a sweep reuse them. `eval.ref` may instead
-name a precomputed `.npz` with `mu` and `sigma` (the format of EDM and pytorch-fid), or another image folder.
+the feature network with a digest of its weights (`Features.key`), so later runs, evaluations and every trial of
+a sweep reuse them, and statistics measured with other weights are never used. `eval.ref` may instead name a
+precomputed `.npz` with `mu` and `sigma` (the format of EDM and pytorch-fid), or another image folder.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
     if ref:
         data.source, data.format, images = ref, "auto", None
     source = source_of(data)
-    key = hashlib.sha256(json.dumps([source.identity(), data.resolution, data.channels, features.name,
+    key = hashlib.sha256(json.dumps([source.identity(), data.resolution, data.channels, features.key,
                                      keep_features]).encode()).hexdigest()[:24]
     cache = RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / CACHE_FOLDER
     description = f"the reference statistics of {source.uri} at {data.resolution}px"

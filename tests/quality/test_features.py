@@ -1,4 +1,5 @@
-"""Feature networks: the digits classifier and its cache, and the Inception weights' one-line error."""
+"""Feature networks: the shipped digits classifier, the weights' digests that key cached statistics, and the
+Inception weights' one-line error."""
 
 from __future__ import annotations
 
@@ -6,25 +7,46 @@ import pytest
 import torch
 
 from raydiff.quality import features as features_module
-from raydiff.quality.digits_classifier import cached_classifier, digits_arrays
+from raydiff.quality.digits_classifier import digits_arrays, shipped_classifier
 from raydiff.quality.features import (
     DigitsFeatures,
     InceptionFeatures,
+    ModuleFeatures,
     QualityError,
     features_for,
     inception_weights_path,
 )
 
 
-def test_digits_classifier_is_accurate_and_cached(one_torch_thread):
-    net, accuracy = cached_classifier()  # trains once per cache (the session's)
+# The shipped weights, and a distance measured with them: the same on every machine (up to float rounding).
+DIGITS_KEY = "digits-classifier-v2-47347c7366896c46"
+DIGITS_HALVES_FD = 91.56574170996737  # the first 900 digits against the other 897
+
+
+def test_the_digits_classifier_ships_with_raydiff_and_measures_the_same_everywhere(one_torch_thread):
+    from raydiff.quality.stats import FeatureStats, frechet_distance
+
+    net, accuracy = shipped_classifier()
     assert accuracy > 0.95
-    again, same = cached_classifier()
-    assert same == accuracy
-    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), again.state_dict().values()))
+    features = DigitsFeatures()
+    assert features.key == DIGITS_KEY  # the reference statistics' cache key names these weights
     images, labels = digits_arrays()
-    features, logits = DigitsFeatures()(torch.from_numpy(images[:200]))
-    assert features.shape == (200, 128) and (logits.argmax(-1) == torch.from_numpy(labels[:200])).float().mean() > 0.95
+    halves = []
+    for part in (images[:900], images[900:]):
+        f, logits = features(torch.from_numpy(part))
+        stats = FeatureStats.empty(f.shape[1], classes=10, keep_features=False)
+        stats.add(f, logits)
+        halves.append(stats.mu_sigma())
+    assert f.shape == (897, 128) and (logits.argmax(-1) == torch.from_numpy(labels[900:])).float().mean() > 0.95
+    assert frechet_distance(*halves) == pytest.approx(DIGITS_HALVES_FD, rel=1e-4)
+
+
+def test_the_cache_key_follows_the_weights():
+    module = torch.nn.Linear(4, 2)
+    first = ModuleFeatures(module, "tiny").key
+    with torch.no_grad():
+        module.weight[0, 0] += 1
+    assert ModuleFeatures(module, "tiny").key != first and first.startswith("tiny-")
 
 
 def test_auto_features_follow_the_source(tmp_path):
