@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable
 
@@ -10,6 +11,7 @@ from raydiff.data.sources import DataError
 from raydiff.quality.features import QualityError
 from raydiff.runs.rundir import RunInUse
 from raydiff.runs.state import Unresumable
+from raydiff.training.stop import Interrupted
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse)
 
@@ -21,6 +23,10 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
         print(f"raydiff: config error: {exc}", file=sys.stderr)
     except USER_ERRORS as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
+    except Interrupted as exc:
+        print(f"raydiff: stopped by {exc.signal} before training began; nothing was trained (the same command starts "
+              f"again)", file=sys.stderr)
+        return 128 + signal.Signals[exc.signal].value
     except KeyboardInterrupt:
         print("raydiff: interrupted", file=sys.stderr)
         return 130

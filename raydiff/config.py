@@ -123,6 +123,7 @@ class RunSection:
     max_failures: int = 3  # worker-group restarts allowed; -1 = unlimited
     keep_checkpoints: int = 3
     resume: bool = True  # false: move an existing run of this name aside and start over
+    lease_stale_s: float = 60.0  # s3:// or gs:// storage: a run's lease not renewed this long is taken over
 
 
 @dataclass

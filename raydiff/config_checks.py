@@ -21,12 +21,13 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face repository 
 
 
 def _is_diffusers_unet(location: str) -> bool:
-    """A local diffusers pipeline folder (unet/config.json) or UNet2DModel folder (config.json), or, when no such
-    path exists here, something shaped like a hub id. Cheap: the driver reads and checks it before training."""
+    """A local diffusers pipeline folder (unet/config.json) or UNet2DModel folder (config.json), where such a
+    path exists here. Cheap: a new run reads and checks it before training (a missing folder too, which a
+    continuing run, never reading it, does not need)."""
     path = Path(location).expanduser()
     if path.exists():
         return (path / "unet" / "config.json").is_file() or (path / "config.json").is_file()
-    return HUB_ID.fullmatch(location) is not None
+    return True
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -141,6 +142,8 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
            "debug.record_order", True, "needs a local run.storage")
     _check(r.max_failures >= -1, "run.max_failures", r.max_failures, "must be >= 0, or -1 for unlimited")
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")
+    _check(r.lease_stale_s >= 4, "run.lease_stale_s", r.lease_stale_s,
+           "must be >= 4 seconds (the lease is renewed every quarter of it)")
 
     # Evaluation and dashboards.
     e = cfg.eval

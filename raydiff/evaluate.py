@@ -117,7 +117,10 @@ def describe(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from raydiff.quality.features import require_metrics_package
     from raydiff.runs.checkpoint import STATE_FILE, checkpoint_location
+
+    require_metrics_package("raydiff.evaluate")
     from raydiff.runs.rundir import unwritable
     from raydiff.runs.state import read_newest
 

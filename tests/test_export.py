@@ -18,6 +18,7 @@ from raydiff import cli, export, train
 from raydiff.config import load_config
 from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.ema import make_ema
+from raydiff.model.noise import GRID_NOISE, image_generators
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
 from raydiff.runs.state import Progress, training_state
@@ -109,7 +110,8 @@ def test_sample_cli_on_the_exported_folder_matches_diffusers_ddim(exported, tmp_
     pipeline = DDPMPipeline.from_pretrained(folder, low_cpu_mem_usage=False)
     ddim = DDIMScheduler.from_config(pipeline.scheduler.config)
     ddim.set_timesteps(T)
-    x = torch.randn((4, 1, 8, 8), generator=torch.Generator().manual_seed(3))  # raydiff's first draw
+    # raydiff's first draws: image i's x_T from its own generator, seeded by (--seed, i).
+    x = torch.stack([torch.randn((1, 8, 8), generator=g) for g in image_generators(3, range(4), "cpu", GRID_NOISE)])
     with torch.no_grad():
         for t in ddim.timesteps:
             x = ddim.step(pipeline.unet(x, t).sample, t, x, use_clipped_model_output=True).prev_sample
@@ -165,3 +167,13 @@ def test_a_new_run_starts_from_init_from(exported, tmp_path):
     trained = read_state(list_checkpoints(run_dir)[-1])["model"]
     exported_ema = read_state(checkpoint)["ema"]
     assert all(torch.allclose(trained[k], v, atol=1e-8) for k, v in exported_ema.items())
+
+    # Continuing the run never reads model.init_from: a folder moved away since does not refuse it.
+    gone = tmp_path / "moved-away"
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"model.init_from={gone}",
+                   "--set", f"diffusion.timesteps={T}", "--set", "train.total_steps=4", "--set", "train.lr=1e-12",
+                   "--set", "scaling.num_workers=1", "--set", "train.sample_num=1", "--set", "train.sample_steps=1",
+                   "--set", f"run.storage={tmp_path}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"model.init_from: continuing at step 2, not read ({gone})" in proc.stdout
+    assert read_state(list_checkpoints(run_dir)[-1])["step"] == 4

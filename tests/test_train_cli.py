@@ -99,6 +99,18 @@ def test_sample_cli_grid_folder_and_determinism(smoke_run, tmp_path):
     assert Image.open(tmp_path / "folder" / "sample_00000.png").size == (8, 8)
 
 
+def test_a_missing_metrics_package_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """A Ray job whose pip list lacks torch-fidelity used to train to the end and fail at the final evaluation."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch_fidelity", None)  # as if not installed
+    code = cli.run(train.main, ["--config", "smoke", "--set", "eval.at_end=true", "--set", f"run.storage={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("raydiff: error: eval.every / eval.at_end needs torch-fidelity") and "pip list" in err
+    assert not any(tmp_path.iterdir())
+
+
 def test_commands_fall_back_from_a_checkpoint_being_written(smoke_run, tmp_path):
     """sample, export and evaluate on a run whose newest checkpoint is still being written (a partial state.pt)
     use the newest one that reads, and name the other in one line."""

@@ -72,6 +72,10 @@ def read_unet_weights(source: str, subfolder: str | None) -> dict[str, torch.Ten
 def load_init_weights(cfg: Config) -> dict[str, torch.Tensor]:
     """raydiff UNet weights for `model.init_from`, checked against the run's model first (ConfigError)."""
     where = f"model.init_from = {cfg.model.init_from!r}"
+    from raydiff.config_checks import HUB_ID
+
+    if not Path(cfg.model.init_from).expanduser().exists() and not HUB_ID.fullmatch(cfg.model.init_from):
+        raise ConfigError(f"{where}: no such folder, and not a Hugging Face hub id such as google/ddpm-cifar10-32")
     require_diffusers("model.init_from")
     config, source, subfolder = read_unet_config(cfg.model.init_from, where=where)
     check_matches(cfg, config, where=where)

@@ -31,6 +31,16 @@ class Features(Protocol):
     def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
+def require_metrics_package(what: str) -> None:
+    """The Frechet distance and KID are torch-fidelity's formulas: where it is missing (a Ray job whose runtime
+    env's pip list lacks it), refuse in one line before any work, not after training."""
+    try:
+        import torch_fidelity  # noqa: F401
+    except ImportError:
+        raise QualityError(f"{what} needs torch-fidelity (the FID and KID formulas): pip install "
+                           f"'torch-fidelity>=0.3' (in a Ray job, add it to the runtime env's pip list)") from None
+
+
 def weights_digest(state: dict[str, torch.Tensor]) -> str:
     """A digest of a state dict's names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()

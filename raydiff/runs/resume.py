@@ -3,7 +3,8 @@
 Re-running the same command continues the run from its newest checkpoint (Ray Train finds the run by
 `run.name` and `run.storage`). Continuing is refused when a key that fixes what the checkpoint means has
 changed (model shape, diffusion, data, global batch, seed): the result would be neither the old run nor a new
-one. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts over.
+one. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts over. The caller holds
+the run directory's lease (`raydiff.runs.lease`) while it decides and moves.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ IDENTITY_KEYS = ("data.source", "data.format", "data.image_column", "data.resolu
                  "data.val_images", "train.global_batch", "train.seed")
 # Keys of identity sections that a continuing run may change: model.init_from only initialises a new run.
 NOT_IDENTITY_KEYS = ("model.init_from",)
-DATA_FILE = "data.json"
+DATA_FILE = "data.json"  # the data's identity (and, see `raydiff.data.stream`, its resolved layout)
+DRIVER_FILE = "driver.json"  # the driver of the newest start, and the name its run reserves resources under
 
 
 def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
@@ -52,16 +54,15 @@ class RunPlan:
     action: Literal["start", "continue", "finished"]
     step: int  # newest checkpoint's step (0 when starting)
     notes: tuple[str, ...] = ()
+    replace: bool = False  # start over: the previous run is to be moved aside first (`move_aside`)
 
 
 def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
-    """Decide what to do with `run_dir`; raises ConfigError when continuing would be meaningless."""
+    """Decide what to do with `run_dir`, reading only; raises ConfigError when continuing would be meaningless."""
     if run_dir.is_empty():
         return RunPlan("start", 0)
     if not cfg.run.resume:
-        moved = run_dir.parent / f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir.move_to(moved)
-        return RunPlan("start", 0, (f"run.resume=false: moved the previous run to {moved}",))
+        return RunPlan("start", 0, replace=True)
 
     checkpoints = list_checkpoints(run_dir)
     notes = []
@@ -87,3 +88,10 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     if step >= cfg.train.total_steps and finished:
         return RunPlan("finished", step, tuple(notes))
     return RunPlan("continue", step, tuple(notes))
+
+
+def move_aside(run_dir: RunDir) -> str:
+    """Move a run directory aside (run.resume=false; nothing is deleted); returns a note saying where."""
+    moved = run_dir.parent / f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.move_to(moved)
+    return f"run.resume=false: moved the previous run to {moved}"

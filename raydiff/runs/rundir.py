@@ -19,7 +19,8 @@ from raydiff.data.fs import filesystem_for, is_remote
 
 
 class RunInUse(RuntimeError):
-    """Another live driver on this Ray cluster trains the same run directory."""
+    """Another live raydiff run holds the folder's lease (`raydiff.runs.lease`): the same run directory, from this
+    machine, another Ray instance or another cluster sharing the storage."""
 
 
 def unwritable(folder: RunDir | str | os.PathLike, *, endpoint: str | None = None) -> str | None:

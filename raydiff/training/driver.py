@@ -24,16 +24,17 @@ from raydiff.data.ingest import ImageStore
 from raydiff.data.sources import DataError, source_of
 from raydiff.data.stream import ShardedImages, open_images
 from raydiff.model.diffusers_folder import load_init_weights
+from raydiff.quality.features import require_metrics_package
 from raydiff.runs.dashboards import dashboards_for
-from raydiff.runs.resume import DATA_FILE, RunPlan, plan_run
+from raydiff.runs.lease import hold, this_process
+from raydiff.runs.resume import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
 from raydiff.runs.rundir import RunDir, unwritable
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
-from raydiff.training.claim import claim_run_dir, take_over_reservation, this_driver
 from raydiff.training.loop import train_worker
 from raydiff.training.lr import describe_lr
-from raydiff.training.reservations import requester_of
-from raydiff.training.stop import stop_on_signals
+from raydiff.training.reservations import cancel_previous_reservation, requester_of
+from raydiff.training.stop import StopFlag, interrupt_on_signals, stop_on_signals
 from raydiff.training.validation import holdout_split
 
 BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
@@ -184,43 +185,57 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
     """
     started = time.perf_counter()
     run_dir = run_dir_of(cfg)
-    # model.init_from is read and checked against the run's model before anything is written or started.
-    init_weights = load_init_weights(cfg) if cfg.model.init_from else None
-
-    # Decide what this command means for the run directory before starting anything.
-    source = source_of(cfg.data)
-    data = source.identity()
-    plan = plan_run(cfg, run_dir, data)
-    for note in plan.notes:
-        print(f"[raydiff] {note}")
-    if plan.action == "finished":
-        summary = json.loads(run_dir.read_text("summary.json"))
-        return {**summary, "already_finished": True, "run_dir": str(run_dir)}
-
-    # Storage the run cannot write to is the user's to fix: say so before Ray starts.
+    if cfg.eval.every or cfg.eval.at_end:
+        require_metrics_package("eval.every / eval.at_end")
+    # Storage the run cannot write to is the user's to fix: say so before anything else.
     reason = unwritable(run_dir)
     if reason:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})")
+    source = source_of(cfg.data)
+    identity = source.identity()
+    # What this command means for the run directory, read first, so that a refusal (a changed identity key, a
+    # model.init_from that does not fit) writes nothing at all. model.init_from starts a new run; a continuing
+    # run restores its checkpoint and never reads it.
+    plan = plan_run(cfg, run_dir, identity)
+    init_weights = load_init_weights(cfg) if cfg.model.init_from and plan.action == "start" else None
 
-    # Start or join Ray, and claim the run directory: from here on this driver alone writes to it.
-    init_ray()
-    driver = this_driver(invocation=uuid.uuid4().hex)
-    with claim_run_dir(run_dir, driver) as stop_flag:
-        return _train(cfg, run_dir, plan, data, source, init_weights, driver, stop_flag, started,
+    # Hold the run directory where it lives before changing anything in it: from here on this driver alone
+    # writes to it, whichever machine or Ray cluster another driver of it runs on. Until training starts, a
+    # SIGTERM or Ctrl-C stops at once (nothing to save yet).
+    driver = {**this_process(), "invocation": uuid.uuid4().hex}
+    with interrupt_on_signals(), hold(run_dir, driver, stale_s=cfg.run.lease_stale_s, what="run directory") as lease:
+        plan = plan_run(cfg, run_dir, identity)  # again: another driver may have run in between
+        notes = [*plan.notes, move_aside(run_dir)] if plan.replace else plan.notes
+        for note in notes:
+            print(f"[raydiff] {note}")
+        if plan.action == "finished":
+            summary = json.loads(run_dir.read_text("summary.json"))
+            return {**summary, "already_finished": True, "run_dir": str(run_dir)}
+        if plan.action != "start":
+            init_weights = None
+        elif cfg.model.init_from and init_weights is None:
+            init_weights = load_init_weights(cfg)
+
+        init_ray()
+        lease.update(ray_job=ray.get_runtime_context().get_job_id())
+        stop_flag = StopFlag.remote()
+        lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
+        return _train(cfg, run_dir, plan, source, init_weights, lease.holder, stop_flag, started,
                       images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
-def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, data: dict[str, Any], source, init_weights,
-           driver: dict[str, Any], stop_flag, started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
-    """run_training, once the run directory is claimed: decode, train, summarise."""
+def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, driver: dict[str, Any], stop_flag,
+           started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
+    """run_training, once the run directory is held: decode, train, summarise."""
     invocation = driver["invocation"]
     # Decode the data once with Ray Data.
     check_shared_storage(cfg.run.storage)
     resolved = auto_workers(cfg, ray.cluster_resources().get("GPU", 0))  # the config the workers get
-    if init_weights is not None:  # a new run starts from them; a continuing run restores its checkpoint instead
-        init_weights = ray.put(init_weights) if plan.action == "start" else None
-        print(f"[raydiff] model.init_from: {'starting from' if init_weights is not None else 'continuing: not using'} "
-              f"{cfg.model.init_from}")
+    if init_weights is not None:
+        init_weights = ray.put(init_weights)
+        print(f"[raydiff] model.init_from: starting from {cfg.model.init_from}")
+    elif cfg.model.init_from:
+        print(f"[raydiff] model.init_from: continuing at step {plan.step}, not read ({cfg.model.init_from})")
     decode_start = time.perf_counter()
     decoded = "decoded earlier"
     if images is None:
@@ -244,12 +259,6 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, data: dict[str, Any], so
 
     quality = _prepare_quality(cfg, images)
 
-    # Record the resolved config and the data's identity next to the results.
-    run_dir.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    run_dir.write_text(DATA_FILE, json.dumps(data, indent=2) + "\n")
-    if unusable:
-        run_dir.write_text(BAD_FILE, json.dumps(images.bad_report(limit=None)["examples"], indent=1) + "\n")
-
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     trainer = TorchTrainer(
         train_worker,
@@ -268,7 +277,15 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, data: dict[str, Any], so
         ),
     )
     requester = requester_of(trainer)  # the name the run reserves its resources under
-    take_over_reservation(run_dir, driver, requester)
+    cancel_previous_reservation(run_dir, requester)
+    # What the run records beside its results: written by rank 0 once a checkpoint, if any, has been restored
+    # (a start that the workers refuse changes nothing).
+    records = {"config.yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+               DATA_FILE: json.dumps(source.identity(), indent=2) + "\n",
+               DRIVER_FILE: json.dumps({**driver, "requester": requester}, indent=2) + "\n"}
+    if unusable:
+        records[BAD_FILE] = json.dumps(images.bad_report(limit=None)["examples"], indent=1) + "\n"
+    trainer.train_loop_config["records"] = records
     if note_run is not None:
         note_run(requester)
     error = None

@@ -128,7 +128,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     quiet_ray_train_logs()
     w = _set_up(cfg, loop_config)
 
-    # Resume from the newest checkpoint that restores: on storage, or the one Ray Train hands us.
+    # Resume from the newest checkpoint that restores: on storage, or the one Ray Train hands us. Until then
+    # nothing is written: a start the workers refuse leaves the run directory as it was.
     try:
         progress = _resume(w, ray.train.get_checkpoint())
     except Unresumable as exc:
@@ -138,6 +139,8 @@ def train_worker(loop_config: dict[str, Any]) -> dict[str, Any]:
     # TensorBoard / MLflow / W&B from rank 0; points past the checkpoint (lost work) are hidden on TensorBoard.
     dashboards = dashboards_for(cfg, w.run_dir, resume_step=progress.step) if w.is_chief else None
     if w.is_chief:
+        for name, text in loop_config.get("records", {}).items():  # the driver's records of this start
+            w.run_dir.write_text(name, text)
         w.metrics_log.truncate_after(progress.step)  # rows past the checkpoint belong to lost work
         w.event("start", invocation=loop_config["invocation"], step=progress.step, world_size=w.world_size,
                 pid=os.getpid())

@@ -12,6 +12,7 @@ smaller share. A sweep therefore notes each trial's run and cancels its request 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -96,3 +97,22 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
         except Exception as exc:  # noqa: BLE001 - the sweep's results stand; Ray expires the requests itself
             print(f"[raydiff] could not release the trials' resource reservations ({type(exc).__name__}: {exc}); "
                   f"Ray frees them within 3 minutes")
+
+
+def cancel_previous_reservation(run_dir, requester: str) -> None:
+    """Cancel the reservation that the run's previous driver left, if it was killed outright (SIGKILL, out of
+    memory) and never cancelled it (Ray keeps it 3 minutes, and an elastic run would wait for CPUs/GPUs nobody
+    uses). `driver.json` names it. Call only while holding the run directory's lease: that driver has ended, so
+    its run can no longer renew the reservation."""
+    from raydiff.runs.resume import DRIVER_FILE
+
+    previous: dict = {}
+    if run_dir.is_file(DRIVER_FILE):
+        with contextlib.suppress(ValueError):
+            previous = json.loads(run_dir.read_text(DRIVER_FILE))
+    stale = previous.get("requester")
+    if stale and stale != requester:
+        try:
+            cancel_requests([stale])
+        except Exception:  # Ray expires it within 3 minutes anyway
+            logger.debug("cancelling the previous driver's reservation failed", exc_info=True)

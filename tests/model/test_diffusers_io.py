@@ -7,6 +7,7 @@ import torch
 from diffusers import DDIMScheduler, DDPMScheduler, UNet2DModel
 from torch import nn
 
+from raydiff import cli, train
 from raydiff.config import ConfigError, load_config
 from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.diffusion import build_diffusion
@@ -157,9 +158,19 @@ def test_what_diffusers_cannot_express_is_refused():
         diffusers_io.unet_config(cfg)
 
 
-def test_init_from_is_checked_cheaply_and_is_not_an_identity_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"^model\.init_from = '.*missing': must be a diffusers pipeline folder"):
-        load_config("smoke", [f"model.init_from={tmp_path / 'missing'}"], check_source=False)
+def test_init_from_is_checked_cheaply_and_is_not_an_identity_key(tmp_path, capsys):
+    (tmp_path / "not-a-unet").mkdir()
+    with pytest.raises(ConfigError, match=r"^model\.init_from = '.*not-a-unet': must be a diffusers pipeline folder"):
+        load_config("smoke", [f"model.init_from={tmp_path / 'not-a-unet'}"], check_source=False)
+    # A missing folder is refused by a new run, which reads it, before anything is written (a continuing run
+    # never reads it: tests/test_export.py).
+    storage = tmp_path / "runs"
+    code = cli.run(train.main, ["--config", "smoke", "--set", f"model.init_from={tmp_path / 'missing'}",
+                                "--set", f"run.storage={storage}"])
+    assert code == 2 and capsys.readouterr().err.strip() == (
+        f"raydiff: config error: model.init_from = '{tmp_path / 'missing'}': no such folder, and not a Hugging Face "
+        f"hub id such as google/ddpm-cifar10-32")
+    assert not storage.exists()
     assert load_config("smoke", ["model.init_from=google/ddpm-cifar10-32"], check_source=False)  # a hub id
     old = load_config("smoke", check_source=False).to_dict()
     new = load_config("smoke", ["model.init_from=google/ddpm-cifar10-32"], check_source=False).to_dict()

@@ -279,9 +279,9 @@ def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, tmp_pa
     for checkpoint in list_checkpoints(run_dir):
         state_file = checkpoint.local / "state.pt"
         state_file.write_bytes(state_file.read_bytes()[:1000])
-    # config.yaml and driver.json record each start (the resolved config; who drives it), refused or not.
-    rewritten = {"config.yaml", "driver.json"}
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name not in rewritten}
+    # Nothing at all changes, not even the records of a start (config.yaml, data.json, driver.json): the workers
+    # decide before anything is written.
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
 
     proc = train(cluster, tmp_path, "broken", total=30)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -289,8 +289,8 @@ def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, tmp_pa
     assert len(error_lines) == 1 and "Traceback" not in proc.stderr
     assert "checkpoint_00000020 (" in error_lines[0] and "checkpoint_00000010 (" in error_lines[0]
     assert "will not start over" in error_lines[0]
-    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name not in rewritten}
-    assert after == before  # metrics, events, summary and checkpoints untouched; no new checkpoint
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before  # records, metrics, events, summary and checkpoints untouched; no new checkpoint
 
 
 def test_one_checkpoint_per_preemption_notice(cluster, tmp_path):

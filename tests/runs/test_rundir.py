@@ -112,7 +112,8 @@ STEPS = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.c
 def test_s3_storage_train_kill_resume_is_identical(s3_server, ray_session, tmp_path):
     endpoint, client = s3_server
     client.create_bucket(Bucket="raydiff-runs")
-    storage = ["--set", "run.storage=s3://raydiff-runs/runs", "--set", f"run.endpoint={endpoint}"]
+    storage = ["--set", "run.storage=s3://raydiff-runs/runs", "--set", f"run.endpoint={endpoint}",
+               "--set", "run.lease_stale_s=6"]
     from conftest import _cluster_address
 
     proc = subprocess.Popen([sys.executable, "-m", "raydiff.train", *STEPS, *storage], cwd=ROOT,
@@ -131,6 +132,9 @@ def test_s3_storage_train_kill_resume_is_identical(s3_server, ray_session, tmp_p
 
     rerun = run_cli("raydiff.train", *STEPS, *storage)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # The killed driver's lease stops being renewed: the re-run watches it, then takes it over.
+    assert f"has the lease of a raydiff run (pid {proc.pid} on " in rerun.stdout
+    assert "took over the lease" in rerun.stdout + rerun.stderr
     assert killed["requester"] not in reserving(ray_session)  # released by the re-run, long before Ray would
     summary = json.loads(run.read_text("summary.json"))
     assert "streamed from s3://raydiff-runs/runs/.raydiff-stream/" in rerun.stdout

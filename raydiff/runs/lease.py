@@ -1,0 +1,341 @@
+"""One holder at a time for a folder of a run's storage (a run directory, a stream preparation), held where the
+folder lives: a lock on local or NFS storage, a lease object with a heartbeat on S3 and GCS.
+
+A claim inside one Ray cluster (a named actor) cannot see another Ray instance on the same machine, or another
+cluster sharing the bucket, and two drivers of one run directory would interleave their checkpoints, metrics and
+moves. So the claim lives beside the folder, in `<parent>/.raydiff-leases/<name>`, and names its holder (host,
+pid, Ray job, since) for the one-line refusal:
+
+- local or NFS storage: the file is held with an exclusive `flock`. The kernel (on NFS, the server's lock manager)
+  releases it when the holder ends, however it ends; the file itself is never deleted (deleting a lock file lets
+  two holders lock two different files).
+- S3 and GCS: the object is created only if absent (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`), renewed
+  every quarter of `stale_s` by an overwrite conditional on the version the holder wrote, and deleted on release.
+  A lease that is not renewed belongs to a holder that is gone: a claimant that has watched it unchanged for
+  `stale_s` since its last renewal (by the store's clock), and for at least half of `stale_s` itself, takes it
+  over with an overwrite conditional on the version it watched, so that of two claimants only one wins. A holder
+  whose renewal fails that condition has lost the lease, and is told (`on_lost`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from raydiff.runs.rundir import RunDir, RunInUse
+
+FOLDER = ".raydiff-leases"
+POLL_S = 0.5  # how often a claimant looks at a lease it waits for
+logger = logging.getLogger("raydiff")
+
+
+def lease_of(folder: RunDir) -> RunDir:
+    """Where the lease of `folder` lives: beside it, so that moving the folder aside keeps it."""
+    return folder.parent / FOLDER / folder.name
+
+
+def this_process() -> dict[str, Any]:
+    """Who holds a lease: enough for a user to find the process (`ray_job` is added once Ray is up)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "a process that has not said who it is yet"
+    job = f", Ray job {holder['ray_job']}" if holder.get("ray_job") else ""
+    return f"pid {holder.get('pid')} on {holder.get('host')}{job}, since {holder.get('started')}"
+
+
+class Lease:
+    """A held lease. `update(**fields)` adds to what it says of its holder; `on_lost` is called (from the
+    heartbeat thread) if an object-store lease is taken over."""
+
+    def __init__(self, store: _LocalLock | _ObjectLease, holder: dict[str, Any]) -> None:
+        self._store, self.holder = store, dict(holder)
+        self.on_lost: Callable[[], None] | None = None
+
+    def update(self, **fields: Any) -> None:
+        self.holder.update(fields)
+        self._store.rewrite(self.holder)
+
+    def release(self) -> None:
+        self._store.release()
+
+
+@contextlib.contextmanager
+def hold(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str,
+         wait: bool = False) -> Iterator[Lease]:
+    """Hold the lease of `folder` while the block runs. Raises RunInUse (naming the holder) when another live
+    holder has it, or, with `wait`, waits for it to be released (saying so once)."""
+    lease = take(folder, holder, stale_s=stale_s, what=what, wait=wait)
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def take(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str, wait: bool = False) -> Lease:
+    """`hold` without the block: the caller releases the lease."""
+    place = lease_of(folder)
+    store: _LocalLock | _ObjectLease = _LocalLock(place) if place.local else _ObjectLease(place, stale_s)
+    said: set[str] = set()
+    while True:
+        state, found = store.take(holder)
+        if state == "held":
+            return found
+        if state == "live" and not wait:
+            raise RunInUse(f"{what} {folder} is in use by another raydiff run ({describe(found)}): wait for it to "
+                           f"finish or stop it, or set run.name to start another run")
+        message = (f"waiting for another raydiff run ({describe(found)}) that holds {what} {folder}"
+                   if state == "live" else
+                   f"{what} {folder} has the lease of a raydiff run ({describe(found)}) that may have ended: "
+                   f"watching it for up to {stale_s:g} s (run.lease_stale_s) before taking it over")
+        if message not in said:
+            print(f"[raydiff] {message}", flush=True)
+            said.add(message)
+        time.sleep(POLL_S)
+
+
+class _LocalLock:
+    """A file held with an exclusive flock on a local or NFS folder."""
+
+    def __init__(self, place: RunDir) -> None:
+        self.path = Path(place.local)
+        self.fd: int | None = None
+
+    def take(self, holder: dict[str, Any]) -> tuple[str, Any]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return "live", self._holder()  # a lock is held only while its holder lives
+        self.fd = fd
+        self.rewrite(holder)
+        return "held", Lease(self, holder)
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text() or "null")
+        except (OSError, ValueError):  # being rewritten this instant
+            return None
+
+    def rewrite(self, holder: dict[str, Any]) -> None:
+        body = json.dumps(holder).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, body, 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)  # free: nobody to name
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+
+
+class _ObjectLease:
+    """A lease object on S3 or GCS, renewed by a heartbeat thread while held."""
+
+    def __init__(self, place: RunDir, stale_s: float) -> None:
+        self.objects = _S3Object(place) if place.uri.startswith("s3://") else _GcsObject(place)
+        self.stale_s, self.renew_s = stale_s, stale_s / 4
+        self.version: str | None = None
+        self.watched: tuple[str, float] | None = None  # (version, since when, by our monotonic clock)
+        self.lease: Lease | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._renewals = 0
+
+    def _body(self, holder: dict[str, Any]) -> bytes:
+        # A new body at every renewal: a watcher sees the version change (an S3 ETag is the body's MD5).
+        self._renewals += 1
+        return json.dumps({"holder": holder, "renewal": self._renewals, "id": uuid.uuid4().hex}).encode()
+
+    def take(self, holder: dict[str, Any]) -> tuple[str, Any]:
+        """("held", Lease), ("live", holder): renewed while watched, or ("watching", holder): not decided yet."""
+        version = self.objects.create(self._body(holder))
+        if version is None:
+            found = self.objects.read()
+            if found is None:
+                return "watching", None  # released between the two calls: try again
+            body, seen, age_s = found
+            other, now = body.get("holder"), time.monotonic()
+            if self.watched is None or self.watched[0] != seen:
+                renewed = self.watched is not None
+                self.watched = (seen, now)
+                return ("live" if renewed else "watching"), other
+            watched_s = now - self.watched[1]
+            if watched_s < max(self.stale_s - age_s, self.stale_s / 2):
+                return "watching", other
+            version = self.objects.replace(self._body(holder), seen)
+            if version is None:
+                return "watching", other  # another claimant took it over first
+            logger.warning(f"[raydiff] took over the lease of {describe(other)}: not renewed for "
+                           f"{max(age_s, watched_s):.0f} s (run.lease_stale_s = {self.stale_s:g})")
+        self.version = version
+        self.lease = Lease(self, holder)
+        self._thread = threading.Thread(target=self._heartbeat, name="raydiff-lease", daemon=True)
+        self._thread.start()
+        return "held", self.lease
+
+    def rewrite(self, holder: dict[str, Any]) -> None:
+        with self._lock:
+            self._renew(holder)
+
+    def _renew(self, holder: dict[str, Any]) -> None:
+        if self.version is None:
+            return
+        version = self.objects.replace(self._body(holder), self.version)
+        if version is None:
+            self.version = None
+            logger.error("[raydiff] ERROR: this run's lease was taken over by another raydiff run (it was not "
+                         "renewed in time)")
+            if self.lease is not None and self.lease.on_lost is not None:
+                self.lease.on_lost()
+            return
+        self.version = version
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.renew_s):
+            try:
+                with self._lock:
+                    self._renew(self.lease.holder)
+            except Exception:  # a network error: the next renewal tries again, well within stale_s
+                logger.debug("renewing the lease failed", exc_info=True)
+            if self.version is None:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            if self.version is not None:
+                with contextlib.suppress(Exception):  # stale in stale_s anyway
+                    self.objects.delete(self.version)
+            self.version = None
+
+
+class _S3Object:
+    """One object on S3 (or an S3-compatible store) with conditional writes, through boto3."""
+
+    def __init__(self, place: RunDir) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket, _, self.key = place.uri.removeprefix("s3://").partition("/")
+        endpoint = place.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        options = {"s3": {"addressing_style": "path"}} if endpoint else {}
+        self.client = boto3.client("s3", endpoint_url=endpoint, config=Config(
+            retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=30, **options))
+
+    @staticmethod
+    def _refused(exc: Exception) -> bool:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+        return code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "404", "412", "409")
+
+    def create(self, body: bytes) -> str | None:
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfNoneMatch="*")["ETag"]
+        except self.client.exceptions.ClientError as exc:
+            if self._refused(exc):
+                return None
+            raise
+
+    def read(self) -> tuple[dict[str, Any], str, float] | None:
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.key)
+        except self.client.exceptions.ClientError as exc:
+            if self._refused(exc):
+                return None
+            raise
+        body = json.loads(reply["Body"].read() or b"{}")
+        date = reply["ResponseMetadata"].get("HTTPHeaders", {}).get("date")
+        now = email.utils.parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
+        return body, reply["ETag"], (now - reply["LastModified"]).total_seconds()
+
+    def replace(self, body: bytes, version: str) -> str | None:
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, IfMatch=version)["ETag"]
+        except self.client.exceptions.ClientError as exc:
+            if self._refused(exc):
+                return None
+            raise
+
+    def delete(self, version: str) -> None:
+        reply = self.client.head_object(Bucket=self.bucket, Key=self.key)
+        if reply["ETag"] == version:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key)
+
+
+class _GcsObject:
+    """One object on GCS with generation preconditions, through google-cloud-storage."""
+
+    def __init__(self, place: RunDir) -> None:
+        from google.cloud import storage
+
+        bucket, _, self.name = place.uri.split("://", 1)[1].partition("/")
+        if place.endpoint:  # an emulator, or a private endpoint
+            import google.auth
+            from google.auth.credentials import AnonymousCredentials
+
+            try:
+                credentials, project = google.auth.default()
+            except google.auth.exceptions.DefaultCredentialsError:
+                credentials, project = AnonymousCredentials(), None
+            client = storage.Client(project=project or "raydiff", credentials=credentials,
+                                    client_options={"api_endpoint": place.endpoint})
+        else:
+            client = storage.Client()
+        self.bucket = client.bucket(bucket)
+
+    def create(self, body: bytes) -> str | None:
+        from google.api_core.exceptions import PreconditionFailed
+
+        blob = self.bucket.blob(self.name)
+        try:
+            blob.upload_from_string(body, if_generation_match=0)
+        except PreconditionFailed:
+            return None
+        return str(blob.generation)
+
+    def read(self) -> tuple[dict[str, Any], str, float] | None:
+        from google.api_core.exceptions import NotFound
+
+        blob = self.bucket.get_blob(self.name)
+        if blob is None:
+            return None
+        generation, updated = blob.generation, blob.updated  # (a download may reset the blob's properties)
+        try:
+            body = json.loads(blob.download_as_bytes(if_generation_match=generation) or b"{}")
+        except NotFound:
+            return None
+        return body, str(generation), (datetime.now(timezone.utc) - updated).total_seconds()
+
+    def replace(self, body: bytes, version: str) -> str | None:
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        blob = self.bucket.blob(self.name)
+        try:
+            blob.upload_from_string(body, if_generation_match=int(version))
+        except (PreconditionFailed, NotFound):
+            return None
+        return str(blob.generation)
+
+    def delete(self, version: str) -> None:
+        self.bucket.blob(self.name).delete(if_generation_match=int(version))

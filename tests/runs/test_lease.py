@@ -1,0 +1,179 @@
+"""One holder per run directory, held where the directory lives: a lock on local storage (released when its
+holder dies, however it dies), a lease object with a heartbeat on S3 (moto) and GCS (the emulator, taught the
+generation preconditions real GCS has). And through the CLI: a live run is neither moved nor joined by a second
+command, from another Ray instance or from the same cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http import HTTPStatus
+
+import pytest
+from conftest import ROOT, run_cli
+
+from raydiff.runs.lease import hold, lease_of, take, this_process
+from raydiff.runs.rundir import RunDir, RunInUse
+
+HOLDER = """
+import sys, time
+from raydiff.runs.lease import hold, this_process
+from raydiff.runs.rundir import RunDir
+with hold(RunDir(sys.argv[1], endpoint=sys.argv[2] or None), this_process(), stale_s=4, what="run directory"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _holder(uri: str, endpoint: str = "") -> subprocess.Popen:
+    """A process that holds the lease of `uri` until it is killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, uri, endpoint], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            stdin=subprocess.DEVNULL)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_local_lease_is_refused_while_held_and_free_once_its_holder_is_killed(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    holder = _holder(str(tmp_path / "run"))
+    try:
+        with pytest.raises(RunInUse) as info:
+            take(run_dir, this_process(), stale_s=4, what="run directory")
+        assert f"run directory {run_dir} is in use by another raydiff run (pid {holder.pid} on " in str(info.value)
+        assert "set run.name to start another run" in str(info.value)
+    finally:
+        holder.kill()  # as SIGKILL or an out-of-memory kill would: the kernel releases the lock
+        holder.wait()
+    with hold(run_dir, {"pid": 1}, stale_s=4, what="run directory") as lease:
+        lease.update(ray_job="01000000")
+        assert json.loads(lease_of(run_dir).local.read_text()) == {"pid": 1, "ray_job": "01000000"}
+        with pytest.raises(RunInUse, match="pid 1 on None, Ray job 01000000"):  # a second open file: refused too
+            take(run_dir, this_process(), stale_s=4, what="run directory")
+    assert not run_dir.exists()  # the lease lives beside the folder: nothing written in it
+    with hold(run_dir, this_process(), stale_s=4, what="run directory"):
+        pass  # released
+
+
+def _object_lease_lifecycle(uri: str, endpoint: str) -> None:
+    """A live holder refuses others (they see it renewed); a killed one is taken over once stale, by exactly one
+    of two claimants."""
+    run_dir = RunDir(uri, endpoint=endpoint)
+    holder = _holder(uri, endpoint)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RunInUse, match=f"pid {holder.pid} on "):
+            take(run_dir, this_process(), stale_s=4, what="run directory")
+        assert time.monotonic() - started < 4  # refused once it renewed (every second), not after the stale time
+    finally:
+        holder.kill()
+        holder.wait()
+    outcomes: list = []
+
+    def claim(name: str) -> None:
+        try:
+            outcomes.append(take(run_dir, {"name": name}, stale_s=4, what="run directory"))
+        except RunInUse as exc:
+            outcomes.append(exc)
+
+    claimants = [threading.Thread(target=claim, args=(n,)) for n in ("a", "b")]
+    started = time.monotonic()
+    for t in claimants:
+        t.start()
+    for t in claimants:
+        t.join()
+    held = [o for o in outcomes if not isinstance(o, Exception)]
+    assert len(held) == 1 and len(outcomes) == 2, outcomes  # one takes it over, the other sees it renewed
+    assert time.monotonic() - started >= 2  # watched for at least half the stale time first
+    held[0].release()
+    with hold(run_dir, this_process(), stale_s=4, what="run directory"):  # released: taken at once
+        pass
+
+
+def test_an_s3_lease_is_renewed_taken_over_when_stale_and_released(s3_server):
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="raydiff-leases")
+    _object_lease_lifecycle("s3://raydiff-leases/runs/smoke", endpoint)
+    assert "Contents" not in client.list_objects_v2(Bucket="raydiff-leases")  # released: deleted
+
+
+@pytest.fixture
+def gcs_with_preconditions(gcs_server):
+    """The emulator ignores ifGenerationMatch; real GCS refuses a write whose precondition fails (412). Teach it."""
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    def guarded(handler, name_of):
+        def check(request, response, storage, *args, **kwargs):
+            wanted = request.query.get("ifGenerationMatch")
+            if wanted:
+                try:
+                    current = storage.get_file_obj(request.params["bucket_name"], name_of(request))["generation"]
+                except NotFound:
+                    current = "0"
+                if str(current) != wanted[0]:
+                    response.status = HTTPStatus.PRECONDITION_FAILED
+                    return None
+            return handler(request, response, storage, *args, **kwargs)
+        return check
+
+    def upload_name(request):
+        return request.query["name"][0] if "name" in request.query else request.data["meta"].get("name")
+
+    patched = []
+    for _, handlers in server.HANDLERS:
+        for method, handler, name_of in (("POST", objects.insert, upload_name),
+                                         ("DELETE", objects.delete, lambda r: r.params["object_id"])):
+            if handlers.get(method) is handler:
+                handlers[method] = guarded(handler, name_of)
+                patched.append((handlers, method, handler))
+    yield gcs_server
+    for handlers, method, handler in patched:
+        handlers[method] = handler
+
+
+def test_a_gcs_lease_is_renewed_taken_over_when_stale_and_released(gcs_with_preconditions, monkeypatch):
+    endpoint, fs = gcs_with_preconditions
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent")  # no credentials: anonymous
+    _object_lease_lifecycle("gs://raydiff-gcs/leases/smoke", endpoint)
+    assert not fs.get_file_info(__import__("pyarrow.fs").fs.FileSelector("raydiff-gcs/leases", recursive=True,
+                                                                        allow_not_found=True))
+
+
+@pytest.mark.ray
+def test_a_live_run_is_neither_moved_nor_joined(cluster, tmp_path):
+    """While a run trains, the same command with run.resume=false, from its own local Ray instance or from the
+    same cluster, is refused before it changes anything; the live run finishes untouched."""
+    live = subprocess.Popen(
+        [sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
+         "--set", "run.name=live", "--set", "train.total_steps=60", "--set", "debug.step_delay_s=0.1",
+         "--set", "train.sample_every=0", "--set", "log.tensorboard=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
+        env=dict(os.environ, RAY_ADDRESS=cluster.address))
+    try:
+        deadline = time.time() + 180
+        while not (tmp_path / "live" / "checkpoint_00000010" / "state.pt").exists():
+            assert time.time() < deadline and live.poll() is None, "the live run made no checkpoint"
+            time.sleep(0.2)
+        for address in ("local", cluster.address):  # its own Ray instance, and the live run's cluster
+            second = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
+                             "--set", "run.name=live", "--set", "run.resume=false", env={"RAY_ADDRESS": address})
+            assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+            error = second.stderr.strip().splitlines()[-1]
+            assert error.startswith(f"raydiff: error: run directory {tmp_path / 'live'} is in use by another raydiff "
+                                    f"run (pid {live.pid} on "), error
+            assert "Traceback" not in second.stderr
+            assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["live"]
+        output, _ = live.communicate(timeout=300)
+    finally:
+        if live.poll() is None:
+            live.send_signal(signal.SIGKILL)
+            live.wait()
+    assert live.returncode == 0, output[-3000:]
+    summary = json.loads((tmp_path / "live" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 60 and summary["restarts"] == 0
