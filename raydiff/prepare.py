@@ -102,6 +102,7 @@ def write_prepared(decoded, source, out: str, *, shape: tuple[int, int, int], ro
         manifest = {
             "format": PREPARED_FORMAT, "version": 2, "count": count, "resolution": r, "channels": c,
             "source": source.uri, "source_identity": source.identity(), "shards": shards, "shard_counts": counts,
+            "rows_per_shard": rows_per_shard,
             "bad": [b.to_dict() for b in bad], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with filesystem.open_output_stream(f"{target}/{MANIFEST}") as f:

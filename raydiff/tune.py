@@ -42,6 +42,7 @@ from raydiff.training.lr import LR_RULES
 REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them
 TRIAL_CPU = 0.01  # a trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs
 DEFAULT_VAL_IMAGES = 256
+LAYOUT_FILE = "data.json"  # the sweep's data layout, kept by a re-run
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,6 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from raydiff.data.sources import source_of
-    from raydiff.data.stream import open_images
     from raydiff.runs.rundir import unwritable
     from raydiff.training.driver import init_ray, with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
@@ -212,19 +211,20 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
 
     init_ray()
     _require_state_api()
-    images, cache = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint)
-    if cfg.data.val_images >= images.num_good:
-        raise ConfigError(f"data.val_images = {cfg.data.val_images}: must be below the {images.num_good} images")
-    images = with_held_out(cfg, images)  # once for every trial: they all hold out the same images
     resources = ray.cluster_resources()
     cpus = resources.get("CPU", 1)
     concurrent = sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0))
+    images, cache = sweep_images(cfg, sweep_dir, concurrent)
+    if cfg.data.val_images >= images.num_good:
+        raise ConfigError(f"data.val_images = {cfg.data.val_images}: must be below the {images.num_good} images")
+    images = with_held_out(cfg, images)  # once for every trial: they all hold out the same images
     print(f"[raydiff] sweep {sweep.name}: {len(sweep.base_lrs)} base LR(s) x {len(sweep.batches)} batch size(s) x "
           f"{len(sweep.rules)} rule(s) = {len(sweep.base_lrs) * len(sweep.batches) * len(sweep.rules)} trials of "
           f"{sweep.budget_images:,} images, validation every {sweep.interval_images:,} images on "
           f"{cfg.data.val_images} held-out images, {concurrent} at a time; {cache}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(json.dumps(spec, indent=2) + "\n")
+    (sweep_dir / LAYOUT_FILE).write_text(json.dumps({"layout": images.layout()}, indent=2) + "\n")
 
     trial_runs = TrialRuns.remote()
     trainable = tune.with_resources(
@@ -254,6 +254,23 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
         grid = tuner.fit()
     rows = [_result_row(result, cfg, sweep, sweep_dir) for result in grid]
     return write_outputs(rows, cfg, sweep, sweep_dir)
+
+
+def sweep_images(cfg: Config, sweep_dir: Path, concurrent: int):
+    """The images every trial trains on, decoded once: `open_images` with two sweep rules. Streamed, the K trials
+    that run at once on a node split `data.stream_buffer_gb` (each node cache holds a K-th of it, so the node
+    holds what the key says, not K times that). A re-run of the sweep keeps the layout it began with (the
+    sweep's data.json), so that its trials continue in their sample order."""
+    from raydiff.data.sources import source_of
+    from raydiff.data.stream import open_images
+
+    layout_file = sweep_dir / LAYOUT_FILE
+    keep = json.loads(layout_file.read_text())["layout"] if layout_file.is_file() else None
+    images, cache = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint,
+                                keep=keep, buffer_share=1 / concurrent)
+    if images.layout()["cache"] == "stream" and concurrent > 1:
+        cache += f" (each trial's node cache holds 1/{concurrent} of data.stream_buffer_gb: {concurrent} at a time)"
+    return images, cache
 
 
 def _result_row(result, cfg: Config, sweep: Sweep, sweep_dir: Path) -> dict[str, Any]:

@@ -125,3 +125,18 @@ def test_best_yaml_keeps_the_base_configs_scaling(tmp_path, num_workers):
     write_outputs([row], cfg, sweep, tmp_path)
     best = load_config(str(tmp_path / "best.yaml"))
     assert best.scaling == cfg.scaling and best.train.global_batch == 16
+
+
+@pytest.mark.ray
+def test_trials_that_run_at_once_split_the_stream_buffer(ray_session, tmp_path):
+    """Streamed, K concurrent trials on a node each have a node cache: together they hold data.stream_buffer_gb,
+    not K times it (their shards are prepared smaller, so the shuffle windows stay what the key says)."""
+    from raydiff.config import load_config
+    from raydiff.tune import sweep_images
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.cache=stream", "data.stream_buffer_gb=0.0001",
+                                "data.stream_window_shards=2"])
+    alone, _ = sweep_images(cfg, tmp_path / "alone", 1)
+    shared, cache = sweep_images(cfg, tmp_path / "shared", 2)
+    assert shared.buffer_bytes == int(alone.buffer_bytes * 0.5) and shared.window_shards == alone.window_shards == 2
+    assert max(shared.counts) < max(alone.counts) and "holds 1/2 of data.stream_buffer_gb" in cache

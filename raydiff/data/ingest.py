@@ -72,6 +72,10 @@ class ImageStore:
         return {"count": len(self.bad), "fraction": round(len(self.bad) / max(self.num_images, 1), 6),
                 "examples": [b.to_dict() for b in self.bad[:limit]]}
 
+    def layout(self) -> dict[str, Any]:
+        """How the samples are laid out, for data.json: a continuing run keeps it (see `raydiff.data.stream`)."""
+        return {"cache": "memory"}
+
 
 # Decoding, one Ray Data batch at a time.
 def _each(values, wheres, fit, resolution: int, channels: int) -> dict[str, np.ndarray]:

@@ -68,6 +68,7 @@ class ShardedImages:
     shape: tuple[int, int, int]
     window_shards: int
     buffer_bytes: int
+    rows_per_shard: int = 0  # the rows of a full shard, as prepared (0: unknown, the largest shard's)
     holdout: ray.ObjectRef | None = None
     holdout_indices: tuple[int, ...] = ()
     skipped: tuple[dict, ...] = ()
@@ -96,6 +97,13 @@ class ShardedImages:
 
     def order(self, indices: np.ndarray, seed: int) -> SampleOrder:
         return SampleOrder(indices, seed, shard_starts=self.shard_starts, window_shards=self.window_shards)
+
+    def layout(self) -> dict[str, Any]:
+        """How the samples are laid out, for data.json: the shuffle windows and the shards fix the sample order,
+        so a continuing run keeps them (`open_images(keep=...)`)."""
+        return {"cache": "stream", "window_shards": self.window_shards,
+                "rows_per_shard": self.rows_per_shard or max(self.counts),
+                "shards": len(self.files)}
 
     def describe(self) -> str:
         shard_mb = max(self.counts) * int(np.prod(self.shape)) / 2 ** 20
@@ -144,16 +152,34 @@ def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed
     return table, SampleOrder(train_indices, seed), table, val_indices
 
 
-def open_images(data, source: Source, *, storage: str, endpoint: str | None):
+def open_images(data, source: Source, *, storage: str, endpoint: str | None, keep: dict[str, Any] | None = None,
+                buffer_share: float = 1.0):
     """The run's images as `data.cache` says: an `ImageStore` (memory) or `ShardedImages` (stream), and a phrase
-    for the start line saying which and why."""
+    for the start line saying which and why. `keep`: the layout a continuing run began with (data.json), which
+    fixes its sample order: the mode, and for streamed data the shards and the shuffle windows. `buffer_share`:
+    this run's part of a node's stream buffer (a sweep's trials that run at once share it)."""
     from raydiff.data.ingest import load_data
 
-    mode, why = choose_cache(data, source)
+    if keep is None:
+        mode, why = choose_cache(data, source)
+    else:
+        mode, why = keep["cache"], f"data.cache {data.cache}: {keep['cache']}, as this run began (data.json)"
+        if mode == "memory":
+            choose_cache(replace_cache(data, "memory"), source)  # warns if it no longer fits
     if mode == "stream":
-        images = stream_images(data, source, storage=storage, endpoint=endpoint)
+        images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
+                               buffer_share=buffer_share)
         return images, f"{why}; {images.describe()}"
     return load_data(data, source), why
+
+
+def replace_cache(data, cache: str):
+    """A copy of a config's `data` section with another `cache`."""
+    import copy
+
+    data = copy.copy(data)
+    data.cache = cache
+    return data
 
 
 def read_shard(filesystem: pafs.FileSystem, path: str, shape: tuple[int, int, int]) -> np.ndarray:
@@ -349,41 +375,55 @@ def choose_cache(data, source: Source) -> tuple[str, str]:
     return mode, f"data.cache auto: {mode}, from {sizes}"
 
 
-def stream_images(data, source: Source, *, storage: str, endpoint: str | None) -> ShardedImages:
+def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
+                  keep: dict[str, Any] | None = None, buffer_share: float = 1.0) -> ShardedImages:
     """The shards to stream `source` from: itself when prepared, else a prepared copy under
-    `<storage>/.raydiff-stream/` (written once, with Ray Data, and reused by later runs and sweep trials)."""
+    `<storage>/.raydiff-stream/` (written once, with Ray Data, and reused by later runs and sweep trials). `keep`:
+    a continuing run's layout (data.json): its shards and shuffle windows, or a one-line refusal."""
     from raydiff.data.ingest import check_prepared
 
     shape = (data.channels, data.resolution, data.resolution)
     buffer = min(int(data.stream_buffer_gb * GB), int(STORE_SHARE * smallest_object_store()) or 2 ** 62)
+    buffer = int(buffer * buffer_share)
     if source.kind != "prepared":
-        source = _prepared_copy(data, source, shape, buffer, storage, endpoint)
+        rows = keep["rows_per_shard"] if keep else None
+        source = _prepared_copy(data, source, shape, buffer, storage, endpoint, rows=rows)
     check_prepared(source, data.resolution, data.channels)
     manifest = source.manifest
     counts = manifest.get("shard_counts") or [pq.read_metadata(f, filesystem=source.filesystem).num_rows
                                               for f in source.files]
     shard_bytes = max(counts) * int(np.prod(shape))
-    window = min(data.stream_window_shards, len(counts), buffer // (WINDOWS_HELD * shard_bytes))
+    fits = buffer // (WINDOWS_HELD * shard_bytes)
+    window = min(data.stream_window_shards, len(counts), fits)
+    if keep is not None and window != keep["window_shards"]:
+        if fits < keep["window_shards"]:
+            need_gb = WINDOWS_HELD * keep["window_shards"] * shard_bytes / GB
+            raise DataError(f"data.stream_buffer_gb = {data.stream_buffer_gb:g}: this run shuffles in windows of "
+                            f"{keep['window_shards']} shards (data.json), which need {need_gb:.3g} GB per node; the "
+                            f"buffer holds {fits} (at most {STORE_SHARE:.0%} of the smallest node's object store): "
+                            f"raise it, or use run.name=NEW for a new run")
+        window = keep["window_shards"]
     if window < 1:
         raise DataError(f"data.stream_buffer_gb = {data.stream_buffer_gb:g}: a node must hold {WINDOWS_HELD} shards "
                         f"of {shard_bytes / 2 ** 20:.3g} MB of {source.uri} (the buffer is {buffer / 2 ** 20:.3g} MB, "
                         f"at most {STORE_SHARE:.0%} of the smallest node's object store): raise it, or prepare "
                         f"smaller shards")
-    if window < min(data.stream_window_shards, len(counts)):
+    if keep is None and window < min(data.stream_window_shards, len(counts)):
         print(f"[raydiff] data.stream_window_shards = {data.stream_window_shards}: shuffling windows of {window} "
               f"shards instead, the most of which {WINDOWS_HELD} fit the {_mb(buffer)} buffer")
     return ShardedImages(uri=source.uri, source=data.source, filesystem=source.filesystem, files=source.files,
-                         counts=tuple(int(c) for c in counts), shape=shape, window_shards=window,
+                         counts=tuple(int(c) for c in counts), rows_per_shard=int(manifest.get("rows_per_shard", 0)),
+                         shape=shape, window_shards=window,
                          buffer_bytes=buffer, skipped=tuple(manifest.get("bad", ())))
 
 
-def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpoint: str | None) -> Source:
+def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpoint: str | None, *,
+                   rows: int | None = None) -> Source:
     from raydiff.data.ingest import decode_stream
     from raydiff.prepare import SHARD_BYTES, rows_per_shard_for, write_prepared
 
-    # Shards small enough that WINDOWS_HELD windows fit the buffer.
-    shard_bytes = min(SHARD_BYTES, buffer // (WINDOWS_HELD * data.stream_window_shards))
-    rows = rows_per_shard_for(shape, shard_bytes)
+    if rows is None:  # shards small enough that WINDOWS_HELD windows fit the buffer (a continuing run keeps its)
+        rows = rows_per_shard_for(shape, min(SHARD_BYTES, buffer // (WINDOWS_HELD * data.stream_window_shards)))
     key = hashlib.sha256(json.dumps([source.identity(), list(shape), data.image_column, rows]).encode()).hexdigest()
     out = f"{storage.rstrip('/')}/{STREAM_FOLDER}/{key[:24]}"
     try:

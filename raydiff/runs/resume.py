@@ -55,6 +55,7 @@ class RunPlan:
     step: int  # newest checkpoint's step (0 when starting)
     notes: tuple[str, ...] = ()
     replace: bool = False  # start over: the previous run is to be moved aside first (`move_aside`)
+    layout: dict[str, Any] | None = None  # continuing: how the run's data was laid out (data.json), to keep
 
 
 def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
@@ -72,6 +73,9 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     if previous_data and previous_data["fingerprint"] != data["fingerprint"] and not changes:
         changes.append(f"the files of data.source ({previous_data.get('num_files')} files, now {data['num_files']}, "
                        f"or their names or sizes)")
+    layout = (previous_data or {}).get("layout") if checkpoints else None
+    if layout and not changes:
+        changes += layout_changes(cfg.data, layout)
     if changes and checkpoints:
         raise ConfigError(
             f"run.name = {cfg.run.name!r}: {run_dir} holds a run trained with {'; '.join(changes)}; continuing it "
@@ -86,8 +90,20 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     summary = json.loads(run_dir.read_text("summary.json")) if run_dir.is_file("summary.json") else {}
     finished = summary.get("status") == "finished"
     if step >= cfg.train.total_steps and finished:
-        return RunPlan("finished", step, tuple(notes))
-    return RunPlan("continue", step, tuple(notes))
+        return RunPlan("finished", step, tuple(notes), layout=layout)
+    return RunPlan("continue", step, tuple(notes), layout=layout)
+
+
+def layout_changes(data, layout: dict[str, Any]) -> list[str]:
+    """What in `data` contradicts the layout a run's data was trained in (data.json): the cache mode and, when
+    streamed, the shuffle windows fix the sample order (and memory and stream number the samples differently
+    when some cannot be decoded, so the held-out split would move). `auto` keeps what the run began with."""
+    if data.cache not in ("auto", layout["cache"]):
+        return [f"data.cache = {layout['cache']!r}, now {data.cache!r} (data.json; the sample order would change)"]
+    if layout["cache"] == "stream" and data.stream_window_shards < layout["window_shards"]:
+        return [f"shuffle windows of {layout['window_shards']} shards, now data.stream_window_shards = "
+                f"{data.stream_window_shards} (data.json; the sample order would change)"]
+    return []
 
 
 def move_aside(run_dir: RunDir) -> str:

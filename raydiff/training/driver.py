@@ -238,9 +238,13 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, dr
         print(f"[raydiff] model.init_from: continuing at step {plan.step}, not read ({cfg.model.init_from})")
     decode_start = time.perf_counter()
     decoded = "decoded earlier"
-    if images is None:
-        images, cache = open_images(cfg.data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
+    if images is None:  # a continuing run keeps the layout it began with: the same samples in the same order
+        images, cache = open_images(cfg.data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint,
+                                    keep=plan.layout)
         decoded = f"{cache}; ready in {time.perf_counter() - decode_start:.1f} s"
+    elif plan.layout is not None and plan.layout != images.layout():
+        raise DataError(f"run {cfg.run.name!r} was trained on data laid out as {plan.layout} (data.json), now "
+                        f"{images.layout()}: the sample order would change; use run.name=NEW for a new run")
     if cfg.data.val_images >= images.num_good:
         raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of usable images in "
                         f"data.source ({images.num_good})")
@@ -281,7 +285,7 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, dr
     # What the run records beside its results: written by rank 0 once a checkpoint, if any, has been restored
     # (a start that the workers refuse changes nothing).
     records = {"config.yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False),
-               DATA_FILE: json.dumps(source.identity(), indent=2) + "\n",
+               DATA_FILE: json.dumps({**source.identity(), "layout": images.layout()}, indent=2) + "\n",
                DRIVER_FILE: json.dumps({**driver, "requester": requester}, indent=2) + "\n"}
     if unusable:
         records[BAD_FILE] = json.dumps(images.bad_report(limit=None)["examples"], indent=1) + "\n"

@@ -122,3 +122,51 @@ def test_memory_mode_that_does_not_fit_is_warned_about(small_cluster, big_data, 
         proc.wait()
     assert "400 MB" in line and "80 MB" in line and "set data.cache=stream" in line
     assert MEMORY_SHARE * OBJECT_STORE < 400 * 2 ** 20
+
+
+DIGITS = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
+          "--set", "train.sample_every=0", "--set", "log.tensorboard=false", "--set", "debug.record_order=true"]
+
+
+def _digits(cluster, storage: Path, *extra: str):
+    return _train_with(cluster, storage, [*DIGITS, *extra])
+
+
+def _train_with(cluster, storage: Path, args: list[str]):
+    return subprocess.run([sys.executable, "-m", "raydiff.train", *args, "--set", f"run.storage={storage}"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, stdin=subprocess.DEVNULL,
+                          env=dict(os.environ, RAY_ADDRESS=cluster.address))
+
+
+def test_a_continuing_run_keeps_the_layout_it_began_with(cluster, tmp_path):
+    """data.json records the resolved mode, shards and windows; `auto` then keeps them (here it would choose
+    memory for the digits), and a setting that contradicts them is refused in one line, changing nothing."""
+    stream = ["--set", "data.stream_buffer_gb=0.0001", "--set", "data.stream_window_shards=2"]
+    first = _digits(cluster, tmp_path, "--set", "data.cache=stream", *stream, "--set", "train.total_steps=20")
+    assert first.returncode == 0, first.stderr[-3000:]
+    layout = json.loads((tmp_path / "smoke" / "data.json").read_text())["layout"]
+    assert layout["cache"] == "stream" and layout["window_shards"] == 2 and layout["shards"] > 4
+
+    before = {p: p.read_bytes() for p in (tmp_path / "smoke").rglob("*") if p.is_file()}
+    for change, named in ((["--set", "data.cache=memory"], "data.cache = 'stream', now 'memory'"),
+                          (["--set", "data.stream_window_shards=1"], "shuffle windows of 2 shards, now")):
+        refused = _digits(cluster, tmp_path, *change, "--set", "data.stream_buffer_gb=0.0001",
+                          "--set", "train.total_steps=40")
+        assert refused.returncode == 2 and named in refused.stderr and "Traceback" not in refused.stderr, \
+            refused.stderr[-2000:]
+    assert {p: p.read_bytes() for p in (tmp_path / "smoke").rglob("*") if p.is_file()} == before
+
+    # Continued with data.cache=auto (memory for 0.1 MB of digits, were it a new run) and another buffer.
+    more = _digits(cluster, tmp_path, "--set", "data.stream_buffer_gb=0.001", "--set", "train.total_steps=40")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "data.cache auto: stream, as this run began (data.json)" in more.stdout
+    assert json.loads((tmp_path / "smoke" / "data.json").read_text())["layout"] == layout
+    assert len(list((tmp_path / ".raydiff-stream").glob("*/manifest.json"))) == 1  # the same shards, not new ones
+    order = SampleOrder(1797, seed=0, shard_starts=np.cumsum([0, *json.loads(next(
+        (tmp_path / ".raydiff-stream").glob("*/manifest.json")).read_text())["shard_counts"]]), window_shards=2)
+    positions = {}
+    for path in (tmp_path / "smoke" / "order").iterdir():
+        for record in map(json.loads, path.read_text().splitlines()):
+            start, end = record["positions"]
+            positions.update(zip(range(start, end), record["indices"]))
+    assert [positions[p] for p in range(40 * 16)] == order.take(0, 40 * 16)[0].tolist()
