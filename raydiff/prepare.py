@@ -15,6 +15,7 @@ written last: a folder without it is not prepared data (a local OUT appears all 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -109,9 +110,12 @@ def write_prepared(decoded, source, out: str, *, shape: tuple[int, int, int], ro
             f.write((json.dumps(manifest, indent=1) + "\n").encode())
         if local:
             os.replace(target, root)
-    except BaseException:
+    except BaseException:  # a bad source, or a stop (SIGTERM, Ctrl-C): leave nothing half-written
         if local:
             shutil.rmtree(target, ignore_errors=True)
+        else:
+            with contextlib.suppress(Exception):
+                filesystem.delete_dir(root)
         raise
     return manifest
 
@@ -149,6 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from raydiff.data.ingest import decode_stream
     from raydiff.training.driver import init_ray
+    from raydiff.training.stop import interrupt_on_signals
 
     args = parse_args(argv)
     started = time.perf_counter()
@@ -159,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         raise DataError(f"OUT = {args.out!r}: cannot write there ({reason})")
     init_ray()
-    decoded = decode_stream(source, resolution=args.resolution, channels=args.channels, image_column=args.image_column)
-    manifest = write_prepared(decoded, source, args.out, shape=(args.channels, args.resolution, args.resolution),
-                              max_bad_fraction=args.max_bad_fraction, endpoint=args.endpoint)
+    with interrupt_on_signals():  # SIGTERM / Ctrl-C stop it, and OUT is left absent, not half-written
+        decoded = decode_stream(source, resolution=args.resolution, channels=args.channels,
+                                image_column=args.image_column)
+        manifest = write_prepared(decoded, source, args.out, shape=(args.channels, args.resolution, args.resolution),
+                                  max_bad_fraction=args.max_bad_fraction, endpoint=args.endpoint)
     skipped = f"; {len(manifest['bad'])} unusable sample(s) skipped (listed in {MANIFEST})" if manifest["bad"] else ""
     print(f"[raydiff] prepared {manifest['count']} images at {args.resolution}px from {source.describe()} in "
           f"{time.perf_counter() - started:.1f} s: {len(manifest['shards'])} shard(s) in {args.out}{skipped}")

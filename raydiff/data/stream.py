@@ -153,7 +153,7 @@ def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed
 
 
 def open_images(data, source: Source, *, storage: str, endpoint: str | None, keep: dict[str, Any] | None = None,
-                buffer_share: float = 1.0):
+                buffer_share: float = 1.0, lease_stale_s: float = 60.0):
     """The run's images as `data.cache` says: an `ImageStore` (memory) or `ShardedImages` (stream), and a phrase
     for the start line saying which and why. `keep`: the layout a continuing run began with (data.json), which
     fixes its sample order: the mode, and for streamed data the shards and the shuffle windows. `buffer_share`:
@@ -168,7 +168,7 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
             choose_cache(replace_cache(data, "memory"), source)  # warns if it no longer fits
     if mode == "stream":
         images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
-                               buffer_share=buffer_share)
+                               buffer_share=buffer_share, lease_stale_s=lease_stale_s)
         return images, f"{why}; {images.describe()}"
     return load_data(data, source), why
 
@@ -376,7 +376,8 @@ def choose_cache(data, source: Source) -> tuple[str, str]:
 
 
 def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
-                  keep: dict[str, Any] | None = None, buffer_share: float = 1.0) -> ShardedImages:
+                  keep: dict[str, Any] | None = None, buffer_share: float = 1.0,
+                  lease_stale_s: float = 60.0) -> ShardedImages:
     """The shards to stream `source` from: itself when prepared, else a prepared copy under
     `<storage>/.raydiff-stream/` (written once, with Ray Data, and reused by later runs and sweep trials). `keep`:
     a continuing run's layout (data.json): its shards and shuffle windows, or a one-line refusal."""
@@ -387,7 +388,8 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
     buffer = int(buffer * buffer_share)
     if source.kind != "prepared":
         rows = keep["rows_per_shard"] if keep else None
-        source = _prepared_copy(data, source, shape, buffer, storage, endpoint, rows=rows)
+        source = _prepared_copy(data, source, shape, buffer, storage, endpoint, rows=rows,
+                                lease_stale_s=lease_stale_s)
     check_prepared(source, data.resolution, data.channels)
     manifest = source.manifest
     counts = manifest.get("shard_counts") or [pq.read_metadata(f, filesystem=source.filesystem).num_rows
@@ -418,33 +420,57 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
 
 
 def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpoint: str | None, *,
-                   rows: int | None = None) -> Source:
+                   rows: int | None = None, lease_stale_s: float = 60.0) -> Source:
+    """The prepared copy of a raw source under `<storage>/.raydiff-stream/<key>`, written once. One run prepares a
+    key at a time (it holds the key's lease; others wait, then use its copy), and it cleans what an earlier
+    preparation, killed half-way, left behind."""
     from raydiff.data.ingest import decode_stream
     from raydiff.prepare import SHARD_BYTES, rows_per_shard_for, write_prepared
+    from raydiff.runs.lease import hold, this_process
+    from raydiff.runs.rundir import RunDir
 
     if rows is None:  # shards small enough that WINDOWS_HELD windows fit the buffer (a continuing run keeps its)
         rows = rows_per_shard_for(shape, min(SHARD_BYTES, buffer // (WINDOWS_HELD * data.stream_window_shards)))
     key = hashlib.sha256(json.dumps([source.identity(), list(shape), data.image_column, rows]).encode()).hexdigest()
     out = f"{storage.rstrip('/')}/{STREAM_FOLDER}/{key[:24]}"
-    try:
-        found = open_source(out, endpoint=endpoint)
-        if found.kind == "prepared":
+    found = _prepared_at(out, endpoint)
+    if found is not None:
+        return found
+    with hold(RunDir(out, endpoint=endpoint), this_process(), stale_s=lease_stale_s, what="the stream preparation",
+              wait=True):
+        found = _prepared_at(out, endpoint)  # another run may have prepared it while this one waited
+        if found is not None:
             return found
-    except DataError:
-        pass
-    print(f"[raydiff] data.cache stream: preparing {source.describe()} once into {out} ({rows} images per shard)")
-    _clear_partial(out, endpoint)
-    decoded = decode_stream(source, resolution=data.resolution, channels=data.channels,
-                            image_column=data.image_column)
-    write_prepared(decoded, source, out, shape=shape, rows_per_shard=rows, max_bad_fraction=data.max_bad_fraction,
-                   endpoint=endpoint)
+        print(f"[raydiff] data.cache stream: preparing {source.describe()} once into {out} ({rows} images per "
+              f"shard)")
+        _clear_partial(out, endpoint)
+        decoded = decode_stream(source, resolution=data.resolution, channels=data.channels,
+                                image_column=data.image_column)
+        write_prepared(decoded, source, out, shape=shape, rows_per_shard=rows,
+                       max_bad_fraction=data.max_bad_fraction, endpoint=endpoint)
     return open_source(out, endpoint=endpoint)
 
 
+def _prepared_at(out: str, endpoint: str | None) -> Source | None:
+    try:
+        found = open_source(out, endpoint=endpoint)
+    except DataError:
+        return None
+    return found if found.kind == "prepared" else None
+
+
 def _clear_partial(out: str, endpoint: str | None) -> None:
-    """An object-store copy cut short (no manifest) is ours to replace."""
+    """What a preparation cut short left (a killed process cleans nothing): on an object store the copy without
+    its manifest, locally the hidden folders it was building beside `out` (`raydiff.prepare.write_prepared`).
+    Only the holder of the key's lease calls this, so nothing it removes is in use."""
+    import shutil
+    from pathlib import Path
+
     from raydiff.data.fs import filesystem_for
 
     filesystem, root = filesystem_for(out, endpoint=endpoint)
-    if filesystem.get_file_info(root).type == pafs.FileType.Directory:
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        for partial in Path(root).parent.glob(f".{Path(root).name}-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+    elif filesystem.get_file_info(root).type == pafs.FileType.Directory:
         filesystem.delete_dir(root)

@@ -220,8 +220,9 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
         stop_flag = StopFlag.remote()
         lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
-        return _train(cfg, run_dir, plan, source, init_weights, lease.holder, stop_flag, started,
-                      images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
+        with interrupt_on_signals():  # again: ray.init installs a SIGTERM handler of its own
+            return _train(cfg, run_dir, plan, source, init_weights, lease.holder, stop_flag, started,
+                          images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
 def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, driver: dict[str, Any], stop_flag,
@@ -240,7 +241,7 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, dr
     decoded = "decoded earlier"
     if images is None:  # a continuing run keeps the layout it began with: the same samples in the same order
         images, cache = open_images(cfg.data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint,
-                                    keep=plan.layout)
+                                    keep=plan.layout, lease_stale_s=cfg.run.lease_stale_s)
         decoded = f"{cache}; ready in {time.perf_counter() - decode_start:.1f} s"
     elif plan.layout is not None and plan.layout != images.layout():
         raise DataError(f"run {cfg.run.name!r} was trained on data laid out as {plan.layout} (data.json), now "

@@ -1,8 +1,9 @@
 """Stopping a run cleanly: SIGTERM (`ray job stop`, a scheduler) or Ctrl-C ends it with a final checkpoint, or,
 before training has started (decoding, preparing streamed data), at once.
 
-During training the driver's signal handler raises a flag in a small Ray actor; the workers look at it every few steps (rank 0
-asks, all ranks agree through an all-reduce), write a checkpoint, and return. A second Ctrl-C interrupts at once.
+During training the driver's signal handler raises a flag in a small Ray actor; the workers look at it every few
+steps (rank 0 asks, all ranks agree through an all-reduce), write a checkpoint, and return. A second Ctrl-C
+interrupts at once.
 """
 
 from __future__ import annotations

@@ -249,7 +249,8 @@ def test_image_i_is_a_function_of_seed_and_i_whatever_the_batch():
     parts = [d.sample(model, (len(r), 1, 2, 2), sampler="ddpm", steps=10, generator=image_generators(3, r, "cpu", 8))
              for r in (range(0, 2), range(2, 5))]
     assert torch.equal(whole, torch.cat(parts))
-    other_tag = d.sample(model, (5, 1, 2, 2), sampler="ddpm", steps=10, generator=image_generators(3, range(5), "cpu", 7))
+    other_tag = d.sample(model, (5, 1, 2, 2), sampler="ddpm", steps=10,
+                         generator=image_generators(3, range(5), "cpu", 7))
     assert not torch.equal(whole, other_tag)
 
 

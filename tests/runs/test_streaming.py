@@ -170,3 +170,51 @@ def test_a_continuing_run_keeps_the_layout_it_began_with(cluster, tmp_path):
             start, end = record["positions"]
             positions.update(zip(range(start, end), record["indices"]))
     assert [positions[p] for p in range(40 * 16)] == order.take(0, 40 * 16)[0].tolist()
+
+
+def test_preparation_is_stoppable_exclusive_and_cleans_up_after_a_kill(cluster, tmp_path):
+    """A raw source prepared for streaming: SIGTERM during the preparation stops the run at once and leaves no
+    partial copy; a SIGKILL's partial copy is removed by the next preparation of the same key; and a run that
+    finds another holding the key's lease waits for it, then prepares (or uses its copy)."""
+    from raydiff.data.datasets import write_synthetic
+    from raydiff.runs.lease import hold, this_process
+    from raydiff.runs.rundir import RunDir
+
+    write_synthetic(tmp_path / "raw", num=8000, resolution=16, fmt="png", seed=0)
+    args = [sys.executable, "-m", "raydiff.train", *DIGITS, "--set", f"data.source={tmp_path / 'raw'}",
+            "--set", "data.resolution=8", "--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001",
+            "--set", "data.stream_window_shards=2", "--set", "train.total_steps=10", "--set", f"run.storage={tmp_path}"]
+    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    stream = tmp_path / ".raydiff-stream"
+
+    def partial_copies() -> list[Path]:
+        return [p for p in stream.glob(".*-*") if p.is_dir() and p.name != ".raydiff-leases"] if stream.exists() else []
+
+    def start(log: str) -> subprocess.Popen:
+        return subprocess.Popen(args, stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                stdin=subprocess.DEVNULL)
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = start(f"{sig.name}.log")
+        wait_for(lambda: any(p.glob("part-*.parquet") for p in partial_copies()), timeout=300,
+                 what="a shard of the preparation")
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+        log = (tmp_path / f"{sig.name}.log").read_text()
+        assert not list(stream.glob("*/manifest.json")), log[-2000:]  # never a copy that looks complete
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143, log[-3000:]
+            assert "raydiff: stopped by SIGTERM before training began" in log and "Traceback" not in log
+            assert partial_copies() == []  # cleaned up on the way out
+        else:
+            assert len(partial_copies()) == 1  # a killed process cleans nothing
+
+    # Another run holds the key's lease (it is preparing): this one waits, then prepares, cleaning the partial copy.
+    key = next((stream / ".raydiff-leases").iterdir()).name
+    with hold(RunDir(stream / key), this_process(), stale_s=60, what="the stream preparation"):
+        proc = start("waits.log")
+        wait_for(lambda: "waiting for another raydiff run" in (tmp_path / "waits.log").read_text(), timeout=120,
+                 what="the wait")
+        assert proc.poll() is None
+    assert proc.wait(timeout=600) == 0, (tmp_path / "waits.log").read_text()[-3000:]
+    assert partial_copies() == [] and len(list(stream.glob("*/manifest.json"))) == 1
