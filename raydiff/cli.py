@@ -8,12 +8,13 @@ from collections.abc import Callable
 
 from raydiff.config import ConfigError
 from raydiff.data.sources import DataError
+from raydiff.nodes import NoWorkerNode
 from raydiff.quality.features import QualityError
 from raydiff.runs.rundir import RunInUse
 from raydiff.runs.state import Unresumable
 from raydiff.training.stop import Interrupted
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode)
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

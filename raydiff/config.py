@@ -100,6 +100,7 @@ class ScalingSection:
     use_gpu: Literal["auto"] | bool = "auto"
     cpus_per_worker: float | None = None  # null = share the node's CPUs among the workers
     resize_check_s: float = 60.0  # elastic: how often Ray Train looks for room to grow
+    node_wait_s: float = 900.0  # a cluster with no node that can run a worker yet: wait this long for the first
 
     @property
     def elastic(self) -> bool:

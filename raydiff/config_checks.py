@@ -127,6 +127,7 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(s.cpus_per_worker is None or s.cpus_per_worker > 0, "scaling.cpus_per_worker", s.cpus_per_worker,
            "must be > 0 or null")
     _check(s.resize_check_s > 0, "scaling.resize_check_s", s.resize_check_s, "must be > 0 seconds")
+    _check(s.node_wait_s > 0, "scaling.node_wait_s", s.node_wait_s, "must be > 0 seconds")
     if not s.auto:
         check_workers(cfg)
 

@@ -194,6 +194,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
+    from raydiff.nodes import wait_for_worker_node
     from raydiff.runs.rundir import unwritable
     from raydiff.training.driver import init_ray, with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
@@ -211,6 +212,9 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
 
     init_ray()
     _require_state_api()
+    joined = wait_for_worker_node(cfg.scaling.use_gpu, cfg.scaling.node_wait_s)
+    if joined:
+        print(f"[raydiff] {joined}")
     resources = ray.cluster_resources()
     cpus = resources.get("CPU", 1)
     concurrent = sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0))
@@ -267,7 +271,8 @@ def sweep_images(cfg: Config, sweep_dir: Path, concurrent: int):
     layout_file = sweep_dir / LAYOUT_FILE
     keep = json.loads(layout_file.read_text())["layout"] if layout_file.is_file() else None
     images, cache = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint,
-                                keep=keep, buffer_share=1 / concurrent, lease_stale_s=cfg.run.lease_stale_s)
+                                keep=keep, buffer_share=1 / concurrent, lease_stale_s=cfg.run.lease_stale_s,
+                                use_gpu=cfg.scaling.use_gpu)
     if images.layout()["cache"] == "stream" and concurrent > 1:
         cache += f" (each trial's node cache holds 1/{concurrent} of data.stream_buffer_gb: {concurrent} at a time)"
     return images, cache

@@ -13,8 +13,8 @@ window at a time:
   `data.stream_buffer_gb` and drops the oldest shards first;
 - the held-out validation images are gathered once by the driver (a few hundred images).
 
-`data.cache=auto` chooses memory when the decoded dataset takes at most MEMORY_SHARE of the smallest node's
-object store, else stream.
+`data.cache=auto` chooses memory when the decoded dataset takes at most MEMORY_SHARE of the smallest object store
+of the nodes the run trains on (`raydiff.nodes`), else stream.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from raydiff.data.order import SampleOrder
 from raydiff.data.sources import DataError, Source, open_source
+from raydiff.nodes import smallest_object_store
 
 MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
@@ -153,22 +154,23 @@ def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed
 
 
 def open_images(data, source: Source, *, storage: str, endpoint: str | None, keep: dict[str, Any] | None = None,
-                buffer_share: float = 1.0, lease_stale_s: float = 60.0):
+                buffer_share: float = 1.0, lease_stale_s: float = 60.0, use_gpu: bool | str = "auto"):
     """The run's images as `data.cache` says: an `ImageStore` (memory) or `ShardedImages` (stream), and a phrase
     for the start line saying which and why. `keep`: the layout a continuing run began with (data.json), which
     fixes its sample order: the mode, and for streamed data the shards and the shuffle windows. `buffer_share`:
-    this run's part of a node's stream buffer (a sweep's trials that run at once share it)."""
+    this run's part of a node's stream buffer (a sweep's trials that run at once share it). `use_gpu`
+    (scaling.use_gpu) names the nodes the run trains on, whose object stores decide (`raydiff.nodes`)."""
     from raydiff.data.ingest import load_data
 
     if keep is None:
-        mode, why = choose_cache(data, source)
+        mode, why = choose_cache(data, source, use_gpu)
     else:
         mode, why = keep["cache"], f"data.cache {data.cache}: {keep['cache']}, as this run began (data.json)"
         if mode == "memory":
-            choose_cache(replace_cache(data, "memory"), source)  # warns if it no longer fits
+            choose_cache(replace_cache(data, "memory"), source, use_gpu)  # warns if it no longer fits
     if mode == "stream":
         images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
-                               buffer_share=buffer_share, lease_stale_s=lease_stale_s)
+                               buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
         return images, f"{why}; {images.describe()}"
     return load_data(data, source), why
 
@@ -329,13 +331,6 @@ class StreamTable:
 
 
 # The driver's side: which mode, and the shards to stream.
-def smallest_object_store() -> int:
-    """Bytes of object store on the smallest alive node that can run a worker (has a CPU or a GPU)."""
-    sizes = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes()
-             if n.get("Alive") and (n["Resources"].get("CPU", 0) or n["Resources"].get("GPU", 0))]
-    return int(min(sizes)) if sizes else 0
-
-
 def estimated_count(source: Source) -> int:
     """Samples in `source` without decoding it: exact for folders and Parquet (footers), estimated for
     WebDataset (the first shard's images times the shards)."""
@@ -359,12 +354,13 @@ def _mb(nbytes: float) -> str:
     return f"{mb:,.0f} MB" if mb >= 10 else f"{mb:.2g} MB"
 
 
-def choose_cache(data, source: Source) -> tuple[str, str]:
-    """(memory | stream, why) for `data.cache`; warns on stderr when memory mode is forced where it does not fit."""
+def choose_cache(data, source: Source, use_gpu: bool | str = "auto") -> tuple[str, str]:
+    """(memory | stream, why) for `data.cache`, from the nodes the run trains on (`use_gpu`: scaling.use_gpu);
+    warns on stderr when memory mode is forced where it does not fit."""
     image_bytes = data.channels * data.resolution ** 2
     decoded = estimated_count(source) * image_bytes
-    store = smallest_object_store()
-    sizes = f"the decoded dataset ({_mb(decoded)}) and the smallest node's object store ({_mb(store)})"
+    store = smallest_object_store(use_gpu)
+    sizes = f"the decoded dataset ({_mb(decoded)}) and the smallest worker node's object store ({_mb(store)})"
     fits = decoded <= MEMORY_SHARE * store
     if data.cache == "memory" and not fits:
         print(f"[raydiff] warning: data.cache = memory, but {sizes}: every node would spill it to disk; "
@@ -377,14 +373,14 @@ def choose_cache(data, source: Source) -> tuple[str, str]:
 
 def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
                   keep: dict[str, Any] | None = None, buffer_share: float = 1.0,
-                  lease_stale_s: float = 60.0) -> ShardedImages:
+                  lease_stale_s: float = 60.0, use_gpu: bool | str = "auto") -> ShardedImages:
     """The shards to stream `source` from: itself when prepared, else a prepared copy under
     `<storage>/.raydiff-stream/` (written once, with Ray Data, and reused by later runs and sweep trials). `keep`:
     a continuing run's layout (data.json): its shards and shuffle windows, or a one-line refusal."""
     from raydiff.data.ingest import check_prepared
 
     shape = (data.channels, data.resolution, data.resolution)
-    buffer = min(int(data.stream_buffer_gb * GB), int(STORE_SHARE * smallest_object_store()) or 2 ** 62)
+    buffer = min(int(data.stream_buffer_gb * GB), int(STORE_SHARE * smallest_object_store(use_gpu)) or 2 ** 62)
     buffer = int(buffer * buffer_share)
     if source.kind != "prepared":
         rows = keep["rows_per_shard"] if keep else None

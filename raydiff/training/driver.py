@@ -24,6 +24,7 @@ from raydiff.data.ingest import ImageStore
 from raydiff.data.sources import DataError, source_of
 from raydiff.data.stream import ShardedImages, open_images
 from raydiff.model.diffusers_folder import load_init_weights
+from raydiff.nodes import alive_nodes, wait_for_worker_node
 from raydiff.quality.features import require_metrics_package
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.lease import hold, this_process
@@ -51,7 +52,7 @@ def init_ray() -> None:
     resources = ray.cluster_resources()
     what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
     print(f"[raydiff] {what}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU, "
-          f"{len(_alive_nodes())} node(s)")
+          f"{len(alive_nodes())} node(s)")
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
@@ -92,10 +93,6 @@ def run_dir_of(cfg: Config) -> RunDir:
     return RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / cfg.run.name
 
 
-def _alive_nodes() -> list[dict[str, Any]]:
-    return [n for n in ray.nodes() if n["Alive"]]
-
-
 @ray.remote(num_cpus=0)
 def _sees(path: str) -> bool:
     return os.path.exists(path)
@@ -110,7 +107,7 @@ def unreachable_nodes(folder: str, probe=None) -> list[str]:
     marker = os.path.join(folder, f".raydiff-shared-{uuid.uuid4().hex}")
     open(marker, "w").close()
     try:
-        nodes = _alive_nodes()
+        nodes = alive_nodes()
         if probe is None:
             def probe(path: str, node_id: str) -> bool:
                 strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
@@ -123,7 +120,7 @@ def unreachable_nodes(folder: str, probe=None) -> list[str]:
 def check_shared_storage(storage: str, probe=None) -> None:
     """On a multi-node cluster a local run.storage must be a shared (NFS) mount: refuse it up front, with what to
     use instead, rather than fail at the first checkpoint of a remote worker."""
-    if "://" in storage or len(_alive_nodes()) < 2:
+    if "://" in storage or len(alive_nodes()) < 2:
         return
     missing = unreachable_nodes(storage, probe)
     if missing:
@@ -229,6 +226,10 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, dr
            started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
     """run_training, once the run directory is held: decode, train, summarise."""
     invocation = driver["invocation"]
+    # Decide for the nodes the run will train on: on an autoscaling cluster, the first of them may still be to come.
+    joined = wait_for_worker_node(cfg.scaling.use_gpu, cfg.scaling.node_wait_s)
+    if joined:
+        print(f"[raydiff] {joined}")
     # Decode the data once with Ray Data.
     check_shared_storage(cfg.run.storage)
     resolved = auto_workers(cfg, ray.cluster_resources().get("GPU", 0))  # the config the workers get
@@ -241,7 +242,8 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, dr
     decoded = "decoded earlier"
     if images is None:  # a continuing run keeps the layout it began with: the same samples in the same order
         images, cache = open_images(cfg.data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint,
-                                    keep=plan.layout, lease_stale_s=cfg.run.lease_stale_s)
+                                    keep=plan.layout, lease_stale_s=cfg.run.lease_stale_s,
+                                    use_gpu=cfg.scaling.use_gpu)
         decoded = f"{cache}; ready in {time.perf_counter() - decode_start:.1f} s"
     elif plan.layout is not None and plan.layout != images.layout():
         raise DataError(f"run {cfg.run.name!r} was trained on data laid out as {plan.layout} (data.json), now "
