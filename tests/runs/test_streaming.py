@@ -1,7 +1,7 @@
-"""A dataset five times bigger than the object store: auto picks stream mode, which trains, keeps the order,
-resumes bit for bit after a driver kill, and leaves nothing spilled behind. Memory mode there is warned about.
-
-Runs the real CLI against a Ray cluster of its own whose object store (80 MB) holds a fifth of the data.
+"""Streamed data through the real CLI. A dataset five times bigger than the object store (a Ray cluster of its
+own, 80 MB of store): auto picks stream mode, trains in the shard-aware order and spills nothing; memory mode there
+is warned about. On the digits: a run over many shuffle windows and an epoch boundary, resumed bit for bit in the
+layout it began with, and a stream preparation that stops cleanly, holds its key alone, and cleans up after a kill.
 """
 
 from __future__ import annotations
@@ -71,7 +71,18 @@ def _train(cluster, storage: Path, name: str, data: str, *extra: str, wait: bool
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
 
 
-def test_auto_streams_in_order_and_resumes_bit_identically(small_cluster, big_data, tmp_path):
+def _positions(run_dir: Path) -> dict[int, int]:
+    """The order audit (debug.record_order): stream position -> sample index, over every worker and restart."""
+    positions: dict[int, int] = {}
+    for path in (run_dir / "order").iterdir():
+        for record in map(json.loads, path.read_text().splitlines()):
+            start, end = record["positions"]
+            for position, index in zip(range(start, end), record["indices"]):
+                assert positions.setdefault(position, index) == index  # a replayed position trains the same sample
+    return positions
+
+
+def test_auto_streams_a_dataset_bigger_than_the_object_store(small_cluster, big_data, tmp_path):
     reference = _train(small_cluster, tmp_path, "ref", big_data, "--set", "debug.record_order=true")
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert "data.cache auto: stream, from the decoded dataset (400 MB)" in reference.stdout, reference.stdout
@@ -81,27 +92,9 @@ def test_auto_streams_in_order_and_resumes_bit_identically(small_cluster, big_da
     manifest = json.loads((Path(big_data) / "manifest.json").read_text())
     order = SampleOrder(manifest["count"], seed=0, shard_starts=np.cumsum([0, *manifest["shard_counts"]]),
                         window_shards=int(reference.stdout.split("shuffled in windows of ")[1].split(",")[0]))
-    positions: dict[int, int] = {}
-    for path in (tmp_path / "ref" / "order").iterdir():
-        for record in map(json.loads, path.read_text().splitlines()):
-            start, end = record["positions"]
-            for position, index in zip(range(start, end), record["indices"]):
-                assert positions.setdefault(position, index) == index
+    positions = _positions(tmp_path / "ref")
     assert sorted(positions) == list(range(TOTAL * 16))
     assert [positions[p] for p in range(TOTAL * 16)] == order.take(0, TOTAL * 16)[0].tolist()
-
-    # A driver killed after a checkpoint; the re-run ends with the same weights and losses. Checkpoints every 15
-    # steps, metrics rows every 10: it resumes inside a logging window, whose sums must count once.
-    proc = _train(small_cluster, tmp_path, "killed", big_data, "--set", "train.checkpoint_every=15", wait=False)
-    wait_for(lambda: (tmp_path / "killed" / "checkpoint_00000015" / "state.pt").exists(), what="a checkpoint")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    rerun = _train(small_cluster, tmp_path, "killed", big_data, "--set", "train.checkpoint_every=15")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    run = summary(tmp_path / "killed")
-    assert run["status"] == "finished" and run["resumed_from_step"] in (15, 30)
-    assert_same_weights(final_state(tmp_path / "killed"), final_state(tmp_path / "ref"))
-    assert losses(tmp_path / "killed") == losses(tmp_path / "ref")
 
     # Nothing spilled to disk, allocated outside the object store, or left in it.
     stats = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "memory", "--stats-only", "--address",
@@ -126,50 +119,61 @@ def test_memory_mode_that_does_not_fit_is_warned_about(small_cluster, big_data, 
 
 DIGITS = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
           "--set", "train.sample_every=0", "--set", "log.tensorboard=false", "--set", "debug.record_order=true"]
+STREAMED = ["--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001", "--set", "data.stream_window_shards=2"]
+EPOCH_AND_MORE = 130  # steps: 2,080 images, past the digits' first epoch (1,797), in windows of 2 small shards
 
 
-def _digits(cluster, storage: Path, *extra: str):
-    return _train_with(cluster, storage, [*DIGITS, *extra])
+def _digits(cluster, storage: Path, name: str, *extra: str, wait: bool = True):
+    args = [sys.executable, "-m", "raydiff.train", *DIGITS, "--set", f"run.storage={storage}",
+            "--set", f"run.name={name}", *extra]
+    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    if wait:
+        return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, stdin=subprocess.DEVNULL,
+                              env=env)
+    return subprocess.Popen(args, stdout=open(storage / f"{name}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            stdin=subprocess.DEVNULL, env=env)
 
 
-def _train_with(cluster, storage: Path, args: list[str]):
-    return subprocess.run([sys.executable, "-m", "raydiff.train", *args, "--set", f"run.storage={storage}"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, stdin=subprocess.DEVNULL,
-                          env=dict(os.environ, RAY_ADDRESS=cluster.address))
+def test_a_streamed_run_crosses_windows_and_epochs_and_resumes_in_its_own_layout(cluster, tmp_path):
+    """Streamed digits over many shuffle windows and an epoch boundary, in the shard-aware order; a driver killed
+    mid-epoch is continued with data.cache=auto (memory for 0.1 MB, were it a new run) and another buffer: the
+    run keeps the layout data.json recorded, and ends with the reference's weights and losses. A setting that
+    contradicts the layout is refused in one line, changing nothing."""
+    total = ["--set", f"train.total_steps={EPOCH_AND_MORE}"]
+    reference = _digits(cluster, tmp_path, "ref", *STREAMED, *total)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    layout = json.loads((tmp_path / "ref" / "data.json").read_text())["layout"]
+    assert layout["cache"] == "stream" and layout["window_shards"] == 2 and layout["shards"] >= 8
+    manifest = json.loads(next((tmp_path / ".raydiff-stream").glob("*/manifest.json")).read_text())
+    order = SampleOrder(1797, seed=0, shard_starts=np.cumsum([0, *manifest["shard_counts"]]), window_shards=2)
+    images = EPOCH_AND_MORE * 16
+    assert [_positions(tmp_path / "ref")[p] for p in range(images)] == order.take(0, images)[0].tolist()
+    windows, position = 0, 0
+    while position < images:
+        position, windows = order.next_window(order.window_shards_at(position)[0]), windows + 1
+    assert windows >= 6 and images > 1797  # several windows, and into the second epoch
 
-
-def test_a_continuing_run_keeps_the_layout_it_began_with(cluster, tmp_path):
-    """data.json records the resolved mode, shards and windows; `auto` then keeps them (here it would choose
-    memory for the digits), and a setting that contradicts them is refused in one line, changing nothing."""
-    stream = ["--set", "data.stream_buffer_gb=0.0001", "--set", "data.stream_window_shards=2"]
-    first = _digits(cluster, tmp_path, "--set", "data.cache=stream", *stream, "--set", "train.total_steps=20")
-    assert first.returncode == 0, first.stderr[-3000:]
-    layout = json.loads((tmp_path / "smoke" / "data.json").read_text())["layout"]
-    assert layout["cache"] == "stream" and layout["window_shards"] == 2 and layout["shards"] > 4
-
-    before = {p: p.read_bytes() for p in (tmp_path / "smoke").rglob("*") if p.is_file()}
+    killed = _digits(cluster, tmp_path, "killed", *STREAMED, *total, wait=False)
+    wait_for(lambda: (tmp_path / "killed" / "checkpoint_00000060" / "state.pt").exists(), what="a checkpoint")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    before = {p: p.read_bytes() for p in (tmp_path / "killed").rglob("*") if p.is_file()}
     for change, named in ((["--set", "data.cache=memory"], "data.cache = 'stream', now 'memory'"),
                           (["--set", "data.stream_window_shards=1"], "shuffle windows of 2 shards, now")):
-        refused = _digits(cluster, tmp_path, *change, "--set", "data.stream_buffer_gb=0.0001",
-                          "--set", "train.total_steps=40")
+        refused = _digits(cluster, tmp_path, "killed", *change, *total)
         assert refused.returncode == 2 and named in refused.stderr and "Traceback" not in refused.stderr, \
             refused.stderr[-2000:]
-    assert {p: p.read_bytes() for p in (tmp_path / "smoke").rglob("*") if p.is_file()} == before
+    assert {p: p.read_bytes() for p in (tmp_path / "killed").rglob("*") if p.is_file()} == before
 
-    # Continued with data.cache=auto (memory for 0.1 MB of digits, were it a new run) and another buffer.
-    more = _digits(cluster, tmp_path, "--set", "data.stream_buffer_gb=0.001", "--set", "train.total_steps=40")
-    assert more.returncode == 0, more.stderr[-3000:]
-    assert "data.cache auto: stream, as this run began (data.json)" in more.stdout
-    assert json.loads((tmp_path / "smoke" / "data.json").read_text())["layout"] == layout
+    rerun = _digits(cluster, tmp_path, "killed", "--set", "data.stream_buffer_gb=0.001", *total)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "data.cache auto: stream, as this run began (data.json)" in rerun.stdout
+    assert json.loads((tmp_path / "killed" / "data.json").read_text())["layout"] == layout
     assert len(list((tmp_path / ".raydiff-stream").glob("*/manifest.json"))) == 1  # the same shards, not new ones
-    order = SampleOrder(1797, seed=0, shard_starts=np.cumsum([0, *json.loads(next(
-        (tmp_path / ".raydiff-stream").glob("*/manifest.json")).read_text())["shard_counts"]]), window_shards=2)
-    positions = {}
-    for path in (tmp_path / "smoke" / "order").iterdir():
-        for record in map(json.loads, path.read_text().splitlines()):
-            start, end = record["positions"]
-            positions.update(zip(range(start, end), record["indices"]))
-    assert [positions[p] for p in range(40 * 16)] == order.take(0, 40 * 16)[0].tolist()
+    run = summary(tmp_path / "killed")
+    assert run["status"] == "finished" and run["resumed_from_step"] >= 60
+    assert_same_weights(final_state(tmp_path / "killed"), final_state(tmp_path / "ref"))
+    assert losses(tmp_path / "killed") == losses(tmp_path / "ref")
 
 
 def test_preparation_is_stoppable_exclusive_and_cleans_up_after_a_kill(cluster, tmp_path):
