@@ -18,7 +18,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, free_port, run_cli
+from conftest import free_port, run_cli
 
 pytestmark = pytest.mark.ray
 
@@ -56,7 +56,8 @@ def autoscaling_cluster(tmp_path):
     env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="token")
     head = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", "6379", "--num-cpus", "0",
-         f"--autoscaling-config={tmp_path / 'cluster.yaml'}", "--temp-dir", temp_dir, "--block", "--disable-usage-stats",
+         f"--autoscaling-config={tmp_path / 'cluster.yaml'}", "--temp-dir", temp_dir, "--block",
+         "--disable-usage-stats",
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()),
          "--dashboard-agent-listen-port", str(free_port())],
         stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -119,7 +119,8 @@ def test_memory_mode_that_does_not_fit_is_warned_about(small_cluster, big_data, 
 
 DIGITS = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
           "--set", "train.sample_every=0", "--set", "log.tensorboard=false", "--set", "debug.record_order=true"]
-STREAMED = ["--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001", "--set", "data.stream_window_shards=2"]
+STREAMED = ["--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001",
+            "--set", "data.stream_window_shards=2"]
 EPOCH_AND_MORE = 130  # steps: 2,080 images, past the digits' first epoch (1,797), in windows of 2 small shards
 
 
