@@ -31,7 +31,7 @@ def test_evaluate_matches_the_run_and_never_overwrites(smoke_run, ray_session, c
     in_run = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert one["digits_fd"] == pytest.approx(in_run["digits_fd"], rel=1e-9)
     assert one["digits_coverage"] == in_run["digits_coverage"]
-    assert one["reference_images"] == 1797 and one["features"] == "digits-classifier-v1"
+    assert one["reference_images"] == 1797 and one["features"] == "digits-classifier-v2"
 
 
 @pytest.mark.parametrize("args, fragment", [

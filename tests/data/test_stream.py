@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import ray
 
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.order import SampleOrder, rank_share
@@ -72,8 +74,46 @@ def test_shard_aware_order_is_a_per_epoch_permutation_in_windows():
     assert not np.array_equal(order.take(0, n)[0], order.take(n, n)[0])
 
 
+def _own_store_bytes() -> int:
+    """Bytes this node's object store must keep now: its primary copies, pinned for as long as anyone references
+    them, the workers' borrowed references included (the raylet's own count; objects nobody references are a
+    cache it evicts at will)."""
+    from ray._private.internal_api import node_stats
+
+    node = next(n for n in ray.nodes() if n["NodeID"] == ray.get_runtime_context().get_node_id())
+    stats = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
+    return stats.store_stats.object_store_bytes_primary_copy
+
+
+@ray.remote(num_cpus=0, resources={"stream-test-node": 1})
+def _two_workers_for_an_epoch(sharded, images: np.ndarray, group: str) -> dict:
+    """Two workers of one node (one worker group), each gathering its share of every step for a whole epoch, on a
+    node of their own: its object store holds only what they and their node cache hold."""
+    train = np.arange(len(images))
+    store_before, store_peak, mismatches = _own_store_bytes(), 0, 0
+    streams = []
+    for rank in range(2):
+        table, order, _, _ = open_tables(sharded, train, np.empty(0, np.int64), seed=3, group=group)
+        streams.append(BatchStream(table=table, order=order, global_batch=20, share=rank_share(20, 2, rank),
+                                   micro_batch=10, start_step=0, pin_memory=False, prefetch_steps=2))
+    memory = ImageTable([images])
+    expected_order = sharded.order(train, 3)
+    for _ in range(len(images) // 20):
+        store_peak = max(store_peak, _own_store_bytes() - store_before)
+        for stream in streams:
+            for batch in next(stream):
+                want, _ = expected_order.take(batch.position, len(batch))
+                same = np.array_equal(batch.indices, want) and np.array_equal(
+                    batch.images.numpy(), memory.gather(want, np.empty((len(want), *SHAPE), np.uint8)))
+                mismatches += not same
+    for stream in streams:
+        stream.close()
+    return {"mismatches": mismatches, "store_peak": store_peak,
+            "cache": ray.get(node_shards(sharded, group).stats.remote())}
+
+
 @pytest.mark.ray
-def test_workers_of_a_node_share_one_read_of_each_shard_per_epoch(ray_session, tmp_path):
+def test_workers_of_a_node_share_one_read_of_each_shard_per_epoch(cluster, ray_session, tmp_path):
     uri, images = _prepared(tmp_path)
     # A buffer of exactly 4 windows of 2 shards (2,880 bytes each): less than half the dataset, so the node drops
     # shards as the epoch goes on, and must still read each one only once.
@@ -81,29 +121,14 @@ def test_workers_of_a_node_share_one_read_of_each_shard_per_epoch(ray_session, t
     sharded = stream_images(_data(stream_buffer_gb=buffer_gb), open_source(uri), storage=str(tmp_path), endpoint=None)
     assert sharded.counts == (60,) * 16 + (40,) and sharded.window_shards == 2
     assert sharded.buffer_bytes < images.nbytes / 2
-    train = np.arange(len(images))
-    # Two workers of one node (one worker group): each gathers its share of every step for a whole epoch.
-    store_before = _plasma_bytes()
-    tables, streams = [], []
-    for rank in range(2):
-        table, order, _, _ = open_tables(sharded, train, np.empty(0, np.int64), seed=3, group=f"t-{tmp_path.name}")
-        tables.append(table)
-        streams.append(BatchStream(table=table, order=order, global_batch=20, share=rank_share(20, 2, rank),
-                                   micro_batch=10, start_step=0, pin_memory=False, prefetch_steps=2))
-    memory = ImageTable([images])
-    expected_order = sharded.order(train, 3)
-    store_peak = 0
-    for step in range(len(images) // 20):
-        store_peak = max(store_peak, _plasma_bytes() - store_before)  # what the object store holds, references too
-        for rank, stream in enumerate(streams):
-            for batch in next(stream):
-                want, _ = expected_order.take(batch.position, len(batch))
-                assert np.array_equal(batch.indices, want)
-                assert np.array_equal(batch.images.numpy(), memory.gather(want, np.empty((len(want), *SHAPE),
-                                                                                         np.uint8)))
-    for stream in streams:
-        stream.close()
-    stats = ray_session.get(node_shards(sharded, f"t-{tmp_path.name}").stats.remote())
+    node = cluster.add_node(num_cpus=0, resources={"stream-test-node": 1})
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker cannot import this test module
+    try:
+        result = ray_session.get(_two_workers_for_an_epoch.remote(sharded, images, f"t-{tmp_path.name}"))
+    finally:
+        cluster.remove_node(node)
+    assert result["mismatches"] == 0  # every batch: the expected samples of the shard-aware order, pixel for pixel
+    stats, expected_order = result["cache"], sharded.order(np.arange(len(images)), 3)
     # Every shard read once for both workers; a second time only for the next epoch's first windows, which the
     # loaders (a few steps ahead) and the node (READ_AHEAD_WINDOWS more) read before the streams were closed.
     ahead, position = set(), len(images)
@@ -114,22 +139,14 @@ def test_workers_of_a_node_share_one_read_of_each_shard_per_epoch(ray_session, t
     assert set(stats["reads"]) == set(range(17))
     assert all(count == 1 or (count == 2 and s in ahead) for s, count in stats["reads"].items()), stats["reads"]
     assert stats["peak_bytes"] <= sharded.buffer_bytes and stats["held_bytes"] <= sharded.buffer_bytes
-    # What the object store must keep (primary copies: every shard someone still references, the workers'
-    # included) stays within the buffer, plus one shard the node has dropped while a worker still releases it,
-    # plus Ray's framing of each object (a few hundred bytes; large next to these 2,880-byte shards only).
+    # What the object store must keep, measured at every step, stays within the buffer, plus one shard the node
+    # has dropped while a worker still releases it, plus Ray's framing of each object (a few hundred bytes; large
+    # next to these 2,880-byte shards only).
     shard_bytes = 60 * 48
     objects = sharded.buffer_bytes // shard_bytes + 1
-    assert 0 < store_peak <= sharded.buffer_bytes + shard_bytes + objects * 512, (store_peak, sharded.buffer_bytes)
-
-
-def _plasma_bytes() -> int:
-    """Bytes the session cluster's object store must keep now: its primary copies, pinned for as long as anyone
-    references them (the raylet's own count; unreferenced objects are a cache it evicts at will)."""
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-
-    from conftest import _cluster_address
-
-    return get_memory_info_reply(get_state_from_address(_cluster_address)).store_stats.object_store_bytes_primary_copy
+    store_peak = result["store_peak"]
+    assert sharded.buffer_bytes // 2 < store_peak <= sharded.buffer_bytes + shard_bytes + objects * 512, \
+        (store_peak, sharded.buffer_bytes)
 
 
 @pytest.mark.ray

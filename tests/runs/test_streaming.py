@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,21 @@ def _digits(cluster, storage: Path, name: str, *extra: str, wait: bool = True):
                             stdin=subprocess.DEVNULL, env=env)
 
 
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _quiet_files(folder: Path, quiet_s: float = 3.0) -> dict[Path, bytes]:
+    """`_files` once nothing has changed for `quiet_s`: Ray ends a killed driver's workers asynchronously."""
+    files, since = _files(folder), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        time.sleep(0.5)
+        now = _files(folder)
+        if now != files:
+            files, since = now, time.monotonic()
+    return files
+
+
 def test_a_streamed_run_crosses_windows_and_epochs_and_resumes_in_its_own_layout(cluster, tmp_path):
     """Streamed digits over many shuffle windows and an epoch boundary, in the shard-aware order; a driver killed
     mid-epoch is continued with data.cache=auto (memory for 0.1 MB, were it a new run) and another buffer: the
@@ -158,13 +174,13 @@ def test_a_streamed_run_crosses_windows_and_epochs_and_resumes_in_its_own_layout
     wait_for(lambda: (tmp_path / "killed" / "checkpoint_00000060" / "state.pt").exists(), what="a checkpoint")
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    before = {p: p.read_bytes() for p in (tmp_path / "killed").rglob("*") if p.is_file()}
+    before = _quiet_files(tmp_path / "killed")  # once the killed driver's workers have stopped writing
     for change, named in ((["--set", "data.cache=memory"], "data.cache = 'stream', now 'memory'"),
                           (["--set", "data.stream_window_shards=1"], "shuffle windows of 2 shards, now")):
         refused = _digits(cluster, tmp_path, "killed", *change, *total)
         assert refused.returncode == 2 and named in refused.stderr and "Traceback" not in refused.stderr, \
             refused.stderr[-2000:]
-    assert {p: p.read_bytes() for p in (tmp_path / "killed").rglob("*") if p.is_file()} == before
+    assert _files(tmp_path / "killed") == before
 
     rerun = _digits(cluster, tmp_path, "killed", "--set", "data.stream_buffer_gb=0.001", *total)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
