@@ -19,6 +19,7 @@ of the nodes the run trains on (`raydiff.nodes`), else stream.
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import json
@@ -167,21 +168,14 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
     else:
         mode, why = keep["cache"], f"data.cache {data.cache}: {keep['cache']}, as this run began (data.json)"
         if mode == "memory":
-            choose_cache(replace_cache(data, "memory"), source, use_gpu)  # warns if it no longer fits
+            forced = copy.copy(data)
+            forced.cache = "memory"
+            choose_cache(forced, source, use_gpu)  # warns if it no longer fits
     if mode == "stream":
         images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
                                buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
         return images, f"{why}; {images.describe()}"
     return load_data(data, source), why
-
-
-def replace_cache(data, cache: str):
-    """A copy of a config's `data` section with another `cache`."""
-    import copy
-
-    data = copy.copy(data)
-    data.cache = cache
-    return data
 
 
 def read_shard(filesystem: pafs.FileSystem, path: str, shape: tuple[int, int, int]) -> np.ndarray:

@@ -65,12 +65,25 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return np.stack([fit_array(p, RESOLUTION, 1) for p in pixels]), digits.target.astype(np.int64)
 
 
+def _split(seed: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
+    """(the generator, drawn on), the held-out fifth of the digits and the rest."""
+    generator = torch.Generator().manual_seed(seed)
+    split = torch.randperm(len(digits_arrays()[0]), generator=generator)
+    return generator, split[: len(split) // 5], split[len(split) // 5:]
+
+
+def held_out_accuracy(net: DigitsNet, seed: int = 0) -> float:
+    """The network's accuracy on the digits `train_classifier(seed=seed)` held out."""
+    images, labels = (torch.from_numpy(a) for a in digits_arrays())
+    _, held_out, _ = _split(seed)
+    with torch.no_grad():
+        return (net.eval()(images[held_out])[1].argmax(-1) == labels[held_out]).float().mean().item()
+
+
 def train_classifier(*, epochs: int = 30, seed: int = 0) -> tuple[DigitsNet, float]:
     """Train on 80% of the digits (random 1-pixel shifts), return the network and its accuracy on the rest."""
-    generator = torch.Generator().manual_seed(seed)
     images, labels = (torch.from_numpy(a) for a in digits_arrays())
-    split = torch.randperm(len(images), generator=generator)
-    held_out, train = split[: len(split) // 5], split[len(split) // 5:]
+    generator, _, train = _split(seed)
     torch.manual_seed(seed)
     net = DigitsNet()
     optimizer = torch.optim.Adam(net.parameters(), lr=2e-3)
@@ -83,10 +96,7 @@ def train_classifier(*, epochs: int = 30, seed: int = 0) -> tuple[DigitsNet, flo
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    net.eval()
-    with torch.no_grad():
-        accuracy = (net(images[held_out])[1].argmax(-1) == labels[held_out]).float().mean().item()
-    return net, accuracy
+    return net.eval(), held_out_accuracy(net, seed)
 
 
 def shipped_classifier() -> tuple[DigitsNet, float]:
@@ -107,11 +117,7 @@ def write_weights(path: Path = WEIGHTS_FILE) -> float:
         net, _ = train_classifier()
     state = {k: v.half() for k, v in net.state_dict().items()}
     net.load_state_dict({k: v.float() for k, v in state.items()})
-    generator = torch.Generator().manual_seed(0)
-    images, labels = (torch.from_numpy(a) for a in digits_arrays())
-    held_out = torch.randperm(len(images), generator=generator)[: len(images) // 5]  # train_classifier's split
-    with torch.no_grad():
-        accuracy = (net(images[held_out])[1].argmax(-1) == labels[held_out]).float().mean().item()
+    accuracy = held_out_accuracy(net)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)
     torch.save({"state": state, "accuracy": accuracy, "version": VERSION}, tmp)

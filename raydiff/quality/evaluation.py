@@ -1,9 +1,8 @@
 """Generating images and reducing them to feature statistics, on one process or spread over Ray tasks.
 
 Image i of an evaluation is a pure function of (seed, i): it has its own noise generator on the sampling device, as
-in EDM. Images are
-generated and measured in fixed chunks of `CHUNK_IMAGES` (the same batches whatever the number of workers),
-and the chunks' float64 sums are added in chunk order, so the result does not depend on the worker count.
+in EDM. Images are generated and measured in fixed chunks of `CHUNK_IMAGES` (the same batches whatever the number of
+workers), and the chunks' float64 sums are added in chunk order, so the result does not depend on the worker count.
 """
 
 from __future__ import annotations
