@@ -218,12 +218,12 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
         stop_flag = StopFlag.remote()
         lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
         with interrupt_on_signals():  # again: ray.init installs a SIGTERM handler of its own
-            return _train(cfg, run_dir, plan, source, init_weights, lease.holder, stop_flag, started,
+            return _train(cfg, run_dir, plan, source, identity, init_weights, lease.holder, stop_flag, started,
                           images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
-def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, driver: dict[str, Any], stop_flag,
-           started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
+def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[str, Any], init_weights,
+           driver: dict[str, Any], stop_flag, started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
     """run_training, once the run directory is held: decode, train, summarise."""
     invocation = driver["invocation"]
     # Decide for the nodes the run will train on: on an autoscaling cluster, the first of them may still be to come.
@@ -288,7 +288,7 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, init_weights, dr
     # What the run records beside its results: written by rank 0 once a checkpoint, if any, has been restored
     # (a start that the workers refuse changes nothing).
     records = {"config.yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False),
-               DATA_FILE: json.dumps({**source.identity(), "layout": images.layout()}, indent=2) + "\n",
+               DATA_FILE: json.dumps({**identity, "layout": images.layout()}, indent=2) + "\n",
                DRIVER_FILE: json.dumps({**driver, "requester": requester}, indent=2) + "\n"}
     if unusable:
         records[BAD_FILE] = json.dumps(images.bad_report(limit=None)["examples"], indent=1) + "\n"
