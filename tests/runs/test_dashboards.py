@@ -98,8 +98,9 @@ def test_tensorboard_on_an_object_store_uploads_at_flush(tmp_path, monkeypatch):
         dash.metrics(_row(step, loss=0.5))
     assert not (tmp_path / "run" / "tensorboard").exists()  # nothing uploaded per row
     dash.flush()  # uploads in the background
+    # The folder appears before the upload's file is renamed into place: wait for the file itself.
     deadline = time.time() + 10
-    while not (tmp_path / "run" / "tensorboard").exists() and time.time() < deadline:
+    while not list((tmp_path / "run" / "tensorboard").glob("events*")) and time.time() < deadline:
         time.sleep(0.05)
     assert [e.step for e in _read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")] == [10, 20]
     dash.metrics(_row(30, loss=0.5))
