@@ -21,7 +21,7 @@ from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, set_key
-from raydiff.config_checks import validate
+from raydiff.config.checks import validate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

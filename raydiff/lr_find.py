@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from raydiff.plots import plot_lr_find
-    from raydiff.training.lr import rule_lr
+    from raydiff.config.lr_rule import rule_lr
 
     args = parse_args(argv)
     cfg = load_config(args.config, args.set)

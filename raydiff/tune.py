@@ -36,8 +36,8 @@ import yaml
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, load_config, preset_names
-from raydiff.config_checks import validate
-from raydiff.training.lr import LR_RULES
+from raydiff.config.checks import validate
+from raydiff.config.lr_rule import LR_RULES
 
 REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them
 TRIAL_CPU = 0.01  # a trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs

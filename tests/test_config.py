@@ -195,7 +195,7 @@ def test_pyproject_declares_the_package_floors_raydiff_checks():
 
     from packaging.requirements import Requirement
 
-    from raydiff.config_checks import PACKAGE_FLOORS
+    from raydiff.config.checks import PACKAGE_FLOORS
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     declared = [Requirement(r) for group in extras.values() for r in group if not r.startswith("raydiff")]

@@ -116,7 +116,7 @@ def _chunks(steps: int) -> list[int]:
 def raydiff_run(cfg: Config, *, steps: int, storage: Path) -> dict[str, Any]:
     """raydiff's own training, one worker, `steps` warm-up steps then `steps` measured ones."""
     from raydiff.config import set_key
-    from raydiff.config_checks import validate
+    from raydiff.config.checks import validate
     from raydiff.training.driver import run_training
 
     for key, value in (("scaling.num_workers", 1), ("train.total_steps", 2 * steps),

@@ -72,7 +72,7 @@ def read_unet_weights(source: str, subfolder: str | None) -> dict[str, torch.Ten
 def load_init_weights(cfg: Config) -> dict[str, torch.Tensor]:
     """raydiff UNet weights for `model.init_from`, checked against the run's model first (ConfigError)."""
     where = f"model.init_from = {cfg.model.init_from!r}"
-    from raydiff.config_checks import HUB_ID
+    from raydiff.config.checks import HUB_ID
 
     if not Path(cfg.model.init_from).expanduser().exists() and not HUB_ID.fullmatch(cfg.model.init_from):
         raise ConfigError(f"{where}: no such folder, and not a Hugging Face hub id such as google/ddpm-cifar10-32")

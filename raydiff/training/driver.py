@@ -19,7 +19,7 @@ import yaml
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import Config, ConfigError
-from raydiff.config_checks import check_workers
+from raydiff.config.checks import check_workers
 from raydiff.data.ingest import ImageStore
 from raydiff.data.sources import DataError, source_of
 from raydiff.data.stream import ShardedImages, open_images
@@ -33,7 +33,7 @@ from raydiff.runs.rundir import RunDir, unwritable
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
 from raydiff.training.loop import train_worker
-from raydiff.training.lr import describe_lr
+from raydiff.config.lr_rule import describe_lr
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.stop import StopFlag, interrupt_on_signals, stop_on_signals
 from raydiff.training.validation import holdout_split

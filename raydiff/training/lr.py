@@ -1,52 +1,6 @@
-"""The learning rate: a scaling rule from the global batch, then linear warmup.
-
-The rule is applied once, from `train.global_batch`, when the config is loaded: the learning rate of a run
-does not depend on the world size, so elastic resizes never change it.
-
-    linear: lr = base_lr * g(batch) / g(base_batch), with g(b) = b up to the knee and
-            knee * sqrt(b / knee) beyond it (linear up to about 512, sublinear after: Goyal et al. 2017)
-    sqrt:   lr = base_lr * sqrt(batch / base_batch)
-    none:   lr = base_lr
-"""
+"""The learning rate over a run: linear warmup to the config's `train.lr` (derived by `raydiff.config.lr_rule`)."""
 
 from __future__ import annotations
-
-import math
-from typing import Literal
-
-LrRule = Literal["linear", "sqrt", "none"]
-LR_RULES: tuple[str, ...] = ("linear", "sqrt", "none")
-
-
-def scaled_lr(base_lr: float, batch: int, *, base_batch: int, rule: str, knee: int) -> float:
-    """The learning rate for a global batch of `batch` images under `rule`."""
-    if rule == "none":
-        return base_lr
-    if rule == "sqrt":
-        return base_lr * math.sqrt(batch / base_batch)
-    if rule == "linear":
-
-        def g(b: int) -> float:
-            return b if b <= knee else knee * math.sqrt(b / knee)
-
-        return base_lr * g(batch) / g(base_batch)
-    raise ValueError(f"unknown lr scaling rule {rule!r}; expected one of {', '.join(LR_RULES)}")
-
-
-def rule_lr(train) -> float:
-    """What the config's rule gives for its global batch (`train` is a config's `TrainSection`)."""
-    return scaled_lr(train.base_lr, train.global_batch, base_batch=train.base_batch, rule=train.lr_scaling,
-                     knee=train.lr_scaling_knee)
-
-
-def describe_lr(train) -> str:
-    """One line on where the run's learning rate comes from, for the start-up log."""
-    if math.isclose(train.lr, rule_lr(train), rel_tol=1e-12):
-        if train.lr_scaling == "none" or train.global_batch == train.base_batch:
-            return f"learning rate {train.lr:.3g}"
-        return (f"learning rate {train.lr:.3g} = base_lr {train.base_lr:.3g} at batch {train.base_batch}, scaled "
-                f"to batch {train.global_batch} by the {train.lr_scaling} rule (knee {train.lr_scaling_knee})")
-    return f"learning rate {train.lr:.3g} (train.lr set explicitly: train.lr_scaling not applied)"
 
 
 def lr_at(step: int, lr: float, warmup_steps: int) -> float:

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from raydiff.config import load_config
-from raydiff.training.lr import describe_lr, lr_at, scaled_lr
+from raydiff.config.lr_rule import describe_lr, scaled_lr
+from raydiff.training.lr import lr_at
 
 
 @pytest.mark.parametrize("rule, batch, expected", [

@@ -1,7 +1,9 @@
-"""Run configuration: typed sections with defaults, YAML presets, `key=value` overrides (validation: `config_checks`).
+"""The config schema: typed sections whose defaults are the built-in default run (DDPM on scikit-learn's digits),
+and the typed reading and writing of one `section.key`.
 
-Config flows one way: preset YAML + overrides -> `Config` (validated) -> driver -> workers.
-The dataclass defaults are the built-in default run (DDPM on scikit-learn's digits, ~5 min on 2 CPU cores).
+Why one module: a key's type, default and meaning live here once; `raydiff.config.load` reads YAML and overrides
+through `set_key`, `raydiff.config.checks` holds the rules between keys, and docs/configuration.md is generated
+from this file.
 """
 
 from __future__ import annotations
@@ -12,16 +14,11 @@ import math
 import re
 import types
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
-# A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
-PRESETS_DIR = next((p for p in (_PACKAGE_DIR.parent / "configs", _PACKAGE_DIR / "configs") if p.is_dir()),
-                   _PACKAGE_DIR.parent / "configs")
-
+from raydiff.config.lr_rule import rule_lr
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one line naming the key."""
@@ -195,8 +192,6 @@ class Config:
 
     def resolve(self) -> Config:
         """Fill in what is derived from other keys (the learning rate from the scaling rule); idempotent."""
-        from raydiff.training.lr import rule_lr
-
         if self.train.lr is None:
             self.train.lr = rule_lr(self.train)
         return self
@@ -210,13 +205,13 @@ class Config:
 
 
 # Reading and writing keys.
-def _fields(obj: Any) -> dict[str, Any]:
+def fields_of(obj: Any) -> dict[str, Any]:
     return get_type_hints(type(obj))
 
 
 def all_keys() -> list[str]:
     cfg = Config()
-    return [f"{s}.{k}" for s in _fields(cfg) for k in _fields(getattr(cfg, s))]
+    return [f"{s}.{k}" for s in fields_of(cfg) for k in fields_of(getattr(cfg, s))]
 
 
 def _describe(hint: Any) -> str:
@@ -286,12 +281,12 @@ def _coerce(value: Any, hint: Any) -> Any:
 
 def set_key(cfg: Config, key: str, value: Any) -> None:
     parts = key.split(".")
-    if len(parts) != 2 or parts[0] not in _fields(cfg) or parts[1] not in _fields(getattr(cfg, parts[0])):
+    if len(parts) != 2 or parts[0] not in fields_of(cfg) or parts[1] not in fields_of(getattr(cfg, parts[0])):
         close = difflib.get_close_matches(key, all_keys(), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else f"; known sections: {', '.join(_fields(cfg))}"
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; known sections: {', '.join(fields_of(cfg))}"
         raise ConfigError(f"unknown key '{key}'{hint}")
     section = getattr(cfg, parts[0])
-    hint = _fields(section)[parts[1]]
+    hint = fields_of(section)[parts[1]]
     try:
         setattr(section, parts[1], _coerce(value, hint))
     except ValueError:
@@ -307,58 +302,3 @@ def parse_override(text: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
-
-
-# Presets.
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-
-
-def resolve_config_path(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"--config {name_or_path}: no such file")
-        return path
-    preset = PRESETS_DIR / f"{name_or_path}.yaml"
-    if not preset.is_file():
-        raise ConfigError(f"--config {name_or_path}: not a file and not a preset; presets: {', '.join(preset_names())}")
-    return preset
-
-
-def load_config(name_or_path: str = "default", overrides: list[str] = (), *, check_source: bool = True) -> Config:
-    """Preset or YAML file, then `key=value` overrides, then validation. Raises ConfigError."""
-    path = resolve_config_path(name_or_path)
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(tree, dict) or not all(isinstance(v, (dict, type(None))) for v in tree.values()):
-        raise ConfigError(f"{path}: expected sections of key: value pairs (data:, model:, train:, ...)")
-    cfg = Config()
-    for section, values in tree.items():
-        if not isinstance(section, str) or section not in _fields(cfg):
-            raise ConfigError(f"{path}: unknown section '{section}'; known sections: {', '.join(_fields(cfg))}")
-        for key, value in (values or {}).items():
-            set_key(cfg, f"{section}.{key}", value)
-    for text in overrides:
-        set_key(cfg, *parse_override(text))
-    _resolve_paths(cfg)
-    from raydiff.config_checks import validate  # it needs this module's classes
-
-    validate(cfg, check_source=check_source)
-    return cfg.resolve()
-
-
-def _resolve_paths(cfg: Config) -> None:
-    """Workers run in another directory: make local paths absolute on the driver."""
-    if cfg.data.source and "://" not in cfg.data.source and not cfg.data.source.startswith("builtin:"):
-        cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
-    if "://" not in cfg.run.storage:
-        cfg.run.storage = str(Path(cfg.run.storage).expanduser().resolve())
-    if cfg.model.init_from and Path(cfg.model.init_from).expanduser().exists():  # else a hub id, kept as it is
-        cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().resolve())
-    for key in ("inception_weights", "ref"):
-        value = getattr(cfg.eval, key)
-        if value and "://" not in value:
-            setattr(cfg.eval, key, str(Path(value).expanduser().resolve()))

@@ -1,5 +1,5 @@
 """Validation of a config: every key's allowed values and the rules between keys, each a one-line `ConfigError`
-naming the key, its value and what is allowed. `raydiff.config.load_config` calls `validate`."""
+naming the key, its value and what is allowed. `raydiff.config.load` calls `validate`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from raydiff.config import Config, ConfigError
+from raydiff.config.schema import Config, ConfigError
 from raydiff.data.fs import SCHEMES
 
 BUILTIN_SOURCES = ("builtin:digits",)

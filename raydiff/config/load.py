@@ -1,0 +1,71 @@
+"""Loading a run's config: a preset or YAML file, then `key=value` overrides, then validation.
+
+Config flows one way: preset YAML + overrides -> `Config` (validated) -> driver -> workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from raydiff.config.checks import validate
+from raydiff.config.schema import Config, ConfigError, fields_of, parse_override, set_key
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+# A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
+PRESETS_DIR = next((p for p in (_PACKAGE_DIR.parent / "configs", _PACKAGE_DIR / "configs") if p.is_dir()),
+                   _PACKAGE_DIR.parent / "configs")
+
+
+# Presets.
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"--config {name_or_path}: no such file")
+        return path
+    preset = PRESETS_DIR / f"{name_or_path}.yaml"
+    if not preset.is_file():
+        raise ConfigError(f"--config {name_or_path}: not a file and not a preset; presets: {', '.join(preset_names())}")
+    return preset
+
+
+def load_config(name_or_path: str = "default", overrides: list[str] = (), *, check_source: bool = True) -> Config:
+    """Preset or YAML file, then `key=value` overrides, then validation. Raises ConfigError."""
+    path = resolve_config_path(name_or_path)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(tree, dict) or not all(isinstance(v, (dict, type(None))) for v in tree.values()):
+        raise ConfigError(f"{path}: expected sections of key: value pairs (data:, model:, train:, ...)")
+    cfg = Config()
+    for section, values in tree.items():
+        if not isinstance(section, str) or section not in fields_of(cfg):
+            raise ConfigError(f"{path}: unknown section '{section}'; known sections: {', '.join(fields_of(cfg))}")
+        for key, value in (values or {}).items():
+            set_key(cfg, f"{section}.{key}", value)
+    for text in overrides:
+        set_key(cfg, *parse_override(text))
+    _resolve_paths(cfg)
+    validate(cfg, check_source=check_source)
+    return cfg.resolve()
+
+
+def _resolve_paths(cfg: Config) -> None:
+    """Workers run in another directory: make local paths absolute on the driver."""
+    if cfg.data.source and "://" not in cfg.data.source and not cfg.data.source.startswith("builtin:"):
+        cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
+    if "://" not in cfg.run.storage:
+        cfg.run.storage = str(Path(cfg.run.storage).expanduser().resolve())
+    if cfg.model.init_from and Path(cfg.model.init_from).expanduser().exists():  # else a hub id, kept as it is
+        cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().resolve())
+    for key in ("inception_weights", "ref"):
+        value = getattr(cfg.eval, key)
+        if value and "://" not in value:
+            setattr(cfg.eval, key, str(Path(value).expanduser().resolve()))
