@@ -20,84 +20,174 @@ import yaml
 
 from raydiff.config.lr_rule import rule_lr
 
+
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one line naming the key."""
 
 
 @dataclass
 class DataSection:
-    source: str | None = "builtin:digits"  # folder or file, file:// / s3:// / gs:// URI, or builtin:digits
-    format: Literal["auto", "images", "parquet", "webdataset"] = "auto"  # auto: from the files' extensions
-    image_column: str = "image"  # Parquet: the column with encoded images or uint8 tensors
-    endpoint: str | None = None  # s3:// or gs:// endpoint URL (MinIO, ...); null: AWS_ENDPOINT_URL or the default
-    anonymous: bool = False  # read a public bucket without credentials
-    max_bad_fraction: float = 0.1  # stop before training when more of the source than this cannot be decoded
-    resolution: int = 16  # images are resized (short side) and center-cropped to this square size
-    channels: int = 1  # 1 = grayscale, 3 = RGB
-    flip: bool = False  # random horizontal flips (off for digits: a mirrored 3 is not a digit)
-    val_images: int = 0  # images held out of training for the validation loss (0 = none)
-    cache: Literal["auto", "memory", "stream"] = "auto"  # memory: every node holds the decoded dataset; stream:
-    # a window of prepared shards at a time; auto: memory if it takes at most half the smallest object store
-    stream_buffer_gb: float = 4.0  # stream: the most a node holds (capped at half its object store)
-    stream_window_shards: int = 8  # stream: shards shuffled together (the shuffle's reach; see README)
+    """The training images: where they are read from, how they are decoded, and where the decoded images live
+    while training."""
+
+    source: str | None = "builtin:digits"
+    """Where the training images are: a folder or file of images, Parquet or WebDataset shards, or a folder written
+    by `raydiff.prepare`, as a local path or a `file://`, `s3://` or `gs://` URI; or `builtin:digits`."""
+    format: Literal["auto", "images", "parquet", "webdataset"] = "auto"
+    """What kind of files `data.source` holds; `auto` tells from the files' extensions (a prepared folder is
+    recognised by its manifest whatever this says)."""
+    image_column: str = "image"
+    """Parquet: the column holding the images, encoded (bytes, or Hugging Face's `{bytes, path}`) or as uint8
+    tensors."""
+    endpoint: str | None = None
+    """The S3 or GCS endpoint URL for `data.source` (MinIO, Ceph, a local test server); null: `AWS_ENDPOINT_URL` or
+    the provider's default."""
+    anonymous: bool = False
+    """Read a public bucket without credentials."""
+    max_bad_fraction: float = 0.1
+    """Stop before training when more than this share of the source's samples cannot be decoded (the others are
+    skipped and listed in `bad_images.json`)."""
+    resolution: int = 16
+    """Images are scaled to cover this square size (antialiased bicubic) and center-cropped to it."""
+    channels: int = 1
+    """1 trains on grayscale images, 3 on RGB."""
+    flip: bool = False
+    """Random horizontal flips, per sample and epoch and reproducible (off for digits: a mirrored 3 is not a
+    digit)."""
+    val_images: int = 0
+    """Images held out of training (a fixed, seeded subset) for the validation loss; 0 = none."""
+    cache: Literal["auto", "memory", "stream"] = "auto"
+    """Where the decoded images live: `memory` (every node holds the whole decoded dataset), `stream` (prepared
+    shards, a window at a time), or `auto` (memory if it takes at most half the smallest node's object store)."""
+    stream_buffer_gb: float = 4.0
+    """Stream mode: the most shard data one node's cache holds, in GB (capped at half its object store)."""
+    stream_window_shards: int = 8
+    """Stream mode: how many shards' samples are shuffled together (the shuffle's reach); the buffer must hold four
+    windows."""
 
 
 @dataclass
 class ModelSection:
+    """The UNet (Ho et al.'s DDPM architecture) and the weights a new run starts from."""
+
     base_channels: int = 32
+    """The UNet's width at its first level (DDPM's CIFAR-10 model: 128)."""
     channel_mult: tuple[int, ...] = (1, 2, 2)
+    """Per-level width multipliers of `model.base_channels`; each level after the first halves the resolution."""
     num_res_blocks: int = 1
+    """Residual blocks per level."""
     attention_resolutions: tuple[int, ...] = (8,)
+    """The feature-map sizes (of the model's levels) that get a self-attention block."""
     dropout: float = 0.0
+    """Dropout probability in the residual blocks."""
     norm_groups: int = 16
-    norm_eps: float = 1e-6  # GroupNorm epsilon (Ho et al.'s reference: 1e-6; torch's default is 1e-5)
-    # A new run starts from these weights: a diffusers pipeline or UNet2DModel folder, or a hub id (needs diffusers)
+    """GroupNorm groups; must divide every channel count (`base_channels` times each multiplier)."""
+    norm_eps: float = 1e-6
+    """GroupNorm epsilon (Ho et al.'s reference code uses 1e-6; torch's default is 1e-5)."""
     init_from: str | None = None
+    """A new run starts from these weights: a diffusers pipeline or `UNet2DModel` folder, or a Hugging Face hub id
+    such as `google/ddpm-cifar10-32` (needs diffusers); null: random initialisation."""
 
 
 @dataclass
 class DiffusionSection:
+    """The forward (noising) process and what the network learns to predict."""
+
     timesteps: int = 1000
+    """The number of diffusion steps T (2 to 100000; at least 21 with the linear schedule, whose largest beta is
+    20/T)."""
     schedule: Literal["linear", "cosine"] = "linear"
+    """The noise schedule: `linear` (Ho et al.) or `cosine` (Nichol & Dhariwal)."""
     prediction: Literal["eps", "v", "x0"] = "eps"
+    """What the network predicts: the noise (`eps`), the velocity (`v`) or the clean image (`x0`)."""
 
 
 @dataclass
 class TrainSection:
-    global_batch: int = 64  # images per optimizer step, summed over all workers
-    micro_batch: Literal["auto"] | int | None = None  # per worker per forward pass; null = whole share
-    lr: float | None = None  # null: base_lr scaled from base_batch to global_batch by lr_scaling
-    base_lr: float = 2e-3  # the learning rate at base_batch
+    """The optimisation: batch, learning rate, precision, EMA, and how often the run checkpoints, samples and
+    logs."""
+
+    global_batch: int = 64
+    """Images per optimizer step, summed over all workers; it stays the same whatever the number of workers."""
+    micro_batch: Literal["auto"] | int | None = None
+    """Images per worker per forward pass (gradients accumulate up to the worker's share); null = the whole share
+    in one pass; `auto` = the largest that fits the GPU, measured."""
+    lr: float | None = None
+    """The AdamW learning rate after warmup; null: `train.base_lr` scaled from `train.base_batch` to
+    `train.global_batch` by `train.lr_scaling`."""
+    base_lr: float = 2e-3
+    """The learning rate that suits a global batch of `train.base_batch` (the starting point of the scaling
+    rule)."""
     base_batch: int = 64
+    """The global batch at which `train.base_lr` applies."""
     lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
-    lr_scaling_knee: int = 512  # linear scaling turns into sqrt scaling above this global batch
+    """How the learning rate follows the global batch: `linear` (up to `train.lr_scaling_knee`, with the square
+    root beyond), `sqrt`, or `none`."""
+    lr_scaling_knee: int = 512
+    """The global batch above which linear scaling turns into square-root scaling."""
     warmup_steps: int = 100
+    """Optimizer steps over which the learning rate rises linearly to `train.lr`, where it then stays."""
     total_steps: int = 1400
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    """Optimizer steps in the run."""
+    grad_clip: float = 1.0
+    """The largest global gradient norm (measured after unscaling); larger gradients are scaled down to it; 0
+    disables clipping."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    compile: Literal["auto"] | bool | str = "auto"  # torch.compile: auto (on GPUs), true, false, or a backend name
-    channels_last: Literal["auto"] | bool = "auto"  # NHWC activations; auto = off (see README "Performance")
-    grad_compression: Literal["none", "bf16"] = "none"  # DDP all-reduces gradients in bf16: half the network bytes
+    """Training precision: `auto` (bf16 autocast on GPUs that support it, else fp32), `fp32`, `bf16`, or `fp16`
+    (with a gradient scaler)."""
+    compile: Literal["auto"] | bool | str = "auto"
+    """`torch.compile` the model: `auto` (on GPUs, falling back to eager if compilation fails there), `true`,
+    `false`, or the name of a torch.compile backend."""
+    channels_last: Literal["auto"] | bool = "auto"
+    """NHWC (channels-last) activations and weights; `auto` means off, as it has not been measured faster for this
+    UNet (see README "Performance")."""
+    grad_compression: Literal["none", "bf16"] = "none"
+    """`bf16`: DDP all-reduces the gradients in bf16, half the bytes on links between nodes; `none` averages them in
+    fp32."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     ema_decay: float = 0.995
-    ema_warmup_steps: int = 100  # the EMA window grows linearly from 1 step to 1/(1-ema_decay) steps
+    """Decay per optimizer step of the exponential moving average of the weights, which samples and exports use
+    (DDPM's CIFAR-10 model: 0.9999)."""
+    ema_warmup_steps: int = 100
+    """The EMA's window grows linearly from 1 step to 1/(1 - `train.ema_decay`) steps over this many steps."""
     checkpoint_every: int = 100
-    sample_every: int = 700  # 0 = only at the end
+    """Optimizer steps between checkpoints (the run also checkpoints at its end)."""
+    sample_every: int = 700
+    """Optimizer steps between sample grids written to the run directory; 0 = only at the end."""
     sample_num: int = 64
-    sample_steps: int = 50  # DDIM steps for in-training sample grids
+    """Images in each sample grid."""
+    sample_steps: int = 50
+    """DDIM sampling steps for the sample grids."""
     log_every: int = 50
-    val_every: int = 0  # steps between validation losses (with data.val_images > 0); 0 = only at the end
+    """Optimizer steps between rows of `metrics.jsonl` and progress lines."""
+    val_every: int = 0
+    """Optimizer steps between validation losses (`val_loss`; needs `data.val_images` > 0); 0 = only at the
+    end."""
     seed: int = 0
-    max_bad_steps: int = 25  # consecutive non-finite steps before rolling back once, then stopping
+    """Fixes the initial weights, the sample order, flips, noise and the sample grids."""
+    max_bad_steps: int = 25
+    """Consecutive non-finite steps after which the run rolls back to its last good checkpoint (once), then
+    stops with a diagnostic."""
 
 
 @dataclass
 class ScalingSection:
-    num_workers: Literal["auto"] | int | tuple[int, ...] = 2  # an int, [min, max] (elastic), or auto (every GPU)
+    """How many Ray Train workers the run has, on which devices, and how it waits for them."""
+
+    num_workers: Literal["auto"] | int | tuple[int, ...] = 2
+    """Ray Train workers: a number, `[min, max]` for elastic training, or `auto` (one per GPU in the cluster, or one
+    CPU worker with every CPU where there are no GPUs)."""
     use_gpu: Literal["auto"] | bool = "auto"
-    cpus_per_worker: float | None = None  # null = share the node's CPUs among the workers
-    resize_check_s: float = 60.0  # elastic: how often Ray Train looks for room to grow
-    node_wait_s: float = 900.0  # a cluster with no node that can run a worker yet: wait this long for the first
+    """Train on GPUs: `auto` (if the cluster has any), `true` (wait for GPU nodes where there are none yet), or
+    `false`."""
+    cpus_per_worker: float | None = None
+    """CPUs reserved for each worker; null: 1 per GPU worker, while CPU workers share the cluster's CPUs."""
+    resize_check_s: float = 60.0
+    """Elastic training: seconds between Ray Train's checks for room to add workers."""
+    node_wait_s: float = 900.0
+    """Seconds to wait for the first node that can run a worker, on a cluster that has none yet (a head without
+    workers, whose worker nodes the autoscaler adds)."""
 
     @property
     def elastic(self) -> bool:
@@ -115,51 +205,90 @@ class ScalingSection:
 
 @dataclass
 class RunSection:
+    """The run directory: its name and storage, continuing a run, and recovering from failures."""
+
     name: str = "default"
-    storage: str = "runs"  # parent of the run directory <storage>/<name>: a folder (NFS on clusters), s3:// or gs://
-    endpoint: str | None = None  # run.storage's S3/GCS endpoint URL; null: AWS_ENDPOINT_URL or the default
-    max_failures: int = 3  # worker-group restarts allowed; -1 = unlimited
+    """The run directory's name under `run.storage`; starting a run of the same name again continues it."""
+    storage: str = "runs"
+    """The parent of the run directory `<storage>/<name>`: a local folder, an NFS path mounted on every node, or an
+    `s3://` or `gs://` URI."""
+    endpoint: str | None = None
+    """The S3 or GCS endpoint URL for `run.storage` (MinIO, a test server); null: `AWS_ENDPOINT_URL` or the
+    provider's default."""
+    max_failures: int = 3
+    """Restarts of the worker group from the latest checkpoint before the run gives up; -1 = unlimited."""
     keep_checkpoints: int = 3
-    resume: bool = True  # false: move an existing run of this name aside and start over
-    lease_stale_s: float = 60.0  # s3:// or gs:// storage: a run's lease not renewed this long is taken over
+    """How many of the newest checkpoints to keep."""
+    resume: bool = True
+    """Continue an existing run of this name; false moves it aside (to `<name>.replaced-<time>`, nothing deleted)
+    and starts over."""
+    lease_stale_s: float = 60.0
+    """`s3://` or `gs://` storage: seconds after which a run's lease that was not renewed is taken to belong to a
+    driver that is gone, and is taken over."""
 
 
 @dataclass
 class EvalSection:
     """Sample quality during and after training (see README "Measuring quality")."""
 
-    every: int = 0  # steps between evaluations in the run; 0 = none during the run
-    at_end: bool = False  # evaluate once more when the run finishes (the default and digits presets do)
-    num: int = 500  # images generated per evaluation (the DDPM paper's FID uses 50,000)
+    every: int = 0
+    """Optimizer steps between sample-quality evaluations during the run; 0 = none during the run."""
+    at_end: bool = False
+    """Evaluate once more when the run finishes (the `default` and `digits` presets do)."""
+    num: int = 500
+    """Images generated per evaluation (the DDPM paper's FID uses 50,000)."""
     sampler: Literal["ddim", "ddpm"] = "ddim"
-    steps: int = 50  # sampling steps
-    metrics: tuple[str, ...] = ("fid",)  # fid and/or kid
-    features: Literal["auto", "inception", "digits"] = "auto"  # auto: digits for builtin:digits, else inception
-    inception_weights: str | None = None  # a local copy of the Inception-v3 (2015-12-05) weights; null: download
-    ref: str | None = None  # reference: null = the run's data.source; an .npz with mu/sigma; or a folder of images
-    seed: int = 0  # image i of an evaluation is a pure function of (seed, i)
+    """The sampler that generates the evaluated images."""
+    steps: int = 50
+    """Sampling steps per generated image."""
+    metrics: tuple[str, ...] = ("fid",)
+    """The metrics to compute: `fid` and/or `kid`."""
+    features: Literal["auto", "inception", "digits"] = "auto"
+    """The feature network: `inception` (FID proper), `digits` (the built-in digits' classifier), or `auto` (digits
+    for `builtin:digits`, else inception)."""
+    inception_weights: str | None = None
+    """A local copy of the Inception-v3 (2015-12-05) weights, for machines without internet; null: download them
+    once into torch's hub cache."""
+    ref: str | None = None
+    """The reference the images are compared with: null = the run's `data.source` (its statistics cached), an
+    `.npz` file with `mu` and `sigma`, or a folder of images."""
+    seed: int = 0
+    """Seeds the generated images: image i of an evaluation is a pure function of (seed, i)."""
 
 
 @dataclass
 class LogSection:
     """Dashboards beside metrics.jsonl (rank 0 writes them). Credentials come from the environment only."""
 
-    tensorboard: bool = True  # <run>/tensorboard/: every metrics row, the sample grids, the config
-    mlflow_uri: str | None = None  # MLflow tracking URI (http://host:5000, sqlite:///mlflow.db, ...); null = off
+    tensorboard: bool = True
+    """Write TensorBoard event files to `<run>/tensorboard/`: every metrics row, the sample grids and the
+    config."""
+    mlflow_uri: str | None = None
+    """The MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`, ...) to log to (needs
+    `raydiff[mlflow]`); null = off."""
     mlflow_experiment: str = "raydiff"
-    wandb_project: str | None = None  # Weights & Biases project; null = off (WANDB_MODE=offline is honoured)
+    """The MLflow experiment the run is logged under."""
+    wandb_project: str | None = None
+    """The Weights & Biases project to log to (needs `raydiff[wandb]`; `WANDB_MODE=offline` is honoured); null =
+    off."""
     wandb_entity: str | None = None
+    """The Weights & Biases entity (user or team) that owns the project; null: the account's default."""
 
 
 @dataclass
 class DebugSection:
     """Fault injection and audit trails, for testing raydiff itself."""
 
-    nan_at_steps: tuple[int, ...] = ()  # make the loss non-finite at these optimizer steps (1-based), once each
-    nan_at_samples: tuple[int, ...] = ()  # make the loss non-finite whenever these sample indices are trained
-    preemption_from_step: int = 0  # act as if a preemption notice arrived at this step and stays (0 = never)
-    record_order: bool = False  # each worker logs the sample indices it trained on to <run>/order/
-    step_delay_s: float = 0.0  # sleep this long every step: slows a tiny test run to the pace of cluster events
+    nan_at_steps: tuple[int, ...] = ()
+    """Make the loss non-finite at these optimizer steps (counted from 1), once each."""
+    nan_at_samples: tuple[int, ...] = ()
+    """Make the loss non-finite whenever one of these sample indices is trained (a poisoned image)."""
+    preemption_from_step: int = 0
+    """Act as if a preemption notice arrived at this step and stays; 0 = never."""
+    record_order: bool = False
+    """Each worker logs the sample indices it trained on to `<run>/order/` (needs a local `run.storage`)."""
+    step_delay_s: float = 0.0
+    """Sleep this many seconds every step (at most 60): slows a tiny test run to the pace of cluster events."""
 
 
 @dataclass

@@ -1,0 +1,123 @@
+"""The configuration reference page, docs/configuration.md, generated from the config schema.
+
+Why it exists: a key's meaning is written in one place only, the attribute docstring under its field in
+`raydiff.config.schema`, beside its type and default. This module turns the schema into the manual's reference
+page, so the page cannot drift from the code; tests/config/test_reference.py checks that the committed page is
+what this module prints. Regenerate the page after changing the schema:
+
+    python -m raydiff.config.reference > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import sys
+import textwrap
+from typing import Any
+
+import yaml
+
+from raydiff.config.schema import Config, _describe, fields_of
+
+COMMAND = "python -m raydiff.config.reference > docs/configuration.md"
+# `docs/<page>.md#<anchor>` in a docstring: a relative link on the page, which lives in docs/ itself.
+_DOC_REFERENCE = re.compile(r"\bdocs/([\w.-]+\.md(?:#[\w-]+)?)")
+
+INTRO = f"""\
+# Configuration reference
+
+<!-- Generated from raydiff/config/schema.py by `{COMMAND}`: edit the docstrings there, not this page. -->
+
+A run is configured by the keys below, each named `section.key`. Every key starts at the default listed here
+(together they make the built-in default run, DDPM on scikit-learn's digits); then, in this order:
+
+- a YAML file sets keys section by section: a preset from `configs/` (`python -m raydiff.train --config digits`)
+  or a file of your own (`--config FILE`, e.g. `--config my-run.yaml`). Without `--config` the `default` preset
+  is used. Presets set some keys differently from the defaults; the keys a file does not name keep them.
+- `--set section.key=value` overrides one key (repeatable); the value is read as YAML, e.g.
+  `--set train.lr=1e-4 --set model.channel_mult=[1,2,2] --set eval.ref=null`.
+
+A key that does not exist, a value of the wrong type, or a value that breaks a rule between keys is reported in
+one line naming the key, before anything runs. `python -m raydiff.train [--config ...] [--set ...] --dry-run`
+prints the config a run would use.
+
+This page is generated from the schema, `raydiff/config/schema.py`, where each key's meaning is the docstring
+under its field: `{COMMAND}`.
+"""
+
+
+class MissingDocstring(ValueError):
+    """A config key without an attribute docstring: the reference page would have no meaning for it."""
+
+
+def class_docstrings(cls: type) -> tuple[str | None, dict[str, str]]:
+    """The class's own docstring (not the signature that `dataclass` makes up when it has none) and each field's
+    attribute docstring: the string literal right after the field's annotated assignment, read from the source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    docs: dict[str, str] = {}
+    for stmt, after in zip(node.body, [*node.body[1:], None]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return ast.get_docstring(node), docs
+
+
+def yaml_value(value: Any) -> str:
+    """`value` as a YAML file would write it: null, true, [1, 2, 2], 0.002."""
+    if isinstance(value, tuple):
+        value = list(value)
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000)
+    return text.removesuffix("\n...\n").strip()
+
+
+def _cell(text: str) -> str:
+    """One table cell: a single line, with the `|` that would end the cell escaped."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _links(text: str) -> str:
+    """`docs/<page>.md#<anchor>` references made into links relative to docs/, where the page is."""
+    return _DOC_REFERENCE.sub(lambda m: f"[{m.group(1)}]({m.group(1)})", text)
+
+
+def sections(config: Config | None = None) -> list[tuple[str, Any]]:
+    """(section name, section dataclass instance) in the order of `Config`'s fields."""
+    config = config or Config()
+    return [(name, getattr(config, name)) for name in fields_of(config)]
+
+
+def render(config: Config | None = None) -> str:
+    """The whole page. Raises MissingDocstring when a key has no attribute docstring."""
+    config = config or Config()
+    missing, parts = [], [INTRO]
+    for name, section in sections(config):
+        cls = type(section)
+        about, docs = class_docstrings(cls)
+        parts.append(f"\n## {name}\n")
+        if about:
+            parts.append(f"\n{_links(' '.join(about.split()))}\n")
+        parts.append("\n| key | type | default | meaning |\n|---|---|---|---|\n")
+        defaults = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls)}
+        for key, hint in fields_of(section).items():
+            if key not in docs:
+                missing.append(f"{name}.{key} ({cls.__name__} in {inspect.getsourcefile(cls)})")
+                continue
+            parts.append(f"| `{name}.{key}` | {_cell(_describe(hint))} | `{_cell(yaml_value(defaults[key]))}` | "
+                         f"{_links(_cell(docs[key]))} |\n")
+    if missing:
+        raise MissingDocstring(f"config keys without a docstring: {', '.join(missing)}; write one under each "
+                               f"field (a string literal on the line after it), then run {COMMAND}")
+    return "".join(parts)
+
+
+def main() -> int:
+    sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
