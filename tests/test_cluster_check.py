@@ -37,15 +37,15 @@ IN_RAY_IMAGES = {"ray", "numpy", "pyarrow", "pyyaml", "packaging", "jsonschema"}
 
 
 def test_job_dependency_lists_match_pyproject():
-    """The RayJob and the README's job commands list by hand what Ray's images lack: every other dependency of
-    pyproject.toml (a job imports them all: TensorBoard and the digits' distance are on by default), with the
-    same bounds."""
+    """The RayJob and the documented job commands (README.md and docs/, where docs/clusters.md has them) list by
+    hand what Ray's images lack: every other dependency of pyproject.toml (a job imports them all: TensorBoard
+    and the digits' distance are on by default), with the same bounds."""
     tomllib = pytest.importorskip("tomllib")
     declared = {r.name: r.specifier for r in map(Requirement, tomllib.loads(
         (ROOT / "pyproject.toml").read_text())["project"]["dependencies"])}
     job = next(d for d in yaml.safe_load_all((ROOT / "cluster" / "kuberay" / "rayjob.yaml").read_text())
                if d["kind"] == "RayJob")
-    readme = (ROOT / "README.md").read_text()
+    readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     lists = {"rayjob.yaml": yaml.safe_load(job["spec"]["runtimeEnvYAML"])["pip"],
              **{f"README runtime env {i}": json.loads(found)["pip"]
                 for i, found in enumerate(re.findall(r"--runtime-env-json '(\{\"pip\": \[\".*?\})'", readme))},
@@ -64,7 +64,7 @@ def test_cluster_presets_dry_run(preset, capsys):
     assert "# model parameters: 35,746,307" in capsys.readouterr().out
     cfg = config.load_config(preset, check_source=False)
     assert cfg.scaling.num_workers == (2, 8) and cfg.scaling.use_gpu is True
-    assert cfg.train.grad_compression == "bf16"  # multi-node links: half the gradient bytes (README: Performance)
+    assert cfg.train.grad_compression == "bf16"  # half the gradient bytes on node links (docs/training.md, Performance)
 
 
 def _refused(capsys, *paths: Path) -> str:
