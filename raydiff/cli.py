@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from raydiff.config import ConfigError
 from raydiff.data.sources import DataError
-from raydiff.nodes import NoWorkerNode
+from raydiff.cluster.nodes import NoWorkerNode
 from raydiff.quality.features import QualityError
 from raydiff.runs.rundir import RunInUse
 from raydiff.runs.state import Unresumable

@@ -72,7 +72,7 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     from raydiff.quality.evaluation import SampleJob, parallel_stats, scores
     from raydiff.quality.features import features_for
     from raydiff.quality.reference import reference_for
-    from raydiff.training.driver import init_ray
+    from raydiff.cluster.start import init_ray
 
     e, d = cfg.eval, cfg.data
     features = features or features_for(e.features, d.source, e.inception_weights)

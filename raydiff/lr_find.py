@@ -59,7 +59,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
     from raydiff.sample import resolve_device
-    from raydiff.training.driver import init_ray
+    from raydiff.cluster.start import init_ray
     from raydiff.training.step import StepInputs, make_optimizer, optimizer_step, resolve_precision
     from raydiff.training.validation import holdout_split
 

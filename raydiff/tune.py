@@ -194,9 +194,10 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from raydiff.nodes import wait_for_worker_node
+    from raydiff.cluster.nodes import wait_for_worker_node
     from raydiff.runs.rundir import unwritable
-    from raydiff.training.driver import init_ray, with_held_out
+    from raydiff.cluster.start import init_ray
+    from raydiff.training.driver import with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
 
     sweep_dir = Path(cfg.run.storage) / sweep.name

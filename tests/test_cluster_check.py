@@ -137,7 +137,7 @@ def _presets_with(tmp_path: Path, monkeypatch, name: str, change: Callable[[dict
     tree = yaml.safe_load((config.PRESETS_DIR / f"{name}.yaml").read_text())
     change(tree)
     (presets / f"{name}.yaml").write_text(yaml.safe_dump(tree))
-    monkeypatch.setattr(config, "PRESETS_DIR", presets)
+    monkeypatch.setattr(config.load, "PRESETS_DIR", presets)  # where loading reads it
 
 
 def test_launcher_refuses_local_run_storage(tmp_path, monkeypatch, capsys):

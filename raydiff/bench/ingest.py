@@ -151,7 +151,7 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
 
     from raydiff.data.datasets import write_synthetic
     from raydiff.data.sources import open_source
-    from raydiff.prepare import write_prepared
+    from raydiff.data.shards import write_prepared
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpus = os.cpu_count() or 1

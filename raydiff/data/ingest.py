@@ -21,22 +21,14 @@ import pyarrow.parquet as pq
 import ray
 
 from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
-from raydiff.data.sources import DataError, Source, source_of
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.shards import check_prepared
+from raydiff.data.sources import Source, source_of
 
 CHUNK_BYTES = 64 * 1024 * 1024  # object-store chunk size: few chunks, cheap gathers
 DECODE_BATCH = 256
 WEBDATASET_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp")
 _SEP = "\x1f"  # between where a bad sample came from and why it is bad, in the error column
-
-
-@dataclass(frozen=True)
-class BadSample:
-    index: int  # sample index (blank row in the store, never trained on)
-    where: str  # file (and row or key) it came from
-    reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "where": self.where, "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -160,16 +152,6 @@ def _errors_of(errors: np.ndarray) -> tuple[int, list[tuple[int, str]]]:
     return len(errors), [(i, str(e)) for i, e in enumerate(errors) if e]
 
 
-def check_prepared(source: Source, resolution: int, channels: int) -> None:
-    """A prepared source must have been made at the run's resolution and channels."""
-    if source.kind == "prepared":
-        made = (source.manifest["resolution"], source.manifest["channels"])
-        if made != (resolution, channels):
-            raise DataError(f"data.source = {source.uri!r} was prepared at {made[0]}px with {made[1]} channel(s), but "
-                            f"data.resolution = {resolution} and data.channels = {channels}: set those, or prepare "
-                            f"the raw source again")
-
-
 def decode_stream(source: Source, *, resolution: int, channels: int, image_column: str = "image"):
     """Decode `source` with Ray Data, streaming: yield (uint8 (n, C, R, R) usable images, [BadSample]) in sample
     order, never holding more than Ray Data's bounded window (for `raydiff.prepare` and data.cache=stream)."""
@@ -207,17 +189,6 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
         raise DataError(f"data.source = {source.uri!r}: no samples found in {source.describe()}")
     return ImageStore(chunks=tuple(c for c, _ in keep), counts=tuple(n for _, n in keep),
                       shape=(channels, resolution, resolution), source=source.uri, bad=tuple(bad))
-
-
-def check_bad_fraction(store: ImageStore, max_bad_fraction: float) -> None:
-    """Stop before training when too much of the source is unusable (the first few reasons say why)."""
-    if not store.bad:
-        return
-    fraction = len(store.bad) / store.num_images
-    if fraction > max_bad_fraction:
-        examples = "; ".join(f"{b.where}: {b.reason}" for b in store.bad[:3])
-        raise DataError(f"{len(store.bad)} of {store.num_images} samples in {store.source} cannot be used "
-                        f"({fraction:.1%} > data.max_bad_fraction = {max_bad_fraction:g}), e.g. {examples}")
 
 
 def load_data(data, source: Source | None = None) -> ImageStore:

@@ -9,25 +9,20 @@ file://, s3:// or gs:// URI. Files are sorted, so that sample i is the same imag
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
+from raydiff.data.errors import DataError
 from raydiff.data.fs import filesystem_for, is_remote
+from raydiff.data.shards import read_manifest
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 KIND_EXTENSIONS = {"images": IMAGE_EXTENSIONS, "parquet": (".parquet",), "webdataset": (".tar",)}
-MANIFEST = "manifest.json"
-PREPARED_FORMAT = "raydiff-prepared"
 
 Kind = Literal["images", "parquet", "webdataset", "prepared"]
-
-
-class DataError(ValueError):
-    """The data source cannot be used (missing, empty, too many bad images); one line for the user."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +112,7 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: str) -> Sour
         if info.type == pafs.FileType.File:
             found = [info]
         else:
-            manifest = _read_manifest(filesystem, path)
+            manifest = read_manifest(filesystem, path)
             if manifest is not None:
                 return _prepared(uri, path, filesystem, manifest)
             found = [f for f in filesystem.get_file_info(pafs.FileSelector(path, recursive=True))
@@ -146,15 +141,6 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: str) -> Sour
                         f"{'' if is_remote(uri) else ', recursively'})")
     return Source(uri=uri, kind=chosen, filesystem=filesystem, files=tuple(f.path for f in files),
                   sizes=tuple(int(f.size) for f in files))
-
-
-def _read_manifest(filesystem: pafs.FileSystem, folder: str) -> dict[str, Any] | None:
-    path = f"{folder.rstrip('/')}/{MANIFEST}"
-    if filesystem.get_file_info(path).type != pafs.FileType.File:
-        return None
-    with filesystem.open_input_stream(path) as f:
-        manifest = json.loads(f.read().decode())
-    return manifest if manifest.get("format") == PREPARED_FORMAT else None
 
 
 def _prepared(uri: str, folder: str, filesystem: pafs.FileSystem, manifest: dict[str, Any]) -> Source:

@@ -14,7 +14,7 @@ window at a time:
 - the held-out validation images are gathered once by the driver (a few hundred images).
 
 `data.cache=auto` chooses memory when the decoded dataset takes at most MEMORY_SHARE of the smallest object store
-of the nodes the run trains on (`raydiff.nodes`), else stream.
+of the nodes the run trains on (`raydiff.cluster.nodes`), else stream.
 """
 
 from __future__ import annotations
@@ -23,23 +23,32 @@ import copy
 import gc
 import hashlib
 import json
+import shutil
 import sys
+import tarfile
 import threading
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from raydiff.cluster.nodes import smallest_object_store
+from raydiff.data.errors import DataError
+from raydiff.data.fs import filesystem_for
+from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS, decode_stream, load_data
+from raydiff.data.loader import ImageTable
 from raydiff.data.order import SampleOrder
-from raydiff.data.sources import DataError, Source, open_source
-from raydiff.nodes import smallest_object_store
+from raydiff.data.shards import SHARD_BYTES, check_prepared, read_shard, rows_per_shard_for, write_prepared
+from raydiff.data.sources import Source, open_source
+from raydiff.runs.lease import hold, this_process
+from raydiff.runs.rundir import RunDir
 
 MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
@@ -143,8 +152,6 @@ def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed
     """A worker's view of the run's images: (table, order) of the training stream, and (table, indices) of the
     held-out images, for memory (`ImageStore`) or streamed (`ShardedImages`) data. `group`: the same string on
     every worker of one worker group (names the node caches)."""
-    from raydiff.data.loader import ImageTable
-
     if isinstance(images, ShardedImages):
         order = images.order(train_indices, seed)
         table = StreamTable(images, order, node_shards(images, group))
@@ -160,9 +167,7 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
     for the start line saying which and why. `keep`: the layout a continuing run began with (data.json), which
     fixes its sample order: the mode, and for streamed data the shards and the shuffle windows. `buffer_share`:
     this run's part of a node's stream buffer (a sweep's trials that run at once share it). `use_gpu`
-    (scaling.use_gpu) names the nodes the run trains on, whose object stores decide (`raydiff.nodes`)."""
-    from raydiff.data.ingest import load_data
-
+    (scaling.use_gpu) names the nodes the run trains on, whose object stores decide (`raydiff.cluster.nodes`)."""
     if keep is None:
         mode, why = choose_cache(data, source, use_gpu)
     else:
@@ -176,16 +181,6 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
                                buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
         return images, f"{why}; {images.describe()}"
     return load_data(data, source), why
-
-
-def read_shard(filesystem: pafs.FileSystem, path: str, shape: tuple[int, int, int]) -> np.ndarray:
-    """A prepared shard's images as uint8 (n, C, R, R): fixed-size binary rows (version 2) or a fixed-shape
-    tensor column (version 1)."""
-    column = pq.read_table(path, filesystem=filesystem, columns=["image"]).column("image").combine_chunks()
-    if pa.types.is_fixed_size_binary(column.type):
-        return np.frombuffer(column.buffers()[1], np.uint8, len(column) * int(np.prod(shape)),
-                             column.offset * int(np.prod(shape))).reshape(-1, *shape)
-    return column.to_numpy_ndarray().reshape(-1, *shape)
 
 
 @ray.remote
@@ -334,10 +329,6 @@ def estimated_count(source: Source) -> int:
         return len(source.files)
     if source.kind == "parquet":
         return sum(pq.read_metadata(f, filesystem=source.filesystem).num_rows for f in source.files)
-    import tarfile
-
-    from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS
-
     with source.filesystem.open_input_file(source.files[0]) as f, tarfile.open(fileobj=f) as tar:
         first = sum(m.name.rsplit(".", 1)[-1].lower() in WEBDATASET_IMAGE_KEYS for m in tar.getmembers())
     return first * len(source.files)
@@ -371,8 +362,6 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
     """The shards to stream `source` from: itself when prepared, else a prepared copy under
     `<storage>/.raydiff-stream/` (written once, with Ray Data, and reused by later runs and sweep trials). `keep`:
     a continuing run's layout (data.json): its shards and shuffle windows, or a one-line refusal."""
-    from raydiff.data.ingest import check_prepared
-
     shape = (data.channels, data.resolution, data.resolution)
     buffer = min(int(data.stream_buffer_gb * GB), int(STORE_SHARE * smallest_object_store(use_gpu)) or 2 ** 62)
     buffer = int(buffer * buffer_share)
@@ -414,10 +403,6 @@ def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpo
     """The prepared copy of a raw source under `<storage>/.raydiff-stream/<key>`, written once. One run prepares a
     key at a time (it holds the key's lease; others wait, then use its copy), and it cleans what an earlier
     preparation, killed half-way, left behind."""
-    from raydiff.data.ingest import decode_stream
-    from raydiff.prepare import SHARD_BYTES, rows_per_shard_for, write_prepared
-    from raydiff.runs.lease import hold, this_process
-    from raydiff.runs.rundir import RunDir
 
     if rows is None:  # shards small enough that WINDOWS_HELD windows fit the buffer (a continuing run keeps its)
         rows = rows_per_shard_for(shape, min(SHARD_BYTES, buffer // (WINDOWS_HELD * data.stream_window_shards)))
@@ -451,13 +436,8 @@ def _prepared_at(out: str, endpoint: str | None) -> Source | None:
 
 def _clear_partial(out: str, endpoint: str | None) -> None:
     """What a preparation cut short left (a killed process cleans nothing): on an object store the copy without
-    its manifest, locally the hidden folders it was building beside `out` (`raydiff.prepare.write_prepared`).
+    its manifest, locally the hidden folders it was building beside `out` (`raydiff.data.shards.write_prepared`).
     Only the holder of the key's lease calls this, so nothing it removes is in use."""
-    import shutil
-    from pathlib import Path
-
-    from raydiff.data.fs import filesystem_for
-
     filesystem, root = filesystem_for(out, endpoint=endpoint)
     if isinstance(filesystem, pafs.LocalFileSystem):
         for partial in Path(root).parent.glob(f".{Path(root).name}-*"):

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -18,13 +15,16 @@ import ray.train
 import yaml
 from ray.train.torch import TorchTrainer
 
+from raydiff.cluster.nodes import wait_for_worker_node
+from raydiff.cluster.start import init_ray
+from raydiff.cluster.storage import check_shared_storage
 from raydiff.config import Config, ConfigError
 from raydiff.config.checks import check_workers
+from raydiff.config.lr_rule import describe_lr
 from raydiff.data.ingest import ImageStore
 from raydiff.data.sources import DataError, source_of
 from raydiff.data.stream import ShardedImages, open_images
 from raydiff.model.diffusers_folder import load_init_weights
-from raydiff.nodes import alive_nodes, wait_for_worker_node
 from raydiff.quality.features import require_metrics_package
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.lease import hold, this_process
@@ -33,7 +33,6 @@ from raydiff.runs.rundir import RunDir, unwritable
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
 from raydiff.training.loop import train_worker
-from raydiff.config.lr_rule import describe_lr
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.stop import StopFlag, interrupt_on_signals, stop_on_signals
 from raydiff.training.validation import holdout_split
@@ -41,92 +40,9 @@ from raydiff.training.validation import holdout_split
 BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
 
 
-def init_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one."""
-    if ray.is_initialized():
-        return
-    from ray._private.services import canonicalize_bootstrap_address
-
-    existing = canonicalize_bootstrap_address(None)  # what ray.init() will join, if anything
-    ray.init(logging_level=logging.WARNING)
-    resources = ray.cluster_resources()
-    what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
-    print(f"[raydiff] {what}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU, "
-          f"{len(alive_nodes())} node(s)")
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
-    ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
-    _drop_harmless_worker_lines()
-
-
-# Error-level lines that Ray's own processes print in runs that succeed. Each pattern matches one known message
-# exactly, so every other line, real errors included, still reaches the driver's terminal.
-HARMLESS_WORKER_LINES = (
-    # Ray Train's controller starts its PreemptionWatcher with worker handles as arguments and max_restarts=-1;
-    # Ray's core worker warns, at error level, that a restart could lose them (ray-project/ray#53727).
-    re.compile(r"class name: 'PreemptionWatcher' .* has constructor arguments in the object store and "
-               r"max_restarts > 0"),
-)
-
-
-def _drop_harmless_worker_lines() -> None:
-    """Filter the worker output Ray forwards to this driver: a newcomer reads an error line as a failure."""
-    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
-    printers = [(name, handler) for name, handler in dispatcher.handlers if name == "ray_print_logs"]
-    if not printers or getattr(printers[0][1], "raydiff_filtered", False):
-        return
-    print_lines = printers[0][1]
-
-    def filtered(data: dict[str, Any]) -> None:
-        lines = [line for line in data.get("lines", []) if not any(p.search(line) for p in HARMLESS_WORKER_LINES)]
-        if lines:
-            print_lines({**data, "lines": lines})
-
-    filtered.raydiff_filtered = True
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("ray_print_logs", filtered)
-
-
 def run_dir_of(cfg: Config) -> RunDir:
     """`<run.storage>/<run.name>`: a local or NFS folder, or an s3:// / gs:// prefix."""
     return RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / cfg.run.name
-
-
-@ray.remote(num_cpus=0)
-def _sees(path: str) -> bool:
-    return os.path.exists(path)
-
-
-def unreachable_nodes(folder: str, probe=None) -> list[str]:
-    """Addresses of the cluster's live nodes on which `folder` (a local path) does not show a file the driver
-    just wrote there: the storage is not shared with them. `probe(path, node_id)` -> bool is for tests."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    os.makedirs(folder, exist_ok=True)
-    marker = os.path.join(folder, f".raydiff-shared-{uuid.uuid4().hex}")
-    open(marker, "w").close()
-    try:
-        nodes = alive_nodes()
-        if probe is None:
-            def probe(path: str, node_id: str) -> bool:
-                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-                return ray.get(_sees.options(scheduling_strategy=strategy).remote(path), timeout=60)
-        return [n["NodeManagerAddress"] for n in nodes if not probe(marker, n["NodeID"])]
-    finally:
-        os.remove(marker)
-
-
-def check_shared_storage(storage: str, probe=None) -> None:
-    """On a multi-node cluster a local run.storage must be a shared (NFS) mount: refuse it up front, with what to
-    use instead, rather than fail at the first checkpoint of a remote worker."""
-    if "://" in storage or len(alive_nodes()) < 2:
-        return
-    missing = unreachable_nodes(storage, probe)
-    if missing:
-        raise ConfigError(f"run.storage = {storage!r} is not shared: node(s) {', '.join(sorted(set(missing)))} cannot "
-                          f"see it. A multi-node cluster needs storage every node reaches: an s3:// or gs:// URI, or "
-                          f"an NFS path mounted at the same place on every node")
 
 
 def auto_workers(cfg: Config, gpus: float) -> Config:

@@ -14,7 +14,8 @@ from PIL import Image
 
 from raydiff.data.datasets import write_synthetic
 from raydiff.data.decode import decode_resize_crop, fit_array
-from raydiff.data.ingest import check_bad_fraction, load_images
+from raydiff.data.errors import check_bad_fraction
+from raydiff.data.ingest import load_images
 from raydiff.data.sources import DataError, open_source
 
 pytestmark = pytest.mark.ray

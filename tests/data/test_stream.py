@@ -22,7 +22,7 @@ from raydiff.data.stream import (
     open_tables,
     stream_images,
 )
-from raydiff.prepare import write_prepared
+from raydiff.data.shards import write_prepared
 
 SHAPE = (3, 4, 4)
 

@@ -15,7 +15,6 @@ import torch
 from conftest import ROOT, reserving, run_cli
 from PIL import Image
 
-from raydiff.config import ConfigError
 from raydiff.runs.checkpoint import list_checkpoints, read_state
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
@@ -77,29 +76,6 @@ def test_check_writable_says_why_and_leaves_nothing(tmp_path, s3_server):
     # may leave an empty folder marker, which is no file)
     with pytest.raises(OSError, match="NoSuchBucket|not found|does not exist"):
         RunDir("s3://rundir-missing/runs/one", endpoint=endpoint).check_writable()
-
-
-@pytest.mark.ray
-def test_local_storage_on_a_multi_node_cluster_is_refused_up_front(ray_session, tmp_path, monkeypatch):
-    import ray
-
-    from raydiff.training import driver
-
-    nodes = [{"Alive": True, "NodeID": "a", "NodeManagerAddress": "10.0.0.1"},
-             {"Alive": True, "NodeID": "b", "NodeManagerAddress": "10.0.0.2"}]
-    monkeypatch.setattr(ray, "nodes", lambda: nodes)
-    with pytest.raises(ConfigError, match=r"run.storage = .* is not shared: node\(s\) 10.0.0.2 cannot see it.*s3://"):
-        driver.check_shared_storage(str(tmp_path), probe=lambda path, node: node == "a")
-    driver.check_shared_storage(str(tmp_path), probe=lambda path, node: True)  # NFS: every node sees it
-    driver.check_shared_storage("s3://bucket/runs")  # object stores are shared by nature
-    assert not list(tmp_path.iterdir())  # the probe's marker file is gone
-
-
-@pytest.mark.ray
-def test_the_probe_really_runs_on_every_node(ray_session, tmp_path):
-    from raydiff.training import driver
-
-    assert driver.unreachable_nodes(str(tmp_path)) == []  # the session cluster shares this disk
 
 
 STEPS = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=10",

@@ -22,7 +22,7 @@ from test_fault_tolerance import assert_same_weights, final_state, losses, summa
 from raydiff.data.order import SampleOrder
 from raydiff.data.sources import open_source
 from raydiff.data.stream import MEMORY_SHARE
-from raydiff.prepare import write_prepared
+from raydiff.data.shards import write_prepared
 
 pytestmark = pytest.mark.ray
 

@@ -1,0 +1,44 @@
+"""What makes a data source unusable: the user-facing `DataError`, the record of one sample that cannot be used,
+and the rule that stops a run before training when too much of a source is unusable.
+
+Why a module of its own: sources, ingest, prepared shards and streaming all report bad samples the same way,
+and none of them should import another just for that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class DataError(ValueError):
+    """The data source cannot be used (missing, empty, too many bad images); one line for the user."""
+
+
+@dataclass(frozen=True)
+class BadSample:
+    index: int  # sample index (blank row in the store, never trained on)
+    where: str  # file (and row or key) it came from
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "where": self.where, "reason": self.reason}
+
+
+class HasBadSamples(Protocol):
+    """What `check_bad_fraction` reads: an `ImageStore`, or the count a prepared-shard writer keeps."""
+
+    source: str
+    num_images: int
+    bad: tuple[BadSample, ...]
+
+
+def check_bad_fraction(store: HasBadSamples, max_bad_fraction: float) -> None:
+    """Stop before training when too much of the source is unusable (the first few reasons say why)."""
+    if not store.bad:
+        return
+    fraction = len(store.bad) / store.num_images
+    if fraction > max_bad_fraction:
+        examples = "; ".join(f"{b.where}: {b.reason}" for b in store.bad[:3])
+        raise DataError(f"{len(store.bad)} of {store.num_images} samples in {store.source} cannot be used "
+                        f"({fraction:.1%} > data.max_bad_fraction = {max_bad_fraction:g}), e.g. {examples}")

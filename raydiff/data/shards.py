@@ -1,0 +1,157 @@
+"""The prepared-shard format, in one place: what `python -m raydiff.prepare` and stream mode write, and what
+sources, ingest and streaming read.
+
+A prepared folder holds `part-NNNNN.parquet` shards, whose `image` column holds each image's uint8 (C, R, R) pixels
+as one fixed-size binary value (version 2; version 1's fixed-shape tensor column is still read, but Parquet stores
+a list element by element, which reads many times slower), and `manifest.json`: format, version, count,
+resolution, channels, source and its identity, the shards with their row counts and rows per shard, and every
+sample that could not be used and why. The manifest is written last: a folder without it is not prepared data (a
+local folder appears all at once, by a rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.fs import filesystem_for
+
+if TYPE_CHECKING:
+    from raydiff.data.sources import Source
+
+MANIFEST = "manifest.json"
+PREPARED_FORMAT = "raydiff-prepared"
+PREPARED_VERSION = 2
+SHARD_BYTES = 128 * 1024 * 1024  # uncompressed image bytes per Parquet shard
+
+
+def _shards(decoded, rows_per_shard: int, bad: list):
+    """Regroup (usable images, bad samples) batches into uint8 (n, C, R, R) shards of `rows_per_shard` rows, in
+    order; the bad samples are collected into `bad`. Holds at most one shard and one batch."""
+    pending, held = [], 0
+    for images, bad_here in decoded:
+        bad.extend(bad_here)
+        pending.append(images)
+        held += len(images)
+        while held >= rows_per_shard:
+            joined = np.concatenate(pending)
+            yield joined[:rows_per_shard]
+            pending, held = [joined[rows_per_shard:]], held - rows_per_shard
+    if held:
+        yield np.concatenate(pending)
+
+
+def rows_per_shard_for(shape: tuple[int, int, int], shard_bytes: int = SHARD_BYTES) -> int:
+    return max(1, shard_bytes // int(np.prod(shape)))
+
+
+def write_prepared(decoded, source, out: str, *, shape: tuple[int, int, int], rows_per_shard: int | None = None,
+                   max_bad_fraction: float = 1.0, endpoint: str | None = None) -> dict:
+    """Write the batches of `decoded` ((usable uint8 images, bad samples), as `decode_stream` yields them) to `out`
+    as prepared shards plus manifest; return the manifest. Streams: memory holds one shard, not the dataset.
+    Too many bad samples (> max_bad_fraction) stop it before the manifest, and a local `out` is not created."""
+    try:
+        filesystem, root = filesystem_for(out, endpoint=endpoint)
+    except ValueError as exc:
+        raise DataError(f"OUT = {out!r}: {exc}") from None
+    local = isinstance(filesystem, pafs.LocalFileSystem)
+    info = filesystem.get_file_info(root)
+    if info.type == pafs.FileType.File or (
+            info.type == pafs.FileType.Directory and filesystem.get_file_info(pafs.FileSelector(root))):
+        raise DataError(f"OUT = {out!r} already exists and is not empty: choose a new folder")
+    target = root
+    if local:  # build beside the target and rename it into place: complete or absent
+        Path(root).parent.mkdir(parents=True, exist_ok=True)
+        target = tempfile.mkdtemp(prefix=f".{Path(root).name}-", dir=Path(root).parent)
+    else:
+        filesystem.create_dir(root, recursive=True)
+
+    c, r, _ = shape
+    rows_per_shard = rows_per_shard or rows_per_shard_for(shape)
+    shards, counts, bad = [], [], []
+    try:
+        for i, images in enumerate(_shards(decoded, rows_per_shard, bad)):
+            name = f"part-{i:05d}.parquet"
+            images = np.ascontiguousarray(images)
+            column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(c * r * r), len(images),
+                                                          [None, pa.py_buffer(images)])
+            # No dictionary: images are unique, and a dictionary attempt makes every read about 15x slower. LZ4:
+            # within 3% of zstd's size on decoded images, and read 2.7x faster (stream mode reads every epoch).
+            pq.write_table(pa.table({"image": column}), f"{target}/{name}", filesystem=filesystem,
+                           compression="lz4", use_dictionary=False)
+            shards.append(name)
+            counts.append(len(images))
+        count = sum(counts)
+        if not count:
+            raise DataError(f"data.source = {source.uri!r}: no usable samples in {source.describe()}")
+        check_bad_fraction(BadCount(source.uri, count + len(bad), tuple(bad)), max_bad_fraction)
+        manifest = {
+            "format": PREPARED_FORMAT, "version": PREPARED_VERSION, "count": count, "resolution": r, "channels": c,
+            "source": source.uri, "source_identity": source.identity(), "shards": shards, "shard_counts": counts,
+            "rows_per_shard": rows_per_shard,
+            "bad": [b.to_dict() for b in bad], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        with filesystem.open_output_stream(f"{target}/{MANIFEST}") as f:
+            f.write((json.dumps(manifest, indent=1) + "\n").encode())
+        if local:
+            os.replace(target, root)
+    except BaseException:  # a bad source, or a stop (SIGTERM, Ctrl-C): leave nothing half-written
+        if local:
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            with contextlib.suppress(Exception):
+                filesystem.delete_dir(root)
+        raise
+    return manifest
+
+
+@dataclass(frozen=True)
+class BadCount:
+    """What `check_bad_fraction` reads of a decoded source."""
+
+    source: str
+    num_images: int
+    bad: tuple[BadSample, ...]
+
+
+def read_manifest(filesystem: pafs.FileSystem, folder: str) -> dict[str, Any] | None:
+    """The manifest of a prepared folder, or None where `folder` holds no prepared data."""
+    path = f"{folder.rstrip('/')}/{MANIFEST}"
+    if filesystem.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with filesystem.open_input_stream(path) as f:
+        manifest = json.loads(f.read().decode())
+    return manifest if manifest.get("format") == PREPARED_FORMAT else None
+
+
+def read_shard(filesystem: pafs.FileSystem, path: str, shape: tuple[int, int, int]) -> np.ndarray:
+    """A prepared shard's images as uint8 (n, C, R, R): fixed-size binary rows (version 2) or a fixed-shape
+    tensor column (version 1)."""
+    column = pq.read_table(path, filesystem=filesystem, columns=["image"]).column("image").combine_chunks()
+    if pa.types.is_fixed_size_binary(column.type):
+        return np.frombuffer(column.buffers()[1], np.uint8, len(column) * int(np.prod(shape)),
+                             column.offset * int(np.prod(shape))).reshape(-1, *shape)
+    return column.to_numpy_ndarray().reshape(-1, *shape)
+
+
+def check_prepared(source: Source, resolution: int, channels: int) -> None:
+    """A prepared source must have been made at the run's resolution and channels."""
+    if source.kind == "prepared":
+        made = (source.manifest["resolution"], source.manifest["channels"])
+        if made != (resolution, channels):
+            raise DataError(f"data.source = {source.uri!r} was prepared at {made[0]}px with {made[1]} channel(s), but "
+                            f"data.resolution = {resolution} and data.channels = {channels}: set those, or prepare "
+                            f"the raw source again")
