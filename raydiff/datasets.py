@@ -1,4 +1,4 @@
-"""Write the built-in datasets to disk (see `raydiff.data.datasets`).
+"""Write the built-in datasets to disk (see `raydiff.data.builtin`).
 
     python -m raydiff.datasets digits                       # prints the cached folder
     python -m raydiff.datasets synthetic OUT --num 500 --resolution 64 --format jpg
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from raydiff.data.datasets import digits_folder, write_synthetic
+from raydiff.data.builtin import digits_folder, write_synthetic
 
 
 def main(argv: list[str] | None = None) -> int:

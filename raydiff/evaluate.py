@@ -69,7 +69,7 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
 
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
-    from raydiff.quality.evaluation import SampleJob, parallel_stats, scores
+    from raydiff.quality.measure import SampleJob, parallel_stats, scores
     from raydiff.quality.features import features_for
     from raydiff.quality.reference import reference_for
     from raydiff.cluster.start import init_ray

@@ -159,7 +159,7 @@ def write_messy_folder(folder: Path, good: int = 40) -> dict[str, list[str]]:
     import numpy as np
     from PIL import Image
 
-    from raydiff.data.datasets import write_synthetic
+    from raydiff.data.builtin import write_synthetic
 
     names = {"good": [p.name for p in write_synthetic(folder, num=good, resolution=24, fmt="jpg", seed=3)]}
     Image.new("CMYK", (24, 24), (0, 255, 255, 0)).save(folder / "cmyk.jpg")

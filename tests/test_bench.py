@@ -24,7 +24,7 @@ def test_bench_rejects_bad_arguments():
 
 @pytest.mark.ray
 def test_ingest_bench_measures_raydiff_against_the_dataloader(tmp_path):
-    from raydiff.data.datasets import write_synthetic
+    from raydiff.data.builtin import write_synthetic
 
     write_synthetic(tmp_path, num=64, resolution=24, fmt="jpg")
     proc = run_cli("raydiff.bench", "ingest", "--source", str(tmp_path), "--resolution", "16", "--batch", "16",

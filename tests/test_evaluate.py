@@ -58,7 +58,7 @@ def test_reference_from_an_npz_or_a_folder(smoke_run, ray_session, capsys, tmp_p
     same distance; KID needs features, which an .npz of mu/sigma lacks."""
     import numpy as np
 
-    from raydiff.data.datasets import builtin_folder
+    from raydiff.data.builtin import builtin_folder
 
     run_dir, _ = smoke_run
     args = ["--checkpoint", str(run_dir), "--num", "100", "--steps", "5"]

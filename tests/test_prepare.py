@@ -68,7 +68,7 @@ def test_prepare_then_train_on_the_prepared_folder(messy, tmp_path):
 
 
 def test_s3_source_prepare_and_train_against_a_loopback_server(s3_server, tmp_path):
-    from raydiff.data.datasets import write_synthetic
+    from raydiff.data.builtin import write_synthetic
 
     endpoint, client = s3_server
     client.create_bucket(Bucket="raydiff-data")

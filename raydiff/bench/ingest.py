@@ -149,7 +149,7 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
                  cache: str = "memory") -> dict:
     import ray
 
-    from raydiff.data.datasets import write_synthetic
+    from raydiff.data.builtin import write_synthetic
     from raydiff.data.sources import open_source
     from raydiff.data.shards import write_prepared
 

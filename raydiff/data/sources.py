@@ -85,7 +85,7 @@ def open_source(source: str | None, *, format: str = "auto", endpoint: str | Non
     if not source:
         raise DataError("data.source is not set: give a folder, a file or an s3:// / gs:// URI of images")
     if source.startswith("builtin:"):
-        from raydiff.data.datasets import builtin_folder
+        from raydiff.data.builtin import builtin_folder
 
         try:
             folder = builtin_folder(source)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raydiff.quality.evaluation import parallel_stats, total
+from raydiff.quality.measure import parallel_stats, total
 from raydiff.quality.features import Features, QualityError
 from raydiff.runs.rundir import RunDir
 

@@ -246,7 +246,7 @@ def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages) -> ray.Obj
         return None
     from raydiff.quality.features import features_for, metric_names
     from raydiff.quality.reference import reference_for
-    from raydiff.training.evaluation import InRunQuality
+    from raydiff.training.in_run_quality import InRunQuality
 
     features = features_for(e.features, cfg.data.source, e.inception_weights)
     reference = reference_for(cfg, features, keep_features="kid" in e.metrics, images=images)

@@ -49,7 +49,7 @@ from raydiff.runs.state import (
 )
 from raydiff.runs.writer import BackgroundWrites
 from raydiff.training.distributed import from_rank_zero, interrupt_requested, smallest
-from raydiff.training.evaluation import InRunQuality, ema_drift, evaluate_in_run
+from raydiff.training.in_run_quality import InRunQuality, ema_drift, evaluate_in_run
 from raydiff.config.lr_rule import describe_lr
 from raydiff.training.lr import lr_at
 from raydiff.training.microbatch import measure_micro_batch

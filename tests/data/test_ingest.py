@@ -12,7 +12,7 @@ import pytest
 from conftest import write_messy_folder
 from PIL import Image
 
-from raydiff.data.datasets import write_synthetic
+from raydiff.data.builtin import write_synthetic
 from raydiff.data.decode import decode_resize_crop, fit_array
 from raydiff.data.errors import check_bad_fraction
 from raydiff.data.ingest import load_images

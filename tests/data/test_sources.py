@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from raydiff.data.datasets import write_synthetic
+from raydiff.data.builtin import write_synthetic
 from raydiff.data.sources import DataError, open_source
 
 

@@ -43,7 +43,7 @@ def _prepared(tmp_path: Path, num: int = 1000, rows: int = 60) -> tuple[str, np.
 
 
 def _folder_with_one_png(tmp_path: Path) -> str:
-    from raydiff.data.datasets import write_synthetic
+    from raydiff.data.builtin import write_synthetic
 
     write_synthetic(tmp_path / "raw", num=1, resolution=8)
     return str(tmp_path / "raw")

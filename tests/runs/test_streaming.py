@@ -49,7 +49,7 @@ def small_cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def big_data(tmp_path_factory) -> str:
     """400 MB of prepared 8x8 grayscale images (random pixels: the test is about bytes, not looks)."""
-    from raydiff.data.datasets import write_synthetic
+    from raydiff.data.builtin import write_synthetic
 
     folder = tmp_path_factory.mktemp("big")
     write_synthetic(folder / "raw", num=1, resolution=8)  # the prepared data's nominal source
@@ -197,7 +197,7 @@ def test_preparation_is_stoppable_exclusive_and_cleans_up_after_a_kill(cluster, 
     """A raw source prepared for streaming: SIGTERM during the preparation stops the run at once and leaves no
     partial copy; a SIGKILL's partial copy is removed by the next preparation of the same key; and a run that
     finds another holding the key's lease waits for it, then prepares (or uses its copy)."""
-    from raydiff.data.datasets import write_synthetic
+    from raydiff.data.builtin import write_synthetic
     from raydiff.runs.lease import hold, this_process
     from raydiff.runs.rundir import RunDir
 

@@ -12,7 +12,7 @@ from raydiff.config import Config
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.quality.digits_classifier import digits_arrays
-from raydiff.quality.evaluation import SampleJob, parallel_stats, scores
+from raydiff.quality.measure import SampleJob, parallel_stats, scores
 from raydiff.quality.features import ModuleFeatures
 from raydiff.quality.reference import Reference
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raydiff.quality.evaluation import SampleJob, chunks, empty_stats, sample_stats, scores, total
+from raydiff.quality.measure import SampleJob, chunks, empty_stats, sample_stats, scores, total
 from raydiff.quality.features import Features
 from raydiff.quality.reference import Reference
 from raydiff.training.distributed import _active, from_rank_zero

@@ -7,26 +7,26 @@ import pytest
 from PIL import Image
 
 from raydiff import datasets as datasets_cli
-from raydiff.data import datasets
+from raydiff.data import builtin
 
 
 def test_digits_are_written_once_as_png(tmp_path):
-    folder = datasets.digits_folder()
+    folder = builtin.digits_folder()
     files = sorted(folder.glob("*.png"))
     assert len(files) == 1797
     image = Image.open(files[0])
     assert image.size == (8, 8) and image.mode == "L"
-    assert datasets.digits_folder() == folder  # cached
-    assert folder.parent == datasets.cache_dir()
+    assert builtin.digits_folder() == folder  # cached
+    assert folder.parent == builtin.cache_dir()
 
 
 @pytest.mark.parametrize("fmt, resolution", [("png", 32), ("jpg", 48), ("png", 7)])
 def test_synthetic_images(tmp_path, fmt, resolution):
-    paths = datasets.write_synthetic(tmp_path, num=5, resolution=resolution, fmt=fmt, seed=1)
+    paths = builtin.write_synthetic(tmp_path, num=5, resolution=resolution, fmt=fmt, seed=1)
     assert [p.suffix for p in paths] == [f".{fmt}"] * 5
     image = Image.open(paths[0])
     assert image.size == (resolution, resolution) and image.mode == "RGB"
-    again = datasets.write_synthetic(tmp_path / "again", num=5, resolution=resolution, fmt=fmt, seed=1)
+    again = builtin.write_synthetic(tmp_path / "again", num=5, resolution=resolution, fmt=fmt, seed=1)
     assert np.array_equal(np.asarray(Image.open(again[3])), np.asarray(Image.open(paths[3])))
 
 
