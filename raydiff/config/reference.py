@@ -80,8 +80,16 @@ def _cell(text: str) -> str:
 
 
 def _links(text: str) -> str:
-    """`docs/<page>.md#<anchor>` references made into links relative to docs/, where the page is."""
-    return _DOC_REFERENCE.sub(lambda m: f"[{m.group(1)}]({m.group(1)})", text)
+    """`docs/<page>.md#<anchor>` references made into links relative to docs/, where the page is, labelled with
+    the anchor's (or else the page's) words: `docs/data.md#shuffle-quality` -> [Shuffle quality](data.md#...)."""
+
+    def link(match: re.Match) -> str:
+        target = match.group(1)
+        page, _, anchor = target.partition("#")
+        words = (anchor or page.removesuffix(".md")).replace("-", " ")
+        return f"[{words[:1].upper()}{words[1:]}]({target})"
+
+    return _DOC_REFERENCE.sub(link, text)
 
 
 def sections(config: Config | None = None) -> list[tuple[str, Any]]:

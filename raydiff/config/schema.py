@@ -32,7 +32,8 @@ class DataSection:
 
     source: str | None = "builtin:digits"
     """Where the training images are: a folder or file of images, Parquet or WebDataset shards, or a folder written
-    by `raydiff.prepare`, as a local path or a `file://`, `s3://` or `gs://` URI; or `builtin:digits`."""
+    by `raydiff.prepare`, as a local path or a `file://`, `s3://` or `gs://` URI; or `builtin:digits` (see
+    docs/data.md#sources)."""
     format: Literal["auto", "images", "parquet", "webdataset"] = "auto"
     """What kind of files `data.source` holds; `auto` tells from the files' extensions (a prepared folder is
     recognised by its manifest whatever this says)."""
@@ -58,12 +59,14 @@ class DataSection:
     """Images held out of training (a fixed, seeded subset) for the validation loss; 0 = none."""
     cache: Literal["auto", "memory", "stream"] = "auto"
     """Where the decoded images live: `memory` (every node holds the whole decoded dataset), `stream` (prepared
-    shards, a window at a time), or `auto` (memory if it takes at most half the smallest node's object store)."""
+    shards, a window at a time), or `auto` (memory if it takes at most half the smallest node's object store);
+    see docs/data.md#datasets-bigger-than-memory."""
     stream_buffer_gb: float = 4.0
-    """Stream mode: the most shard data one node's cache holds, in GB (capped at half its object store)."""
+    """Stream mode: the most shard data one node's cache holds, in GB (capped at half its object store; see
+    docs/data.md#throughput-and-memory)."""
     stream_window_shards: int = 8
     """Stream mode: how many shards' samples are shuffled together (the shuffle's reach); the buffer must hold four
-    windows."""
+    windows (see docs/data.md#shuffle-quality)."""
 
 
 @dataclass
@@ -86,7 +89,8 @@ class ModelSection:
     """GroupNorm epsilon (Ho et al.'s reference code uses 1e-6; torch's default is 1e-5)."""
     init_from: str | None = None
     """A new run starts from these weights: a diffusers pipeline or `UNet2DModel` folder, or a Hugging Face hub id
-    such as `google/ddpm-cifar10-32` (needs diffusers); null: random initialisation."""
+    such as `google/ddpm-cifar10-32` (needs diffusers; see docs/sampling-and-diffusers.md#start-from-a-diffusers-model);
+    null: random initialisation."""
 
 
 @dataclass
@@ -111,10 +115,10 @@ class TrainSection:
     """Images per optimizer step, summed over all workers; it stays the same whatever the number of workers."""
     micro_batch: Literal["auto"] | int | None = None
     """Images per worker per forward pass (gradients accumulate up to the worker's share); null = the whole share
-    in one pass; `auto` = the largest that fits the GPU, measured."""
+    in one pass; `auto` = the largest that fits the GPU, measured (see docs/training.md#automatic-micro-batch)."""
     lr: float | None = None
     """The AdamW learning rate after warmup; null: `train.base_lr` scaled from `train.base_batch` to
-    `train.global_batch` by `train.lr_scaling`."""
+    `train.global_batch` by `train.lr_scaling` (see docs/sweeps.md#the-scaling-rule); a number is used as it is."""
     base_lr: float = 2e-3
     """The learning rate that suits a global batch of `train.base_batch` (the starting point of the scaling
     rule)."""
@@ -137,13 +141,13 @@ class TrainSection:
     (with a gradient scaler)."""
     compile: Literal["auto"] | bool | str = "auto"
     """`torch.compile` the model: `auto` (on GPUs, falling back to eager if compilation fails there), `true`,
-    `false`, or the name of a torch.compile backend."""
+    `false`, or the name of a torch.compile backend (`aot_eager`, ...)."""
     channels_last: Literal["auto"] | bool = "auto"
     """NHWC (channels-last) activations and weights; `auto` means off, as it has not been measured faster for this
-    UNet (see README "Performance")."""
+    UNet (see docs/training.md#performance)."""
     grad_compression: Literal["none", "bf16"] = "none"
-    """`bf16`: DDP all-reduces the gradients in bf16, half the bytes on links between nodes; `none` averages them in
-    fp32."""
+    """`bf16`: DDP all-reduces the gradients in bf16, half the bytes on links between nodes (the cluster presets use
+    it; see docs/training.md#performance); `none` averages them in fp32."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     ema_decay: float = 0.995
@@ -176,8 +180,8 @@ class ScalingSection:
     """How many Ray Train workers the run has, on which devices, and how it waits for them."""
 
     num_workers: Literal["auto"] | int | tuple[int, ...] = 2
-    """Ray Train workers: a number, `[min, max]` for elastic training, or `auto` (one per GPU in the cluster, or one
-    CPU worker with every CPU where there are no GPUs)."""
+    """Ray Train workers: a number, `[min, max]` for elastic training (see docs/resume-and-elastic.md#elastic-training),
+    or `auto` (one per GPU in the cluster, or one CPU worker with every CPU where there are no GPUs)."""
     use_gpu: Literal["auto"] | bool = "auto"
     """Train on GPUs: `auto` (if the cluster has any), `true` (wait for GPU nodes where there are none yet), or
     `false`."""
@@ -211,7 +215,7 @@ class RunSection:
     """The run directory's name under `run.storage`; starting a run of the same name again continues it."""
     storage: str = "runs"
     """The parent of the run directory `<storage>/<name>`: a local folder, an NFS path mounted on every node, or an
-    `s3://` or `gs://` URI."""
+    `s3://` or `gs://` URI (see docs/clusters.md#shared-storage)."""
     endpoint: str | None = None
     """The S3 or GCS endpoint URL for `run.storage` (MinIO, a test server); null: `AWS_ENDPOINT_URL` or the
     provider's default."""
@@ -224,12 +228,12 @@ class RunSection:
     and starts over."""
     lease_stale_s: float = 60.0
     """`s3://` or `gs://` storage: seconds after which a run's lease that was not renewed is taken to belong to a
-    driver that is gone, and is taken over."""
+    driver that is gone, and is taken over (see docs/resume-and-elastic.md#one-driver-per-run)."""
 
 
 @dataclass
 class EvalSection:
-    """Sample quality during and after training (see README "Measuring quality")."""
+    """Sample quality during and after training (see docs/quality-and-dashboards.md#measuring-quality)."""
 
     every: int = 0
     """Optimizer steps between sample-quality evaluations during the run; 0 = none during the run."""
@@ -261,8 +265,8 @@ class LogSection:
     """Dashboards beside metrics.jsonl (rank 0 writes them). Credentials come from the environment only."""
 
     tensorboard: bool = True
-    """Write TensorBoard event files to `<run>/tensorboard/`: every metrics row, the sample grids and the
-    config."""
+    """Write TensorBoard event files to `<run>/tensorboard/`: every metrics row, the sample grids and the config
+    (see docs/quality-and-dashboards.md#watching-a-run)."""
     mlflow_uri: str | None = None
     """The MLflow tracking URI (`http://host:5000`, `sqlite:///mlflow.db`, ...) to log to (needs
     `raydiff[mlflow]`); null = off."""

@@ -32,6 +32,7 @@ def test_table_rows_show_type_default_and_meaning():
     assert "| integer | `16` |" in rows["data.resolution"]
     assert "| string \\| null | `null` |" in rows["model.init_from"]
     assert "| `[1, 2, 2]` |" in rows["model.channel_mult"]
+    assert "(see [Shuffle quality](data.md#shuffle-quality))" in rows["data.stream_window_shards"]  # a docs/ ref
     assert yaml_value(()) == "[]" and yaml_value(True) == "true" and yaml_value(2e-3) == "0.002"
 
 
