@@ -40,14 +40,16 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
 
     # Data.
     if check_source:
-        _check(bool(d.source), "data.source", d.source, "required: a folder of images or builtin:digits")
-        if d.source.startswith("builtin:"):
-            _check(d.source in BUILTIN_SOURCES, "data.source", d.source,
+        source = d.source
+        _check(bool(source), "data.source", source, "required: a folder of images or builtin:digits")
+        assert source is not None  # _check raised if it is None or empty
+        if source.startswith("builtin:"):
+            _check(source in BUILTIN_SOURCES, "data.source", source,
                    f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
-        elif "://" not in d.source:
-            _check(Path(d.source).exists(), "data.source", d.source, "no such file or folder")
+        elif "://" not in source:
+            _check(Path(source).exists(), "data.source", source, "no such file or folder")
         else:
-            _check(d.source.startswith(SCHEMES), "data.source", d.source,
+            _check(source.startswith(SCHEMES), "data.source", source,
                    f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")
     _check(0 <= d.max_bad_fraction <= 1, "data.max_bad_fraction", d.max_bad_fraction, "must be in [0, 1]")
     _check(bool(d.image_column), "data.image_column", d.image_column, "must name a column")
@@ -89,7 +91,7 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
 
     # Training.
     _check(t.global_batch >= 1, "train.global_batch", t.global_batch, "must be >= 1")
-    _check(t.micro_batch in (None, "auto") or t.micro_batch >= 1, "train.micro_batch", t.micro_batch,
+    _check(t.micro_batch is None or t.micro_batch == "auto" or t.micro_batch >= 1, "train.micro_batch", t.micro_batch,
            "must be >= 1, auto or null")
     _check(t.lr is None or t.lr > 0, "train.lr", t.lr, "must be > 0, or null to scale train.base_lr")
     _check(t.base_lr > 0, "train.base_lr", t.base_lr, "must be > 0")
@@ -117,13 +119,14 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
                f"auto, true, false, or a torch.compile backend: {', '.join(list_backends())}")
 
     # Scaling and the batch arithmetic: global = micro x workers x accumulation, exactly.
-    if s.auto:
+    n = s.num_workers  # `s.auto` and `s.elastic`, narrowed for the type checker
+    if n == "auto":
         pass  # the driver resolves it once it sees the cluster, then checks the batch (`check_workers`)
-    elif s.elastic:
-        _check(len(s.num_workers) == 2 and 1 <= s.num_workers[0] <= s.num_workers[1], "scaling.num_workers",
-               list(s.num_workers), "must be an integer >= 1, or [min, max] with 1 <= min <= max")
+    elif isinstance(n, tuple):
+        _check(len(n) == 2 and 1 <= n[0] <= n[1], "scaling.num_workers",
+               list(n), "must be an integer >= 1, or [min, max] with 1 <= min <= max")
     else:
-        _check(s.num_workers >= 1, "scaling.num_workers", s.num_workers, "must be >= 1")
+        _check(n >= 1, "scaling.num_workers", n, "must be >= 1")
     _check(s.cpus_per_worker is None or s.cpus_per_worker > 0, "scaling.cpus_per_worker", s.cpus_per_worker,
            "must be > 0 or null")
     _check(s.resize_check_s > 0, "scaling.resize_check_s", s.resize_check_s, "must be > 0 seconds")
@@ -193,10 +196,11 @@ def check_workers(cfg: Config) -> None:
     s, t = cfg.scaling, cfg.train
     _check(t.global_batch >= s.max_workers, "train.global_batch", t.global_batch,
            f"must be at least the number of workers ({s.max_workers}): every worker needs a sample per step")
-    if not s.elastic:
+    w = s.num_workers
+    if not isinstance(w, tuple):  # not elastic
         # A fixed world size must reach the global batch exactly as micro_batch x workers x accumulation.
         # (Elastic runs split each global batch as evenly as the current world size allows instead.)
-        w = s.num_workers
+        assert w != "auto"  # resolved before this is called (validate skips it for auto)
         _check(t.global_batch % w == 0, "train.global_batch", t.global_batch,
                f"not reachable with scaling.num_workers = {w}: must be a multiple of the number of workers")
         per_worker = t.global_batch // w

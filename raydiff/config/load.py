@@ -5,6 +5,7 @@ Config flows one way: preset YAML + overrides -> `Config` (validated) -> driver 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -35,7 +36,7 @@ def resolve_config_path(name_or_path: str) -> Path:
     return preset
 
 
-def load_config(name_or_path: str = "default", overrides: list[str] = (), *, check_source: bool = True) -> Config:
+def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *, check_source: bool = True) -> Config:
     """Preset or YAML file, then `key=value` overrides, then validation. Raises ConfigError."""
     path = resolve_config_path(name_or_path)
     try:

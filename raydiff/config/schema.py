@@ -204,7 +204,8 @@ class ScalingSection:
     @property
     def max_workers(self) -> int:
         """The most workers the run may have (auto counts as 1 until the driver resolves it)."""
-        return 1 if self.auto else max(self.num_workers) if self.elastic else self.num_workers
+        n = self.num_workers  # `auto` and `elastic`, narrowed for the type checker
+        return 1 if n == "auto" else max(n) if isinstance(n, tuple) else n
 
 
 @dataclass
