@@ -38,12 +38,16 @@ def checkpoint_name(step: int, run_dir: Location | None = None) -> str:
 
 
 def checkpoint_step(location: Location) -> int:
-    return int(_NAME.search(as_rundir(location).name).group(1))
+    match = _NAME.search(as_rundir(location).name)
+    assert match is not None, f"not a checkpoint folder: {location}"
+    return int(match.group(1))
 
 
 def checkpoint_order(location: Location) -> tuple[int, int]:
     """Sort key: step, then the repeat suffix (`checkpoint_00000010-1` comes after `checkpoint_00000010`)."""
-    step, repeat = _NAME.search(as_rundir(location).name).groups()
+    match = _NAME.search(as_rundir(location).name)
+    assert match is not None, f"not a checkpoint folder: {location}"
+    step, repeat = match.groups()
     return int(step), int(repeat or 0)
 
 

@@ -131,7 +131,11 @@ class _TensorBoard(_Backend):
     def _open(self, cfg: Config, resume_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        folder = self._tmp or self.run_dir.local / TENSORBOARD_DIR
+        folder = self._tmp
+        if folder is None:
+            local = self.run_dir.local
+            assert local is not None  # no temporary folder only on a local run directory
+            folder = local / TENSORBOARD_DIR
         # purge_step writes a SessionLog.START: TensorBoard's reader then drops the points at or past it that
         # earlier files hold (rows a crashed session logged after its last checkpoint), so curves don't rewind.
         self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1, flush_secs=30)
@@ -157,6 +161,7 @@ class _TensorBoard(_Backend):
         self.writer.flush()
         if self._tmp is None:
             return
+        assert self._uploads is not None  # made with the temporary folder
         for path in sorted(p for p in self._tmp.iterdir() if p.is_file()):
             size = path.stat().st_size
             if self._uploaded.get(path.name) != size:
@@ -174,6 +179,7 @@ class _TensorBoard(_Backend):
             self.flush(wait=True)
         finally:
             if self._tmp is not None:
+                assert self._uploads is not None  # made with the temporary folder
                 self._uploads.close()
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -183,7 +189,8 @@ class _WandB(_Backend):
 
     def __init__(self, wandb: Any, cfg: Config, run_dir: RunDir, ids: _Ids) -> None:
         super().__init__()
-        self.wandb, self.run, self._exit_code = wandb, None, 0
+        self.wandb, self._exit_code = wandb, 0
+        self.run: Any = None  # wandb's Run once _open succeeds (wandb is imported at run time: untyped here)
         # W&B writes its files under <dir>/wandb/; on an object store that is a temporary folder, uploaded at
         # close() in offline mode (online, the W&B server has it all).
         self.run_dir = run_dir
@@ -317,7 +324,8 @@ class _MLflow(_Backend):
                      png)
 
     def summary(self, summary: dict[str, Any]) -> None:
-        step, now = summary.get("steps") if isinstance(summary.get("steps"), int) else 0, int(time.time() * 1000)
+        steps = summary.get("steps")
+        step, now = steps if isinstance(steps, int) else 0, int(time.time() * 1000)
         # Numbers are final metrics (final_loss stays final_loss); everything else is a tag.
         metrics = [self._Metric(k if k.startswith("final_") else f"final_{k}", float(v), now, step)
                    for k, v in summary.items() if _is_number(v)]

@@ -113,6 +113,7 @@ class _LocalLock:
     """A file held with an exclusive flock on a local or NFS folder."""
 
     def __init__(self, place: RunDir) -> None:
+        assert place.local is not None  # take() makes a _LocalLock only for a local place
         self.path = Path(place.local)
         self.fd: int | None = None
 
@@ -136,6 +137,7 @@ class _LocalLock:
 
     def rewrite(self, holder: dict[str, Any]) -> None:
         body = json.dumps(holder).encode()
+        assert self.fd is not None  # held: take() set it
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, body, 0)
 
@@ -211,10 +213,12 @@ class _ObjectLease:
         self.version = version
 
     def _heartbeat(self) -> None:
+        lease = self.lease
+        assert lease is not None  # take() sets it before starting this thread
         while not self._stop.wait(self.renew_s):
             try:
                 with self._lock:
-                    self._renew(self.lease.holder)
+                    self._renew(lease.holder)
             except Exception:  # a network error: the next renewal tries again, well within stale_s
                 logger.debug("renewing the lease failed", exc_info=True)
             if self.version is None:
