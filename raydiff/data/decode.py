@@ -53,9 +53,9 @@ def decode_resize_crop(data: bytes, resolution: int, channels: int) -> np.ndarra
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                image.draft(mode, (resolution, resolution))  # JPEG: decode at a reduced scale when it can
-                image = ImageOps.exif_transpose(image)
+            with Image.open(io.BytesIO(data)) as opened:
+                opened.draft(mode, (resolution, resolution))  # JPEG: decode at a reduced scale when it can
+                image = ImageOps.exif_transpose(opened)
                 image.load()  # decode now: a truncated file fails here
                 image = ImageOps.fit(_flatten(image, mode), (resolution, resolution), method=Image.Resampling.BICUBIC)
                 array = np.asarray(image, dtype=np.uint8)

@@ -28,9 +28,14 @@ class BadSample:
 class HasBadSamples(Protocol):
     """What `check_bad_fraction` reads: an `ImageStore`, or the count a prepared-shard writer keeps."""
 
-    source: str
-    num_images: int
-    bad: tuple[BadSample, ...]
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def num_images(self) -> int: ...
+
+    @property
+    def bad(self) -> tuple[BadSample, ...]: ...
 
 
 def check_bad_fraction(store: HasBadSamples, max_bad_fraction: float) -> None:

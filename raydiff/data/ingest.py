@@ -13,8 +13,9 @@ shared memory (`raydiff.data.loader`); the per-epoch work (flip, scale to [-1, 1
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -126,24 +127,29 @@ def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: 
     return _decode_encoded(values, wheres, resolution, channels)
 
 
+# A decode function as map_batches calls it, fn(batch, **fn_kwargs): Ray's annotation knows only fn(batch).
+_BatchFn = Callable[..., dict[str, np.ndarray]]
+
+
 def _read(source: Source, resolution: int, channels: int, image_column: str) -> ray.data.Dataset:
     """The source as a Ray Data dataset of {image: uint8 (C, R, R), error: str}, in sample order."""
     files, fs = list(source.files), source.filesystem
-    kwargs = {"fn_kwargs": {"resolution": resolution, "channels": channels}, "batch_size": DECODE_BATCH,
-              "batch_format": "numpy"}
+    kwargs: dict[str, Any] = {"fn_kwargs": {"resolution": resolution, "channels": channels},
+                              "batch_size": DECODE_BATCH, "batch_format": "numpy"}
     if source.kind == "images":
-        return ray.data.read_binary_files(files, filesystem=fs, include_paths=True).map_batches(_decode_files, **kwargs)
+        return (ray.data.read_binary_files(files, filesystem=fs, include_paths=True)
+                .map_batches(cast(_BatchFn, _decode_files), **kwargs))
     if source.kind == "webdataset":
         return (ray.data.read_webdataset(files, filesystem=fs, decoder=None, include_paths=True,
                                          suffixes=list(WEBDATASET_IMAGE_KEYS) + ["__key__"])
-                .map_batches(_decode_webdataset, **kwargs))
+                .map_batches(cast(_BatchFn, _decode_webdataset), **kwargs))
     column = "image" if source.kind == "prepared" else image_column
     names = pq.read_schema(files[0], filesystem=fs).names
     if column not in names:
         raise DataError(f"data.image_column = {column!r}: not a column of {files[0]}; its columns: {', '.join(names)}")
     kwargs["fn_kwargs"].update(column=column, prepared=source.kind == "prepared")
     return (ray.data.read_parquet(files, filesystem=fs, columns=[column], include_paths=True)
-            .map_batches(_decode_parquet, **kwargs))
+            .map_batches(cast(_BatchFn, _decode_parquet), **kwargs))
 
 
 @ray.remote(num_cpus=0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,6 +45,19 @@ class ImageTable:
         return out
 
 
+class Table(Protocol):
+    """What `BatchStream` gathers samples from: an `ImageTable`, or a `raydiff.data.stream.StreamTable`."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...  # of one image: (C, H, W)
+
+    def __len__(self) -> int: ...
+
+    def prepare(self, position: int) -> None: ...
+
+    def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass
 class MicroBatch:
     images: torch.Tensor  # uint8 (n, C, H, W), on the host
@@ -70,6 +84,7 @@ class MicroBatch:
         if self.noise is None:
             self.timesteps, self.noise = position_noise(seed, self.position, len(self), timesteps=timesteps,
                                                         shape=tuple(self.images.shape[1:]))
+        assert self.timesteps is not None  # drawn with the noise
         return self.timesteps.to(device, non_blocking=True), self.noise.to(device, non_blocking=True)
 
 
@@ -88,7 +103,7 @@ class BatchStream:
     """
 
     def __init__(
-        self, *, table: ImageTable, order: SampleOrder, global_batch: int, share: Share, micro_batch: int,
+        self, *, table: Table, order: SampleOrder, global_batch: int, share: Share, micro_batch: int,
         start_step: int, pin_memory: bool, prefetch_steps: int = 4, noise: tuple[int, int] | None = None,
     ) -> None:
         self._table, self._order, self._noise = table, order, noise
@@ -104,10 +119,10 @@ class BatchStream:
         self._table.prepare(step * self._global_batch)
         for offset, size in self._layout:
             position = step * self._global_batch + offset
-            indices, flips = self._order.take(position, size)
+            indices, flip_bits = self._order.take(position, size)
             images = torch.empty((size, *self._table.shape), dtype=torch.uint8, pin_memory=self._pin)
             self._table.gather(indices, images.numpy())
-            flips = torch.from_numpy(flips)
+            flips = torch.from_numpy(flip_bits)
             batch = MicroBatch(images=images, flips=flips.pin_memory() if self._pin else flips, position=position,
                                indices=indices)
             if self._noise is not None:

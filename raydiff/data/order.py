@@ -52,7 +52,7 @@ class SampleOrder:
         self.num_shards = 0 if shard_starts is None else len(shard_starts) - 1
         self.window_shards = window_shards
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # the last two epochs used
-        self._window_cache: tuple[tuple[int, int] | None, list[int]] = (None, [])
+        self._window_cache: tuple[tuple[int, int], list[int]] | None = None
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(permutation, flips, window ends) of an epoch; window ends only for streamed data."""
@@ -82,9 +82,10 @@ class SampleOrder:
         epoch, offset = divmod(position, self.num_samples)
         permutation, _, window_ends = self._epoch(epoch)
         window = int(np.searchsorted(window_ends, offset, "right"))
-        if self._window_cache[0] != (epoch, window):
+        if self._window_cache is None or self._window_cache[0] != (epoch, window):
             start = 0 if window == 0 else int(window_ends[window - 1])
             members = permutation[start:int(window_ends[window])]
+            assert self._shard_of is not None  # streamed data: otherwise window_ends is empty and the line above raised
             self._window_cache = ((epoch, window), np.unique(self._shard_of[members]).tolist())
         return self._window_cache
 

@@ -81,6 +81,7 @@ def write_prepared(decoded, source, out: str, *, shape: tuple[int, int, int], ro
 
     c, r, _ = shape
     rows_per_shard = rows_per_shard or rows_per_shard_for(shape)
+    bad: list[BadSample]
     shards, counts, bad = [], [], []
     try:
         for i, images in enumerate(_shards(decoded, rows_per_shard, bad)):

@@ -20,7 +20,9 @@ from raydiff.data.fs import filesystem_for, is_remote
 from raydiff.data.shards import read_manifest
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-KIND_EXTENSIONS = {"images": IMAGE_EXTENSIONS, "parquet": (".parquet",), "webdataset": (".tar",)}
+FileKind = Literal["images", "parquet", "webdataset"]  # told from the files' extensions (or data.format)
+KIND_EXTENSIONS: dict[FileKind, tuple[str, ...]] = {"images": IMAGE_EXTENSIONS, "parquet": (".parquet",),
+                                                    "webdataset": (".tar",)}
 
 Kind = Literal["images", "parquet", "webdataset", "prepared"]
 
@@ -74,12 +76,12 @@ def _relative(path: str, root: str) -> str:
     return path[len(root):].lstrip("/") if root and path.startswith(root) else path
 
 
-def _kind_of(path: str) -> str | None:
+def _kind_of(path: str) -> FileKind | None:
     suffix = PurePosixPath(path).suffix.lower()
     return next((kind for kind, extensions in KIND_EXTENSIONS.items() if suffix in extensions), None)
 
 
-def open_source(source: str | None, *, format: str = "auto", endpoint: str | None = None,
+def open_source(source: str | None, *, format: FileKind | Literal["auto"] = "auto", endpoint: str | None = None,
                 anonymous: bool = False) -> Source:
     """List `source`. Raises DataError when it is missing, empty or ambiguous."""
     if not source:
@@ -104,7 +106,7 @@ def source_of(data) -> Source:
     return open_source(data.source, format=data.format, endpoint=data.endpoint, anonymous=data.anonymous)
 
 
-def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: str) -> Source:
+def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | Literal["auto"]) -> Source:
     try:
         info = filesystem.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
@@ -120,7 +122,7 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: str) -> Sour
     except OSError as exc:  # permissions, credentials, network: say so in one line
         raise DataError(f"data.source = {uri!r}: cannot read it ({str(exc).splitlines()[0][:200]})") from None
 
-    by_kind: dict[str, list[pafs.FileInfo]] = {}
+    by_kind: dict[FileKind, list[pafs.FileInfo]] = {}
     for f in found:
         kind = _kind_of(f.path)
         if kind is not None and not PurePosixPath(f.path).name.startswith("."):

@@ -128,7 +128,9 @@ class ShardedImages:
             return self
         shard_of = np.searchsorted(self.shard_starts, indices, "right") - 1
         starts = self.shard_starts
-        options = {"num_cpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None)}
+        # Ray documents placement_group=None as "no group", but annotates the parameter without None.
+        no_group = PlacementGroupSchedulingStrategy(placement_group=None)  # type: ignore[arg-type]
+        options = {"num_cpus": 1, "scheduling_strategy": no_group}
         parts = ray.get([_rows.options(**options).remote(self.filesystem, self.files[s], self.shape,
                                                          indices[shard_of == s] - starts[s])
                          for s in np.unique(shard_of)])
@@ -154,8 +156,11 @@ def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed
     every worker of one worker group (names the node caches)."""
     if isinstance(images, ShardedImages):
         order = images.order(train_indices, seed)
-        table = StreamTable(images, order, node_shards(images, group))
-        held_out = ImageTable([ray.get(images.holdout)]) if len(val_indices) else None
+        table: ImageTable | StreamTable = StreamTable(images, order, node_shards(images, group))
+        held_out = None
+        if len(val_indices):
+            assert images.holdout is not None  # the driver gathered them (`with_holdout`)
+            held_out = ImageTable([ray.get(images.holdout)])
         return table, order, held_out, np.arange(len(val_indices))
     table = ImageTable(images.arrays())
     return table, SampleOrder(train_indices, seed), table, val_indices
@@ -188,7 +193,8 @@ def _rows(filesystem, path: str, shape, rows: np.ndarray) -> np.ndarray:
     return read_shard(filesystem, path, shape)[rows]
 
 
-@ray.remote(num_cpus=0, max_concurrency=16)
+# ray.remote's keyword overload lists task options only, not actor options such as max_concurrency.
+@ray.remote(num_cpus=0, max_concurrency=16)  # type: ignore[call-overload]
 class NodeShards:
     """The shards one node holds in its object store for all its workers, least recently used dropped first."""
 
@@ -254,7 +260,8 @@ def node_shards(images: ShardedImages, group: str) -> ray.actor.ActorHandle:
     """This node's `NodeShards` for worker group `group` (created by the first worker of the node to ask). It
     lives as long as the worker that created it: a restarted worker group gets new ones."""
     node_id = ray.get_runtime_context().get_node_id()
-    return NodeShards.options(
+    actor_class: Any = NodeShards  # an ActorClass at run time; mypy, which refused the decorator, sees the class
+    return actor_class.options(
         name=f"raydiff-shards-{group}-{node_id}", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(images)
 
