@@ -71,13 +71,15 @@ def read_unet_weights(source: str, subfolder: str | None) -> dict[str, torch.Ten
 
 def load_init_weights(cfg: Config) -> dict[str, torch.Tensor]:
     """raydiff UNet weights for `model.init_from`, checked against the run's model first (ConfigError)."""
-    where = f"model.init_from = {cfg.model.init_from!r}"
+    init_from = cfg.model.init_from
+    assert init_from is not None  # called only for a run that sets model.init_from
+    where = f"model.init_from = {init_from!r}"
     from raydiff.config.checks import HUB_ID
 
-    if not Path(cfg.model.init_from).expanduser().exists() and not HUB_ID.fullmatch(cfg.model.init_from):
+    if not Path(init_from).expanduser().exists() and not HUB_ID.fullmatch(init_from):
         raise ConfigError(f"{where}: no such folder, and not a Hugging Face hub id such as google/ddpm-cifar10-32")
     require_diffusers("model.init_from")
-    config, source, subfolder = read_unet_config(cfg.model.init_from, where=where)
+    config, source, subfolder = read_unet_config(init_from, where=where)
     check_matches(cfg, config, where=where)
     return from_diffusers(read_unet_weights(source, subfolder), cfg)
 
@@ -102,8 +104,9 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, tuple(value) if isinstance(value, list) else value)
     weights = from_diffusers(read_unet_weights(source, subfolder), cfg)
-    info = json.loads((path / EXPORT_INFO_FILE).read_text()) if (path / EXPORT_INFO_FILE).is_file() else {}
-    exported = {"ema": "EMA", "online": "online"}.get(info.get("weights"), "exported")
+    info_file = path / EXPORT_INFO_FILE
+    info: dict[str, Any] = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    exported = {"ema": "EMA", "online": "online"}.get(info.get("weights", ""), "exported")
     return {"model": weights, "ema": weights, "step": info.get("step"), "images_seen": info.get("images_seen"),
             "weights": exported, "config": cfg.to_dict()}
 
@@ -113,7 +116,8 @@ def build_pipeline(weights: dict[str, torch.Tensor], cfg: Config):
     """A diffusers DDPMPipeline holding raydiff UNet `weights` (fp32) and the run's scheduler."""
     from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
 
-    unet = UNet2DModel(**unet_config(cfg))
+    # Any: mypy reads diffusers' top-level names as its torch-less dummy classes, which lack nn.Module's methods.
+    unet: Any = UNet2DModel(**unet_config(cfg))
     unet.load_state_dict(to_diffusers({k: v.float() for k, v in weights.items()}, cfg), strict=True)
     return DDPMPipeline(unet=unet.eval(), scheduler=DDPMScheduler(**scheduler_config(cfg)))
 

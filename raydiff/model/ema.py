@@ -33,7 +33,7 @@ class EmaUpdater:
     tensor: an update weighted by `finite` (0 or 1) is skipped on the device, without a host sync."""
 
     def __init__(self, ema: nn.Module, model: nn.Module) -> None:
-        self._ema = list(ema.parameters())
+        self._ema: list[torch.Tensor] = list(ema.parameters())
         self._model = [p.detach() for p in model.parameters()]
         self._ema_buffers, self._model_buffers = list(ema.buffers()), list(model.buffers())
 

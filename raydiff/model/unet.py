@@ -37,6 +37,7 @@ def variance_scaling_(weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 def _init(layer: Layer, scale: float = 1.0) -> Layer:
     """`layer` with the reference's init: variance-scaled weight, zero bias."""
     variance_scaling_(layer.weight, scale)
+    assert layer.bias is not None  # every layer here is made with a bias
     nn.init.zeros_(layer.bias)
     return layer
 
@@ -158,7 +159,7 @@ class UNet(nn.Module):
         ch, res = base_channels, resolution
         for level, mult in enumerate(channel_mult):
             for _ in range(num_res_blocks):
-                layers = [block(ch, base_channels * mult)]
+                layers: list[nn.Module] = [block(ch, base_channels * mult)]
                 ch = base_channels * mult
                 if res in attention_resolutions:
                     layers.append(attn(ch))
@@ -197,9 +198,11 @@ class UNet(nn.Module):
         temb = self.temb(timestep_embedding(t, self.base_channels))
         hs = [self.conv_in(x)]
         for layers in self.down:
+            assert isinstance(layers, nn.ModuleList)  # for the type checker: each entry is one
             hs.append(self._run_layers(layers, hs[-1], temb))
         h = self._run_layers(self.mid, hs[-1], temb)
         for layers in self.up:
+            assert isinstance(layers, nn.ModuleList)
             if isinstance(layers[0], ResBlock):
                 h = torch.cat([h, hs.pop()], dim=1)
             h = self._run_layers(layers, h, temb)

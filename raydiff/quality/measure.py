@@ -103,9 +103,10 @@ def parallel_stats(kind: str, payload: Any, features: Features, num: int, *, wor
     gpus = int(resources.get("GPU", 0))
     all_chunks = chunks(num)
     workers = max(1, min(workers or gpus or int(resources.get("CPU", 1)), len(all_chunks)))
-    options = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
+    options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
     # Not in the caller's placement group (a Tune trial's holds no CPU for this): the cluster's free resources.
-    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=None)
+    # Ray documents placement_group=None as "no group", but annotates the parameter without None.
+    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=None)  # type: ignore[arg-type]
     payload_ref, features_ref = ray.put(payload), ray.put(features)  # once, not once per task (Inception: 92 MB)
     parts = np.array_split(np.arange(len(all_chunks)), workers)
     futures = [_remote.options(**options).remote(kind, payload_ref, features_ref, [all_chunks[i] for i in part],

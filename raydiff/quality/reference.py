@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,8 @@ class Reference:
 
     def to_npz(self) -> bytes:
         buffer = io.BytesIO()
-        extra = {"features": self.features} if self.features is not None else {}
+        # Any: a **dict of arrays would also be checked against savez's allow_pickle: bool
+        extra: dict[str, Any] = {"features": self.features} if self.features is not None else {}
         np.savez(buffer, mu=self.mu, sigma=self.sigma, count=self.count, **extra)
         return buffer.getvalue()
 

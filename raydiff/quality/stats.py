@@ -45,10 +45,10 @@ class FeatureStats:
             self.confident += int((probs.max(-1).values >= CONFIDENT_PROB).sum())
 
     def __add__(self, other: FeatureStats) -> FeatureStats:
-        both = self.features is not None and other.features is not None
+        features = self.features + other.features if self.features is not None and other.features is not None else None
         return FeatureStats(self.count + other.count, self.sum + other.sum, self.outer + other.outer,
                             None if self.class_counts is None else self.class_counts + other.class_counts,
-                            self.confident + other.confident, self.features + other.features if both else None)
+                            self.confident + other.confident, features)
 
     # Packing for one all-reduce (the in-run evaluation sums over the training workers).
     def packed(self) -> torch.Tensor:
@@ -102,5 +102,6 @@ def coverage(stats: FeatureStats) -> dict[str, float]:
     """For classifier features: the share of classes the samples cover (each with at least a quarter of its fair
     share) and the share of samples the classifier recognises confidently."""
     counts = stats.class_counts
+    assert counts is not None  # classifier features: their stats count classes
     covered = counts >= COVERAGE_SHARE * stats.count / len(counts)
     return {"coverage": float(covered.mean()), "confident": stats.confident / max(stats.count, 1)}
