@@ -24,6 +24,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,6 +82,7 @@ def _consume(batches, device: torch.device, epochs: int, epoch_images: int) -> t
                 and time.perf_counter() - steady_start >= MIN_STEADY_S):
             break
     batches.close()  # stop the producer (loader thread or worker processes)
+    assert first_epoch_s is not None  # set when the first epoch ends, before the loop can stop
     return first_epoch_s, (delivered - steady_from) / (time.perf_counter() - steady_start)
 
 
@@ -147,6 +149,8 @@ def _measure(result: dict, name: str, batches, device, epochs: int, epoch: int) 
 
 def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int, synthetic: int,
                  cache: str = "memory") -> dict:
+    import logging
+
     import ray
 
     from raydiff.data.builtin import write_synthetic
@@ -164,14 +168,15 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
         epoch = len(paths) // batch * batch
         if epoch == 0:
             raise ValueError(f"--batch {batch}: more than the {len(paths)} images of the source")
-        result = {"bench": "ingest", "source": source, "images": len(paths), "resolution": resolution,
-                  "batch": batch, "epochs": epochs, "cpus": cpus, "device": str(device)}
+        result: dict[str, Any] = {"bench": "ingest", "source": source, "images": len(paths),
+                                  "resolution": resolution, "batch": batch, "epochs": epochs, "cpus": cpus,
+                                  "device": str(device)}
 
         # Baseline first, before Ray takes any memory or processes.
         first, steady = _consume(_dataloader(paths, resolution, batch, workers=2), device, epochs, epoch)
         result.update(dataloader_img_s=round(steady), dataloader_first_epoch_s=round(first, 2))
 
-        ray.init(num_cpus=cpus, include_dashboard=False, logging_level="ERROR", address="local")
+        ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR, address="local")
         ray.data.DataContext.get_current().enable_progress_bars = False
         try:
             _measure(result, "raw", _raydiff_batches(raw, resolution, batch), device, epochs, epoch)

@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -60,7 +60,12 @@ def flops_per_image(cfg: Config, device: torch.device) -> float:
     return counter.get_total_flops() / batch
 
 
-def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, float]:
+class PlainLoopResult(TypedDict):
+    img_s: float
+    peak_memory_gb: float | None  # None off CUDA
+
+
+def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> PlainLoopResult:
     """The textbook loop's img/s (after `steps` warm-up steps; the median of MEASURED_CHUNKS chunks of `steps`)
     and peak memory."""
     from raydiff.model.diffusion import build_diffusion
