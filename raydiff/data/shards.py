@@ -89,8 +89,9 @@ def write_prepared(decoded, source, out: str, *, shape: tuple[int, int, int], ro
             images = np.ascontiguousarray(images)
             column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(c * r * r), len(images),
                                                           [None, pa.py_buffer(images)])
-            # No dictionary: images are unique, and a dictionary attempt makes every read about 15x slower. LZ4:
-            # within 3% of zstd's size on decoded images, and read 2.7x faster (stream mode reads every epoch).
+            # No dictionary: images are unique, and a dictionary attempt makes every read much slower. LZ4: about
+            # as small as zstd on decoded images, and read much faster (stream mode reads every epoch). Measured:
+            # docs/benchmarks.md#data-ingest.
             pq.write_table(pa.table({"image": column}), f"{target}/{name}", filesystem=filesystem,
                            compression="lz4", use_dictionary=False)
             shards.append(name)
