@@ -54,7 +54,7 @@ def bench_checkpoint(config: str, overrides: list[str], repeat: int) -> dict:
     from raydiff.model.ema import make_ema
     from raydiff.model.unet import build_model, count_parameters
     from raydiff.runs.checkpoint import read_state, write_state
-    from raydiff.runs.state import Progress, training_state
+    from raydiff.runs.state import Progress, TrainingState, checkpoint_state
 
     cfg = load_config(config, overrides, check_source=False)
     torch.manual_seed(0)
@@ -68,7 +68,8 @@ def bench_checkpoint(config: str, overrides: list[str], repeat: int) -> dict:
     diffusion = build_diffusion(cfg)
     diffusion.loss_per_sample(model, x0, torch.tensor([10, 500]), torch.randn_like(x0)).mean().backward()
     optimizer.step()
-    state = training_state(model, ema, optimizer, scaler, Progress(step=1), cfg.train.global_batch, cfg.to_dict())
+    objects = TrainingState(model, ema, optimizer, scaler)
+    state = checkpoint_state(objects, Progress(step=1), cfg.train.global_batch, cfg.to_dict())
 
     with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as tmp:
         folder = Path(tmp)

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -54,6 +54,15 @@ class Progress:
         return self.step + self.counters.get("stream_offset", 0)
 
 
+class TrainingState(NamedTuple):
+    """The objects a checkpoint saves and restores besides the progress counters."""
+
+    model: torch.nn.Module  # the bare model, not its DDP or compiled wrapper
+    ema: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+
 @dataclass
 class Restored:
     progress: Progress
@@ -61,8 +70,10 @@ class Restored:
     notes: list[str]
 
 
-def training_state(model, ema, optimizer, scaler, progress: Progress, global_batch: int,
-                   config: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_state(objects: TrainingState, progress: Progress, global_batch: int,
+                     config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint file holds: the objects' state dicts, the progress and the run's config."""
+    model, ema, optimizer, scaler = objects
     return {
         "model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(), "step": progress.step, "images_seen": progress.step * global_batch,
@@ -122,12 +133,13 @@ def _scaler_state(state: dict[str, Any], scaler: torch.amp.GradScaler, notes: li
     return saved if scaler.is_enabled() else None
 
 
-def restore(state: dict[str, Any], model, ema, optimizer, scaler) -> tuple[Progress, list[str]]:
+def restore(state: dict[str, Any], objects: TrainingState) -> tuple[Progress, list[str]]:
     """Load `state` into the objects, all or nothing: raises (changing nothing) if any part does not fit.
     Returns the progress and notes about parts that were dropped because a setting changed."""
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
         raise KeyError(f"missing {', '.join(missing)}")
+    model, ema, optimizer, scaler = objects
     notes: list[str] = []
     scaler_state = _scaler_state(state, scaler, notes)
     # Load into copies first: a load that fails half way must not leave the live objects half restored.
@@ -149,13 +161,13 @@ def restore(state: dict[str, Any], model, ema, optimizer, scaler) -> tuple[Progr
     return Progress(step=state["step"], counters=counters, window=window), notes
 
 
-def restore_newest(candidates: list[RunDir], model, ema, optimizer, scaler) -> Restored | None:
+def restore_newest(candidates: list[RunDir], objects: TrainingState) -> Restored | None:
     """Restore the newest candidate that reads and fits, warning about each one skipped. None when there are no
     candidates; raises `Unresumable` when there are some and none can be restored."""
     failures = []
     for path in candidates:
         try:
-            progress, notes = restore(read_with_retries(path), model, ema, optimizer, scaler)
+            progress, notes = restore(read_with_retries(path), objects)
             return Restored(progress, path, notes)
         except Exception as exc:  # noqa: BLE001 - a truncated file, a missing key, a misfit: try the previous one
             reason = _reason(exc)

@@ -25,17 +25,20 @@ from raydiff.data.ingest import ImageStore
 from raydiff.data.sources import DataError, source_of
 from raydiff.data.stream import ShardedImages, open_images
 from raydiff.model.diffusers_folder import load_init_weights
-from raydiff.quality.features import require_metrics_package
+from raydiff.quality.features import features_for, metric_names, require_metrics_package
+from raydiff.quality.reference import reference_for
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.lease import hold, this_process
 from raydiff.runs.resume import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
 from raydiff.runs.rundir import RunDir, unwritable
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
+from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.loop import train_worker
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.stop import StopFlag, interrupt_on_signals, stop_on_signals
 from raydiff.training.validation import holdout_split
+from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
 BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
 
@@ -79,10 +82,12 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
         cpus_per_worker = 1.0
     else:
         cpus_per_worker = max(cpus // s.max_workers, min(1.0, cpus / s.max_workers))
-    scaling = ray.train.ScalingConfig(
-        num_workers=tuple(s.num_workers) if s.elastic else s.num_workers, use_gpu=use_gpu,
-        resources_per_worker={"CPU": cpus_per_worker}, elastic_resize_monitor_interval_s=s.resize_check_s,
-    )
+    assert s.num_workers != "auto", "auto_workers resolves it first"
+    # ray.train names Train V2's classes at run time; type checkers see V1's, which lack the elastic options.
+    options: dict[str, Any] = {"num_workers": s.num_workers, "use_gpu": use_gpu,
+                               "resources_per_worker": {"CPU": cpus_per_worker},
+                               "elastic_resize_monitor_interval_s": s.resize_check_s}
+    scaling = ray.train.ScalingConfig(**options)
     return scaling, max(1, math.floor(cpus_per_worker))
 
 
@@ -131,7 +136,7 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
 
         init_ray()
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
-        stop_flag = StopFlag.remote()
+        stop_flag = StopFlag.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
         lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
         with interrupt_on_signals():  # again: ray.init installs a SIGTERM handler of its own
             return _train(cfg, run_dir, plan, source, identity, init_weights, lease.holder, stop_flag, started,
@@ -172,7 +177,8 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
     skipped = f", {unusable} skipped as unusable (see summary.json)" if unusable else ""
     scaling, torch_threads = plan_scaling(resolved, cpus)
     s = resolved.scaling
-    workers = "-".join(map(str, s.num_workers)) if s.elastic and not cfg.scaling.auto else s.max_workers
+    elastic_range = s.num_workers if isinstance(s.num_workers, tuple) and not cfg.scaling.auto else None
+    workers = "-".join(map(str, elastic_range)) if elastic_range else s.max_workers
     workers = f"{workers} (scaling.num_workers=auto)" if cfg.scaling.auto else workers
     print(f"[raydiff] {images.num_good} images from {source.describe()} at {cfg.data.resolution}px ({decoded}"
           f"{skipped}); "
@@ -182,14 +188,16 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
 
     quality = _prepare_quality(cfg, images)
 
+    args = WorkerArgs(config=resolved.to_dict(), images=images, run_dir=run_dir, torch_threads=torch_threads,
+                      invocation=invocation, stop_flag=stop_flag, init_weights=init_weights, quality=quality)
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
+    # ray.train names Train V2's classes at run time (a worker's return value reaches the driver; RunConfig takes
+    # a logging config); type checkers see V1's.
     trainer = TorchTrainer(
-        train_worker,
-        train_loop_config={"config": resolved.to_dict(), "images": images, "run_dir": run_dir,
-                           "torch_threads": torch_threads, "invocation": invocation, "stop_flag": stop_flag,
-                           "init_weights": init_weights, "quality": quality},
+        train_worker,  # type: ignore[arg-type]
+        train_loop_config={"args": args},
         scaling_config=scaling,
-        run_config=ray.train.RunConfig(
+        run_config=ray.train.RunConfig(  # type: ignore[call-arg]
             name=cfg.run.name,
             storage_path=storage.path,
             storage_filesystem=storage.fs,
@@ -208,19 +216,19 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
                DRIVER_FILE: json.dumps({**driver, "requester": requester}, indent=2) + "\n"}
     if unusable:
         records[BAD_FILE] = json.dumps(images.bad_report(limit=None)["examples"], indent=1) + "\n"
-    trainer.train_loop_config["records"] = records
+    args.records = records
     if note_run is not None:
         note_run(requester)
     error = None
     with stop_on_signals(stop_flag) as received:
         try:
             result = trainer.fit()
-            outcome = result.return_value or {}
+            outcome: WorkerResult | None = result.return_value  # type: ignore[attr-defined]
             checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
         except ray.train.TrainingFailedError as exc:
-            error, outcome, checkpoint = str(exc).strip().splitlines()[0], {}, None
-    if outcome.get("status") == "unresumable":  # nothing was trained or written: refuse, as for a bad config
-        raise Unresumable(outcome["diagnostic"])
+            error, outcome, checkpoint = str(exc).strip().splitlines()[0], None, None
+    if outcome is not None and outcome.status == WorkerStatus.UNRESUMABLE:  # nothing was trained or written:
+        raise Unresumable(outcome.diagnostic)  # refuse, as for a bad config
     summary = _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started,
                              bad_images=images.bad_report())
     dashboards = dashboards_for(cfg, run_dir, resume_step=summary["steps"])
@@ -244,48 +252,48 @@ def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages) -> ray.Obj
     e = cfg.eval
     if not (e.every or e.at_end):
         return None
-    from raydiff.quality.features import features_for, metric_names
-    from raydiff.quality.reference import reference_for
-    from raydiff.training.in_run_quality import InRunQuality
-
     features = features_for(e.features, cfg.data.source, e.inception_weights)
     reference = reference_for(cfg, features, keep_features="kid" in e.metrics, images=images)
     if "kid" in e.metrics:
         reference.features_for_kid()  # an .npz of mu/sigma cannot give KID: refuse before training
     when = ", ".join(filter(None, [f"every {e.every} steps" if e.every else "", "at the end" if e.at_end else ""]))
-    names = [n for n, m in zip(metric_names(features), ("fid", "kid")) if m in e.metrics]
+    names = [n for n, m in zip(metric_names(features), ("fid", "kid"), strict=True) if m in e.metrics]
     print(f"[raydiff] quality: {', '.join(names)} of {e.num} samples ({e.sampler}, {e.steps} steps) {when}, against "
           f"{reference.description} ({reference.count} images)")
     return ray.put(InRunQuality(features, reference))
 
 
-def _write_summary(cfg, run_dir, invocation, planned_step, outcome, checkpoint, error, started,
-                   bad_images) -> dict[str, Any]:
+def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: int, result: WorkerResult | None,
+                   checkpoint: str | None, error: str | None, started: float,
+                   bad_images: dict[str, Any]) -> dict[str, Any]:
     rows = JsonlLog(run_dir, "metrics.jsonl").rows()
     starts = [e for e in JsonlLog(run_dir, "events.jsonl").rows() if e["event"] == "start"]
     this_invocation = [e for e in starts if e["invocation"] == invocation]
     last = rows[-1] if rows else {}
-    status = outcome.get("status", "failed") if error is None else "failed"
-    if status == "finished" and outcome.get("steps") != cfg.train.total_steps:
+    # Without the workers' result (the run failed), what the logs show.
+    r = result
+    status = r.status.value if r is not None and error is None else "failed"
+    if r is not None and status == "finished" and r.steps != cfg.train.total_steps:
         status = "failed"
     summary = {
         "status": status,
-        "steps": outcome.get("steps", last.get("step", planned_step)),
-        "images_seen": outcome.get("images_seen", last.get("images_seen", planned_step * cfg.train.global_batch)),
-        "final_loss": outcome["final_loss"] if outcome.get("final_loss") is not None else last.get("loss"),
-        "final_val_loss": outcome.get("val_loss"),
-        "quality": outcome.get("quality"),
+        "steps": r.steps if r else last.get("step", planned_step),
+        "images_seen": r.images_seen if r else last.get("images_seen", planned_step * cfg.train.global_batch),
+        "final_loss": r.final_loss if r and r.final_loss is not None else last.get("loss"),
+        "final_val_loss": r.val_loss if r else None,
+        "quality": r.quality if r else None,
         "checkpoint": checkpoint,
         "world_sizes": list(dict.fromkeys(e["world_size"] for e in starts)),
         "restarts": max(0, len(this_invocation) - 1),
         "resumed_from_step": this_invocation[0]["step"] if this_invocation else planned_step,
-        "skipped_steps": outcome.get("skipped_steps", last.get("skipped_steps", 0)),
-        "rollbacks": outcome.get("rollbacks", 0),
+        "skipped_steps": r.skipped_steps if r else last.get("skipped_steps", 0),
+        "rollbacks": r.rollbacks if r else 0,
         "bad_images": bad_images,
         "wall_s": round(time.perf_counter() - started, 1),
         "run_dir": str(run_dir),
     }
-    if error or outcome.get("diagnostic"):
-        summary["error"] = error or outcome["diagnostic"]
+    diagnostic = error or (r.diagnostic if r else None)
+    if diagnostic:
+        summary["error"] = diagnostic
     run_dir.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

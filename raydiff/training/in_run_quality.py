@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raydiff.quality.measure import SampleJob, chunks, empty_stats, sample_stats, scores, total
 from raydiff.quality.features import Features
+from raydiff.quality.measure import SampleJob, chunks, empty_stats, sample_stats, scores, total
 from raydiff.quality.reference import Reference
 from raydiff.training.distributed import _active, from_rank_zero
 
@@ -43,7 +43,7 @@ def evaluate_in_run(quality: InRunQuality, ema: torch.nn.Module, diffusion, cfg,
     if _active():
         box = stats.packed().to(device)
         dist.all_reduce(box)
-        gathered = [None] * world_size if keep else None
+        gathered: list[Any] = [None] * world_size
         if keep:
             dist.all_gather_object(gathered, stats.features)
         stats = stats.unpacked(box)

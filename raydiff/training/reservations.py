@@ -19,6 +19,9 @@ from collections.abc import Iterator
 
 import ray
 
+from raydiff.runs.resume import DRIVER_FILE
+from raydiff.runs.rundir import RunDir
+
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's detached actor: (name, namespace)
 CHECK_EVERY_S = 5.0
 logger = logging.getLogger("raydiff")
@@ -99,13 +102,11 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
                   f"Ray frees them within 3 minutes")
 
 
-def cancel_previous_reservation(run_dir, requester: str) -> None:
+def cancel_previous_reservation(run_dir: RunDir, requester: str) -> None:
     """Cancel the reservation that the run's previous driver left, if it was killed outright (SIGKILL, out of
     memory) and never cancelled it (Ray keeps it 3 minutes, and an elastic run would wait for CPUs/GPUs nobody
     uses). `driver.json` names it. Call only while holding the run directory's lease: that driver has ended, so
     its run can no longer renew the reservation."""
-    from raydiff.runs.resume import DRIVER_FILE
-
     previous: dict = {}
     if run_dir.is_file(DRIVER_FILE):
         with contextlib.suppress(ValueError):

@@ -13,6 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
-def speed_options(compile_option: bool | str, channels_last: bool | str, device: torch.device) -> dict[str, object]:
+def speed_options(compile_option: bool | str, channels_last: bool | str, device: torch.device) -> dict[str, Any]:
     """What `train.compile` and `train.channels_last` mean on this device: {"compile": False | True | backend,
     "channels_last": bool}. auto compiles on GPUs (falling back to eager if compilation fails there) and keeps
     NCHW (GroupNorm, most of this UNet's memory traffic, is not faster in NHWC everywhere)."""
@@ -52,7 +53,8 @@ def compiled(model: nn.Module, option: bool | str, *, fallback: bool) -> nn.Modu
         from torch import _dynamo
 
         _dynamo.config.suppress_errors = True  # auto: an unsupported setup trains in eager mode instead
-    return torch.compile(model) if option is True else torch.compile(model, backend=option)
+    wrapped = torch.compile(model) if option is True else torch.compile(model, backend=option)
+    return cast(nn.Module, wrapped)  # an OptimizedModule
 
 
 @dataclass
@@ -96,7 +98,8 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
     for group in s.optimizer.param_groups:
         group["lr"] = lr
-    is_ddp = isinstance(unwrap_compiled(s.model), nn.parallel.DistributedDataParallel)
+    bare = unwrap_compiled(s.model)
+    ddp = bare if isinstance(bare, nn.parallel.DistributedDataParallel) else None
     s.model.train()
     loss_sum, samples = torch.zeros((), device=s.device), 0
     quarter_sums = torch.zeros((2, 4), device=s.device)
@@ -109,8 +112,8 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
         timesteps, noise = batch.diffusion_inputs(s.seed, s.diffusion.timesteps, s.device)
         if s.dropout:  # dropout masks, a function of the stream position
             dropout_generator(s.device).manual_seed(derive_seed(s.seed, batch.position))
-        sync = not is_ddp or i == len(batches) - 1
-        with contextlib.nullcontext() if sync else unwrap_compiled(s.model).no_sync():
+        sync = ddp is None or i == len(batches) - 1
+        with contextlib.nullcontext() if ddp is None or sync else ddp.no_sync():
             with torch.autocast(s.device.type, dtype=s.autocast_dtype, enabled=s.autocast_dtype is not None):
                 losses = s.diffusion.loss_per_sample(s.model, x0, timesteps, noise)
             if fault is not None and fault(batch):
@@ -128,7 +131,8 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
     s.scaler.unscale_(s.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else math.inf)
     finite = torch.isfinite(grad_norm)
-    s.optimizer.grad_scale, s.optimizer.found_inf = None, (~finite).float()  # the scaler sets its own in fp16
+    # The scaler sets its own in fp16; the fused AdamW reads these attributes (not in torch's type stubs).
+    s.optimizer.grad_scale, s.optimizer.found_inf = None, (~finite).float()  # type: ignore[attr-defined]
     s.scaler.step(s.optimizer)
     s.scaler.update()
     s.optimizer.zero_grad(set_to_none=True)
@@ -141,8 +145,8 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
 
 def dropout_generator(device: torch.device) -> torch.Generator:
     """The generator dropout on `device` draws from (eager and compiled alike): the device's default one.
-    Reseeding only it costs about a microsecond, where `torch.manual_seed` also reseeds the CPU's Mersenne
-    Twister and every GPU (and, in a process that has not initialised CUDA, formats a stack trace: 0.13 ms)."""
+    Reseeding only it is cheap, where `torch.manual_seed` also reseeds the CPU's Mersenne Twister and every GPU
+    (and, in a process that has not initialised CUDA, formats a stack trace)."""
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return torch.default_generator

@@ -21,9 +21,12 @@ class MetricsWindow:
     :param is_chief: rank 0 takes the saved loss and sample sums; the other workers start from zero."""
 
     def __init__(self, device: torch.device, saved: dict[str, Any] | None = None, is_chief: bool = True) -> None:
-        saved = saved or {}
-        own = is_chief and saved
         self.device = device
+        self._open(saved or {}, is_chief)
+
+    def _open(self, saved: dict[str, Any], is_chief: bool) -> None:
+        own = is_chief and saved
+        device = self.device
         # float64: the sum of float32 losses is then exact, so a window split by a resume sums to the same number.
         self.loss_sum = torch.tensor(float(saved["loss_sum"]) if own else 0.0, dtype=torch.float64, device=device)
         self.samples = int(saved["samples"]) if own else 0
@@ -75,7 +78,7 @@ class MetricsWindow:
             # The loss per timestep quarter: q1 = t in [0, T/4) (fine detail) ... q4 (coarse layout).
             **{f"loss_q{q + 1}": quarters[q] / quarters[4 + q] if quarters[4 + q] else None for q in range(4)},
         }
-        self.__init__(self.device)
+        self._open({}, is_chief=True)  # the next window starts from zero
         return row
 
 

@@ -14,12 +14,13 @@ from raydiff.runs.checkpoint import checkpoint_name, read_state, write_state
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.state import (
     Progress,
+    TrainingState,
     Unresumable,
     apply_config,
     checkpoint_candidates,
+    checkpoint_state,
     restore,
     restore_newest,
-    training_state,
 )
 
 
@@ -27,13 +28,13 @@ def _objects(seed: int):
     torch.manual_seed(seed)
     model = build_model(Config())
     optimizer = torch.optim.AdamW(model.parameters())
-    return model, make_ema(model), optimizer, torch.amp.GradScaler("cpu", enabled=False)
+    return TrainingState(model, make_ema(model), optimizer, torch.amp.GradScaler("cpu", enabled=False))
 
 
 def _write(run_dir, step, objects, name=None):
     folder = run_dir / (name or checkpoint_name(step))
     folder.mkdir(parents=True)
-    write_state(folder, training_state(*objects, Progress(step=step), 64, Config().to_dict()))
+    write_state(folder, checkpoint_state(TrainingState(*objects), Progress(step=step), 64, Config().to_dict()))
     return folder
 
 
@@ -55,14 +56,14 @@ def test_restore_falls_back_past_a_truncated_checkpoint(tmp_path):
     state_file.write_bytes(state_file.read_bytes()[:1000])
 
     fresh = _objects(1)
-    restored = restore_newest(checkpoint_candidates(tmp_path), *fresh)
+    restored = restore_newest(checkpoint_candidates(tmp_path), fresh)
     assert restored.checkpoint == RunDir(good) and restored.progress.step == 10
-    for a, b in zip(saved[0].state_dict().values(), fresh[0].state_dict().values()):
+    for a, b in zip(saved[0].state_dict().values(), fresh[0].state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
 def test_no_checkpoint_means_a_fresh_start(tmp_path):
-    assert restore_newest(checkpoint_candidates(tmp_path), *_objects(1)) is None
+    assert restore_newest(checkpoint_candidates(tmp_path), _objects(1)) is None
 
 
 def test_nothing_restorable_refuses_and_changes_nothing(tmp_path):
@@ -74,7 +75,7 @@ def test_nothing_restorable_refuses_and_changes_nothing(tmp_path):
     fresh = _objects(1)
     before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
     with pytest.raises(Unresumable, match="checkpoint_00000020 .*checkpoint_00000010 "):
-        restore_newest(checkpoint_candidates(tmp_path), *fresh)
+        restore_newest(checkpoint_candidates(tmp_path), fresh)
     assert all(torch.equal(before[k], v) for k, v in fresh[0].state_dict().items())
     assert (unreadable / "state.pt").read_bytes() == b"not a checkpoint" and (misfit / "state.pt").exists()
 
@@ -87,7 +88,7 @@ def test_a_part_that_does_not_fit_leaves_every_object_untouched(tmp_path):
     fresh = _objects(1)
     before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
     with pytest.raises(ValueError):
-        restore(state, *fresh)
+        restore(state, fresh)
     assert all(torch.equal(before[k], v) for k, v in fresh[0].state_dict().items())
 
 
@@ -95,7 +96,7 @@ def test_switching_to_fp16_drops_the_missing_loss_scale_with_a_note(tmp_path):
     _write(tmp_path, 10, _objects(0))  # trained without a loss scaler (fp32 or bf16)
     model, ema, optimizer, _ = _objects(1)
     scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
-    restored = restore_newest(checkpoint_candidates(tmp_path), model, ema, optimizer, scaler)
+    restored = restore_newest(checkpoint_candidates(tmp_path), TrainingState(model, ema, optimizer, scaler))
     assert restored.progress.step == 10 and scaler.get_scale() == 1024.0
     assert any("loss scale starts afresh" in note for note in restored.notes)
 
@@ -114,13 +115,13 @@ def test_transient_storage_errors_are_retried(tmp_path, monkeypatch):
 
     monkeypatch.setattr(state_module, "read_state", flaky)
     monkeypatch.setattr(state_module, "READ_RETRY_S", 0.0)
-    assert restore_newest([RunDir(folder)], *_objects(1)).progress.step == 10 and len(calls) == 3
+    assert restore_newest([RunDir(folder)], _objects(1)).progress.step == 10 and len(calls) == 3
 
 
 def test_a_changed_weight_decay_reaches_the_restored_optimizer(tmp_path):
     model, ema, optimizer, scaler = _objects(0)
     _write(tmp_path, 10, (model, ema, optimizer, scaler))  # saved with weight_decay 0.01 (AdamW's default)
     fresh = _objects(1)
-    restore_newest(checkpoint_candidates(tmp_path), *fresh)
+    restore_newest(checkpoint_candidates(tmp_path), fresh)
     apply_config(fresh[2], weight_decay=0.25)
     assert [g["weight_decay"] for g in fresh[2].param_groups] == [0.25]

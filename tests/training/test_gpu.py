@@ -60,7 +60,7 @@ def test_autocast_steps_train(precision):
     finally:
         stream.close()
     assert all(bool(r.finite) for r in results) and all(torch.isfinite(r.loss_sum) for r in results)
-    assert any(not torch.equal(a, b) for a, b in zip(before, inputs.model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, inputs.model.parameters(), strict=True))
     assert inputs.scaler.is_enabled() == (precision == "fp16")
     if precision == "fp16":
         assert inputs.scaler.get_scale() > 0

@@ -112,7 +112,8 @@ def test_a_non_finite_step_changes_nothing_and_is_counted(fp16):
         assert not bool(result.finite)
     assert all(torch.equal(model_before[k], v) for k, v in inputs.model.state_dict().items())
     assert all(torch.equal(ema_before[k], v) for k, v in ema.state_dict().items())
-    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments_before, inputs.optimizer.state.values()))
+    moments_after = [s["exp_avg"] for s in inputs.optimizer.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(moments_before, moments_after, strict=True))
     assert nonfinite.skipped_steps() == 2 and nonfinite.longest_streak() == 2
 
     result = optimizer_step(inputs, _batches(3), lr=1e-3, ema=ema_update, ema_decay=0.5)
@@ -141,7 +142,7 @@ def test_a_compiled_model_trains_the_same_step():
         b = optimizer_step(compiled_inputs, _batches(step), lr=1e-3)
         assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-5) and torch.allclose(a.grad_norm, b.grad_norm, rtol=1e-4)
     bare = compiled_inputs.model._orig_mod
-    for (name, p), q in zip(eager.model.named_parameters(), bare.parameters()):
+    for (name, p), q in zip(eager.model.named_parameters(), bare.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), name
 
 

@@ -1,0 +1,107 @@
+"""Resuming a worker from a checkpoint on every rank alike, and what happens when training stops making finite
+steps: the rollback and the divergence report.
+
+Why a module of its own: resume and rollback must take the same decision on every rank (rank 0 chooses the
+checkpoint, the others restore exactly that one), and the divergence report is what a user reads when a run
+gives up; neither belongs in the loop's top-to-bottom reading.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import ray.train
+import ray.train.torch
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+from raydiff.runs.state import Progress, Restored, Unresumable, apply_config, checkpoint_candidates, restore_newest
+from raydiff.training.distributed import from_rank_zero
+from raydiff.training.step import StepResult, compiled
+from raydiff.training.worker import Worker
+
+if TYPE_CHECKING:
+    from raydiff.config import TrainSection
+
+logger = logging.getLogger("raydiff")
+
+
+def restore_agreed(w: Worker, latest: ray.train.Checkpoint | None = None) -> Restored | None:
+    """Restore the newest checkpoint that loads on every worker alike. Rank 0 chooses: it lists storage and tries
+    the candidates; every other worker then restores exactly the one rank 0 restored (a newer one that another
+    worker could read, say one still being written, would leave replicas that differ). None when there are no
+    checkpoints; raises `Unresumable` on every worker when there are and none restores."""
+    restored, refusal = None, None
+    if w.is_chief:
+        try:
+            restored = restore_newest(checkpoint_candidates(w.run_dir, latest), w.training_state)
+        except Unresumable as exc:
+            refusal = str(exc)
+    refusal, found = from_rank_zero((refusal, restored and restored.checkpoint))
+    if refusal:
+        raise Unresumable(refusal)
+    if found is not None and not w.is_chief:
+        try:
+            restored = restore_newest([found], w.training_state)
+        except Unresumable as exc:  # rank 0 could restore it: a failure here is this worker's (Ray restarts)
+            raise RuntimeError(str(exc)) from exc
+    return restored
+
+
+def resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
+    """Restore the newest checkpoint that loads on every worker alike (`restore_agreed`), then wrap the model for
+    DDP (and torch.compile)."""
+    restored = restore_agreed(w, latest)
+    if restored is not None and w.is_chief:
+        for note in restored.notes:
+            logger.warning(f"[raydiff] note: {note}")
+    apply_config(w.step_inputs.optimizer, weight_decay=w.cfg.train.weight_decay)
+    # DDP's gradient buckets double as the .grad tensors: no copy between them after each all-reduce.
+    model = ray.train.torch.prepare_model(w.model, parallel_strategy_kwargs={"gradient_as_bucket_view": True})
+    w.speed["grad_compression"] = "none"
+    if w.cfg.train.grad_compression == "bf16" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(state=None, hook=bf16_compress_hook)  # averages in bf16, as the default does in fp32
+        w.speed["grad_compression"] = "bf16"
+    w.step_inputs.model = compiled(model, w.speed["compile"], fallback=w.speed["compile_fallback"])
+    return restored.progress if restored is not None else Progress()
+
+
+def roll_back(w: Worker, progress: Progress) -> Progress | None:
+    """Back to the newest checkpoint, then on past the stream positions of the failed steps (as PaLM does): a
+    replay of the same data from the same weights would fail again. None when no checkpoint restores."""
+    try:
+        restored = restore_agreed(w)
+    except Unresumable:
+        return None
+    if restored is None:
+        return None
+    back = restored.progress
+    failed_from = back.stream_step  # the stream positions of steps back.step+1 .. progress.step failed
+    back.counters["rollbacks"] = progress.counters["rollbacks"] + 1
+    back.counters["stream_offset"] += progress.step - back.step
+    back.counters["skipped_steps"] = progress.counters["skipped_steps"]
+    gb = w.cfg.train.global_batch
+    if w.metrics_log is not None:  # rank 0
+        w.metrics_log.truncate_after(back.step)
+        w.event("rollback", from_step=progress.step, to_step=back.step, checkpoint=str(restored.checkpoint),
+                skipped_positions=[failed_from * gb, back.stream_step * gb])
+        logger.warning(f"[raydiff] WARNING: {w.cfg.train.max_bad_steps} non-finite steps in a row at step "
+                       f"{progress.step}: rolled back to step {back.step} and skipped the {progress.step - back.step} "
+                       f"steps of data that failed")
+    return back
+
+
+def divergence_report(t: TrainSection, step: int, lr: float, result: StepResult, num_timesteps: int) -> str:
+    """One line that says what was going on when training diverged, so the user can act on it."""
+    buckets = []
+    for q in range(4):
+        low, high = q * num_timesteps // 4, (q + 1) * num_timesteps // 4
+        selected = result.losses.detach().float()[(result.timesteps >= low) & (result.timesteps < high)]
+        mean = f"{selected.mean().item():.4g}" if len(selected) else "-"
+        buckets.append(f"t {low}-{high - 1}: {mean}")
+    x0 = result.x0
+    return (f"training diverged: {t.max_bad_steps} non-finite steps in a row at step {step} (rolled back at most "
+            f"once before); lr {lr:.3g}, grad norm {float(result.grad_norm):.3g}, input range "
+            f"[{x0.min().item():.3g}, {x0.max().item():.3g}], loss by timestep ({'; '.join(buckets)}). Try a lower "
+            f"train.lr, more train.warmup_steps, train.grad_clip, or train.precision=fp32/bf16.")

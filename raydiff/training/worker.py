@@ -1,0 +1,163 @@
+"""One training worker's objects, built once per worker start: the model, its EMA, the optimizer, the data, the
+logs (resuming them from a checkpoint: `raydiff.training.recovery`).
+
+Why apart from the loop: setting up is long and runs once; the loop (`raydiff.training.loop`) then reads as
+training only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+
+from raydiff.config import Config
+from raydiff.data.loader import BatchStream, ImageTable
+from raydiff.data.order import SampleOrder, rank_share
+from raydiff.data.stream import StreamTable, open_tables
+from raydiff.model.diffusion import build_diffusion
+from raydiff.model.ema import EmaUpdater, make_ema
+from raydiff.model.unet import build_model
+from raydiff.runs.rundir import RunDir
+from raydiff.runs.runlog import JsonlLog
+from raydiff.runs.state import Progress, TrainingState
+from raydiff.runs.writer import BackgroundWrites
+from raydiff.training.debug import DebugHooks
+from raydiff.training.distributed import from_rank_zero, smallest
+from raydiff.training.in_run_quality import InRunQuality
+from raydiff.training.microbatch import measure_micro_batch
+from raydiff.training.step import StepInputs, make_optimizer, resolve_precision, speed_options
+from raydiff.training.validation import Validation, holdout_split
+from raydiff.training.worker_io import WorkerArgs
+
+REMOTE_METRICS_FLUSH_S = 30.0  # an object store cannot append: metrics.jsonl is rewritten at most this often
+
+
+def quiet_ray_train_logs() -> None:
+    """Ray 2.60 names some Train loggers by file path (`getLogger(__file__)`), so they escape RunConfig's
+    LoggingConfig and print every report on every worker; raise just those to WARNING."""
+    for name in list(logging.root.manager.loggerDict):
+        if "ray/train/" in name.replace("\\", "/"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@dataclass
+class Worker:
+    """What one worker holds for the whole run."""
+
+    cfg: Config
+    run_dir: RunDir
+    rank: int
+    world_size: int
+    device: torch.device
+    model: torch.nn.Module  # the bare model (the EMA follows it; checkpoints hold it)
+    ema: torch.nn.Module
+    ema_update: EmaUpdater
+    speed: dict[str, Any]  # what train.compile and train.channels_last mean here (`speed_options`)
+    step_inputs: StepInputs
+    table: ImageTable | StreamTable
+    order: SampleOrder
+    validation: Validation | None
+    quality: InRunQuality | None  # eval.every / eval.at_end: the feature network and the reference
+    micro_batch: int
+    metrics_log: JsonlLog | None  # rank 0 only
+    events: JsonlLog | None  # rank 0 only
+    writes: BackgroundWrites | None  # rank 0 only: metrics and sample grids go to storage on this thread
+    debug: DebugHooks  # the debug.* keys: fault injection and audit trails (nothing, by default)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def lr(self) -> float:
+        """The run's learning rate after warmup (`Config.resolve` derived it, if the config left it null)."""
+        lr = self.cfg.train.lr
+        assert lr is not None, "a loaded config has its learning rate resolved"
+        return lr
+
+    @property
+    def training_state(self) -> TrainingState:
+        """What checkpoints save and restore (the bare model, not its DDP or compiled wrapper)."""
+        s = self.step_inputs
+        return TrainingState(self.model, self.ema, s.optimizer, s.scaler)
+
+    def open_stream(self, progress: Progress) -> BatchStream:
+        t = self.cfg.train
+        return BatchStream(table=self.table, order=self.order, global_batch=t.global_batch,
+                           share=rank_share(t.global_batch, self.world_size, self.rank), micro_batch=self.micro_batch,
+                           start_step=progress.stream_step, pin_memory=self.device.type == "cuda",
+                           noise=(t.seed, self.cfg.diffusion.timesteps))
+
+    def event(self, event: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.append({"event": event, **fields, "time": time.time()})
+
+    def close(self) -> None:
+        """At the end of the worker's training: rank 0's metrics rows and writes reach storage."""
+        if self.metrics_log is not None and self.writes is not None:
+            self.metrics_log.flush()
+            self.writes.close()
+        self.debug.close()
+
+
+def set_up(cfg: Config, args: WorkerArgs) -> Worker:
+    """Build the model, its EMA, the optimizer, the loss scaler, the data and the logs of this worker."""
+    t = cfg.train
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device()
+    speed = speed_options(t.compile, t.channels_last, device)
+    torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: autotune the convolutions once
+    torch.manual_seed(t.seed)  # identical initial weights on every worker
+    model = build_model(cfg).to(device)
+    if args.init_weights is not None:  # model.init_from: the driver sends it to new runs only
+        model.load_state_dict(ray.get(args.init_weights))
+    if speed["channels_last"]:
+        model = model.to(memory_format=torch.channels_last)
+    ema = make_ema(model)
+    assert t.lr is not None, "a loaded config has its learning rate resolved"
+    optimizer = make_optimizer(model, lr=t.lr, weight_decay=t.weight_decay)
+    autocast_dtype = resolve_precision(t.precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
+    diffusion = build_diffusion(cfg)
+    run_dir = args.run_dir
+
+    # Split off the held-out images; the rest is the training stream (from memory, or streamed shard by shard).
+    images = args.images
+    train_indices, val_indices = holdout_split(images.usable_indices(), cfg.data.val_images, t.seed)
+    table, order, val_table, val_indices = open_tables(images, train_indices, val_indices, t.seed,
+                                                      group=from_rank_zero(uuid.uuid4().hex))
+    validation = Validation(table=val_table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
+                            rank=rank, world_size=world_size) if len(val_indices) else None
+    if t.micro_batch == "auto":
+        share = rank_share(t.global_batch, world_size, rank)
+        micro_batch = smallest(measure_micro_batch(model, diffusion, optimizer, share=share.size, shape=images.shape,
+                                                   device=device, autocast_dtype=autocast_dtype), device)
+    else:
+        micro_batch = cfg.micro_batch_for(world_size)
+
+    is_chief = rank == 0
+    writes = BackgroundWrites() if is_chief else None
+    step_inputs = StepInputs(model=model, optimizer=optimizer, scaler=scaler, diffusion=diffusion, device=device,
+                             autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip,
+                             global_batch=t.global_batch, world_size=world_size, grad_clip=t.grad_clip,
+                             dropout=cfg.model.dropout > 0, channels_last=speed["channels_last"])
+    return Worker(
+        cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
+        ema_update=EmaUpdater(ema, model), speed=speed,
+        step_inputs=step_inputs, table=table, order=order, validation=validation,
+        quality=ray.get(args.quality) if args.quality is not None else None,
+        micro_batch=micro_batch,
+        metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S,
+                             writes=writes) if is_chief else None,
+        events=JsonlLog(run_dir, "events.jsonl") if is_chief else None, writes=writes,
+        debug=DebugHooks(cfg, run_dir, rank),
+    )

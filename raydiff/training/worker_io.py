@@ -1,0 +1,63 @@
+"""What the driver hands every training worker, and what a worker hands back: the typed boundary between
+`raydiff.training.driver` and `raydiff.training.loop`.
+
+Why typed: the two sides run in different processes (Ray pickles both objects), so a misspelt key in a plain dict
+would surface only at run time, on a worker; a dataclass fails where it is built.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import ray
+
+    from raydiff.data.ingest import ImageStore
+    from raydiff.data.stream import ShardedImages
+    from raydiff.runs.rundir import RunDir
+
+
+@dataclass
+class WorkerArgs:
+    """Ray Train's `train_loop_config` holds this under the key "args" (Ray wants a dict there)."""
+
+    config: dict[str, Any]  # the resolved `Config.to_dict()`: workers rebuild the config from it
+    images: ImageStore | ShardedImages  # decoded once by the driver; the workers read it from the object store
+    run_dir: RunDir
+    torch_threads: int  # intra-op threads of each worker: its share of the node's CPUs
+    invocation: str  # one id per driver invocation: the events log tells restarts within it from later re-runs
+    stop_flag: ray.actor.ActorHandle | None = None  # the driver's `StopFlag`: SIGTERM / Ctrl-C / a lost lease
+    init_weights: ray.ObjectRef | None = None  # model.init_from's state dict, for a new run only
+    quality: ray.ObjectRef | None = None  # the in-run `InRunQuality` (eval.every / eval.at_end)
+    records: dict[str, str] = field(default_factory=dict)  # files rank 0 writes to the run once it has restored
+
+
+class WorkerStatus(str, enum.Enum):
+    """How a worker's training ended."""
+
+    FINISHED = "finished"  # train.total_steps reached
+    STOPPED = "stopped"  # asked to stop (a signal, a lost lease), after a checkpoint
+    DIVERGED = "diverged"  # too many non-finite steps in a row, after at most one rollback
+    UNRESUMABLE = "unresumable"  # checkpoints exist and none restores: nothing was trained or written
+
+
+@dataclass
+class WorkerResult:
+    """What `train_worker` returns; Ray Train hands rank 0's to the driver (`Result.return_value`)."""
+
+    status: WorkerStatus
+    steps: int
+    diagnostic: str | None = None  # why it diverged, or why no checkpoint restores
+    images_seen: int = 0
+    final_loss: float | None = None
+    skipped_steps: int = 0
+    rollbacks: int = 0
+    world_size: int = 0
+    resumed_from_step: int = 0
+    val_loss: float | None = None
+    quality: dict[str, Any] | None = None  # the newest in-run evaluation's metrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "status": self.status.value}

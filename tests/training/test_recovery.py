@@ -1,0 +1,78 @@
+"""Recovery: a rollback under two gloo processes restores the checkpoint rank 0 chose, on every rank."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from raydiff.config import load_config
+from raydiff.runs.rundir import RunDir
+
+
+def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
+    """One of two gloo processes: roll back while rank 0 cannot read the newest checkpoint (it is still being
+    written when rank 0 tries) and rank 1 can (it has been completed since)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from raydiff.model.ema import make_ema
+    from raydiff.model.unet import build_model
+    from raydiff.runs import state as state_module
+    from raydiff.runs.runlog import JsonlLog
+    from raydiff.runs.state import Progress
+    from raydiff.training.debug import DebugHooks
+    from raydiff.training.recovery import roll_back
+    from raydiff.training.step import make_optimizer
+    from raydiff.training.worker import Worker
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    if rank == 0:
+        real_read = state_module.read_state
+
+        def read_state(path):
+            if path.name == "checkpoint_00000020":
+                raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+            return real_read(path)
+
+        state_module.read_state = read_state
+    cfg = load_config("smoke", check_source=False)
+    model = build_model(cfg)
+    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
+    w = Worker(cfg=cfg, run_dir=RunDir(run_dir), rank=rank, world_size=2, device=torch.device("cpu"), model=model,
+               ema=make_ema(model), ema_update=None, speed={},
+               step_inputs=SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False)),
+               table=None, order=None, validation=None, quality=None, micro_batch=8,
+               metrics_log=JsonlLog(RunDir(run_dir), "metrics.jsonl") if rank == 0 else None, events=None,
+               writes=None, debug=DebugHooks(cfg, RunDir(run_dir), rank))
+    back = roll_back(w, Progress(step=25))
+    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"step": back.step, "weights": checksum}))
+    dist.destroy_process_group()
+
+
+def test_a_rollback_restores_the_checkpoint_rank_0_chose_on_every_worker(tmp_path):
+    """Rank 0 chooses the checkpoint (falling back past one it cannot read); the other workers restore that one,
+    not a newer one they could read: replicas that differ would train apart, or hang a collective."""
+    from raydiff.model.ema import make_ema
+    from raydiff.model.unet import build_model
+    from raydiff.runs.checkpoint import write_state
+    from raydiff.runs.state import Progress, TrainingState, checkpoint_state
+    from raydiff.training.step import make_optimizer
+
+    cfg = load_config("smoke", check_source=False)
+    for step in (10, 20):
+        torch.manual_seed(step)  # different weights in each checkpoint
+        model = build_model(cfg)
+        objects = TrainingState(model, make_ema(model), make_optimizer(model, lr=1e-3, weight_decay=0.0),
+                                torch.amp.GradScaler("cpu", enabled=False))
+        state = checkpoint_state(objects, Progress(step=step), 16, cfg.to_dict())
+        (tmp_path / f"checkpoint_{step:08d}").mkdir()
+        write_state(tmp_path / f"checkpoint_{step:08d}", state)
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.multiprocessing.spawn(_roll_back_on, args=(str(tmp_path / "init"), str(tmp_path), str(out)), nprocs=2)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1] and ranks[0]["step"] == 10
