@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -29,13 +29,24 @@ import pyarrow.parquet as pq
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
 from raydiff.data.fs import filesystem_for
 
-if TYPE_CHECKING:
-    from raydiff.data.sources import Source
-
 MANIFEST = "manifest.json"
 PREPARED_FORMAT = "raydiff-prepared"
 PREPARED_VERSION = 2
 SHARD_BYTES = 128 * 1024 * 1024  # uncompressed image bytes per Parquet shard
+
+
+class SourceLike(Protocol):
+    """What the writer and the checks read of a listed source (`raydiff.data.sources.Source`, which lists
+    prepared folders with this module's `read_manifest`)."""
+
+    @property
+    def uri(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def manifest(self) -> dict[str, Any]: ...
+    def describe(self) -> str: ...
+    def identity(self) -> dict[str, Any]: ...
 
 
 def _shards(decoded, rows_per_shard: int, bad: list):
@@ -58,8 +69,9 @@ def rows_per_shard_for(shape: tuple[int, int, int], shard_bytes: int = SHARD_BYT
     return max(1, shard_bytes // int(np.prod(shape)))
 
 
-def write_prepared(decoded, source, out: str, *, shape: tuple[int, int, int], rows_per_shard: int | None = None,
-                   max_bad_fraction: float = 1.0, endpoint: str | None = None) -> dict:
+def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, int, int],
+                   rows_per_shard: int | None = None, max_bad_fraction: float = 1.0,
+                   endpoint: str | None = None) -> dict:
     """Write the batches of `decoded` ((usable uint8 images, bad samples), as `decode_stream` yields them) to `out`
     as prepared shards plus manifest; return the manifest. Streams: memory holds one shard, not the dataset.
     Too many bad samples (> max_bad_fraction) stop it before the manifest, and a local `out` is not created."""
@@ -149,7 +161,7 @@ def read_shard(filesystem: pafs.FileSystem, path: str, shape: tuple[int, int, in
     return column.to_numpy_ndarray().reshape(-1, *shape)
 
 
-def check_prepared(source: Source, resolution: int, channels: int) -> None:
+def check_prepared(source: SourceLike, resolution: int, channels: int) -> None:
     """A prepared source must have been made at the run's resolution and channels."""
     if source.kind == "prepared":
         made = (source.manifest["resolution"], source.manifest["channels"])
