@@ -21,7 +21,7 @@ from raydiff.model.ema import make_ema
 from raydiff.model.noise import GRID_NOISE, image_generators
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
-from raydiff.runs.state import Progress, training_state
+from raydiff.runs.state import Progress, TrainingState, checkpoint_state
 
 T = 50  # a short chain, so that sampling every step stays fast
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # small models: see one_torch_thread in conftest.py
@@ -45,8 +45,8 @@ def write_checkpoint(run_dir, cfg, *, step: int = 20):
     folder.mkdir(parents=True)
     optimizer = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    write_state(folder, training_state(model, ema, optimizer, scaler, Progress(step=step), cfg.train.global_batch,
-                                       cfg.to_dict()))
+    objects = TrainingState(model, ema, optimizer, scaler)
+    write_state(folder, checkpoint_state(objects, Progress(step=step), cfg.train.global_batch, cfg.to_dict()))
     return folder
 
 
