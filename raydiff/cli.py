@@ -6,9 +6,9 @@ import signal
 import sys
 from collections.abc import Callable
 
+from raydiff.cluster.nodes import NoWorkerNode
 from raydiff.config import ConfigError
 from raydiff.data.sources import DataError
-from raydiff.cluster.nodes import NoWorkerNode
 from raydiff.quality.features import QualityError
 from raydiff.runs.rundir import RunInUse
 from raydiff.runs.state import Unresumable

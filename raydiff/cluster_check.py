@@ -103,6 +103,13 @@ def _preset(name: str | None, source: str, how: str) -> tuple[str, Config]:
     return name, cfg
 
 
+def _worker_range(cfg: Config) -> tuple[int, ...]:
+    """A cluster preset's [min, max] workers (`_preset` has checked that it is a range)."""
+    workers = cfg.scaling.num_workers
+    assert isinstance(workers, tuple), "_preset refuses presets that are not elastic"
+    return workers
+
+
 def _check_shared_storage(name: str, cfg: Config, pods: dict[str, set[str]] | None = None) -> None:
     """run.storage and data.source must hold the same files for every node: a bucket, or (KubeRay) a path on a
     ReadWriteMany volume that every Ray pod mounts there.
@@ -185,7 +192,7 @@ def _check_launcher_preset(cfg: dict[str, Any], text: str) -> None:
     names = [m.group(1) for m in map(PRESET_COMMENT.match, header) if m]
     name, preset = _preset(names[0] if names else None, "# raydiff-preset",
                            "a top-of-file comment line '# raydiff-preset: NAME'")
-    types, most = cfg["available_node_types"], preset.scaling.num_workers[1]
+    types, most = cfg["available_node_types"], _worker_range(preset)[1]
     gpu_types = {n: t for n, t in types.items() if n != cfg["head_node_type"] and t["resources"].get("GPU", 0) > 0}
     per_node = max(t["resources"]["GPU"] for t in gpu_types.values())
     capacity = min(sum(t["max_workers"] * t["resources"]["GPU"] for t in gpu_types.values()),
@@ -227,7 +234,7 @@ def check_kuberay(docs: list[dict[str, Any]]) -> None:
     if len(ray_docs) != 1:
         raise ClusterFileError(f"expected one RayCluster or RayJob per file, found {len(ray_docs)}")
     doc = ray_docs[0]
-    schema = KUBERAY_SCHEMAS.get(doc.get("kind"))
+    schema = KUBERAY_SCHEMAS.get(str(doc.get("kind")))
     if schema is None:
         raise ClusterFileError(f"kind = {json.dumps(doc.get('kind'))}: allowed: RayCluster, RayJob")
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
@@ -290,9 +297,9 @@ def _check_kuberay_preset(doc: dict[str, Any], where: str, spec: dict[str, Any],
     name, preset = _preset(annotations.get(PRESET_ANNOTATION), f"metadata.annotations.{PRESET_ANNOTATION}",
                            f"metadata.annotations: {{{PRESET_ANNOTATION}: NAME}}")
     replicas = [gpu_group["minReplicas"], gpu_group["maxReplicas"]]
-    if replicas != list(preset.scaling.num_workers):
+    if replicas != list(_worker_range(preset)):
         raise ClusterFileError(f"{group_where}: minReplicas/maxReplicas = {replicas}: must equal the preset's "
-                               f"scaling.num_workers = {list(preset.scaling.num_workers)} ({name})")
+                               f"scaling.num_workers = {list(_worker_range(preset))} ({name})")
     if doc["kind"] == "RayJob":
         named = re.search(r"--config[= ]+(\S+)", doc["spec"]["entrypoint"])
         if named and named.group(1) != name:

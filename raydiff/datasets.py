@@ -14,7 +14,8 @@ from raydiff.data.builtin import digits_folder, write_synthetic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.datasets", description="Write the built-in datasets to disk.")
+    parser = argparse.ArgumentParser(prog="python -m raydiff.datasets",
+                                     description="Write the built-in datasets to disk.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("digits", help="write the digits into the cache (once) and print the folder")
     syn = sub.add_parser("synthetic", help="write synthetic RGB images into a folder")

@@ -67,12 +67,12 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     `features`: a feature extractor (`raydiff.quality.features`); default: what `eval.features` names."""
     import torch
 
+    from raydiff.cluster.start import init_ray
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
-    from raydiff.quality.measure import SampleJob, parallel_stats, scores
     from raydiff.quality.features import features_for
+    from raydiff.quality.measure import SampleJob, parallel_stats, scores
     from raydiff.quality.reference import reference_for
-    from raydiff.cluster.start import init_ray
 
     e, d = cfg.eval, cfg.data
     features = features or features_for(e.features, d.source, e.inception_weights)

@@ -52,6 +52,7 @@ def suggest(lrs: np.ndarray, smoothed: list[float]) -> tuple[float, float, float
 
 
 def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
+    from raydiff.cluster.start import init_ray
     from raydiff.data.loader import BatchStream
     from raydiff.data.order import Share
     from raydiff.data.sources import source_of
@@ -59,7 +60,6 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
     from raydiff.sample import resolve_device
-    from raydiff.cluster.start import init_ray
     from raydiff.training.step import StepInputs, make_optimizer, optimizer_step, resolve_precision
     from raydiff.training.validation import holdout_split
 
@@ -125,8 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raydiff.plots import plot_lr_find
     from raydiff.config.lr_rule import rule_lr
+    from raydiff.plots import plot_lr_find
 
     args = parse_args(argv)
     cfg = load_config(args.config, args.set)
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     with table.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["step", "lr", "loss", "smoothed_loss"])
-        writer.writerows(zip(range(1, found["steps_run"] + 1), found["lrs"], found["losses"], found["smoothed"]))
+        writer.writerows(zip(range(1, found["steps_run"] + 1), found["lrs"], found["losses"], found["smoothed"],
+                             strict=True))
 
     ended = f"stopped after {found['steps_run']} steps: {found['stop_reason']}" if found["stop_reason"] else \
         f"ran all {found['steps_run']} steps without diverging (a larger --end may find the edge)"

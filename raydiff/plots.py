@@ -44,7 +44,7 @@ def plot_sweep(rows: Sequence[dict], path: Path) -> Path:
     Filled markers: trials that used the whole image budget; crosses: stopped early (value at that point)."""
     rules = sorted({r["rule"] for r in rows})
     fig, axes = plt.subplots(1, len(rules), figsize=(5 * len(rules), 4), squeeze=False, sharey=True)
-    for ax, rule in zip(axes[0], rules):
+    for ax, rule in zip(axes[0], rules, strict=True):
         for i, batch in enumerate(sorted({r["batch"] for r in rows if r["rule"] == rule})):
             trials = sorted((r for r in rows
                              if r["rule"] == rule and r["batch"] == batch and r["val_loss"] is not None),

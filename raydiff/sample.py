@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -77,8 +78,8 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def generate(state: dict, *, num: int, sampler: str, steps: int | None, eta: float, seed: int, use_ema: bool,
-             batch: int, device: torch.device) -> torch.Tensor:
+def generate(state: dict, *, num: int, sampler: Literal["ddpm", "ddim"], steps: int | None, eta: float, seed: int,
+             use_ema: bool, batch: int, device: torch.device) -> torch.Tensor:
     """Images in [-1, 1] from a training state; image i is a pure function of (seed, i), whatever `batch`."""
     cfg = Config.from_dict(state["config"])
     model = build_model(cfg)

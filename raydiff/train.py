@@ -2,8 +2,8 @@
 
     python -m raydiff.train [--config NAME_OR_PATH] [--set key=value ...] [--dry-run]
 
-With no arguments: the `default` preset, DDPM on scikit-learn's handwritten digits (about 5 minutes on 2 CPU
-cores). Results go to <run.storage>/<run.name>/: config.yaml, metrics.jsonl, samples/, checkpoints, summary.json.
+With no arguments: the `default` preset, DDPM on scikit-learn's handwritten digits (the README's quick start).
+Results go to <run.storage>/<run.name>/: config.yaml, metrics.jsonl, samples/, checkpoints, summary.json.
 """
 
 from __future__ import annotations

@@ -195,8 +195,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray.tune.schedulers import ASHAScheduler
 
     from raydiff.cluster.nodes import wait_for_worker_node
-    from raydiff.runs.rundir import unwritable
     from raydiff.cluster.start import init_ray
+    from raydiff.runs.rundir import unwritable
     from raydiff.training.driver import with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
 
@@ -231,7 +231,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     spec_file.write_text(json.dumps(spec, indent=2) + "\n")
     (sweep_dir / LAYOUT_FILE).write_text(json.dumps({"layout": images.layout()}, indent=2) + "\n")
 
-    trial_runs = TrialRuns.remote()
+    trial_runs = TrialRuns.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
     trainable = tune.with_resources(
         tune.with_parameters(_run_trial, base=cfg.to_dict(), sweep=sweep, runs_dir=str(sweep_dir / "runs"),
                              images=images, cpus_per_trial=cpus / concurrent - TRIAL_CPU, trial_runs=trial_runs),
@@ -257,7 +257,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
         )
     with releasing_killed_trials(trial_runs):
         grid = tuner.fit()
-    rows = [_result_row(result, cfg, sweep, sweep_dir) for result in grid]
+    rows = [_result_row(grid[i], cfg, sweep, sweep_dir) for i in range(len(grid))]
     return write_outputs(rows, cfg, sweep, sweep_dir)
 
 
@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[raydiff] {rule} rule: best base LR {best or '-'}{spread}")
     if "best" in summary:
         best = summary["best"]
-        print(f"[raydiff] best: {best['trial']} (lr {best['lr']:.3g}), {summary['metric']} {best[summary['metric']]:.5g}")
+        metric = summary["metric"]
+        print(f"[raydiff] best: {best['trial']} (lr {best['lr']:.3g}), {metric} {best[metric]:.5g}")
         print(f"[raydiff] train it: python -m raydiff.train --config {summary['dir']}/best.yaml")
     print(f"[raydiff] results: {summary['dir']}/results.csv, sweep.png, summary.json")
     return 0 if "best" in summary else 1

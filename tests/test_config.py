@@ -3,13 +3,20 @@ from __future__ import annotations
 from typing import get_type_hints
 
 import pytest
-
 from conftest import ROOT
 
 from raydiff.config import Config, ConfigError, all_keys, load_config, preset_names
 from raydiff.data.order import micro_batches, rank_share
 
-INTERFACE_KEYS = ["data.source", "data.resolution", "data.channels", "model.base_channels", "model.channel_mult", "model.num_res_blocks", "model.attention_resolutions", "model.dropout", "diffusion.timesteps", "diffusion.schedule", "diffusion.prediction", "train.global_batch", "train.micro_batch", "train.lr", "train.warmup_steps", "train.total_steps", "train.grad_clip", "train.precision", "train.ema_decay", "train.ema_warmup_steps", "train.checkpoint_every", "train.sample_every", "train.log_every", "train.seed", "scaling.num_workers", "scaling.use_gpu", "run.name", "run.storage", "run.max_failures", "run.keep_checkpoints"]
+INTERFACE_KEYS = [
+    "data.source", "data.resolution", "data.channels", "model.base_channels", "model.channel_mult",
+    "model.num_res_blocks", "model.attention_resolutions", "model.dropout", "diffusion.timesteps",
+    "diffusion.schedule", "diffusion.prediction", "train.global_batch", "train.micro_batch", "train.lr",
+    "train.warmup_steps", "train.total_steps", "train.grad_clip", "train.precision", "train.ema_decay",
+    "train.ema_warmup_steps", "train.checkpoint_every", "train.sample_every", "train.log_every", "train.seed",
+    "scaling.num_workers", "scaling.use_gpu", "run.name", "run.storage", "run.max_failures",
+    "run.keep_checkpoints",
+]
 
 
 def test_interface_keys_exist():
@@ -174,7 +181,8 @@ def test_digits_features_need_the_digits_and_dashboards_need_their_package(monke
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"log.wandb_project = 'p': needs the wandb package: pip install 'raydiff\[wandb\]'"):
+    needs = r"log.wandb_project = 'p': needs the wandb package: pip install 'raydiff\[wandb\]'"
+    with pytest.raises(ConfigError, match=needs):
         load_config("default", ["log.wandb_project=p"])
 
 
@@ -192,7 +200,6 @@ def test_an_optional_package_older_than_raydiff_needs_is_refused(monkeypatch):
 
 def test_pyproject_declares_the_package_floors_raydiff_checks():
     import tomllib
-
     from packaging.requirements import Requirement
 
     from raydiff.config.checks import PACKAGE_FLOORS

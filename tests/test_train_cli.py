@@ -43,7 +43,8 @@ def test_run_directory_has_every_output(smoke_run):
         assert row["images_seen"] == row["step"] * 16 and row["world_size"] == 2
         assert math.isfinite(row["loss"]) and row["images_per_s"] > 0 and 0 <= row["data_wait_frac"] < 1
     assert rows[-1]["loss"] < rows[0]["loss"]
-    # Quality (eval.every=10, at_end) at steps 10 and 20; the loss per timestep quarter and the EMA's drift in every row.
+    # Quality (eval.every=10, at_end) at steps 10 and 20; the loss per timestep quarter and the EMA's drift in every
+    # row.
     assert [r["step"] for r in rows if QUALITY_KEYS <= r.keys()] == [10, 20]
     assert all(0 < r["ema_drift"] < 1 for r in rows) and rows[-1]["loss_q1"] > rows[-1]["loss_q4"]
     assert 0 <= rows[-1]["digits_coverage"] <= 1 and rows[-1]["digits_fd"] > 0
@@ -55,7 +56,8 @@ def test_run_directory_has_every_output(smoke_run):
     assert summary["status"] == "finished" and summary["steps"] == 20 and summary["images_seen"] == 320
     assert summary["world_sizes"] == [2] and summary["final_loss"] == pytest.approx(rows[-1]["loss"])
     assert summary["checkpoint"].endswith("checkpoint_00000020")
-    assert summary["quality"] == {k: rows[-1][k] for k in summary["quality"]} and QUALITY_KEYS <= summary["quality"].keys()
+    assert summary["quality"] == {k: rows[-1][k] for k in summary["quality"]}
+    assert QUALITY_KEYS <= summary["quality"].keys()
 
     checkpoints = list_checkpoints(run_dir)
     assert [p.name for p in checkpoints] == ["checkpoint_00000010", "checkpoint_00000020"]

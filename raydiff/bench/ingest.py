@@ -154,8 +154,8 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
     import ray
 
     from raydiff.data.builtin import write_synthetic
-    from raydiff.data.sources import open_source
     from raydiff.data.shards import write_prepared
+    from raydiff.data.sources import open_source
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpus = os.cpu_count() or 1

@@ -144,9 +144,9 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path) -> dict[str, Any]:
 
 
 def bench_throughput(config: str, overrides: list[str], *, steps: int, peak: float | None) -> dict[str, Any]:
+    from raydiff.cluster.start import init_ray
     from raydiff.data.builtin import write_synthetic
     from raydiff.sample import resolve_device
-    from raydiff.cluster.start import init_ray
     from raydiff.training.step import resolve_precision, speed_options
 
     cfg = load_config(config, overrides, check_source=False)

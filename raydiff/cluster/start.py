@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -23,7 +24,8 @@ def init_ray() -> None:
     """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one."""
     if ray.is_initialized():
         return
-    existing = canonicalize_bootstrap_address(None)  # what ray.init() will join, if anything
+    # What ray.init() will join, if anything (None: RAY_ADDRESS, else a local `ray start`; Ray's hint says str).
+    existing = canonicalize_bootstrap_address(None)  # type: ignore[arg-type]
     ray.init(logging_level=logging.WARNING)
     resources = ray.cluster_resources()
     what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
@@ -43,12 +45,13 @@ HARMLESS_WORKER_LINES = (
     re.compile(r"class name: 'PreemptionWatcher' .* has constructor arguments in the object store and "
                r"max_restarts > 0"),
 )
+_INSTALLED_FILTERS: list[Callable[[dict[str, Any]], None]] = []  # installed once per process, not stacked
 
 
 def _drop_harmless_worker_lines() -> None:
     """Filter the worker output Ray forwards to this driver: a newcomer reads an error line as a failure."""
     printers = [(name, handler) for name, handler in dispatcher.handlers if name == "ray_print_logs"]
-    if not printers or getattr(printers[0][1], "raydiff_filtered", False):
+    if not printers or printers[0][1] in _INSTALLED_FILTERS:
         return
     print_lines = printers[0][1]
 
@@ -57,6 +60,6 @@ def _drop_harmless_worker_lines() -> None:
         if lines:
             print_lines({**data, "lines": lines})
 
-    filtered.raydiff_filtered = True
+    _INSTALLED_FILTERS.append(filtered)
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("ray_print_logs", filtered)

@@ -59,7 +59,7 @@ def class_docstrings(cls: type) -> tuple[str | None, dict[str, str]]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     docs: dict[str, str] = {}
-    for stmt, after in zip(node.body, [*node.body[1:], None]):
+    for stmt, after in zip(node.body, [*node.body[1:], None], strict=True):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[stmt.target.id] = inspect.cleandoc(after.value.value)

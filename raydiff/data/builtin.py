@@ -50,7 +50,7 @@ def digits_folder() -> Path:
 
         digits = load_digits()
         pixels = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)  # values are 0..16
-        for i, (image, label) in enumerate(zip(pixels, digits.target)):
+        for i, (image, label) in enumerate(zip(pixels, digits.target, strict=True)):
             Image.fromarray(image, mode="L").save(folder / f"{i:04d}_digit{label}.png")
 
     return _publish(build, cache_dir() / "digits-v1")

@@ -123,7 +123,7 @@ def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: 
             for i in range(n):
                 if values[i] is None and column[i] is not None:
                     values[i] = column[i]
-    wheres = [f"{p}:{k}" for p, k in zip(batch.get("path", [""] * n), batch["__key__"])]
+    wheres = [f"{p}:{k}" for p, k in zip(batch.get("path", [""] * n), batch["__key__"], strict=True)]
     return _decode_encoded(values, wheres, resolution, channels)
 
 
@@ -190,7 +190,7 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
             where, _, reason = error.partition(_SEP)
             bad.append(BadSample(index=start + row, where=where, reason=reason))
         start += rows
-    keep = [(c, n) for c, (n, _) in zip(chunks, counted) if n]
+    keep = [(c, n) for c, (n, _) in zip(chunks, counted, strict=True) if n]
     if not keep:
         raise DataError(f"data.source = {source.uri!r}: no samples found in {source.describe()}")
     return ImageStore(chunks=tuple(c for c, _ in keep), counts=tuple(n for _, n in keep),

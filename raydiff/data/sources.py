@@ -50,7 +50,7 @@ class Source:
         """Count and fingerprint of the files (relative names and sizes): a changed source is caught on resume."""
         root = _common_root(self.files)
         digest = hashlib.sha256()
-        for path, size in zip(self.files, self.sizes):
+        for path, size in zip(self.files, self.sizes, strict=True):
             digest.update(f"{_relative(path, root)}\0{size}\n".encode())
         return {"source": self.uri, "kind": self.kind, "num_files": len(self.files),
                 "fingerprint": digest.hexdigest()[:16]}

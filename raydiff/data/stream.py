@@ -307,8 +307,8 @@ class StreamTable:
             asked.append((self._shards.get.remote(now), now))
         refs: dict[int, ray.ObjectRef] = {}
         for answer, names in {id(answer): (answer, names) for answer, names in asked}.values():
-            refs.update(zip(names, (wrapped[0] for wrapped in ray.get(answer))))
-        for s, array in zip(shards, ray.get([refs[s] for s in shards])):
+            refs.update(zip(names, (wrapped[0] for wrapped in ray.get(answer)), strict=True))
+        for s, array in zip(shards, ray.get([refs[s] for s in shards]), strict=True):
             self._arrays[s] = array
 
     def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:

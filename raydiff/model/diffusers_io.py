@@ -164,7 +164,7 @@ def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: Config) -> dict[str, 
             if kind == "res":
                 out[f"{theirs}.{_RES_RENAMES.get(module, module)}.{leaf}"] = value
             elif kind == "attn" and module == "qkv":
-                for part, chunk in zip(("to_q", "to_k", "to_v"), value.chunk(3)):
+                for part, chunk in zip(("to_q", "to_k", "to_v"), value.chunk(3), strict=True):
                     out[f"{theirs}.{part}.{leaf}"] = chunk.clone()
             elif kind == "attn":
                 out[f"{theirs}.{_ATTN_RENAMES[module]}.{leaf}"] = value
@@ -242,7 +242,7 @@ def model_keys_from_unet(unet: dict[str, Any], *, where: str) -> dict[str, Any]:
     if up != mirrored:
         raise _unet_error(where, "up_block_types", up, f"raydiff's UNet needs the down path mirrored: {mirrored}")
     head_dim = unet["attention_head_dim"]
-    attended = [w for w, a in zip(widths, attention) if a] + [widths[-1]]  # the mid block always attends
+    attended = [w for w, a in zip(widths, attention, strict=True) if a] + [widths[-1]]  # the mid block always attends
     if head_dim is not None and any(w != head_dim for w in attended):
         raise _unet_error(where, "attention_head_dim", head_dim, f"raydiff's attention has one head: null, or the "
                           f"channels of every block with attention ({sorted(set(attended))})")
@@ -271,7 +271,7 @@ def diffusion_keys_from_scheduler(scheduler: dict[str, Any], *, where: str) -> d
     if kind == "linear":
         ends = scheduler.get("beta_start", 1e-4), scheduler.get("beta_end", 0.02)
         expected = linear_beta_range(timesteps)
-        if any(abs(a - b) > 1e-6 * b for a, b in zip(ends, expected)):
+        if any(abs(a - b) > 1e-6 * b for a, b in zip(ends, expected, strict=True)):
             raise ConfigError(f"{where}: the scheduler there has beta_start, beta_end = {list(ends)}; raydiff's "
                               f"linear schedule at T = {timesteps} has {list(expected)}")
         schedule = "linear"

@@ -45,5 +45,5 @@ class EmaUpdater:
         increments = torch._foreach_sub(self._model, self._ema)
         torch._foreach_mul_(increments, weight)
         torch._foreach_add_(self._ema, increments)
-        for e, b in zip(self._ema_buffers, self._model_buffers):
+        for e, b in zip(self._ema_buffers, self._model_buffers, strict=True):
             e.copy_(b)

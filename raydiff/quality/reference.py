@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from raydiff.quality.measure import parallel_stats, total
 from raydiff.quality.features import Features, QualityError
+from raydiff.quality.measure import parallel_stats, total
 from raydiff.runs.rundir import RunDir
 
 CACHE_FOLDER = ".raydiff-reference"

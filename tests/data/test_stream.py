@@ -13,6 +13,7 @@ import ray
 
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.order import SampleOrder, rank_share
+from raydiff.data.shards import write_prepared
 from raydiff.data.sources import DataError, open_source
 from raydiff.data.stream import (
     READ_AHEAD_WINDOWS,
@@ -22,7 +23,6 @@ from raydiff.data.stream import (
     open_tables,
     stream_images,
 )
-from raydiff.data.shards import write_prepared
 
 SHAPE = (3, 4, 4)
 

@@ -23,7 +23,10 @@ def test_linear_schedule_matches_ddpm():
 def test_cosine_schedule_matches_improved_ddpm():
     T, s = 1000, 0.008
     d = GaussianDiffusion(schedule="cosine", timesteps=T, prediction="eps")
-    f = lambda t: math.cos((t / T + s) / (1 + s) * math.pi / 2) ** 2
+
+    def f(t):
+        return math.cos((t / T + s) / (1 + s) * math.pi / 2) ** 2
+
     for t in (0, 10, 500, 900):
         assert d.alpha_bar[t].item() == pytest.approx(f(t + 1) / f(0), rel=1e-6)
     assert make_betas("cosine", T).max().item() <= 0.999
@@ -112,7 +115,10 @@ def test_samplers_recover_a_single_point_dataset(sampler, eta):
 
 def test_sampling_is_deterministic_for_a_seed():
     d = GaussianDiffusion(schedule="linear", timesteps=50, prediction="eps")
-    model = lambda x, t: 0.1 * x
+
+    def model(x, t):
+        return 0.1 * x
+
     a = d.sample(model, (2, 1, 3, 3), sampler="ddpm", generator=torch.Generator().manual_seed(7))
     b = d.sample(model, (2, 1, 3, 3), sampler="ddpm", generator=torch.Generator().manual_seed(7))
     c = d.sample(model, (2, 1, 3, 3), sampler="ddpm", generator=torch.Generator().manual_seed(8))
@@ -146,7 +152,7 @@ def test_ddpm_step_matches_the_float64_posterior(schedule, t, t_prev):
     ab, ab_prev, beta = _pair(d, t, t_prev)
     x0, x_t, tt, tp, noise = _tensors(t, t_prev)
     out = d.ddpm_step(x0, x_t, tt, tp, noise).flatten().tolist()
-    for got, a, b, n in zip(out, X0, X_T, NOISE):
+    for got, a, b, n in zip(out, X0, X_T, NOISE, strict=True):
         mean = math.sqrt(ab_prev) * beta / (1 - ab) * a + math.sqrt(1 - beta) * (1 - ab_prev) / (1 - ab) * b
         assert got == pytest.approx(mean + math.sqrt(beta * (1 - ab_prev) / (1 - ab)) * n, rel=1e-6)
 
@@ -160,8 +166,9 @@ def test_ddim_step_matches_the_float64_update(schedule, eta, t, t_prev):
     x0, eps, tt, tp, noise = _tensors(t, t_prev)
     out = d.ddim_step(x0, eps, tt, tp, eta, noise).flatten().tolist()
     sigma = eta * math.sqrt((1 - ab_prev) / (1 - ab) * beta)
-    for got, a, e, n in zip(out, X0, X_T, NOISE):
-        assert got == pytest.approx(math.sqrt(ab_prev) * a + math.sqrt(1 - ab_prev - sigma**2) * e + sigma * n, rel=1e-6)
+    for got, a, e, n in zip(out, X0, X_T, NOISE, strict=True):
+        expected = math.sqrt(ab_prev) * a + math.sqrt(1 - ab_prev - sigma**2) * e + sigma * n
+        assert got == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("sampler", ["ddpm", "ddim"])

@@ -17,7 +17,6 @@ from raydiff.quality.features import (
     inception_weights_path,
 )
 
-
 # The shipped weights, and a distance measured with them: the same on every machine (up to float rounding).
 DIGITS_KEY = "digits-classifier-v2-47347c7366896c46"
 DIGITS_HALVES_FD = 91.56574170996737  # the first 900 digits against the other 897

@@ -12,8 +12,8 @@ from raydiff.config import Config
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.quality.digits_classifier import digits_arrays
-from raydiff.quality.measure import SampleJob, parallel_stats, scores
 from raydiff.quality.features import ModuleFeatures
+from raydiff.quality.measure import SampleJob, parallel_stats, scores
 from raydiff.quality.reference import Reference
 
 pytestmark = pytest.mark.ray

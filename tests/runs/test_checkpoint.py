@@ -6,8 +6,8 @@ import torch
 from PIL import Image
 
 from raydiff.runs.checkpoint import checkpoint_name, list_checkpoints, read_state, write_state
-from raydiff.runs.state import read_newest
 from raydiff.runs.images import save_samples
+from raydiff.runs.state import read_newest
 
 
 def test_grid_and_folder(tmp_path):

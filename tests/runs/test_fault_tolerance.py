@@ -233,7 +233,7 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
     for path in (run_dir / "order").iterdir():
         for record in map(json.loads, path.read_text().splitlines()):
             start, end = record["positions"]
-            for position, index in zip(range(start, end), record["indices"]):
+            for position, index in zip(range(start, end), record["indices"], strict=True):
                 assert positions.setdefault(position, index) == index  # replays after a restart agree
     assert sorted(positions) == list(range(total * 16))
     manifest = json.loads(next((tmp_path / ".raydiff-stream").glob("*/manifest.json")).read_text())

@@ -20,9 +20,9 @@ from conftest import ROOT
 from test_fault_tolerance import assert_same_weights, final_state, losses, summary, wait_for
 
 from raydiff.data.order import SampleOrder
+from raydiff.data.shards import write_prepared
 from raydiff.data.sources import open_source
 from raydiff.data.stream import MEMORY_SHARE
-from raydiff.data.shards import write_prepared
 
 pytestmark = pytest.mark.ray
 
@@ -78,7 +78,7 @@ def _positions(run_dir: Path) -> dict[int, int]:
     for path in (run_dir / "order").iterdir():
         for record in map(json.loads, path.read_text().splitlines()):
             start, end = record["positions"]
-            for position, index in zip(range(start, end), record["indices"]):
+            for position, index in zip(range(start, end), record["indices"], strict=True):
                 assert positions.setdefault(position, index) == index  # a replayed position trains the same sample
     return positions
 
