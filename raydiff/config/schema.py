@@ -145,6 +145,11 @@ class TrainSection:
     channels_last: Literal["auto"] | bool = "auto"
     """NHWC (channels-last) activations and weights; `auto` means off, as it has not been measured faster for this
     UNet (see docs/training.md#performance)."""
+    activation_checkpointing: Literal["auto"] | bool = False
+    """Recompute each residual and attention block's activations in the backward pass instead of keeping them:
+    much less memory for more compute, the same losses and gradients. `auto`: on when, without it, the measured
+    micro-batch (`train.micro_batch: auto`) would be smaller than the worker's share of the global batch (see
+    docs/training.md#activation-checkpointing)."""
     grad_compression: Literal["none", "bf16"] = "none"
     """`bf16`: DDP all-reduces the gradients in bf16, half the bytes on links between nodes (the cluster presets use
     it; see docs/training.md#performance); `none` averages them in fp32."""

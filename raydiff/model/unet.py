@@ -13,11 +13,13 @@ GroupNorm epsilon 1e-6 (`model.norm_eps`). With ch=128, mult (1,2,2,2), 2 res bl
 from __future__ import annotations
 
 import math
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 ZERO_SCALE = 1e-10  # the reference's init_scale=0 ("1e-10 if scale == 0": TF's variance_scaling rejects 0)
 Layer = TypeVar("Layer", nn.Conv2d, nn.Linear)
@@ -187,11 +189,29 @@ class UNet(nn.Module):
 
         self.norm_out = nn.GroupNorm(norm_groups, ch, eps=norm_eps)
         self.conv_out = _init(nn.Conv2d(ch, in_channels, 3, padding=1), ZERO_SCALE)  # a fresh model outputs ~0
+        # train.activation_checkpointing: each residual and attention block keeps only its input for the backward
+        # pass and computes its activations again there (more compute, much less memory at high resolutions).
+        self.activation_checkpointing = False
 
-    @staticmethod
-    def _run_layers(layers: nn.ModuleList, h: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def _run_layers(self, layers: nn.ModuleList, h: torch.Tensor, temb: torch.Tensor,
+                    skip: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers of one entry; `skip`: the down path's output that the entry's first res block concatenates
+        to its input (on the way up)."""
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        fn: Callable[..., torch.Tensor]
+        args: tuple[Any, ...]
         for layer in layers:
-            h = layer(h, temb) if isinstance(layer, ResBlock) else layer(h)
+            if isinstance(layer, ResBlock):
+                fn, args, skip = _concat_res, (layer, h, temb, skip), None
+            else:
+                fn, args = layer, (h,)
+            if recompute and isinstance(layer, (ResBlock, AttnBlock)):
+                # Non-reentrant: works under DDP's no_sync and torch.compile; the RNG state is restored for the
+                # recomputation, so dropout draws the same masks twice. The concatenation is recomputed too:
+                # kept, it would double what an up block keeps.
+                h = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+            else:
+                h = fn(*args)
         return h
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -203,10 +223,12 @@ class UNet(nn.Module):
         h = self._run_layers(self.mid, hs[-1], temb)
         for layers in self.up:
             assert isinstance(layers, nn.ModuleList)
-            if isinstance(layers[0], ResBlock):
-                h = torch.cat([h, hs.pop()], dim=1)
-            h = self._run_layers(layers, h, temb)
+            h = self._run_layers(layers, h, temb, skip=hs.pop() if isinstance(layers[0], ResBlock) else None)
         return self.conv_out(F.silu(self.norm_out(h)))
+
+
+def _concat_res(block: ResBlock, h: torch.Tensor, temb: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
+    return block(h if skip is None else torch.cat([h, skip], dim=1), temb)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -214,7 +236,7 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def build_model(cfg) -> UNet:
-    """The UNet described by a `raydiff.config.Config`."""
+    """The UNet described by a `raydiff.config.Config` (activation checkpointing off: the training worker decides)."""
     m = cfg.model
     return UNet(
         resolution=cfg.data.resolution, in_channels=cfg.data.channels, base_channels=m.base_channels,

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from raydiff.model.unet import UNet
+
 logger = logging.getLogger("raydiff")
 SAFETY_MARGIN = 0.9  # use 90% of the largest batch that fit: the allocator fragments over a long run
 
@@ -68,3 +70,40 @@ def measure_micro_batch(model: torch.nn.Module, diffusion, optimizer: torch.opti
     chosen = max(1, int(largest * SAFETY_MARGIN)) if largest < share else share
     logger.info(f"[raydiff] train.micro_batch=auto: up to {largest} images fit on {device}; using {chosen}")
     return chosen
+
+
+def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,
+                micro_batch: int | str | None, checkpointing: bool | str, share: int, shape: tuple[int, int, int],
+                device: torch.device, autocast_dtype: torch.dtype | None, default_micro_batch: int,
+                agree: Callable[[int], int]) -> tuple[int, bool, str]:
+    """The micro-batch and whether to checkpoint activations (`train.micro_batch`, `train.activation_checkpointing`),
+    with a phrase for the start line saying why. Measures with the setting it will train with. `agree` turns a
+    number into the smallest over all workers (a collective), so every worker decides alike.
+
+    `auto` checkpointing is on when, without it, the measured micro-batch is smaller than the share: recomputing
+    activations then saves accumulation passes. With a fixed micro-batch there is nothing measured and it is off.
+    """
+    def measured(on: bool) -> int:
+        model.activation_checkpointing = on
+        return agree(measure_micro_batch(model, diffusion, optimizer, share=share, shape=shape, device=device,
+                                         autocast_dtype=autocast_dtype))
+
+    if checkpointing != "auto":
+        on = bool(checkpointing)
+        model.activation_checkpointing = on
+        chosen = measured(on) if micro_batch == "auto" else default_micro_batch
+        return chosen, on, f"activation checkpointing {'on' if on else 'off'}"
+    if micro_batch != "auto":
+        model.activation_checkpointing = False
+        return default_micro_batch, False, "activation checkpointing off (auto: train.micro_batch is fixed)"
+    full = agree(share)
+    without = measured(False)
+    if without >= full:
+        return without, False, f"activation checkpointing off (auto: the whole share of {full} fits without it)"
+    with_it = measured(True)
+    if with_it <= without:
+        model.activation_checkpointing = False
+        return without, False, (f"activation checkpointing off (auto: {without} images fit without it and no more "
+                                 f"with it)")
+    return with_it, True, (f"activation checkpointing on (auto: {without} of the share of {full} fit without it, "
+                           f"{with_it} with it)")

@@ -32,7 +32,7 @@ from raydiff.runs.writer import BackgroundWrites
 from raydiff.training.debug import DebugHooks
 from raydiff.training.distributed import from_rank_zero, smallest
 from raydiff.training.in_run_quality import InRunQuality
-from raydiff.training.microbatch import measure_micro_batch
+from raydiff.training.microbatch import plan_memory
 from raydiff.training.step import StepInputs, make_optimizer, resolve_precision, speed_options
 from raydiff.training.validation import Validation, holdout_split
 from raydiff.training.worker_io import WorkerArgs
@@ -137,12 +137,13 @@ def set_up(cfg: Config, args: WorkerArgs) -> Worker:
                                                       group=from_rank_zero(uuid.uuid4().hex))
     validation = Validation(table=val_table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
                             rank=rank, world_size=world_size) if len(val_indices) else None
-    if t.micro_batch == "auto":
-        share = rank_share(t.global_batch, world_size, rank)
-        micro_batch = smallest(measure_micro_batch(model, diffusion, optimizer, share=share.size, shape=images.shape,
-                                                   device=device, autocast_dtype=autocast_dtype), device)
-    else:
-        micro_batch = cfg.micro_batch_for(world_size)
+    # The micro-batch and activation checkpointing, measured with the setting the worker will train with.
+    share = rank_share(t.global_batch, world_size, rank)
+    micro_batch, speed["activation_checkpointing"], speed["memory_plan"] = plan_memory(
+        model, diffusion, optimizer, micro_batch=t.micro_batch, checkpointing=t.activation_checkpointing,
+        share=share.size, shape=images.shape, device=device, autocast_dtype=autocast_dtype,
+        default_micro_batch=cfg.micro_batch_for(world_size) if t.micro_batch != "auto" else share.size,
+        agree=lambda n: smallest(n, device))
 
     is_chief = rank == 0
     writes = BackgroundWrites() if is_chief else None

@@ -130,3 +130,43 @@ def test_timestep_embedding_is_sinusoidal():
     assert emb.shape == (2, 8)
     assert torch.allclose(emb[0], torch.tensor([0.0] * 4 + [1.0] * 4))
     assert torch.allclose(emb[1, 0], torch.sin(torch.tensor(10.0)))
+
+
+def _losses_and_grads(model: UNet, checkpointed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """One forward and backward pass in training mode (dropout on) from a fixed RNG state; also the bytes the
+    autograd graph keeps for the backward pass."""
+    model.activation_checkpointing = checkpointed
+    model.train()
+    model.zero_grad(set_to_none=True)
+    generator = torch.Generator().manual_seed(0)
+    x, t = torch.randn(4, 3, 16, 16, generator=generator), torch.tensor([1, 250, 500, 999])
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    torch.manual_seed(1)  # the dropout masks
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(x, t)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved.values())
+
+
+def test_activation_checkpointing_gives_the_same_outputs_and_gradients_and_keeps_less():
+    torch.manual_seed(0)
+    model = UNet(resolution=16, in_channels=3, base_channels=16, channel_mult=(1, 2), num_res_blocks=2,
+                 attention_resolutions=(8,), dropout=0.3, norm_groups=4)
+    for p in model.parameters():  # away from the zero init, so every gradient is non-trivial
+        p.data.add_(0.02 * torch.randn_like(p))
+    out, grads, kept = _losses_and_grads(model, checkpointed=False)
+    out_ckpt, grads_ckpt, kept_ckpt = _losses_and_grads(model, checkpointed=True)
+    assert torch.equal(out, out_ckpt)  # the same dropout masks: the RNG state is restored for the recomputation
+    for name, grad in grads.items():
+        assert torch.allclose(grads_ckpt[name], grad, rtol=1e-5, atol=1e-7), name
+    assert kept_ckpt < kept / 2  # only the blocks' inputs are kept
+    model.eval()
+    with torch.no_grad():  # evaluation and sampling never recompute
+        assert torch.equal(model(torch.zeros(1, 3, 16, 16), torch.tensor([5])),
+                           model(torch.zeros(1, 3, 16, 16), torch.tensor([5])))

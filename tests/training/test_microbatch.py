@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydiff.training.microbatch import largest_fitting, measure_micro_batch
+from raydiff.training import microbatch
+from raydiff.training.microbatch import largest_fitting, measure_micro_batch, plan_memory
 
 
 @pytest.mark.parametrize("limit, upper, expected", [(37, 128, 37), (1, 64, 1), (0, 64, 0), (500, 64, 64),
@@ -26,3 +27,29 @@ def test_cpu_uses_the_whole_share_without_probing():
     chosen = measure_micro_batch(model, None, torch.optim.AdamW(model.parameters()), share=48, shape=(1, 8, 8),
                                  device=torch.device("cpu"), autocast_dtype=None)
     assert chosen == 48
+
+
+class _Model(torch.nn.Linear):
+    activation_checkpointing = False
+
+
+@pytest.mark.parametrize(("fits_plain", "fits_checkpointed", "micro_batch", "checkpointing", "expected"), [
+    (48, 48, "auto", "auto", (48, False, "the whole share of 48 fits without it")),
+    (10, 30, "auto", "auto", (30, True, "10 of the share of 48 fit without it, 30 with it")),
+    (10, 10, "auto", "auto", (10, False, "10 images fit without it and no more with it")),
+    (10, 30, 8, "auto", (8, False, "train.micro_batch is fixed")),
+    (10, 30, "auto", True, (30, True, "activation checkpointing on")),
+    (10, 30, "auto", False, (10, False, "activation checkpointing off")),
+])
+def test_auto_checkpointing_is_on_where_the_share_does_not_fit_without_it(monkeypatch, fits_plain, fits_checkpointed,
+                                                                           micro_batch, checkpointing, expected):
+    """Measured with the setting it will train with: the measurement sees the model's checkpointing switch."""
+    model = _Model(2, 2)
+    monkeypatch.setattr(microbatch, "measure_micro_batch", lambda model, *a, share, **k: min(
+        share, fits_checkpointed if model.activation_checkpointing else fits_plain))
+    agreed = []
+    chosen, on, why = plan_memory(model, None, None, micro_batch=micro_batch, checkpointing=checkpointing, share=48,
+                                  shape=(3, 256, 256), device=torch.device("cuda"), autocast_dtype=None,
+                                  default_micro_batch=8, agree=lambda n: agreed.append(n) or n)
+    assert (chosen, on) == expected[:2] and expected[2] in why and model.activation_checkpointing is on
+    assert micro_batch != "auto" or agreed  # every measured number goes through the collective
