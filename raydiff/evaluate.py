@@ -68,7 +68,7 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     import torch
 
     from raydiff.cluster.start import init_ray
-    from raydiff.model.diffusion import build_diffusion
+    from raydiff.model.diffusion import build_diffusion, images_per_pass
     from raydiff.model.unet import build_model
     from raydiff.quality.features import features_for
     from raydiff.quality.measure import SampleJob, parallel_stats, scores
@@ -86,7 +86,7 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     model = build_model(cfg)
     model.load_state_dict(state["ema"])
     job = SampleJob(model=model.float(), diffusion=build_diffusion(cfg), shape=(d.channels, d.resolution, d.resolution),
-                    sampler=e.sampler, steps=e.steps, seed=e.seed)
+                    sampler=e.sampler, steps=e.steps, seed=e.seed, batch=images_per_pass(d.resolution))
     with torch.inference_mode():
         samples = parallel_stats("sample", job, features, e.num, workers=workers, keep_features=keep)
     result = scores(samples, reference, features, e.metrics, seed=e.seed)

@@ -25,7 +25,7 @@ import torch
 from raydiff import cli
 from raydiff.config import Config
 from raydiff.model import diffusers_folder
-from raydiff.model.diffusion import build_diffusion
+from raydiff.model.diffusion import build_diffusion, images_per_pass
 from raydiff.model.noise import GRID_NOISE, image_generators
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_location
@@ -48,11 +48,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eta", type=float, default=0.0, help="DDIM noise: 0 deterministic, 1 = DDPM posterior")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-ema", action="store_true", help="use the online weights instead of the EMA")
-    parser.add_argument("--batch", type=int, default=64, help="images per forward pass (default 64)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="images per forward pass (default: 64 up to 64x64, fewer above, 4 at 256x256)")
     parser.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda, cuda:N")
     args = parser.parse_args(argv)
     for name, low in (("num", 1), ("batch", 1), ("seed", 0)):
-        if getattr(args, name) < low:
+        if getattr(args, name) is not None and getattr(args, name) < low:
             parser.error(f"--{name} {getattr(args, name)}: must be >= {low}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps {args.steps}: must be >= 1")
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{steps or state['config']['diffusion']['timesteps']} steps, on {device}")
     with torch.inference_mode():
         images = generate(state, num=args.num, sampler=args.sampler, steps=steps, eta=args.eta, seed=args.seed,
-                          use_ema=not args.no_ema, batch=args.batch, device=device)
+                          use_ema=not args.no_ema, device=device,
+                          batch=args.batch or images_per_pass(state["config"]["data"]["resolution"]))
     out = save_samples(images, args.out)
     print(f"[raydiff] wrote {out.resolve()}")
     return 0

@@ -139,7 +139,7 @@ def test_missing_source_is_an_error():
 
 
 def test_unknown_preset_and_bad_yaml(tmp_path):
-    presets = "cifar10, cifar10-aws, cifar10-gcp, cifar10-k8s, default, digits, smoke"
+    presets = "celebahq256, cifar10, cifar10-aws, cifar10-gcp, cifar10-k8s, default, digits, lsun256, smoke"
     with pytest.raises(ConfigError, match=f"presets: {presets}"):
         load_config("nosuch")
     bad = tmp_path / "bad.yaml"

@@ -46,6 +46,16 @@ def make_betas(schedule: Schedule, timesteps: int) -> torch.Tensor:
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
+PIXELS_PER_PASS = 64 * 64 * 64  # sampling without a batch size: as many images per forward pass as make this
+
+
+def images_per_pass(resolution: int, most: int = 64) -> int:
+    """How many images one sampling forward pass generates when the user names no batch size: a fixed number of
+    pixels, so that a 256x256 model on a small GPU does not hold many images' activations at once (64 at up to
+    64x64, 4 at 256x256, at least 1)."""
+    return max(1, min(most, PIXELS_PER_PASS // (resolution * resolution)))
+
+
 class GaussianDiffusion:
     """Holds a schedule's constants and does all the arithmetic that depends on it.
 

@@ -42,13 +42,18 @@ class SampleJob:
     sampler: str
     steps: int
     seed: int
+    batch: int | None = None  # the most images per forward pass (None: a whole chunk); images do not depend on it
 
     @torch.no_grad()
     def images(self, indices: range, device: torch.device) -> torch.Tensor:
-        generators = image_generators(self.seed, indices, device, EVAL_NOISE)
-        x = self.diffusion.sample(self.model, (len(indices), *self.shape), sampler=self.sampler, steps=self.steps,
-                                  generator=generators, device=device)
-        return to_uint8(x)
+        step = self.batch or len(indices)
+        parts = []
+        for start in range(indices.start, indices.stop, step):
+            part = range(start, min(start + step, indices.stop))
+            generators = image_generators(self.seed, part, device, EVAL_NOISE)
+            parts.append(self.diffusion.sample(self.model, (len(part), *self.shape), sampler=self.sampler,
+                                               steps=self.steps, generator=generators, device=device))
+        return to_uint8(torch.cat(parts))
 
 
 def empty_stats(features: Features, keep_features: bool, dim: int) -> FeatureStats:

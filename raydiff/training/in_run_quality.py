@@ -29,13 +29,13 @@ class InRunQuality:
 
 @torch.no_grad()
 def evaluate_in_run(quality: InRunQuality, ema: torch.nn.Module, diffusion, cfg, rank: int, world_size: int,
-                    device: torch.device) -> dict[str, Any]:
-    """The quality metrics of the EMA weights now (a collective: every worker calls it). Returns the metrics on
-    every worker."""
+                    device: torch.device, batch: int | None = None) -> dict[str, Any]:
+    """The quality metrics of the EMA weights now (a collective: every worker calls it), generating at most
+    `batch` images per forward pass. Returns the metrics on every worker."""
     e, d = cfg.eval, cfg.data
     keep = "kid" in e.metrics
     job = SampleJob(model=ema, diffusion=diffusion, shape=(d.channels, d.resolution, d.resolution),
-                    sampler=e.sampler, steps=e.steps, seed=e.seed)
+                    sampler=e.sampler, steps=e.steps, seed=e.seed, batch=batch)
     mine = chunks(e.num)[rank::world_size]
     parts = sample_stats(job, quality.features, mine, device, keep) if mine else []
     dim = len(quality.reference.mu)

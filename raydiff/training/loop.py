@@ -185,7 +185,7 @@ def _record_start(w: Worker, args: WorkerArgs, progress: Progress) -> None:
                 f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
                 f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; compile "
                 f"{w.speed['compile']}, channels_last {w.speed['channels_last']}, gradient compression "
-                f"{w.speed['grad_compression']}")
+                f"{w.speed['grad_compression']}, {w.speed['memory_plan']}")
 
 
 class _Interrupts:
@@ -221,7 +221,8 @@ def _evaluate(w: Worker, step: int, done: bool) -> dict[str, Any] | None:
     if w.quality is None or not ((e.every and step % e.every == 0) or (done and e.at_end)):
         return None
     eval_start = time.perf_counter()
-    quality = evaluate_in_run(w.quality, w.ema, w.step_inputs.diffusion, w.cfg, w.rank, w.world_size, w.device)
+    quality = evaluate_in_run(w.quality, w.ema, w.step_inputs.diffusion, w.cfg, w.rank, w.world_size, w.device,
+                              batch=w.micro_batch)
     quality["eval_s"] = round(time.perf_counter() - eval_start, 2)
     return quality
 
@@ -253,12 +254,16 @@ def _log_row(w: Worker, dashboards: Dashboards | None, metrics: dict[str, Any], 
 
 @torch.no_grad()
 def _save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None) -> None:
-    """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards."""
+    """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards. Generated a
+    micro-batch at a time: what fits a training step fits sampling (image i depends on (seed, i) only)."""
     t, d = w.cfg.train, w.cfg.data
-    images = w.step_inputs.diffusion.sample(
-        w.ema, (t.sample_num, d.channels, d.resolution, d.resolution), sampler="ddim", steps=t.sample_steps,
-        generator=image_generators(t.seed, range(t.sample_num), w.device, GRID_NOISE), device=w.device)
-    png = grid_png(images)
+    parts = []
+    for start in range(0, t.sample_num, w.micro_batch):
+        indices = range(start, min(start + w.micro_batch, t.sample_num))
+        parts.append(w.step_inputs.diffusion.sample(
+            w.ema, (len(indices), d.channels, d.resolution, d.resolution), sampler="ddim", steps=t.sample_steps,
+            generator=image_generators(t.seed, indices, w.device, GRID_NOISE), device=w.device))
+    png = grid_png(torch.cat(parts))
     if w.writes is not None:
         w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
     if dashboards is not None:

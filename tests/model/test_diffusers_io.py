@@ -22,6 +22,13 @@ GOOGLE_DDPM_CIFAR10 = {
     "norm_num_groups": 32, "norm_eps": 1e-6, "act_fn": "silu", "time_embedding_type": "positional",
     "flip_sin_to_cos": False, "freq_shift": 1, "downsample_padding": 0,
 }
+# google/ddpm-church-256's (and -celebahq-256's, -bedroom-256's, -cat-256's) published UNet2DModel config: Ho et
+# al.'s 256x256 model.
+GOOGLE_DDPM_256 = {
+    **GOOGLE_DDPM_CIFAR10, "sample_size": 256, "block_out_channels": [128, 128, 256, 256, 512, 512],
+    "down_block_types": ["DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"],
+}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -136,6 +143,26 @@ def test_imports_google_ddpm_cifar10_exactly(tmp_path):
     smoke = load_config("smoke", [f"model.init_from={tmp_path / 'unet'}"], check_source=False)  # a UNet folder
     with pytest.raises(ConfigError, match=r"data\.resolution = 8 here, but the UNet there has sample_size = 32$"):
         diffusers_folder.load_init_weights(smoke)
+
+
+def test_the_256_presets_fine_tune_the_published_256_models(tmp_path):
+    """--config lsun256 --set model.init_from=google/ddpm-church-256: the published config (random weights here,
+    nothing is downloaded) loads into the preset's model, which then computes what diffusers computes. Both 256
+    presets have that model."""
+    preset = "lsun256"
+    assert load_config("celebahq256", check_source=False).model == load_config(preset, check_source=False).model
+    torch.manual_seed(0)
+    unet = UNet2DModel(**GOOGLE_DDPM_256).eval()
+    assert sum(p.numel() for p in unet.parameters()) == 113_673_219
+    unet.save_pretrained(tmp_path / "unet")
+    cfg = load_config(preset, [f"model.init_from={tmp_path}"], check_source=False)
+    model = build_model(cfg).eval()
+    model.load_state_dict(diffusers_folder.load_init_weights(cfg))
+    x, t = torch.randn(1, 3, 256, 256), torch.tensor([500])
+    with torch.no_grad():
+        ours, theirs = model(x, t), unet(x, t).sample
+    print(f"{preset}: max |raydiff - diffusers| = {(ours - theirs).abs().max().item():.2e}")
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("override", "unet_key", "message"), [

@@ -57,3 +57,5 @@ def test_image_i_depends_on_seed_and_i_only(one_torch_thread):
     assert batch.dtype == torch.uint8 and torch.equal(batch[3], alone[0]) and not torch.equal(batch[2], batch[3])
     other_seed = SampleJob(**{**job.__dict__, "seed": 4}).images(range(3, 4), torch.device("cpu"))
     assert not torch.equal(other_seed, alone)
+    # At most 2 images per forward pass (a 256x256 model on a small GPU): the same images.
+    assert torch.equal(SampleJob(**{**job.__dict__, "batch": 2}).images(range(5), torch.device("cpu")), batch)
