@@ -63,3 +63,22 @@ def test_throughput_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and "--steps 1: must be >= 2" in proc.stderr
     proc = run_cli("raydiff.bench", "throughput", "--peak-tflops", "0")
     assert proc.returncode == 2 and proc.stderr.strip().endswith("error: --peak-tflops 0.0: must be > 0")
+
+
+def test_memory_bench_reports_the_parts_with_and_without_activation_checkpointing():
+    proc = run_cli("raydiff.bench", "memory", "--config", "default", "--micro-batch", "32")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["micro_batch"] == 32 and result["device"] == "cpu" and result["parameters"] > 10**6
+    fixed = sum(result[f"{part}_gb"] for part in ("weights", "gradients", "optimizer", "ema"))
+    assert result["optimizer_gb"] == pytest.approx(2 * result["weights_gb"], abs=0.002)  # AdamW's two moments
+    for suffix in ("", "_checkpointed"):
+        assert result[f"peak_memory_gb{suffix}"] == pytest.approx(fixed + result[f"activations_gb{suffix}"], abs=0.004)
+    assert 0 < result["activations_gb_checkpointed"] < result["activations_gb"]
+    assert result["checkpointing_saves"] > 0.2 and "counted on CPU" in result["method"]
+    smaller = json.loads(run_cli("raydiff.bench", "memory", "--config", "default", "--micro-batch", "8")
+                         .stdout.strip().splitlines()[-1])
+    assert smaller["activations_gb"] < result["activations_gb"] / 2  # activations grow with the micro-batch
+
+    proc = run_cli("raydiff.bench", "memory", "--micro-batch", "0")
+    assert proc.returncode == 2 and "--micro-batch 0: must be >= 1" in proc.stderr

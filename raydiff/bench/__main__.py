@@ -5,6 +5,7 @@
     python -m raydiff.bench ingest [--source PATH] [--resolution 32] [--batch 128] [--epochs 5] [--synthetic 4000]
         [--cache memory|stream]
     python -m raydiff.bench throughput [--config cifar10] [--set key=value ...] [--steps 50] [--peak-tflops F]
+    python -m raydiff.bench memory --config NAME [--set key=value ...] [--micro-batch N]
 
 `checkpoint`: how long writing and reading the full training state (model, EMA, AdamW state, scaler,
 counters) takes and how large it is, for a preset's model; baseline: the bare weights, as `torch.save` of
@@ -17,11 +18,14 @@ of the same run (launch to first training step).
 `ingest`: img/s that raydiff's training ingest delivers from raw files and from prepared Parquet (held in memory,
 and with --cache stream also streamed shard by shard), against the textbook torch DataLoader on the same files,
 with peak object-store and RSS memory (see `raydiff.bench.ingest`); without --source it writes --synthetic
-64x64 JPEGs first.
+JPEGs first (64x64, or a quarter larger than --resolution above 51).
 
 `throughput`: img/s of raydiff's training (one Ray Train worker, its defaults for the device) against the
 textbook eager PyTorch loop on the same device, with FLOPs per image, TFLOP/s and MFU (see
 `raydiff.bench.throughput`).
+
+`memory`: the memory one training step needs at a micro-batch (weights, gradients, AdamW state, EMA,
+activations), with and without `train.activation_checkpointing` (see `raydiff.bench.memory`).
 """
 
 from __future__ import annotations
@@ -147,7 +151,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     speed.add_argument("--steps", type=int, default=50, help="warm-up steps, then as many measured (default 50)")
     speed.add_argument("--peak-tflops", type=float, default=None,
                        help="the device's peak dense bf16 TFLOP/s, for MFU (known GPUs are looked up)")
-    for p in (ckpt, rec, speed):
+    memory = sub.add_parser("memory", help="one training step's peak memory, with and without activation "
+                                            "checkpointing")
+    memory.add_argument("--config", default="default")
+    memory.add_argument("--micro-batch", type=int, default=None,
+                        help="images per forward pass (default: the preset's micro-batch; 1 where it is auto)")
+    for p in (ckpt, rec, speed, memory):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ingest = sub.add_parser("ingest", help="img/s of raydiff's ingest (raw, prepared) vs the torch DataLoader")
     ingest.add_argument("--source", default=None, help="folder of images (default: synthetic JPEGs)")
@@ -160,6 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         parser.error(f"--repeat {args.repeat}: must be >= 1")
+    if args.bench == "memory" and args.micro_batch is not None and args.micro_batch < 1:
+        parser.error(f"--micro-batch {args.micro_batch}: must be >= 1")
     if args.bench == "throughput" and args.steps < 2:
         parser.error(f"--steps {args.steps}: must be >= 2")
     if args.bench == "throughput" and args.peak_tflops is not None and args.peak_tflops <= 0:
@@ -182,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
 
         result = bench_ingest(args.source, resolution=args.resolution, batch=args.batch, epochs=args.epochs,
                               synthetic=args.synthetic, cache=args.cache)
+    elif args.bench == "memory":
+        from raydiff.bench.memory import bench_memory
+
+        result = bench_memory(args.config, args.set, args.micro_batch)
     elif args.bench == "throughput":
         from raydiff.bench.throughput import bench_throughput
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-SYNTHETIC_SOURCE_RESOLUTION = 64
+SYNTHETIC_SOURCE_RESOLUTION = 64  # the synthetic JPEGs' size, or a quarter more than the training resolution
 MIN_STEADY_S = 3.0  # a fast pipeline runs more epochs, so that its rate is not a few milliseconds' sample
 STREAM_SHARDS, STREAM_WINDOW = 16, 2
 
@@ -162,7 +162,9 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
     with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as tmp:
         if source is None:
             source = str(Path(tmp) / "jpegs")
-            write_synthetic(Path(source), num=synthetic, resolution=SYNTHETIC_SOURCE_RESOLUTION, fmt="jpg")
+            # Larger than the training resolution, as real photos are: the decode resizes them down.
+            size = max(SYNTHETIC_SOURCE_RESOLUTION, resolution + resolution // 4)
+            write_synthetic(Path(source), num=synthetic, resolution=size, fmt="jpg")
         raw = open_source(source, format="images")
         paths = list(raw.files)
         epoch = len(paths) // batch * batch
