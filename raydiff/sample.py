@@ -26,7 +26,7 @@ from raydiff import cli
 from raydiff.config import Config
 from raydiff.model import diffusers_folder
 from raydiff.model.diffusion import build_diffusion, images_per_pass
-from raydiff.model.noise import GRID_NOISE, image_generators
+from raydiff.model.noise import GRID_NOISE
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_location
 from raydiff.runs.images import save_samples
@@ -88,13 +88,9 @@ def generate(state: dict, *, num: int, sampler: Literal["ddpm", "ddim"], steps: 
     model = model.float().eval().to(device)
     diffusion = build_diffusion(cfg)
     shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
-    images = []
-    for start in range(0, num, batch):
-        indices = range(start, min(start + batch, num))
-        images.append(diffusion.sample(model, (len(indices), *shape), sampler=sampler, steps=steps, eta=eta,
-                                       generator=image_generators(seed, indices, device, GRID_NOISE),
-                                       device=device).cpu())
-    return torch.cat(images)
+    chunks = diffusion.sample_in_chunks(model, range(num), shape, batch=batch, seed=seed, tag=GRID_NOISE,
+                                        device=device, sampler=sampler, steps=steps, eta=eta)
+    return torch.cat([images.cpu() for images in chunks])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from raydiff.model.noise import image_generators
+
 Schedule = Literal["linear", "cosine"]
 Prediction = Literal["eps", "v", "x0"]
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -181,6 +183,17 @@ class GaussianDiffusion:
     ) -> torch.Tensor:
         """DDIM update (Song et al. 2021, eq. 12). eta=0 is deterministic; eta=1 equals the DDPM posterior."""
         return self._ddim(self._on(self._step_coefs(t.cpu(), t_prev.cpu(), eta), x0), x0, eps, noise)
+
+    def sample_in_chunks(self, model: Denoiser, indices: range, shape: tuple[int, ...], *, batch: int, seed: int,
+                         tag: int, device: torch.device | str, sampler: Literal["ddpm", "ddim"] = "ddim",
+                         steps: int | None = None, eta: float = 0.0) -> Iterator[torch.Tensor]:
+        """Images `indices` of one image `shape`, generated at most `batch` per forward pass (what fits the device).
+        Image i draws its noise from its own generator, seeded by (seed, i, tag): the images do not depend on
+        `batch`."""
+        for start in range(indices.start, indices.stop, batch):
+            part = range(start, min(start + batch, indices.stop))
+            yield self.sample(model, (len(part), *shape), sampler=sampler, steps=steps, eta=eta,
+                              generator=image_generators(seed, part, device, tag), device=device)
 
     @torch.no_grad()
     def sample(

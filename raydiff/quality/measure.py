@@ -16,7 +16,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raydiff.model.diffusion import full_fp32
-from raydiff.model.noise import EVAL_NOISE, image_generators
+from raydiff.model.noise import EVAL_NOISE
 from raydiff.quality.features import Features, metric_names
 from raydiff.quality.stats import FeatureStats, coverage, frechet_distance, kernel_distance
 
@@ -46,14 +46,10 @@ class SampleJob:
 
     @torch.no_grad()
     def images(self, indices: range, device: torch.device) -> torch.Tensor:
-        step = self.batch or len(indices)
-        parts = []
-        for start in range(indices.start, indices.stop, step):
-            part = range(start, min(start + step, indices.stop))
-            generators = image_generators(self.seed, part, device, EVAL_NOISE)
-            parts.append(self.diffusion.sample(self.model, (len(part), *self.shape), sampler=self.sampler,
-                                               steps=self.steps, generator=generators, device=device))
-        return to_uint8(torch.cat(parts))
+        chunks = self.diffusion.sample_in_chunks(self.model, indices, self.shape, batch=self.batch or len(indices),
+                                                 seed=self.seed, tag=EVAL_NOISE, device=device,
+                                                 sampler=self.sampler, steps=self.steps)
+        return to_uint8(torch.cat(list(chunks)))
 
 
 def empty_stats(features: Features, keep_features: bool, dim: int) -> FeatureStats:

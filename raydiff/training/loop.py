@@ -25,7 +25,7 @@ from raydiff.config.lr_rule import describe_lr
 from raydiff.data.loader import BatchStream
 from raydiff.data.order import rank_share
 from raydiff.model.ema import ema_decay_at
-from raydiff.model.noise import GRID_NOISE, image_generators
+from raydiff.model.noise import GRID_NOISE
 from raydiff.runs.checkpoint import checkpoint_name, write_state
 from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.images import grid_png
@@ -257,13 +257,10 @@ def _save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None) -> No
     """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards. Generated a
     micro-batch at a time: what fits a training step fits sampling (image i depends on (seed, i) only)."""
     t, d = w.cfg.train, w.cfg.data
-    parts = []
-    for start in range(0, t.sample_num, w.micro_batch):
-        indices = range(start, min(start + w.micro_batch, t.sample_num))
-        parts.append(w.step_inputs.diffusion.sample(
-            w.ema, (len(indices), d.channels, d.resolution, d.resolution), sampler="ddim", steps=t.sample_steps,
-            generator=image_generators(t.seed, indices, w.device, GRID_NOISE), device=w.device))
-    png = grid_png(torch.cat(parts))
+    chunks = w.step_inputs.diffusion.sample_in_chunks(
+        w.ema, range(t.sample_num), (d.channels, d.resolution, d.resolution), batch=w.micro_batch, seed=t.seed,
+        tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps)
+    png = grid_png(torch.cat(list(chunks)))
     if w.writes is not None:
         w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
     if dashboards is not None:

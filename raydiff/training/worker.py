@@ -139,7 +139,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> Worker:
                             rank=rank, world_size=world_size) if len(val_indices) else None
     # The micro-batch and activation checkpointing, measured with the setting the worker will train with.
     share = rank_share(t.global_batch, world_size, rank)
-    micro_batch, speed["activation_checkpointing"], speed["memory_plan"] = plan_memory(
+    micro_batch, _, speed["memory_plan"] = plan_memory(  # the model holds whether it checkpoints
         model, diffusion, optimizer, micro_batch=t.micro_batch, checkpointing=t.activation_checkpointing,
         share=share.size, shape=images.shape, device=device, autocast_dtype=autocast_dtype,
         default_micro_batch=cfg.micro_batch_for(world_size) if t.micro_batch != "auto" else share.size,
