@@ -58,6 +58,7 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(d.channels in (1, 3), "data.channels", d.channels, "must be 1 (grayscale) or 3 (RGB)")
     _check(d.cache in ("auto", "memory", "stream"), "data.cache", d.cache, "must be auto, memory or stream")
     _check(d.stream_buffer_gb > 0, "data.stream_buffer_gb", d.stream_buffer_gb, "must be > 0")
+    _check(bool(d.label_column), "data.label_column", d.label_column, "must name a column")
     _check(d.stream_window_shards >= 1, "data.stream_window_shards", d.stream_window_shards, "must be >= 1")
 
     # Model.
@@ -79,6 +80,10 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
         _check(res in resolutions, "model.attention_resolutions", list(m.attention_resolutions),
                f"each must be one of the model's resolutions {resolutions}")
     _check(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
+    _check(m.num_classes == "auto" or m.num_classes >= 0, "model.num_classes", m.num_classes,
+           "must be 0 (unconditional), a number of classes, or auto")
+    _check(m.num_classes == 0 or d.labels == "auto", "model.num_classes", m.num_classes,
+           "a class-conditional model learns from labels: set data.labels = auto, or model.num_classes = 0")
     _check(m.init_from is None or _is_diffusers_unet(m.init_from), "model.init_from", m.init_from,
            "must be a diffusers pipeline folder (with unet/config.json), a UNet2DModel folder (with config.json) "
            "or a Hugging Face hub id such as google/ddpm-cifar10-32")
@@ -111,6 +116,7 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(t.sample_steps >= 1, "train.sample_steps", t.sample_steps, "must be >= 1")
     _check(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
+    _check(0 <= t.label_dropout < 1, "train.label_dropout", t.label_dropout, "must be in [0, 1)")
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
     if isinstance(t.compile, str) and t.compile != "auto":
         from torch._dynamo import list_backends  # only for a backend name: a slow import

@@ -67,6 +67,12 @@ class DataSection:
     stream_window_shards: int = 8
     """Stream mode: how many shards' samples are shuffled together (the shuffle's reach); the buffer must hold four
     windows (see docs/data.md#shuffle-quality)."""
+    labels: Literal["none", "auto"] = "none"
+    """`auto` reads each sample's class from the source (image folders: the first-level subfolder; Parquet:
+    `data.label_column`; WebDataset: the `.cls` member; prepared data: its label column; `builtin:digits`: the
+    digit) for class-conditional training; `none` reads no labels (see docs/data.md#labelled-data)."""
+    label_column: str = "label"
+    """Parquet: the column holding each sample's class, as an integer id or a name."""
 
 
 @dataclass
@@ -87,6 +93,10 @@ class ModelSection:
     """GroupNorm groups; must divide every channel count (`base_channels` times each multiplier)."""
     norm_eps: float = 1e-6
     """GroupNorm epsilon (Ho et al.'s reference code uses 1e-6; torch's default is 1e-5)."""
+    num_classes: Literal["auto"] | int = 0
+    """Classes of a class-conditional model: 0 = unconditional; N = a learned embedding of N classes plus one null
+    class (classifier-free guidance); `auto` = the number of classes `data.labels: auto` finds (see
+    docs/training.md#class-conditional-training)."""
     init_from: str | None = None
     """A new run starts from these weights: a diffusers pipeline or `UNet2DModel` folder, or a Hugging Face hub id
     such as `google/ddpm-cifar10-32` (needs diffusers; see docs/sampling-and-diffusers.md#start-from-a-diffusers-model);
@@ -175,6 +185,10 @@ class TrainSection:
     end."""
     seed: int = 0
     """Fixes the initial weights, the sample order, flips, noise and the sample grids."""
+    label_dropout: float = 0.1
+    """Class-conditional models: the probability that a sample's class is replaced by the null class, so that
+    the same model also learns the unconditional prediction that guidance needs (a pure function of the seed and
+    the sample's stream position, like the noise)."""
     max_bad_steps: int = 25
     """Consecutive non-finite steps after which the run rolls back to its last good checkpoint (once), then
     stops with a diagnostic."""

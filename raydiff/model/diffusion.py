@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -25,7 +25,7 @@ from raydiff.model.noise import image_generators
 
 Schedule = Literal["linear", "cosine"]
 Prediction = Literal["eps", "v", "x0"]
-Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Denoiser = Callable[..., torch.Tensor]  # model(x_t, t) or, class-conditional, model(x_t, t, labels)
 
 # The linear schedule's largest beta is 0.02 * 1000 / T = 20 / T: T <= 20 gives a beta >= 1 and alpha_bar <= 0.
 LINEAR_MIN_TIMESTEPS = 21
@@ -106,11 +106,13 @@ class GaussianDiffusion:
         return self._at("sqrt_alpha_bar", t, x0) * noise - self._at("sqrt_one_minus_alpha_bar", t, x0) * x0
 
     def loss_per_sample(
-        self, model: Denoiser, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
+        self, model: Denoiser, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mean squared error between the network output and the target, one value per sample."""
+        """Mean squared error between the network output and the target, one value per sample; `labels`: the
+        class ids a class-conditional model sees (the null class where dropped)."""
         x_t = self.q_sample(x0, t, noise)
-        out = model(x_t, t)
+        out = model(x_t, t) if labels is None else model(x_t, t, labels)
         return (out.float() - self.target(x0, t, noise)).square().mean(dim=tuple(range(1, x0.dim())))
 
     # Converting a network output to the quantities samplers need.
@@ -186,14 +188,23 @@ class GaussianDiffusion:
 
     def sample_in_chunks(self, model: Denoiser, indices: range, shape: tuple[int, ...], *, batch: int, seed: int,
                          tag: int, device: torch.device | str, sampler: Literal["ddpm", "ddim"] = "ddim",
-                         steps: int | None = None, eta: float = 0.0) -> Iterator[torch.Tensor]:
+                         steps: int | None = None, eta: float = 0.0, labels: Sequence[int] | None = None,
+                         guidance: float = 1.0) -> Iterator[torch.Tensor]:
         """Images `indices` of one image `shape`, generated at most `batch` per forward pass (what fits the device).
         Image i draws its noise from its own generator, seeded by (seed, i, tag): the images do not depend on
-        `batch`."""
+        `batch`. `labels`: the class of each image of `indices`, in order (class-conditional models; see
+        `sample` for `guidance`)."""
+        if labels is not None and len(labels) != len(indices):
+            raise ValueError(f"{len(labels)} labels for {len(indices)} images")
         for start in range(indices.start, indices.stop, batch):
             part = range(start, min(start + batch, indices.stop))
+            part_labels = None
+            if labels is not None:
+                offset = start - indices.start
+                part_labels = torch.as_tensor(list(labels[offset:offset + len(part)]), dtype=torch.long, device=device)
             yield self.sample(model, (len(part), *shape), sampler=sampler, steps=steps, eta=eta,
-                              generator=image_generators(seed, part, device, tag), device=device)
+                              generator=image_generators(seed, part, device, tag), device=device,
+                              labels=part_labels, guidance=guidance)
 
     @torch.no_grad()
     def sample(
@@ -206,12 +217,18 @@ class GaussianDiffusion:
         eta: float = 0.0,
         generator: torch.Generator | list[torch.Generator],
         device: torch.device | str = "cpu",
+        labels: torch.Tensor | None = None,
+        guidance: float = 1.0,
     ) -> torch.Tensor:
         """Generate images in [-1, 1], in full fp32 (no TF32). Noise is drawn where `generator` lives: give
         generators on `device` (`raydiff.model.noise.image_generators`), so that nothing crosses from the host at
         each step. A list holds one generator per image (as EDM does): each image is then a pure function of its
         own generator, whatever the batch. Draws that a step multiplies by zero (every step of DDIM with eta 0,
-        the last step of every sampler) are skipped."""
+        the last step of every sampler) are skipped.
+
+        Class-conditional models: `labels` (one class id per image, on `device`) and classifier-free `guidance` w
+        in diffusers' convention, out = out_uncond + w (out_cond - out_uncond): w = 1 is conditional sampling
+        without guidance, w = 0 unconditional (so are labels None). Both branches run in one batched forward."""
         timesteps = self.sample_timesteps(steps)
         # All steps' coefficients at once, in float64, then moved to the device: no host sync in the loop.
         pairs = torch.tensor(timesteps), torch.tensor(timesteps[1:] + [-1])  # the last step lands on x0
@@ -222,11 +239,30 @@ class GaussianDiffusion:
             coefs, no_noise = self._on(coefs64, x), torch.zeros_like(x)
             for i, step in enumerate(timesteps):
                 t = torch.full((shape[0],), step, dtype=torch.long, device=x.device)
-                x0, eps = self.predict_x0_eps(model(x, t).float(), x, t)
+                x0, eps = self.predict_x0_eps(guided(model, x, t, labels, guidance).float(), x, t)
                 noise = _randn(shape, generator).to(device) if noisy[i] else no_noise
                 c = {k: v[i] for k, v in coefs.items()}
                 x = self._ddpm(c, x0, x, noise) if sampler == "ddpm" else self._ddim(c, x0, eps, noise)
         return x
+
+
+def guided(model: Denoiser, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None,
+           guidance: float) -> torch.Tensor:
+    """The network output with classifier-free guidance (see `GaussianDiffusion.sample`). The output is linear
+    in eps for every prediction type, so guiding it guides eps."""
+    if labels is None or guidance == 0:
+        return model(x, t)  # a conditional model reads no labels as the null class
+    if guidance == 1:
+        return model(x, t, labels)
+    null = torch.full_like(labels, model_classes(model))
+    out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null]))
+    out_cond, out_uncond = out.chunk(2)
+    return out_uncond + guidance * (out_cond - out_uncond)
+
+
+def model_classes(model: Denoiser) -> int:
+    """The number of classes of a class-conditional model (its null class's id); 0 for an unconditional one."""
+    return int(getattr(model, "num_classes", 0) or 0)
 
 
 def _randn(shape: tuple[int, ...], generator: torch.Generator | list[torch.Generator]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from raydiff.data.order import derive_seed
 
 NOISE_BLOCK = 16  # positions per noise draw: vectorized, with little waste at uneven share boundaries
 _NOISE_TAG = 0x6E6F697365  # keeps the noise streams apart from the dropout seeds (seed, position)
+_LABEL_DROP_TAG = 0x6C61626C  # and from the label dropout draws
 EVAL_NOISE = 7  # the key tag of the images of an evaluation (raydiff.evaluate, eval.every)
 GRID_NOISE = 8  # the key tag of sample grids and raydiff.sample
 
@@ -40,6 +41,22 @@ def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: 
         t_parts.append(block_t[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
         noise_parts.append(block_noise[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
     return torch.cat(t_parts).to(device), torch.cat(noise_parts).to(device)
+
+
+def dropped_labels(seed: int, start: int, count: int, probability: float) -> torch.Tensor:
+    """bool (count,): which samples of stream positions [start, start + count) train with the null class
+    (`train.label_dropout`), a pure function of (seed, position) like the noise: one uniform draw per position,
+    by blocks of NOISE_BLOCK, on the CPU."""
+    if probability <= 0:
+        return torch.zeros(count, dtype=torch.bool)
+    generator = torch.Generator()
+    parts = []
+    for block in range(start // NOISE_BLOCK, (start + count - 1) // NOISE_BLOCK + 1):
+        generator.manual_seed(derive_seed(seed, _LABEL_DROP_TAG, block))
+        draws = torch.rand(NOISE_BLOCK, generator=generator)
+        low, high = max(start, block * NOISE_BLOCK), min(start + count, (block + 1) * NOISE_BLOCK)
+        parts.append(draws[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
+    return torch.cat(parts) < probability
 
 
 def sample_noise(seed: int, positions: np.ndarray, timesteps: int, shape: tuple[int, ...],

@@ -127,6 +127,9 @@ class UNet(nn.Module):
     :param dropout: dropout inside residual blocks.
     :param norm_groups: GroupNorm groups (32 in the paper); every channel count must divide by it.
     :param norm_eps: GroupNorm epsilon (the reference's, tf.contrib's group_norm default: 1e-6).
+    :param num_classes: classes of a class-conditional model (0: unconditional). A learned embedding of each
+        class, plus one null class (id `num_classes`, the last) for the unconditional prediction of classifier-free
+        guidance, is added to the timestep embedding (as ADM and diffusers' `num_class_embeds` do).
     """
 
     def __init__(
@@ -141,12 +144,15 @@ class UNet(nn.Module):
         dropout: float,
         norm_groups: int,
         norm_eps: float = 1e-6,
+        num_classes: int = 0,
     ) -> None:
         super().__init__()
         self.base_channels = base_channels
+        self.num_classes = num_classes
         temb_ch = 4 * base_channels
         self.temb = nn.Sequential(_init(nn.Linear(base_channels, temb_ch)), nn.SiLU(),
                                   _init(nn.Linear(temb_ch, temb_ch)))
+        self.class_embed = nn.Embedding(num_classes + 1, temb_ch) if num_classes else None
         self.conv_in = _init(nn.Conv2d(in_channels, base_channels, 3, padding=1))
 
         def block(cin: int, cout: int) -> ResBlock:
@@ -214,8 +220,16 @@ class UNet(nn.Module):
                 h = fn(*args)
         return h
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The prediction for noisy images `x` at timesteps `t`; `labels`: class ids of a class-conditional model
+        (`num_classes`, the null class, asks for the unconditional prediction; None: every image unconditional)."""
         temb = self.temb(timestep_embedding(t, self.base_channels))
+        if self.class_embed is not None:
+            if labels is None:
+                labels = torch.full((len(x),), self.num_classes, dtype=torch.long, device=x.device)
+            temb = temb + self.class_embed(labels)
+        elif labels is not None:
+            raise ValueError("class labels given to an unconditional model (num_classes = 0)")
         hs = [self.conv_in(x)]
         for layers in self.down:
             assert isinstance(layers, nn.ModuleList)  # for the type checker: each entry is one
@@ -236,11 +250,14 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def build_model(cfg) -> UNet:
-    """The UNet described by a `raydiff.config.Config` (activation checkpointing off: the training worker decides)."""
+    """The UNet described by a `raydiff.config.Config` (activation checkpointing off: the training worker decides;
+    `model.num_classes` resolved: the driver turns `auto` into the number of classes found)."""
     m = cfg.model
+    if m.num_classes == "auto":
+        raise ValueError("model.num_classes = auto is resolved from the data's labels first")
     return UNet(
         resolution=cfg.data.resolution, in_channels=cfg.data.channels, base_channels=m.base_channels,
         channel_mult=tuple(m.channel_mult), num_res_blocks=m.num_res_blocks,
         attention_resolutions=tuple(m.attention_resolutions), dropout=m.dropout, norm_groups=m.norm_groups,
-        norm_eps=m.norm_eps,
+        norm_eps=m.norm_eps, num_classes=m.num_classes,
     )
