@@ -32,34 +32,36 @@ def _save_atomically(tensor: torch.Tensor, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _grid(images: torch.Tensor) -> torch.Tensor:
+def _grid(images: torch.Tensor, nrow: int | None = None) -> torch.Tensor:
     from torchvision.utils import make_grid
 
     unit = _to_unit(images)
-    nrow = math.ceil(math.sqrt(len(unit)))
+    nrow = nrow or math.ceil(math.sqrt(len(unit)))
     scale = math.ceil(MIN_GRID_PX / (nrow * unit.shape[-1]))
     if scale > 1:
         unit = F.interpolate(unit, scale_factor=scale, mode="nearest")
     return make_grid(unit, nrow=nrow, padding=2, pad_value=0.5)
 
 
-def save_grid(images: torch.Tensor, path: Path) -> Path:
-    """Images in [-1, 1], (N, C, H, W) -> one PNG grid, as square as possible, 2 px padding."""
-    _save_atomically(_grid(images), Path(path))
+def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None) -> Path:
+    """Images in [-1, 1], (N, C, H, W) -> one PNG grid, 2 px padding: `nrow` images per row (a class-conditional
+    grid: one row per class), or as square as possible."""
+    _save_atomically(_grid(images, nrow), Path(path))
     return Path(path)
 
 
-def grid_png(images: torch.Tensor) -> bytes:
+def grid_png(images: torch.Tensor, nrow: int | None = None) -> bytes:
     """The grid of `save_grid` as PNG bytes (for run directories on an object store)."""
-    return _png(_grid(images))
+    return _png(_grid(images, nrow))
 
 
-def save_samples(images: torch.Tensor, out: Path) -> Path:
-    """`out` ending in .png -> one grid; otherwise a folder with sample_00000.png ... plus grid.png."""
+def save_samples(images: torch.Tensor, out: Path, nrow: int | None = None) -> Path:
+    """`out` ending in .png -> one grid; otherwise a folder with sample_00000.png ... plus grid.png (`nrow`: as
+    `save_grid`)."""
     out = Path(out)
     if out.suffix.lower() == ".png":
-        return save_grid(images, out)
+        return save_grid(images, out, nrow)
     for i, image in enumerate(_to_unit(images)):
         _save_atomically(image, out / f"sample_{i:05d}.png")
-    save_grid(images, out / "grid.png")
+    save_grid(images, out / "grid.png", nrow)
     return out
