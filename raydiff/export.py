@@ -5,7 +5,10 @@
 DIR gets what `diffusers.DDPMPipeline.from_pretrained(DIR)` loads: model_index.json, unet/ (UNet2DModel config and
 safetensors weights, the EMA unless --no-ema) and scheduler/ (DDPMScheduler config: the run's T, schedule,
 prediction type, clipping and the posterior variance of raydiff's DDPM sampler), plus the run's config
-(raydiff_config.yaml), where the weights came from (raydiff_export.json) and a README model card. --checkpoint also
+(raydiff_config.yaml), where the weights came from (raydiff_export.json) and a README model card. A class-conditional
+model's UNet has num_class_embeds = classes + 1 (the null class last); its class names are in raydiff_export.json
+and the model card, whose example samples a class with guidance through diffusers' scheduler (DDPMPipeline itself
+takes no labels). --checkpoint also
 takes an s3:// or gs:// URI (--endpoint for an S3-compatible server); DIR is a local folder that must not exist or
 be empty, and appears complete or not at all. Needs the diffusers extra: pip install "raydiff[diffusers]".
 """
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     location = checkpoint_location(args.checkpoint, args.endpoint)
 
     from raydiff.model import diffusers_folder, diffusers_io
+    from raydiff.sample import DEFAULT_GUIDANCE
 
     diffusers_io.require_diffusers("raydiff.export")
     checkpoint, state = read_newest(location)
@@ -58,15 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        diffusers_folder.save_pipeline_folder(tmp, state, use_ema=not args.no_ema, checkpoint=str(checkpoint))
+        diffusers_folder.save_pipeline_folder(tmp, state, use_ema=not args.no_ema, checkpoint=str(checkpoint),
+                                              guidance=DEFAULT_GUIDANCE)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     weights = "online" if args.no_ema else "EMA"
-    print(f"[raydiff] exported {checkpoint} (step {state['step']}, {weights} weights) to {out}")
-    print(f"[raydiff] load it with: DDPMPipeline.from_pretrained({str(out)!r}); see {out / 'README.md'}")
+    classes = diffusers_folder.recorded_classes(state, Config.from_dict(state["config"]))
+    kind = f", {len(classes['names'])} classes plus the null class" if classes else ""
+    print(f"[raydiff] exported {checkpoint} (step {state['step']}, {weights} weights{kind}) to {out}")
+    if classes:
+        print(f"[raydiff] load it with: DDPMPipeline.from_pretrained({str(out)!r}) and sample a class as "
+              f"{out / 'README.md'} shows (DDPMPipeline's own __call__ takes no labels)")
+    else:
+        print(f"[raydiff] load it with: DDPMPipeline.from_pretrained({str(out)!r}); see {out / 'README.md'}")
     return 0
 
 

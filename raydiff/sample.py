@@ -1,8 +1,8 @@
 """Generate images from a trained run.
 
     python -m raydiff.sample --checkpoint RUN_DIR_OR_CHECKPOINT --num N --out PATH
-        [--sampler ddpm|ddim] [--steps S] [--eta E] [--seed S] [--no-ema] [--batch B] [--device auto|cpu|cuda]
-        [--endpoint URL]
+        [--class K[,K...]] [--guidance W] [--sampler ddpm|ddim] [--steps S] [--eta E] [--seed S] [--no-ema]
+        [--batch B] [--device auto|cpu|cuda] [--endpoint URL]
 
 PATH ending in .png gets one grid; any other PATH becomes a folder of sample_00000.png, sample_00001.png, ...
 plus grid.png. --checkpoint also takes an s3:// or gs:// URI (--endpoint for an S3-compatible server), or a local
@@ -11,12 +11,21 @@ Sampling runs in full fp32 (no TF32) from the EMA weights (unless --no-ema). Ima
 sampling device from its own generator, seeded by (--seed, i): the same command gives the same images on the same
 kind of device (CPU, or a CUDA GPU), whatever --batch. With --sampler ddim --steps <train.sample_steps> --seed
 <train.seed> --num <train.sample_num> it reproduces the run's own sample grid.
+
+A class-conditional model samples the classes of --class (ids or names; default every class) with classifier-free
+guidance W in diffusers' convention, eps = eps_uncond + W (eps_cond - eps_uncond): W = 1 is conditional sampling
+without guidance, W = 0 unconditional. The default W = 2 is a guided model's usual trade: W = 1 lets a model trained
+with label dropout drift off the class it was asked for, and larger W buys class fidelity with diversity. With C
+classes asked for and N images, image i gets class i * C // N (contiguous blocks); the grid has one row per class
+when C > 1 divides N.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -33,6 +42,9 @@ from raydiff.runs.images import save_samples
 from raydiff.runs.rundir import unwritable
 from raydiff.runs.state import read_newest
 
+DEFAULT_GUIDANCE = 2.0  # for class-conditional models; see the module docstring
+SHOWN_CLASSES = 8  # classes named in full in the start line and in an error's list of choices
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m raydiff.sample", description=__doc__.split("\n\n")[0],
@@ -43,6 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--num", type=int, default=64, help="number of images (default 64)")
     parser.add_argument("--out", required=True, type=Path, help="grid .png, or a folder")
+    parser.add_argument("--class", dest="classes", default=None, metavar="K[,K...]",
+                        help="class-conditional models: the classes to sample, by id (0..classes-1) or name "
+                             "(default: every class); image i gets class i * C // N of the C classes")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help=f"class-conditional models: classifier-free guidance W >= 0, diffusers' convention "
+                             f"(1: conditional without guidance, 0: unconditional; default {DEFAULT_GUIDANCE:g})")
     parser.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddpm", help="default ddpm")
     parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: all T for ddpm, 50 for ddim)")
     parser.add_argument("--eta", type=float, default=0.0, help="DDIM noise: 0 deterministic, 1 = DDPM posterior")
@@ -59,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps {args.steps}: must be >= 1")
     if args.eta < 0:
         parser.error(f"--eta {args.eta}: must be >= 0")
+    if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
+        parser.error(f"--guidance {args.guidance:g}: must be >= 0 (diffusers' convention: 0 unconditional, 1 "
+                     f"conditional without guidance, more follows the class more closely)")
     if args.sampler == "ddpm" and args.eta:
         parser.error("--eta applies to --sampler ddim only")
     reason = unwritable(args.out.parent if args.out.suffix.lower() == ".png" else args.out)
@@ -79,9 +100,63 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def class_names(state: dict) -> list[str]:
+    """The names of a class-conditional model's classes (its ids where none were recorded); [] when unconditional."""
+    num_classes = int(state["config"]["model"].get("num_classes") or 0)
+    names = [str(n) for n in (state.get("classes") or {}).get("names") or []]
+    return names if len(names) == num_classes else [str(i) for i in range(num_classes)]
+
+
+def _choices(names: Sequence[str]) -> str:
+    shown = ", ".join(f"{i} {n!r}" for i, n in enumerate(names[:SHOWN_CLASSES]))
+    more = f", ... ({len(names)} classes)" if len(names) > SHOWN_CLASSES else ""
+    return f"an id 0..{len(names) - 1} or a name: {shown}{more}"
+
+
+def class_id(token: str, names: Sequence[str]) -> int:
+    """One class of `--class`: a name (first: names are what the run's data called the classes) or an id."""
+    if token in names:
+        return list(names).index(token)
+    if token.isascii() and token.isdigit() and int(token) < len(names):
+        return int(token)
+    raise ValueError(f"--class {token!r}: not a class of this model; use {_choices(names)}")
+
+
+def class_request(state: dict, spec: str | None, guidance: float | None) -> tuple[list[int] | None, float]:
+    """(the class ids to sample, or None for an unconditional model; the guidance). ValueError, one line naming
+    the value and what is allowed, for what the model cannot do: checked before anything is sampled or written."""
+    names = class_names(state)
+    if not names:
+        for flag, value in (("--class", spec), ("--guidance", None if guidance is None else f"{guidance:g}")):
+            if value is not None:
+                raise ValueError(f"{flag} {value}: the model is unconditional (model.num_classes = 0); {flag} "
+                                 f"applies to class-conditional models only")
+        return None, 1.0
+    ids = list(range(len(names))) if spec is None else [class_id(token.strip(), names) for token in spec.split(",")]
+    return ids, DEFAULT_GUIDANCE if guidance is None else guidance
+
+
+def image_labels(classes: Sequence[int], num: int) -> list[int]:
+    """The class of each of `num` images: contiguous blocks, image i gets classes[i * C // num]."""
+    return [classes[i * len(classes) // num] for i in range(num)]
+
+
+def grid_row(classes: Sequence[int], num: int) -> int | None:
+    """Images per grid row: one row per class where the classes divide the images evenly (else a square grid)."""
+    return num // len(classes) if len(classes) > 1 and num % len(classes) == 0 else None
+
+
+def describe(classes: Sequence[int], names: Sequence[str], everyone: bool) -> str:
+    shown = ", ".join(f"{i} ({names[i]})" for i in classes[:SHOWN_CLASSES])
+    more = f", ... ({len(classes)} in all)" if len(classes) > SHOWN_CLASSES else ""
+    return f"{'every class: ' if everyone else 'class '}{shown}{more}"
+
+
 def generate(state: dict, *, num: int, sampler: Literal["ddpm", "ddim"], steps: int | None, eta: float, seed: int,
-             use_ema: bool, batch: int, device: torch.device) -> torch.Tensor:
-    """Images in [-1, 1] from a training state; image i is a pure function of (seed, i), whatever `batch`."""
+             use_ema: bool, batch: int, device: torch.device, labels: Sequence[int] | None = None,
+             guidance: float = 1.0) -> torch.Tensor:
+    """Images in [-1, 1] from a training state; image i is a pure function of (seed, i) (and `labels[i]`, its class,
+    at `guidance`, for a class-conditional model), whatever `batch`."""
     cfg = Config.from_dict(state["config"])
     model = build_model(cfg)
     model.load_state_dict(state["ema" if use_ema else "model"])
@@ -89,7 +164,8 @@ def generate(state: dict, *, num: int, sampler: Literal["ddpm", "ddim"], steps: 
     diffusion = build_diffusion(cfg)
     shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
     chunks = diffusion.sample_in_chunks(model, range(num), shape, batch=batch, seed=seed, tag=GRID_NOISE,
-                                        device=device, sampler=sampler, steps=steps, eta=eta)
+                                        device=device, sampler=sampler, steps=steps, eta=eta, labels=labels,
+                                        guidance=guidance)
     return torch.cat([images.cpu() for images in chunks])
 
 
@@ -105,16 +181,24 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint, state = args.checkpoint, diffusers_folder.state_from_folder(args.checkpoint)
     else:
         checkpoint, state = read_newest(checkpoint_location(args.checkpoint, args.endpoint))
+    try:
+        classes, guidance = class_request(state, args.classes, args.guidance)
+    except ValueError as exc:
+        print(f"raydiff: error: {exc}", file=sys.stderr)
+        return 2
+    labels = None if classes is None else image_labels(classes, args.num)
     steps = args.steps if args.steps is not None else (50 if args.sampler == "ddim" else None)
     weights = state.get("weights") or ("online" if args.no_ema else "EMA")  # a diffusers folder holds one set
     print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step'] or '?'}, {weights} weights) "
           f"with {args.sampler}, "
-          f"{steps or state['config']['diffusion']['timesteps']} steps, on {device}")
+          f"{steps or state['config']['diffusion']['timesteps']} steps, on {device}"
+          + ("" if classes is None else f"; {describe(classes, class_names(state), args.classes is None)}, "
+                                        f"guidance {guidance:g}"))
     with torch.inference_mode():
         images = generate(state, num=args.num, sampler=args.sampler, steps=steps, eta=args.eta, seed=args.seed,
-                          use_ema=not args.no_ema, device=device,
+                          use_ema=not args.no_ema, device=device, labels=labels, guidance=guidance,
                           batch=args.batch or images_per_pass(state["config"]["data"]["resolution"]))
-    out = save_samples(images, args.out)
+    out = save_samples(images, args.out, nrow=None if classes is None else grid_row(classes, args.num))
     print(f"[raydiff] wrote {out.resolve()}")
     return 0
 

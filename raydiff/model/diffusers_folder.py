@@ -1,9 +1,15 @@
 """diffusers folders on disk (or hub ids): reading a UNet for `model.init_from` and `raydiff.sample`, and writing
-an exported pipeline folder with its model card. The mapping itself is in `raydiff.model.diffusers_io`."""
+an exported pipeline folder with its model card. The mapping itself is in `raydiff.model.diffusers_io`.
+
+A class-conditional model's class names travel in `raydiff_export.json` (and its model card), so that
+`raydiff.sample --class NAME` works on the exported folder without the run; a class-conditional UNet2DModel from
+elsewhere gets its ids as names. `DDPMPipeline` takes no labels: the card shows the few lines of guided sampling
+with diffusers' own scheduler instead."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +76,9 @@ def read_unet_weights(source: str, subfolder: str | None) -> dict[str, torch.Ten
 
 
 def load_init_weights(cfg: Config) -> dict[str, torch.Tensor]:
-    """raydiff UNet weights for `model.init_from`, checked against the run's model first (ConfigError)."""
+    """raydiff UNet weights for `model.init_from`, checked against the run's model first (ConfigError). With
+    `model.num_classes = auto` any class-conditional UNet passes here: once the data has said how many classes
+    there are, the driver calls `check_classes(weights, num_classes, init_from=..., auto=True)`."""
     init_from = cfg.model.init_from
     assert init_from is not None  # called only for a run that sets model.init_from
     where = f"model.init_from = {init_from!r}"
@@ -86,7 +94,9 @@ def load_init_weights(cfg: Config) -> dict[str, torch.Tensor]:
 
 def state_from_folder(location: str | Path) -> dict[str, Any]:
     """A diffusers pipeline folder as the parts of a training state that `raydiff.sample` uses: config, weights
-    (as both `model` and `ema`: the folder holds one set) and step (when raydiff exported it)."""
+    (as both `model` and `ema`: the folder holds one set), step (when raydiff exported it) and, for a
+    class-conditional UNet, `classes` ({"names"}, and "counts" when raydiff recorded them; names default to the
+    ids)."""
     import yaml
 
     path = Path(location).expanduser()
@@ -103,12 +113,19 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     for key, value in keys.items():
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, tuple(value) if isinstance(value, list) else value)
+    num_classes = keys["model.num_classes"]
+    if num_classes:
+        cfg.data.labels = "auto"  # what a class-conditional config has (a foreign folder has no raydiff config)
     weights = from_diffusers(read_unet_weights(source, subfolder), cfg)
     info_file = path / EXPORT_INFO_FILE
     info: dict[str, Any] = json.loads(info_file.read_text()) if info_file.is_file() else {}
     exported = {"ema": "EMA", "online": "online"}.get(info.get("weights", ""), "exported")
-    return {"model": weights, "ema": weights, "step": info.get("step"), "images_seen": info.get("images_seen"),
-            "weights": exported, "config": cfg.to_dict()}
+    state: dict[str, Any] = {"model": weights, "ema": weights, "step": info.get("step"),
+                             "images_seen": info.get("images_seen"), "weights": exported, "config": cfg.to_dict()}
+    classes = recorded_classes({"classes": info.get("classes")}, cfg)  # None for an unconditional UNet
+    if classes:
+        state["classes"] = classes
+    return state
 
 
 # Writing a pipeline folder.
@@ -122,19 +139,106 @@ def build_pipeline(weights: dict[str, torch.Tensor], cfg: Config):
     return DDPMPipeline(unet=unet.eval(), scheduler=DDPMScheduler(**scheduler_config(cfg)))
 
 
-def model_card(cfg: Config, *, step: int, images_seen: int, use_ema: bool, checkpoint: str) -> str:
-    """README.md of an exported folder: what the model is and a 5-line example."""
+def recorded_classes(state: dict[str, Any], cfg: Config) -> dict[str, Any] | None:
+    """The classes of a checkpoint of a class-conditional run ({"names", "counts"}, as the run recorded them; names
+    default to the ids), None for an unconditional one."""
+    num_classes = int(cfg.model.num_classes or 0)
+    if not num_classes:
+        return None
+    recorded = state.get("classes") or {}
+    names = [str(n) for n in recorded.get("names") or []]
+    if len(names) != num_classes:
+        return {"names": [str(i) for i in range(num_classes)]}
+    counts = list(recorded.get("counts") or [])
+    return {"names": names, **({"counts": [int(c) for c in counts]} if len(counts) == num_classes else {})}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def conditional_snippet(cfg: Config, *, label: int, guidance: float, name: str) -> str:
+    """The model card's example: class `label` at `guidance` through diffusers' own scheduler, both branches in one
+    batched forward (DDPMPipeline's __call__ takes no labels). tests/test_export.py runs it."""
+    d, T, null = cfg.data, cfg.diffusion.timesteps, int(cfg.model.num_classes)
+    return f"""```python
+import torch
+from diffusers import DDPMPipeline
+
+pipe = DDPMPipeline.from_pretrained("path/to/this/folder")  # or its hub id
+unet, scheduler = pipe.unet, pipe.scheduler
+K, W, n = {label}, {guidance}, 16  # class {label} ({name!r}), guidance, images
+labels, null = torch.full((n,), K), torch.full((n,), {null})  # id {null} is the null class (unconditional)
+generator = torch.Generator().manual_seed(0)
+x = torch.randn(n, {d.channels}, {d.resolution}, {d.resolution}, generator=generator)
+scheduler.set_timesteps({T})
+with torch.no_grad():
+    for t in scheduler.timesteps:
+        cond, uncond = unet(torch.cat([x, x]), t, class_labels=torch.cat([labels, null])).sample.chunk(2)
+        x = scheduler.step(uncond + W * (cond - uncond), t, x, generator=generator).prev_sample
+pipe.numpy_to_pil((x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy())[0].save("sample.png")
+```"""
+
+
+def model_card(cfg: Config, *, step: int, images_seen: int, use_ema: bool, checkpoint: str,
+               guidance: float, classes: dict[str, Any] | None = None) -> str:
+    """README.md of an exported folder: what the model is and a short example (for a class-conditional model,
+    `classes` as `recorded_classes` gives them: its classes, and guided sampling at `guidance`)."""
     d, T = cfg.data, cfg.diffusion.timesteps
     weights = f"EMA (decay {cfg.train.ema_decay})" if use_ema else "online (not the EMA)"
+    if classes:
+        names, counts = classes["names"], classes.get("counts")
+        front = "tags: [ddpm, raydiff, class-conditional, classifier-free-guidance]"
+        what = (f"A class-conditional DDPM (Ho et al. 2020) with classifier-free guidance (Ho & Salimans 2022), "
+                f"{len(names)} classes, trained with raydiff and exported to diffusers.")
+        rows = "\n".join(f"| {i} | `{_cell(n)}` |" + (f" {counts[i]:,} |" if counts else "")
+                         for i, n in enumerate(names))
+        head = "| id | name |" + (" training images |" if counts else "")
+        rule = "|---|---|" + ("---|" if counts else "")
+        example = f"""## Classes
+
+{head}
+{rule}
+{rows}
+
+The UNet's `num_class_embeds` is {len(names) + 1}: the {len(names)} classes and a null class, id {len(names)} (the
+last), the unconditional branch of classifier-free guidance. `raydiff_export.json` lists the class names too.
+
+## Sample a class
+
+`DDPMPipeline` takes no labels, so sample with its UNet and scheduler in a plain loop. The guidance W follows
+diffusers' convention: eps = eps_uncond + W (eps_cond - eps_uncond); W = 1 is conditional sampling without
+guidance, W = 0 unconditional (any label), larger W follows the class more closely at the cost of diversity.
+
+{conditional_snippet(cfg, label=0, guidance=guidance, name=names[0])}
+
+`raydiff.sample --checkpoint path/to/this/folder --class {shlex.quote(names[0])} --guidance {guidance}` samples the
+same way (its images differ: raydiff draws each image's noise from a generator of its own). Fewer than {T} steps in
+`set_timesteps` respace the chain as `raydiff.sample --sampler ddpm --steps` does."""
+    else:
+        front = "pipeline_tag: unconditional-image-generation\ntags: [ddpm, raydiff, unconditional-image-generation]"
+        what = "An unconditional DDPM (Ho et al. 2020) trained with raydiff and exported to diffusers."
+        example = f"""```python
+import torch
+from diffusers import DDPMPipeline
+pipe = DDPMPipeline.from_pretrained("path/to/this/folder")  # or its hub id
+images = pipe(batch_size=16, num_inference_steps={T}, generator=torch.Generator().manual_seed(0)).images
+images[0].save("sample.png")
+```
+
+`num_inference_steps` below {T} respaces the chain as `raydiff.sample --sampler ddpm --steps` does. For DDIM use
+`DDIMPipeline(unet=pipe.unet, scheduler=pipe.scheduler)` with `use_clipped_model_output=True` (raydiff recomputes
+eps from the clipped x0): at {T} steps it is raydiff's DDIM. Below {T} steps diffusers' DDIM strides by T // steps
+where raydiff spaces the steps evenly from T-1 to 0: use `DDIMScheduler.from_config(pipe.scheduler.config,
+timestep_spacing="trailing")`, which starts at T-1 as raydiff does but ends at T // steps - 1 instead of 0."""
     return f"""---
 library_name: diffusers
-pipeline_tag: unconditional-image-generation
-tags: [ddpm, raydiff, unconditional-image-generation]
+{front}
 ---
 
 # DDPM `{cfg.run.name}`, trained with raydiff
 
-An unconditional DDPM (Ho et al. 2020) trained with raydiff and exported to diffusers.
+{what}
 
 | | |
 |---|---|
@@ -148,25 +252,15 @@ An unconditional DDPM (Ho et al. 2020) trained with raydiff and exported to diff
 
 `{RAYDIFF_CONFIG_FILE}` is the run's full config.
 
-```python
-import torch
-from diffusers import DDPMPipeline
-pipe = DDPMPipeline.from_pretrained("path/to/this/folder")  # or its hub id
-images = pipe(batch_size=16, num_inference_steps={T}, generator=torch.Generator().manual_seed(0)).images
-images[0].save("sample.png")
-```
-
-`num_inference_steps` below {T} respaces the chain as `raydiff.sample --sampler ddpm --steps` does. For DDIM use
-`DDIMPipeline(unet=pipe.unet, scheduler=pipe.scheduler)` with `use_clipped_model_output=True` (raydiff recomputes
-eps from the clipped x0): at {T} steps it is raydiff's DDIM. Below {T} steps diffusers' DDIM strides by T // steps
-where raydiff spaces the steps evenly from T-1 to 0: use `DDIMScheduler.from_config(pipe.scheduler.config,
-timestep_spacing="trailing")`, which starts at T-1 as raydiff does but ends at T // steps - 1 instead of 0.
+{example}
 """
 
 
-def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, checkpoint: str) -> None:
+def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, checkpoint: str,
+                         guidance: float) -> None:
     """Write a complete pipeline folder into `folder` (empty, local): model_index.json, unet/, scheduler/, the
-    run's config, where it came from, and a README model card."""
+    run's config, where it came from (and a class-conditional model's classes), and a README model card (whose
+    example of a class-conditional model samples at `guidance`)."""
     import yaml
 
     cfg = Config.from_dict(state["config"])
@@ -175,8 +269,12 @@ def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, 
     pipeline.save_pretrained(folder, safe_serialization=True)
     folder = Path(folder)
     (folder / RAYDIFF_CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
-    info = {"checkpoint": checkpoint, "step": state["step"], "images_seen": state["images_seen"],
-            "weights": "ema" if use_ema else "online"}
+    classes = recorded_classes(state, cfg)
+    info: dict[str, Any] = {"checkpoint": checkpoint, "step": state["step"], "images_seen": state["images_seen"],
+                            "weights": "ema" if use_ema else "online"}
+    if classes:
+        info["classes"] = classes
     (folder / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     (folder / "README.md").write_text(model_card(cfg, step=state["step"], images_seen=state["images_seen"],
-                                                 use_ema=use_ema, checkpoint=checkpoint))
+                                                 use_ema=use_ema, checkpoint=checkpoint, classes=classes,
+                                                 guidance=guidance))

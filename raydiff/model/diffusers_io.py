@@ -6,7 +6,10 @@ by half - 1), `downsample_padding=0` (diffusers then pads bottom/right by one li
 `Downsample` does), one attention head per block (`attention_head_dim=None`: each block's own channels), attention
 in the mid block, SiLU, GroupNorm with `model.norm_eps`. Block i of diffusers is level i of raydiff; the down and
 up paths visit the same modules in the same order, so the mapping below is a renaming, plus the split of raydiff's
-fused `qkv` linear into `to_q`, `to_k`, `to_v` (q, k, v order).
+fused `qkv` linear into `to_q`, `to_k`, `to_v` (q, k, v order). A class-conditional model's `class_embed` (its
+classes plus the null class, last) is diffusers' `class_embedding` with `num_class_embeds` = classes + 1: both add
+it to the timestep embedding after the MLP. diffusers has no null class of its own; DiT's convention (the last id)
+is raydiff's, and a caller passes it explicitly (UNet2DModel demands `class_labels` when it has the embedding).
 
 The scheduler: T = `diffusion.timesteps`; linear betas with raydiff's scaled ends (1000/T x 1e-4 .. 1000/T x
 0.02) or `squaredcos_cap_v2` for cosine (the same alpha_bar, betas clipped at 0.999 in both); clipped x0 (raydiff
@@ -34,8 +37,9 @@ FIXED_UNET_KEYS = {
     "time_embedding_type": "positional", "flip_sin_to_cos": False, "freq_shift": 1, "downsample_padding": 0,
     "act_fn": "silu", "center_input_sample": False, "mid_block_type": "UNetMidBlock2D", "add_attention": True,
     "resnet_time_scale_shift": "default", "mid_block_scale_factor": 1, "downsample_type": "conv",
-    "upsample_type": "conv", "class_embed_type": None, "num_class_embeds": None, "attn_norm_num_groups": None,
+    "upsample_type": "conv", "class_embed_type": None, "attn_norm_num_groups": None,
 }
+CLASS_EMBED = ("class_embed.weight", "class_embedding.weight")  # raydiff's name, diffusers' name
 _RES_RENAMES = {"temb_proj": "time_emb_proj", "skip": "conv_shortcut"}  # ResBlock -> ResnetBlock2D; others same
 _ATTN_RENAMES = {"norm": "group_norm", "proj": "to_out.0"}  # AttnBlock -> Attention; qkv is split
 
@@ -67,6 +71,9 @@ def check_exportable(cfg: Config) -> None:
         # diffusers' conv_in and timestep embedding have block_out_channels[0] channels; raydiff's have base_channels.
         raise ConfigError(f"model.channel_mult = {mult}: diffusers' UNet2DModel needs the first multiplier to be 1 "
                           f"(its conv_in and timestep embedding are as wide as the first level)")
+    if not isinstance(cfg.model.num_classes, int):
+        raise ConfigError(f"model.num_classes = {cfg.model.num_classes!r}: an exported model needs the number of "
+                          f"classes (a run's checkpoint records it)")
     levels = level_resolutions(cfg)
     for res in cfg.model.attention_resolutions:
         if res not in levels:
@@ -80,6 +87,8 @@ def unet_config(cfg: Config) -> dict[str, Any]:
     m = cfg.model
     attention = [res in m.attention_resolutions for res in level_resolutions(cfg)]
     fixed = {k: v for k, v in FIXED_UNET_KEYS.items() if v is not None}
+    if m.num_classes:  # the classes plus the null class (the last id)
+        fixed["num_class_embeds"] = int(m.num_classes) + 1
     return {
         "sample_size": cfg.data.resolution, "in_channels": cfg.data.channels, "out_channels": cfg.data.channels,
         "block_out_channels": [m.base_channels * x for x in m.channel_mult], "layers_per_block": m.num_res_blocks,
@@ -152,9 +161,26 @@ def _check_consumed(left: dict[str, torch.Tensor], side: str) -> None:
         raise ValueError(f"{len(left)} {side} weights have no counterpart, e.g. {sorted(left)[:3]}")
 
 
+def _class_embed(state: dict[str, torch.Tensor], cfg: Config, name: str, side: str) -> torch.Tensor | None:
+    """Remove and return the class embedding (`name`) of `state`, checked against `cfg`'s model.num_classes
+    (`auto`: whatever the weights have)."""
+    weight = state.pop(name, None)
+    classes = cfg.model.num_classes
+    if classes == "auto":
+        return weight
+    rows = 0 if weight is None else weight.shape[0]
+    if rows != (int(classes) + 1 if classes else 0):
+        raise ValueError(f"{side} weights have {rows} class embeddings, but model.num_classes = {classes} needs "
+                         f"{int(classes) + 1 if classes else 0}")
+    return weight
+
+
 def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
     """raydiff UNet weights -> UNet2DModel weights (modern attention names: to_q, to_k, to_v, to_out.0)."""
     state, out = dict(state_dict), {}
+    classes = _class_embed(state, cfg, CLASS_EMBED[0], "raydiff")
+    if classes is not None:
+        out[CLASS_EMBED[1]] = classes
     for ours, theirs, kind in _module_pairs(cfg):
         params = _take(state, ours)
         if not params:
@@ -178,6 +204,9 @@ def from_diffusers(state_dict: dict[str, torch.Tensor], cfg: Config) -> dict[str
     """UNet2DModel weights (modern attention names) -> raydiff UNet weights for `cfg`'s model."""
     state, out = dict(state_dict), {}
     back = {v: k for k, v in _RES_RENAMES.items()}
+    classes = _class_embed(state, cfg, CLASS_EMBED[1], "diffusers")
+    if classes is not None:
+        out[CLASS_EMBED[0]] = classes
     for ours, theirs, kind in _module_pairs(cfg):
         params = _take(state, theirs)
         if not params:
@@ -249,12 +278,16 @@ def model_keys_from_unet(unet: dict[str, Any], *, where: str) -> dict[str, Any]:
     embed = unet["time_embedding_dim"]
     if embed not in (None, 4 * base):
         raise _unet_error(where, "time_embedding_dim", embed, f"raydiff's UNet needs null or {4 * base}")
+    class_embeds = unet["num_class_embeds"]
+    if class_embeds is not None and (not isinstance(class_embeds, int) or class_embeds < 2):
+        raise _unet_error(where, "num_class_embeds", class_embeds, "raydiff needs null (unconditional) or the "
+                          "number of classes plus one (a null class, the last id)")
     return {
         "data.resolution": size, "data.channels": channels, "model.base_channels": base,
         "model.channel_mult": [w // base for w in widths], "model.num_res_blocks": unet["layers_per_block"],
         "model.attention_resolutions": [size // 2**i for i, a in enumerate(attention) if a],
         "model.dropout": float(unet["dropout"]), "model.norm_groups": unet["norm_num_groups"],
-        "model.norm_eps": float(unet["norm_eps"]),
+        "model.norm_eps": float(unet["norm_eps"]), "model.num_classes": (class_embeds or 1) - 1,
     }
 
 
@@ -298,11 +331,38 @@ _DIFFUSERS_NAME = {"data.resolution": "sample_size", "data.channels": "in_channe
                    "model.norm_groups": "norm_num_groups", "model.norm_eps": "norm_eps"}
 
 
+def _classes_there(classes: int) -> str:
+    if not classes:
+        return "is unconditional (num_class_embeds = null)"
+    return f"has num_class_embeds = {classes + 1} ({classes} classes plus the null class)"
+
+
+def check_classes(weights: dict[str, torch.Tensor], num_classes: int, *, init_from: str, auto: bool = False) -> None:
+    """ConfigError (one line naming model.num_classes) when raydiff UNet `weights` (what `load_init_weights`
+    returns) do not have `num_classes` classes. For the driver once `model.num_classes = auto` is resolved
+    (`auto`: say so in the message); an int model.num_classes is checked against the UNet's config before."""
+    weight = weights.get(CLASS_EMBED[0])
+    theirs = 0 if weight is None else weight.shape[0] - 1
+    if theirs != num_classes:
+        ours = f"auto = {num_classes} (the classes the data has)" if auto else str(num_classes)
+        raise ConfigError(f"model.init_from = {init_from!r}: model.num_classes = {ours} here, but the UNet there "
+                          f"{_classes_there(theirs)}")
+
+
 def check_matches(cfg: Config, unet: dict[str, Any], *, where: str) -> None:
     """ConfigError naming the first run key whose value differs from the UNet2DModel config's (dropout may
-    differ: it shapes no weight)."""
+    differ: it shapes no weight). `model.num_classes = auto` takes a class-conditional UNet of any number of
+    classes: `check_classes` compares them once the data has said how many."""
     unet = _with_defaults(unet)
     theirs = model_keys_from_unet(unet, where=where)
+    ours_classes, their_classes = cfg.model.num_classes, theirs["model.num_classes"]
+    if ours_classes == "auto" and not their_classes:
+        raise ConfigError(f"{where}: model.num_classes = auto here (a class-conditional run), but the UNet there "
+                          f"{_classes_there(0)}")
+    if ours_classes != "auto" and ours_classes != their_classes:
+        kind = " (unconditional)" if not ours_classes else ""
+        raise ConfigError(f"{where}: model.num_classes = {ours_classes}{kind} here, but the UNet there "
+                          f"{_classes_there(their_classes)}")
     for key, ours in _run_values(cfg).items():
         if key == "model.channel_mult" and ours != theirs[key]:
             widths = [cfg.model.base_channels * x for x in ours]
