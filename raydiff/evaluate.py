@@ -3,18 +3,25 @@ of a digits classifier's features and the class coverage).
 
     python -m raydiff.evaluate --checkpoint RUN_OR_CHECKPOINT [--num N] [--sampler ddim|ddpm] [--steps S]
         [--metrics fid,kid] [--ref REF] [--seed S] [--features auto|inception|digits] [--weights PATH]
-        [--workers N] [--endpoint URL]
+        [--guidance W[,W...]] [--workers N] [--endpoint URL]
 
 Images are generated from the EMA weights in fp32 and measured in parallel on Ray tasks (one per GPU, else one
 per CPU); image i is a pure function of (seed, i), so the result does not depend on the number of workers. The
 result is printed as one line and written to <run>/eval/<step>-<sampler>-<steps>-<num>.json (never over
 another evaluation) and as a row of <run>/eval.jsonl. Defaults come from the run's `eval` section.
+
+A class-conditional model's images are asked for classes drawn in the training data's class frequencies (image
+i's class too is a pure function of (seed, i)) and measured once per classifier-free guidance W (default: the
+run's eval.guidance), against the same reference: one line and one eval.jsonl row per W, and one result file
+with them all. On the built-in digits, `digits_class_match` is the share of images the digits classifier reads as
+the class they were asked for.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -39,11 +46,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="image i is a pure function of (seed, i) (the run's eval.seed)")
     parser.add_argument("--features", choices=("auto", "inception", "digits"), help="the run's eval.features")
     parser.add_argument("--weights", help="a local copy of the Inception-v3 weights (eval.inception_weights)")
+    parser.add_argument("--guidance", help="class-conditional models: classifier-free guidance, one result per "
+                                           "comma-separated W (1 = conditional, 0 = unconditional; the run's "
+                                           "eval.guidance)")
     parser.add_argument("--workers", type=int, default=None, help="Ray tasks (default: every GPU, else every CPU)")
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 1:
         parser.error(f"--workers {args.workers}: must be >= 1")
     return args
+
+
+def parse_guidance(text: str) -> tuple[float, ...]:
+    """--guidance W[,W...]: numbers >= 0, in the order given."""
+    allowed = "must be comma-separated numbers >= 0 (1 = conditional without guidance, 0 = unconditional)"
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--guidance = {text!r}: {allowed}") from None
+    if not all(math.isfinite(w) and w >= 0 for w in values):
+        raise ConfigError(f"--guidance = {text!r}: {allowed}")
+    return values
+
+
+def model_classes(state: dict[str, Any]) -> dict[str, list] | None:
+    """A class-conditional checkpoint's classes ({"names": [...], "counts": [...]}); None: unconditional."""
+    classes = state.get("classes")
+    return classes if classes and int(state["config"].get("model", {}).get("num_classes") or 0) > 0 else None
 
 
 def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str) -> Config:
@@ -62,16 +90,19 @@ def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str) -
     return cfg
 
 
-def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int | None = None) -> dict[str, Any]:
+def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int | None = None,
+             guidance: tuple[float, ...] | None = None) -> dict[str, Any]:
     """Generate `cfg.eval.num` images from a training state's EMA weights and score them against the reference.
-    `features`: a feature extractor (`raydiff.quality.features`); default: what `eval.features` names."""
+    `features`: a feature extractor (`raydiff.quality.features`); default: what `eval.features` names.
+    A class-conditional state is measured once per `guidance` value (default: `eval.guidance`): the result then
+    holds `classes` and `results`, one metrics row per value (see `rows`)."""
     import torch
 
     from raydiff.cluster.start import init_ray
     from raydiff.model.diffusion import build_diffusion, images_per_pass
     from raydiff.model.unet import build_model
     from raydiff.quality.features import features_for
-    from raydiff.quality.measure import SampleJob, parallel_stats, scores
+    from raydiff.quality.measure import SampleJob, class_targets, parallel_stats, scores
     from raydiff.quality.reference import reference_for
 
     e, d = cfg.eval, cfg.data
@@ -85,18 +116,40 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     reference_s = time.perf_counter() - started
     model = build_model(cfg)
     model.load_state_dict(state["ema"])
+    classes = model_classes(state)
     job = SampleJob(model=model.float(), diffusion=build_diffusion(cfg), shape=(d.channels, d.resolution, d.resolution),
                     sampler=e.sampler, steps=e.steps, seed=e.seed, batch=images_per_pass(d.resolution))
-    with torch.inference_mode():
-        samples = parallel_stats("sample", job, features, e.num, workers=workers, keep_features=keep)
-    result = scores(samples, reference, features, e.metrics, seed=e.seed)
-    return {"step": state["step"], **result, "num": e.num, "sampler": e.sampler, "steps": e.steps, "seed": e.seed,
-            "features": features.name, "reference": reference.description, "reference_images": reference.count,
-            "reference_s": round(reference_s, 1), "eval_s": round(time.perf_counter() - started, 1)}
+    if classes is not None:
+        job.class_counts = tuple(int(c) for c in classes["counts"])
+        job.class_targets = class_targets(features, classes["names"], job.class_counts)
+    results = []
+    values: tuple[float | None, ...] = (guidance or (e.guidance,)) if classes is not None else (None,)
+    for w in values:  # None: an unconditional model
+        job.guidance, w_started = 1.0 if w is None else w, time.perf_counter()
+        with torch.inference_mode():
+            samples = parallel_stats("sample", job, features, e.num, workers=workers, keep_features=keep)
+        metrics = scores(samples, reference, features, e.metrics, seed=e.seed)
+        results.append(metrics if w is None else {"guidance": w, **metrics,
+                                                  "eval_s": round(time.perf_counter() - w_started, 1)})
+    common = {"num": e.num, "sampler": e.sampler, "steps": e.steps, "seed": e.seed, "features": features.name,
+              "reference": reference.description, "reference_images": reference.count,
+              "reference_s": round(reference_s, 1), "eval_s": round(time.perf_counter() - started, 1)}
+    if classes is None:
+        return {"step": state["step"], **results[0], **common}
+    return {"step": state["step"], **common, "classes": list(classes["names"]), "results": results}
+
+
+def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One flat metrics row per guidance value of a result (the result itself for an unconditional model)."""
+    if "results" not in result:
+        return [result]
+    common = {k: v for k, v in result.items() if k not in ("results", "classes")}
+    return [{**common, **row} for row in result["results"]]
 
 
 def write_result(run_dir, result: dict[str, Any]) -> str:
-    """eval/<step>-<sampler>-<steps>-<num>[-k].json (a new name if taken) and a row of eval.jsonl."""
+    """eval/<step>-<sampler>-<steps>-<num>[-k].json (a new name if taken) and a row of eval.jsonl (one per
+    guidance value)."""
     from raydiff.runs.runlog import JsonlLog
 
     stem = f"eval/{result['step']}-{result['sampler']}-{result['steps']}-{result['num']}"
@@ -104,15 +157,20 @@ def write_result(run_dir, result: dict[str, Any]) -> str:
     while run_dir.is_file(name):
         name, k = f"{stem}-{k}.json", k + 1
     run_dir.write_text(name, json.dumps(result, indent=2) + "\n")
-    JsonlLog(run_dir, "eval.jsonl").append({**result, "file": name})
+    log = JsonlLog(run_dir, "eval.jsonl")
+    for row in rows(result):
+        log.append({**row, "file": name})
     return name
 
 
 def describe(result: dict[str, Any]) -> str:
+    """One line of a metrics row (with its guidance where it has one)."""
     numbers = ", ".join(f"{k} {v:.4g}" for k, v in result.items()
-                        if k.endswith(("fd", "fid", "kid", "coverage", "confident")) and isinstance(v, float))
+                        if k.endswith(("fd", "fid", "kid", "coverage", "confident", "class_match"))
+                        and isinstance(v, float))
+    guided = f", guidance {result['guidance']:g}" if result.get("guidance") is not None else ""
     return (f"step {result['step']}, {result['num']} images ({result['sampler']}, {result['steps']} steps, seed "
-            f"{result['seed']}): {numbers}")
+            f"{result['seed']}{guided}): {numbers}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,13 +189,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raydiff: error: --checkpoint {args.checkpoint}: cannot write the result into {run_dir} ({reason})",
               file=sys.stderr)
         return 2
+    guidance = parse_guidance(args.guidance) if args.guidance is not None else None
     checkpoint, state = read_newest(location)
+    classes = model_classes(state)
+    if guidance is not None and classes is None:
+        raise ConfigError(f"--guidance = {args.guidance!r}: {checkpoint} holds an unconditional model; guidance "
+                          f"applies to class-conditional models only (trained with model.num_classes > 0)")
     cfg = eval_config(state, args, storage=str(run_dir.parent))
+    guided = f", guidance {','.join(f'{w:g}' for w in guidance or (cfg.eval.guidance,))}" if classes else ""
     print(f"[raydiff] evaluating {checkpoint} (step {state['step']}): {cfg.eval.num} images, {cfg.eval.sampler} "
-          f"{cfg.eval.steps} steps, metrics {','.join(cfg.eval.metrics)}", file=sys.stderr)
-    result = evaluate(state, cfg, workers=args.workers)
+          f"{cfg.eval.steps} steps, metrics {','.join(cfg.eval.metrics)}{guided}", file=sys.stderr)
+    result = evaluate(state, cfg, workers=args.workers, guidance=guidance)
     name = write_result(run_dir, result)
-    print(f"[raydiff] {describe(result)} in {result['eval_s']:.0f} s -> {run_dir / name}")
+    for row in rows(result):
+        print(f"[raydiff] {describe(row)} in {row['eval_s']:.0f} s -> {run_dir / name}")
     return 0
 
 

@@ -1,6 +1,8 @@
 """python -m raydiff.evaluate on the session's smoke run: results files, agreement with the run's own
-measurement and across worker counts, and bad input. Its `main` runs in this process (a driver of the session's
-cluster), as `python -m raydiff.evaluate` would run it, to save a process start per call."""
+measurement and across worker counts, and bad input; and on class-conditional checkpoints built here: one result
+per guidance, the digits' class match, and the same numbers from the in-run evaluation. Its `main` runs in this
+process (a driver of the session's cluster), as `python -m raydiff.evaluate` would run it, to save a process start
+per call."""
 
 from __future__ import annotations
 
@@ -12,6 +14,32 @@ from raydiff import cli
 from raydiff.evaluate import main as evaluate_main
 
 pytestmark = pytest.mark.ray
+
+DIGIT_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 0]  # no nines: never asked for
+
+
+def write_checkpoint(storage, *, classes: dict | None, step: int = 7):
+    """A checkpoint folder of a tiny smoke-preset model (random weights), class-conditional when `classes` is
+    given ({"names", "counts"}), as training writes it; returns (its folder, the config)."""
+    import torch
+
+    from raydiff.config import load_config
+    from raydiff.model.unet import build_model
+    from raydiff.runs.checkpoint import write_state
+
+    overrides = ["data.labels=auto", f"model.num_classes={len(classes['names'])}"] if classes else []
+    cfg = load_config("smoke", overrides)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    for p in model.parameters():  # the zero-initialised output layers would make every image the same
+        torch.nn.init.normal_(p, std=0.05)
+    state = {"step": step, "config": cfg.to_dict(), "ema": model.state_dict(), "model": model.state_dict()}
+    if classes:
+        state["classes"] = classes
+    folder = storage / "run" / f"checkpoint_{step:06d}"
+    folder.mkdir(parents=True)
+    write_state(folder, state)
+    return folder, cfg
 
 
 def test_evaluate_matches_the_run_and_never_overwrites(smoke_run, ray_session, capsys):
@@ -76,3 +104,88 @@ def test_reference_from_an_npz_or_a_folder(smoke_run, ray_session, capsys, tmp_p
     capsys.readouterr()
     assert cli.run(evaluate_main, [*args, "--ref", str(tmp_path / "digits.npz"), "--metrics", "kid"]) == 2
     assert "KID needs the reference's features" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def conditional_checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("conditional"),
+                            classes={"names": [str(d) for d in range(10)], "counts": DIGIT_COUNTS})
+
+
+def test_conditional_one_result_per_guidance_with_the_class_match(conditional_checkpoint, ray_session, capsys):
+    """--guidance 0,2: one line and one eval.jsonl row per W, one file with both; digits_class_match is the share
+    of images (asked for classes in the data's frequencies) that the digits classifier reads as their class."""
+    import torch
+
+    from raydiff.model.diffusion import build_diffusion
+    from raydiff.model.unet import build_model
+    from raydiff.quality.features import DigitsFeatures
+    from raydiff.quality.measure import SampleJob, eval_labels
+    from raydiff.runs.state import read_state
+
+    checkpoint, cfg = conditional_checkpoint
+    run_dir = checkpoint.parent
+    args = ["--checkpoint", str(checkpoint), "--num", "40", "--steps", "2"]
+    assert cli.run(evaluate_main, [*args, "--guidance", "0,2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(": ")[0] for line in out] == [
+        "[raydiff] step 7, 40 images (ddim, 2 steps, seed 0, guidance 0)",
+        "[raydiff] step 7, 40 images (ddim, 2 steps, seed 0, guidance 2)"]
+    assert "digits_class_match" in out[1]
+    result = json.loads((run_dir / "eval" / "7-ddim-2-40.json").read_text())
+    assert result["classes"] == [str(d) for d in range(10)] and result["reference_images"] == 1797
+    assert [r["guidance"] for r in result["results"]] == [0.0, 2.0]
+    unguided, guided = result["results"]
+    assert unguided["digits_fd"] != guided["digits_fd"]
+    rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [(r["guidance"], r["digits_fd"], r["file"]) for r in rows] == [
+        (0.0, unguided["digits_fd"], "eval/7-ddim-2-40.json"), (2.0, guided["digits_fd"], "eval/7-ddim-2-40.json")]
+    # The class match, recomputed here: the same images, the classifier's reading against the class asked for.
+    state = read_state(checkpoint)
+    model = build_model(cfg)
+    model.load_state_dict(state["ema"])
+    job = SampleJob(model=model.eval(), diffusion=build_diffusion(cfg), shape=(1, 8, 8), sampler="ddim", steps=2,
+                    seed=0, class_counts=tuple(DIGIT_COUNTS), guidance=2.0)
+    labels = eval_labels(0, range(40), DIGIT_COUNTS)
+    assert 9 not in labels
+    logits = DigitsFeatures()(job.images(range(40), torch.device("cpu")))[1]
+    expected = int((logits.argmax(-1) == torch.tensor(labels)).sum()) / len(labels)
+    assert guided["digits_class_match"] == expected
+
+    # Without --guidance: eval.guidance (1 unless the run set it), which the in-run evaluation uses too, with the
+    # same classes asked for: the same numbers.
+    from raydiff.quality.reference import reference_for
+    from raydiff.training.in_run_quality import InRunQuality, evaluate_in_run
+
+    assert cli.run(evaluate_main, args) == 0
+    default = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
+    assert default["guidance"] == 1.0 and default["file"] == "eval/7-ddim-2-40-2.json"
+    cfg.eval.num, cfg.eval.steps, cfg.run.storage = 40, 2, str(run_dir.parent)
+    features = DigitsFeatures()
+    quality = InRunQuality(features, reference_for(cfg, features, keep_features=False),
+                           class_names=tuple(str(d) for d in range(10)), class_counts=tuple(DIGIT_COUNTS))
+    in_run = evaluate_in_run(quality, model.float(), build_diffusion(cfg), cfg, 0, 1, torch.device("cpu"))
+    assert in_run["digits_fd"] == pytest.approx(default["digits_fd"], rel=1e-9)
+    assert in_run["digits_class_match"] == default["digits_class_match"]
+
+
+@pytest.mark.parametrize("guidance, fragment", [
+    ("-1", "--guidance = '-1': must be comma-separated numbers >= 0"),
+    ("1,abc", "--guidance = '1,abc': must be comma-separated numbers >= 0"),
+    ("2,nan", "--guidance = '2,nan': must be comma-separated numbers >= 0"),
+])
+def test_bad_guidance_is_one_line_exit_2(conditional_checkpoint, guidance, fragment, capsys):
+    checkpoint, _ = conditional_checkpoint
+    before = sorted(p.name for p in checkpoint.parent.iterdir())
+    assert cli.run(evaluate_main, ["--checkpoint", str(checkpoint), "--guidance", guidance]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len([line for line in err.splitlines() if line.startswith("raydiff:")]) == 1
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == before
+
+
+def test_guidance_on_an_unconditional_model_is_one_line_exit_2(tmp_path, capsys):
+    checkpoint, _ = write_checkpoint(tmp_path, classes=None)
+    assert cli.run(evaluate_main, ["--checkpoint", str(checkpoint), "--guidance", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--guidance = '2': " in err and "holds an unconditional model" in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]

@@ -1,8 +1,9 @@
 """Feature statistics and the distances between two sets of them.
 
-Statistics are float64 sums (count, sum, sum of outer products, class counts), so that the statistics of a set
-split over any number of workers add up to those of the whole set: workers exchange sums, not features. The
-Frechet distance and KID formulas are torch-fidelity's (the reference implementations behind published FIDs).
+Statistics are float64 sums (count, sum, sum of outer products, class counts, class matches), so that the
+statistics of a set split over any number of workers add up to those of the whole set: workers exchange sums, not
+features. The Frechet distance and KID formulas are torch-fidelity's (the reference implementations behind
+published FIDs).
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ class FeatureStats:
     class_counts: np.ndarray | None = None  # (K,) predictions per class, for classifier features
     confident: int = 0  # samples predicted with probability >= CONFIDENT_PROB
     features: list[np.ndarray] | None = field(default=None, repr=False)
+    asked: int = 0  # samples generated for a class the classifier knows (class-conditional models)
+    matched: int = 0  # of those, the samples the classifier reads as that class
 
     @classmethod
     def empty(cls, dim: int, *, classes: int = 0, keep_features: bool = False) -> FeatureStats:
         return cls(0, np.zeros(dim), np.zeros((dim, dim)), np.zeros(classes) if classes else None,
                    0, [] if keep_features else None)
 
-    def add(self, features: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+    def add(self, features: torch.Tensor, logits: torch.Tensor | None = None,
+            targets: list[int] | None = None) -> None:
+        """Add a batch. `targets`: the classifier's class that each image was generated for (class match)."""
         f = features.detach().to("cpu", torch.float64).numpy()
         self.count += len(f)
         self.sum += f.sum(0)
@@ -43,26 +48,32 @@ class FeatureStats:
             probs = logits.detach().float().softmax(-1).cpu()
             self.class_counts += np.bincount(probs.argmax(-1).numpy(), minlength=len(self.class_counts))
             self.confident += int((probs.max(-1).values >= CONFIDENT_PROB).sum())
+            if targets is not None:
+                self.asked += len(targets)
+                self.matched += class_matches(logits, targets)
 
     def __add__(self, other: FeatureStats) -> FeatureStats:
         features = self.features + other.features if self.features is not None and other.features is not None else None
         return FeatureStats(self.count + other.count, self.sum + other.sum, self.outer + other.outer,
                             None if self.class_counts is None else self.class_counts + other.class_counts,
-                            self.confident + other.confident, features)
+                            self.confident + other.confident, features, self.asked + other.asked,
+                            self.matched + other.matched)
 
     # Packing for one all-reduce (the in-run evaluation sums over the training workers).
     def packed(self) -> torch.Tensor:
-        parts = [np.array([self.count, self.confident], np.float64), self.sum, self.outer.ravel()]
+        parts = [np.array([self.count, self.confident, self.asked, self.matched], np.float64), self.sum,
+                 self.outer.ravel()]
         if self.class_counts is not None:
             parts.append(self.class_counts)
         return torch.from_numpy(np.concatenate(parts))
 
     def unpacked(self, box: torch.Tensor) -> FeatureStats:
-        v, dim = box.cpu().numpy(), len(self.sum)
-        classes = v[2 + dim + dim * dim:]
-        return FeatureStats(int(round(v[0])), v[2:2 + dim].copy(), v[2 + dim:2 + dim + dim * dim].reshape(dim, dim),
+        v, dim, head = box.cpu().numpy(), len(self.sum), 4
+        classes = v[head + dim + dim * dim:]
+        return FeatureStats(int(round(v[0])), v[head:head + dim].copy(),
+                            v[head + dim:head + dim + dim * dim].reshape(dim, dim),
                             classes.copy() if self.class_counts is not None else None, int(round(v[1])),
-                            self.features)
+                            self.features, int(round(v[2])), int(round(v[3])))
 
     def mu_sigma(self) -> tuple[np.ndarray, np.ndarray]:
         """Mean and unbiased covariance (numpy's `np.cov`, as every FID implementation uses)."""
@@ -96,6 +107,14 @@ def kernel_distance(a: np.ndarray, b: np.ndarray, *, seed: int = 0) -> tuple[flo
     out = kid_features_to_metric(torch.tensor(a), torch.tensor(b), kid_subsets=100, kid_subset_size=subset,
                                  verbose=False, rng_seed=seed)
     return out[KEY_METRIC_KID_MEAN], out[KEY_METRIC_KID_STD]
+
+
+def class_matches(logits: torch.Tensor, targets: list[int]) -> int:
+    """How many images the classifier reads as the class each was generated for: its most likely class (the
+    argmax of `logits`, (N, K)) equals `targets[i]`."""
+    if len(targets) != len(logits):
+        raise ValueError(f"{len(targets)} targets for {len(logits)} images")
+    return int((logits.detach().argmax(-1).cpu() == torch.as_tensor(targets, dtype=torch.long)).sum())
 
 
 def coverage(stats: FeatureStats) -> dict[str, float]:

@@ -2,7 +2,9 @@
 
 Every worker generates its part of the images (chunk c goes to worker c mod W) from the EMA weights in fp32;
 the feature sums are added over the workers with one all-reduce, so the images and, up to float64 summation
-order, the result are those of `python -m raydiff.evaluate` with the same settings.
+order, the result are those of `python -m raydiff.evaluate` with the same settings. A class-conditional run's
+images are asked for classes drawn in the training data's class frequencies, as the command draws them, and
+generated with `eval.guidance`.
 """
 
 from __future__ import annotations
@@ -14,17 +16,20 @@ import torch
 import torch.distributed as dist
 
 from raydiff.quality.features import Features
-from raydiff.quality.measure import SampleJob, chunks, empty_stats, sample_stats, scores, total
+from raydiff.quality.measure import SampleJob, chunks, class_targets, empty_stats, sample_stats, scores, total
 from raydiff.quality.reference import Reference
 from raydiff.training.distributed import _active, from_rank_zero
 
 
 @dataclass
 class InRunQuality:
-    """What the driver prepares once per run: the feature network and the reference statistics."""
+    """What the driver prepares once per run: the feature network and the reference statistics; for a
+    class-conditional run also its classes (`state["classes"]`: names, and training images per class)."""
 
     features: Features
     reference: Reference
+    class_names: tuple[str, ...] | None = None
+    class_counts: tuple[int, ...] | None = None  # None: an unconditional run
 
 
 @torch.no_grad()
@@ -35,7 +40,9 @@ def evaluate_in_run(quality: InRunQuality, ema: torch.nn.Module, diffusion, cfg,
     e, d = cfg.eval, cfg.data
     keep = "kid" in e.metrics
     job = SampleJob(model=ema, diffusion=diffusion, shape=(d.channels, d.resolution, d.resolution),
-                    sampler=e.sampler, steps=e.steps, seed=e.seed, batch=batch)
+                    sampler=e.sampler, steps=e.steps, seed=e.seed, batch=batch, class_counts=quality.class_counts,
+                    guidance=e.guidance, class_targets=class_targets(quality.features, quality.class_names,
+                                                              quality.class_counts))
     mine = chunks(e.num)[rank::world_size]
     parts = sample_stats(job, quality.features, mine, device, keep) if mine else []
     dim = len(quality.reference.mu)
