@@ -1,4 +1,5 @@
-"""python -m raydiff.export, raydiff.sample on an exported folder, and training from model.init_from."""
+"""python -m raydiff.export, raydiff.sample on an exported folder, and training from model.init_from; the same for
+a class-conditional model (its classes, and the model card's guided sampling loop)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from conftest import run_cli
 from diffusers import DDIMScheduler, DDPMPipeline
 from PIL import Image
 
-from raydiff import cli, export, train
-from raydiff.config import load_config
+from raydiff import cli, export, sample, train
+from raydiff.config import ConfigError, load_config
 from raydiff.model import diffusers_folder, diffusers_io
+from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import make_ema
 from raydiff.model.noise import GRID_NOISE, image_generators
 from raydiff.model.unet import build_model
@@ -25,13 +27,16 @@ from raydiff.runs.state import Progress, TrainingState, checkpoint_state
 
 T = 50  # a short chain, so that sampling every step stays fast
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # small models: see one_torch_thread in conftest.py
+CLASSES = {"names": ["zero", "one", "two"], "counts": [30, 31, 32]}
+CONDITIONAL = [f"diffusion.timesteps={T}", "data.labels=auto", f"model.num_classes={len(CLASSES['names'])}"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def write_checkpoint(run_dir, cfg, *, step: int = 20):
-    """A checkpoint as training writes it, without Ray: random weights, and an EMA that differs from them."""
+def write_checkpoint(run_dir, cfg, *, step: int = 20, classes=None):
+    """A checkpoint as training writes it, without Ray: random weights, and an EMA that differs from them
+    (`classes`: a class-conditional run's {"names", "counts"})."""
     torch.manual_seed(0)
     model = build_model(cfg)
     with torch.no_grad():
@@ -46,7 +51,10 @@ def write_checkpoint(run_dir, cfg, *, step: int = 20):
     optimizer = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     objects = TrainingState(model, ema, optimizer, scaler)
-    write_state(folder, checkpoint_state(objects, Progress(step=step), cfg.train.global_batch, cfg.to_dict()))
+    state = checkpoint_state(objects, Progress(step=step), cfg.train.global_batch, cfg.to_dict())
+    if classes:
+        state["classes"] = classes
+    write_state(folder, state)
     return folder
 
 
@@ -177,3 +185,103 @@ def test_a_new_run_starts_from_init_from(exported, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"model.init_from: continuing at step 2, not read ({gone})" in proc.stdout
     assert read_state(list_checkpoints(run_dir)[-1])["step"] == 4
+
+
+# Class-conditional models.
+@pytest.fixture(scope="module")
+def exported_conditional(tmp_path_factory):
+    """A smoke-shaped class-conditional run (3 classes, T = 50), exported in this process."""
+    root = tmp_path_factory.mktemp("export-conditional")
+    cfg = load_config("smoke", CONDITIONAL, check_source=False)
+    checkpoint = write_checkpoint(root / "run", cfg, classes=CLASSES)
+    assert cli.run(export.main, ["--checkpoint", str(root / "run"), "--out", str(root / "pipeline")]) == 0
+    return checkpoint, root / "pipeline"
+
+
+def test_a_conditional_export_holds_the_classes_and_reads_back(exported_conditional, capsys):
+    checkpoint, folder = exported_conditional
+    unet = json.loads((folder / "unet" / "config.json").read_text())
+    assert unet["num_class_embeds"] == 4 and unet["class_embed_type"] is None  # 3 classes and the null class
+    assert json.loads((folder / "raydiff_export.json").read_text())["classes"] == CLASSES
+    card = (folder / "README.md").read_text()
+    assert "| 2 | `two` | 32 |" in card and "class_labels=torch.cat([labels, null])" in card
+    assert "pipeline_tag: unconditional" not in card
+
+    state = diffusers_folder.state_from_folder(folder)  # what raydiff.sample --checkpoint FOLDER reads
+    assert state["classes"] == CLASSES
+    assert state["config"]["model"]["num_classes"] == 3 and state["config"]["data"]["labels"] == "auto"
+    ema = read_state(checkpoint)["ema"]
+    assert ema.keys() == state["ema"].keys() and all(torch.equal(state["ema"][k], v) for k, v in ema.items())
+    # A UNet2DModel from elsewhere (no raydiff_export.json): its ids are its class names.
+    (folder / "raydiff_export.json").rename(folder / "moved.json")
+    try:
+        assert diffusers_folder.state_from_folder(folder)["classes"] == {"names": ["0", "1", "2"]}
+    finally:
+        (folder / "moved.json").rename(folder / "raydiff_export.json")
+
+
+def test_the_model_cards_guided_loop_is_raydiffs_guided_sampling(exported_conditional, tmp_path, monkeypatch):
+    """The card's snippet, run as it stands (diffusers' DDPMScheduler, both branches in one batched forward), gives
+    raydiff's guided DDPM samples from the same noise."""
+    checkpoint, folder = exported_conditional
+    card = (folder / "README.md").read_text()
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert "K, W, n = 0, 2.0, 16" in snippet
+    monkeypatch.chdir(tmp_path)  # it writes sample.png
+    namespace: dict = {}
+    exec(snippet.replace("path/to/this/folder", str(folder)), namespace)
+    assert (tmp_path / "sample.png").is_file()
+
+    cfg = load_config("smoke", CONDITIONAL, check_source=False)
+    model = build_model(cfg).eval()
+    model.load_state_dict(read_state(checkpoint)["ema"])
+    ours = build_diffusion(cfg).sample(model, (16, 1, 8, 8), sampler="ddpm", generator=torch.Generator().manual_seed(0),
+                                       labels=torch.zeros(16, dtype=torch.long), guidance=2.0)
+    print(f"guided DDPM, {T} steps: max |raydiff - diffusers| = {(ours - namespace['x']).abs().max().item():.2e}")
+    torch.testing.assert_close(namespace["x"], ours, atol=1e-4, rtol=0)
+
+
+def test_sample_cli_asks_an_exported_folder_for_classes_by_name_and_id(exported_conditional, tmp_path, capsys):
+    checkpoint, folder = exported_conditional
+    common = ["--num", "6", "--sampler", "ddim", "--steps", "4"]
+    by_name, by_id = tmp_path / "by-name", tmp_path / "by-id"
+    assert cli.run(sample.main, ["--checkpoint", str(folder), "--class", "two,zero,one", "--out", str(by_name),
+                                 *common]) == 0
+    out = capsys.readouterr().out
+    assert "class 2 (two), 0 (zero), 1 (one), guidance 2" in out
+    assert cli.run(sample.main, ["--checkpoint", str(checkpoint), "--class", "2,0,1", "--out", str(by_id),
+                                 *common]) == 0
+    for i in range(6):  # the folder holds the checkpoint's EMA weights: the same images
+        name = f"sample_{i:05d}.png"
+        assert (by_name / name).read_bytes() == (by_id / name).read_bytes()
+    # Image i gets class i * 3 // 6, and the grid has one row per class: 3 rows of 2 images.
+    assert sample.image_labels([2, 0, 1], 6) == [2, 2, 0, 0, 1, 1]
+    width, height = Image.open(by_name / "grid.png").size
+    assert (width - 2) / 2 == (height - 2) / 3  # 2 columns, 3 rows of equal cells (2 px padding)
+    pixels = np.asarray(Image.open(by_id / "sample_00000.png"))
+    assert not (pixels == np.asarray(Image.open(by_id / "sample_00002.png"))).all()
+
+
+def test_init_from_a_conditional_export(exported_conditional, tmp_path, capsys):
+    checkpoint, folder = exported_conditional
+    cfg = load_config("smoke", [*CONDITIONAL, f"model.init_from={folder}"], check_source=False)
+    model = build_model(cfg).eval()
+    model.load_state_dict(diffusers_folder.load_init_weights(cfg))
+    assert torch.equal(model.class_embed.weight, read_state(checkpoint)["ema"]["class_embed.weight"])
+    # model.num_classes = auto takes it; the driver checks the number once the data has said it.
+    auto = load_config("smoke", [f"diffusion.timesteps={T}", "data.labels=auto", "model.num_classes=auto",
+                                 f"model.init_from={folder}"], check_source=False)
+    weights = diffusers_folder.load_init_weights(auto)
+    diffusers_io.check_classes(weights, 3, init_from=str(folder), auto=True)
+    with pytest.raises(ConfigError, match=r"^model\.init_from = .*: model\.num_classes = auto = 5 \(the classes the "
+                                          r"data has\) here, but the UNet there has num_class_embeds = 4 \(3 classes "
+                                          r"plus the null class\)$"):
+        diffusers_io.check_classes(weights, 5, init_from=str(folder), auto=True)
+    # A conditional UNet into an unconditional run: refused by a new run in one line, before anything is written.
+    code = cli.run(train.main, ["--config", "smoke", "--set", f"diffusion.timesteps={T}",
+                                "--set", f"model.init_from={folder}", "--set", f"run.storage={tmp_path}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"raydiff: config error: model.init_from = '{folder}': model.num_classes = 0 (unconditional) here, but the "
+        f"UNet there has num_class_embeds = 4 (3 classes plus the null class)")
+    assert list(tmp_path.iterdir()) == []

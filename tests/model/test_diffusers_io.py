@@ -202,3 +202,72 @@ def test_init_from_is_checked_cheaply_and_is_not_an_identity_key(tmp_path, capsy
     old = load_config("smoke", check_source=False).to_dict()
     new = load_config("smoke", ["model.init_from=google/ddpm-cifar10-32"], check_source=False).to_dict()
     assert identity_changes(old, new) == []  # a continuing run is not refused over it
+
+
+# Class-conditional models.
+CONDITIONAL = ["data.labels=auto", "model.num_classes=3"]
+
+
+def test_a_conditional_unet_computes_what_diffusers_computes_for_given_labels():
+    cfg = load_config("smoke", CONDITIONAL, check_source=False)
+    model = randomised(cfg)
+    unet = exported_unet(model, cfg)
+    assert unet.config.num_class_embeds == 4  # the 3 classes and the null class, id 3
+    assert torch.equal(unet.class_embedding.weight, model.class_embed.weight)
+    x, t = torch.randn(4, 1, 8, 8), torch.tensor([0, 10, 500, 999])
+    labels = torch.tensor([0, 2, 1, 3])  # 3: the null class, the unconditional branch of guidance
+    with torch.no_grad():
+        ours, theirs = model(x, t, labels), unet(x, t, class_labels=labels).sample
+        unconditional = model(x, t)  # no labels: the null class for every image
+    print(f"conditional: max |raydiff - diffusers| = {(ours - theirs).abs().max().item():.2e}")
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    torch.testing.assert_close(unconditional[3], ours[3], atol=0, rtol=0)
+    assert (unconditional[:3] - ours[:3]).abs().amax(dim=(1, 2, 3)).min() > 1e-3  # the labels matter
+    back = diffusers_io.from_diffusers(unet.state_dict(), cfg)
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def unets(tmp_path_factory):
+    """Smoke-shaped UNet2DModel folders, conditional (3 classes) and unconditional."""
+    root = tmp_path_factory.mktemp("unets")
+    for name, overrides in (("conditional", CONDITIONAL), ("unconditional", [])):
+        torch.manual_seed(0)
+        cfg = load_config("smoke", overrides, check_source=False)
+        UNet2DModel(**diffusers_io.unet_config(cfg)).save_pretrained(root / name)
+    return root
+
+
+def test_init_from_takes_a_conditional_unet2dmodel(unets):
+    cfg = load_config("smoke", [*CONDITIONAL, f"model.init_from={unets / 'conditional'}"], check_source=False)
+    model = build_model(cfg).eval()
+    model.load_state_dict(diffusers_folder.load_init_weights(cfg))
+    unet = UNet2DModel.from_pretrained(unets / "conditional", low_cpu_mem_usage=False).eval()
+    x, t, labels = torch.randn(2, 1, 8, 8), torch.tensor([3, 40]), torch.tensor([1, 3])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, t, labels), unet(x, t, class_labels=labels).sample, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("unet", "overrides", "message"), [
+    ("conditional", ["data.labels=auto", "model.num_classes=4"],
+     r"model\.num_classes = 4 here, but the UNet there has num_class_embeds = 4 \(3 classes plus the null class\)$"),
+    ("conditional", [], r"model\.num_classes = 0 \(unconditional\) here, but the UNet there has num_class_embeds = 4"),
+    ("unconditional", CONDITIONAL,
+     r"model\.num_classes = 3 here, but the UNet there is unconditional \(num_class_embeds = null\)$"),
+    ("unconditional", ["data.labels=auto", "model.num_classes=auto"],
+     r"model\.num_classes = auto here \(a class-conditional run\), but the UNet there is unconditional"),
+])
+def test_init_from_refuses_a_unet_with_other_classes_in_one_line(unets, unet, overrides, message):
+    cfg = load_config("smoke", [*overrides, f"model.init_from={unets / unet}"], check_source=False)
+    with pytest.raises(ConfigError, match=rf"^model\.init_from = '.*{unet}': {message}") as caught:
+        diffusers_folder.load_init_weights(cfg)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_unet_whose_classes_raydiff_cannot_hold_is_refused():
+    with pytest.raises(ConfigError, match=r"num_class_embeds = 1; raydiff needs null \(unconditional\) or the number "
+                                          r"of classes plus one"):
+        diffusers_io.model_keys_from_unet({**GOOGLE_DDPM_CIFAR10, "num_class_embeds": 1}, where="x")
+    with pytest.raises(ConfigError, match=r"class_embed_type = 'timestep'; raydiff's UNet needs None"):
+        diffusers_io.model_keys_from_unet({**GOOGLE_DDPM_CIFAR10, "class_embed_type": "timestep"}, where="x")

@@ -1,0 +1,61 @@
+"""python -m raydiff.sample on class-conditional and unconditional checkpoints: what --class and --guidance ask
+for, and each request a model cannot serve refused in one line before anything is sampled or written."""
+
+from __future__ import annotations
+
+import pytest
+from test_export import CLASSES, CONDITIONAL, write_checkpoint
+
+from raydiff import cli, sample
+from raydiff.config import load_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two smoke-shaped runs (T = 50): `conditional` (classes zero, one, two) and `unconditional`."""
+    root = tmp_path_factory.mktemp("sample")
+    write_checkpoint(root / "conditional", load_config("smoke", CONDITIONAL, check_source=False), classes=CLASSES)
+    write_checkpoint(root / "unconditional", load_config("smoke", ["diffusion.timesteps=50"], check_source=False))
+    return root
+
+
+def test_every_class_by_default_one_row_each(runs, tmp_path, capsys):
+    out = tmp_path / "grid.png"
+    assert cli.run(sample.main, ["--checkpoint", str(runs / "conditional"), "--num", "6", "--sampler", "ddim",
+                                 "--steps", "2", "--out", str(out)]) == 0
+    assert "; every class: 0 (zero), 1 (one), 2 (two), guidance 2" in capsys.readouterr().out
+    assert sample.grid_row([0, 1, 2], 6) == 2 and sample.grid_row([0, 1, 2], 7) is None  # else a square grid
+    assert sample.grid_row([1], 6) is None  # one class: a square grid, not one long row
+    assert sample.image_labels([0, 1, 2], 7) == [0, 0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize(("run", "args", "message"), [
+    ("unconditional", ["--class", "1"], "--class 1: the model is unconditional (model.num_classes = 0); --class "
+                                        "applies to class-conditional models only"),
+    ("unconditional", ["--guidance", "2"], "--guidance 2: the model is unconditional (model.num_classes = 0); "
+                                           "--guidance applies to class-conditional models only"),
+    ("conditional", ["--class", "zero,seven"], "--class 'seven': not a class of this model; use an id 0..2 or a "
+                                               "name: 0 'zero', 1 'one', 2 'two'"),
+    ("conditional", ["--class", "3"], "--class '3': not a class of this model; use an id 0..2 or a name: 0 'zero', "
+                                      "1 'one', 2 'two'"),
+    ("conditional", ["--class", "-1"], "--class '-1': not a class of this model"),
+])
+def test_a_request_the_model_cannot_serve_is_one_line_and_writes_nothing(runs, tmp_path, capsys, run, args, message):
+    out = tmp_path / "samples"
+    assert cli.run(sample.main, ["--checkpoint", str(runs / run), "--out", str(out), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"raydiff: error: {message}") and captured.err.count("\n") == 1
+    assert "sampling" not in captured.out and not out.exists()
+
+
+def test_a_negative_guidance_is_refused_before_reading_the_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        sample.main(["--checkpoint", str(tmp_path / "missing"), "--guidance", "-1", "--out", str(tmp_path / "x")])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == ("python -m raydiff.sample: error: --guidance -1: must be >= 0 "
+                                            "(diffusers' convention: 0 unconditional, 1 conditional without "
+                                            "guidance, more follows the class more closely)")
+    assert list(tmp_path.iterdir()) == []
