@@ -14,8 +14,8 @@ kind of device (CPU, or a CUDA GPU), whatever --batch. With --sampler ddim --ste
 
 A class-conditional model samples the classes of --class (ids or names; default every class) with classifier-free
 guidance W in diffusers' convention, eps = eps_uncond + W (eps_cond - eps_uncond): W = 1 is conditional sampling
-without guidance, W = 0 unconditional. The default W = 2 is a guided model's usual trade: W = 1 lets a model trained
-with label dropout drift off the class it was asked for, and larger W buys class fidelity with diversity. With C
+without guidance, W = 0 unconditional. The default W = 2 is a middle ground: at W = 1 samples follow their class
+only loosely, and larger W buys class fidelity with diversity (and FID). With C
 classes asked for and N images, image i gets class i * C // N (contiguous blocks); the grid has one row per class
 when C > 1 divides N.
 """
