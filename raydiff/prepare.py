@@ -1,12 +1,15 @@
 """Decode a source once into Parquet shards of uint8 images at the training resolution.
 
     python -m raydiff.prepare SOURCE OUT --resolution R [--channels C] [--format auto|images|parquet|webdataset]
-        [--image-column NAME] [--endpoint URL] [--anonymous] [--max-bad-fraction F]
+        [--image-column NAME] [--labels none|auto] [--label-column NAME] [--endpoint URL] [--anonymous]
+        [--max-bad-fraction F]
 
 Ray Data decodes, converts, resizes and center-crops every image in parallel (the same code as training),
 streaming: the decoded dataset never has to fit in memory.
 OUT (a folder, or an s3:// / gs:// URI) receives Parquet shards and a manifest (the format: `raydiff.data.shards`).
 Training with `data.source=OUT` then skips decoding. A local OUT appears all at once, complete or not at all.
+`--labels auto` also writes each sample's class, read as `data.labels: auto` reads it (`raydiff.data.labels`), for
+class-conditional training on OUT; samples without a label are skipped and listed like undecodable ones.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from raydiff import cli
 from raydiff.cluster.start import init_ray
 from raydiff.data.errors import DataError
 from raydiff.data.ingest import decode_stream
+from raydiff.data.labels import plan_labels
 from raydiff.data.shards import MANIFEST, write_prepared
 from raydiff.data.sources import open_source
 from raydiff.runs.rundir import unwritable
@@ -34,6 +38,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--channels", type=int, choices=(1, 3), default=3, help="1 grayscale, 3 RGB (default 3)")
     parser.add_argument("--format", choices=("auto", "images", "parquet", "webdataset"), default="auto")
     parser.add_argument("--image-column", default="image", help="Parquet column with the images (default image)")
+    parser.add_argument("--labels", choices=("none", "auto"), default="none",
+                        help="auto: also write each sample's class (class subfolders, the Parquet label column, "
+                             "WebDataset .cls, the digit of builtin:digits); default none")
+    parser.add_argument("--label-column", default="label", help="Parquet column with the labels (default label)")
     parser.add_argument("--endpoint", default=None, help="s3:// or gs:// endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--anonymous", action="store_true", help="read a public bucket without credentials")
     parser.add_argument("--max-bad-fraction", type=float, default=0.1,
@@ -43,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--resolution {args.resolution}: must be between 8 and 1024")
     if not 0 <= args.max_bad_fraction <= 1:
         parser.error(f"--max-bad-fraction {args.max_bad_fraction}: must be in [0, 1]")
+    if not args.label_column:
+        parser.error("--label-column '': must name a column")
     return args
 
 
@@ -53,20 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     source = open_source(args.source, format=args.format, endpoint=args.endpoint, anonymous=args.anonymous)
     if source.kind == "prepared":
         raise DataError(f"SOURCE = {args.source!r} is already prepared data")
+    labels = plan_labels(source, args.label_column) if args.labels == "auto" else None
     reason = unwritable(args.out, endpoint=args.endpoint)
     if reason:
         raise DataError(f"OUT = {args.out!r}: cannot write there ({reason})")
     init_ray()
     with interrupt_on_signals():  # SIGTERM / Ctrl-C stop it, and OUT is left absent, not half-written
         decoded = decode_stream(source, resolution=args.resolution, channels=args.channels,
-                                image_column=args.image_column)
+                                image_column=args.image_column, labels=labels)
         manifest = write_prepared(decoded, source, args.out, shape=(args.channels, args.resolution, args.resolution),
-                                  max_bad_fraction=args.max_bad_fraction, endpoint=args.endpoint)
+                                  max_bad_fraction=args.max_bad_fraction, endpoint=args.endpoint, labels=labels)
     skipped = f"; {len(manifest['bad'])} unusable sample(s) skipped (listed in {MANIFEST})" if manifest["bad"] else ""
-    print(f"[raydiff] prepared {manifest['count']} images at {args.resolution}px from {source.describe()} in "
-          f"{time.perf_counter() - started:.1f} s: {len(manifest['shards'])} shard(s) in {args.out}{skipped}")
+    classes = f" in {len(manifest['classes'])} classes" if "classes" in manifest else ""
+    print(f"[raydiff] prepared {manifest['count']} images{classes} at {args.resolution}px from {source.describe()} "
+          f"in {time.perf_counter() - started:.1f} s: {len(manifest['shards'])} shard(s) in {args.out}{skipped}")
+    conditional = " --set data.labels=auto --set model.num_classes=auto" if labels is not None else ""
     print(f"[raydiff] train on it: python -m raydiff.train --set data.source={args.out} "
-          f"--set data.resolution={args.resolution} --set data.channels={args.channels}")
+          f"--set data.resolution={args.resolution} --set data.channels={args.channels}{conditional}")
     return 0
 
 

@@ -51,6 +51,7 @@ def test_prepare_then_train_on_the_prepared_folder(messy, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["count"] == 44 and manifest["resolution"] == 8 and manifest["channels"] == 3
     assert len(manifest["bad"]) == 4 and manifest["shards"] == ["part-00000.parquet"]
+    assert manifest["version"] == 3 and "classes" not in manifest  # prepared without labels
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".prepared")]  # no temporary left behind
 
     again = run_cli("raydiff.prepare", str(folder), str(out), "--resolution", "8")

@@ -4,7 +4,8 @@ Every kind of source (see `raydiff.data.sources`) goes through one pipeline: rea
 WebDataset samples) -> decode, convert, resize and center-crop (`raydiff.data.decode`) in Ray Data tasks spread
 over the cluster's CPUs -> uint8 (N, C, R, R) chunks, in a fixed order so that sample index i means the same
 image in every run. Prepared sources skip the decode. A sample that cannot be decoded keeps its index (as a
-blank row) and is listed in `ImageStore.bad`; training excludes it.
+blank row) and is listed in `ImageStore.bad`; training excludes it. With `data.labels: auto` each sample's label
+travels beside its image (`raydiff.data.labels`), and a sample without one is listed as bad the same way.
 
 Decoding finishes before the trainer reserves its CPUs, so Ray Data and Ray Train never compete for them: no
 deadlock on a 2-core laptop, full parallelism on a cluster. Workers then read the chunks zero-copy from
@@ -14,7 +15,7 @@ shared memory (`raydiff.data.loader`); the per-epoch work (flip, scale to [-1, 1
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
@@ -23,6 +24,7 @@ import ray
 
 from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.labels import LabelPlan, class_counts, class_ids, missing_labels, plan_labels, resolve_classes
 from raydiff.data.shards import check_prepared
 from raydiff.data.sources import Source, source_of
 
@@ -34,13 +36,20 @@ _SEP = "\x1f"  # between where a bad sample came from and why it is bad, in the 
 
 @dataclass(frozen=True)
 class ImageStore:
-    """A dataset decoded to uint8 (N, C, R, R), held as object-store chunks; picklable, so it travels to workers."""
+    """A dataset decoded to uint8 (N, C, R, R), held as object-store chunks; picklable, so it travels to workers.
+
+    :param labels: `data.labels: auto`: int32 class id of every sample index (-1 where none: a bad sample);
+        None without labels.
+    :param classes: the class names, id = position (empty without labels).
+    """
 
     chunks: tuple[ray.ObjectRef, ...]
     counts: tuple[int, ...]
     shape: tuple[int, int, int]
     source: str
     bad: tuple[BadSample, ...] = ()
+    labels: np.ndarray | None = field(default=None, compare=False)
+    classes: tuple[str, ...] = ()
 
     @property
     def num_images(self) -> int:
@@ -69,6 +78,20 @@ class ImageStore:
         """How the samples are laid out, for data.json: a continuing run keeps it (see `raydiff.data.stream`)."""
         return {"cache": "memory"}
 
+    def class_counts(self) -> list[int]:
+        """Usable samples per class (bad ones excluded); [] without labels."""
+        return [] if self.labels is None else class_counts(self.labels, self.usable_indices(), len(self.classes))
+
+    def label_summary(self) -> dict[str, Any]:
+        """For data.json: {"classes": names, "class_counts": usable samples per class}; {} without labels."""
+        return label_summary(self)
+
+
+def label_summary(images) -> dict[str, Any]:
+    if images.labels is None:
+        return {}
+    return {"classes": list(images.classes), "class_counts": images.class_counts()}
+
 
 # Decoding, one Ray Data batch at a time.
 def _each(values, wheres, fit, resolution: int, channels: int) -> dict[str, np.ndarray]:
@@ -96,12 +119,34 @@ def _decode_encoded(values, wheres, resolution: int, channels: int) -> dict[str,
     return _each(values, wheres, decode, resolution, channels)
 
 
-def _decode_files(batch: dict[str, np.ndarray], resolution: int, channels: int) -> dict[str, np.ndarray]:
-    return _decode_encoded(batch["bytes"], batch["path"], resolution, channels)
+def _with_labels(out: dict[str, np.ndarray], found: list[tuple[str, str]], wheres) -> dict[str, np.ndarray]:
+    """Add each row's label text ("" for none) to a decoded batch; a row without a label is bad (its reason)."""
+    out["label"] = np.array([text for text, _ in found], dtype=object)
+    errors = out["error"]
+    for i, (text, why) in enumerate(found):
+        if not text and not errors[i]:
+            errors[i] = f"{wheres[i]}{_SEP}{why}"
+    return out
+
+
+def _decode_files(batch: dict[str, np.ndarray], resolution: int, channels: int,
+                  labels: LabelPlan | None = None) -> dict[str, np.ndarray]:
+    out = _decode_encoded(batch["bytes"], batch["path"], resolution, channels)
+    if labels is None:
+        return out
+    return _with_labels(out, [labels.of_path(str(p)) for p in batch["path"]], batch["path"])
 
 
 def _decode_parquet(batch: dict[str, np.ndarray], column: str, resolution: int, channels: int,
-                    prepared: bool = False) -> dict[str, np.ndarray]:
+                    prepared: bool = False, labels: LabelPlan | None = None) -> dict[str, np.ndarray]:
+    out = _decode_parquet_images(batch, column, resolution, channels, prepared)
+    if labels is None:
+        return out
+    return _with_labels(out, [labels.of_value(v) for v in batch[labels.column]], batch["path"])
+
+
+def _decode_parquet_images(batch: dict[str, np.ndarray], column: str, resolution: int, channels: int,
+                           prepared: bool) -> dict[str, np.ndarray]:
     values, wheres = batch[column], batch["path"]
     shape = (channels, resolution, resolution)
     if prepared and values.dtype != np.uint8:  # version 2: each row's pixels as one fixed-size binary value
@@ -114,7 +159,8 @@ def _decode_parquet(batch: dict[str, np.ndarray], column: str, resolution: int, 
     return _decode_encoded(values, wheres, resolution, channels)
 
 
-def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: int) -> dict[str, np.ndarray]:
+def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: int,
+                       labels: LabelPlan | None = None) -> dict[str, np.ndarray]:
     n = len(batch["__key__"])
     values = np.empty(n, dtype=object)
     for key in WEBDATASET_IMAGE_KEYS:  # the sample's image, whichever extension it has
@@ -124,31 +170,41 @@ def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: 
                 if values[i] is None and column[i] is not None:
                     values[i] = column[i]
     wheres = [f"{p}:{k}" for p, k in zip(batch.get("path", [""] * n), batch["__key__"], strict=True)]
-    return _decode_encoded(values, wheres, resolution, channels)
+    out = _decode_encoded(values, wheres, resolution, channels)
+    if labels is None:
+        return out
+    cls = batch["cls"] if "cls" in batch else [None] * n  # a block without any .cls has no such column
+    return _with_labels(out, [labels.of_value(v) for v in cls], wheres)
 
 
 # A decode function as map_batches calls it, fn(batch, **fn_kwargs): Ray's annotation knows only fn(batch).
 _BatchFn = Callable[..., dict[str, np.ndarray]]
 
 
-def _read(source: Source, resolution: int, channels: int, image_column: str) -> ray.data.Dataset:
-    """The source as a Ray Data dataset of {image: uint8 (C, R, R), error: str}, in sample order."""
+def _read(source: Source, resolution: int, channels: int, image_column: str,
+          labels: LabelPlan | None = None) -> ray.data.Dataset:
+    """The source as a Ray Data dataset of {image: uint8 (C, R, R), error: str}, plus {label: str} with
+    `labels`, in sample order."""
     files, fs = list(source.files), source.filesystem
     kwargs: dict[str, Any] = {"fn_kwargs": {"resolution": resolution, "channels": channels},
                               "batch_size": DECODE_BATCH, "batch_format": "numpy"}
+    if labels is not None:
+        kwargs["fn_kwargs"]["labels"] = labels
     if source.kind == "images":
         return (ray.data.read_binary_files(files, filesystem=fs, include_paths=True)
                 .map_batches(cast(_BatchFn, _decode_files), **kwargs))
     if source.kind == "webdataset":
+        label_keys = ["cls"] if labels is not None else []
         return (ray.data.read_webdataset(files, filesystem=fs, decoder=None, include_paths=True,
-                                         suffixes=list(WEBDATASET_IMAGE_KEYS) + ["__key__"])
+                                         suffixes=list(WEBDATASET_IMAGE_KEYS) + label_keys + ["__key__"])
                 .map_batches(cast(_BatchFn, _decode_webdataset), **kwargs))
     column = "image" if source.kind == "prepared" else image_column
     names = pq.read_schema(files[0], filesystem=fs).names
     if column not in names:
         raise DataError(f"data.image_column = {column!r}: not a column of {files[0]}; its columns: {', '.join(names)}")
     kwargs["fn_kwargs"].update(column=column, prepared=source.kind == "prepared")
-    return (ray.data.read_parquet(files, filesystem=fs, columns=[column], include_paths=True)
+    columns = [column] if labels is None or labels.column == column else [column, labels.column]
+    return (ray.data.read_parquet(files, filesystem=fs, columns=columns, include_paths=True)
             .map_batches(cast(_BatchFn, _decode_parquet), **kwargs))
 
 
@@ -158,29 +214,50 @@ def _errors_of(errors: np.ndarray) -> tuple[int, list[tuple[int, str]]]:
     return len(errors), [(i, str(e)) for i, e in enumerate(errors) if e]
 
 
-def decode_stream(source: Source, *, resolution: int, channels: int, image_column: str = "image"):
+@ray.remote(num_cpus=0)
+def _labels_of(labels: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(the distinct label texts, each row's position among them) of one chunk's label column: compact."""
+    names, inverse = np.unique(labels.astype(str), return_inverse=True)
+    return names.tolist(), inverse.astype(np.int32)
+
+
+def _bad_of(errors: np.ndarray, start: int) -> list[BadSample]:
+    bad = []
+    for row in np.flatnonzero(errors != ""):
+        where, _, reason = str(errors[row]).partition(_SEP)
+        bad.append(BadSample(index=start + int(row), where=where, reason=reason))
+    return bad
+
+
+def decode_stream(source: Source, *, resolution: int, channels: int, image_column: str = "image",
+                  labels: LabelPlan | None = None):
     """Decode `source` with Ray Data, streaming: yield (uint8 (n, C, R, R) usable images, [BadSample]) in sample
-    order, never holding more than Ray Data's bounded window (for `raydiff.prepare` and data.cache=stream)."""
+    order, never holding more than Ray Data's bounded window (for `raydiff.prepare` and data.cache=stream).
+    `labels`: yield (usable images, [BadSample], their label texts, every label text seen) instead."""
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     start = 0
-    for batch in _read(source, resolution, channels, image_column).iter_batches(
+    for batch in _read(source, resolution, channels, image_column, labels).iter_batches(
             batch_size=DECODE_BATCH * 4, batch_format="numpy", prefetch_batches=4):
         errors = batch["error"]
-        bad = []
-        for row in np.flatnonzero(errors != ""):
-            where, _, reason = str(errors[row]).partition(_SEP)
-            bad.append(BadSample(index=start + int(row), where=where, reason=reason))
+        bad = _bad_of(errors, start)
         start += len(errors)
-        yield batch["image"][errors == ""], bad
+        usable = errors == ""
+        if labels is None:
+            yield batch["image"][usable], bad
+        else:
+            texts = batch["label"]
+            yield batch["image"][usable], bad, texts[usable], {str(t) for t in texts if t}
 
 
-def load_images(source: Source, *, resolution: int, channels: int, image_column: str = "image") -> ImageStore:
-    """Decode every sample of `source` once with Ray Data; return an `ImageStore` (bad samples listed)."""
+def load_images(source: Source, *, resolution: int, channels: int, image_column: str = "image",
+                labels: LabelPlan | None = None) -> ImageStore:
+    """Decode every sample of `source` once with Ray Data; return an `ImageStore` (bad samples listed). `labels`:
+    also read each sample's label (`raydiff.data.labels.plan_labels`); a sample without one is bad."""
     check_prepared(source, resolution, channels)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # sample i must be the same image in every run
     rows_per_chunk = max(1, CHUNK_BYTES // (channels * resolution * resolution))
-    ds = _read(source, resolution, channels, image_column).repartition(
+    ds = _read(source, resolution, channels, image_column, labels).repartition(
         target_num_rows_per_block=rows_per_chunk).materialize()
     chunks = ds.to_numpy_refs(column="image")
     counted = ray.get([_errors_of.remote(e) for e in ds.to_numpy_refs(column="error")])
@@ -193,14 +270,25 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
     keep = [(c, n) for c, (n, _) in zip(chunks, counted, strict=True) if n]
     if not keep:
         raise DataError(f"data.source = {source.uri!r}: no samples found in {source.describe()}")
-    return ImageStore(chunks=tuple(c for c, _ in keep), counts=tuple(n for _, n in keep),
-                      shape=(channels, resolution, resolution), source=source.uri, bad=tuple(bad))
+    store = ImageStore(chunks=tuple(c for c, _ in keep), counts=tuple(n for _, n in keep),
+                       shape=(channels, resolution, resolution), source=source.uri, bad=tuple(bad))
+    if labels is None:
+        return store
+    per_chunk = ray.get([_labels_of.remote(t) for t in ds.to_numpy_refs(column="label")])
+    classes = resolve_classes((n for names, _ in per_chunk for n in names), labels, source.uri)
+    if not classes:
+        raise missing_labels(source)
+    ids = [class_ids(np.asarray(names, dtype=object), classes)[inverse] if len(inverse) else inverse
+           for names, inverse in per_chunk]
+    return replace(store, labels=np.concatenate(ids).astype(np.int32), classes=classes)
 
 
 def load_data(data, source: Source | None = None) -> ImageStore:
     """Decode what a config's `data` section names (listing it unless `source` is given); stop when too much of
-    it is unusable."""
+    it is unusable. With `data.labels: auto`, also each sample's class (a source with no labels is one line)."""
     source = source or source_of(data)
-    store = load_images(source, resolution=data.resolution, channels=data.channels, image_column=data.image_column)
+    labels = plan_labels(source, data.label_column) if data.labels == "auto" else None
+    store = load_images(source, resolution=data.resolution, channels=data.channels, image_column=data.image_column,
+                        labels=labels)
     check_bad_fraction(store, data.max_bad_fraction)
     return store

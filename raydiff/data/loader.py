@@ -6,7 +6,9 @@ vectorized (one gather per chunk), never per image. The cheap per-epoch work, sc
 horizontal flips, is done on the training device.
 
 Each sample's diffusion timestep and noise are a pure function of (seed, stream position) (see
-`raydiff.model.noise`), so runs with 1 or 8 workers, with or without accumulation, compute the same updates.
+`raydiff.model.noise`), so runs with 1 or 8 workers, with or without accumulation, compute the same updates. So is
+a class-conditional run's label dropout: a sample's class id comes from its index, and whether it trains as the
+null class from (seed, position).
 """
 
 from __future__ import annotations
@@ -20,16 +22,18 @@ import numpy as np
 import torch
 
 from raydiff.data.order import SampleOrder, Share, micro_batches
-from raydiff.model.noise import position_noise
+from raydiff.model.noise import dropped_labels, position_noise
 
 
 class ImageTable:
-    """Random access by sample index over a list of uint8 (n_i, C, H, W) chunks."""
+    """Random access by sample index over a list of uint8 (n_i, C, H, W) chunks; `labels`: the int32 class id of
+    every sample index (labelled data), else None."""
 
-    def __init__(self, chunks: list[np.ndarray]) -> None:
+    def __init__(self, chunks: list[np.ndarray], labels: np.ndarray | None = None) -> None:
         self.chunks = chunks
         self.starts = np.cumsum([0] + [len(c) for c in chunks])
         self.shape = chunks[0].shape[1:]
+        self.labels = labels
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -51,6 +55,9 @@ class Table(Protocol):
     @property
     def shape(self) -> tuple[int, ...]: ...  # of one image: (C, H, W)
 
+    @property
+    def labels(self) -> np.ndarray | None: ...  # class id of every sample index, or None
+
     def __len__(self) -> int: ...
 
     def prepare(self, position: int) -> None: ...
@@ -66,6 +73,7 @@ class MicroBatch:
     indices: np.ndarray  # dataset indices of the samples (for the order audit)
     timesteps: torch.Tensor | None = None  # diffusion timesteps and noise, on the host, once drawn
     noise: torch.Tensor | None = None
+    labels: torch.Tensor | None = None  # class-conditional: int64 (n,) class ids, the null id where dropped
 
     def __len__(self) -> int:
         return len(self.images)
@@ -87,6 +95,10 @@ class MicroBatch:
         assert self.timesteps is not None  # drawn with the noise
         return self.timesteps.to(device, non_blocking=True), self.noise.to(device, non_blocking=True)
 
+    def label_inputs(self, device: torch.device) -> torch.Tensor | None:
+        """This micro-batch's class ids on `device` (after label dropout), or None for unconditional training."""
+        return None if self.labels is None else self.labels.to(device, non_blocking=True)
+
 
 class BatchStream:
     """Yields, for every optimizer step from `start_step` on, this worker's micro-batches.
@@ -100,13 +112,19 @@ class BatchStream:
     :param pin_memory: pin host buffers for asynchronous copies to a GPU.
     :param prefetch_steps: how many steps the background thread may run ahead.
     :param noise: (seed, T): also draw each micro-batch's diffusion timesteps and noise ahead, in the thread.
+    :param labels: (train.label_dropout, null class id): class-conditional training; each micro-batch gets its
+        samples' class ids (`MicroBatch.labels`), the null id where `dropped_labels` (keyed by the seed of
+        `noise`, which it needs) says so.
     """
 
     def __init__(
         self, *, table: Table, order: SampleOrder, global_batch: int, share: Share, micro_batch: int,
         start_step: int, pin_memory: bool, prefetch_steps: int = 4, noise: tuple[int, int] | None = None,
+        labels: tuple[float, int] | None = None,
     ) -> None:
-        self._table, self._order, self._noise = table, order, noise
+        if labels is not None and (noise is None or table.labels is None):
+            raise ValueError("BatchStream(labels=...) needs noise=(seed, T) and a table with labels")
+        self._table, self._order, self._noise, self._labels = table, order, noise, labels
         self._global_batch, self._pin = global_batch, pin_memory
         self._layout = micro_batches(share, micro_batch)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch_steps)
@@ -129,8 +147,20 @@ class BatchStream:
                 seed, timesteps = self._noise
                 t, noise = position_noise(seed, position, size, timesteps=timesteps, shape=tuple(self._table.shape))
                 batch.timesteps, batch.noise = (t.pin_memory(), noise.pin_memory()) if self._pin else (t, noise)
+            if self._labels is not None:
+                batch.labels = self._class_ids(indices, position)
             batches.append(batch)
         return batches
+
+    def _class_ids(self, indices: np.ndarray, position: int) -> torch.Tensor:
+        """int64 class ids of the samples at stream positions [position, ...), the null id where dropped."""
+        assert self._labels is not None and self._noise is not None and self._table.labels is not None
+        probability, null = self._labels
+        ids = torch.from_numpy(self._table.labels[indices].astype(np.int64))
+        if (ids < 0).any():  # bad samples are never in the order: a table that does not match it
+            raise ValueError(f"samples without a label in the training stream: {indices[(ids < 0).numpy()][:5]}")
+        ids[dropped_labels(self._noise[0], position, len(indices), probability)] = null
+        return ids.pin_memory() if self._pin else ids
 
     def _produce(self, step: int) -> None:
         try:

@@ -5,8 +5,10 @@ A prepared folder holds `part-NNNNN.parquet` shards, whose `image` column holds 
 as one fixed-size binary value (version 2; version 1's fixed-shape tensor column is still read, but Parquet stores
 a list element by element, which reads many times slower), and `manifest.json`: format, version, count,
 resolution, channels, source and its identity, the shards with their row counts and rows per shard, and every
-sample that could not be used and why. The manifest is written last: a folder without it is not prepared data (a
-local folder appears all at once, by a rename).
+sample that could not be used and why. Version 3 adds labels, where the data was prepared with them: a `label`
+column of class names and the manifest's `classes` (id = position; `raydiff.data.labels`); without labels it is
+version 2's layout. The manifest is written last: a folder without it is not prepared data (a local folder appears
+all at once, by a rename).
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ import pyarrow.parquet as pq
 
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
 from raydiff.data.fs import filesystem_for
+from raydiff.data.labels import LABEL_COLUMN, LabelPlan, missing_labels, resolve_classes
 
 MANIFEST = "manifest.json"
 PREPARED_FORMAT = "raydiff-prepared"
-PREPARED_VERSION = 2
+PREPARED_VERSION = 3
 SHARD_BYTES = 128 * 1024 * 1024  # uncompressed image bytes per Parquet shard
 
 
@@ -49,20 +52,29 @@ class SourceLike(Protocol):
     def identity(self) -> dict[str, Any]: ...
 
 
-def _shards(decoded, rows_per_shard: int, bad: list):
-    """Regroup (usable images, bad samples) batches into uint8 (n, C, R, R) shards of `rows_per_shard` rows, in
-    order; the bad samples are collected into `bad`. Holds at most one shard and one batch."""
-    pending, held = [], 0
-    for images, bad_here in decoded:
+def _shards(decoded, rows_per_shard: int, bad: list, names: set):
+    """Regroup decoded batches into shards of `rows_per_shard` rows, in order: (uint8 (n, C, R, R), label texts or
+    None). A batch is (usable images, bad samples), or with labels (usable images, bad samples, their labels,
+    every label seen in the batch) as `raydiff.data.ingest.decode_stream` yields them; the bad samples are
+    collected into `bad`, the labels seen into `names`. Holds at most one shard and one batch."""
+    pending: list[np.ndarray] = []
+    pending_labels: list[np.ndarray] | None = None
+    held = 0
+    for images, bad_here, *labelled in decoded:
         bad.extend(bad_here)
         pending.append(images)
+        if labelled:
+            pending_labels = (pending_labels or []) + [np.asarray(labelled[0], dtype=object)]
+            names.update(labelled[1])
         held += len(images)
         while held >= rows_per_shard:
             joined = np.concatenate(pending)
-            yield joined[:rows_per_shard]
+            joined_labels = None if pending_labels is None else np.concatenate(pending_labels)
+            yield joined[:rows_per_shard], None if joined_labels is None else joined_labels[:rows_per_shard]
             pending, held = [joined[rows_per_shard:]], held - rows_per_shard
+            pending_labels = None if joined_labels is None else [joined_labels[rows_per_shard:]]
     if held:
-        yield np.concatenate(pending)
+        yield np.concatenate(pending), None if pending_labels is None else np.concatenate(pending_labels)
 
 
 def rows_per_shard_for(shape: tuple[int, int, int], shard_bytes: int = SHARD_BYTES) -> int:
@@ -71,10 +83,12 @@ def rows_per_shard_for(shape: tuple[int, int, int], shard_bytes: int = SHARD_BYT
 
 def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, int, int],
                    rows_per_shard: int | None = None, max_bad_fraction: float = 1.0,
-                   endpoint: str | None = None) -> dict:
+                   endpoint: str | None = None, labels: LabelPlan | None = None) -> dict:
     """Write the batches of `decoded` ((usable uint8 images, bad samples), as `decode_stream` yields them) to `out`
     as prepared shards plus manifest; return the manifest. Streams: memory holds one shard, not the dataset.
-    Too many bad samples (> max_bad_fraction) stop it before the manifest, and a local `out` is not created."""
+    Too many bad samples (> max_bad_fraction) stop it before the manifest, and a local `out` is not created.
+    `labels`: how the source's labels were read (`decode_stream(labels=...)` yields them): the shards get a label
+    column and the manifest the classes; a source none of whose samples has a label is refused."""
     try:
         filesystem, root = filesystem_for(out, endpoint=endpoint)
     except ValueError as exc:
@@ -95,20 +109,28 @@ def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, i
     rows_per_shard = rows_per_shard or rows_per_shard_for(shape)
     bad: list[BadSample]
     shards, counts, bad = [], [], []
+    names: set[str] = set()
     try:
-        for i, images in enumerate(_shards(decoded, rows_per_shard, bad)):
+        for i, (images, shard_labels) in enumerate(_shards(decoded, rows_per_shard, bad, names)):
             name = f"part-{i:05d}.parquet"
             images = np.ascontiguousarray(images)
             column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(c * r * r), len(images),
                                                           [None, pa.py_buffer(images)])
-            # No dictionary: images are unique, and a dictionary attempt makes every read much slower. LZ4: about
-            # as small as zstd on decoded images, and read much faster (stream mode reads every epoch). Measured:
-            # docs/benchmarks.md#data-ingest.
-            pq.write_table(pa.table({"image": column}), f"{target}/{name}", filesystem=filesystem,
-                           compression="lz4", use_dictionary=False)
+            table = {"image": column}
+            if labels is not None:
+                if shard_labels is None:
+                    raise ValueError("write_prepared(labels=...) needs the labels of every batch")
+                table[LABEL_COLUMN] = pa.array(shard_labels.tolist(), pa.string())
+            # No dictionary for the images: they are unique, and a dictionary attempt makes every read much slower.
+            # LZ4: about as small as zstd on decoded images, and read much faster (stream mode reads every epoch).
+            # Measured: docs/benchmarks.md#data-ingest. Labels repeat: a dictionary suits them.
+            pq.write_table(pa.table(table), f"{target}/{name}", filesystem=filesystem, compression="lz4",
+                           use_dictionary=[LABEL_COLUMN] if labels is not None else False)
             shards.append(name)
             counts.append(len(images))
         count = sum(counts)
+        if labels is not None and not names:
+            raise missing_labels(source)
         if not count:
             raise DataError(f"data.source = {source.uri!r}: no usable samples in {source.describe()}")
         check_bad_fraction(BadCount(source.uri, count + len(bad), tuple(bad)), max_bad_fraction)
@@ -118,6 +140,8 @@ def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, i
             "rows_per_shard": rows_per_shard,
             "bad": [b.to_dict() for b in bad], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if labels is not None:
+            manifest["classes"] = list(resolve_classes(names, labels, source.uri))
         with filesystem.open_output_stream(f"{target}/{MANIFEST}") as f:
             f.write((json.dumps(manifest, indent=1) + "\n").encode())
         if local:

@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 
 from raydiff.data.errors import DataError
 from raydiff.data.fs import filesystem_for, is_remote
-from raydiff.data.shards import read_manifest
+from raydiff.data.shards import PREPARED_VERSION, read_manifest
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 FileKind = Literal["images", "parquet", "webdataset"]  # told from the files' extensions (or data.format)
@@ -37,6 +37,7 @@ class Source:
     :param files: paths within the filesystem, sorted (for `prepared`: the manifest's shard order).
     :param sizes: byte size of each file.
     :param manifest: the prepare manifest (only for `prepared`).
+    :param root: the path `data.source` names within the filesystem (a folder's class subfolders are under it).
     """
 
     uri: str
@@ -45,6 +46,7 @@ class Source:
     files: tuple[str, ...]
     sizes: tuple[int, ...]
     manifest: dict[str, Any] = field(default_factory=dict)
+    root: str = ""
 
     def identity(self) -> dict[str, Any]:
         """Count and fingerprint of the files (relative names and sizes): a changed source is caught on resume."""
@@ -142,10 +144,13 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
         raise DataError(f"data.source = {uri!r}: no {label} files found (looked for {looked_for}"
                         f"{'' if is_remote(uri) else ', recursively'})")
     return Source(uri=uri, kind=chosen, filesystem=filesystem, files=tuple(f.path for f in files),
-                  sizes=tuple(int(f.size) for f in files))
+                  sizes=tuple(int(f.size) for f in files), root=path)
 
 
 def _prepared(uri: str, folder: str, filesystem: pafs.FileSystem, manifest: dict[str, Any]) -> Source:
+    if manifest.get("version", 1) > PREPARED_VERSION:
+        raise DataError(f"data.source = {uri!r}: prepared data version {manifest['version']}, newer than this "
+                        f"raydiff reads (up to {PREPARED_VERSION}): upgrade raydiff, or prepare it again")
     files = tuple(f"{folder.rstrip('/')}/{name}" for name in manifest["shards"])
     infos = filesystem.get_file_info(list(files))
     missing = [i.path for i in infos if i.type != pafs.FileType.File]
@@ -153,4 +158,4 @@ def _prepared(uri: str, folder: str, filesystem: pafs.FileSystem, manifest: dict
         raise DataError(f"data.source = {uri!r}: prepared data is incomplete ({len(missing)} shard(s) missing, "
                         f"e.g. {missing[0]}); run python -m raydiff.prepare again")
     return Source(uri=uri, kind="prepared", filesystem=filesystem, files=files,
-                  sizes=tuple(int(i.size) for i in infos), manifest=manifest)
+                  sizes=tuple(int(i.size) for i in infos), manifest=manifest, root=folder)

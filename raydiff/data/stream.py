@@ -11,7 +11,10 @@ window at a time:
 - one `NodeShards` actor per node reads each shard once per epoch into the node's object store and hands it to
   every worker of that node (zero-copy), reading two windows ahead of the one being trained; it holds at most
   `data.stream_buffer_gb` and drops the oldest shards first;
-- the held-out validation images are gathered once by the driver (a few hundred images).
+- the held-out validation images are gathered once by the driver (a few hundred images);
+- labels (`data.labels: auto`) are small: the driver reads the shards' label column once, and every worker holds
+  the class id of every sample index, as in memory mode. A raw source is prepared with its labels into a copy of
+  its own (unlabelled samples left out and reported, like undecodable ones).
 
 `data.cache=auto` chooses memory when the decoded dataset takes at most MEMORY_SHARE of the smallest object store
 of the nodes the run trains on (`raydiff.cluster.nodes`), else stream.
@@ -29,7 +32,7 @@ import tarfile
 import threading
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +43,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from raydiff.cluster.nodes import smallest_object_store
-from raydiff.data.errors import DataError
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction
 from raydiff.data.fs import filesystem_for
-from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS, decode_stream, load_data
+from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS, decode_stream, label_summary, load_data
+from raydiff.data.labels import LabelPlan, class_counts, plan_labels, read_labels
 from raydiff.data.loader import ImageTable
 from raydiff.data.order import SampleOrder
 from raydiff.data.shards import SHARD_BYTES, check_prepared, read_shard, rows_per_shard_for, write_prepared
@@ -69,6 +73,9 @@ class ShardedImages:
     :param buffer_bytes: the most a node holds at once.
     :param holdout: uint8 images of the held-out indices, once gathered (`with_holdout`).
     :param skipped: samples of the raw source that could not be decoded (not in the shards; reported only).
+    :param labels: `data.labels: auto`: int32 class id of every sample index (-1: none, a bad sample); else None.
+    :param classes: the class names, id = position (empty without labels).
+    :param bad: samples in the shards that cannot be trained on (a prepared row without a label).
     """
 
     uri: str
@@ -83,8 +90,9 @@ class ShardedImages:
     holdout: ray.ObjectRef | None = None
     holdout_indices: tuple[int, ...] = ()
     skipped: tuple[dict, ...] = ()
-
-    bad = ()  # bad samples were left out when the shards were written: every index holds an image
+    labels: np.ndarray | None = field(default=None, compare=False)
+    classes: tuple[str, ...] = ()
+    bad: tuple[BadSample, ...] = ()  # undecodable samples were left out of the shards: every index holds an image
 
     @property
     def num_images(self) -> int:
@@ -92,19 +100,32 @@ class ShardedImages:
 
     @property
     def num_good(self) -> int:
-        return self.num_images
+        return self.num_images - len(self.bad)
 
     @property
     def shard_starts(self) -> np.ndarray:
         return np.cumsum([0, *self.counts])
 
     def usable_indices(self) -> np.ndarray:
-        return np.arange(self.num_images)
+        if not self.bad:
+            return np.arange(self.num_images)
+        keep = np.ones(self.num_images, bool)
+        keep[[b.index for b in self.bad]] = False
+        return np.flatnonzero(keep)
 
-    def bad_report(self, limit: int = 20) -> dict[str, Any]:
+    def bad_report(self, limit: int | None = 20) -> dict[str, Any]:
         total = self.num_images + len(self.skipped)
-        return {"count": len(self.skipped), "fraction": round(len(self.skipped) / max(total, 1), 6),
-                "examples": list(self.skipped[:limit])}
+        examples = [*self.skipped, *(b.to_dict() for b in self.bad)]
+        return {"count": len(examples), "fraction": round(len(examples) / max(total, 1), 6),
+                "examples": examples[:limit]}
+
+    def class_counts(self) -> list[int]:
+        """Usable samples per class; [] without labels."""
+        return [] if self.labels is None else class_counts(self.labels, self.usable_indices(), len(self.classes))
+
+    def label_summary(self) -> dict[str, Any]:
+        """For data.json: {"classes": names, "class_counts": usable samples per class}; {} without labels."""
+        return label_summary(self)
 
     def order(self, indices: np.ndarray, seed: int) -> SampleOrder:
         return SampleOrder(indices, seed, shard_starts=self.shard_starts, window_shards=self.window_shards)
@@ -160,9 +181,10 @@ def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed
         held_out = None
         if len(val_indices):
             assert images.holdout is not None  # the driver gathered them (`with_holdout`)
-            held_out = ImageTable([ray.get(images.holdout)])
+            held_labels = None if images.labels is None else images.labels[np.asarray(images.holdout_indices)]
+            held_out = ImageTable([ray.get(images.holdout)], labels=held_labels)
         return table, order, held_out, np.arange(len(val_indices))
-    table = ImageTable(images.arrays())
+    table = ImageTable(images.arrays(), labels=images.labels)
     return table, SampleOrder(train_indices, seed), table, val_indices
 
 
@@ -277,6 +299,7 @@ class StreamTable:
         self._order, self._shards = order, shards
         self._starts = images.shard_starts
         self.shape = images.shape
+        self.labels = images.labels  # class id by sample index (small: every worker holds them all), or None
         self._arrays: OrderedDict[int, np.ndarray] = OrderedDict()
         self._keep = 2 * images.window_shards  # the window being trained and the one before; the node holds the rest
         self._window: tuple[int, int] | None = None
@@ -368,15 +391,19 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
                   lease_stale_s: float = 60.0, use_gpu: bool | str = "auto") -> ShardedImages:
     """The shards to stream `source` from: itself when prepared, else a prepared copy under
     `<storage>/.raydiff-stream/` (written once, with Ray Data, and reused by later runs and sweep trials). `keep`:
-    a continuing run's layout (data.json): its shards and shuffle windows, or a one-line refusal."""
+    a continuing run's layout (data.json): its shards and shuffle windows, or a one-line refusal. With
+    `data.labels: auto`, the labels too (a raw source's copy is prepared with them)."""
     shape = (data.channels, data.resolution, data.resolution)
     buffer = min(int(data.stream_buffer_gb * GB), int(STORE_SHARE * smallest_object_store(use_gpu)) or 2 ** 62)
     buffer = int(buffer * buffer_share)
+    labelled = data.labels == "auto"
     if source.kind != "prepared":
         rows = keep["rows_per_shard"] if keep else None
+        plan = plan_labels(source, data.label_column) if labelled else None
         source = _prepared_copy(data, source, shape, buffer, storage, endpoint, rows=rows,
-                                lease_stale_s=lease_stale_s)
+                                lease_stale_s=lease_stale_s, labels=plan)
     check_prepared(source, data.resolution, data.channels)
+    plan = plan_labels(source, data.label_column) if labelled else None
     manifest = source.manifest
     counts = manifest.get("shard_counts") or [pq.read_metadata(f, filesystem=source.filesystem).num_rows
                                               for f in source.files]
@@ -399,21 +426,43 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
     if keep is None and window < min(data.stream_window_shards, len(counts)):
         print(f"[raydiff] data.stream_window_shards = {data.stream_window_shards}: shuffling windows of {window} "
               f"shards instead, the most of which {WINDOWS_HELD} fit the {_mb(buffer)} buffer")
-    return ShardedImages(uri=source.uri, source=data.source, filesystem=source.filesystem, files=source.files,
-                         counts=tuple(int(c) for c in counts), rows_per_shard=int(manifest.get("rows_per_shard", 0)),
-                         shape=shape, window_shards=window,
-                         buffer_bytes=buffer, skipped=tuple(manifest.get("bad", ())))
+    images = ShardedImages(uri=source.uri, source=data.source, filesystem=source.filesystem, files=source.files,
+                           counts=tuple(int(c) for c in counts), rows_per_shard=int(manifest.get("rows_per_shard", 0)),
+                           shape=shape, window_shards=window,
+                           buffer_bytes=buffer, skipped=tuple(manifest.get("bad", ())))
+    if plan is None:
+        return images
+    images = _with_labels(images, plan)
+    check_bad_fraction(images, data.max_bad_fraction)
+    return images
+
+
+def _with_labels(images: ShardedImages, plan: LabelPlan) -> ShardedImages:
+    """The shards' labels (their label column, read once); a row without one is a bad sample."""
+    labels = read_labels(images.filesystem, images.files, plan.classes)
+    if len(labels) != images.num_images:
+        raise DataError(f"data.source = {images.uri!r}: {len(labels)} labels for {images.num_images} images: "
+                        f"the prepared data is damaged; prepare it again")
+    starts, bad = images.shard_starts, []
+    for i in np.flatnonzero(labels < 0):
+        shard = int(np.searchsorted(starts, i, "right")) - 1
+        bad.append(BadSample(index=int(i), where=f"{images.files[shard]}:row {int(i - starts[shard])}",
+                             reason="no label: its class is not one of the manifest's classes"))
+    return replace(images, labels=labels, classes=plan.classes, bad=tuple(bad))
 
 
 def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpoint: str | None, *,
-                   rows: int | None = None, lease_stale_s: float = 60.0) -> Source:
+                   rows: int | None = None, lease_stale_s: float = 60.0, labels: LabelPlan | None = None) -> Source:
     """The prepared copy of a raw source under `<storage>/.raydiff-stream/<key>`, written once. One run prepares a
     key at a time (it holds the key's lease; others wait, then use its copy), and it cleans what an earlier
-    preparation, killed half-way, left behind."""
+    preparation, killed half-way, left behind. `labels`: a copy with them, under a key of its own."""
 
     if rows is None:  # shards small enough that WINDOWS_HELD windows fit the buffer (a continuing run keeps its)
         rows = rows_per_shard_for(shape, min(SHARD_BYTES, buffer // (WINDOWS_HELD * data.stream_window_shards)))
-    key = hashlib.sha256(json.dumps([source.identity(), list(shape), data.image_column, rows]).encode()).hexdigest()
+    what: list[Any] = [source.identity(), list(shape), data.image_column, rows]
+    if labels is not None:  # an unlabelled copy keeps the key it always had
+        what.append({"labels": "auto", "label_column": data.label_column})
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()
     out = f"{storage.rstrip('/')}/{STREAM_FOLDER}/{key[:24]}"
     found = _prepared_at(out, endpoint)
     if found is not None:
@@ -427,9 +476,9 @@ def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpo
               f"shard)")
         _clear_partial(out, endpoint)
         decoded = decode_stream(source, resolution=data.resolution, channels=data.channels,
-                                image_column=data.image_column)
+                                image_column=data.image_column, labels=labels)
         write_prepared(decoded, source, out, shape=shape, rows_per_shard=rows,
-                       max_bad_fraction=data.max_bad_fraction, endpoint=endpoint)
+                       max_bad_fraction=data.max_bad_fraction, endpoint=endpoint, labels=labels)
     return open_source(out, endpoint=endpoint)
 
 

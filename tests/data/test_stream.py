@@ -30,7 +30,7 @@ SHAPE = (3, 4, 4)
 def _data(**overrides) -> SimpleNamespace:
     values = {"source": "x", "cache": "stream", "resolution": SHAPE[1], "channels": SHAPE[0],
               "stream_buffer_gb": 0.001, "stream_window_shards": 2, "image_column": "image",
-              "max_bad_fraction": 0.1}
+              "max_bad_fraction": 0.1, "labels": "none", "label_column": "label"}
     return SimpleNamespace(**{**values, **overrides})
 
 
