@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     location = checkpoint_location(args.checkpoint, args.endpoint)
 
     from raydiff.model import diffusers_folder, diffusers_io
-    from raydiff.sample import DEFAULT_GUIDANCE
 
     diffusers_io.require_diffusers("raydiff.export")
     checkpoint, state = read_newest(location)
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         diffusers_folder.save_pipeline_folder(tmp, state, use_ema=not args.no_ema, checkpoint=str(checkpoint),
-                                              guidance=DEFAULT_GUIDANCE)
+                                              guidance=Config.from_dict(state["config"]).eval.guidance)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)

@@ -14,8 +14,9 @@ kind of device (CPU, or a CUDA GPU), whatever --batch. With --sampler ddim --ste
 
 A class-conditional model samples the classes of --class (ids or names; default every class) with classifier-free
 guidance W in diffusers' convention, eps = eps_uncond + W (eps_cond - eps_uncond): W = 1 is conditional sampling
-without guidance, W = 0 unconditional. The default W = 2 is a middle ground: at W = 1 samples follow their class
-only loosely, and larger W buys class fidelity with diversity (and FID). With C
+without guidance, W = 0 unconditional. The default is the run's eval.guidance (2 unless the run set it), the
+guidance of its own grids: a middle ground, where at W = 1 samples follow their class only loosely, and larger W
+buys class fidelity with diversity (and FID). With C
 classes asked for and N images, image i gets class i * C // N (contiguous blocks); the grid has one row per class
 when C > 1 divides N.
 """
@@ -42,7 +43,6 @@ from raydiff.runs.images import save_samples
 from raydiff.runs.rundir import unwritable
 from raydiff.runs.state import read_newest
 
-DEFAULT_GUIDANCE = 2.0  # for class-conditional models; see the module docstring
 SHOWN_CLASSES = 8  # classes named in full in the start line and in an error's list of choices
 
 
@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="class-conditional models: the classes to sample, by id (0..classes-1) or name "
                              "(default: every class); image i gets class i * C // N of the C classes")
     parser.add_argument("--guidance", type=float, default=None,
-                        help=f"class-conditional models: classifier-free guidance W >= 0, diffusers' convention "
-                             f"(1: conditional without guidance, 0: unconditional; default {DEFAULT_GUIDANCE:g})")
+                        help="class-conditional models: classifier-free guidance W >= 0, diffusers' convention "
+                             "(1: conditional without guidance, 0: unconditional; default: the run's eval.guidance)")
     parser.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddpm", help="default ddpm")
     parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: all T for ddpm, 50 for ddim)")
     parser.add_argument("--eta", type=float, default=0.0, help="DDIM noise: 0 deterministic, 1 = DDPM posterior")
@@ -133,7 +133,8 @@ def class_request(state: dict, spec: str | None, guidance: float | None) -> tupl
                                  f"applies to class-conditional models only")
         return None, 1.0
     ids = list(range(len(names))) if spec is None else [class_id(token.strip(), names) for token in spec.split(",")]
-    return ids, DEFAULT_GUIDANCE if guidance is None else guidance
+    default = Config.from_dict(state["config"]).eval.guidance  # the run's own grids' guidance
+    return ids, default if guidance is None else guidance
 
 
 def image_labels(classes: Sequence[int], num: int) -> list[int]:

@@ -152,14 +152,14 @@ def test_conditional_one_result_per_guidance_with_the_class_match(conditional_ch
     expected = int((logits.argmax(-1) == torch.tensor(labels)).sum()) / len(labels)
     assert guided["digits_class_match"] == expected
 
-    # Without --guidance: eval.guidance (1 unless the run set it), which the in-run evaluation uses too, with the
+    # Without --guidance: eval.guidance (2 unless the run set it), which the in-run evaluation uses too, with the
     # same classes asked for: the same numbers.
     from raydiff.quality.reference import reference_for
     from raydiff.training.in_run_quality import InRunQuality, evaluate_in_run
 
     assert cli.run(evaluate_main, args) == 0
     default = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
-    assert default["guidance"] == 1.0 and default["file"] == "eval/7-ddim-2-40-2.json"
+    assert default["guidance"] == 2.0 and default["file"] == "eval/7-ddim-2-40-2.json"
     cfg.eval.num, cfg.eval.steps, cfg.run.storage = 40, 2, str(run_dir.parent)
     features = DigitsFeatures()
     quality = InRunQuality(features, reference_for(cfg, features, keep_features=False),

@@ -164,8 +164,6 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(e.seed >= 0, "eval.seed", e.seed, "must be >= 0")
     _check(math.isfinite(e.guidance) and e.guidance >= 0, "eval.guidance", e.guidance,
            "must be a number >= 0 (1 = conditional without guidance, 0 = unconditional)")
-    _check(e.guidance == 1 or m.num_classes != 0, "eval.guidance", e.guidance,
-           "guidance applies to class-conditional models only (model.num_classes > 0 or auto); leave it at 1")
     _check(len(e.metrics) >= 1 and set(e.metrics) <= {"fid", "kid"}, "eval.metrics", list(e.metrics),
            "must be a list of fid and/or kid")
     _check(e.features != "digits" or d.source == "builtin:digits", "eval.features", e.features,

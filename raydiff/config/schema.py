@@ -278,11 +278,11 @@ class EvalSection:
     `.npz` file with `mu` and `sigma`, or a folder of images."""
     seed: int = 0
     """Seeds the generated images: image i of an evaluation is a pure function of (seed, i)."""
-    guidance: float = 1.0
-    """Class-conditional models: the classifier-free guidance of the run's evaluations and sample grids and of
-    `raydiff.evaluate` without `--guidance` (diffusers' convention: 1 = conditional without guidance, one forward
-    pass per step; 0 = unconditional; more = closer to the class, less diverse; see
-    docs/quality-and-dashboards.md#class-conditional-models)."""
+    guidance: float = 2.0
+    """Class-conditional models: the classifier-free guidance of the run's evaluations and sample grids, and of
+    `raydiff.evaluate` and `raydiff.sample` without `--guidance` (diffusers' convention: 1 = conditional without
+    guidance, one forward pass per step; 0 = unconditional; more = closer to the class, less diverse; see
+    docs/quality-and-dashboards.md#class-conditional-models). Unconditional models ignore it."""
 
 
 @dataclass

@@ -88,10 +88,8 @@ def test_a_conditional_job_asks_each_image_for_its_class(one_torch_thread):
 
 
 def test_eval_guidance_is_checked():
-    assert load_config("smoke", check_source=False).eval.guidance == 1.0
+    assert load_config("smoke", check_source=False).eval.guidance == 2.0
     assert load_config("smoke", ["data.labels=auto", "model.num_classes=auto", "eval.guidance=3"],
                        check_source=False).eval.guidance == 3.0
     with pytest.raises(ConfigError, match=r"eval.guidance = -1.0: must be a number >= 0"):
         load_config("smoke", ["data.labels=auto", "model.num_classes=3", "eval.guidance=-1"], check_source=False)
-    with pytest.raises(ConfigError, match=r"eval.guidance = 2.0: guidance applies to class-conditional models"):
-        load_config("smoke", ["eval.guidance=2"], check_source=False)
