@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
         e = cfg.eval
         settings = {"step": summary["steps"], "num": e.num, "sampler": e.sampler, "steps": e.steps, "seed": e.seed}
+        if cfg.model.num_classes:
+            settings["guidance"] = e.guidance
         print(f"[raydiff] quality:    {describe({**summary['quality'], **settings})}")
     print(f"[raydiff] results:    {run_dir}")
     print(f"[raydiff] samples:    {run_dir}/samples/")

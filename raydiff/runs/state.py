@@ -71,14 +71,19 @@ class Restored:
 
 
 def checkpoint_state(objects: TrainingState, progress: Progress, global_batch: int,
-                     config: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint file holds: the objects' state dicts, the progress and the run's config."""
+                     config: dict[str, Any], classes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint file holds: the objects' state dicts, the progress and the run's config; for a
+    class-conditional run, its classes ({"names", "counts"}: what sampling by name and evaluation in the data's
+    class frequencies need, without the run's data)."""
     model, ema, optimizer, scaler = objects
-    return {
+    state = {
         "model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(), "step": progress.step, "images_seen": progress.step * global_batch,
         "counters": dict(progress.counters), "window": dict(progress.window), "config": config,
     }
+    if classes:
+        state["classes"] = {"names": list(classes["names"]), "counts": list(classes["counts"])}
+    return state
 
 
 def read_with_retries(path: RunDir) -> dict[str, Any]:

@@ -35,7 +35,8 @@ class DebugHooks:
         if self._order_log is not None:
             first, last = batches[0], batches[-1]
             self._order_log.write(json.dumps({"step": step, "positions": [first.position, last.position + len(last)],
-                                              "indices": [int(i) for b in batches for i in b.indices]}) + "\n")
+                                              "indices": [int(i) for b in batches for i in b.indices],
+                                              **_labels_of(batches)}) + "\n")
 
     def fault(self, step: int) -> Callable[[MicroBatch], bool] | None:
         """Whether a micro-batch of optimizer step `step` gets a non-finite loss (None: never): debug.nan_at_steps
@@ -59,6 +60,13 @@ class DebugHooks:
     def close(self) -> None:
         if self._order_log is not None:
             self._order_log.close()
+
+
+def _labels_of(batches) -> dict[str, list[int]]:
+    """A class-conditional step's class ids as trained (the null class where dropped), for the order audit."""
+    if batches[0].labels is None:
+        return {}
+    return {"labels": [int(c) for b in batches for c in b.labels]}
 
 
 def _order_log(run_dir: RunDir, rank: int) -> IO[str]:

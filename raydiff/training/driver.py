@@ -154,8 +154,9 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
     # Decode the data once with Ray Data.
     check_shared_storage(cfg.run.storage)
     resolved = auto_workers(cfg, ray.cluster_resources().get("GPU", 0))  # the config the workers get
+    init_ref = None
     if init_weights is not None:
-        init_weights = ray.put(init_weights)
+        init_ref = ray.put(init_weights)
         print(f"[raydiff] model.init_from: starting from {cfg.model.init_from}")
     elif cfg.model.init_from:
         print(f"[raydiff] model.init_from: continuing at step {plan.step}, not read ({cfg.model.init_from})")
@@ -173,6 +174,7 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
         raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of usable images in "
                         f"data.source ({images.num_good})")
     images = with_held_out(cfg, images)
+    resolved, classes = with_classes(resolved, images, init_weights)
     unusable = images.bad_report()["count"]
     skipped = f", {unusable} skipped as unusable (see summary.json)" if unusable else ""
     scaling, torch_threads = plan_scaling(resolved, cpus)
@@ -180,16 +182,20 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
     elastic_range = s.num_workers if isinstance(s.num_workers, tuple) and not cfg.scaling.auto else None
     workers = "-".join(map(str, elastic_range)) if elastic_range else s.max_workers
     workers = f"{workers} (scaling.num_workers=auto)" if cfg.scaling.auto else workers
+    conditional = (f"class-conditional on {len(classes['names'])} classes (label dropout "
+                   f"{cfg.train.label_dropout:g}); " if classes else "")
     print(f"[raydiff] {images.num_good} images from {source.describe()} at {cfg.data.resolution}px ({decoded}"
           f"{skipped}); "
           f"{'continuing at step ' + str(plan.step) if plan.step else 'training'}"
-          f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); {describe_lr(cfg.train)}; run directory "
+          f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); {conditional}{describe_lr(cfg.train)}; "
+          f"run directory "
           f"{run_dir}")
 
-    quality = _prepare_quality(cfg, images)
+    quality = _prepare_quality(cfg, images, classes)
 
     args = WorkerArgs(config=resolved.to_dict(), images=images, run_dir=run_dir, torch_threads=torch_threads,
-                      invocation=invocation, stop_flag=stop_flag, init_weights=init_weights, quality=quality)
+                      invocation=invocation, stop_flag=stop_flag, init_weights=init_ref, quality=quality,
+                      classes=classes)
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     # ray.train names Train V2's classes at run time (a worker's return value reaches the driver; RunConfig takes
     # a logging config); type checkers see V1's.
@@ -212,7 +218,8 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
     # What the run records beside its results: written by rank 0 once a checkpoint, if any, has been restored
     # (a start that the workers refuse changes nothing).
     records = {"config.yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False),
-               DATA_FILE: json.dumps({**identity, "layout": images.layout()}, indent=2) + "\n",
+               DATA_FILE: json.dumps({**identity, "layout": images.layout(), **images.label_summary()},
+                                     indent=2) + "\n",
                DRIVER_FILE: json.dumps({**driver, "requester": requester}, indent=2) + "\n"}
     if unusable:
         records[BAD_FILE] = json.dumps(images.bad_report(limit=None)["examples"], indent=1) + "\n"
@@ -238,6 +245,35 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
     return {**summary, "signal": received["signal"]}
 
 
+def with_classes(cfg: Config, images: ImageStore | ShardedImages,
+                 init_weights: Any = None) -> tuple[Config, dict[str, Any] | None]:
+    """(the config with `model.num_classes: auto` made the number of classes found, the run's classes as
+    {"names", "counts"}, or None for an unconditional run). A model with fewer classes than the data has, or
+    model.init_from weights made for another number of classes, is refused in one line."""
+    wanted = cfg.model.num_classes
+    if not wanted:
+        return cfg, None
+    names = list(images.classes)
+    found = len(names)
+    if wanted == "auto":
+        resolved = Config.from_dict(cfg.to_dict())
+        resolved.model.num_classes = found
+        cfg, wanted = resolved, found
+    elif wanted < found:
+        raise ConfigError(f"model.num_classes = {wanted}: smaller than the {found} classes found in "
+                          f"data.source = {cfg.data.source!r}; set it to at least {found}, or auto")
+    if isinstance(init_weights, dict) and "class_embed.weight" in init_weights:
+        made_for = init_weights["class_embed.weight"].shape[0] - 1
+        if made_for != wanted:
+            raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: a model of {made_for} classes, but this run "
+                              f"has model.num_classes = {wanted}")
+    counts = images.class_counts()
+    # A model may have more classes than the data (model.num_classes = N): the extra ones are named by their id.
+    names += [str(i) for i in range(found, wanted)]
+    counts = list(counts) + [0] * (wanted - found)
+    return cfg, {"names": names, "counts": counts}
+
+
 def with_held_out(cfg: Config, images: ImageStore | ShardedImages) -> ImageStore | ShardedImages:
     """The images as the workers need them: streamed ones carry their `data.val_images` held-out images, which
     the driver gathers once (a sweep once for all its trials); images in memory hold them already."""
@@ -246,7 +282,8 @@ def with_held_out(cfg: Config, images: ImageStore | ShardedImages) -> ImageStore
     return images.with_holdout(holdout_split(images.usable_indices(), cfg.data.val_images, cfg.train.seed)[1])
 
 
-def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages) -> ray.ObjectRef | None:
+def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages,
+                     classes: dict[str, Any] | None) -> ray.ObjectRef | None:
     """eval.every / eval.at_end: the feature network and the reference statistics, once, before training (a
     missing Inception download stops the run here, not after hours of training)."""
     e = cfg.eval
@@ -260,7 +297,9 @@ def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages) -> ray.Obj
     names = [n for n, m in zip(metric_names(features), ("fid", "kid"), strict=True) if m in e.metrics]
     print(f"[raydiff] quality: {', '.join(names)} of {e.num} samples ({e.sampler}, {e.steps} steps) {when}, against "
           f"{reference.description} ({reference.count} images)")
-    return ray.put(InRunQuality(features, reference))
+    return ray.put(InRunQuality(features, reference,
+                                class_names=tuple(classes["names"]) if classes else None,
+                                class_counts=tuple(int(c) for c in classes["counts"]) if classes else None))
 
 
 def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: int, result: WorkerResult | None,

@@ -41,6 +41,7 @@ from raydiff.training.worker import Worker, quiet_ray_train_logs, set_up
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
 logger = logging.getLogger("raydiff")
+GRID_CLASSES = 16  # a class-conditional grid shows at most this many classes, one row each
 CHECK_EVERY_STEPS = 10  # how often the workers look at the device's counters and agree on stop / preemption
 
 
@@ -255,16 +256,29 @@ def _log_row(w: Worker, dashboards: Dashboards | None, metrics: dict[str, Any], 
 @torch.no_grad()
 def _save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None) -> None:
     """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards. Generated a
-    micro-batch at a time: what fits a training step fits sampling (image i depends on (seed, i) only)."""
+    micro-batch at a time: what fits a training step fits sampling (image i depends on (seed, i) only). A
+    class-conditional run's grid has one row per class (the first GRID_CLASSES), at eval.guidance."""
     t, d = w.cfg.train, w.cfg.data
+    labels, per_row = grid_labels(w.num_classes, t.sample_num)
     chunks = w.step_inputs.diffusion.sample_in_chunks(
-        w.ema, range(t.sample_num), (d.channels, d.resolution, d.resolution), batch=w.micro_batch, seed=t.seed,
-        tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps)
-    png = grid_png(torch.cat(list(chunks)))
+        w.ema, range(len(labels) if labels else t.sample_num), (d.channels, d.resolution, d.resolution),
+        batch=w.micro_batch, seed=t.seed, tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps,
+        labels=labels, guidance=w.cfg.eval.guidance)
+    png = grid_png(torch.cat(list(chunks)), nrow=per_row)
     if w.writes is not None:
         w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
     if dashboards is not None:
         dashboards.image("samples", png, step)
+
+
+def grid_labels(num_classes: int, sample_num: int) -> tuple[list[int] | None, int | None]:
+    """(the class of each grid image, images per row): one row per class of a class-conditional model, as many
+    images per row as `sample_num` allows (at least one); (None, None) for an unconditional model."""
+    if not num_classes:
+        return None, None
+    shown = min(num_classes, GRID_CLASSES)
+    per_row = max(1, sample_num // shown)
+    return [c for c in range(shown) for _ in range(per_row)], per_row
 
 
 def _report_checkpoint(w: Worker, metrics: dict[str, Any], progress: Progress, live: _Live) -> None:
@@ -278,7 +292,7 @@ def _report_checkpoint(w: Worker, metrics: dict[str, Any], progress: Progress, l
         w.writes.drain()
         directory = Path(tempfile.mkdtemp(prefix="raydiff-ckpt-"))
         write_state(directory, checkpoint_state(w.training_state, progress, w.cfg.train.global_batch,
-                                                w.cfg.to_dict()))
+                                                w.cfg.to_dict(), w.classes))
         checkpoint = ray.train.Checkpoint.from_directory(directory)
     ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(progress.step, w.run_dir),
                      checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)

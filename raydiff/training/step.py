@@ -110,12 +110,14 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
         if s.channels_last:
             x0 = x0.contiguous(memory_format=torch.channels_last)
         timesteps, noise = batch.diffusion_inputs(s.seed, s.diffusion.timesteps, s.device)
+        # Class-conditional: the class ids, the null class where label dropout chose it (drawn by the loader).
+        labels = batch.label_inputs(s.device)
         if s.dropout:  # dropout masks, a function of the stream position
             dropout_generator(s.device).manual_seed(derive_seed(s.seed, batch.position))
         sync = ddp is None or i == len(batches) - 1
         with contextlib.nullcontext() if ddp is None or sync else ddp.no_sync():
             with torch.autocast(s.device.type, dtype=s.autocast_dtype, enabled=s.autocast_dtype is not None):
-                losses = s.diffusion.loss_per_sample(s.model, x0, timesteps, noise)
+                losses = s.diffusion.loss_per_sample(s.model, x0, timesteps, noise, labels)
             if fault is not None and fault(batch):
                 losses = losses * float("nan")
             # Sum over samples, scaled so that DDP's average over workers gives the global-batch mean.

@@ -50,15 +50,18 @@ class Validation:
     :param seed: the run's seed, which keys the noise.
     :param timesteps: the diffusion's T.
     :param rank, world_size: this worker's place; items are split as evenly as possible.
+    :param labels: class-conditional runs: the class of each held-out image (aligned with `val_indices`); the
+        loss is the conditional one (no label dropout).
     """
 
     def __init__(self, *, table: ImageTable, val_indices: np.ndarray, seed: int, timesteps: int, rank: int,
-                 world_size: int) -> None:
+                 world_size: int, labels: np.ndarray | None = None) -> None:
         items = len(val_indices) * TIMESTEPS_PER_IMAGE
         base, extra = divmod(items, world_size)
         start = rank * base + min(rank, extra)
         self._items = np.arange(start, start + base + (rank < extra))  # item = image * K + timestep slot
         self._table, self._val_indices, self._seed = table, val_indices, seed
+        self._labels = None if labels is None else torch.from_numpy(np.asarray(labels, np.int64))
         self._timesteps = validation_timesteps(len(val_indices), timesteps).reshape(-1)
         self.num_items = items
 
@@ -77,7 +80,8 @@ class Validation:
             sample_noise(self._seed, _NOISE_POSITIONS + items, 1, shape, noise)
             x0 = torch.from_numpy(images).to(device).float().div_(127.5).sub_(1.0)
             t = torch.from_numpy(self._timesteps[items]).to(device)
-            losses = diffusion.loss_per_sample(model, x0, t, torch.from_numpy(noise).to(device))
+            labels = None if self._labels is None else self._labels[items // TIMESTEPS_PER_IMAGE].to(device)
+            losses = diffusion.loss_per_sample(model, x0, t, torch.from_numpy(noise).to(device), labels)
             total += torch.stack([losses.double().sum(), torch.tensor(float(len(items)), device=device,
                                                                       dtype=torch.float64)])
         if dist.is_available() and dist.is_initialized():

@@ -71,6 +71,7 @@ class Worker:
     events: JsonlLog | None  # rank 0 only
     writes: BackgroundWrites | None  # rank 0 only: metrics and sample grids go to storage on this thread
     debug: DebugHooks  # the debug.* keys: fault injection and audit trails (nothing, by default)
+    classes: dict[str, Any] | None = None  # class-conditional: {"names", "counts"}, saved with every checkpoint
 
     @property
     def is_chief(self) -> bool:
@@ -84,6 +85,13 @@ class Worker:
         return lr
 
     @property
+    def num_classes(self) -> int:
+        """The model's classes (0: unconditional); the driver resolved `model.num_classes: auto`."""
+        num_classes = self.cfg.model.num_classes
+        assert num_classes != "auto", "the driver resolves model.num_classes"
+        return num_classes
+
+    @property
     def training_state(self) -> TrainingState:
         """What checkpoints save and restore (the bare model, not its DDP or compiled wrapper)."""
         s = self.step_inputs
@@ -94,7 +102,8 @@ class Worker:
         return BatchStream(table=self.table, order=self.order, global_batch=t.global_batch,
                            share=rank_share(t.global_batch, self.world_size, self.rank), micro_batch=self.micro_batch,
                            start_step=progress.stream_step, pin_memory=self.device.type == "cuda",
-                           noise=(t.seed, self.cfg.diffusion.timesteps))
+                           noise=(t.seed, self.cfg.diffusion.timesteps),
+                           labels=(t.label_dropout, self.num_classes) if self.num_classes else None)
 
     def event(self, event: str, **fields: Any) -> None:
         if self.events is not None:
@@ -133,10 +142,12 @@ def set_up(cfg: Config, args: WorkerArgs) -> Worker:
     # Split off the held-out images; the rest is the training stream (from memory, or streamed shard by shard).
     images = args.images
     train_indices, val_indices = holdout_split(images.usable_indices(), cfg.data.val_images, t.seed)
+    conditional = bool(cfg.model.num_classes)
+    val_labels = images.labels[val_indices] if conditional and images.labels is not None else None
     table, order, val_table, val_indices = open_tables(images, train_indices, val_indices, t.seed,
                                                       group=from_rank_zero(uuid.uuid4().hex))
     validation = Validation(table=val_table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
-                            rank=rank, world_size=world_size) if len(val_indices) else None
+                            rank=rank, world_size=world_size, labels=val_labels) if len(val_indices) else None
     # The micro-batch and activation checkpointing, measured with the setting the worker will train with.
     share = rank_share(t.global_batch, world_size, rank)
     micro_batch, _, speed["memory_plan"] = plan_memory(  # the model holds whether it checkpoints
@@ -160,5 +171,5 @@ def set_up(cfg: Config, args: WorkerArgs) -> Worker:
         metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S,
                              writes=writes) if is_chief else None,
         events=JsonlLog(run_dir, "events.jsonl") if is_chief else None, writes=writes,
-        debug=DebugHooks(cfg, run_dir, rank),
+        debug=DebugHooks(cfg, run_dir, rank), classes=args.classes,
     )

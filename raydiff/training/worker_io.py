@@ -32,6 +32,7 @@ class WorkerArgs:
     init_weights: ray.ObjectRef | None = None  # model.init_from's state dict, for a new run only
     quality: ray.ObjectRef | None = None  # the in-run `InRunQuality` (eval.every / eval.at_end)
     records: dict[str, str] = field(default_factory=dict)  # files rank 0 writes to the run once it has restored
+    classes: dict[str, Any] | None = None  # a class-conditional run's {"names", "counts"}, saved in checkpoints
 
 
 class WorkerStatus(str, enum.Enum):

@@ -22,14 +22,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, run_cli
+from sklearn.datasets import load_digits
 
 from raydiff.data.order import SampleOrder
+from raydiff.model.noise import dropped_labels
 from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints, read_state
 
 pytestmark = pytest.mark.ray
 
+# Class-conditional (the digits' labels, label dropout 0.1): labels keep every guarantee the images have.
 FAST = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
-        "--set", "train.sample_every=0", "--set", "run.keep_checkpoints=20"]
+        "--set", "train.sample_every=0", "--set", "run.keep_checkpoints=20", "--set", "data.labels=auto",
+        "--set", "model.num_classes=auto"]
 TOTAL = 120
 
 
@@ -230,11 +234,13 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
     # Every step trained on exactly its 16 stream positions, whatever the world size, and the stream is
     # the (seed, epoch) shard-aware permutation: no image twice and none skipped within an epoch.
     positions: dict[int, int] = {}
+    labels: dict[int, int] = {}  # the class each position trained with: 10 (the null class) where dropped
     for path in (run_dir / "order").iterdir():
         for record in map(json.loads, path.read_text().splitlines()):
             start, end = record["positions"]
-            for position, index in zip(range(start, end), record["indices"], strict=True):
+            for position, index, label in zip(range(start, end), record["indices"], record["labels"], strict=True):
                 assert positions.setdefault(position, index) == index  # replays after a restart agree
+                assert labels.setdefault(position, label) == label
     assert sorted(positions) == list(range(total * 16))
     manifest = json.loads(next((tmp_path / ".raydiff-stream").glob("*/manifest.json")).read_text())
     assert len(manifest["shards"]) > 4  # several windows per epoch
@@ -243,6 +249,10 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
     assert [positions[p] for p in range(total * 16)] == expected.tolist()
     for epoch in range(total * 16 // 1797):
         assert sorted(positions[p] for p in range(epoch * 1797, (epoch + 1) * 1797)) == list(range(1797))
+    digit_of = load_digits().target
+    dropped = dropped_labels(0, 0, total * 16, 0.1).tolist()
+    assert [labels[p] for p in range(total * 16)] == [
+        10 if drop else int(digit_of[positions[p]]) for p, drop in enumerate(dropped)]
     assert math.isfinite(run["final_loss"])
 
 
