@@ -118,11 +118,12 @@ def test_train_job_succeeds_and_writes_to_run_storage(head, tmp_path):
 
 
 def test_tune_job_succeeds(head, tmp_path):
-    """A sweep submitted as a job, ranked by sample quality (--metric fid: the digits' Frechet distance, measured
-    at every validation point of every trial)."""
+    """A sweep of class-conditional runs submitted as a job, ranked by sample quality (--metric fid: the digits'
+    Frechet distance at eval.guidance, measured at every validation point of every trial)."""
     proc = submit(head, "python", "-m", "raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3", "--batch", "16",
                   "--samples", "2", "--budget-images", "320", "--name", "jobsweep", "--metric", "fid",
-                  "--set", "eval.num=100", "--set", "eval.steps=5", "--set", f"run.storage={tmp_path}")
+                  "--set", "eval.num=100", "--set", "eval.steps=5", "--set", f"run.storage={tmp_path}",
+                  "--set", "data.labels=auto", "--set", "model.num_classes=auto")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader((tmp_path / "jobsweep" / "results.csv").open()))
     assert len(rows) == 2 and all(float(r["digits_fd"]) > 0 for r in rows if r["status"] == "finished")
@@ -132,6 +133,7 @@ def test_tune_job_succeeds(head, tmp_path):
     trial = tmp_path / "jobsweep" / "runs" / summary["best"]["trial"] / "metrics.jsonl"
     trial_rows = [json.loads(line) for line in trial.read_text().splitlines()]
     assert sum("digits_fd" in r for r in trial_rows) == sum("val_loss" in r for r in trial_rows) >= 8
+    assert all(0 <= r["digits_class_match"] <= 1 for r in trial_rows if "digits_fd" in r)
 
 
 def test_job_stop_checkpoints_and_a_resubmitted_job_resumes(head, tmp_path):
