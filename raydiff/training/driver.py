@@ -25,6 +25,7 @@ from raydiff.data.ingest import ImageStore
 from raydiff.data.sources import DataError, source_of
 from raydiff.data.stream import ShardedImages, open_images
 from raydiff.model.diffusers_folder import load_init_weights
+from raydiff.model.diffusers_io import check_classes
 from raydiff.quality.features import features_for, metric_names, require_metrics_package
 from raydiff.quality.reference import reference_for
 from raydiff.runs.dashboards import dashboards_for
@@ -256,17 +257,14 @@ def with_classes(cfg: Config, images: ImageStore | ShardedImages,
     names = list(images.classes)
     found = len(names)
     if wanted == "auto":
+        if init_weights is not None:  # an int model.num_classes was checked against the UNet's config before
+            check_classes(init_weights, found, init_from=str(cfg.model.init_from), auto=True)
         resolved = Config.from_dict(cfg.to_dict())
         resolved.model.num_classes = found
         cfg, wanted = resolved, found
     elif wanted < found:
         raise ConfigError(f"model.num_classes = {wanted}: smaller than the {found} classes found in "
                           f"data.source = {cfg.data.source!r}; set it to at least {found}, or auto")
-    if isinstance(init_weights, dict) and "class_embed.weight" in init_weights:
-        made_for = init_weights["class_embed.weight"].shape[0] - 1
-        if made_for != wanted:
-            raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: a model of {made_for} classes, but this run "
-                              f"has model.num_classes = {wanted}")
     counts = images.class_counts()
     # A model may have more classes than the data (model.num_classes = N): the extra ones are named by their id.
     names += [str(i) for i in range(found, wanted)]
