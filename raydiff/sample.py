@@ -39,7 +39,7 @@ from raydiff.model.diffusion import build_diffusion, images_per_pass
 from raydiff.model.noise import GRID_NOISE
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_location
-from raydiff.runs.images import save_samples
+from raydiff.runs.images import grid_row, image_labels, save_samples
 from raydiff.runs.rundir import unwritable
 from raydiff.runs.state import read_newest
 
@@ -135,16 +135,6 @@ def class_request(state: dict, spec: str | None, guidance: float | None) -> tupl
     ids = list(range(len(names))) if spec is None else [class_id(token.strip(), names) for token in spec.split(",")]
     default = Config.from_dict(state["config"]).eval.guidance  # the run's own grids' guidance
     return ids, default if guidance is None else guidance
-
-
-def image_labels(classes: Sequence[int], num: int) -> list[int]:
-    """The class of each of `num` images: contiguous blocks, image i gets classes[i * C // num]."""
-    return [classes[i * len(classes) // num] for i in range(num)]
-
-
-def grid_row(classes: Sequence[int], num: int) -> int | None:
-    """Images per grid row: one row per class where the classes divide the images evenly (else a square grid)."""
-    return num // len(classes) if len(classes) > 1 and num % len(classes) == 0 else None
 
 
 def describe(classes: Sequence[int], names: Sequence[str], everyone: bool) -> str:

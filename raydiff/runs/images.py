@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -65,3 +66,13 @@ def save_samples(images: torch.Tensor, out: Path, nrow: int | None = None) -> Pa
         _save_atomically(image, out / f"sample_{i:05d}.png")
     save_grid(images, out / "grid.png", nrow)
     return out
+
+
+def image_labels(classes: Sequence[int], num: int) -> list[int]:
+    """The class of each of `num` images: contiguous blocks, image i gets classes[i * C // num]."""
+    return [classes[i * len(classes) // num] for i in range(num)]
+
+
+def grid_row(classes: Sequence[int], num: int) -> int | None:
+    """Images per grid row: one row per class where the classes divide the images evenly (else a square grid)."""
+    return num // len(classes) if len(classes) > 1 and num % len(classes) == 0 else None

@@ -28,7 +28,7 @@ from raydiff.model.ema import ema_decay_at
 from raydiff.model.noise import GRID_NOISE
 from raydiff.runs.checkpoint import checkpoint_name, write_state
 from raydiff.runs.dashboards import Dashboards, dashboards_for
-from raydiff.runs.images import grid_png
+from raydiff.runs.images import grid_png, image_labels
 from raydiff.runs.runlog import progress_line
 from raydiff.runs.state import Progress, Unresumable, checkpoint_state
 from raydiff.training.distributed import interrupt_requested
@@ -278,7 +278,7 @@ def grid_labels(num_classes: int, sample_num: int) -> tuple[list[int] | None, in
         return None, None
     shown = min(num_classes, GRID_CLASSES)
     per_row = max(1, sample_num // shown)
-    return [c for c in range(shown) for _ in range(per_row)], per_row
+    return image_labels(range(shown), shown * per_row), per_row  # raydiff.sample's blocks: it reproduces the grid
 
 
 def _report_checkpoint(w: Worker, metrics: dict[str, Any], progress: Progress, live: _Live) -> None:
