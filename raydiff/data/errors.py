@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 
 class DataError(ValueError):
     """The data source cannot be used (missing, empty, too many bad images); one line for the user."""
@@ -47,3 +49,10 @@ def check_bad_fraction(store: HasBadSamples, max_bad_fraction: float) -> None:
         examples = "; ".join(f"{b.where}: {b.reason}" for b in store.bad[:3])
         raise DataError(f"{len(store.bad)} of {store.num_images} samples in {store.source} cannot be used "
                         f"({fraction:.1%} > data.max_bad_fraction = {max_bad_fraction:g}), e.g. {examples}")
+
+
+def usable_indices(num_images: int, bad: tuple[BadSample, ...]) -> np.ndarray:
+    """The sample indices of a decoded source that can be trained on (all but the bad ones), sorted."""
+    keep = np.ones(num_images, bool)
+    keep[[b.index for b in bad]] = False
+    return np.flatnonzero(keep)

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
-from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction, usable_indices
 from raydiff.data.labels import LabelPlan, class_counts, class_ids, missing_labels, plan_labels, resolve_classes
 from raydiff.data.shards import check_prepared
 from raydiff.data.sources import Source, source_of
@@ -62,9 +62,7 @@ class ImageStore:
 
     def usable_indices(self) -> np.ndarray:
         """Sample indices that hold an image, sorted."""
-        keep = np.ones(self.num_images, bool)
-        keep[[b.index for b in self.bad]] = False
-        return np.flatnonzero(keep)
+        return usable_indices(self.num_images, self.bad)
 
     def arrays(self) -> list[np.ndarray]:
         """The chunks as read-only numpy arrays; zero-copy when the chunk is on this node."""

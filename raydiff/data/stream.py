@@ -43,7 +43,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from raydiff.cluster.nodes import smallest_object_store
-from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction, usable_indices
 from raydiff.data.fs import filesystem_for
 from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS, decode_stream, label_summary, load_data
 from raydiff.data.labels import LabelPlan, class_counts, plan_labels, read_labels
@@ -107,11 +107,7 @@ class ShardedImages:
         return np.cumsum([0, *self.counts])
 
     def usable_indices(self) -> np.ndarray:
-        if not self.bad:
-            return np.arange(self.num_images)
-        keep = np.ones(self.num_images, bool)
-        keep[[b.index for b in self.bad]] = False
-        return np.flatnonzero(keep)
+        return usable_indices(self.num_images, self.bad)
 
     def bad_report(self, limit: int | None = 20) -> dict[str, Any]:
         total = self.num_images + len(self.skipped)
