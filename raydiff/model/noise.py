@@ -24,14 +24,19 @@ GRID_NOISE = 8  # the key tag of sample grids and raydiff.sample
 _local = threading.local()  # one CPU generator per thread: the loader thread draws ahead of the training thread
 
 
+def _thread_generator() -> torch.Generator:
+    """This thread's CPU generator (reseeded for every block it draws)."""
+    if not hasattr(_local, "generator"):
+        _local.generator = torch.Generator()
+    return _local.generator
+
+
 def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: tuple[int, ...],
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Timesteps (count,) and Gaussian noise (count, *shape) of stream positions [start, start + count): a pure
     function of (seed, position), drawn on the CPU (so the same on every device) and moved to `device`. The
     loader thread draws them ahead of time (`BatchStream`), off the training step's path."""
-    if not hasattr(_local, "generator"):
-        _local.generator = torch.Generator()
-    generator = _local.generator
+    generator = _thread_generator()
     t_parts, noise_parts = [], []
     for block in range(start // NOISE_BLOCK, (start + count - 1) // NOISE_BLOCK + 1):
         generator.manual_seed(derive_seed(seed, _NOISE_TAG, block))
@@ -49,7 +54,7 @@ def dropped_labels(seed: int, start: int, count: int, probability: float) -> tor
     by blocks of NOISE_BLOCK, on the CPU."""
     if probability <= 0:
         return torch.zeros(count, dtype=torch.bool)
-    generator = torch.Generator()
+    generator = _thread_generator()
     parts = []
     for block in range(start // NOISE_BLOCK, (start + count - 1) // NOISE_BLOCK + 1):
         generator.manual_seed(derive_seed(seed, _LABEL_DROP_TAG, block))
