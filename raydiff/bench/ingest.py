@@ -194,7 +194,7 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
             cached = open_source(prepared)
             _measure(result, "cached", _raydiff_batches(cached, resolution, batch), device, epochs, epoch)
             if cache == "stream":
-                from raydiff.data.stream import WINDOWS_HELD
+                from raydiff.data.node_cache import WINDOWS_HELD
 
                 shard_bytes = -(-len(paths) // STREAM_SHARDS) * 3 * resolution ** 2
                 buffer_gb = WINDOWS_HELD * STREAM_WINDOW * shard_bytes / 2 ** 30

@@ -39,7 +39,7 @@ class ImageTable:
         return int(self.starts[-1])
 
     def prepare(self, position: int) -> None:
-        """Nothing to read ahead: every chunk is in memory (see `raydiff.data.stream.StreamTable`)."""
+        """Nothing to read ahead: every chunk is in memory (see `raydiff.data.node_cache.StreamTable`)."""
 
     def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
         chunk_of = np.searchsorted(self.starts, indices, side="right") - 1
@@ -50,7 +50,7 @@ class ImageTable:
 
 
 class Table(Protocol):
-    """What `BatchStream` gathers samples from: an `ImageTable`, or a `raydiff.data.stream.StreamTable`."""
+    """What `BatchStream` gathers samples from: an `ImageTable`, or a `raydiff.data.node_cache.StreamTable`."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...  # of one image: (C, H, W)

@@ -8,9 +8,9 @@ window at a time:
   them into windows of `data.stream_window_shards` and shuffles the samples within a window, so a step needs
   the shards of one window (two at a window's edge), and a step's samples are still a pure function of
   (seed, step);
-- one `NodeShards` actor per node reads each shard once per epoch into the node's object store and hands it to
-  every worker of that node (zero-copy), reading two windows ahead of the one being trained; it holds at most
-  `data.stream_buffer_gb` and drops the oldest shards first;
+- one `NodeShards` actor per node reads each shard once per epoch into the node's object store and hands it
+  to every worker of that node (zero-copy), reading two windows ahead of the one being trained; it holds at
+  most `data.stream_buffer_gb` and drops the oldest shards first;
 - the held-out validation images are gathered once by the driver (a few hundred images);
 - labels (`data.labels: auto`) are small: the driver reads the shards' label column once, and every worker holds
   the class id of every sample index, as in memory mode. A raw source is prepared with its labels into a copy of
@@ -18,21 +18,20 @@ window at a time:
 
 `data.cache=auto` chooses memory when the decoded dataset takes at most MEMORY_SHARE of the smallest object store
 of the nodes the run trains on (`raydiff.cluster.nodes`), else stream.
+
+This module decides on the driver: which mode, and the shards to stream (a raw source prepared once).
+`raydiff.data.sharded` describes them; `raydiff.data.node_cache` serves them on each node.
 """
 
 from __future__ import annotations
 
 import copy
-import gc
 import hashlib
 import json
 import shutil
 import sys
 import tarfile
-import threading
-from collections import Counter, OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,133 +39,27 @@ import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from raydiff.cluster.nodes import smallest_object_store
-from raydiff.data.errors import BadSample, DataError, check_bad_fraction, usable_indices
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction
 from raydiff.data.fs import filesystem_for
-from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS, decode_stream, label_summary, load_data
-from raydiff.data.labels import LabelPlan, class_counts, plan_labels, read_labels
+from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS, decode_stream, load_data
+from raydiff.data.labels import LabelPlan, plan_labels, read_labels
 from raydiff.data.loader import ImageTable
+from raydiff.data.node_cache import WINDOWS_HELD, StreamTable, node_shards
 from raydiff.data.order import SampleOrder
-from raydiff.data.shards import SHARD_BYTES, check_prepared, read_shard, rows_per_shard_for, write_prepared
+from raydiff.data.sharded import GB, ShardedImages
+from raydiff.data.shards import SHARD_BYTES, check_prepared, rows_per_shard_for, write_prepared
 from raydiff.data.sources import Source, open_source
 from raydiff.runs.lease import hold, this_process
 from raydiff.runs.rundir import RunDir
 
 MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
-READ_AHEAD_WINDOWS = 2  # windows the node reads ahead of the one being trained
-WINDOWS_HELD = READ_AHEAD_WINDOWS + 2  # those, the one being trained and the one before (a step may straddle two)
 STREAM_FOLDER = ".raydiff-stream"  # raw sources prepared for streaming, under run.storage
-GB = 1024 ** 3
 
 
-@dataclass(frozen=True)
-class ShardedImages:
-    """A prepared dataset read shard by shard; picklable, so it travels to the workers.
-
-    :param uri: where the prepared shards are.
-    :param source: `data.source` as the user gave it.
-    :param files, counts: the shards (paths in `filesystem`) and their rows.
-    :param window_shards: shards shuffled together (`data.stream_window_shards`).
-    :param buffer_bytes: the most a node holds at once.
-    :param holdout: uint8 images of the held-out indices, once gathered (`with_holdout`).
-    :param skipped: samples of the raw source that could not be decoded (not in the shards; reported only).
-    :param labels: `data.labels: auto`: int32 class id of every sample index (-1: none, a bad sample); else None.
-    :param classes: the class names, id = position (empty without labels).
-    :param bad: samples in the shards that cannot be trained on (a prepared row without a label).
-    """
-
-    uri: str
-    source: str
-    filesystem: pafs.FileSystem
-    files: tuple[str, ...]
-    counts: tuple[int, ...]
-    shape: tuple[int, int, int]
-    window_shards: int
-    buffer_bytes: int
-    rows_per_shard: int = 0  # the rows of a full shard, as prepared (0: unknown, the largest shard's)
-    holdout: ray.ObjectRef | None = None
-    holdout_indices: tuple[int, ...] = ()
-    skipped: tuple[dict, ...] = ()
-    labels: np.ndarray | None = field(default=None, compare=False)
-    classes: tuple[str, ...] = ()
-    bad: tuple[BadSample, ...] = ()  # undecodable samples were left out of the shards: every index holds an image
-
-    @property
-    def num_images(self) -> int:
-        return sum(self.counts)
-
-    @property
-    def num_good(self) -> int:
-        return self.num_images - len(self.bad)
-
-    @property
-    def shard_starts(self) -> np.ndarray:
-        return np.cumsum([0, *self.counts])
-
-    def usable_indices(self) -> np.ndarray:
-        return usable_indices(self.num_images, self.bad)
-
-    def bad_report(self, limit: int | None = 20) -> dict[str, Any]:
-        total = self.num_images + len(self.skipped)
-        examples = [*self.skipped, *(b.to_dict() for b in self.bad)]
-        return {"count": len(examples), "fraction": round(len(examples) / max(total, 1), 6),
-                "examples": examples[:limit]}
-
-    def class_counts(self) -> list[int]:
-        """Usable samples per class; [] without labels."""
-        return [] if self.labels is None else class_counts(self.labels, self.usable_indices(), len(self.classes))
-
-    def label_summary(self) -> dict[str, Any]:
-        """For data.json: {"classes": names, "class_counts": usable samples per class}; {} without labels."""
-        return label_summary(self)
-
-    def order(self, indices: np.ndarray, seed: int) -> SampleOrder:
-        return SampleOrder(indices, seed, shard_starts=self.shard_starts, window_shards=self.window_shards)
-
-    def layout(self) -> dict[str, Any]:
-        """How the samples are laid out, for data.json: the shuffle windows and the shards fix the sample order,
-        so a continuing run keeps them (`open_images(keep=...)`)."""
-        return {"cache": "stream", "window_shards": self.window_shards,
-                "rows_per_shard": self.rows_per_shard or max(self.counts),
-                "shards": len(self.files)}
-
-    def describe(self) -> str:
-        shard_mb = max(self.counts) * int(np.prod(self.shape)) / 2 ** 20
-        return (f"streamed from {self.uri}: {len(self.files)} shards of up to {shard_mb:.3g} MB, shuffled in "
-                f"windows of {self.window_shards}, at most {self.buffer_bytes / GB:.3g} GB per node")
-
-    def with_holdout(self, indices: np.ndarray) -> ShardedImages:
-        """A copy that carries the held-out images (gathered in parallel, one Ray task per shard holding any)."""
-        indices = np.asarray(indices)
-        if tuple(indices.tolist()) == self.holdout_indices and self.holdout is not None:
-            return self
-        shard_of = np.searchsorted(self.shard_starts, indices, "right") - 1
-        starts = self.shard_starts
-        # Ray documents placement_group=None as "no group", but annotates the parameter without None.
-        no_group = PlacementGroupSchedulingStrategy(placement_group=None)  # type: ignore[arg-type]
-        options = {"num_cpus": 1, "scheduling_strategy": no_group}
-        parts = ray.get([_rows.options(**options).remote(self.filesystem, self.files[s], self.shape,
-                                                         indices[shard_of == s] - starts[s])
-                         for s in np.unique(shard_of)])
-        images = np.concatenate(parts) if parts else np.empty((0, *self.shape), np.uint8)
-        return replace(self, holdout=ray.put(images), holdout_indices=tuple(indices.tolist()))
-
-    def iter_arrays(self, max_bytes: int = 256 * 2 ** 20):
-        """All images in index order, a few shards (up to about `max_bytes`) at a time."""
-        pending, held = [], 0
-        for path in self.files:
-            pending.append(read_shard(self.filesystem, path, self.shape))
-            held += pending[-1].nbytes
-            if held >= max_bytes:
-                yield np.concatenate(pending)
-                pending, held = [], 0
-        if pending:
-            yield np.concatenate(pending)
-
-
+# The workers' side: the tables they gather batches from.
 def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed: int, group: str):
     """A worker's view of the run's images: (table, order) of the training stream, and (table, indices) of the
     held-out images, for memory (`ImageStore`) or streamed (`ShardedImages`) data. `group`: the same string on
@@ -204,145 +97,6 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
                                buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
         return images, f"{why}; {images.describe()}"
     return load_data(data, source), why
-
-
-@ray.remote
-def _rows(filesystem, path: str, shape, rows: np.ndarray) -> np.ndarray:
-    return read_shard(filesystem, path, shape)[rows]
-
-
-# ray.remote's keyword overload lists task options only, not actor options such as max_concurrency.
-@ray.remote(num_cpus=0, max_concurrency=16)  # type: ignore[call-overload]
-class NodeShards:
-    """The shards one node holds in its object store for all its workers, least recently used dropped first."""
-
-    def __init__(self, images: ShardedImages, readers: int = 2) -> None:
-        self._images = images
-        self._lock = threading.Lock()
-        self._held: OrderedDict[int, tuple[ray.ObjectRef, int]] = OrderedDict()
-        self._loading: dict[int, Future] = {}
-        self._pool = ThreadPoolExecutor(readers, thread_name_prefix="raydiff-shards")
-        self._reads: Counter = Counter()
-        self._peak_bytes = self._dropped_bytes = 0
-        gc.freeze()  # what exists now (modules, mostly) lives on: the collections after evictions skip it
-
-    def _request(self, shard: int) -> Future:
-        with self._lock:
-            if shard in self._held:
-                self._held.move_to_end(shard)
-                done: Future = Future()
-                done.set_result(self._held[shard][0])
-                return done
-            if shard not in self._loading:
-                self._loading[shard] = self._pool.submit(self._load, shard)
-            return self._loading[shard]
-
-    def _load(self, shard: int) -> ray.ObjectRef:
-        images = self._images
-        try:
-            array = read_shard(images.filesystem, images.files[shard], images.shape)
-        except BaseException:
-            with self._lock:  # the asking worker gets the error; a later request tries again
-                del self._loading[shard]
-            raise
-        ref = ray.put(array)
-        with self._lock:
-            self._held[shard] = (ref, array.nbytes)
-            self._reads[shard] += 1
-            del self._loading[shard]
-            held = sum(n for _, n in self._held.values())
-            while held > images.buffer_bytes and len(self._held) > 1:
-                _, (_, nbytes) = self._held.popitem(last=False)
-                held, self._dropped_bytes = held - nbytes, self._dropped_bytes + nbytes
-            self._peak_bytes = max(self._peak_bytes, held)
-            collect = self._dropped_bytes >= images.buffer_bytes // WINDOWS_HELD
-            if collect:
-                self._dropped_bytes = 0
-        if collect:  # handing references over leaves closure cycles behind that keep dropped shards alive: once a
-            gc.collect()  # window's worth is dropped, collect them (gc.freeze keeps that cheap)
-        return ref
-
-    def get(self, shards: list[int]) -> list[list[ray.ObjectRef]]:
-        """Object refs of `shards` (read now if not held). Each is wrapped in a list, so that Ray hands over the
-        reference rather than the array."""
-        futures = [self._request(s) for s in shards]
-        return [[f.result()] for f in futures]
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"reads": dict(self._reads), "held_bytes": sum(n for _, n in self._held.values()),
-                    "peak_bytes": self._peak_bytes}
-
-
-def node_shards(images: ShardedImages, group: str) -> ray.actor.ActorHandle:
-    """This node's `NodeShards` for worker group `group` (created by the first worker of the node to ask). It
-    lives as long as the worker that created it: a restarted worker group gets new ones."""
-    node_id = ray.get_runtime_context().get_node_id()
-    actor_class: Any = NodeShards  # an ActorClass at run time; mypy, which refused the decorator, sees the class
-    return actor_class.options(
-        name=f"raydiff-shards-{group}-{node_id}", get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(images)
-
-
-class StreamTable:
-    """Random access by sample index over streamed shards, for one worker (see `raydiff.data.loader.ImageTable`).
-
-    `prepare(position)`, called before each step, asks the node for the next READ_AHEAD_WINDOWS windows when a
-    new window begins.
-    """
-
-    def __init__(self, images: ShardedImages, order: SampleOrder, shards: ray.actor.ActorHandle) -> None:
-        self._order, self._shards = order, shards
-        self._starts = images.shard_starts
-        self.shape = images.shape
-        self.labels = images.labels  # class id by sample index (small: every worker holds them all), or None
-        self._arrays: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._keep = 2 * images.window_shards  # the window being trained and the one before; the node holds the rest
-        self._window: tuple[int, int] | None = None
-        self._upcoming: dict[int, tuple] = {}  # shard -> (the node's answer on its way, the shards it answers)
-
-    def __len__(self) -> int:
-        return int(self._starts[-1])
-
-    def prepare(self, position: int) -> None:
-        window, _ = self._order.window_shards_at(position)
-        if window != self._window:  # a new window: ask for the next ones now (the node reads them while we train)
-            self._window = window
-            upcoming, ahead = [], window
-            for _ in range(READ_AHEAD_WINDOWS):
-                ahead, shards = self._order.window_shards_at(self._order.next_window(ahead))
-                upcoming += shards
-            upcoming = [s for s in dict.fromkeys(upcoming) if s not in self._arrays and s not in self._upcoming]
-            if upcoming:
-                answer = (self._shards.get.remote(upcoming), upcoming)
-                self._upcoming.update(dict.fromkeys(upcoming, answer))
-
-    def _fetch(self, shards: list[int]) -> None:
-        """Map `shards` (zero-copy from the node's object store); one call to the node for those not asked for
-        ahead."""
-        asked = [self._upcoming.pop(s) for s in shards if s in self._upcoming]
-        now = [s for s in shards if all(s not in names for _, names in asked)]
-        if now:
-            asked.append((self._shards.get.remote(now), now))
-        refs: dict[int, ray.ObjectRef] = {}
-        for answer, names in {id(answer): (answer, names) for answer, names in asked}.values():
-            refs.update(zip(names, (wrapped[0] for wrapped in ray.get(answer)), strict=True))
-        for s, array in zip(shards, ray.get([refs[s] for s in shards]), strict=True):
-            self._arrays[s] = array
-
-    def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
-        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
-        needed = np.unique(shard_of).tolist()
-        missing = [s for s in needed if s not in self._arrays]
-        if missing:
-            self._fetch(missing)
-        for s in needed:
-            self._arrays.move_to_end(s)
-            selected = shard_of == s
-            out[selected] = self._arrays[s][indices[selected] - self._starts[s]]
-        while len(self._arrays) > max(self._keep, len(needed)):
-            self._arrays.popitem(last=False)
-        return out
 
 
 # The driver's side: which mode, and the shards to stream.

@@ -22,8 +22,9 @@ from raydiff.config import Config, ConfigError
 from raydiff.config.checks import check_workers
 from raydiff.config.lr_rule import describe_lr
 from raydiff.data.ingest import ImageStore
+from raydiff.data.sharded import ShardedImages
 from raydiff.data.sources import DataError, source_of
-from raydiff.data.stream import ShardedImages, open_images
+from raydiff.data.stream import open_images
 from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.model.diffusers_io import check_classes
 from raydiff.quality.features import features_for, metric_names, require_metrics_package

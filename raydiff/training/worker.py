@@ -20,8 +20,9 @@ import torch
 
 from raydiff.config import Config
 from raydiff.data.loader import BatchStream, ImageTable
+from raydiff.data.node_cache import StreamTable
 from raydiff.data.order import SampleOrder, rank_share
-from raydiff.data.stream import StreamTable, open_tables
+from raydiff.data.stream import open_tables
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model

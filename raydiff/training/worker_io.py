@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import ray
 
     from raydiff.data.ingest import ImageStore
-    from raydiff.data.stream import ShardedImages
+    from raydiff.data.sharded import ShardedImages
     from raydiff.runs.rundir import RunDir
 
 
