@@ -30,7 +30,7 @@ def conditional_run(tmp_path_factory, cluster):
 
 def test_a_conditional_run_records_its_classes_and_trains_on_them(conditional_run):
     run_dir, output = conditional_run
-    assert "class-conditional on 10 classes (label dropout 0.1)" in output
+    assert "class-conditional on 10 classes (label dropout 0.5)" in output
     # config.yaml keeps what the user asked for; the checkpoint the resolved model and the classes.
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["num_classes"] == "auto"
     data = json.loads((run_dir / "data.json").read_text())

@@ -24,13 +24,14 @@ import torch
 from conftest import ROOT, run_cli
 from sklearn.datasets import load_digits
 
+from raydiff.config.schema import TrainSection
 from raydiff.data.order import SampleOrder
 from raydiff.model.noise import dropped_labels
 from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints, read_state
 
 pytestmark = pytest.mark.ray
 
-# Class-conditional (the digits' labels, label dropout 0.1): labels keep every guarantee the images have.
+# Class-conditional (the digits' labels, the default label dropout): labels keep every guarantee the images have.
 FAST = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
         "--set", "train.sample_every=0", "--set", "run.keep_checkpoints=20", "--set", "data.labels=auto",
         "--set", "model.num_classes=auto"]
@@ -250,7 +251,7 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
     for epoch in range(total * 16 // 1797):
         assert sorted(positions[p] for p in range(epoch * 1797, (epoch + 1) * 1797)) == list(range(1797))
     digit_of = load_digits().target
-    dropped = dropped_labels(0, 0, total * 16, 0.1).tolist()
+    dropped = dropped_labels(0, 0, total * 16, TrainSection().label_dropout).tolist()
     assert [labels[p] for p in range(total * 16)] == [
         10 if drop else int(digit_of[positions[p]]) for p, drop in enumerate(dropped)]
     assert math.isfinite(run["final_loss"])
