@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 import ray
 
 from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
-from raydiff.data.errors import BadSample, DataError, check_bad_fraction, usable_indices
-from raydiff.data.labels import LabelPlan, class_counts, class_ids, missing_labels, plan_labels, resolve_classes
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.labels import LabelledSamples, LabelPlan, class_ids, missing_labels, plan_labels, resolve_classes
 from raydiff.data.shards import check_prepared
 from raydiff.data.sources import Source, source_of
 
@@ -35,8 +35,9 @@ _SEP = "\x1f"  # between where a bad sample came from and why it is bad, in the 
 
 
 @dataclass(frozen=True)
-class ImageStore:
+class ImageStore(LabelledSamples):
     """A dataset decoded to uint8 (N, C, R, R), held as object-store chunks; picklable, so it travels to workers.
+    A bad sample keeps its index as a blank row.
 
     :param labels: `data.labels: auto`: int32 class id of every sample index (-1 where none: a bad sample);
         None without labels.
@@ -51,19 +52,6 @@ class ImageStore:
     labels: np.ndarray | None = field(default=None, compare=False)
     classes: tuple[str, ...] = ()
 
-    @property
-    def num_images(self) -> int:
-        """Samples in the store, including the blank rows of bad ones."""
-        return sum(self.counts)
-
-    @property
-    def num_good(self) -> int:
-        return self.num_images - len(self.bad)
-
-    def usable_indices(self) -> np.ndarray:
-        """Sample indices that hold an image, sorted."""
-        return usable_indices(self.num_images, self.bad)
-
     def arrays(self) -> list[np.ndarray]:
         """The chunks as read-only numpy arrays; zero-copy when the chunk is on this node."""
         return ray.get(list(self.chunks))
@@ -75,20 +63,6 @@ class ImageStore:
     def layout(self) -> dict[str, Any]:
         """How the samples are laid out, for data.json: a continuing run keeps it (see `raydiff.data.stream`)."""
         return {"cache": "memory"}
-
-    def class_counts(self) -> list[int]:
-        """Usable samples per class (bad ones excluded); [] without labels."""
-        return [] if self.labels is None else class_counts(self.labels, self.usable_indices(), len(self.classes))
-
-    def label_summary(self) -> dict[str, Any]:
-        """For data.json: {"classes": names, "class_counts": usable samples per class}; {} without labels."""
-        return label_summary(self)
-
-
-def label_summary(images) -> dict[str, Any]:
-    if images.labels is None:
-        return {}
-    return {"classes": list(images.classes), "class_counts": images.class_counts()}
 
 
 # Decoding, one Ray Data batch at a time.

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydiff.data.errors import DataError
+from raydiff.data.errors import BadSample, DataError, usable_indices
 
 LABEL_COLUMN = "label"  # the column of prepared shards that holds each sample's class name
 MAX_CLASSES = 100_000  # more than this is a wrong column (an id per sample), not classes
@@ -177,6 +177,39 @@ def class_counts(labels: np.ndarray, usable: np.ndarray, num_classes: int) -> li
     """Usable samples per class."""
     chosen = labels[usable]
     return np.bincount(chosen[chosen >= 0], minlength=num_classes).tolist()
+
+
+class LabelledSamples:
+    """What a decoded dataset (`ImageStore`) and a streamed one (`ShardedImages`) share: the samples by index,
+    the bad ones among them, and their classes. The dataclasses that use it declare the fields below."""
+
+    counts: tuple[int, ...]  # samples per chunk or shard
+    bad: tuple[BadSample, ...]
+    labels: np.ndarray | None  # int32 class id of every sample index (-1: none, a bad sample); None without labels
+    classes: tuple[str, ...]  # the class names, id = position (empty without labels)
+
+    @property
+    def num_images(self) -> int:
+        """Samples by index, including the bad ones."""
+        return sum(self.counts)
+
+    @property
+    def num_good(self) -> int:
+        return self.num_images - len(self.bad)
+
+    def usable_indices(self) -> np.ndarray:
+        """Sample indices that hold an image, sorted."""
+        return usable_indices(self.num_images, self.bad)
+
+    def class_counts(self) -> list[int]:
+        """Usable samples per class (bad ones excluded); [] without labels."""
+        return [] if self.labels is None else class_counts(self.labels, self.usable_indices(), len(self.classes))
+
+    def label_summary(self) -> dict[str, Any]:
+        """For data.json: {"classes": names, "class_counts": usable samples per class}; {} without labels."""
+        if self.labels is None:
+            return {}
+        return {"classes": list(self.classes), "class_counts": self.class_counts()}
 
 
 def read_labels(filesystem, files: tuple[str, ...], classes: tuple[str, ...]) -> np.ndarray:

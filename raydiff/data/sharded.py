@@ -15,9 +15,8 @@ import pyarrow.fs as pafs
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raydiff.data.errors import BadSample, usable_indices
-from raydiff.data.ingest import label_summary
-from raydiff.data.labels import class_counts
+from raydiff.data.errors import BadSample
+from raydiff.data.labels import LabelledSamples
 from raydiff.data.order import SampleOrder
 from raydiff.data.shards import read_shard
 
@@ -25,7 +24,7 @@ GB = 1024 ** 3
 
 
 @dataclass(frozen=True)
-class ShardedImages:
+class ShardedImages(LabelledSamples):
     """A prepared dataset read shard by shard; picklable, so it travels to the workers.
 
     :param uri: where the prepared shards are.
@@ -57,33 +56,14 @@ class ShardedImages:
     bad: tuple[BadSample, ...] = ()  # undecodable samples were left out of the shards: every index holds an image
 
     @property
-    def num_images(self) -> int:
-        return sum(self.counts)
-
-    @property
-    def num_good(self) -> int:
-        return self.num_images - len(self.bad)
-
-    @property
     def shard_starts(self) -> np.ndarray:
         return np.cumsum([0, *self.counts])
-
-    def usable_indices(self) -> np.ndarray:
-        return usable_indices(self.num_images, self.bad)
 
     def bad_report(self, limit: int | None = 20) -> dict[str, Any]:
         total = self.num_images + len(self.skipped)
         examples = [*self.skipped, *(b.to_dict() for b in self.bad)]
         return {"count": len(examples), "fraction": round(len(examples) / max(total, 1), 6),
                 "examples": examples[:limit]}
-
-    def class_counts(self) -> list[int]:
-        """Usable samples per class; [] without labels."""
-        return [] if self.labels is None else class_counts(self.labels, self.usable_indices(), len(self.classes))
-
-    def label_summary(self) -> dict[str, Any]:
-        """For data.json: {"classes": names, "class_counts": usable samples per class}; {} without labels."""
-        return label_summary(self)
 
     def order(self, indices: np.ndarray, seed: int) -> SampleOrder:
         return SampleOrder(indices, seed, shard_starts=self.shard_starts, window_shards=self.window_shards)
