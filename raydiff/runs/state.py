@@ -161,9 +161,21 @@ def restore(state: dict[str, Any], objects: TrainingState) -> tuple[Progress, li
     model.load_state_dict(state["model"])
     ema.load_state_dict(state["ema"])
     optimizer.load_state_dict(state["optimizer"])
+    match_parameter_layout(optimizer)
     if scaler_state is not None:
         scaler.load_state_dict(scaler_state)
     return Progress(step=state["step"], counters=counters, window=window), notes
+
+
+def match_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each per-parameter state tensor (AdamW's moments) its parameter's memory layout. A checkpoint holds
+    them contiguous; a channels_last model's parameters are not, and the fused and foreach kernels pair elements
+    by position in memory, so moments of another layout would update the wrong weights."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+                    optimizer.state[param][name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 def restore_newest(candidates: list[RunDir], objects: TrainingState) -> Restored | None:

@@ -125,3 +125,35 @@ def test_a_changed_weight_decay_reaches_the_restored_optimizer(tmp_path):
     restore_newest(checkpoint_candidates(tmp_path), fresh)
     apply_config(fresh[2], weight_decay=0.25)
     assert [g["weight_decay"] for g in fresh[2].param_groups] == [0.25]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_run_continued_in_channels_last_makes_the_update_of_an_uninterrupted_run(tmp_path, fused):
+    """A run checkpointed in NCHW (on a CPU, say) and continued in channels_last (compiled on a GPU): the restored
+    AdamW moments take the parameters' layout, since the fused and foreach kernels pair elements by memory
+    position; without that the next update moves the wrong weights. Same gradients, so the same update bit for
+    bit."""
+    def objects(channels_last: bool) -> TrainingState:
+        torch.manual_seed(0)
+        model = build_model(Config())
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True)
+        return TrainingState(model, make_ema(model), optimizer, torch.amp.GradScaler("cpu", enabled=False))
+
+    def step_with_gradients(o: TrainingState, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for p in o.model.parameters():
+            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=generator))
+        o.optimizer.step()
+
+    uninterrupted, continued = objects(False), objects(True)
+    for seed in (1, 2):
+        step_with_gradients(uninterrupted, seed)
+        if seed == 1:
+            write_state(tmp_path, checkpoint_state(uninterrupted, Progress(step=1), 4, Config().to_dict()))
+    restore(read_state(tmp_path), continued)
+    step_with_gradients(continued, 2)
+    assert any(not p.is_contiguous() for p in continued.model.parameters())
+    for (name, a), b in zip(uninterrupted.model.named_parameters(), continued.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
