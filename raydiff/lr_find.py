@@ -77,12 +77,11 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     torch.manual_seed(t.seed)
     model = build_model(cfg).to(device)
     autocast_dtype = resolve_precision(t.precision, device)
-    step_inputs = StepInputs(
-        model=model, optimizer=make_optimizer(model, lr=start, weight_decay=t.weight_decay),
-        scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
-        diffusion=build_diffusion(cfg), device=device, autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip,
-        global_batch=t.global_batch, world_size=1, grad_clip=t.grad_clip,
-        dropout=cfg.model.dropout > 0)
+    step_inputs = StepInputs.build(
+        model, build_diffusion(cfg), make_optimizer(model, lr=start, weight_decay=t.weight_decay),
+        torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), device=device,
+        autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip, global_batch=t.global_batch, world_size=1,
+        grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0)
     lrs, losses, stop_reason = lr_range(start, end, steps), [], None
     try:
         for lr in lrs:

@@ -170,7 +170,7 @@ def test_smallest_linear_schedule_gives_finite_tables():
 
     diffusion = build_diffusion(load_config("smoke", ["diffusion.timesteps=21"]))
     assert diffusion.betas.max().item() < 1 and diffusion.alpha_bar.min().item() > 0
-    tables = diffusion._tables(torch.device("cpu"))
+    tables = diffusion.tables_on(torch.device("cpu"))
     assert all(torch.isfinite(table).all() for table in tables.values()) and tables["alpha_bar"].min().item() > 0
 
 

@@ -4,7 +4,8 @@
     python -m raydiff.bench recovery [--config smoke] [--set key=value ...]
     python -m raydiff.bench ingest [--source PATH] [--resolution 32] [--batch 128] [--epochs 5] [--synthetic 4000]
         [--cache memory|stream]
-    python -m raydiff.bench throughput [--config cifar10] [--set key=value ...] [--steps 50] [--peak-tflops F]
+    python -m raydiff.bench throughput [--config cifar10] [--set key=value ...] [--steps 50] [--batch N[,N...]]
+        [--peak-tflops F] [--profile FILE] [--rerun]
     python -m raydiff.bench memory --config NAME [--set key=value ...] [--micro-batch N]
 
 `checkpoint`: how long writing and reading the full training state (model, EMA, AdamW state, scaler,
@@ -21,8 +22,8 @@ with peak object-store and RSS memory (see `raydiff.bench.ingest`); without --so
 JPEGs first (64x64, or a quarter larger than --resolution above 51).
 
 `throughput`: img/s of raydiff's training (one Ray Train worker, its defaults for the device) against the
-textbook eager PyTorch loop on the same device, with FLOPs per image, TFLOP/s and MFU (see
-`raydiff.bench.throughput`).
+textbook eager PyTorch loop and the best bare loop on the same device, with FLOPs per image, TFLOP/s, MFU, peak
+memory and warm-up, one JSON line per `--batch` (see `raydiff.bench.throughput`).
 
 `memory`: the memory one training step needs at a micro-batch (weights, gradients, AdamW state, EMA,
 activations), with and without `train.activation_checkpointing` (see `raydiff.bench.memory`).
@@ -146,11 +147,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ckpt.add_argument("--repeat", type=int, default=3)
     rec = sub.add_parser("recovery", help="time from a killed worker to training again")
     rec.add_argument("--config", default="smoke")
-    speed = sub.add_parser("throughput", help="img/s of raydiff's training vs the textbook eager loop, MFU")
+    speed = sub.add_parser("throughput", help="img/s of raydiff's training vs the textbook eager loop and the best "
+                                              "bare loop, MFU, warm-up")
     speed.add_argument("--config", default="cifar10")
     speed.add_argument("--steps", type=int, default=50, help="warm-up steps, then as many measured (default 50)")
+    speed.add_argument("--batch", default=None, metavar="N[,N...]",
+                       help="per-device batches to measure, one JSON line each (default: the config's global batch)")
     speed.add_argument("--peak-tflops", type=float, default=None,
                        help="the device's peak dense bf16 TFLOP/s, for MFU (known GPUs are looked up)")
+    speed.add_argument("--profile", default=None, metavar="FILE",
+                       help="write the top kernels of raydiff's steady-state step to FILE (FILE-N.txt per batch)")
+    speed.add_argument("--rerun", action="store_true",
+                       help="continue raydiff's run once more, as a restart does: its warm-up with the compile cache")
     memory = sub.add_parser("memory", help="one training step's peak memory, with and without activation "
                                             "checkpointing")
     memory.add_argument("--config", default="default")
@@ -175,6 +183,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps {args.steps}: must be >= 2")
     if args.bench == "throughput" and args.peak_tflops is not None and args.peak_tflops <= 0:
         parser.error(f"--peak-tflops {args.peak_tflops}: must be > 0")
+    if args.bench == "throughput" and args.batch is not None:
+        try:
+            args.batch = [int(n) for n in args.batch.split(",")]
+        except ValueError:
+            parser.error(f"--batch {args.batch}: expected N or N,N,... (images per device per step)")
+        if min(args.batch) < 1:
+            parser.error(f"--batch {','.join(map(str, args.batch))}: every batch must be >= 1")
     if args.bench == "ingest":
         for name in ("resolution", "batch", "synthetic"):
             if getattr(args, name) < 1:
@@ -200,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.bench == "throughput":
         from raydiff.bench.throughput import bench_throughput
 
-        result = bench_throughput(args.config, args.set, steps=args.steps, peak=args.peak_tflops)
+        for line in bench_throughput(args.config, args.set, steps=args.steps, batches=args.batch,
+                                     peak=args.peak_tflops, profile=Path(args.profile) if args.profile else None,
+                                     rerun=args.rerun):
+            print(json.dumps(line), flush=True)
+        return 0
     else:
         result = bench_recovery(args.config, ["train.total_steps=200", "train.checkpoint_every=20",
                                               "train.sample_every=0", *args.set])

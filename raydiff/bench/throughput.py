@@ -1,19 +1,24 @@
-"""`python -m raydiff.bench throughput`: raydiff's training against the textbook eager PyTorch loop.
+"""`python -m raydiff.bench throughput`: where a training step's time goes, raydiff against two baselines.
 
-Both train the config's model at its global batch and precision, on one device, in one run:
-- `plain`: what a user would write by hand: eager model, AdamW (torch's default implementation), autocast,
-  GradScaler for fp16, gradient clipping, one fresh batch of timesteps and noise per step; no compile. It runs
-  in this process once Ray is up, so that Ray's own processes are there for both, once before raydiff's run and
-  once after it (`plain_img_s_runs` shows how much the machine drifted).
-- `raydiff`: the real thing, `python -m raydiff.train` through Ray Train with one worker, with its defaults for
-  the device (fused AdamW, no host sync per step, compile on GPUs, ...), on images decoded by its own ingest.
-  The first `steps` steps (`warmup_s`) hold start-up and compilation.
+For each per-device batch (`--batch N[,N...]`, default the config's global batch), on one device, in one run:
+- `plain`: the textbook eager loop a user writes by hand: eager model, AdamW (torch's default implementation),
+  autocast, GradScaler for fp16, gradient clipping, fresh timesteps and noise each step; no compile. It runs once
+  before raydiff's run and once after it (`plain.runs` shows how much the machine drifted).
+- `bare`: the fastest loop we know for the model, with nothing else: raydiff's own speed plan for the device
+  (compile, channels_last, CUDA graphs, TF32: `raydiff.training.speed`) applied to the same loss module, fused
+  AdamW and clipping, over images and noise already on the device. No Ray, no loader, no EMA, no metrics: what
+  raydiff's step costs beyond the model itself is `raydiff / bare`.
+- `raydiff`: the real thing, `python -m raydiff.train` through Ray Train with one worker and its defaults for the
+  device, on images decoded by its own ingest; `--rerun` continues the run once more, as a restart would (its
+  warm-up shows what the compile cache saves).
 
-Each side's img/s is the median over MEASURED_CHUNKS chunks of its measured steps (raydiff's metrics windows), so
-that a moment when the machine was busy elsewhere does not decide the ratio.
+Each side's img/s is the median over MEASURED_CHUNKS chunks of its measured steps, so that a moment when the
+machine was busy elsewhere does not decide the ratios. Warm-up is split in two: launch to the end of the first
+step (Ray, data, set-up and compilation), and first step to steady state.
 
-FLOPs per trained image are counted with torch's FlopCounterMode (forward + backward of the model), so
-`tflops` = FLOPs x img/s, and `mfu` = tflops / the device's peak dense bf16 throughput.
+FLOPs per trained image are counted with torch's FlopCounterMode (forward + backward of the model), so `tflops` =
+FLOPs x img/s, and `mfu` = tflops / the device's peak dense bf16 throughput. `--profile FILE` writes the top
+kernels of raydiff's steady-state step (CUDA kernels on a GPU, operators on a CPU), profiled in this process.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
-from raydiff.config import Config, load_config
+from raydiff.config import Config, load_config, set_key
 
 MEASURED_CHUNKS = 5
 
@@ -60,14 +66,44 @@ def flops_per_image(cfg: Config, device: torch.device) -> float:
     return counter.get_total_flops() / batch
 
 
-class PlainLoopResult(TypedDict):
-    img_s: float
-    peak_memory_gb: float | None  # None off CUDA
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> PlainLoopResult:
-    """The textbook loop's img/s (after `steps` warm-up steps; the median of MEASURED_CHUNKS chunks of `steps`)
-    and peak memory."""
+def _chunks(steps: int) -> list[int]:
+    """`steps` split into up to MEASURED_CHUNKS near-equal chunks."""
+    n = min(MEASURED_CHUNKS, steps)
+    return [steps // n + (i < steps % n) for i in range(n)]
+
+
+def _measure(step: Callable[[], None], device: torch.device, *, steps: int, batch: int) -> dict[str, Any]:
+    """Time one loop: its first step (compilation included), `steps` - 1 more warm-up steps, then the median img/s
+    of MEASURED_CHUNKS chunks of `steps` steps, and the peak memory of the measured steps."""
+    start = time.perf_counter()
+    step()
+    _synchronize(device)
+    first_step_s = time.perf_counter() - start
+    for _ in range(steps - 1):
+        step()
+    _synchronize(device)
+    warmup_s = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rates = []
+    for chunk in _chunks(steps):
+        chunk_start = time.perf_counter()
+        for _ in range(chunk):
+            step()
+        _synchronize(device)
+        rates.append(chunk * batch / (time.perf_counter() - chunk_start))
+    peak = round(torch.cuda.max_memory_allocated(device) / 1e9, 3) if device.type == "cuda" else None
+    return {"img_s": round(statistics.median(rates), 1), "first_step_s": round(first_step_s, 2),
+            "warmup_s": round(warmup_s, 2), "peak_memory_gb": peak}
+
+
+def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:
+    """The textbook loop (see the module's docstring)."""
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
     from raydiff.training.step import resolve_precision
@@ -92,92 +128,213 @@ def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> PlainLoopRes
         scaler.step(optimizer)
         scaler.update()
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(steps):
-        step()
-    synchronize()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    rates = []
-    for chunk in _chunks(steps):
-        start = time.perf_counter()
-        for _ in range(chunk):
-            step()
-        synchronize()
-        rates.append(chunk * t.global_batch / (time.perf_counter() - start))
-    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    return {"img_s": statistics.median(rates), "peak_memory_gb": peak}
+    return _measure(step, device, steps=steps, batch=t.global_batch)
 
 
-def _chunks(steps: int) -> list[int]:
-    """`steps` split into up to MEASURED_CHUNKS near-equal chunks."""
-    n = min(MEASURED_CHUNKS, steps)
-    return [steps // n + (i < steps % n) for i in range(n)]
+def _planned_model(cfg: Config, device: torch.device):
+    """(speed plan, model, autocast dtype) as one worker of raydiff sets them up on `device` (TF32 switched on or
+    off as planned: the caller switches it off again)."""
+    from raydiff.model.unet import build_model
+    from raydiff.training.speed import plan_speed, set_tf32
+    from raydiff.training.step import resolve_precision
+
+    plan = plan_speed(cfg.train, device, world_size=1)
+    set_tf32(plan.tf32)
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device)
+    if plan.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return plan, model, resolve_precision(cfg.train.precision, device)
 
 
-def raydiff_run(cfg: Config, *, steps: int, storage: Path) -> dict[str, Any]:
-    """raydiff's own training, one worker, `steps` warm-up steps then `steps` measured ones."""
-    from raydiff.config import set_key
+def bare_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:
+    """The best bare loop (see the module's docstring): raydiff's speed plan, nothing else around the step."""
+    from raydiff.model.diffusion import build_diffusion
+    from raydiff.training.speed import for_training, set_tf32
+    from raydiff.training.step import DenoisingLoss, make_optimizer
+
+    t, d = cfg.train, cfg.data
+    plan, model, dtype = _planned_model(cfg, device)
+    diffusion = build_diffusion(cfg)
+    loss = for_training(DenoisingLoss(model, diffusion, device=device, flip=d.flip, channels_last=plan.channels_last,
+                                      autocast_dtype=dtype), plan, device, world_size=1)
+    optimizer = make_optimizer(model, lr=1e-4, weight_decay=t.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    shape = (t.global_batch, d.channels, d.resolution, d.resolution)
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+    flips = torch.rand(t.global_batch, device=device) < 0.5
+
+    def step() -> None:
+        timesteps = torch.randint(0, diffusion.timesteps, (t.global_batch,), device=device)
+        if plan.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        losses = loss(images, flips, timesteps, torch.randn(shape, device=device))
+        scaler.scale(losses.mean()).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    result = _measure(step, device, steps=steps, batch=t.global_batch)
+    set_tf32(False)  # back to torch's default for what runs next in this process
+    return result
+
+
+def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool) -> dict[str, Any]:
+    """raydiff's own training, one worker, `steps` warm-up steps then `steps` measured ones; with `rerun`, the
+    run continued for as many again (a restart of the same run)."""
     from raydiff.config.checks import validate
-    from raydiff.training.driver import run_training
 
     for key, value in (("scaling.num_workers", 1), ("train.total_steps", 2 * steps),
                        ("train.log_every", _chunks(steps)[-1]),
                        ("train.checkpoint_every", 2 * steps), ("train.sample_every", 0), ("train.sample_num", 1),
                        ("train.sample_steps", 1), ("data.val_images", 0), ("run.storage", str(storage)),
-                       ("run.name", "throughput"), ("train.micro_batch", None)):
+                       ("run.name", f"throughput-{cfg.train.global_batch}"), ("train.micro_batch", None),
+                       ("eval.every", 0), ("eval.at_end", False)):
         set_key(cfg, key, value)
     validate(cfg)
+    result = _one_start(cfg, steps, storage, first_step=1)
+    if rerun:
+        set_key(cfg, "train.total_steps", 4 * steps)
+        again = _one_start(cfg, steps, storage, first_step=2 * steps + 1)
+        result["rerun"] = {k: again[k] for k in ("img_s", "start_s", "first_step_s", "warmup_s", "compile_cache")}
+    return result
+
+
+def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> dict[str, Any]:
+    """One start of the bench's run, from `first_step` to train.total_steps: its numbers from metrics.jsonl and
+    events.jsonl (the start event, the first step's seconds)."""
+    from raydiff.training.driver import run_training
+
+    launched = time.time()
     summary = run_training(cfg)
     if summary["status"] != "finished":
         raise RuntimeError(f"the raydiff run ended {summary['status']}: {summary.get('error')}")
-    rows = [json.loads(line) for line in (storage / "throughput" / "metrics.jsonl").read_text().splitlines()]
-    warm = [row for row in rows if row["step"] <= steps][-1]
-    measured = [row for row in rows if row["step"] > steps]
+    run_dir = storage / cfg.run.name
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    start = [e for e in events if e["event"] == "start"][-1]
+    first = [e for e in events if e["event"] == "first_step"][-1]
+    mine = [row for row in rows if row["step"] >= first_step]
+    warm = [row for row in mine if row["step"] < first_step + steps][-1]
+    measured = [row for row in mine if row["step"] >= first_step + steps]
     peaks = [row["peak_memory_gb"] for row in measured if row.get("peak_memory_gb") is not None]
-    return {"img_s": statistics.median(row["images_per_s"] for row in measured), "warmup_s": warm["time_s"],
-            "peak_memory_gb": max(peaks) if peaks else None,
-            "data_wait_frac": statistics.median(row["data_wait_frac"] for row in measured)}
+    return {"img_s": round(statistics.median(row["images_per_s"] for row in measured), 1),
+            "start_s": round(start["time"] - launched, 2), "first_step_s": round(first["seconds"], 2),
+            "warmup_s": round(warm["time_s"], 2), "peak_memory_gb": max(peaks) if peaks else None,
+            "data_wait_frac": round(statistics.median(row["data_wait_frac"] for row in measured), 4),
+            "compile_cache": start.get("compile_cache")}
 
 
-def bench_throughput(config: str, overrides: list[str], *, steps: int, peak: float | None) -> dict[str, Any]:
+def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) -> None:
+    """The top kernels of raydiff's steady-state step (its own `optimizer_step`, loader and speed plan, in this
+    process, no Ray), by device time on a GPU and by CPU time on a CPU, as a table in `out`."""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+
+    from raydiff.data.loader import BatchStream, ImageTable
+    from raydiff.data.order import SampleOrder, rank_share
+    from raydiff.model.diffusion import build_diffusion
+    from raydiff.model.ema import EmaUpdater, make_ema
+    from raydiff.training.speed import for_training, set_tf32
+    from raydiff.training.step import StepInputs, make_optimizer, optimizer_step
+
+    t, d = cfg.train, cfg.data
+    plan, model, dtype = _planned_model(cfg, device)
+    inputs = StepInputs.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-4, weight_decay=0.0),
+                              torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), device=device,
+                              autocast_dtype=dtype, seed=0, flip=d.flip, global_batch=t.global_batch, world_size=1,
+                              grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0, channels_last=plan.channels_last)
+    inputs.loss, inputs.cuda_graphs = for_training(inputs.loss, plan, device, world_size=1), plan.cuda_graphs
+    ema = make_ema(model)
+    images = np.random.default_rng(0).integers(0, 256, (4 * t.global_batch, d.channels, d.resolution, d.resolution),
+                                               dtype=np.uint8)
+    stream = BatchStream(table=ImageTable([images]), order=SampleOrder(len(images), seed=0),
+                         global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
+                         micro_batch=t.global_batch, start_step=0, pin_memory=device.type == "cuda",
+                         noise=(0, cfg.diffusion.timesteps))
+    update = EmaUpdater(ema, model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        for _ in range(steps):
+            optimizer_step(inputs, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
+        _synchronize(device)
+        with profile(activities=activities) as profiler:
+            for _ in range(steps):
+                optimizer_step(inputs, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
+            _synchronize(device)
+    finally:
+        stream.close()
+        set_tf32(False)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort, row_limit=30)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# raydiff's step, {cfg.train.global_batch} images per step, {steps} steps profiled on "
+                   f"{device_name(device)}; {plan.describe()}\n{table}\n")
+
+
+def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: list[int] | None,
+                     peak: float | None, profile: Path | None = None, rerun: bool = False) -> list[dict[str, Any]]:
+    """One result per per-device batch (see the module's docstring)."""
     from raydiff.cluster.start import init_ray
-    from raydiff.data.builtin import write_synthetic
     from raydiff.sample import resolve_device
-    from raydiff.training.step import resolve_precision, speed_options
 
-    cfg = load_config(config, overrides, check_source=False)
+    base = load_config(config, overrides, check_source=False)
     device = resolve_device("auto")
-    name = device_name(device)
-    flops = flops_per_image(cfg, device)
-    init_ray()  # the plain loop runs beside the same idle Ray processes as raydiff's worker: same conditions
-    plain = [plain_loop(cfg, device, steps=steps)]
+    peak = peak or peak_tflops(device_name(device))
+    init_ray()  # the baselines run beside the same idle Ray processes as raydiff's worker: same conditions
+    batches = batches or [base.train.global_batch]
+    results = []
     with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as tmp:
-        if not cfg.data.source:  # no dataset at hand (cifar10 needs one): synthetic images of the same shape
-            images = Path(tmp) / "images"
-            write_synthetic(images, num=max(256, 2 * cfg.train.global_batch), resolution=cfg.data.resolution,
-                            fmt="png", seed=0)
-            cfg.data.source = str(images)
-        ours = raydiff_run(cfg, steps=steps, storage=Path(tmp) / "runs")
-    plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows, and averages out
-    plain_img_s = sum(p["img_s"] for p in plain) / len(plain)
+        for batch in batches:
+            cfg = Config.from_dict(base.to_dict())
+            set_key(cfg, "train.global_batch", batch)
+            out = None
+            if profile is not None:
+                out = profile if len(batches) == 1 else profile.with_name(f"{profile.stem}-{batch}{profile.suffix}")
+            results.append({"bench": "throughput", "config": config,
+                            **_one_batch(cfg, device, steps=steps, peak=peak, rerun=rerun, tmp=Path(tmp),
+                                         profile=out)})
+    return results
+
+
+def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | None, rerun: bool, tmp: Path,
+               profile: Path | None) -> dict[str, Any]:
+    from raydiff.data.builtin import write_synthetic
+    from raydiff.training.speed import plan_speed
+    from raydiff.training.step import resolve_precision
+
+    batch = cfg.train.global_batch
+    if not cfg.data.source:  # no dataset at hand (cifar10 needs one): synthetic images of the same shape
+        images = tmp / f"images-{cfg.data.resolution}-{batch}"
+        write_synthetic(images, num=max(256, 2 * batch), resolution=cfg.data.resolution, fmt="png", seed=0)
+        cfg.data.source = str(images)
+    flops = flops_per_image(cfg, device)
+    plain = [plain_loop(cfg, device, steps=steps)]
+    bare = bare_loop(cfg, device, steps=steps)
+    ours = raydiff_run(Config.from_dict(cfg.to_dict()), steps=steps, storage=tmp / "runs", rerun=rerun)
+    plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows
+    if profile is not None:
+        profile_step(cfg, device, steps=min(steps, 10), out=profile)
+    plain_img_s = round(sum(p["img_s"] for p in plain) / len(plain), 1)
     dtype = resolve_precision(cfg.train.precision, device)
-    peak = peak or peak_tflops(name)
-    tflops = flops * ours["img_s"] / 1e12
+    plan = plan_speed(cfg.train, device, world_size=1)
     return {
-        "bench": "throughput", "config": config, "device": name, "torch": torch.__version__,
+        "device": device_name(device), "torch": torch.__version__,
         "precision": {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
-        "global_batch": cfg.train.global_batch, "steps": steps,
-        "plain_img_s": round(plain_img_s, 1), "plain_img_s_runs": [round(p["img_s"], 1) for p in plain],
-        "raydiff_img_s": round(ours["img_s"], 1), "ratio": round(ours["img_s"] / plain_img_s, 3),
-        "warmup_s": ours["warmup_s"],
-        "flops_per_image": round(flops), "tflops": round(tflops, 3),
-        "mfu": round(tflops / peak, 4) if peak else None, "peak_tflops": peak,
-        "peak_memory_gb": ours["peak_memory_gb"], "plain_peak_memory_gb": plain[0]["peak_memory_gb"],
-        "data_wait_frac": ours["data_wait_frac"],
-        "options": {**speed_options(cfg.train.compile, cfg.train.channels_last, device), "fused_adamw": True,
-                    "cudnn_benchmark": device.type == "cuda", "gradient_as_bucket_view": True},
+        "global_batch": batch, "steps": steps, "flops_per_image": round(flops), "peak_tflops": peak,
+        "plain": {"img_s": plain_img_s, "runs": [p["img_s"] for p in plain], **_rates(plain_img_s, flops, peak),
+                  "peak_memory_gb": plain[0]["peak_memory_gb"]},
+        "bare": {**bare, **_rates(bare["img_s"], flops, peak)},
+        "raydiff": {**ours, **_rates(ours["img_s"], flops, peak)},
+        "ratio": round(ours["img_s"] / plain_img_s, 3), "ratio_bare": round(ours["img_s"] / bare["img_s"], 3),
+        "options": {"compile": plan.compile, "channels_last": plan.channels_last, "cuda_graphs": plan.cuda_graphs,
+                    "tf32": plan.tf32, "fused_adamw": True, "cudnn_benchmark": device.type == "cuda",
+                    "described": plan.describe()},
     }
+
+
+def _rates(img_s: float, flops: float, peak: float | None) -> dict[str, Any]:
+    tflops = flops * img_s / 1e12
+    return {"tflops": round(tflops, 3), "mfu": round(tflops / peak, 4) if peak else None}

@@ -119,6 +119,8 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _check(0 <= t.label_dropout < 1, "train.label_dropout", t.label_dropout, "must be in [0, 1)")
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", t.max_bad_steps, "must be >= 1")
+    _check(t.cuda_graphs is not True or t.compile in (True, "auto"), "train.cuda_graphs", t.cuda_graphs,
+           "needs train.compile = true or auto (CUDA graphs are torch.compile's reduce-overhead mode)")
     if isinstance(t.compile, str) and t.compile != "auto":
         from torch._dynamo import list_backends  # only for a backend name: a slow import
 

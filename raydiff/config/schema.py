@@ -150,11 +150,22 @@ class TrainSection:
     """Training precision: `auto` (bf16 autocast on GPUs that support it, else fp32), `fp32`, `bf16`, or `fp16`
     (with a gradient scaler)."""
     compile: Literal["auto"] | bool | str = "auto"
-    """`torch.compile` the model: `auto` (on GPUs, falling back to eager if compilation fails there), `true`,
-    `false`, or the name of a torch.compile backend (`aot_eager`, ...)."""
+    """`torch.compile` the training step's forward pass (the network with the loss around it, one graph): `auto`
+    (on GPUs, falling back to eager if compilation fails there), `true`, `false`, or the name of a torch.compile
+    backend (`aot_eager`, ...)."""
     channels_last: Literal["auto"] | bool = "auto"
-    """NHWC (channels-last) activations and weights; `auto` means off, as it has not been measured faster for this
-    UNet (see docs/training.md#performance)."""
+    """NHWC (channels-last) activations and weights; `auto`: on where the step is compiled on a GPU (faster there),
+    off in eager mode, where NHWC GroupNorm is slower (see docs/training.md#performance)."""
+    cuda_graphs: Literal["auto"] | bool = "auto"
+    """Replay the compiled forward and backward passes as CUDA graphs (torch.compile's `reduce-overhead` mode; one
+    worker per run only, on GPUs, with `train.compile` on); `auto`: off until measured faster (see
+    docs/training.md#performance)."""
+    tf32: bool = True
+    """TF32 tensor cores for fp32 convolutions and matmuls during training on GPUs (sampling and evaluation always
+    compute in IEEE fp32); false: IEEE fp32 throughout."""
+    compile_cache: bool = True
+    """Keep the compiled step in the run directory (`compile_cache/`), so that a restarted worker, a resized run or
+    a re-run loads it instead of compiling again (torch 2.7 and later)."""
     activation_checkpointing: Literal["auto"] | bool = False
     """Recompute each residual and attention block's activations in the backward pass instead of keeping them:
     much less memory for more compute, the same losses and gradients. `auto`: on when, without it, the measured

@@ -80,11 +80,7 @@ class MicroBatch:
 
     def to_device(self, device: torch.device, flip: bool) -> torch.Tensor:
         """Float images in [-1, 1] on `device`, horizontally flipped where the flip bit is set."""
-        x = self.images.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
-        if flip:
-            flips = self.flips.to(device, non_blocking=True)[:, None, None, None]
-            x = torch.where(flips, x.flip(-1), x)
-        return x
+        return scaled(self.images.to(device, non_blocking=True), self.flips.to(device, non_blocking=True), flip)
 
     def diffusion_inputs(self, seed: int, timesteps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's diffusion timesteps and noise on `device` (see `position_noise`): drawn ahead by
@@ -98,6 +94,13 @@ class MicroBatch:
     def label_inputs(self, device: torch.device) -> torch.Tensor | None:
         """This micro-batch's class ids on `device` (after label dropout), or None for unconditional training."""
         return None if self.labels is None else self.labels.to(device, non_blocking=True)
+
+
+def scaled(images: torch.Tensor, flips: torch.Tensor, flip: bool) -> torch.Tensor:
+    """uint8 images (n, C, H, W) as floats in [-1, 1], horizontally flipped where `flip` is on and the sample's
+    flip bit is set; on the images' device (the training step compiles it into its forward pass)."""
+    x = images.float() / 127.5 - 1.0
+    return torch.where(flips[:, None, None, None], x.flip(-1), x) if flip else x
 
 
 class BatchStream:

@@ -80,8 +80,10 @@ class GaussianDiffusion:
         self.posterior_variance = self.betas * (1 - self.alpha_bar_prev) / (1 - self.alpha_bar)
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
-    def _tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def tables_on(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Float32 copies of the tables on `device`, made on first use."""
+        if device.type == "cuda" and device.index is None:  # one entry per GPU, however it is named
+            device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._device_tables:
             names = ("betas", "alpha_bar", "alpha_bar_prev", "sqrt_alpha_bar", "sqrt_one_minus_alpha_bar",
                      "posterior_coef_x0", "posterior_coef_xt", "posterior_variance")
@@ -91,7 +93,7 @@ class GaussianDiffusion:
 
     def _at(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Table `name` at timesteps t, indexed on t's device, shaped to broadcast over `like`."""
-        return self._tables(t.device)[name][t].view(-1, *([1] * (like.dim() - 1)))
+        return self.tables_on(t.device)[name][t].view(-1, *([1] * (like.dim() - 1)))
 
     # Forward process and training.
     def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

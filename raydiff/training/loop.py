@@ -1,6 +1,6 @@
 """The per-worker DDPM training loop that Ray Train runs on every worker.
 
-Read `train_worker` top to bottom: set up and resume (`raydiff.training.worker`), then one optimizer step per
+Read `train_worker` top to bottom: set up, restore and compile (`raydiff.training.worker`), then one optimizer step per
 iteration (`raydiff.training.step`), the non-finite-streak guard (`raydiff.training.recovery`), and the cadences:
 validate, evaluate, log, sample, checkpoint. Progress is counted in optimizer steps and images seen. The loop is
 restartable at any checkpoint: after a failure, a resize or a re-run it continues bit for bit.
@@ -34,7 +34,7 @@ from raydiff.runs.state import Progress, Unresumable, checkpoint_state
 from raydiff.training.distributed import interrupt_requested
 from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
 from raydiff.training.lr import lr_at
-from raydiff.training.recovery import divergence_report, resume, roll_back
+from raydiff.training.recovery import divergence_report, roll_back
 from raydiff.training.step import optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 from raydiff.training.worker import Worker, quiet_ray_train_logs, set_up
@@ -51,12 +51,10 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
     t = cfg.train
     torch.set_num_threads(args.torch_threads)
     quiet_ray_train_logs()
-    w = set_up(cfg, args)
-
-    # Resume from the newest checkpoint that restores: on storage, or the one Ray Train hands us. Until then
-    # nothing is written: a start the workers refuse leaves the run directory as it was.
+    # Set up and resume from the newest checkpoint that restores: on storage, or the one Ray Train hands us.
+    # Until then nothing is written: a start the workers refuse leaves the run directory as it was.
     try:
-        progress = resume(w, ray.train.get_checkpoint())
+        w, progress = set_up(cfg, args)
     except Unresumable as exc:
         return WorkerResult(WorkerStatus.UNRESUMABLE, steps=0, diagnostic=str(exc))
     start_step = progress.step
@@ -84,6 +82,8 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
                                     fault=w.debug.fault(progress.step + 1))
             progress.step += 1
             step, done = progress.step, progress.step == t.total_steps
+            if step == start_step + 1:
+                _after_first_step(w, step, time.perf_counter() - run_start)
             live.window.add(result, data_wait_s)
             live.nonfinite.add(result.finite)
             check = step % CHECK_EVERY_STEPS == 0 or done  # the device's counters are read only here
@@ -180,13 +180,28 @@ def _record_start(w: Worker, args: WorkerArgs, progress: Progress) -> None:
         w.run_dir.write_text(name, text)
     if w.metrics_log is not None:
         w.metrics_log.truncate_after(progress.step)
-    w.event("start", invocation=args.invocation, step=progress.step, world_size=w.world_size, pid=os.getpid())
+    w.event("start", invocation=args.invocation, step=progress.step, world_size=w.world_size, pid=os.getpid(),
+            speed=w.speed.describe(), compile_cache=w.compile_cache_note)
+    for note in w.restore_notes:
+        logger.warning(f"[raydiff] note: {note}")
     share = rank_share(t.global_batch, w.world_size, 0)
+    cache = f"; {w.compile_cache_note}" if w.compile_cache_note else ""
     logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
                 f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
-                f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; compile "
-                f"{w.speed['compile']}, channels_last {w.speed['channels_last']}, gradient compression "
-                f"{w.speed['grad_compression']}, {w.speed['memory_plan']}")
+                f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; "
+                f"{w.speed.describe()}; {w.memory_plan}{cache}")
+
+
+def _after_first_step(w: Worker, step: int, seconds: float) -> None:
+    """After the first step of a start everything the step runs is compiled: rank 0 records how long the step took
+    (compilation included) and keeps what was newly compiled in the run directory (train.compile_cache), off the
+    training thread."""
+    w.event("first_step", step=step, seconds=round(seconds, 3))
+    if w.compile_cache is None or w.writes is None:
+        return
+    data = w.compile_cache.artifacts()
+    if data is not None:
+        w.writes.submit(w.compile_cache.save, data)
 
 
 class _Interrupts:
@@ -213,7 +228,7 @@ def _validate(w: Worker, step: int, done: bool) -> float | None:
     t = w.cfg.train
     if w.validation is None or not ((t.val_every and step % t.val_every == 0) or done):
         return None
-    return w.validation.loss(w.ema, w.step_inputs.diffusion, w.device)
+    return w.validation.loss(w.ema, w.diffusion, w.device)
 
 
 def _evaluate(w: Worker, step: int, done: bool) -> dict[str, Any] | None:
@@ -222,7 +237,7 @@ def _evaluate(w: Worker, step: int, done: bool) -> dict[str, Any] | None:
     if w.quality is None or not ((e.every and step % e.every == 0) or (done and e.at_end)):
         return None
     eval_start = time.perf_counter()
-    quality = evaluate_in_run(w.quality, w.ema, w.step_inputs.diffusion, w.cfg, w.rank, w.world_size, w.device,
+    quality = evaluate_in_run(w.quality, w.ema, w.diffusion, w.cfg, w.rank, w.world_size, w.device,
                               batch=w.micro_batch)
     quality["eval_s"] = round(time.perf_counter() - eval_start, 2)
     return quality
@@ -260,7 +275,7 @@ def _save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None) -> No
     class-conditional run's grid has one row per class (the first GRID_CLASSES), at eval.guidance."""
     t, d = w.cfg.train, w.cfg.data
     labels, per_row = grid_labels(w.num_classes, t.sample_num)
-    chunks = w.step_inputs.diffusion.sample_in_chunks(
+    chunks = w.diffusion.sample_in_chunks(
         w.ema, range(len(labels) if labels else t.sample_num), (d.channels, d.resolution, d.resolution),
         batch=w.micro_batch, seed=t.seed, tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps,
         labels=labels, guidance=w.cfg.eval.guidance)

@@ -1,7 +1,7 @@
-"""Resuming a worker from a checkpoint on every rank alike, and what happens when training stops making finite
-steps: the rollback and the divergence report.
+"""Which checkpoint every rank restores, and what happens when training stops making finite steps: the
+rollback and the divergence report.
 
-Why a module of its own: resume and rollback must take the same decision on every rank (rank 0 chooses the
+Why a module of its own: restore and rollback must take the same decision on every rank (rank 0 chooses the
 checkpoint, the others restore exactly that one), and the divergence report is what a user reads when a run
 gives up; neither belongs in the loop's top-to-bottom reading.
 """
@@ -12,66 +12,49 @@ import logging
 from typing import TYPE_CHECKING
 
 import ray.train
-import ray.train.torch
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-from raydiff.runs.state import Progress, Restored, Unresumable, apply_config, checkpoint_candidates, restore_newest
+from raydiff.data.loader import scaled
+from raydiff.runs.rundir import RunDir
+from raydiff.runs.state import Progress, Restored, TrainingState, Unresumable, checkpoint_candidates, restore_newest
 from raydiff.training.distributed import from_rank_zero
-from raydiff.training.step import StepResult, compiled
-from raydiff.training.worker import Worker
+from raydiff.training.step import StepResult
 
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
+    from raydiff.training.worker import Worker
 
 logger = logging.getLogger("raydiff")
 
 
-def restore_agreed(w: Worker, latest: ray.train.Checkpoint | None = None) -> Restored | None:
-    """Restore the newest checkpoint that loads on every worker alike. Rank 0 chooses: it lists storage and tries
-    the candidates; every other worker then restores exactly the one rank 0 restored (a newer one that another
-    worker could read, say one still being written, would leave replicas that differ). None when there are no
-    checkpoints; raises `Unresumable` on every worker when there are and none restores."""
+def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool,
+                   latest: ray.train.Checkpoint | None = None) -> Restored | None:
+    """Restore the newest checkpoint that loads on every worker alike. Rank 0 chooses: it lists storage (and Ray
+    Train's `latest`) and tries the candidates; every other worker then restores exactly the one rank 0 restored
+    (a newer one that another worker could read, say one still being written, would leave replicas that differ).
+    None when there are no checkpoints; raises `Unresumable` on every worker when there are and none restores."""
     restored, refusal = None, None
-    if w.is_chief:
+    if is_chief:
         try:
-            restored = restore_newest(checkpoint_candidates(w.run_dir, latest), w.training_state)
+            restored = restore_newest(checkpoint_candidates(run_dir, latest), state)
         except Unresumable as exc:
             refusal = str(exc)
     refusal, found = from_rank_zero((refusal, restored and restored.checkpoint))
     if refusal:
         raise Unresumable(refusal)
-    if found is not None and not w.is_chief:
+    if found is not None and not is_chief:
         try:
-            restored = restore_newest([found], w.training_state)
+            restored = restore_newest([found], state)
         except Unresumable as exc:  # rank 0 could restore it: a failure here is this worker's (Ray restarts)
             raise RuntimeError(str(exc)) from exc
     return restored
-
-
-def resume(w: Worker, latest: ray.train.Checkpoint | None) -> Progress:
-    """Restore the newest checkpoint that loads on every worker alike (`restore_agreed`), then wrap the model for
-    DDP (and torch.compile)."""
-    restored = restore_agreed(w, latest)
-    if restored is not None and w.is_chief:
-        for note in restored.notes:
-            logger.warning(f"[raydiff] note: {note}")
-    apply_config(w.step_inputs.optimizer, weight_decay=w.cfg.train.weight_decay)
-    # DDP's gradient buckets double as the .grad tensors: no copy between them after each all-reduce.
-    model = ray.train.torch.prepare_model(w.model, parallel_strategy_kwargs={"gradient_as_bucket_view": True})
-    w.speed["grad_compression"] = "none"
-    if w.cfg.train.grad_compression == "bf16" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model.register_comm_hook(state=None, hook=bf16_compress_hook)  # averages in bf16, as the default does in fp32
-        w.speed["grad_compression"] = "bf16"
-    w.step_inputs.model = compiled(model, w.speed["compile"], fallback=w.speed["compile_fallback"])
-    return restored.progress if restored is not None else Progress()
 
 
 def roll_back(w: Worker, progress: Progress) -> Progress | None:
     """Back to the newest checkpoint, then on past the stream positions of the failed steps (as PaLM does): a
     replay of the same data from the same weights would fail again. None when no checkpoint restores."""
     try:
-        restored = restore_agreed(w)
+        restored = restore_agreed(w.training_state, w.run_dir, is_chief=w.is_chief)
     except Unresumable:
         return None
     if restored is None:
@@ -100,7 +83,7 @@ def divergence_report(t: TrainSection, step: int, lr: float, result: StepResult,
         selected = result.losses.detach().float()[(result.timesteps >= low) & (result.timesteps < high)]
         mean = f"{selected.mean().item():.4g}" if len(selected) else "-"
         buckets.append(f"t {low}-{high - 1}: {mean}")
-    x0 = result.x0
+    x0 = scaled(result.images, result.images.new_zeros(len(result.images), dtype=torch.bool), flip=False)
     return (f"training diverged: {t.max_bad_steps} non-finite steps in a row at step {step} (rolled back at most "
             f"once before); lr {lr:.3g}, grad norm {float(result.grad_norm):.3g}, input range "
             f"[{x0.min().item():.3g}, {x0.max().item():.3g}], loss by timestep ({'; '.join(buckets)}). Try a lower "

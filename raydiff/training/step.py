@@ -13,15 +13,15 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 from torch import nn
 
-from raydiff.data.loader import MicroBatch
+from raydiff.data.loader import MicroBatch, scaled
 from raydiff.data.order import derive_seed
 from raydiff.model.diffusion import GaussianDiffusion
 from raydiff.model.ema import EmaUpdater
+from raydiff.training.speed import ddp_of
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
@@ -36,44 +36,64 @@ def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
-def speed_options(compile_option: bool | str, channels_last: bool | str, device: torch.device) -> dict[str, Any]:
-    """What `train.compile` and `train.channels_last` mean on this device: {"compile": False | True | backend,
-    "channels_last": bool}. auto compiles on GPUs (falling back to eager if compilation fails there) and keeps
-    NCHW (GroupNorm, most of this UNet's memory traffic, is not faster in NHWC everywhere)."""
-    chosen = device.type == "cuda" if compile_option == "auto" else compile_option
-    return {"compile": chosen, "compile_fallback": compile_option == "auto",
-            "channels_last": False if channels_last == "auto" else bool(channels_last)}
+class DenoisingLoss(nn.Module):
+    """The per-sample losses of one micro-batch, from the loader's uint8 images to the squared error: scaling to
+    [-1, 1], flips, the forward process, the network under autocast, the target. One module so that torch.compile
+    makes one graph of it, fusing the elementwise work around the network (`raydiff.training.speed`); eager, it
+    computes exactly what `GaussianDiffusion.loss_per_sample` does.
 
+    :param model: the UNet.
+    :param diffusion: its schedule, prediction target and loss.
+    :param device: where the micro-batches are trained (the schedule's tables are put there once).
+    :param flip: horizontal flips where the loader's flip bit is set (`data.flip`).
+    :param channels_last: feed the network NHWC activations (its weights are NHWC too).
+    :param autocast_dtype: the network's autocast dtype (bf16, fp16), or None for fp32.
+    """
 
-def compiled(model: nn.Module, option: bool | str, *, fallback: bool) -> nn.Module:
-    """`model` under torch.compile (option True = the default backend, a string = that backend), or as it is."""
-    if option is False:
-        return model
-    if fallback:
-        from torch import _dynamo
+    def __init__(self, model: nn.Module, diffusion: GaussianDiffusion, *, device: torch.device, flip: bool,
+                 channels_last: bool = False, autocast_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.model, self.diffusion = model, diffusion
+        self.flip, self.channels_last, self.autocast_dtype = flip, channels_last, autocast_dtype
+        self.device_type = device.type
+        diffusion.tables_on(device)  # made now, not inside a compiled graph
 
-        _dynamo.config.suppress_errors = True  # auto: an unsupported setup trains in eager mode instead
-    wrapped = torch.compile(model) if option is True else torch.compile(model, backend=option)
-    return cast(nn.Module, wrapped)  # an OptimizedModule
+    def forward(self, images: torch.Tensor, flips: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        x0 = scaled(images, flips, self.flip)
+        if self.channels_last:
+            x0 = x0.contiguous(memory_format=torch.channels_last)
+            noise = noise.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            return self.diffusion.loss_per_sample(self.model, x0, timesteps, noise, labels)
 
 
 @dataclass
 class StepInputs:
     """What does not change from step to step."""
 
-    model: nn.Module  # what runs forward: the DDP wrapper under DDP, possibly compiled
+    loss: nn.Module  # a `DenoisingLoss`, under DDP and torch.compile as the speed plan says
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    diffusion: GaussianDiffusion
     device: torch.device
-    autocast_dtype: torch.dtype | None
     seed: int
-    flip: bool
     global_batch: int
     world_size: int
     grad_clip: float  # 0 disables clipping
+    timesteps: int  # T, for the loss per timestep quarter
     dropout: bool = True  # the model has dropout: seed it by stream position
-    channels_last: bool = False
+    cuda_graphs: bool = False  # the compiled loss replays CUDA graphs: a new step begins at each optimizer step
+
+    @classmethod
+    def build(cls, model: nn.Module, diffusion: GaussianDiffusion, optimizer: torch.optim.Optimizer,
+              scaler: torch.amp.GradScaler, *, device: torch.device, autocast_dtype: torch.dtype | None, seed: int,
+              flip: bool, global_batch: int, world_size: int, grad_clip: float, dropout: bool,
+              channels_last: bool = False) -> StepInputs:
+        """Inputs whose loss is the eager `DenoisingLoss` of `model` (the worker wraps it for speed afterwards)."""
+        loss = DenoisingLoss(model, diffusion, device=device, flip=flip, channels_last=channels_last,
+                             autocast_dtype=autocast_dtype)
+        return cls(loss=loss, optimizer=optimizer, scaler=scaler, device=device, seed=seed, global_batch=global_batch,
+                   world_size=world_size, grad_clip=grad_clip, timesteps=diffusion.timesteps, dropout=dropout)
 
 
 @dataclass
@@ -86,7 +106,7 @@ class StepResult:
     samples: int  # this worker's samples
     quarter_sums: torch.Tensor  # (2, 4): summed losses and sample counts per timestep quarter [0, T/4), ...
     # The last micro-batch, for the divergence diagnostic.
-    x0: torch.Tensor
+    images: torch.Tensor  # uint8, on the device
     timesteps: torch.Tensor
     losses: torch.Tensor
 
@@ -98,35 +118,34 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
     for group in s.optimizer.param_groups:
         group["lr"] = lr
-    bare = unwrap_compiled(s.model)
-    ddp = bare if isinstance(bare, nn.parallel.DistributedDataParallel) else None
-    s.model.train()
+    ddp = ddp_of(s.loss)
+    s.loss.train()
     loss_sum, samples = torch.zeros((), device=s.device), 0
     quarter_sums = torch.zeros((2, 4), device=s.device)
 
     # Accumulate gradients; all-reduce only on the last micro-batch.
     for i, batch in enumerate(batches):
-        x0 = batch.to_device(s.device, s.flip)
-        if s.channels_last:
-            x0 = x0.contiguous(memory_format=torch.channels_last)
-        timesteps, noise = batch.diffusion_inputs(s.seed, s.diffusion.timesteps, s.device)
+        images, flips = batch.images.to(s.device, non_blocking=True), batch.flips.to(s.device, non_blocking=True)
+        timesteps, noise = batch.diffusion_inputs(s.seed, s.timesteps, s.device)
         # Class-conditional: the class ids, the null class where label dropout chose it (drawn by the loader).
         labels = batch.label_inputs(s.device)
         if s.dropout:  # dropout masks, a function of the stream position
             dropout_generator(s.device).manual_seed(derive_seed(s.seed, batch.position))
+        if s.cuda_graphs:  # the previous replay's outputs are not read again (losses are copied out below)
+            torch.compiler.cudagraph_mark_step_begin()
         sync = ddp is None or i == len(batches) - 1
         with contextlib.nullcontext() if ddp is None or sync else ddp.no_sync():
-            with torch.autocast(s.device.type, dtype=s.autocast_dtype, enabled=s.autocast_dtype is not None):
-                losses = s.diffusion.loss_per_sample(s.model, x0, timesteps, noise, labels)
+            losses = s.loss(images, flips, timesteps, noise, labels)
             if fault is not None and fault(batch):
                 losses = losses * float("nan")
             # Sum over samples, scaled so that DDP's average over workers gives the global-batch mean.
             s.scaler.scale(losses.sum() * (s.world_size / s.global_batch)).backward()
-        loss_sum += losses.detach().float().sum()
-        samples += len(x0)
-        quarter = timesteps * 4 // s.diffusion.timesteps
-        quarter_sums[0].index_add_(0, quarter, losses.detach().float())
-        quarter_sums[1].index_add_(0, quarter, torch.ones_like(losses, dtype=torch.float32))
+        losses = losses.detach().float().clone()
+        loss_sum += losses.sum()
+        samples += len(images)
+        quarter = timesteps * 4 // s.timesteps
+        quarter_sums[0].index_add_(0, quarter, losses)
+        quarter_sums[1].index_add_(0, quarter, torch.ones_like(losses))
 
     # Unscale, clip, and skip the step on the device if anything is not finite (the gradients are all-reduced,
     # so every worker agrees).
@@ -142,7 +161,7 @@ def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: 
     # Update the EMA, once per optimizer step, on every worker (not at all after a skipped step).
     if ema is not None:
         ema(ema_decay, finite)
-    return StepResult(finite, grad_norm, loss_sum, samples, quarter_sums, x0, timesteps, losses)
+    return StepResult(finite, grad_norm, loss_sum, samples, quarter_sums, images, timesteps, losses)
 
 
 def dropout_generator(device: torch.device) -> torch.Generator:
@@ -152,8 +171,3 @@ def dropout_generator(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return torch.default_generator
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The module torch.compile wrapped, if it did."""
-    return getattr(model, "_orig_mod", model)

@@ -1,5 +1,6 @@
-"""One training worker's objects, built once per worker start: the model, its EMA, the optimizer, the data, the
-logs (resuming them from a checkpoint: `raydiff.training.recovery`).
+"""One training worker's objects, built once per worker start, in this order: the model, its EMA and optimizer;
+the data; the memory plan; the checkpoint restored (the same one on every worker, `raydiff.training.recovery`);
+the step's forward module wrapped for DDP and compiled (`raydiff.training.speed`); the logs.
 
 Why apart from the loop: setting up is long and runs once; the loop (`raydiff.training.loop`) then reads as
 training only.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -21,20 +22,23 @@ import torch
 from raydiff.config import Config
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.node_cache import StreamTable
-from raydiff.data.order import SampleOrder, rank_share
+from raydiff.data.order import SampleOrder, micro_batches, rank_share
 from raydiff.data.stream import open_tables
-from raydiff.model.diffusion import build_diffusion
+from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
 from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
 from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
-from raydiff.runs.state import Progress, TrainingState
+from raydiff.runs.state import Progress, TrainingState, apply_config
 from raydiff.runs.writer import BackgroundWrites
+from raydiff.training.compile_cache import CompileCache, cache_key
 from raydiff.training.debug import DebugHooks
 from raydiff.training.distributed import from_rank_zero, smallest
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.microbatch import plan_memory
-from raydiff.training.step import StepInputs, make_optimizer, resolve_precision, speed_options
+from raydiff.training.recovery import restore_agreed
+from raydiff.training.speed import SpeedPlan, for_training, plan_speed, set_tf32
+from raydiff.training.step import StepInputs, make_optimizer, resolve_precision
 from raydiff.training.validation import Validation, holdout_split
 from raydiff.training.worker_io import WorkerArgs
 
@@ -61,7 +65,9 @@ class Worker:
     model: torch.nn.Module  # the bare model (the EMA follows it; checkpoints hold it)
     ema: torch.nn.Module
     ema_update: EmaUpdater
-    speed: dict[str, Any]  # what train.compile and train.channels_last mean here (`speed_options`)
+    diffusion: GaussianDiffusion
+    speed: SpeedPlan  # what train.compile, channels_last, cuda_graphs, ... mean here
+    memory_plan: str  # the micro-batch and activation checkpointing, and why (`plan_memory`)
     step_inputs: StepInputs
     table: ImageTable | StreamTable
     order: SampleOrder
@@ -72,6 +78,9 @@ class Worker:
     events: JsonlLog | None  # rank 0 only
     writes: BackgroundWrites | None  # rank 0 only: metrics and sample grids go to storage on this thread
     debug: DebugHooks  # the debug.* keys: fault injection and audit trails (nothing, by default)
+    compile_cache: CompileCache | None  # where the compiled step is kept (train.compile_cache), if it is compiled
+    restore_notes: list[str]  # what restoring the checkpoint dropped because a setting changed (rank 0 warns)
+    compile_cache_note: str | None  # whether the compiled step came from the cache, for the start line
     classes: dict[str, Any] | None = None  # class-conditional: {"names", "counts"}, saved with every checkpoint
 
     @property
@@ -118,19 +127,23 @@ class Worker:
         self.debug.close()
 
 
-def set_up(cfg: Config, args: WorkerArgs) -> Worker:
-    """Build the model, its EMA, the optimizer, the loss scaler, the data and the logs of this worker."""
+def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
+    """Build this worker's objects and restore the run's newest checkpoint into them (`Unresumable` when there are
+    checkpoints and none restores: nothing has been written then); returns the worker and where it continues."""
     t = cfg.train
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
-    speed = speed_options(t.compile, t.channels_last, device)
+    speed = plan_speed(t, device, world_size)
+    set_tf32(speed.tf32)
     torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: autotune the convolutions once
-    torch.manual_seed(t.seed)  # identical initial weights on every worker
+
+    # The model, its EMA and optimizer: the same initial weights on every worker.
+    torch.manual_seed(t.seed)
     model = build_model(cfg).to(device)
     if args.init_weights is not None:  # model.init_from: the driver sends it to new runs only
         model.load_state_dict(ray.get(args.init_weights))
-    if speed["channels_last"]:
+    if speed.channels_last:  # before the EMA and the optimizer's moments copy its layout
         model = model.to(memory_format=torch.channels_last)
     ema = make_ema(model)
     assert t.lr is not None, "a loaded config has its learning rate resolved"
@@ -140,7 +153,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> Worker:
     diffusion = build_diffusion(cfg)
     run_dir = args.run_dir
 
-    # Split off the held-out images; the rest is the training stream (from memory, or streamed shard by shard).
+    # The data: the held-out images, and the training stream (from memory, or streamed shard by shard).
     images = args.images
     train_indices, val_indices = holdout_split(images.usable_indices(), cfg.data.val_images, t.seed)
     conditional = bool(cfg.model.num_classes)
@@ -149,28 +162,58 @@ def set_up(cfg: Config, args: WorkerArgs) -> Worker:
                                                       group=from_rank_zero(uuid.uuid4().hex))
     validation = Validation(table=val_table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
                             rank=rank, world_size=world_size, labels=val_labels) if len(val_indices) else None
+
     # The micro-batch and activation checkpointing, measured with the setting the worker will train with.
     share = rank_share(t.global_batch, world_size, rank)
-    micro_batch, _, speed["memory_plan"] = plan_memory(  # the model holds whether it checkpoints
+    micro_batch, _, memory_plan = plan_memory(  # the model holds whether it checkpoints
         model, diffusion, optimizer, micro_batch=t.micro_batch, checkpointing=t.activation_checkpointing,
         share=share.size, shape=images.shape, device=device, autocast_dtype=autocast_dtype,
         default_micro_batch=cfg.micro_batch_for(world_size) if t.micro_batch != "auto" else share.size,
         agree=lambda n: smallest(n, device))
 
+    # The newest checkpoint every worker restores alike; then the settings a re-run may change.
+    training_state = TrainingState(model, ema, optimizer, scaler)
+    restored = restore_agreed(training_state, run_dir, is_chief=rank == 0, latest=ray.train.get_checkpoint())
+    apply_config(optimizer, weight_decay=t.weight_decay)
+
+    # The step's forward module as it runs here: under DDP with several workers, compiled (with its cache).
+    step_inputs = StepInputs.build(model, diffusion, optimizer, scaler, device=device, autocast_dtype=autocast_dtype,
+                                   seed=t.seed, flip=cfg.data.flip, global_batch=t.global_batch,
+                                   world_size=world_size, grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0,
+                                   channels_last=speed.channels_last)
+    compile_cache, compile_cache_note = None, None
+    if speed.compile is not False and t.compile_cache:
+        compile_cache = CompileCache(run_dir, compiled_step_key(
+            cfg, speed, device, world_size=world_size, layout=micro_batches(share, micro_batch),
+            autocast_dtype=autocast_dtype, checkpointing=model.activation_checkpointing))
+        compile_cache_note = compile_cache.load()
+    step_inputs.loss = for_training(step_inputs.loss, speed, device, world_size)
+    step_inputs.cuda_graphs = speed.cuda_graphs
+
     is_chief = rank == 0
     writes = BackgroundWrites() if is_chief else None
-    step_inputs = StepInputs(model=model, optimizer=optimizer, scaler=scaler, diffusion=diffusion, device=device,
-                             autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip,
-                             global_batch=t.global_batch, world_size=world_size, grad_clip=t.grad_clip,
-                             dropout=cfg.model.dropout > 0, channels_last=speed["channels_last"])
-    return Worker(
+    worker = Worker(
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
-        ema_update=EmaUpdater(ema, model), speed=speed,
+        ema_update=EmaUpdater(ema, model), diffusion=diffusion, speed=speed, memory_plan=memory_plan,
         step_inputs=step_inputs, table=table, order=order, validation=validation,
         quality=ray.get(args.quality) if args.quality is not None else None,
         micro_batch=micro_batch,
         metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S,
                              writes=writes) if is_chief else None,
         events=JsonlLog(run_dir, "events.jsonl") if is_chief else None, writes=writes,
-        debug=DebugHooks(cfg, run_dir, rank), classes=args.classes,
+        debug=DebugHooks(cfg, run_dir, rank), compile_cache=compile_cache,
+        restore_notes=restored.notes if restored is not None else [], compile_cache_note=compile_cache_note,
+        classes=args.classes,
     )
+    return worker, restored.progress if restored is not None else Progress()
+
+
+def compiled_step_key(cfg: Config, speed: SpeedPlan, device: torch.device, *, world_size: int,
+                      layout: list[tuple[int, int]], autocast_dtype: torch.dtype | None, checkpointing: bool) -> str:
+    """The compile cache's key: what the compiled step depends on besides torch and the device."""
+    model = {k: v for k, v in asdict(cfg.model).items() if k != "init_from"}
+    return cache_key({"model": model, "image": [cfg.data.channels, cfg.data.resolution], "flip": cfg.data.flip,
+                      "prediction": cfg.diffusion.prediction, "autocast": str(autocast_dtype),
+                      "activation_checkpointing": checkpointing, "micro_batches": sorted({n for _, n in layout}),
+                      "ddp": world_size > 1, "grad_compression": speed.grad_compression, "compile": speed.compile,
+                      "mode": speed.compile_mode, "channels_last": speed.channels_last}, device)

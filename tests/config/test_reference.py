@@ -13,7 +13,7 @@ from raydiff.config import Config, all_keys
 from raydiff.config.reference import COMMAND, MissingDocstring, class_docstrings, render, yaml_value
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-TABLE_KEY = re.compile(r"^\| `([a-z_]+\.[a-z_]+)` \|", re.MULTILINE)
+TABLE_KEY = re.compile(r"^\| `([a-z_]+\.[a-z_0-9]+)` \|", re.MULTILINE)
 
 
 def test_committed_page_is_current():
@@ -27,7 +27,7 @@ def test_every_key_appears_once_in_the_tables():
 
 
 def test_table_rows_show_type_default_and_meaning():
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_.]+)` \|.*$", render(), re.MULTILINE)}
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_.0-9]+)` \|.*$", render(), re.MULTILINE)}
     assert rows["data.cache"].startswith("| `data.cache` | auto \\| memory \\| stream | `auto` | ")
     assert "| integer | `16` |" in rows["data.resolution"]
     assert "| string \\| null | `null` |" in rows["model.init_from"]

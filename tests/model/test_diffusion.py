@@ -204,7 +204,7 @@ def test_smallest_linear_schedule_is_finite():
         GaussianDiffusion(schedule="linear", timesteps=20, prediction="eps")
     d = GaussianDiffusion(schedule="linear", timesteps=21, prediction="eps")
     assert d.betas.max().item() < 1 and d.alpha_bar.min().item() > 0
-    tables = d._tables(torch.device("cpu"))
+    tables = d.tables_on(torch.device("cpu"))
     assert all(torch.isfinite(v).all() for v in tables.values()) and tables["alpha_bar"].min().item() > 0
     for sampler in ("ddpm", "ddim"):
         out = d.sample(lambda x, t: 0.1 * x, (2, 1, 2, 2), sampler=sampler, generator=torch.Generator().manual_seed(0))
@@ -218,7 +218,7 @@ def test_training_path_stays_on_the_timesteps_device(prediction):
     x0, t = torch.zeros(4, 1, 2, 2, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
     assert d.loss_per_sample(lambda x, t: x, x0, t, torch.zeros_like(x0)).shape == (4,)
     assert d.predict_x0_eps(x0, x0, t)[1].device.type == "meta"
-    assert d._tables(t.device)["sqrt_alpha_bar"].dtype == torch.float32
+    assert d.tables_on(t.device)["sqrt_alpha_bar"].dtype == torch.float32
 
 
 class _RandomDraws(TorchDispatchMode):

@@ -42,11 +42,12 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
     model = build_model(cfg)
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
     w = Worker(cfg=cfg, run_dir=RunDir(run_dir), rank=rank, world_size=2, device=torch.device("cpu"), model=model,
-               ema=make_ema(model), ema_update=None, speed={},
+               ema=make_ema(model), ema_update=None, diffusion=None, speed=None, memory_plan="",
                step_inputs=SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False)),
                table=None, order=None, validation=None, quality=None, micro_batch=8,
                metrics_log=JsonlLog(RunDir(run_dir), "metrics.jsonl") if rank == 0 else None, events=None,
-               writes=None, debug=DebugHooks(cfg, RunDir(run_dir), rank))
+               writes=None, debug=DebugHooks(cfg, RunDir(run_dir), rank), compile_cache=None, restore_notes=[],
+               compile_cache_note=None)
     back = roll_back(w, Progress(step=25))
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"step": back.step, "weights": checksum}))

@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from raydiff.config import load_config
+from raydiff.config import TrainSection, load_config
 from raydiff.data.loader import MicroBatch
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
-from raydiff.training.step import StepInputs, compiled, make_optimizer, optimizer_step, speed_options
+from raydiff.training.speed import compiled, plan_speed, unwrap
+from raydiff.training.step import StepInputs, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
@@ -54,11 +55,10 @@ def _setup(precision_fp16: bool = False):
     model = build_model(cfg)
     for p in model.parameters():  # leave the near-zero init: gradients everywhere
         torch.nn.init.normal_(p, std=0.05)
-    inputs = StepInputs(model=model, optimizer=make_optimizer(model, lr=1e-3, weight_decay=0.0),
-                        scaler=torch.amp.GradScaler("cpu", enabled=precision_fp16),
-                        diffusion=build_diffusion(cfg), device=torch.device("cpu"),
-                        autocast_dtype=torch.float16 if precision_fp16 else None, seed=0, flip=True,
-                        global_batch=8, world_size=1, grad_clip=1.0, dropout=True)
+    inputs = StepInputs.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-3, weight_decay=0.0),
+                              torch.amp.GradScaler("cpu", enabled=precision_fp16), device=torch.device("cpu"),
+                              autocast_dtype=torch.float16 if precision_fp16 else None, seed=0, flip=True,
+                              global_batch=8, world_size=1, grad_clip=1.0, dropout=True)
     ema = make_ema(model)
     return inputs, ema, EmaUpdater(ema, model)
 
@@ -101,7 +101,7 @@ def test_the_steady_state_step_never_reads_a_device_value(monkeypatch, fp16):
 def test_a_non_finite_step_changes_nothing_and_is_counted(fp16):
     inputs, ema, ema_update = _setup(fp16)
     optimizer_step(inputs, _batches(0), lr=1e-3, ema=ema_update, ema_decay=0.5)
-    model_before = {k: v.clone() for k, v in inputs.model.state_dict().items()}
+    model_before = {k: v.clone() for k, v in unwrap(inputs.loss).model.state_dict().items()}
     ema_before = {k: v.clone() for k, v in ema.state_dict().items()}
     moments_before = [s["exp_avg"].clone() for s in inputs.optimizer.state.values()]
     nonfinite = NonFiniteSteps(inputs.device)
@@ -110,7 +110,7 @@ def test_a_non_finite_step_changes_nothing_and_is_counted(fp16):
                                 fault=lambda batch: batch.position % 8 == 4)
         nonfinite.add(result.finite)
         assert not bool(result.finite)
-    assert all(torch.equal(model_before[k], v) for k, v in inputs.model.state_dict().items())
+    assert all(torch.equal(model_before[k], v) for k, v in unwrap(inputs.loss).model.state_dict().items())
     assert all(torch.equal(ema_before[k], v) for k, v in ema.state_dict().items())
     moments_after = [s["exp_avg"] for s in inputs.optimizer.state.values()]
     assert all(torch.equal(a, b) for a, b in zip(moments_before, moments_after, strict=True))
@@ -118,7 +118,8 @@ def test_a_non_finite_step_changes_nothing_and_is_counted(fp16):
 
     result = optimizer_step(inputs, _batches(3), lr=1e-3, ema=ema_update, ema_decay=0.5)
     nonfinite.add(result.finite)
-    assert bool(result.finite) and not torch.equal(model_before["conv_in.weight"], inputs.model.conv_in.weight)
+    assert bool(result.finite) and not torch.equal(model_before["conv_in.weight"],
+                                                   unwrap(inputs.loss).model.conv_in.weight)
     assert nonfinite.longest_streak() == 2  # the streak was still running at the last read
     assert nonfinite.longest_streak() == 0  # and ended since
 
@@ -136,21 +137,37 @@ def test_a_compiled_model_trains_the_same_step():
     """train.compile with a CPU backend: the compiled model computes the same losses and update as eager."""
     eager, _, _ = _setup()
     compiled_inputs, _, _ = _setup()
-    compiled_inputs.model = compiled(compiled_inputs.model, "aot_eager", fallback=False)
+    compiled_inputs.loss = compiled(compiled_inputs.loss, "aot_eager", fallback=False)
     for step in range(2):
         a = optimizer_step(eager, _batches(step), lr=1e-3)
         b = optimizer_step(compiled_inputs, _batches(step), lr=1e-3)
         assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-5) and torch.allclose(a.grad_norm, b.grad_norm, rtol=1e-4)
-    bare = compiled_inputs.model._orig_mod
-    for (name, p), q in zip(eager.model.named_parameters(), bare.parameters(), strict=True):
+    bare = unwrap(compiled_inputs.loss).model
+    for (name, p), q in zip(unwrap(eager.loss).model.named_parameters(), bare.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), name
 
 
-def test_speed_options_per_device():
+def test_the_speed_plan_per_device_and_world_size():
+    """auto: compiled and channels_last on CUDA (NHWC is faster only compiled), eager NCHW on CPUs; CUDA graphs
+    only when asked for, on one CUDA worker with inductor; gradient compression only where there is DDP."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert speed_options("auto", "auto", cpu) == {"compile": False, "compile_fallback": True, "channels_last": False}
-    assert speed_options("auto", True, gpu) == {"compile": True, "compile_fallback": True, "channels_last": True}
-    assert speed_options("aot_eager", False, cpu)["compile"] == "aot_eager"
+    auto = TrainSection()
+    on_cpu, on_gpu = plan_speed(auto, cpu, 1), plan_speed(auto, gpu, 1)
+    assert (on_cpu.compile, on_cpu.channels_last, on_cpu.cuda_graphs, on_cpu.tf32) == (False, False, False, False)
+    assert (on_gpu.compile, on_gpu.channels_last, on_gpu.cuda_graphs, on_gpu.tf32) == (True, True, False, True)
+    assert on_gpu.compile_fallback and on_gpu.compile_mode is None
+    assert "channels_last auto: compiled on CUDA" in on_gpu.describe()
+    eager_gpu = plan_speed(TrainSection(compile=False), gpu, 1)
+    assert not eager_gpu.channels_last and "compile off" in eager_gpu.describe()
+    graphs = TrainSection(cuda_graphs=True)
+    assert plan_speed(graphs, gpu, 1).compile_mode == "reduce-overhead"
+    assert not plan_speed(graphs, gpu, 2).cuda_graphs and "pytorch#128218" in plan_speed(graphs, gpu, 2).describe()
+    assert not plan_speed(graphs, cpu, 1).cuda_graphs
+    assert plan_speed(TrainSection(compile="aot_eager"), cpu, 1).compile == "aot_eager"
+    compressed = TrainSection(grad_compression="bf16")
+    assert plan_speed(compressed, gpu, 1).grad_compression == "none"  # no DDP at world size 1
+    assert plan_speed(compressed, gpu, 4).grad_compression == "bf16"
+    assert not plan_speed(TrainSection(tf32=False), gpu, 1).tf32
 
 
 @pytest.mark.parametrize("variant", ["fp32", "fp16", "compiled"])
@@ -159,13 +176,13 @@ def test_activation_checkpointing_trains_the_same_steps(variant):
     dropout on, under fp16 autocast with its loss scaler, and under torch.compile (a CPU backend)."""
     plain, _, _ = _setup(precision_fp16=variant == "fp16")
     recomputed, _, _ = _setup(precision_fp16=variant == "fp16")
-    recomputed.model.activation_checkpointing = True
+    unwrap(recomputed.loss).model.activation_checkpointing = True
     if variant == "compiled":
-        recomputed.model = compiled(recomputed.model, "aot_eager", fallback=False)
+        recomputed.loss = compiled(recomputed.loss, "aot_eager", fallback=False)
     for step in range(2):
         a = optimizer_step(plain, _batches(step), lr=1e-3)
         b = optimizer_step(recomputed, _batches(step), lr=1e-3)
         assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-5) and torch.allclose(a.grad_norm, b.grad_norm, rtol=1e-4)
-    bare = getattr(recomputed.model, "_orig_mod", recomputed.model)
-    for (name, p), q in zip(plain.model.named_parameters(), bare.parameters(), strict=True):
+    bare = unwrap(recomputed.loss).model
+    for (name, p), q in zip(unwrap(plain.loss).model.named_parameters(), bare.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), name

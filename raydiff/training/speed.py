@@ -1,0 +1,127 @@
+"""What makes the training step fast on this device, decided once per worker start: torch.compile, the memory
+format, CUDA graphs, TF32 and DDP's gradient compression; and wrapping the step's forward module accordingly.
+
+Why a module of its own: each choice is a trade-off that differs by device and was settled by measurement
+(docs/benchmarks.md#gpu-throughput), not by the step's arithmetic: the step (`raydiff.training.step`) computes the
+same numbers whatever is chosen here, up to floating-point rounding. `auto` values are resolved here and nowhere
+else, and the start line prints what was chosen and why (`SpeedPlan.describe`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+if TYPE_CHECKING:
+    from raydiff.config import TrainSection
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    """How this worker runs its training step."""
+
+    compile: bool | str  # False, True (inductor) or the name of a torch.compile backend
+    compile_fallback: bool  # `train.compile: auto`: an unsupported setup trains in eager mode instead of failing
+    channels_last: bool  # NHWC weights and activations
+    cuda_graphs: bool  # torch.compile's reduce-overhead mode: the forward and backward replayed as CUDA graphs
+    tf32: bool  # TF32 tensor cores for fp32 convolutions and matmuls (training only; sampling stays IEEE fp32)
+    grad_compression: str  # "none" or "bf16": DDP all-reduces in bf16 (only where there is DDP: world size > 1)
+    reasons: tuple[str, ...] = ()  # why each `auto` came out as it did, for the start line
+
+    @property
+    def compile_mode(self) -> str | None:
+        return "reduce-overhead" if self.cuda_graphs else None
+
+    def describe(self) -> str:
+        """One phrase for the start line: every choice, and why for the ones `auto` made."""
+        compiled = "off" if self.compile is False else "on" if self.compile is True else f"on ({self.compile})"
+        parts = [f"compile {compiled}", f"channels_last {'on' if self.channels_last else 'off'}",
+                 f"CUDA graphs {'on' if self.cuda_graphs else 'off'}", f"TF32 {'on' if self.tf32 else 'off'}",
+                 f"gradient compression {self.grad_compression}"]
+        return ", ".join(parts) + (f" ({'; '.join(self.reasons)})" if self.reasons else "")
+
+
+def plan_speed(t: TrainSection, device: torch.device, world_size: int) -> SpeedPlan:
+    """`train.compile`, `train.channels_last`, `train.cuda_graphs`, `train.tf32` and `train.grad_compression` made
+    concrete for this device and world size.
+
+    The rules for `auto` follow the GPU measurements in docs/benchmarks.md: compiled, this UNet trains fastest in
+    NHWC on CUDA (cuDNN's NHWC convolutions, with GroupNorm and SiLU fused around them by inductor), while in eager
+    mode NHWC GroupNorm is slower than NCHW; so channels_last follows compile on CUDA. Nothing is compiled on CPUs,
+    where compilation costs more than it saves on short runs. CUDA graphs stay off under `auto` until measured
+    faster, and off under DDP (pytorch#128218)."""
+    cuda = device.type == "cuda"
+    reasons = []
+    chosen_compile: bool | str = cuda if t.compile == "auto" else t.compile
+    if t.compile == "auto":
+        reasons.append(f"compile auto: {'on CUDA' if cuda else 'not on ' + device.type}")
+    if t.channels_last == "auto":
+        channels_last = cuda and chosen_compile is not False
+        reasons.append(f"channels_last auto: {'compiled on CUDA' if channels_last else 'eager or not CUDA'}")
+    else:
+        channels_last = bool(t.channels_last)
+    inductor = chosen_compile is True
+    if t.cuda_graphs == "auto":
+        cuda_graphs = False
+        reasons.append("CUDA graphs auto: off until measured faster")
+    else:
+        cuda_graphs = bool(t.cuda_graphs) and cuda and inductor and world_size == 1
+        if t.cuda_graphs and not cuda_graphs:
+            why = "not CUDA" if not cuda else "DDP, pytorch#128218" if world_size > 1 else "needs inductor"
+            reasons.append(f"CUDA graphs off ({why})")
+    return SpeedPlan(compile=chosen_compile, compile_fallback=t.compile == "auto", channels_last=channels_last,
+                     cuda_graphs=cuda_graphs, tf32=t.tf32 and cuda,
+                     grad_compression=t.grad_compression if world_size > 1 else "none", reasons=tuple(reasons))
+
+
+def set_tf32(on: bool) -> None:
+    """TF32 tensor cores for fp32 convolutions and matmuls on (training) or off. torch 2.9 replaced the allow_tf32
+    flags with fp32_precision (mixing the two raises), so use whichever this torch has; sampling turns it off for
+    its own block (`raydiff.model.diffusion.full_fp32`)."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = "tf32" if on else "ieee"
+        return
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = on
+
+
+def for_training(module: nn.Module, plan: SpeedPlan, device: torch.device, world_size: int) -> nn.Module:
+    """`module` (the step's forward module, on `device`) as the step runs it: under DDP when there are several
+    workers (DDP's gradient buckets double as the .grad tensors: no copy after each all-reduce; optionally
+    averaged in bf16), then under torch.compile. At world size 1 there is no DDP wrapper to pay for. (The model is
+    converted to channels_last where it is built, before the optimizer and the EMA copy its layout.)"""
+    if world_size > 1:
+        ddp = nn.parallel.DistributedDataParallel(
+            module, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        if plan.grad_compression == "bf16":
+            ddp.register_comm_hook(state=None, hook=bf16_compress_hook)  # averages in bf16, as the default in fp32
+        module = ddp
+    return compiled(module, plan.compile, fallback=plan.compile_fallback, mode=plan.compile_mode)
+
+
+def compiled(module: nn.Module, option: bool | str, *, fallback: bool, mode: str | None = None) -> nn.Module:
+    """`module` under torch.compile (option True = inductor, a string = that backend), or as it is."""
+    if option is False:
+        return module
+    if fallback:
+        from torch import _dynamo
+
+        _dynamo.config.suppress_errors = True  # auto: an unsupported setup trains in eager mode instead
+    wrapped = torch.compile(module, mode=mode) if option is True else torch.compile(module, backend=option)
+    return cast(nn.Module, wrapped)  # an OptimizedModule
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module under torch.compile's and DDP's wrappers."""
+    module = getattr(module, "_orig_mod", module)
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def ddp_of(module: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The DDP wrapper of a module the step runs, if it has one (under torch.compile or not)."""
+    module = getattr(module, "_orig_mod", module)
+    return module if isinstance(module, nn.parallel.DistributedDataParallel) else None

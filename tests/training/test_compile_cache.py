@@ -1,0 +1,79 @@
+"""The compile cache: compiled code kept in the run directory is loaded by a worker on another node (a process
+with an empty inductor cache of its own), which then compiles nothing again; its key follows what the code
+depends on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from raydiff.training import compile_cache
+from raydiff.training.compile_cache import cache_key
+
+pytestmark = pytest.mark.skipif(not compile_cache.available(), reason="portable compile caches need torch >= 2.7")
+
+# One worker start: load the run's cache, compile a small model with inductor and train a step, keep what is new.
+WORKER = textwrap.dedent("""
+    import json, sys, torch
+    from torch._dynamo.utils import counters
+    from raydiff.runs.rundir import RunDir
+    from raydiff.training.compile_cache import CompileCache
+
+    cache = CompileCache(RunDir(sys.argv[1]), sys.argv[2])
+    note = cache.load()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 1))
+    torch.compile(model)(torch.randn(4, 8)).sum().backward()
+    data = cache.artifacts()
+    if data is not None:
+        cache.save(data)
+    print(json.dumps({"note": note, "saved": data is not None, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                      "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+""")
+
+
+def _start_on_a_new_node(run_dir, key: str, node_cache) -> dict:
+    """A worker process whose node has never compiled anything (its own empty inductor cache folder)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(node_cache))
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(run_dir), key], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_restart_on_another_node_loads_the_compiled_step_instead_of_compiling(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _start_on_a_new_node(run_dir, "key-a", tmp_path / "node-1")
+    assert first == {"note": "compile cache: none yet for this setup", "saved": True, "hits": 0, "misses": 2}
+    assert (run_dir / "compile_cache" / "key-a.bin").stat().st_size > 0
+
+    again = _start_on_a_new_node(run_dir, "key-a", tmp_path / "node-2")
+    assert again["note"].startswith("compile cache: ") and "artifacts loaded" in again["note"]
+    assert (again["hits"], again["misses"], again["saved"]) == (2, 0, False)  # forward and backward, from the cache
+
+    other = _start_on_a_new_node(run_dir, "key-b", tmp_path / "node-3")  # another setup compiles afresh
+    assert (other["note"], other["misses"], other["saved"]) == ("compile cache: none yet for this setup", 2, True)
+
+
+def test_the_key_follows_what_the_compiled_code_depends_on():
+    cpu = torch.device("cpu")
+    parts = {"model": {"base_channels": 32}, "micro_batches": [64], "channels_last": False}
+    assert cache_key(parts, cpu) == cache_key(dict(parts), cpu)
+    for change in ({"model": {"base_channels": 64}}, {"micro_batches": [32, 64]}, {"channels_last": True}):
+        assert cache_key({**parts, **change}, cpu) != cache_key(parts, cpu)
+
+
+def test_an_unreadable_cache_file_compiles_afresh(tmp_path):
+    from raydiff.runs.rundir import RunDir
+
+    run_dir = RunDir(tmp_path)
+    run_dir.write_bytes("compile_cache/k.bin", b"not a cache")
+    cache = compile_cache.CompileCache(run_dir, "k")
+    assert cache.load() == "compile cache not loaded (no artifacts read from it), compiling afresh"
+    assert not cache.loaded
