@@ -12,9 +12,11 @@ from raydiff.data.sources import DataError
 from raydiff.quality.features import QualityError
 from raydiff.runs.rundir import RunInUse
 from raydiff.runs.state import Unresumable
+from raydiff.runs.storage_errors import StorageFailure
 from raydiff.training.stop import Interrupted
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,
+               StorageFailure)
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

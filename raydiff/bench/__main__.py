@@ -10,7 +10,7 @@
 
 `checkpoint`: how long writing and reading the full training state (model, EMA, AdamW state, scaler,
 counters) takes and how large it is, for a preset's model; baseline: the bare weights, as `torch.save` of
-`model.state_dict()`. Training stalls only for the write: Ray Train uploads the checkpoint asynchronously.
+`model.state_dict()`. Training stalls only for the write: a bucket's upload runs in the background.
 
 `recovery`: trains a preset in a fresh local Ray instance, kills a training worker process after the first
 checkpoint, and measures the time from the kill to the worker group training again; baseline: the cold start

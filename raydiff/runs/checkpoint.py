@@ -1,23 +1,32 @@
 """Checkpoint files: the full training state in one `state.pt`, loaded with `weights_only=True`.
 
-Ray Train persists each checkpoint directory to `<run.storage>/<run.name>/checkpoint_<step>` (a local or NFS
-folder, or an object store); this module writes the file inside, reads it back from any of those, and finds
-the checkpoints of a run.
+A checkpoint is the folder `<run.storage>/<run.name>/checkpoint_<step>` (on a local or NFS folder, or an object
+store) holding that one file. This module writes checkpoints so that none is ever visible before it is complete
+(`CheckpointWriter`), reads them back from any storage, finds a run's checkpoints, and removes what an
+interrupted write left behind.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
+import shutil
+import tempfile
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from raydiff.model.unet import build_model, count_parameters
 from raydiff.runs.rundir import RunDir
 
 STATE_FILE = "state.pt"
+PARTIAL = ".partial-"  # a checkpoint folder being written: `.checkpoint_<step>.partial-<id>`, never listed
 _NAME = re.compile(r"checkpoint_(\d{8})(?:-(\d+))?$")
+UPLOAD_CHUNK = 8 * 2**20
 
 Location = str | os.PathLike | RunDir
 
@@ -53,12 +62,114 @@ def checkpoint_order(location: Location) -> tuple[int, int]:
 
 def write_state(directory: Path, state: dict[str, Any]) -> Path:
     """Save `state` (tensors, numbers, strings, lists, dicts only) into a local folder so that a reader sees all
-    of it or none."""
+    of it or none. Written through a Python file, so that a full disk raises OSError(ENOSPC) rather than torch's
+    errno-less "file write failed"."""
     path = Path(directory) / STATE_FILE
     tmp = path.with_name(f".{STATE_FILE}.tmp")
-    torch.save(state, tmp)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return path
+
+
+def checkpoint_bytes(cfg) -> int:
+    """About how many bytes one checkpoint of `cfg`'s model takes: the weights, the EMA and AdamW's two moments in
+    fp32, and a little for the rest (a class-conditional model's `auto` classes are not known yet: counted as
+    none, a few rows of one embedding)."""
+    counted = copy.deepcopy(cfg)
+    if counted.model.num_classes == "auto":
+        counted.model.num_classes = 0
+    with torch.device("meta"):  # no memory, no initialisation work
+        parameters = count_parameters(build_model(counted))
+    return 16 * parameters + 2**20
+
+
+class CheckpointWriter:
+    """Rank 0's checkpoint writes, one at a time, never visible on storage before they are complete.
+
+    On a local or mounted folder the state is written under a hidden name beside its final one
+    (`.checkpoint_<step>.partial-<id>`, which no reader lists) and renamed into place: no copy, and the write's
+    error (a full disk) arrives at once. On an object store it is saved to a local staging folder and uploaded on a
+    background thread as one object, which a bucket lists only once it is whole; its error arrives with `outcome`.
+    """
+
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydiff-checkpoint")
+        self._pending: tuple[str, Future] | None = None
+
+    @property
+    def pending(self) -> str | None:
+        """The name of the checkpoint being written (or written, and not yet collected by `outcome`)."""
+        return self._pending[0] if self._pending else None
+
+    def start(self, name: str, state: dict[str, Any]) -> None:
+        """Write `state` as checkpoint `name`; the previous write must have been collected (`outcome`)."""
+        assert self._pending is None, f"checkpoint {self._pending and self._pending[0]} is still being written"
+        future: Future = Future()
+        if self.run_dir.remote:
+            staging = Path(tempfile.mkdtemp(prefix="raydiff-ckpt-"))
+            try:
+                write_state(staging, state)  # the state of this step, before training changes it
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            future = self._pool.submit(self._upload, staging, name)
+        else:
+            try:
+                self._write_local(name, state)
+                future.set_result(None)
+            except OSError as exc:
+                future.set_exception(exc)
+        self._pending = (name, future)
+
+    def outcome(self, *, wait: bool) -> tuple[str, BaseException | None] | None:
+        """(name, the error or None) of the pending write once it has finished, waiting for it with `wait`; None
+        while it is still running, or when there is none. A finished write is collected: asked once."""
+        if self._pending is None or (not wait and not self._pending[1].done()):
+            return None
+        name, future = self._pending
+        self._pending = None
+        return name, future.exception()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _write_local(self, name: str, state: dict[str, Any]) -> None:
+        final = Path(self.run_dir.path) / name
+        partial = final.with_name(f".{name}{PARTIAL}{uuid.uuid4().hex[:8]}")
+        try:
+            partial.mkdir(parents=True)
+            write_state(partial, state)
+            os.rename(partial, final)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+
+    def _upload(self, staging: Path, name: str) -> None:
+        try:
+            target = f"{self.run_dir.path}/{name}/{STATE_FILE}"
+            with open(staging / STATE_FILE, "rb") as source, self.run_dir.fs.open_output_stream(target) as sink:
+                shutil.copyfileobj(source, sink, UPLOAD_CHUNK)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_partial_checkpoints(run_dir: Location) -> list[str]:
+    """Remove what interrupted checkpoint writes left in a local run folder (`.checkpoint_*.partial-*`); returns
+    their names. (An object store never shows a partial upload.)"""
+    run = as_rundir(run_dir)
+    if run.local is None or not run.local.is_dir():
+        return []
+    removed = []
+    for partial in sorted(run.local.glob(f".checkpoint_*{PARTIAL}*")):
+        shutil.rmtree(partial, ignore_errors=True)
+        removed.append(partial.name)
+    return removed
 
 
 def read_state(directory: Location) -> dict[str, Any]:
@@ -71,7 +182,7 @@ def read_state(directory: Location) -> dict[str, Any]:
 
 def list_checkpoints(run_dir: Location) -> list[RunDir]:
     """Checkpoint folders of a run that hold a state file, oldest first."""
-    found = [c for c in as_rundir(run_dir).subdirs("checkpoint_") if _NAME.search(c.name) and c.is_file(STATE_FILE)]
+    found = [c for c in as_rundir(run_dir).subdirs("checkpoint_") if _NAME.match(c.name) and c.is_file(STATE_FILE)]
     return sorted(found, key=checkpoint_order)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 import pyarrow.fs as pafs
 
 from raydiff.data.fs import filesystem_for, is_remote
+from raydiff.runs.storage_errors import advice, permanent_reason
 
 
 class RunInUse(RuntimeError):
@@ -31,7 +32,10 @@ def unwritable(folder: RunDir | str | os.PathLike, *, endpoint: str | None = Non
     except ValueError as exc:  # an unsupported URI scheme
         return str(exc)
     except OSError as exc:
-        return f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc).splitlines()[0][:200]
+        if exc.strerror and exc.filename:
+            return f"{exc.strerror}: {exc.filename}"
+        reason = permanent_reason(exc)  # an object store's error, in pyarrow's words
+        return f"{reason}: {advice(reason)}" if reason else str(exc).splitlines()[0][:200]
     return None
 
 

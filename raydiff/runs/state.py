@@ -105,9 +105,9 @@ def _reason(exc: BaseException) -> str:
 
 
 def read_newest(location: Location) -> tuple[RunDir, dict[str, Any]]:
-    """(checkpoint, state) of a checkpoint folder, or of a run folder's newest checkpoint that reads: one still
-    being written (Ray uploads a checkpoint file by file) or damaged is named in one line on stderr and the
-    previous one is used, as training does. Raises FileNotFoundError (one line) when none reads."""
+    """(checkpoint, state) of a checkpoint folder, or of a run folder's newest checkpoint that reads: a damaged one
+    (or one an older raydiff was still uploading file by file) is named in one line on stderr and the previous
+    one is used, as training does. Raises FileNotFoundError (one line) when none reads."""
     run = as_rundir(location)
     if run.is_file(STATE_FILE):
         candidates = [run]

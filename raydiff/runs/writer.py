@@ -24,8 +24,17 @@ class BackgroundWrites:
         for future in pending:
             future.result()  # raises the write's error here, on the training thread
 
-    def close(self) -> None:
+    def raise_failed(self) -> None:
+        """Raise the first error of the writes that have finished, without waiting for the others."""
+        failed = next((f for f in self._pending if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            self._pending.remove(failed)
+            failed.result()
+
+    def close(self, *, drain: bool = True) -> None:
+        """Wait for the writes (raising the first error), or with `drain` False drop those not yet started."""
         try:
-            self.drain()
+            if drain:
+                self.drain()
         finally:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=drain, cancel_futures=not drain)

@@ -24,12 +24,21 @@ def from_rank_zero(value: Any) -> Any:
     return box[0]
 
 
+def from_rank_zero_code(code: int, device: torch.device) -> int:
+    """Rank 0's small non-negative number, on every worker (the others pass 0): one all-reduce of one integer."""
+    return _reduced(code, device, dist.ReduceOp.MAX)
+
+
 def smallest(value: int, device: torch.device) -> int:
     """The smallest of every worker's value."""
+    return _reduced(value, device, dist.ReduceOp.MIN)
+
+
+def _reduced(value: int, device: torch.device, op) -> int:
     if not _active():
         return value
     box = torch.tensor(value, device=device)
-    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    dist.all_reduce(box, op=op)
     return int(box)
 
 

@@ -29,12 +29,21 @@ from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.model.diffusers_io import check_classes
 from raydiff.quality.features import features_for, metric_names, require_metrics_package
 from raydiff.quality.reference import reference_for
+from raydiff.runs.checkpoint import checkpoint_bytes, remove_partial_checkpoints
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.lease import hold, this_process
 from raydiff.runs.resume import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
 from raydiff.runs.rundir import RunDir, unwritable
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
+from raydiff.runs.storage_errors import (
+    StorageFailure,
+    failure_message,
+    free_bytes,
+    megabytes,
+    permanent_reason,
+    storage_failure,
+)
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.loop import train_worker
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
@@ -48,6 +57,18 @@ BAD_FILE = "bad_images.json"  # every sample of the source that could not be use
 def run_dir_of(cfg: Config) -> RunDir:
     """`<run.storage>/<run.name>`: a local or NFS folder, or an s3:// / gs:// prefix."""
     return RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / cfg.run.name
+
+
+def check_room(cfg: Config, run_dir: RunDir) -> None:
+    """On a local or mounted file system, room for at least two checkpoints of this model (its size follows from
+    the model); refused in one line otherwise. Object stores have no such limit to check."""
+    if run_dir.remote:
+        return
+    free, needed = free_bytes(run_dir.path), checkpoint_bytes(cfg)
+    if free is not None and free < 2 * needed:
+        raise ConfigError(f"run.storage = {cfg.run.storage!r}: {megabytes(free)} free on its file system, and a "
+                          f"checkpoint of this model takes about {megabytes(needed)}: a run needs room for at least "
+                          f"two ({megabytes(2 * needed)}); free space there or set another run.storage")
 
 
 def auto_workers(cfg: Config, gpus: float) -> Config:
@@ -107,10 +128,12 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
     run_dir = run_dir_of(cfg)
     if cfg.eval.every or cfg.eval.at_end:
         require_metrics_package("eval.every / eval.at_end")
-    # Storage the run cannot write to is the user's to fix: say so before anything else.
+    # Storage the run cannot write to, or without room for two checkpoints, is the user's to fix: say so before
+    # anything else.
     reason = unwritable(run_dir)
     if reason:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})")
+    check_room(cfg, run_dir)
     source = source_of(cfg.data)
     identity = source.identity()
     # What this command means for the run directory, read first, so that a refusal (a changed identity key, a
@@ -125,7 +148,11 @@ def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = Non
     driver = {**this_process(), "invocation": uuid.uuid4().hex}
     with interrupt_on_signals(), hold(run_dir, driver, stale_s=cfg.run.lease_stale_s, what="run directory") as lease:
         plan = plan_run(cfg, run_dir, identity)  # again: another driver may have run in between
-        notes = [*plan.notes, move_aside(run_dir)] if plan.replace else plan.notes
+        notes = [*plan.notes, move_aside(run_dir)] if plan.replace else list(plan.notes)
+        removed = remove_partial_checkpoints(run_dir)
+        if removed:
+            notes.append(f"removed {len(removed)} incomplete checkpoint(s) that an interrupted write left: "
+                         f"{', '.join(removed)}")
         for note in notes:
             print(f"[raydiff] {note}")
         if plan.action == "finished":
@@ -238,8 +265,19 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
             error, outcome, checkpoint = str(exc).strip().splitlines()[0], None, None
     if outcome is not None and outcome.status == WorkerStatus.UNRESUMABLE:  # nothing was trained or written:
         raise Unresumable(outcome.diagnostic)  # refuse, as for a bad config
-    summary = _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, error, started,
-                             bad_images=images.bad_report())
+    failure = _storage_failure(run_dir, outcome, error)
+    if failure is not None and checkpoint is not None:
+        failure += f" ({PurePosixPath(checkpoint).name})"
+    try:
+        summary = _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, failure or error, started,
+                                 bad_images=images.bad_report())
+    except OSError as exc:
+        unwritten = storage_failure(exc, str(run_dir), "writing summary.json")
+        if unwritten is None:
+            raise
+        raise StorageFailure(f"{failure or unwritten} (summary.json could not be written)") from None
+    if failure is not None:
+        raise StorageFailure(failure)
     dashboards = dashboards_for(cfg, run_dir, resume_step=summary["steps"])
     if dashboards is not None:  # the final numbers (and the run's status) beside its curves
         dashboards.summary(summary)
@@ -299,6 +337,15 @@ def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages,
     return ray.put(InRunQuality(features, reference,
                                 class_names=tuple(classes["names"]) if classes else None,
                                 class_counts=tuple(int(c) for c in classes["counts"]) if classes else None))
+
+
+def _storage_failure(run_dir: RunDir, outcome: WorkerResult | None, error: str | None) -> str | None:
+    """The one line of a storage error no retry can fix, from the workers (rank 0 stopped on it) or from a failed
+    fit (Ray Train's own writes, or a worker that died of one); None for any other ending."""
+    if outcome is not None and outcome.status == WorkerStatus.STORAGE_FAILED:
+        return outcome.diagnostic
+    reason = permanent_reason(RuntimeError(error)) if error else None
+    return failure_message(str(run_dir), "training", reason) if reason else None
 
 
 def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: int, result: WorkerResult | None,

@@ -8,7 +8,7 @@ gives up; neither belongs in the loop's top-to-bottom reading.
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray.train
@@ -23,8 +23,6 @@ from raydiff.training.step import StepResult
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
     from raydiff.training.worker import Worker
-
-logger = logging.getLogger("raydiff")
 
 
 def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool,
@@ -50,9 +48,19 @@ def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool,
     return restored
 
 
-def roll_back(w: Worker, progress: Progress) -> Progress | None:
+@dataclass
+class Rollback:
+    """Where a rollback continues, and what it skipped."""
+
+    progress: Progress  # the restored checkpoint's, with the failed steps' stream positions skipped
+    checkpoint: RunDir  # the checkpoint restored
+    failed_from: int  # the first stream step of the steps that failed (they end at progress.stream_step)
+
+
+def roll_back(w: Worker, progress: Progress) -> Rollback | None:
     """Back to the newest checkpoint, then on past the stream positions of the failed steps (as PaLM does): a
-    replay of the same data from the same weights would fail again. None when no checkpoint restores."""
+    replay of the same data from the same weights would fail again. None when no checkpoint restores. Every
+    worker calls it (a collective); rank 0 records it (`raydiff.training.cadence`)."""
     try:
         restored = restore_agreed(w.training_state, w.run_dir, is_chief=w.is_chief)
     except Unresumable:
@@ -64,15 +72,7 @@ def roll_back(w: Worker, progress: Progress) -> Progress | None:
     back.counters["rollbacks"] = progress.counters["rollbacks"] + 1
     back.counters["stream_offset"] += progress.step - back.step
     back.counters["skipped_steps"] = progress.counters["skipped_steps"]
-    gb = w.cfg.train.global_batch
-    if w.metrics_log is not None:  # rank 0
-        w.metrics_log.truncate_after(back.step)
-        w.event("rollback", from_step=progress.step, to_step=back.step, checkpoint=str(restored.checkpoint),
-                skipped_positions=[failed_from * gb, back.stream_step * gb])
-        logger.warning(f"[raydiff] WARNING: {w.cfg.train.max_bad_steps} non-finite steps in a row at step "
-                       f"{progress.step}: rolled back to step {back.step} and skipped the {progress.step - back.step} "
-                       f"steps of data that failed")
-    return back
+    return Rollback(back, restored.checkpoint, failed_from)
 
 
 def divergence_report(t: TrainSection, step: int, lr: float, result: StepResult, num_timesteps: int) -> str:

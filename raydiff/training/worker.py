@@ -119,12 +119,16 @@ class Worker:
         if self.events is not None:
             self.events.append({"event": event, **fields, "time": time.time()})
 
-    def close(self) -> None:
-        """At the end of the worker's training: rank 0's metrics rows and writes reach storage."""
-        if self.metrics_log is not None and self.writes is not None:
-            self.metrics_log.flush()
-            self.writes.close()
-        self.debug.close()
+    def close(self, *, flush: bool = True) -> None:
+        """At the end of the worker's training: rank 0's metrics rows and writes reach storage (with `flush`; not
+        after a storage failure), then its writer thread ends."""
+        try:
+            if flush and self.metrics_log is not None:
+                self.metrics_log.flush()
+            if self.writes is not None:
+                self.writes.close(drain=flush)
+        finally:
+            self.debug.close()
 
 
 def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:

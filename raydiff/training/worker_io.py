@@ -42,6 +42,7 @@ class WorkerStatus(str, enum.Enum):
     STOPPED = "stopped"  # asked to stop (a signal, a lost lease), after a checkpoint
     DIVERGED = "diverged"  # too many non-finite steps in a row, after at most one rollback
     UNRESUMABLE = "unresumable"  # checkpoints exist and none restores: nothing was trained or written
+    STORAGE_FAILED = "storage_failed"  # rank 0 could not write to storage, and no retry can fix it
 
 
 @dataclass
@@ -50,7 +51,7 @@ class WorkerResult:
 
     status: WorkerStatus
     steps: int
-    diagnostic: str | None = None  # why it diverged, or why no checkpoint restores
+    diagnostic: str | None = None  # why it diverged, why no checkpoint restores, or what storage refused
     images_seen: int = 0
     final_loss: float | None = None
     skipped_steps: int = 0

@@ -66,3 +66,94 @@ def test_checkpoints_refuse_pickled_code(tmp_path):
     torch.save({"x": Evil()}, tmp_path / "state.pt")
     with pytest.raises(Exception, match="[Ww]eights only"):
         read_state(tmp_path)
+
+
+def test_a_checkpoint_write_is_never_visible_before_it_is_complete(tmp_path, monkeypatch):
+    """Locally the state is written under a hidden name and renamed into place: a write that fails (here the disk
+    fills half way) leaves nothing a reader lists, and nothing behind; the error arrives with the outcome."""
+    from raydiff.runs import checkpoint as module
+    from raydiff.runs.checkpoint import CheckpointWriter
+    from raydiff.runs.rundir import RunDir
+
+    writer = CheckpointWriter(RunDir(tmp_path))
+    writer.start("checkpoint_00000010", {"step": 10, "weights": torch.ones(4)})
+    assert writer.outcome(wait=False) == ("checkpoint_00000010", None)
+    assert writer.outcome(wait=False) is None  # collected once
+
+    def full_disk(state, f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module.torch, "save", full_disk)
+    writer.start("checkpoint_00000020", {"step": 20})
+    name, error = writer.outcome(wait=True)
+    assert name == "checkpoint_00000020" and isinstance(error, OSError) and error.errno == 28
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["checkpoint_00000010"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000010"]
+    writer.close()
+
+
+def test_a_checkpoint_on_an_object_store_is_uploaded_in_the_background(s3_server):
+    from raydiff.runs.checkpoint import CheckpointWriter
+    from raydiff.runs.rundir import RunDir
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="ckpt-writer")
+    run_dir = RunDir("s3://ckpt-writer/run", endpoint=endpoint)
+    writer = CheckpointWriter(run_dir)
+    writer.start("checkpoint_00000010", {"step": 10, "weights": torch.arange(6.0)})
+    assert writer.outcome(wait=True) == ("checkpoint_00000010", None)
+    [checkpoint] = list_checkpoints(run_dir)
+    assert checkpoint.name == "checkpoint_00000010"
+    assert torch.equal(read_state(checkpoint)["weights"], torch.arange(6.0))
+    writer.close()
+
+
+def test_what_an_interrupted_write_left_is_removed(tmp_path):
+    from raydiff.runs.checkpoint import remove_partial_checkpoints
+
+    (tmp_path / ".checkpoint_00000030.partial-1a2b3c4d").mkdir()
+    (tmp_path / ".checkpoint_00000030.partial-1a2b3c4d" / ".state.pt.tmp").write_bytes(b"half")
+    (tmp_path / "checkpoint_00000020").mkdir()
+    assert remove_partial_checkpoints(tmp_path) == [".checkpoint_00000030.partial-1a2b3c4d"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000020"]
+
+
+@pytest.mark.parametrize("error,reason", [
+    (OSError(28, "No space left on device"), "no space left on device"),
+    (OSError(30, "Read-only file system"), "read-only file system"),
+    (OSError(13, "Permission denied"), "permission denied"),
+    (OSError("When uploading part for key 'r/x' in bucket 'b': AWS Error NO_SUCH_BUCKET during "
+             "CreateMultipartUpload operation: The specified bucket does not exist"), "the bucket does not exist"),
+    (OSError("When reading information for key 'r' in bucket 'b': AWS Error ACCESS_DENIED during HeadObject "
+             "operation: No response body."), "access denied"),
+    (OSError("AWS Error INVALID_ACCESS_KEY_ID during PutObject operation"), "the credentials were refused"),
+    (RuntimeError("Training failed ... OSError: [Errno 28] No space left on device"), "no space left on device"),
+])
+def test_storage_errors_no_retry_can_fix(error, reason):
+    from raydiff.runs.storage_errors import permanent_reason
+
+    assert permanent_reason(error) == reason
+
+
+@pytest.mark.parametrize("error", [
+    OSError("When uploading part for key 'r/x' in bucket 'b': AWS Error SLOW_DOWN during UploadPart operation: "
+            "Please reduce your request rate."),
+    OSError("AWS Error NETWORK_CONNECTION during UploadPart operation: curlCode: 28, Timeout was reached"),
+    OSError(104, "Connection reset by peer"),
+    OSError(5, "Input/output error"),
+])
+def test_storage_errors_a_retry_may_fix(error):
+    from raydiff.runs.storage_errors import permanent_reason
+
+    assert permanent_reason(error) is None
+
+
+def test_a_full_disk_says_how_much_is_free_and_what_the_write_needed(tmp_path):
+    from raydiff.runs.storage_errors import storage_failure
+
+    failure = storage_failure(OSError(28, "No space left on device"), str(tmp_path), "writing checkpoint_00000020",
+                              needed_bytes=3_000_000)
+    assert str(failure).startswith(f"storage {tmp_path}: writing checkpoint_00000020 failed: no space left on device; ")
+    assert " MB free, 3.0 MB needed. Nothing already saved was lost" in str(failure)
+    assert storage_failure(OSError(104, "Connection reset by peer"), str(tmp_path), "writing x") is None

@@ -21,7 +21,6 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
     from raydiff.model.ema import make_ema
     from raydiff.model.unet import build_model
     from raydiff.runs import state as state_module
-    from raydiff.runs.runlog import JsonlLog
     from raydiff.runs.state import Progress
     from raydiff.training.debug import DebugHooks
     from raydiff.training.recovery import roll_back
@@ -45,10 +44,10 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
                ema=make_ema(model), ema_update=None, diffusion=None, speed=None, memory_plan="",
                step_inputs=SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False)),
                table=None, order=None, validation=None, quality=None, micro_batch=8,
-               metrics_log=JsonlLog(RunDir(run_dir), "metrics.jsonl") if rank == 0 else None, events=None,
+               metrics_log=None, events=None,
                writes=None, debug=DebugHooks(cfg, RunDir(run_dir), rank), compile_cache=None, restore_notes=[],
                compile_cache_note=None)
-    back = roll_back(w, Progress(step=25))
+    back = roll_back(w, Progress(step=25)).progress
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"step": back.step, "weights": checksum}))
     dist.destroy_process_group()

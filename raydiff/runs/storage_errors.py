@@ -1,0 +1,107 @@
+"""Storage errors that no retry can fix, told apart from those a retry can: one line for the user, and no worker
+restarts spent on a full disk.
+
+Why: a full disk, a read-only mount, a refused permission or credential and a missing bucket fail the same way on
+every retry, so Ray Train's restarts (`run.max_failures`) would only multiply the tracebacks; a 503, a timeout or a
+dropped connection passes, and those keep being retried (pyarrow retries each request, Ray restarts the workers).
+Both kinds arrive as OSError: pyarrow puts the S3 or GCS error in the message.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+# errno -> what the user reads.
+PERMANENT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                    errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                    errno.EPERM: "operation not permitted", errno.EFBIG: "file too large"}
+# Text in pyarrow's S3 / GCS errors (and in errors that crossed a process as text) -> what the user reads.
+PERMANENT_MESSAGES = (
+    ("No space left on device", "no space left on device"), ("Disk quota exceeded", "disk quota exceeded"),
+    ("Read-only file system", "read-only file system"), ("Permission denied", "permission denied"),
+    ("NO_SUCH_BUCKET", "the bucket does not exist"), ("NoSuchBucket", "the bucket does not exist"),
+    ("The specified bucket does not exist", "the bucket does not exist"),
+    ("ACCESS_DENIED", "access denied"), ("AccessDenied", "access denied"), ("PERMISSION_DENIED", "access denied"),
+    ("InvalidAccessKeyId", "the credentials were refused"), ("INVALID_ACCESS_KEY_ID", "the credentials were refused"),
+    ("SignatureDoesNotMatch", "the credentials were refused"),
+    ("SIGNATURE_DOES_NOT_MATCH", "the credentials were refused"),
+    ("UNAUTHENTICATED", "the credentials were refused"),
+)
+ADVICE = {
+    "no space left on device": "free space there or set another run.storage",
+    "disk quota exceeded": "raise the quota, free space or set another run.storage",
+    "file too large": "raise the file-size limit or set another run.storage",
+    "the bucket does not exist": "create the bucket or correct run.storage",
+    "the credentials were refused": "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                                    "GOOGLE_APPLICATION_CREDENTIALS or the instance's role)",
+}
+
+
+def permanent_reason(exc: BaseException) -> str | None:
+    """What makes `exc` (or an error it was raised from) a storage error no retry can fix; None when a retry might."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in PERMANENT_ERRNOS:
+            return PERMANENT_ERRNOS[error.errno]
+        text = str(error)
+        for needle, reason in PERMANENT_MESSAGES:
+            if needle in text:
+                return reason
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class StorageFailure(RuntimeError):
+    """A storage error no retry can fix; the message is the one line the user reads (`failure_message`)."""
+
+
+def failure_message(storage: str, operation: str, reason: str, detail: str = "") -> str:
+    """What failed where, why, and what to do, in one line.
+
+    :param storage: the run's storage (the run directory).
+    :param operation: what was being written, e.g. "writing the checkpoint of step 80".
+    :param reason: what went wrong, from `permanent_reason`.
+    :param detail: more about it (the free space and what the write needed), or "".
+    """
+    return (f"storage {storage}: {operation} failed: {reason}{'; ' + detail if detail else ''}. Nothing already "
+            f"saved was lost; {advice(reason)}, then run the same command again to continue from the newest "
+            f"checkpoint")
+
+
+def advice(reason: str) -> str:
+    """What to do about a storage error no retry can fix."""
+    return ADVICE.get(reason, "make it writable or set another run.storage")
+
+
+def storage_failure(exc: BaseException, storage: str, operation: str, *,
+                    needed_bytes: int | None = None) -> StorageFailure | None:
+    """`exc` as a StorageFailure when no retry can fix it (None otherwise). A full local disk says how much is
+    free and what the write needed."""
+    reason = permanent_reason(exc)
+    if reason is None:
+        return None
+    detail = ""
+    if reason in ("no space left on device", "disk quota exceeded") and needed_bytes and "://" not in storage:
+        free = free_bytes(storage)
+        if free is not None:
+            detail = f"{megabytes(free)} free, {megabytes(needed_bytes)} needed"
+    return StorageFailure(failure_message(storage, operation, reason, detail))
+
+
+def free_bytes(folder: str) -> int | None:
+    """Free bytes on the file system of a local folder (its nearest existing ancestor); None if unknown."""
+    path = Path(folder)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def megabytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"

@@ -1,0 +1,431 @@
+"""What the end of each optimizer step calls for, in this order: the non-finite guard (rollback or give up),
+validation and evaluation, the metrics row, the sample grid, the interrupts, the checkpoint, and settling the
+checkpoints with Ray Train (and with storage: a write no retry can fix stops the run).
+
+Why one object: the loop (`raydiff.training.loop`) then reads as training, one step per iteration; every cadence,
+its state (the newest row, the validation loss, the quality, the last checkpoint, the paused time) and the order
+of their side effects live here, and nowhere else.
+
+Checkpoints are written by rank 0 (`raydiff.runs.checkpoint.CheckpointWriter`: never visible before complete) and
+reported to Ray Train only once they are on storage, at the next point where every worker agrees on what rank 0
+saw (a checkpoint step, a check every CHECK_EVERY_STEPS steps, the end). Rank 0's writes that fail in a way no
+retry can fix (a full disk, a read-only folder, a missing bucket, refused credentials) are kept, not raised: every
+worker stops at that next agreement, rank 0 writes nothing more, and the driver prints one line (see
+`raydiff.runs.storage_errors`). Other errors raise, and Ray Train restarts the workers from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from raydiff.config.lr_rule import describe_lr
+from raydiff.data.loader import BatchStream, MicroBatch
+from raydiff.data.order import rank_share
+from raydiff.model.noise import GRID_NOISE
+from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name
+from raydiff.runs.dashboards import Dashboards, dashboards_for
+from raydiff.runs.images import grid_png, image_labels
+from raydiff.runs.runlog import progress_line
+from raydiff.runs.state import Progress, checkpoint_state
+from raydiff.runs.storage_errors import StorageFailure, storage_failure
+from raydiff.training.distributed import from_rank_zero_code, interrupt_requested
+from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
+from raydiff.training.recovery import Rollback, divergence_report, roll_back
+from raydiff.training.step import StepResult
+from raydiff.training.window import MetricsWindow, NonFiniteSteps
+from raydiff.training.worker import Worker
+from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
+
+logger = logging.getLogger("raydiff")
+GRID_CLASSES = 16  # a class-conditional grid shows at most this many classes, one row each
+CHECK_EVERY_STEPS = 10  # how often the workers look at the device's counters and agree on stop, preemption, storage
+_WRITTEN, _FAILED = 1, 2  # what rank 0 tells the others when they settle checkpoints
+
+
+@dataclass
+class _Live:
+    """What a rollback reopens: the sample stream, the logging window, the non-finite counter and rank 0's
+    dashboards (reopened so that the rolled-back steps' points disappear)."""
+
+    stream: BatchStream
+    window: MetricsWindow
+    nonfinite: NonFiniteSteps
+    dashboards: Dashboards | None
+
+    @classmethod
+    def open(cls, w: Worker, progress: Progress) -> _Live:
+        return cls(stream=w.open_stream(progress), window=MetricsWindow(w.device, progress.window, w.is_chief),
+                   nonfinite=NonFiniteSteps(w.device, progress.counters["skipped_steps"]),
+                   # TensorBoard / MLflow / W&B; points past the checkpoint (lost work) are hidden on TensorBoard.
+                   dashboards=dashboards_for(w.cfg, w.run_dir, resume_step=progress.step) if w.is_chief else None)
+
+    def close(self) -> None:
+        if self.dashboards is not None:
+            self.dashboards.close()
+        self.stream.close()
+
+
+class Cadence:
+    """The cadences of one worker's training, asked once per step what to do.
+
+    :param w: the worker, set up and restored.
+    :param progress: where it continues.
+    :param args: the driver's arguments (its records of this start, the stop flag).
+    """
+
+    def __init__(self, w: Worker, progress: Progress, args: WorkerArgs) -> None:
+        self.w, self.start_step = w, progress.step
+        self.status: WorkerStatus | None = None  # set when training ends before train.total_steps
+        self.diagnostic: str | None = None
+        self.failure: StorageFailure | None = None  # rank 0: a write no retry can fix
+        self.last_row: dict[str, Any] | None = None  # the newest metrics row
+        self.val_loss: float | None = None
+        self.quality: dict[str, Any] | None = None  # the newest evaluation's metrics
+        self.last_checkpoint_step = progress.step
+        self._unreported: dict[str, Any] | None = None  # the metrics of the checkpoint being written
+        self._written: str | None = None  # rank 0: the name of the checkpoint it wrote last
+        self._writer = CheckpointWriter(w.run_dir) if w.is_chief else None
+        self._stop_flag, self._notice_handled = args.stop_flag, False
+        self._data_wait_s = 0.0
+        if w.is_chief:
+            self._write("writing the run's start records", self._record_start, args, progress)
+        self.live = _Live.open(w, progress)
+        self._settle(wait=False)  # storage that refused the start records stops every worker before training
+        self.run_start = time.perf_counter()
+
+    # The step's data.
+    def next_batches(self, step: int) -> list[MicroBatch]:
+        """This worker's micro-batches of optimizer step `step` (counted from 1)."""
+        wait_start = time.perf_counter()
+        batches = next(self.live.stream)
+        self._data_wait_s = time.perf_counter() - wait_start
+        self.w.debug.before_step(step, batches)
+        return batches
+
+    # The end of a step.
+    def end_of_step(self, progress: Progress, result: StepResult, *, lr: float, ema_decay: float) -> Progress:
+        """Everything step `progress.step` calls for, in order; returns where training continues (another progress
+        after a rollback). Sets `status` when training ends early (diverged, stopped, storage failed)."""
+        w, t, live = self.w, self.w.cfg.train, self.live
+        step = progress.step
+        done = step == t.total_steps
+        check = step % CHECK_EVERY_STEPS == 0 or done  # the device's counters are read only here
+        if step == self.start_step + 1:
+            self._after_first_step(step)
+        live.window.add(result, self._data_wait_s)
+        live.nonfinite.add(result.finite)
+        if check or step % t.log_every == 0:
+            progress.counters["skipped_steps"] = live.nonfinite.skipped_steps()
+
+        # Too many non-finite steps in a row: roll back past them once, then give up.
+        if check and live.nonfinite.longest_streak() >= t.max_bad_steps:
+            return self._roll_back_or_give_up(progress, result, lr)
+
+        # Validate and evaluate at their cadences (the same decision on every worker; not training time).
+        with self._paused():
+            new_val_loss, new_quality = self._validate(step, done), self._evaluate(step, done)
+        measured = new_val_loss is not None or new_quality is not None
+        self.val_loss = new_val_loss if new_val_loss is not None else self.val_loss
+        self.quality = new_quality if new_quality is not None else self.quality
+
+        # A metrics row: metrics.jsonl, the dashboards, the progress line.
+        row = None
+        if step % t.log_every == 0 or done or measured:
+            row = live.window.close(step=step, global_batch=t.global_batch, lr=lr, ema_decay=ema_decay,
+                                    world_size=w.world_size, skipped_steps=progress.counters["skipped_steps"])
+            self.last_row = row = row | self._extra_metrics(new_val_loss, new_quality)
+            if w.is_chief:
+                self._write("writing metrics.jsonl", self._log_row, row)
+
+        with self._paused():  # sampling and checkpointing are not training time either
+            # The sample grid.
+            if w.is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
+                self._save_sample_grid(step)
+            # Stop or preemption, agreed by every worker.
+            interrupt = self._poll_interrupts(step) if check and not done else None
+            # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
+            # (Tune stops trials on them); other rows go to metrics.jsonl only.
+            report = {"step": step, "images_seen": step * t.global_batch, **(self.quality or {}), **(row or {}),
+                      **({"val_loss": self.val_loss} if self.val_loss is not None else {})}
+            checkpoint = step % t.checkpoint_every == 0 or done or (interrupt and self.last_checkpoint_step != step)
+            if checkpoint:
+                if self._unreported is not None:  # one write at a time: the previous one first
+                    self._settle(wait=True)
+                if interrupt:
+                    self._event(f"{interrupt}_checkpoint", step=step)
+                self._checkpoint(progress, report)
+            elif measured:
+                ray.train.report(report, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+            # What rank 0's writes came to, agreed by every worker: report a written checkpoint, stop on a failure.
+            if checkpoint or check:
+                self._settle(wait=done or interrupt is not None)
+        if interrupt == "stop" and self.status is None:
+            self.status = WorkerStatus.STOPPED
+        return progress
+
+    def result(self, progress: Progress) -> WorkerResult:
+        """What this worker returns (the driver reads rank 0's)."""
+        t = self.w.cfg.train
+        if self.failure is not None:
+            self.status, self.diagnostic = WorkerStatus.STORAGE_FAILED, str(self.failure)
+        return WorkerResult(self.status or WorkerStatus.FINISHED, steps=progress.step, diagnostic=self.diagnostic,
+                            images_seen=progress.step * t.global_batch,
+                            final_loss=self.last_row["loss"] if self.last_row else None, val_loss=self.val_loss,
+                            quality=self.quality, skipped_steps=progress.counters["skipped_steps"],
+                            rollbacks=progress.counters["rollbacks"], world_size=self.w.world_size,
+                            resumed_from_step=self.start_step)
+
+    def close(self) -> None:
+        """At the end of training: rank 0's metrics rows and writes reach storage (unless storage failed)."""
+        try:
+            if self.w.is_chief and self.failure is None:
+                self._write("writing metrics.jsonl", self.w.close)
+            if self.failure is not None or not self.w.is_chief:
+                self.w.close(flush=False)
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            self.live.close()
+
+    # The pieces, in the order a step's end calls them.
+    def _roll_back_or_give_up(self, progress: Progress, result: StepResult, lr: float) -> Progress:
+        """Back to the newest checkpoint, past the failed steps' data, once; the second time, a diagnostic."""
+        w, t = self.w, self.w.cfg.train
+        if progress.counters["rollbacks"] == 0:
+            if self._unreported is not None:
+                self._settle(wait=True)  # the checkpoint being written is the one to roll back to
+            rollback = roll_back(w, progress)
+            if rollback is not None:
+                back = rollback.progress
+                self._write("cutting metrics.jsonl at the rollback", self._record_rollback, progress, rollback)
+                self.live.close()
+                self.live = _Live.open(w, back)  # the rolled-back steps' dashboard points disappear
+                return back
+        self.diagnostic = divergence_report(t, progress.step, lr, result, w.cfg.diffusion.timesteps)
+        self._event("diverged", step=progress.step, diagnostic=self.diagnostic)
+        if w.is_chief:
+            logger.error(f"[raydiff] {self.diagnostic}")
+        self.status = WorkerStatus.DIVERGED
+        return progress
+
+    def _validate(self, step: int, done: bool) -> float | None:
+        """The validation loss, at train.val_every and at the end (with held-out images)."""
+        w, t = self.w, self.w.cfg.train
+        if w.validation is None or not ((t.val_every and step % t.val_every == 0) or done):
+            return None
+        return w.validation.loss(w.ema, w.diffusion, w.device)
+
+    def _evaluate(self, step: int, done: bool) -> dict[str, Any] | None:
+        """Sample quality, at eval.every and (eval.at_end) at the end."""
+        w, e = self.w, self.w.cfg.eval
+        if w.quality is None or not ((e.every and step % e.every == 0) or (done and e.at_end)):
+            return None
+        eval_start = time.perf_counter()
+        quality = evaluate_in_run(w.quality, w.ema, w.diffusion, w.cfg, w.rank, w.world_size, w.device,
+                                  batch=w.micro_batch)
+        quality["eval_s"] = round(time.perf_counter() - eval_start, 2)
+        return quality
+
+    def _extra_metrics(self, val_loss: float | None, quality: dict[str, Any] | None) -> dict[str, Any]:
+        """What a metrics row holds besides the window's averages."""
+        w = self.w
+        extra: dict[str, Any] = {"time_s": round(time.perf_counter() - self.run_start, 3)}
+        if w.device.type == "cuda":
+            extra["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(w.device) / 1e9, 3)
+        extra["ema_drift"] = ema_drift(w.ema, w.model)
+        if val_loss is not None:
+            extra["val_loss"] = val_loss
+        if quality is not None:
+            extra.update(quality)
+        return extra
+
+    def _log_row(self, row: dict[str, Any]) -> None:
+        """Rank 0: the row to metrics.jsonl, the dashboards and the progress line."""
+        w = self.w
+        assert w.metrics_log is not None  # rank 0's
+        w.metrics_log.append(row)
+        if self.live.dashboards is not None:
+            self.live.dashboards.metrics(row)
+        logger.info(progress_line(row, w.cfg.train.total_steps, self.start_step, time.perf_counter() - self.run_start))
+
+    @torch.no_grad()
+    def _save_sample_grid(self, step: int) -> None:
+        """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards. Generated a
+        micro-batch at a time: what fits a training step fits sampling (image i depends on (seed, i) only). A
+        class-conditional run's grid has one row per class (the first GRID_CLASSES), at eval.guidance."""
+        w = self.w
+        t, d = w.cfg.train, w.cfg.data
+        labels, per_row = grid_labels(w.num_classes, t.sample_num)
+        chunks = w.diffusion.sample_in_chunks(
+            w.ema, range(len(labels) if labels else t.sample_num), (d.channels, d.resolution, d.resolution),
+            batch=w.micro_batch, seed=t.seed, tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps,
+            labels=labels, guidance=w.cfg.eval.guidance)
+        png = grid_png(torch.cat(list(chunks)), nrow=per_row)
+        if w.writes is not None and self.failure is None:
+            w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
+        if self.live.dashboards is not None:
+            self.live.dashboards.image("samples", png, step)
+
+    def _poll_interrupts(self, step: int) -> str | None:
+        """"stop", "preemption" or None, alike on every worker (a collective); one checkpoint per preemption
+        notice, not one per check while the notice lasts."""
+        w = self.w
+        interrupt = interrupt_requested(self._stop_flag, w.is_chief, w.device, w.debug.preemption_notice(step))
+        notice = interrupt == "preemption"
+        if notice and self._notice_handled:
+            interrupt = None  # this notice has its checkpoint already
+        self._notice_handled = notice
+        return interrupt
+
+    def _checkpoint(self, progress: Progress, report: dict[str, Any]) -> None:
+        """Every worker: the window's sums into the progress (a collective); rank 0: the rows up to this step on
+        storage, then the full state written as a checkpoint. Ray hears of it once it is on storage (`_settle`)."""
+        progress.window = self.live.window.checkpoint_state()
+        self.last_checkpoint_step = progress.step
+        self._unreported = report
+        if self._writer is None:
+            return
+        self._write("writing metrics.jsonl", self._flush_logs)  # the rows up to a checkpoint are kept on resume
+        self._write(f"writing the checkpoint of step {progress.step}", self._start_checkpoint, progress)
+        if self.live.dashboards is not None:
+            self.live.dashboards.flush()
+
+    def _flush_logs(self) -> None:
+        """Rank 0: every metrics row and background write so far, on storage."""
+        w = self.w
+        assert w.metrics_log is not None and w.writes is not None  # rank 0's
+        w.metrics_log.flush()
+        w.writes.drain()
+
+    def _start_checkpoint(self, progress: Progress) -> None:
+        w = self.w
+        assert self._writer is not None  # rank 0's
+        name = checkpoint_name(progress.step, w.run_dir)
+        state = checkpoint_state(w.training_state, progress, w.cfg.train.global_batch, w.cfg.to_dict(), w.classes)
+        self._writer.start(name, state)
+
+    def _settle(self, *, wait: bool) -> None:
+        """Every worker, at the same steps: what became of rank 0's checkpoint write and other writes, as rank 0
+        tells it (a collective). A checkpoint on storage is reported to Ray Train (with the metrics of its step);
+        a write no retry can fix ends training on every worker."""
+        code = 0
+        if self._writer is not None:
+            outcome = self._writer.outcome(wait=wait)
+            if outcome is not None:
+                name, error = outcome
+                if error is None:
+                    self._written = name
+                    code = _WRITTEN
+                else:
+                    self._write(f"writing {name}", _raise, error)
+            if self.w.writes is not None:
+                self._write("writing to the run directory", self.w.writes.raise_failed)
+            code = _FAILED if self.failure is not None else code
+        code = from_rank_zero_code(code, self.w.device)
+        if code == _WRITTEN and self._unreported is not None:
+            report, self._unreported = self._unreported, None
+            checkpoint = None
+            if self.w.is_chief:
+                storage = ray.train.get_context().get_storage()
+                checkpoint = ray.train.Checkpoint(path=f"{storage.experiment_fs_path}/{self._written}",
+                                                  filesystem=storage.storage_filesystem)
+            ray.train.report(report, checkpoint=checkpoint,
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        elif code == _FAILED:
+            self.status = WorkerStatus.STORAGE_FAILED
+
+    # Rank 0's records.
+    def _record_start(self, args: WorkerArgs, progress: Progress) -> None:
+        """Once the checkpoint is restored: the driver's records of this start, the metrics rows of work that was
+        lost cut off, the start event and the start line."""
+        w, t = self.w, self.w.cfg.train
+        for name, text in args.records.items():
+            w.run_dir.write_text(name, text)
+        if w.metrics_log is not None:
+            w.metrics_log.truncate_after(progress.step)
+        w.event("start", invocation=args.invocation, step=progress.step, world_size=w.world_size, pid=os.getpid(),
+                speed=w.speed.describe(), compile_cache=w.compile_cache_note)
+        for note in w.restore_notes:
+            logger.warning(f"[raydiff] note: {note}")
+        share = rank_share(t.global_batch, w.world_size, 0)
+        cache = f"; {w.compile_cache_note}" if w.compile_cache_note else ""
+        logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
+                    f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
+                    f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; "
+                    f"{w.speed.describe()}; {w.memory_plan}{cache}")
+
+    def _record_rollback(self, progress: Progress, rollback: Rollback) -> None:
+        w, back = self.w, rollback.progress
+        gb = w.cfg.train.global_batch
+        assert w.metrics_log is not None  # rank 0's
+        w.metrics_log.truncate_after(back.step)
+        w.event("rollback", from_step=progress.step, to_step=back.step, checkpoint=str(rollback.checkpoint),
+                skipped_positions=[rollback.failed_from * gb, back.stream_step * gb])
+        logger.warning(f"[raydiff] WARNING: {w.cfg.train.max_bad_steps} non-finite steps in a row at step "
+                       f"{progress.step}: rolled back to step {back.step} and skipped the {progress.step - back.step} "
+                       f"steps of data that failed")
+
+    def _after_first_step(self, step: int) -> None:
+        """After the first step of a start everything the step runs is compiled: rank 0 records how long the step
+        took (compilation included) and keeps what was newly compiled in the run directory (train.compile_cache),
+        off the training thread."""
+        w = self.w
+        self._event("first_step", step=step, seconds=round(time.perf_counter() - self.run_start, 3))
+        if w.compile_cache is None or w.writes is None:
+            return
+        data = w.compile_cache.artifacts()
+        if data is not None and self.failure is None:
+            w.writes.submit(w.compile_cache.save, data)
+
+    def _event(self, event: str, **fields: Any) -> None:
+        self._write(f"writing events.jsonl ({event})", self.w.event, event, *(), **fields)
+
+    def _write(self, operation: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """One of rank 0's writes (a no-op elsewhere). A storage error no retry can fix is kept (every worker stops
+        at the next `_settle`) and rank 0 writes nothing more; any other error raises."""
+        if not self.w.is_chief or self.failure is not None:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            failure = storage_failure(exc, str(self.w.run_dir), operation, needed_bytes=self._needed_bytes())
+            if failure is None:
+                raise
+            self.failure = failure  # the driver prints it: the one line the user reads
+
+    def _needed_bytes(self) -> int:
+        """What one checkpoint of this model takes (the state file it writes), for a full disk's message."""
+        return 16 * sum(p.numel() for p in self.w.model.parameters())
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Time that is not training time: kept out of the window's img/s."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.live.window.paused_s += time.perf_counter() - start
+
+
+def grid_labels(num_classes: int, sample_num: int) -> tuple[list[int] | None, int | None]:
+    """(the class of each grid image, images per row): one row per class of a class-conditional model, as many
+    images per row as `sample_num` allows (at least one); (None, None) for an unconditional model."""
+    if not num_classes:
+        return None, None
+    shown = min(num_classes, GRID_CLASSES)
+    per_row = max(1, sample_num // shown)
+    return image_labels(range(shown), shown * per_row), per_row  # raydiff.sample's blocks: it reproduces the grid
+
+
+def _raise(error: BaseException) -> None:
+    raise error

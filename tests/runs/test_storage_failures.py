@@ -1,0 +1,138 @@
+"""When storage fails, through the CLI: a full disk stops the run at once in one line and loses nothing (the next
+run continues bit-identical once there is room); storage without room for two checkpoints, a read-only folder and
+a missing bucket are refused before anything is written; a flaky object store (503s and dropped answers) is
+survived bit-identically."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+from flaky_s3 import FlakyS3
+
+from raydiff.runs.checkpoint import list_checkpoints, read_state
+
+SMOKE_40 = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=5",
+            "--set", "run.keep_checkpoints=100"]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *, read_only: bool = False):
+    """A small file system of its own at `path` (a tmpfs: needs root), unmounted afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _train(storage: str, *extra: str):
+    return run_cli("raydiff.train", *SMOKE_40, "--set", f"run.storage={storage}", *extra)
+
+
+def _final_state(run_dir) -> dict:
+    return read_state(list_checkpoints(run_dir)[-1])
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[part][k], b[part][k]) for part in ("model", "ema") for k in a[part])
+
+
+def _error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("raydiff:")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cluster) -> dict:
+    """The final state of the same run, uninterrupted, on a local disk with room."""
+    storage = tmp_path_factory.mktemp("reference")
+    proc = _train(str(storage))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _final_state(storage / "smoke")
+
+
+@pytest.mark.ray
+def test_a_full_disk_stops_the_run_at_once_in_one_line_and_loses_nothing(tmp_path, reference):
+    with tmpfs(tmp_path / "disk", "12m") as disk:  # room for the start and about three checkpoints of 3 MB
+        proc = _train(str(disk))
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 2, output[-3000:]
+        [line] = _error_lines(proc)
+        assert line.startswith(f"raydiff: error: storage {disk / 'smoke'}: writing the checkpoint of step ")
+        assert "failed: no space left on device;" in line and " MB free, " in line
+        assert "Nothing already saved was lost; free space there or set another run.storage" in line
+        assert "Traceback" not in output and "WARNING" not in output
+        run_dir = disk / "smoke"
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        assert [e["event"] for e in events].count("start") == 1  # no worker restart spent on it
+        # Nothing half-written in sight: every checkpoint folder reads, and no partial one is left.
+        folders = sorted(p.name for p in run_dir.iterdir() if "checkpoint_0" in p.name)
+        newest = list_checkpoints(run_dir)
+        assert folders == [c.name for c in newest] and len(newest) >= 2
+        for checkpoint in newest:
+            read_state(checkpoint)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["error"] == line.removeprefix("raydiff: error: ")
+        assert line.endswith(f"({newest[-1].name})")
+
+        # With room again, the same command continues from the newest checkpoint, as an uninterrupted run would.
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        again = _train(str(disk))
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"continuing at step {int(newest[-1].name[-8:])}" in again.stdout + again.stderr
+        assert "WARNING" not in again.stdout + again.stderr
+        assert _same_weights(_final_state(run_dir), reference)
+
+
+def test_storage_without_room_for_two_checkpoints_is_refused_before_anything_is_written(tmp_path):
+    with tmpfs(tmp_path / "disk", "4m") as disk:  # a smoke checkpoint takes about 3.9 MB: two do not fit
+        proc = _train(str(disk))
+        assert proc.returncode == 2
+        [line] = _error_lines(proc)
+        assert line.startswith(f"raydiff: config error: run.storage = '{disk}': ") and "MB free on its file system, " \
+            "and a checkpoint of this model takes about 3.9 MB: a run needs room for at least two (7.8 MB)" in line
+        assert not any(disk.iterdir())
+
+
+def test_a_read_only_folder_is_refused_before_anything_is_written(tmp_path):
+    with tmpfs(tmp_path / "read-only", "4m", read_only=True) as folder:
+        proc = _train(str(folder))
+        assert proc.returncode == 2
+        [line] = _error_lines(proc)
+        assert line == (f"raydiff: config error: run.storage = '{folder}': cannot write the run directory "
+                        f"{folder / 'smoke'} (Read-only file system: {folder})")
+
+
+def test_a_missing_bucket_is_refused_before_anything_is_written(s3_server):
+    endpoint, client = s3_server
+    proc = _train("s3://no-such-bucket/runs", "--set", f"run.endpoint={endpoint}")
+    assert proc.returncode == 2
+    [line] = _error_lines(proc)
+    assert line == ("raydiff: config error: run.storage = 's3://no-such-bucket/runs': cannot write the run directory "
+                    "s3://no-such-bucket/runs/smoke (the bucket does not exist: create the bucket or correct "
+                    "run.storage)")
+    assert "no-such-bucket" not in [b["Name"] for b in client.list_buckets()["Buckets"]]
+
+
+@pytest.mark.ray
+def test_a_flaky_object_store_is_survived_bit_identically(s3_server, reference):
+    """10% of requests answered with 503 SlowDown, or applied with the answer dropped (a retry goes through)."""
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="flaky")
+    with FlakyS3(endpoint, rate=0.1, seed=0) as proxy:
+        proc = _train("s3://flaky/runs", "--set", f"run.endpoint={proxy.endpoint}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proxy.counts["slow_down"] >= 5 and proxy.counts["dropped"] >= 5, proxy.counts
+    assert "Traceback" not in proc.stdout + proc.stderr
+    from raydiff.runs.rundir import RunDir
+
+    assert _same_weights(_final_state(RunDir("s3://flaky/runs/smoke", endpoint=endpoint)), reference)
