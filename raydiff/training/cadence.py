@@ -334,15 +334,20 @@ class Cadence:
         code = from_rank_zero_code(code, self.w.device)
         if code == _WRITTEN and self._unreported is not None:
             report, self._unreported = self._unreported, None
-            checkpoint = None
-            if self.w.is_chief:
-                storage = ray.train.get_context().get_storage()
-                checkpoint = ray.train.Checkpoint(path=f"{storage.experiment_fs_path}/{self._written}",
-                                                  filesystem=storage.storage_filesystem)
+            checkpoint = self._ray_checkpoint(self._written) if self.w.is_chief else None
             ray.train.report(report, checkpoint=checkpoint,
                              checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
         elif code == _FAILED:
             self.status = WorkerStatus.STORAGE_FAILED
+
+    def _ray_checkpoint(self, name: str | None) -> ray.train.Checkpoint:
+        """The written checkpoint as Ray Train knows its storage (the same filesystem object it manages)."""
+        try:
+            storage = ray.train.get_context().get_storage()
+            return ray.train.Checkpoint(path=f"{storage.experiment_fs_path}/{name}",
+                                        filesystem=storage.storage_filesystem)
+        except NotImplementedError:  # Ray Train's local mode (num_workers=0) has no storage context
+            return ray.train.Checkpoint(path=f"{self.w.run_dir.path}/{name}", filesystem=self.w.run_dir.fs)
 
     # Rank 0's records.
     def _record_start(self, args: WorkerArgs, progress: Progress) -> None:
