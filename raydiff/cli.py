@@ -10,9 +10,9 @@ from raydiff.cluster.nodes import NoWorkerNode
 from raydiff.config import ConfigError
 from raydiff.data.sources import DataError
 from raydiff.quality.features import QualityError
-from raydiff.runs.rundir import RunInUse
 from raydiff.runs.state import Unresumable
-from raydiff.runs.storage_errors import StorageFailure
+from raydiff.storage.errors import StorageFailure
+from raydiff.storage.rundir import RunInUse
 from raydiff.training.stop import Interrupted
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,

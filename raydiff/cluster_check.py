@@ -29,8 +29,8 @@ import yaml
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, load_config, preset_names
-from raydiff.data.fs import REMOTE_SCHEMES
 from raydiff.kuberay_schema import KUBERAY_SCHEMAS
+from raydiff.storage.fs import REMOTE_SCHEMES
 
 PRESET_COMMENT = re.compile(r"#\s*raydiff-preset:\s*(\S+)\s*$")
 PRESET_ANNOTATION = "raydiff.dev/preset"

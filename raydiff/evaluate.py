@@ -163,24 +163,15 @@ def write_result(run_dir, result: dict[str, Any]) -> str:
     return name
 
 
-def describe(result: dict[str, Any]) -> str:
-    """One line of a metrics row (with its guidance where it has one)."""
-    numbers = ", ".join(f"{k} {v:.4g}" for k, v in result.items()
-                        if k.endswith(("fd", "fid", "kid", "coverage", "confident", "class_match"))
-                        and isinstance(v, float))
-    guided = f", guidance {result['guidance']:g}" if result.get("guidance") is not None else ""
-    return (f"step {result['step']}, {result['num']} images ({result['sampler']}, {result['steps']} steps, seed "
-            f"{result['seed']}{guided}): {numbers}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from raydiff.quality.features import require_metrics_package
+    from raydiff.quality.measure import result_line
     from raydiff.runs.checkpoint import STATE_FILE, checkpoint_location
 
     require_metrics_package("raydiff.evaluate")
-    from raydiff.runs.rundir import unwritable
     from raydiff.runs.state import read_newest
+    from raydiff.storage.rundir import unwritable
 
     location = checkpoint_location(args.checkpoint, args.endpoint)
     run_dir = location.parent if location.is_file(STATE_FILE) else location
@@ -202,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluate(state, cfg, workers=args.workers, guidance=guidance)
     name = write_result(run_dir, result)
     for row in rows(result):
-        print(f"[raydiff] {describe(row)} in {row['eval_s']:.0f} s -> {run_dir / name}")
+        print(f"[raydiff] {result_line(row)} in {row['eval_s']:.0f} s -> {run_dir / name}")
     return 0
 
 

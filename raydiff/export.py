@@ -24,8 +24,8 @@ from pathlib import Path
 from raydiff import cli
 from raydiff.config import Config
 from raydiff.runs.checkpoint import checkpoint_location
-from raydiff.runs.rundir import unwritable
 from raydiff.runs.state import read_newest
+from raydiff.storage.rundir import unwritable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -23,7 +23,7 @@ import torch
 
 from raydiff import cli
 from raydiff.config import Config, load_config, preset_names
-from raydiff.runs.rundir import unwritable
+from raydiff.storage.rundir import unwritable
 
 SMOOTHING = 0.98  # exponential smoothing of the loss, bias-corrected
 DIVERGED = 4.0  # stop once the smoothed loss exceeds this multiple of its minimum
@@ -52,6 +52,7 @@ def suggest(lrs: np.ndarray, smoothed: list[float]) -> tuple[float, float, float
 
 
 def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
+    from raydiff.cluster.devices import resolve_device
     from raydiff.cluster.start import init_ray
     from raydiff.data.loader import BatchStream
     from raydiff.data.order import Share
@@ -59,7 +60,6 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.data.stream import open_images, open_tables
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
-    from raydiff.sample import resolve_device
     from raydiff.training.step import StepInputs, make_optimizer, optimizer_step, resolve_precision
     from raydiff.training.validation import holdout_split
 

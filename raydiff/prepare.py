@@ -25,7 +25,7 @@ from raydiff.data.ingest import decode_stream
 from raydiff.data.labels import plan_labels
 from raydiff.data.shards import MANIFEST, write_prepared
 from raydiff.data.sources import open_source
-from raydiff.runs.rundir import unwritable
+from raydiff.storage.rundir import unwritable
 from raydiff.training.stop import interrupt_on_signals
 
 

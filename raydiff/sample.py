@@ -33,15 +33,16 @@ from typing import Literal
 import torch
 
 from raydiff import cli
+from raydiff.cluster.devices import resolve_device
 from raydiff.config import Config
 from raydiff.model import diffusers_folder
 from raydiff.model.diffusion import build_diffusion, images_per_pass
-from raydiff.model.noise import GRID_NOISE
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_location
 from raydiff.runs.images import grid_row, image_labels, save_samples
-from raydiff.runs.rundir import unwritable
 from raydiff.runs.state import read_newest
+from raydiff.seeds import GRID_NOISE
+from raydiff.storage.rundir import unwritable
 
 SHOWN_CLASSES = 8  # classes named in full in the start line and in an error's list of choices
 
@@ -86,18 +87,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if reason:
         parser.error(f"--out {args.out}: cannot write there ({reason})")
     return args
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name}: expected auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device on this machine")
-    return device
 
 
 def class_names(state: dict) -> list[str]:

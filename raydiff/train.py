@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[raydiff] finished: {summary['steps']} steps, {summary['images_seen']:,} images, final loss "
           f"{summary['final_loss']:.4f}, {summary['wall_s']:.0f} s{resumed}{restarts}")
     if summary.get("quality"):
-        from raydiff.evaluate import describe
+        from raydiff.quality.measure import result_line
 
         e = cfg.eval
         settings = {"step": summary["steps"], "num": e.num, "sampler": e.sampler, "steps": e.steps, "seed": e.seed}
         if cfg.model.num_classes:
             settings["guidance"] = e.guidance
-        print(f"[raydiff] quality:    {describe({**summary['quality'], **settings})}")
+        print(f"[raydiff] quality:    {result_line({**summary['quality'], **settings})}")
     print(f"[raydiff] results:    {run_dir}")
     print(f"[raydiff] samples:    {run_dir}/samples/")
     print(f"[raydiff] checkpoint: {summary['checkpoint']}")

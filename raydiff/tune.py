@@ -196,7 +196,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
 
     from raydiff.cluster.nodes import wait_for_worker_node
     from raydiff.cluster.start import init_ray
-    from raydiff.runs.rundir import unwritable
+    from raydiff.storage.rundir import unwritable
     from raydiff.training.driver import with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
 

@@ -20,10 +20,10 @@ from raydiff.config import ConfigError, load_config
 from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import make_ema
-from raydiff.model.noise import GRID_NOISE, image_generators
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
 from raydiff.runs.state import Progress, TrainingState, checkpoint_state
+from raydiff.seeds import GRID_NOISE, image_generators
 
 T = 50  # a short chain, so that sampling every step stays fast
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # small models: see one_torch_thread in conftest.py

@@ -1,4 +1,5 @@
-"""The package's layout: no import circles, and no library module importing a command.
+"""The package's layout: floors that import only downwards, no import circles between files, and no command
+importing another command.
 
 Imports are read with `ast` (function-level ones included: an import inside a function is still a dependency;
 imports under `if TYPE_CHECKING:` are not, they never run).
@@ -10,8 +11,14 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raydiff"
-LIBRARY = ("raydiff.cluster", "raydiff.config", "raydiff.data", "raydiff.model", "raydiff.quality", "raydiff.runs",
-           "raydiff.training")
+LIBRARY = ("raydiff.storage", "raydiff.seeds", "raydiff.config", "raydiff.cluster", "raydiff.model", "raydiff.data",
+           "raydiff.quality", "raydiff.runs", "raydiff.training")
+# The floors, from the ground up: a module may import its own package and the packages on floors below it. The
+# ground (storage, seeds, config, the cluster) holds what every domain needs; the domains (the model, the data,
+# quality) come next; then what a run leaves (runs), running it (training), and the commands on top.
+FLOORS = (("raydiff.storage", "raydiff.seeds"), ("raydiff.config",), ("raydiff.cluster",), ("raydiff.model",),
+          ("raydiff.data",), ("raydiff.quality",), ("raydiff.runs",), ("raydiff.training",))
+COMMAND_FLOOR = len(FLOORS)
 
 
 def _module_name(path: Path) -> str:
@@ -110,6 +117,36 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return circles
 
 
+def floor_of(module: str) -> int:
+    """The floor of a module: its package's (commands and their helpers: the top)."""
+    for floor, packages in enumerate(FLOORS):
+        if any(module == p or module.startswith(f"{p}.") for p in packages):
+            return floor
+    return COMMAND_FLOOR
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a package to a package on the same floor or above (its own package excepted)."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if _package(a) != _package(b) and floor_of(a) <= floor_of(b) and floor_of(a) < COMMAND_FLOOR)
+
+
+def test_packages_import_only_the_floors_below():
+    assert arrows_up(import_graph()) == []
+
+
+def test_no_command_imports_another_command():
+    graph, cmds = import_graph(), commands()
+    helpers = {"raydiff.cli", "raydiff.plots", "raydiff.kuberay_schema"}  # what the commands share, no main
+    wrong = {name: sorted((graph[name] & cmds) - helpers - {name} - {m for m in cmds if m.startswith("raydiff.bench")})
+             for name in cmds if not name.startswith("raydiff.bench")}
+    assert {name: found for name, found in wrong.items() if found} == {}
+
+
 def test_no_import_circles():
     assert _circles(import_graph()) == []
 
@@ -128,5 +165,8 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert "raydiff.cluster.start" in graph["raydiff.prepare"]  # imported at the top
     assert {"raydiff.train", "raydiff.prepare", "raydiff.bench"} <= commands()
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert arrows_up({"raydiff.data.loader": {"raydiff.training.step", "raydiff.seeds", "raydiff.data.order"}}) == [
+        "raydiff.data.loader -> raydiff.training.step"]
+    assert floor_of("raydiff.storage.fs") == 0 and floor_of("raydiff.train") == COMMAND_FLOOR
     tree = ast.parse("def f():\n    from raydiff.cluster import start\nif TYPE_CHECKING:\n    import raydiff.cli\n")
     assert _imported(tree, "raydiff.prepare", _modules()) == {"raydiff.cluster", "raydiff.cluster.start"}

@@ -166,7 +166,7 @@ def test_an_output_that_cannot_be_written_is_one_line_exit_2_before_any_work(mod
     """A path through a file (a folder without write permission or a missing bucket go the same way)."""
     import importlib
 
-    from raydiff.runs.rundir import RunDir
+    from raydiff.storage.rundir import RunDir
 
     file = tmp_path / "file"
     file.write_text("not a folder")

@@ -277,8 +277,8 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
 def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: list[int] | None,
                      peak: float | None, profile: Path | None = None, rerun: bool = False) -> list[dict[str, Any]]:
     """One result per per-device batch (see the module's docstring)."""
+    from raydiff.cluster.devices import resolve_device
     from raydiff.cluster.start import init_ray
-    from raydiff.sample import resolve_device
 
     base = load_config(config, overrides, check_source=False)
     device = resolve_device("auto")

@@ -13,7 +13,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from raydiff.config.schema import Config, ConfigError
-from raydiff.data.fs import SCHEMES
+from raydiff.storage.fs import SCHEMES
 
 BUILTIN_SOURCES = ("builtin:digits",)
 # The oldest release of an optional package that raydiff works with (pyproject.toml's extras say the same).

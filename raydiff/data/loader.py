@@ -6,7 +6,7 @@ vectorized (one gather per chunk), never per image. The cheap per-epoch work, sc
 horizontal flips, is done on the training device.
 
 Each sample's diffusion timestep and noise are a pure function of (seed, stream position) (see
-`raydiff.model.noise`), so runs with 1 or 8 workers, with or without accumulation, compute the same updates. So is
+`raydiff.data.noise`), so runs with 1 or 8 workers, with or without accumulation, compute the same updates. So is
 a class-conditional run's label dropout: a sample's class id comes from its index, and whether it trains as the
 null class from (seed, position).
 """
@@ -21,8 +21,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from raydiff.data.noise import dropped_labels, position_noise
 from raydiff.data.order import SampleOrder, Share, micro_batches
-from raydiff.model.noise import dropped_labels, position_noise
 
 
 class ImageTable:

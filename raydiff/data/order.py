@@ -17,16 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-def keyed_rng(*key: int) -> np.random.Generator:
-    """A random generator that is a pure function of the key. Trailing zeros do not count: (s, e) and
-    (s, e, 0) are the same key, so give each stream a distinct non-zero tag."""
-    return np.random.default_rng(np.random.SeedSequence(list(key)))
-
-
-def derive_seed(*key: int) -> int:
-    """A 63-bit seed that is a pure function of the key, for torch generators."""
-    return int(np.random.SeedSequence(list(key)).generate_state(2, np.uint64)[0] >> np.uint64(1))
+from raydiff.seeds import keyed_rng
 
 
 class SampleOrder:

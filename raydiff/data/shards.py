@@ -29,8 +29,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
-from raydiff.data.fs import filesystem_for
 from raydiff.data.labels import LABEL_COLUMN, LabelPlan, missing_labels, resolve_classes
+from raydiff.storage.fs import filesystem_for
 
 MANIFEST = "manifest.json"
 PREPARED_FORMAT = "raydiff-prepared"

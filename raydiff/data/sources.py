@@ -16,8 +16,8 @@ from typing import Any, Literal
 import pyarrow.fs as pafs
 
 from raydiff.data.errors import DataError
-from raydiff.data.fs import filesystem_for, is_remote
 from raydiff.data.shards import PREPARED_VERSION, read_manifest
+from raydiff.storage.fs import filesystem_for, is_remote
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 FileKind = Literal["images", "parquet", "webdataset"]  # told from the files' extensions (or data.format)

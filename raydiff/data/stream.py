@@ -42,7 +42,6 @@ import ray
 
 from raydiff.cluster.nodes import smallest_object_store
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
-from raydiff.data.fs import filesystem_for
 from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS, decode_stream, load_data
 from raydiff.data.labels import LabelPlan, plan_labels, read_labels
 from raydiff.data.loader import ImageTable
@@ -51,8 +50,9 @@ from raydiff.data.order import SampleOrder
 from raydiff.data.sharded import GB, ShardedImages
 from raydiff.data.shards import SHARD_BYTES, check_prepared, rows_per_shard_for, write_prepared
 from raydiff.data.sources import Source, open_source
-from raydiff.runs.lease import hold, this_process
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.fs import filesystem_for
+from raydiff.storage.lease import hold, this_process
+from raydiff.storage.rundir import RunDir
 
 MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store

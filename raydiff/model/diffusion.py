@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from raydiff.model.noise import image_generators
+from raydiff.seeds import image_generators
 
 Schedule = Literal["linear", "cosine"]
 Prediction = Literal["eps", "v", "x0"]
@@ -223,7 +223,7 @@ class GaussianDiffusion:
         guidance: float = 1.0,
     ) -> torch.Tensor:
         """Generate images in [-1, 1], in full fp32 (no TF32). Noise is drawn where `generator` lives: give
-        generators on `device` (`raydiff.model.noise.image_generators`), so that nothing crosses from the host at
+        generators on `device` (`raydiff.seeds.image_generators`), so that nothing crosses from the host at
         each step. A list holds one generator per image (as EDM does): each image is then a pure function of its
         own generator, whatever the batch. Draws that a step multiplies by zero (every step of DDIM with eta 0,
         the last step of every sampler) are skipped.

@@ -20,11 +20,10 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raydiff.data.order import derive_seed
 from raydiff.model.diffusion import full_fp32
-from raydiff.model.noise import EVAL_NOISE
 from raydiff.quality.features import DigitsFeatures, Features, metric_names
 from raydiff.quality.stats import FeatureStats, coverage, frechet_distance, kernel_distance
+from raydiff.seeds import EVAL_NOISE, derive_seed
 
 CHUNK_IMAGES = 100
 EVAL_LABELS = 0x6C6162656C  # the key tag of the class asked of each evaluated image: apart from its noise's
@@ -199,3 +198,13 @@ def scores(samples: FeatureStats, reference: Any, features: Features, metrics: t
         if samples.asked:
             out[f"{prefix}_class_match"] = samples.matched / samples.asked
     return out
+
+
+def result_line(result: dict[str, Any]) -> str:
+    """One line of a metrics row (with its guidance where it has one)."""
+    numbers = ", ".join(f"{k} {v:.4g}" for k, v in result.items()
+                        if k.endswith(("fd", "fid", "kid", "coverage", "confident", "class_match"))
+                        and isinstance(v, float))
+    guided = f", guidance {result['guidance']:g}" if result.get("guidance") is not None else ""
+    return (f"step {result['step']}, {result['num']} images ({result['sampler']}, {result['steps']} steps, seed "
+            f"{result['seed']}{guided}): {numbers}")

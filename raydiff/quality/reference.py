@@ -20,7 +20,7 @@ import numpy as np
 
 from raydiff.quality.features import Features, QualityError
 from raydiff.quality.measure import parallel_stats, total
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 CACHE_FOLDER = ".raydiff-reference"
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from raydiff.model.unet import build_model, count_parameters
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 STATE_FILE = "state.pt"
 PARTIAL = ".partial-"  # a checkpoint folder being written: `.checkpoint_<step>.partial-<id>`, never listed

@@ -31,8 +31,8 @@ from typing import Any
 import yaml
 
 from raydiff.config import Config
-from raydiff.runs.rundir import RunDir
-from raydiff.runs.writer import BackgroundWrites
+from raydiff.storage.rundir import RunDir
+from raydiff.storage.writes import BackgroundWrites
 
 logger = logging.getLogger("raydiff")
 

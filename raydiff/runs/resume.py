@@ -4,7 +4,7 @@ Re-running the same command continues the run from its newest checkpoint (Ray Tr
 `run.name` and `run.storage`). Continuing is refused when a key that fixes what the checkpoint means has
 changed (model shape, diffusion, data, global batch, seed): the result would be neither the old run nor a new
 one. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts over. The caller holds
-the run directory's lease (`raydiff.runs.lease`) while it decides and moves.
+the run directory's lease (`raydiff.storage.lease`) while it decides and moves.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 
 from raydiff.config import Config, ConfigError
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 # Keys whose change makes a checkpoint mean something else; every other key may change between runs
 # (learning rate, cadences, total_steps to extend a run, world size, precision, ...).

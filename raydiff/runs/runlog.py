@@ -8,8 +8,8 @@ import math
 import time
 from typing import Any
 
-from raydiff.runs.rundir import RunDir
-from raydiff.runs.writer import BackgroundWrites
+from raydiff.storage.rundir import RunDir
+from raydiff.storage.writes import BackgroundWrites
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 if TYPE_CHECKING:
     import ray.train

@@ -11,7 +11,7 @@ reported to Ray Train only once they are on storage, at the next point where eve
 saw (a checkpoint step, a check every CHECK_EVERY_STEPS steps, the end). Rank 0's writes that fail in a way no
 retry can fix (a full disk, a read-only folder, a missing bucket, refused credentials) are kept, not raised: every
 worker stops at that next agreement, rank 0 writes nothing more, and the driver prints one line (see
-`raydiff.runs.storage_errors`). Other errors raise, and Ray Train restarts the workers from the last checkpoint.
+`raydiff.storage.errors`). Other errors raise, and Ray Train restarts the workers from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import torch
 from raydiff.config.lr_rule import describe_lr
 from raydiff.data.loader import BatchStream, MicroBatch
 from raydiff.data.order import rank_share
-from raydiff.model.noise import GRID_NOISE
 from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name
 from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.images import grid_png, image_labels
 from raydiff.runs.runlog import progress_line
 from raydiff.runs.state import Progress, checkpoint_state
-from raydiff.runs.storage_errors import StorageFailure, storage_failure
+from raydiff.seeds import GRID_NOISE
+from raydiff.storage.errors import StorageFailure, storage_failure
 from raydiff.training.distributed import from_rank_zero_code, interrupt_requested
 from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
 from raydiff.training.recovery import Rollback, divergence_report, roll_back
@@ -204,7 +204,7 @@ class Cadence:
         if progress.counters["rollbacks"] == 0:
             if self._unreported is not None:
                 self._settle(wait=True)  # the checkpoint being written is the one to roll back to
-            rollback = roll_back(w, progress)
+            rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief)
             if rollback is not None:
                 back = rollback.progress
                 self._write("cutting metrics.jsonl at the rollback", self._record_rollback, progress, rollback)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 CACHE_FOLDER = "compile_cache"
 

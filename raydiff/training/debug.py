@@ -14,7 +14,7 @@ from typing import IO
 
 from raydiff.config import Config
 from raydiff.data.loader import MicroBatch
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 
 class DebugHooks:

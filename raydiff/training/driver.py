@@ -31,12 +31,10 @@ from raydiff.quality.features import features_for, metric_names, require_metrics
 from raydiff.quality.reference import reference_for
 from raydiff.runs.checkpoint import checkpoint_bytes, remove_partial_checkpoints
 from raydiff.runs.dashboards import dashboards_for
-from raydiff.runs.lease import hold, this_process
 from raydiff.runs.resume import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
-from raydiff.runs.rundir import RunDir, unwritable
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
-from raydiff.runs.storage_errors import (
+from raydiff.storage.errors import (
     StorageFailure,
     failure_message,
     free_bytes,
@@ -44,6 +42,8 @@ from raydiff.runs.storage_errors import (
     permanent_reason,
     storage_failure,
 )
+from raydiff.storage.lease import hold, this_process
+from raydiff.storage.rundir import RunDir, unwritable
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.loop import train_worker
 from raydiff.training.reservations import cancel_previous_reservation, requester_of

@@ -15,14 +15,13 @@ import ray.train
 import torch
 
 from raydiff.data.loader import scaled
-from raydiff.runs.rundir import RunDir
 from raydiff.runs.state import Progress, Restored, TrainingState, Unresumable, checkpoint_candidates, restore_newest
+from raydiff.storage.rundir import RunDir
 from raydiff.training.distributed import from_rank_zero
 from raydiff.training.step import StepResult
 
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
-    from raydiff.training.worker import Worker
 
 
 def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool,
@@ -57,12 +56,12 @@ class Rollback:
     failed_from: int  # the first stream step of the steps that failed (they end at progress.stream_step)
 
 
-def roll_back(w: Worker, progress: Progress) -> Rollback | None:
+def roll_back(state: TrainingState, run_dir: RunDir, progress: Progress, *, is_chief: bool) -> Rollback | None:
     """Back to the newest checkpoint, then on past the stream positions of the failed steps (as PaLM does): a
     replay of the same data from the same weights would fail again. None when no checkpoint restores. Every
     worker calls it (a collective); rank 0 records it (`raydiff.training.cadence`)."""
     try:
-        restored = restore_agreed(w.training_state, w.run_dir, is_chief=w.is_chief)
+        restored = restore_agreed(state, run_dir, is_chief=is_chief)
     except Unresumable:
         return None
     if restored is None:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import ray
 
 from raydiff.runs.resume import DRIVER_FILE
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's detached actor: (name, namespace)
 CHECK_EVERY_S = 5.0

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from raydiff.data.loader import MicroBatch, scaled
-from raydiff.data.order import derive_seed
 from raydiff.model.diffusion import GaussianDiffusion
 from raydiff.model.ema import EmaUpdater
+from raydiff.seeds import derive_seed
 from raydiff.training.speed import ddp_of
 
 

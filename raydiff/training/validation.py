@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from raydiff.data.loader import ImageTable
-from raydiff.data.order import keyed_rng
-from raydiff.model.noise import sample_noise
+from raydiff.data.noise import sample_noise
+from raydiff.seeds import keyed_rng
 
 TIMESTEPS_PER_IMAGE = 4
 _HOLDOUT_TAG = 0x686F6C64  # (seed, tag, 1): apart from the per-epoch (seed, epoch, 0|1) streams

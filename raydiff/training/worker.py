@@ -27,10 +27,10 @@ from raydiff.data.stream import open_tables
 from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
 from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
-from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Progress, TrainingState, apply_config
-from raydiff.runs.writer import BackgroundWrites
+from raydiff.storage.rundir import RunDir
+from raydiff.storage.writes import BackgroundWrites
 from raydiff.training.compile_cache import CompileCache, cache_key
 from raydiff.training.debug import DebugHooks
 from raydiff.training.distributed import from_rank_zero, smallest

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from raydiff.data.ingest import ImageStore
     from raydiff.data.sharded import ShardedImages
-    from raydiff.runs.rundir import RunDir
+    from raydiff.storage.rundir import RunDir
 
 
 @dataclass

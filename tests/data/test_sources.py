@@ -78,7 +78,7 @@ def test_an_unreachable_bucket_is_a_one_line_error_not_a_long_wait(monkeypatch):
 
     from conftest import free_port
 
-    monkeypatch.setattr("raydiff.data.fs.GCS_RETRY_LIMIT", datetime.timedelta(seconds=2))
+    monkeypatch.setattr("raydiff.storage.fs.GCS_RETRY_LIMIT", datetime.timedelta(seconds=2))
     with pytest.raises(DataError, match=r"gs://bucket/imgs'?: cannot read it \(.*UNAVAILABLE") as info:
         open_source("gs://bucket/imgs", endpoint=f"http://127.0.0.1:{free_port()}", anonymous=True)  # nobody listens
     assert "\n" not in str(info.value)

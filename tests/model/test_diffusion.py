@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from raydiff.model.diffusion import GaussianDiffusion, make_betas
-from raydiff.model.noise import GRID_NOISE, image_generators
+from raydiff.seeds import GRID_NOISE, image_generators
 
 
 def test_linear_schedule_matches_ddpm():

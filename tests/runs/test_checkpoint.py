@@ -73,7 +73,7 @@ def test_a_checkpoint_write_is_never_visible_before_it_is_complete(tmp_path, mon
     fills half way) leaves nothing a reader lists, and nothing behind; the error arrives with the outcome."""
     from raydiff.runs import checkpoint as module
     from raydiff.runs.checkpoint import CheckpointWriter
-    from raydiff.runs.rundir import RunDir
+    from raydiff.storage.rundir import RunDir
 
     writer = CheckpointWriter(RunDir(tmp_path))
     writer.start("checkpoint_00000010", {"step": 10, "weights": torch.ones(4)})
@@ -95,7 +95,7 @@ def test_a_checkpoint_write_is_never_visible_before_it_is_complete(tmp_path, mon
 
 def test_a_checkpoint_on_an_object_store_is_uploaded_in_the_background(s3_server):
     from raydiff.runs.checkpoint import CheckpointWriter
-    from raydiff.runs.rundir import RunDir
+    from raydiff.storage.rundir import RunDir
 
     endpoint, client = s3_server
     client.create_bucket(Bucket="ckpt-writer")
@@ -131,7 +131,7 @@ def test_what_an_interrupted_write_left_is_removed(tmp_path):
     (RuntimeError("Training failed ... OSError: [Errno 28] No space left on device"), "no space left on device"),
 ])
 def test_storage_errors_no_retry_can_fix(error, reason):
-    from raydiff.runs.storage_errors import permanent_reason
+    from raydiff.storage.errors import permanent_reason
 
     assert permanent_reason(error) == reason
 
@@ -144,13 +144,13 @@ def test_storage_errors_no_retry_can_fix(error, reason):
     OSError(5, "Input/output error"),
 ])
 def test_storage_errors_a_retry_may_fix(error):
-    from raydiff.runs.storage_errors import permanent_reason
+    from raydiff.storage.errors import permanent_reason
 
     assert permanent_reason(error) is None
 
 
 def test_a_full_disk_says_how_much_is_free_and_what_the_write_needed(tmp_path):
-    from raydiff.runs.storage_errors import storage_failure
+    from raydiff.storage.errors import storage_failure
 
     failure = storage_failure(OSError(28, "No space left on device"), str(tmp_path), "writing checkpoint_00000020",
                               needed_bytes=3_000_000)

@@ -21,7 +21,7 @@ from PIL import Image
 
 from raydiff.config import Config
 from raydiff.runs.dashboards import Dashboards, dashboards_for
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 
 def _config(name: str = "dash", *, tensorboard: bool = True, mlflow_uri: str | None = None,

@@ -25,8 +25,8 @@ from conftest import ROOT, run_cli
 from sklearn.datasets import load_digits
 
 from raydiff.config.schema import TrainSection
+from raydiff.data.noise import dropped_labels
 from raydiff.data.order import SampleOrder
-from raydiff.model.noise import dropped_labels
 from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints, read_state
 
 pytestmark = pytest.mark.ray

@@ -11,7 +11,6 @@ from raydiff.config import Config
 from raydiff.model.ema import make_ema
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_name, read_state, write_state
-from raydiff.runs.rundir import RunDir
 from raydiff.runs.state import (
     Progress,
     TrainingState,
@@ -22,6 +21,7 @@ from raydiff.runs.state import (
     restore,
     restore_newest,
 )
+from raydiff.storage.rundir import RunDir
 
 
 def _objects(seed: int):

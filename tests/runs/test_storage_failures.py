@@ -133,6 +133,6 @@ def test_a_flaky_object_store_is_survived_bit_identically(s3_server, reference):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proxy.counts["slow_down"] >= 5 and proxy.counts["dropped"] >= 5, proxy.counts
     assert "Traceback" not in proc.stdout + proc.stderr
-    from raydiff.runs.rundir import RunDir
+    from raydiff.storage.rundir import RunDir
 
     assert _same_weights(_final_state(RunDir("s3://flaky/runs/smoke", endpoint=endpoint)), reference)

@@ -198,8 +198,8 @@ def test_preparation_is_stoppable_exclusive_and_cleans_up_after_a_kill(cluster, 
     partial copy; a SIGKILL's partial copy is removed by the next preparation of the same key; and a run that
     finds another holding the key's lease waits for it, then prepares (or uses its copy)."""
     from raydiff.data.builtin import write_synthetic
-    from raydiff.runs.lease import hold, this_process
-    from raydiff.runs.rundir import RunDir
+    from raydiff.storage.lease import hold, this_process
+    from raydiff.storage.rundir import RunDir
 
     write_synthetic(tmp_path / "raw", num=8000, resolution=16, fmt="png", seed=0)
     args = [sys.executable, "-m", "raydiff.train", *DIGITS, "--set", f"data.source={tmp_path / 'raw'}",

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not compile_cache.available(), reason="portable 
 WORKER = textwrap.dedent("""
     import json, sys, torch
     from torch._dynamo.utils import counters
-    from raydiff.runs.rundir import RunDir
+    from raydiff.storage.rundir import RunDir
     from raydiff.training.compile_cache import CompileCache
 
     cache = CompileCache(RunDir(sys.argv[1]), sys.argv[2])
@@ -70,7 +70,7 @@ def test_the_key_follows_what_the_compiled_code_depends_on():
 
 
 def test_an_unreadable_cache_file_compiles_afresh(tmp_path):
-    from raydiff.runs.rundir import RunDir
+    from raydiff.storage.rundir import RunDir
 
     run_dir = RunDir(tmp_path)
     run_dir.write_bytes("compile_cache/k.bin", b"not a cache")

@@ -10,7 +10,7 @@ import torch
 
 from raydiff.config import load_config
 from raydiff.data.loader import MicroBatch
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 from raydiff.training.debug import DebugHooks
 from raydiff.training.worker_io import WorkerResult, WorkerStatus
 

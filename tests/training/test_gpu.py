@@ -206,7 +206,7 @@ def test_sampling_draws_its_noise_on_the_gpu(sampler):
     """Sample grids, in-run evaluation and FID generate on the GPU: no noise drawn on the host and copied over at
     every step, so the steps never wait on the host. Two warm calls of 5 and 20 steps copy alike (a first call
     also fills caches, such as the schedule's tables on the device)."""
-    from raydiff.model.noise import GRID_NOISE, image_generators
+    from raydiff.seeds import GRID_NOISE, image_generators
 
     _, ema, _, cfg = _setup()
     diffusion, device = build_diffusion(cfg), torch.device("cuda")

@@ -13,7 +13,7 @@ from ray.train.torch import TorchTrainer
 from raydiff.config import load_config
 from raydiff.data.ingest import ImageStore
 from raydiff.model.ema import ema_decay_at
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 from raydiff.training.loop import train_worker
 from raydiff.training.lr import lr_at
 from raydiff.training.worker_io import WorkerArgs

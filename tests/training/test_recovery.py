@@ -7,7 +7,7 @@ import json
 import torch
 
 from raydiff.config import load_config
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.rundir import RunDir
 
 
 def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
@@ -47,7 +47,7 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
                metrics_log=None, events=None,
                writes=None, debug=DebugHooks(cfg, RunDir(run_dir), rank), compile_cache=None, restore_notes=[],
                compile_cache_note=None)
-    back = roll_back(w, Progress(step=25)).progress
+    back = roll_back(w.training_state, w.run_dir, Progress(step=25), is_chief=rank == 0).progress
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"step": back.step, "weights": checksum}))
     dist.destroy_process_group()

@@ -17,13 +17,13 @@ from http import HTTPStatus
 import pytest
 from conftest import ROOT, run_cli
 
-from raydiff.runs.lease import hold, lease_of, take, this_process
-from raydiff.runs.rundir import RunDir, RunInUse
+from raydiff.storage.lease import hold, lease_of, take, this_process
+from raydiff.storage.rundir import RunDir, RunInUse
 
 HOLDER = """
 import sys, time
-from raydiff.runs.lease import hold, this_process
-from raydiff.runs.rundir import RunDir
+from raydiff.storage.lease import hold, this_process
+from raydiff.storage.rundir import RunDir
 with hold(RunDir(sys.argv[1], endpoint=sys.argv[2] or None), this_process(), stale_s=4, what="run directory"):
     print("held", flush=True)
     time.sleep(600)

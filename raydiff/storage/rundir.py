@@ -15,12 +15,12 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow.fs as pafs
 
-from raydiff.data.fs import filesystem_for, is_remote
-from raydiff.runs.storage_errors import advice, permanent_reason
+from raydiff.storage.errors import advice, permanent_reason
+from raydiff.storage.fs import filesystem_for, is_remote
 
 
 class RunInUse(RuntimeError):
-    """Another live raydiff run holds the folder's lease (`raydiff.runs.lease`): the same run directory, from this
+    """Another live raydiff run holds the folder's lease (`raydiff.storage.lease`): the same run directory, from this
     machine, another Ray instance or another cluster sharing the storage."""
 
 

@@ -13,13 +13,11 @@ import threading
 import numpy as np
 import torch
 
-from raydiff.data.order import derive_seed
+from raydiff.seeds import derive_seed
 
 NOISE_BLOCK = 16  # positions per noise draw: vectorized, with little waste at uneven share boundaries
 _NOISE_TAG = 0x6E6F697365  # keeps the noise streams apart from the dropout seeds (seed, position)
 _LABEL_DROP_TAG = 0x6C61626C  # and from the label dropout draws
-EVAL_NOISE = 7  # the key tag of the images of an evaluation (raydiff.evaluate, eval.every)
-GRID_NOISE = 8  # the key tag of sample grids and raydiff.sample
 
 _local = threading.local()  # one CPU generator per thread: the loader thread draws ahead of the training thread
 
@@ -74,15 +72,3 @@ def sample_noise(seed: int, positions: np.ndarray, timesteps: int, shape: tuple[
         t[i] = rng.integers(timesteps)
         rng.standard_normal(shape, dtype=np.float32, out=noise_out[i])
     return t
-
-
-def image_generators(seed: int, indices, device: torch.device | str, tag: int) -> list[torch.Generator]:
-    """One generator per image, on `device`, seeded by (seed, image index, tag): image i is a pure function of
-    (seed, i) on a given kind of device, whatever the batch it is generated in, and its noise is drawn where it
-    is used (a CUDA generator's numbers differ from a CPU generator's)."""
-    generators = []
-    for i in indices:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(derive_seed(seed, int(i), tag))
-        generators.append(generator)
-    return generators

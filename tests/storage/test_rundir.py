@@ -16,8 +16,8 @@ from conftest import ROOT, reserving, run_cli
 from PIL import Image
 
 from raydiff.runs.checkpoint import list_checkpoints, read_state
-from raydiff.runs.rundir import RunDir
 from raydiff.runs.runlog import JsonlLog
+from raydiff.storage.rundir import RunDir
 
 
 def _roundtrip(run: RunDir):

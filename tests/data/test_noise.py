@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raydiff.model.noise import position_noise, sample_noise
+from raydiff.data.noise import position_noise, sample_noise
 
 
 def test_position_noise_is_a_function_of_position_whatever_the_split():

@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from raydiff.runs.rundir import RunDir, RunInUse
+from raydiff.storage.rundir import RunDir, RunInUse
 
 FOLDER = ".raydiff-leases"
 POLL_S = 0.5  # how often a claimant looks at a lease it waits for

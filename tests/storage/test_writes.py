@@ -9,7 +9,7 @@ import time
 import pytest
 
 from raydiff.runs.runlog import JsonlLog
-from raydiff.runs.writer import BackgroundWrites
+from raydiff.storage.writes import BackgroundWrites
 
 
 class SlowStore:
