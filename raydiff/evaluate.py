@@ -103,7 +103,7 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     from raydiff.model.unet import build_model
     from raydiff.quality.features import features_for
     from raydiff.quality.measure import SampleJob, class_targets, parallel_stats, scores
-    from raydiff.quality.reference import reference_for
+    from raydiff.quality.reference_stats import reference_for
 
     e, d = cfg.eval, cfg.data
     features = features or features_for(e.features, d.source, e.inception_weights)

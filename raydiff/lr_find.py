@@ -56,11 +56,11 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.cluster.start import init_ray
     from raydiff.data.loader import BatchStream
     from raydiff.data.order import Share
+    from raydiff.data.run_images import open_images, open_tables
     from raydiff.data.sources import source_of
-    from raydiff.data.stream import open_images, open_tables
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
-    from raydiff.training.step import StepInputs, make_optimizer, optimizer_step, resolve_precision
+    from raydiff.training.step import StepParts, make_optimizer, optimizer_step, resolve_precision
     from raydiff.training.validation import holdout_split
 
     t = cfg.train
@@ -77,7 +77,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     torch.manual_seed(t.seed)
     model = build_model(cfg).to(device)
     autocast_dtype = resolve_precision(t.precision, device)
-    step_inputs = StepInputs.build(
+    step_parts = StepParts.build(
         model, build_diffusion(cfg), make_optimizer(model, lr=start, weight_decay=t.weight_decay),
         torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), device=device,
         autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip, global_batch=t.global_batch, world_size=1,
@@ -85,7 +85,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     lrs, losses, stop_reason = lr_range(start, end, steps), [], None
     try:
         for lr in lrs:
-            result = optimizer_step(step_inputs, next(stream), lr=float(lr))  # the training loop's step, no EMA
+            result = optimizer_step(step_parts, next(stream), lr=float(lr))  # the training loop's step, no EMA
             losses.append(float(result.loss_sum) / t.global_batch)
             smoothed = smooth(losses)
             if not math.isfinite(losses[-1]) or smoothed[-1] > DIVERGED * np.nanmin(smoothed):
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raydiff.config.lr_rule import rule_lr
+    from raydiff.config.learning_rate import rule_lr
     from raydiff.plots import plot_lr_find
 
     args = parse_args(argv)

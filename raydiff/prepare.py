@@ -6,7 +6,8 @@
 
 Ray Data decodes, converts, resizes and center-crops every image in parallel (the same code as training),
 streaming: the decoded dataset never has to fit in memory.
-OUT (a folder, or an s3:// / gs:// URI) receives Parquet shards and a manifest (the format: `raydiff.data.shards`).
+OUT (a folder, or an s3:// / gs:// URI) receives Parquet shards and a manifest (their format:
+`raydiff.data.shard_format`).
 Training with `data.source=OUT` then skips decoding. A local OUT appears all at once, complete or not at all.
 `--labels auto` also writes each sample's class, read as `data.labels: auto` reads it (`raydiff.data.labels`), for
 class-conditional training on OUT; samples without a label are skipped and listed like undecodable ones.
@@ -21,9 +22,9 @@ import time
 from raydiff import cli
 from raydiff.cluster.start import init_ray
 from raydiff.data.errors import DataError
-from raydiff.data.ingest import decode_stream
+from raydiff.data.image_store import decode_stream
 from raydiff.data.labels import plan_labels
-from raydiff.data.shards import MANIFEST, write_prepared
+from raydiff.data.shard_format import MANIFEST, write_prepared
 from raydiff.data.sources import open_source
 from raydiff.storage.rundir import unwritable
 from raydiff.training.stop import interrupt_on_signals

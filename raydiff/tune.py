@@ -37,7 +37,7 @@ import yaml
 from raydiff import cli
 from raydiff.config import Config, ConfigError, load_config, preset_names
 from raydiff.config.checks import validate
-from raydiff.config.lr_rule import LR_RULES
+from raydiff.config.learning_rate import LR_RULES
 
 REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them
 TRIAL_CPU = 0.01  # a trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs
@@ -266,8 +266,8 @@ def sweep_images(cfg: Config, sweep_dir: Path, concurrent: int):
     that run at once on a node split `data.stream_buffer_gb` (each node cache holds a K-th of it, so the node
     holds what the key says, not K times that). A re-run of the sweep keeps the layout it began with (the
     sweep's data.json), so that its trials continue in their sample order."""
+    from raydiff.data.run_images import open_images
     from raydiff.data.sources import source_of
-    from raydiff.data.stream import open_images
 
     layout_file = sweep_dir / LAYOUT_FILE
     keep = json.loads(layout_file.read_text())["layout"] if layout_file.is_file() else None

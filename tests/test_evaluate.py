@@ -156,7 +156,7 @@ def test_conditional_one_result_per_guidance_with_the_class_match(conditional_ch
 
     # Without --guidance: eval.guidance (2 unless the run set it), which the in-run evaluation uses too, with the
     # same classes asked for: the same numbers.
-    from raydiff.quality.reference import reference_for
+    from raydiff.quality.reference_stats import reference_for
     from raydiff.training.in_run_quality import InRunQuality, evaluate_in_run
 
     assert cli.run(evaluate_main, args) == 0

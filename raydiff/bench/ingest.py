@@ -121,7 +121,7 @@ def _raydiff_batches(source, resolution: int, batch: int, seed: int = 0, stream_
     from raydiff.config import DataSection
     from raydiff.data.loader import BatchStream
     from raydiff.data.order import Share
-    from raydiff.data.stream import open_images, open_tables
+    from raydiff.data.run_images import open_images, open_tables
 
     data = DataSection(source=source.uri, resolution=resolution, channels=3,
                        cache="memory" if stream_buffer_gb is None else "stream",
@@ -154,7 +154,7 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
     import ray
 
     from raydiff.data.builtin import write_synthetic
-    from raydiff.data.shards import write_prepared
+    from raydiff.data.shard_format import write_prepared
     from raydiff.data.sources import open_source
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,7 +183,7 @@ def bench_ingest(source: str | None, *, resolution: int, batch: int, epochs: int
         try:
             _measure(result, "raw", _raydiff_batches(raw, resolution, batch), device, epochs, epoch)
 
-            from raydiff.data.ingest import decode_stream
+            from raydiff.data.image_store import decode_stream
 
             prepare_start = time.perf_counter()
             prepared = str(Path(tmp) / "prepared")

@@ -238,11 +238,11 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.ema import EmaUpdater, make_ema
     from raydiff.training.speed import for_training, set_tf32
-    from raydiff.training.step import StepInputs, make_optimizer, optimizer_step
+    from raydiff.training.step import StepParts, make_optimizer, optimizer_step
 
     t, d = cfg.train, cfg.data
     plan, model, dtype = _planned_model(cfg, device)
-    inputs = StepInputs.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-4, weight_decay=0.0),
+    inputs = StepParts.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-4, weight_decay=0.0),
                               torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), device=device,
                               autocast_dtype=dtype, seed=0, flip=d.flip, global_batch=t.global_batch, world_size=1,
                               grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0, channels_last=plan.channels_last)

@@ -1,5 +1,5 @@
 """Run configuration: the schema (`schema`), the rules between keys (`checks`), the learning-rate scaling rule
-(`lr_rule`) and loading presets, YAML files and `key=value` overrides (`load`).
+(`learning_rate`) and loading presets, YAML files and `key=value` overrides (`load`).
 
 Config flows one way: preset YAML + overrides -> `Config` (validated) -> driver -> typed worker arguments -> workers.
 """

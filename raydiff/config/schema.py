@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from raydiff.config.lr_rule import rule_lr
+from raydiff.config.learning_rate import rule_lr
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,6 @@
 """One encoded image -> uint8 (C, R, R): decode, convert the mode, scale to cover R x R, center-crop.
 
-Pure PIL/numpy, no Ray: `raydiff.data.ingest` runs it inside Ray Data tasks. Images in awkward modes are converted
+Pure PIL/numpy, no Ray: `raydiff.data.image_store` runs it inside Ray Data tasks. Images in awkward modes are converted
 rather than dropped: CMYK and YCbCr become RGB, palette images are expanded, 16- and 32-bit integer images
 are scaled to 8 bits (not clipped), float images are clipped to [0, 255], transparent pixels are composited
 over white, and EXIF orientation is applied. What cannot be decoded (truncated, corrupt, empty, not an image)

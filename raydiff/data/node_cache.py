@@ -19,8 +19,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raydiff.data.order import SampleOrder
+from raydiff.data.shard_format import read_shard
 from raydiff.data.sharded import ShardedImages
-from raydiff.data.shards import read_shard
 
 READ_AHEAD_WINDOWS = 2  # windows the node reads ahead of the one being trained
 WINDOWS_HELD = READ_AHEAD_WINDOWS + 2  # those, the one being trained and the one before (a step may straddle two)

@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raydiff.data.errors import BadSample
 from raydiff.data.labels import LabelledSamples
 from raydiff.data.order import SampleOrder
-from raydiff.data.shards import read_shard
+from raydiff.data.shard_format import read_shard
 
 GB = 1024 ** 3
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import pyarrow.fs as pafs
 
 from raydiff.data.errors import DataError
-from raydiff.data.shards import PREPARED_VERSION, read_manifest
+from raydiff.data.shard_format import PREPARED_VERSION, read_manifest
 from raydiff.storage.fs import filesystem_for, is_remote
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")

@@ -1,6 +1,6 @@
 """Streamed data (`data.cache=stream`): train on datasets bigger than a node's memory.
 
-Memory mode (`raydiff.data.ingest`) keeps the whole decoded dataset in every node's object store. Stream mode
+Memory mode (`raydiff.data.image_store`) keeps the whole decoded dataset in every node's object store. Stream mode
 reads prepared Parquet shards (`raydiff.prepare`; a raw source is prepared once into the run storage) one
 window at a time:
 
@@ -25,7 +25,6 @@ This module decides on the driver: which mode, and the shards to stream (a raw s
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import shutil
@@ -38,17 +37,14 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import ray
 
 from raydiff.cluster.nodes import smallest_object_store
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
-from raydiff.data.ingest import WEBDATASET_IMAGE_KEYS, decode_stream, load_data
+from raydiff.data.image_store import WEBDATASET_IMAGE_KEYS, decode_stream
 from raydiff.data.labels import LabelPlan, plan_labels, read_labels
-from raydiff.data.loader import ImageTable
-from raydiff.data.node_cache import WINDOWS_HELD, StreamTable, node_shards
-from raydiff.data.order import SampleOrder
+from raydiff.data.node_cache import WINDOWS_HELD
+from raydiff.data.shard_format import SHARD_BYTES, check_prepared, rows_per_shard_for, write_prepared
 from raydiff.data.sharded import GB, ShardedImages
-from raydiff.data.shards import SHARD_BYTES, check_prepared, rows_per_shard_for, write_prepared
 from raydiff.data.sources import Source, open_source
 from raydiff.storage.fs import filesystem_for
 from raydiff.storage.lease import hold, this_process
@@ -57,46 +53,6 @@ from raydiff.storage.rundir import RunDir
 MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
 STREAM_FOLDER = ".raydiff-stream"  # raw sources prepared for streaming, under run.storage
-
-
-# The workers' side: the tables they gather batches from.
-def open_tables(images, train_indices: np.ndarray, val_indices: np.ndarray, seed: int, group: str):
-    """A worker's view of the run's images: (table, order) of the training stream, and (table, indices) of the
-    held-out images, for memory (`ImageStore`) or streamed (`ShardedImages`) data. `group`: the same string on
-    every worker of one worker group (names the node caches)."""
-    if isinstance(images, ShardedImages):
-        order = images.order(train_indices, seed)
-        table: ImageTable | StreamTable = StreamTable(images, order, node_shards(images, group))
-        held_out = None
-        if len(val_indices):
-            assert images.holdout is not None  # the driver gathered them (`with_holdout`)
-            held_labels = None if images.labels is None else images.labels[np.asarray(images.holdout_indices)]
-            held_out = ImageTable([ray.get(images.holdout)], labels=held_labels)
-        return table, order, held_out, np.arange(len(val_indices))
-    table = ImageTable(images.arrays(), labels=images.labels)
-    return table, SampleOrder(train_indices, seed), table, val_indices
-
-
-def open_images(data, source: Source, *, storage: str, endpoint: str | None, keep: dict[str, Any] | None = None,
-                buffer_share: float = 1.0, lease_stale_s: float = 60.0, use_gpu: bool | str = "auto"):
-    """The run's images as `data.cache` says: an `ImageStore` (memory) or `ShardedImages` (stream), and a phrase
-    for the start line saying which and why. `keep`: the layout a continuing run began with (data.json), which
-    fixes its sample order: the mode, and for streamed data the shards and the shuffle windows. `buffer_share`:
-    this run's part of a node's stream buffer (a sweep's trials that run at once share it). `use_gpu`
-    (scaling.use_gpu) names the nodes the run trains on, whose object stores decide (`raydiff.cluster.nodes`)."""
-    if keep is None:
-        mode, why = choose_cache(data, source, use_gpu)
-    else:
-        mode, why = keep["cache"], f"data.cache {data.cache}: {keep['cache']}, as this run began (data.json)"
-        if mode == "memory":
-            forced = copy.copy(data)
-            forced.cache = "memory"
-            choose_cache(forced, source, use_gpu)  # warns if it no longer fits
-    if mode == "stream":
-        images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
-                               buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
-        return images, f"{why}; {images.describe()}"
-    return load_data(data, source), why
 
 
 # The driver's side: which mode, and the shards to stream.
@@ -242,7 +198,7 @@ def _prepared_at(out: str, endpoint: str | None) -> Source | None:
 
 def _clear_partial(out: str, endpoint: str | None) -> None:
     """What a preparation cut short left (a killed process cleans nothing): on an object store the copy without
-    its manifest, locally the hidden folders it was building beside `out` (`raydiff.data.shards.write_prepared`).
+    its manifest, locally the hidden folders it was building beside `out` (`raydiff.data.shard_format.write_prepared`).
     Only the holder of the key's lease calls this, so nothing it removes is in use."""
     filesystem, root = filesystem_for(out, endpoint=endpoint)
     if isinstance(filesystem, pafs.LocalFileSystem):

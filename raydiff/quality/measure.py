@@ -184,7 +184,7 @@ def scores(samples: FeatureStats, reference: Any, features: Features, metrics: t
            seed: int = 0) -> dict[str, float]:
     """The metrics row of an evaluation: the Frechet distance, KID if asked (and the class coverage for a
     classifier, and the class match where the images were asked for classes it reads). `reference` is a
-    `raydiff.quality.reference.Reference`."""
+    `raydiff.quality.reference_stats.Reference`."""
     fd_name, kid_name = metric_names(features)
     out: dict[str, float] = {}
     if "fid" in metrics:

@@ -28,7 +28,7 @@ import ray
 import ray.train
 import torch
 
-from raydiff.config.lr_rule import describe_lr
+from raydiff.config.learning_rate import describe_lr
 from raydiff.data.loader import BatchStream, MicroBatch
 from raydiff.data.order import rank_share
 from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name

@@ -20,18 +20,17 @@ from raydiff.cluster.start import init_ray
 from raydiff.cluster.storage import check_shared_storage
 from raydiff.config import Config, ConfigError
 from raydiff.config.checks import check_workers
-from raydiff.config.lr_rule import describe_lr
-from raydiff.data.ingest import ImageStore
+from raydiff.config.learning_rate import describe_lr
+from raydiff.data.run_images import RunImages, open_images
 from raydiff.data.sharded import ShardedImages
 from raydiff.data.sources import DataError, source_of
-from raydiff.data.stream import open_images
 from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.model.diffusers_io import check_classes
 from raydiff.quality.features import features_for, metric_names, require_metrics_package
-from raydiff.quality.reference import reference_for
+from raydiff.quality.reference_stats import reference_for
 from raydiff.runs.checkpoint import checkpoint_bytes, remove_partial_checkpoints
 from raydiff.runs.dashboards import dashboards_for
-from raydiff.runs.resume import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
+from raydiff.runs.run_plan import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Unresumable
 from raydiff.storage.errors import (
@@ -89,7 +88,7 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     """Workers, devices and CPUs per worker; returns Ray's ScalingConfig and torch threads per worker.
 
     Ray Data decodes (or, for streamed data, prepares) the dataset before training starts (see
-    `raydiff.data.ingest`), and streamed shards are read by zero-CPU actors, so training may use every CPU
+    `raydiff.data.image_store`), and streamed shards are read by zero-CPU actors, so training may use every CPU
     without starving the data pipeline: the two never compete, and nothing can deadlock.
     `cpus` is this run's part of the cluster's CPUs (a Tune sweep runs several runs at once); default all.
     """
@@ -114,7 +113,7 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     return scaling, max(1, math.floor(cpus_per_worker))
 
 
-def run_training(cfg: Config, *, images: ImageStore | ShardedImages | None = None, cpus: float | None = None,
+def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | None = None,
                  callbacks: list | None = None, note_run: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train to `cfg.train.total_steps`, continuing the run's newest checkpoint; return the summary.
 
@@ -285,7 +284,7 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
     return {**summary, "signal": received["signal"]}
 
 
-def with_classes(cfg: Config, images: ImageStore | ShardedImages,
+def with_classes(cfg: Config, images: RunImages,
                  init_weights: Any = None) -> tuple[Config, dict[str, Any] | None]:
     """(the config with `model.num_classes: auto` made the number of classes found, the run's classes as
     {"names", "counts"}, or None for an unconditional run). A model with fewer classes than the data has, or
@@ -311,7 +310,7 @@ def with_classes(cfg: Config, images: ImageStore | ShardedImages,
     return cfg, {"names": names, "counts": counts}
 
 
-def with_held_out(cfg: Config, images: ImageStore | ShardedImages) -> ImageStore | ShardedImages:
+def with_held_out(cfg: Config, images: RunImages) -> RunImages:
     """The images as the workers need them: streamed ones carry their `data.val_images` held-out images, which
     the driver gathers once (a sweep once for all its trials); images in memory hold them already."""
     if not isinstance(images, ShardedImages) or not cfg.data.val_images:
@@ -319,7 +318,7 @@ def with_held_out(cfg: Config, images: ImageStore | ShardedImages) -> ImageStore
     return images.with_holdout(holdout_split(images.usable_indices(), cfg.data.val_images, cfg.train.seed)[1])
 
 
-def _prepare_quality(cfg: Config, images: ImageStore | ShardedImages,
+def _prepare_quality(cfg: Config, images: RunImages,
                      classes: dict[str, Any] | None) -> ray.ObjectRef | None:
     """eval.every / eval.at_end: the feature network and the reference statistics, once, before training (a
     missing Inception download stops the run here, not after hours of training)."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from raydiff.quality.features import Features
 from raydiff.quality.measure import SampleJob, chunks, class_targets, empty_stats, sample_stats, scores, total
-from raydiff.quality.reference import Reference
+from raydiff.quality.reference_stats import Reference
 from raydiff.training.distributed import _active, from_rank_zero
 
 

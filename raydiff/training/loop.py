@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from raydiff.config import Config
+from raydiff.config.learning_rate import lr_at
 from raydiff.model.ema import ema_decay_at
 from raydiff.runs.state import Unresumable
 from raydiff.training.cadence import Cadence
-from raydiff.training.lr import lr_at
 from raydiff.training.step import optimizer_step
 from raydiff.training.worker import quiet_ray_train_logs, set_up
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -46,7 +46,7 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
             # One optimizer step.
             lr = lr_at(progress.step, w.lr, t.warmup_steps)
             ema_decay = ema_decay_at(progress.step + 1, t.ema_decay, t.ema_warmup_steps)
-            result = optimizer_step(w.step_inputs, batches, lr=lr, ema=w.ema_update, ema_decay=ema_decay,
+            result = optimizer_step(w.step_parts, batches, lr=lr, ema=w.ema_update, ema_decay=ema_decay,
                                     fault=w.debug.fault(progress.step + 1))
             progress.step += 1
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import ray
 
-from raydiff.runs.resume import DRIVER_FILE
+from raydiff.runs.run_plan import DRIVER_FILE
 from raydiff.storage.rundir import RunDir
 
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's detached actor: (name, namespace)

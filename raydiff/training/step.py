@@ -69,8 +69,9 @@ class DenoisingLoss(nn.Module):
 
 
 @dataclass
-class StepInputs:
-    """What does not change from step to step."""
+class StepParts:
+    """The parts of the optimizer step that stay from step to step: the loss module, the optimizer and its loss
+    scaler, and the settings."""
 
     loss: nn.Module  # a `DenoisingLoss`, under DDP and torch.compile as the speed plan says
     optimizer: torch.optim.Optimizer
@@ -88,7 +89,7 @@ class StepInputs:
     def build(cls, model: nn.Module, diffusion: GaussianDiffusion, optimizer: torch.optim.Optimizer,
               scaler: torch.amp.GradScaler, *, device: torch.device, autocast_dtype: torch.dtype | None, seed: int,
               flip: bool, global_batch: int, world_size: int, grad_clip: float, dropout: bool,
-              channels_last: bool = False) -> StepInputs:
+              channels_last: bool = False) -> StepParts:
         """Inputs whose loss is the eager `DenoisingLoss` of `model` (the worker wraps it for speed afterwards)."""
         loss = DenoisingLoss(model, diffusion, device=device, flip=flip, channels_last=channels_last,
                              autocast_dtype=autocast_dtype)
@@ -111,7 +112,7 @@ class StepResult:
     losses: torch.Tensor
 
 
-def optimizer_step(s: StepInputs, batches: list[MicroBatch], *, lr: float, ema: EmaUpdater | None = None,
+def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: EmaUpdater | None = None,
                    ema_decay: float = 0.0, fault: Callable[[MicroBatch], bool] | None = None) -> StepResult:
     """Train on this worker's micro-batches of one step. `fault` (fault injection for tests) says which
     micro-batches get a non-finite loss."""

@@ -23,7 +23,7 @@ from raydiff.config import Config
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.node_cache import StreamTable
 from raydiff.data.order import SampleOrder, micro_batches, rank_share
-from raydiff.data.stream import open_tables
+from raydiff.data.run_images import open_tables
 from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
 from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
@@ -38,7 +38,7 @@ from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.microbatch import plan_memory
 from raydiff.training.recovery import restore_agreed
 from raydiff.training.speed import SpeedPlan, for_training, plan_speed, set_tf32
-from raydiff.training.step import StepInputs, make_optimizer, resolve_precision
+from raydiff.training.step import StepParts, make_optimizer, resolve_precision
 from raydiff.training.validation import Validation, holdout_split
 from raydiff.training.worker_io import WorkerArgs
 
@@ -68,7 +68,7 @@ class Worker:
     diffusion: GaussianDiffusion
     speed: SpeedPlan  # what train.compile, channels_last, cuda_graphs, ... mean here
     memory_plan: str  # the micro-batch and activation checkpointing, and why (`plan_memory`)
-    step_inputs: StepInputs
+    step_parts: StepParts
     table: ImageTable | StreamTable
     order: SampleOrder
     validation: Validation | None
@@ -104,7 +104,7 @@ class Worker:
     @property
     def training_state(self) -> TrainingState:
         """What checkpoints save and restore (the bare model, not its DDP or compiled wrapper)."""
-        s = self.step_inputs
+        s = self.step_parts
         return TrainingState(self.model, self.ema, s.optimizer, s.scaler)
 
     def open_stream(self, progress: Progress) -> BatchStream:
@@ -181,7 +181,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     apply_config(optimizer, weight_decay=t.weight_decay)
 
     # The step's forward module as it runs here: under DDP with several workers, compiled (with its cache).
-    step_inputs = StepInputs.build(model, diffusion, optimizer, scaler, device=device, autocast_dtype=autocast_dtype,
+    step_parts = StepParts.build(model, diffusion, optimizer, scaler, device=device, autocast_dtype=autocast_dtype,
                                    seed=t.seed, flip=cfg.data.flip, global_batch=t.global_batch,
                                    world_size=world_size, grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0,
                                    channels_last=speed.channels_last)
@@ -191,15 +191,15 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
             cfg, speed, device, world_size=world_size, layout=micro_batches(share, micro_batch),
             autocast_dtype=autocast_dtype, checkpointing=model.activation_checkpointing))
         compile_cache_note = compile_cache.load()
-    step_inputs.loss = for_training(step_inputs.loss, speed, device, world_size)
-    step_inputs.cuda_graphs = speed.cuda_graphs
+    step_parts.loss = for_training(step_parts.loss, speed, device, world_size)
+    step_parts.cuda_graphs = speed.cuda_graphs
 
     is_chief = rank == 0
     writes = BackgroundWrites() if is_chief else None
     worker = Worker(
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
         ema_update=EmaUpdater(ema, model), diffusion=diffusion, speed=speed, memory_plan=memory_plan,
-        step_inputs=step_inputs, table=table, order=order, validation=validation,
+        step_parts=step_parts, table=table, order=order, validation=validation,
         quality=ray.get(args.quality) if args.quality is not None else None,
         micro_batch=micro_batch,
         metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S,

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import ray
 
-    from raydiff.data.ingest import ImageStore
-    from raydiff.data.sharded import ShardedImages
+    from raydiff.data.run_images import RunImages
     from raydiff.storage.rundir import RunDir
 
 
@@ -24,7 +23,7 @@ class WorkerArgs:
     """Ray Train's `train_loop_config` holds this under the key "args" (Ray wants a dict there)."""
 
     config: dict[str, Any]  # the resolved `Config.to_dict()`: workers rebuild the config from it
-    images: ImageStore | ShardedImages  # decoded once by the driver; the workers read it from the object store
+    images: RunImages  # decoded once by the driver; the workers read it from the object store
     run_dir: RunDir
     torch_threads: int  # intra-op threads of each worker: its share of the node's CPUs
     invocation: str  # one id per driver invocation: the events log tells restarts within it from later re-runs

@@ -18,12 +18,12 @@ import torch
 from raydiff.config import DataSection
 from raydiff.data.builtin import write_synthetic
 from raydiff.data.errors import DataError
-from raydiff.data.ingest import load_data
+from raydiff.data.image_store import load_data
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.noise import dropped_labels
 from raydiff.data.order import SampleOrder, rank_share
+from raydiff.data.run_images import open_images, open_tables
 from raydiff.data.sources import open_source
-from raydiff.data.stream import open_images, open_tables
 
 
 def _data(source: str, **overrides) -> DataSection:

@@ -14,10 +14,11 @@ import ray
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.node_cache import READ_AHEAD_WINDOWS, node_shards
 from raydiff.data.order import SampleOrder, rank_share
+from raydiff.data.run_images import open_tables
+from raydiff.data.shard_format import write_prepared
 from raydiff.data.sharded import ShardedImages
-from raydiff.data.shards import write_prepared
 from raydiff.data.sources import DataError, open_source
-from raydiff.data.stream import choose_cache, open_tables, stream_images
+from raydiff.data.stream import choose_cache, stream_images
 
 SHAPE = (3, 4, 4)
 

@@ -12,7 +12,7 @@ from raydiff.config import ConfigError, load_config
 from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import AttnBlock, ResBlock, UNet, build_model, variance_scaling_
-from raydiff.runs.resume import identity_changes
+from raydiff.runs.run_plan import identity_changes
 
 # google/ddpm-cifar10-32's published UNet2DModel config (Ho et al.'s CIFAR-10 model as diffusers ships it).
 GOOGLE_DDPM_CIFAR10 = {

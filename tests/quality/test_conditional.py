@@ -12,7 +12,7 @@ from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.quality.features import DigitsFeatures, ModuleFeatures
 from raydiff.quality.measure import SampleJob, class_targets, eval_labels, scores
-from raydiff.quality.reference import Reference
+from raydiff.quality.reference_stats import Reference
 from raydiff.quality.stats import FeatureStats, class_matches
 
 DIGITS = [str(d) for d in range(10)]

@@ -14,7 +14,7 @@ from raydiff.model.unet import build_model
 from raydiff.quality.digits_classifier import digits_arrays
 from raydiff.quality.features import ModuleFeatures
 from raydiff.quality.measure import SampleJob, parallel_stats, scores
-from raydiff.quality.reference import Reference
+from raydiff.quality.reference_stats import Reference
 
 pytestmark = pytest.mark.ray
 

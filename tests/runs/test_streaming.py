@@ -20,7 +20,7 @@ from conftest import ROOT
 from test_fault_tolerance import assert_same_weights, final_state, losses, summary, wait_for
 
 from raydiff.data.order import SampleOrder
-from raydiff.data.shards import write_prepared
+from raydiff.data.shard_format import write_prepared
 from raydiff.data.sources import open_source
 from raydiff.data.stream import MEMORY_SHARE
 

@@ -17,7 +17,7 @@ from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
 from raydiff.training.microbatch import measure_micro_batch
 from raydiff.training.speed import SpeedPlan, for_training, unwrap
-from raydiff.training.step import StepInputs, make_optimizer, optimizer_step
+from raydiff.training.step import StepParts, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -34,7 +34,7 @@ def _setup(precision: str = "fp32", *, channels_last: bool = False, dropout: flo
         torch.nn.init.normal_(p, std=0.05)
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     dtype = DTYPES[precision]
-    inputs = StepInputs.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-3, weight_decay=0.0),
+    inputs = StepParts.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-3, weight_decay=0.0),
                               torch.amp.GradScaler("cuda", enabled=dtype == torch.float16), device=device,
                               autocast_dtype=dtype, seed=0, flip=True, global_batch=GLOBAL_BATCH, world_size=1,
                               grad_clip=1.0, dropout=dropout > 0, channels_last=channels_last)
@@ -42,7 +42,7 @@ def _setup(precision: str = "fp32", *, channels_last: bool = False, dropout: flo
     return inputs, ema, EmaUpdater(ema, model), cfg
 
 
-def _apply(inputs: StepInputs, *, compile_model: bool, cuda_graphs: bool = False) -> None:
+def _apply(inputs: StepParts, *, compile_model: bool, cuda_graphs: bool = False) -> None:
     """The step's loss as a worker runs it under this plan (one worker: no DDP)."""
     plan = SpeedPlan(compile=compile_model, compile_fallback=False, channels_last=False, cuda_graphs=cuda_graphs,
                      tf32=True, grad_compression="none")

@@ -11,11 +11,11 @@ import torch
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import load_config
-from raydiff.data.ingest import ImageStore
+from raydiff.config.learning_rate import lr_at
+from raydiff.data.image_store import ImageStore
 from raydiff.model.ema import ema_decay_at
 from raydiff.storage.rundir import RunDir
 from raydiff.training.loop import train_worker
-from raydiff.training.lr import lr_at
 from raydiff.training.worker_io import WorkerArgs
 
 pytestmark = pytest.mark.ray

@@ -15,7 +15,7 @@ from raydiff.model.diffusion import build_diffusion
 from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
 from raydiff.training.speed import compiled, plan_speed, unwrap
-from raydiff.training.step import StepInputs, make_optimizer, optimizer_step
+from raydiff.training.step import StepParts, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
@@ -55,7 +55,7 @@ def _setup(precision_fp16: bool = False):
     model = build_model(cfg)
     for p in model.parameters():  # leave the near-zero init: gradients everywhere
         torch.nn.init.normal_(p, std=0.05)
-    inputs = StepInputs.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-3, weight_decay=0.0),
+    inputs = StepParts.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-3, weight_decay=0.0),
                               torch.amp.GradScaler("cpu", enabled=precision_fp16), device=torch.device("cpu"),
                               autocast_dtype=torch.float16 if precision_fp16 else None, seed=0, flip=True,
                               global_batch=8, world_size=1, grad_clip=1.0, dropout=True)

@@ -1,4 +1,5 @@
-"""The learning-rate scaling rule: `train.lr` derived from the global batch when the config is loaded.
+"""The learning rate of a run: from the global batch by the scaling rule (`train.lr` when the config is
+loaded), and over the steps by linear warmup (`lr_at`).
 
 The rule is applied once, from `train.global_batch`, when the config is loaded: the learning rate of a run
 does not depend on the world size, so elastic resizes never change it.
@@ -47,3 +48,9 @@ def describe_lr(train) -> str:
         return (f"learning rate {train.lr:.3g} = base_lr {train.base_lr:.3g} at batch {train.base_batch}, scaled "
                 f"to batch {train.global_batch} by the {train.lr_scaling} rule (knee {train.lr_scaling_knee})")
     return f"learning rate {train.lr:.3g} (train.lr set explicitly: train.lr_scaling not applied)"
+
+
+def lr_at(step: int, lr: float, warmup_steps: int) -> float:
+    """The learning rate of the step after `step` optimizer steps: linear warmup to `lr` over `warmup_steps`, then
+    constant (as in DDPM)."""
+    return lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr

@@ -67,9 +67,9 @@ def _npz_file(uri: str) -> tuple[RunDir, str]:
 
 def reference_for(cfg, features: Features, *, keep_features: bool, images=None) -> Reference:
     """The reference of `cfg.eval.ref` (see the module docstring). `images`: the run's data already decoded."""
+    from raydiff.data.run_images import open_images
     from raydiff.data.sharded import ShardedImages
     from raydiff.data.sources import source_of
-    from raydiff.data.stream import open_images
 
     ref = cfg.eval.ref
     if ref and ref.lower().endswith(".npz"):

@@ -55,7 +55,7 @@ class SourceLike(Protocol):
 def _shards(decoded, rows_per_shard: int, bad: list, names: set):
     """Regroup decoded batches into shards of `rows_per_shard` rows, in order: (uint8 (n, C, R, R), label texts or
     None). A batch is (usable images, bad samples), or with labels (usable images, bad samples, their labels,
-    every label seen in the batch) as `raydiff.data.ingest.decode_stream` yields them; the bad samples are
+    every label seen in the batch) as `raydiff.data.image_store.decode_stream` yields them; the bad samples are
     collected into `bad`, the labels seen into `names`. Holds at most one shard and one batch."""
     pending: list[np.ndarray] = []
     pending_labels: list[np.ndarray] | None = None

@@ -25,7 +25,7 @@ import ray
 from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
 from raydiff.data.labels import LabelledSamples, LabelPlan, class_ids, missing_labels, plan_labels, resolve_classes
-from raydiff.data.shards import check_prepared
+from raydiff.data.shard_format import check_prepared
 from raydiff.data.sources import Source, source_of
 
 CHUNK_BYTES = 64 * 1024 * 1024  # object-store chunk size: few chunks, cheap gathers

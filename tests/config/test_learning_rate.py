@@ -7,8 +7,7 @@ import math
 import pytest
 
 from raydiff.config import load_config
-from raydiff.config.lr_rule import describe_lr, scaled_lr
-from raydiff.training.lr import lr_at
+from raydiff.config.learning_rate import describe_lr, lr_at, scaled_lr
 
 
 @pytest.mark.parametrize("rule, batch, expected", [

@@ -15,7 +15,7 @@ from PIL import Image
 from raydiff.data.builtin import write_synthetic
 from raydiff.data.decode import decode_resize_crop, fit_array
 from raydiff.data.errors import check_bad_fraction
-from raydiff.data.ingest import load_images
+from raydiff.data.image_store import load_images
 from raydiff.data.sources import DataError, open_source
 
 pytestmark = pytest.mark.ray
