@@ -92,8 +92,7 @@ def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
     base_lrs, batches = _parse_lrs(args.lr, args.samples), _parse_batches(args.batch)
     rules = LR_RULES if args.scaling == "compare" else (args.scaling,)
     for batch in batches:  # every trial's config must be valid, e.g. divisible by the number of workers
-        trial = Config.from_dict(cfg.to_dict())
-        trial.train.global_batch, trial.train.micro_batch = batch, cfg.train.micro_batch
+        trial = cfg.replaced("train", global_batch=batch)
         try:
             validate(trial, check_source=False)
         except ConfigError as exc:
@@ -129,9 +128,9 @@ def concurrent_trials(cfg: Config, cpus: float, gpus: float) -> int:
     return max(1, int(fit))
 
 
-def trial_config(base: dict[str, Any], params: dict[str, Any], sweep: Sweep, runs_dir: str) -> Config:
+def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: str) -> Config:
     """The full config of one trial: the base config with this trial's batch, base LR, rule and budget."""
-    cfg = Config.from_dict(base)
+    cfg = copy.deepcopy(base)
     if cfg.scaling.auto:  # a sweep runs trials side by side: one worker each, not every GPU each
         cfg.scaling.num_workers = 1
     t, batch = cfg.train, params["batch"]
@@ -160,7 +159,7 @@ def trial_name(params: dict[str, Any]) -> str:
     return f"{params['rule']}-b{params['batch']}-lr{params['base_lr']:.3g}"
 
 
-def _run_trial(params: dict[str, Any], *, base: dict[str, Any], sweep: Sweep, runs_dir: str, images,
+def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: str, images,
                cpus_per_trial: float, trial_runs) -> None:
     """A Tune function trainable: one raydiff run whose every report reaches Tune."""
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -233,7 +232,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
 
     trial_runs = TrialRuns.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
     trainable = tune.with_resources(
-        tune.with_parameters(_run_trial, base=cfg.to_dict(), sweep=sweep, runs_dir=str(sweep_dir / "runs"),
+        tune.with_parameters(_run_trial, base=cfg, sweep=sweep, runs_dir=str(sweep_dir / "runs"),
                              images=images, cpus_per_trial=cpus / concurrent - TRIAL_CPU, trial_runs=trial_runs),
         {"CPU": TRIAL_CPU},
     )
@@ -287,7 +286,7 @@ def _result_row(result, cfg: Config, sweep: Sweep, sweep_dir: Path) -> dict[str,
         status = "error"
     else:
         status = "finished" if images_seen >= sweep.budget_images else "stopped"
-    trial = trial_config(cfg.to_dict(), params, sweep, str(sweep_dir / "runs"))
+    trial = trial_config(cfg, params, sweep, str(sweep_dir / "runs"))
     return {"trial": trial.run.name, "rule": params["rule"], "batch": params["batch"], "base_lr": params["base_lr"],
             "lr": trial.train.lr, "images_seen": images_seen, "val_loss": metrics.get("val_loss"),
             **({sweep.metric: metrics.get(sweep.metric)} if sweep.metric != "val_loss" else {}), "status": status}
@@ -325,7 +324,7 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_d
                                "errors": sum(r["status"] == "error" for r in rows), "rules": rule_spread(rows, metric)}
     if finished:
         best = min(finished, key=lambda r: r[metric])
-        best_cfg = trial_config(cfg.to_dict(), best, sweep, cfg.run.storage)
+        best_cfg = trial_config(cfg, best, sweep, cfg.run.storage)
         best_cfg.run.name = f"{sweep.name}-best"
         best_cfg.train.lr = None  # re-derived from base_lr by the rule, so a changed global_batch rescales it
         best_cfg.run.keep_checkpoints = cfg.run.keep_checkpoints

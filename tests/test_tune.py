@@ -101,8 +101,8 @@ def test_trials_keep_warmup_and_ema_half_life_in_images(tmp_path):
     cfg = load_config("smoke", [f"run.storage={tmp_path}", "train.warmup_steps=20", "train.ema_warmup_steps=8"])
     sweep = Sweep(name="s", base_lrs=(1e-3,), batches=(16, 64), rules=("linear",), budget_images=640,
                   interval_images=64, max_concurrent=None)
-    same = trial_config(cfg.to_dict(), {"batch": 16, "base_lr": 1e-3, "rule": "linear"}, sweep, str(tmp_path))
-    big = trial_config(cfg.to_dict(), {"batch": 64, "base_lr": 1e-3, "rule": "linear"}, sweep, str(tmp_path))
+    same = trial_config(cfg, {"batch": 16, "base_lr": 1e-3, "rule": "linear"}, sweep, str(tmp_path))
+    big = trial_config(cfg, {"batch": 64, "base_lr": 1e-3, "rule": "linear"}, sweep, str(tmp_path))
     assert (same.train.warmup_steps, same.train.ema_decay) == (20, 0.99)
     assert big.train.warmup_steps * 64 == 20 * 16 and big.train.ema_warmup_steps * 64 == 8 * 16
     half_life_images = [t.global_batch * math.log(0.5) / math.log(t.ema_decay) for t in (same.train, big.train)]

@@ -23,6 +23,7 @@ kernels of raydiff's steady-state step (CUDA kernels on a GPU, operators on a CP
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import statistics
@@ -288,7 +289,7 @@ def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: 
     results = []
     with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as tmp:
         for batch in batches:
-            cfg = Config.from_dict(base.to_dict())
+            cfg = copy.deepcopy(base)
             set_key(cfg, "train.global_batch", batch)
             out = None
             if profile is not None:
@@ -313,7 +314,7 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
     flops = flops_per_image(cfg, device)
     plain = [plain_loop(cfg, device, steps=steps)]
     bare = bare_loop(cfg, device, steps=steps)
-    ours = raydiff_run(Config.from_dict(cfg.to_dict()), steps=steps, storage=tmp / "runs", rerun=rerun)
+    ours = raydiff_run(copy.deepcopy(cfg), steps=steps, storage=tmp / "runs", rerun=rerun)
     plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows
     if profile is not None:
         profile_step(cfg, device, steps=min(steps, 10), out=profile)

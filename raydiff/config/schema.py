@@ -361,6 +361,11 @@ class Config:
                 set_key(cfg, f"{section}.{key}", value)
         return cfg
 
+    def replaced(self, section: str, **values: Any) -> Config:
+        """A copy with keys of one section replaced (`dataclasses.replace`); the other sections are shared, so
+        neither config is to be changed afterwards."""
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)})
+
     def resolve(self) -> Config:
         """Fill in what is derived from other keys (the learning rate from the scaling rule); idempotent."""
         if self.train.lr is None:

@@ -19,13 +19,11 @@ from raydiff.cluster.nodes import wait_for_worker_node
 from raydiff.cluster.start import init_ray
 from raydiff.cluster.storage import check_shared_storage
 from raydiff.config import Config, ConfigError
-from raydiff.config.checks import check_workers
 from raydiff.config.learning_rate import describe_lr
 from raydiff.data.run_images import RunImages, open_images
 from raydiff.data.sharded import ShardedImages
 from raydiff.data.sources import DataError, source_of
 from raydiff.model.diffusers_folder import load_init_weights
-from raydiff.model.diffusers_io import check_classes
 from raydiff.quality.features import features_for, metric_names, require_metrics_package
 from raydiff.quality.reference_stats import reference_for
 from raydiff.runs.checkpoint import checkpoint_bytes, remove_partial_checkpoints
@@ -46,6 +44,7 @@ from raydiff.storage.rundir import RunDir, unwritable
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.loop import train_worker
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
+from raydiff.training.resolve import resolve_run
 from raydiff.training.stop import StopFlag, interrupt_on_signals, stop_on_signals
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -68,20 +67,6 @@ def check_room(cfg: Config, run_dir: RunDir) -> None:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: {megabytes(free)} free on its file system, and a "
                           f"checkpoint of this model takes about {megabytes(needed)}: a run needs room for at least "
                           f"two ({megabytes(2 * needed)}); free space there or set another run.storage")
-
-
-def auto_workers(cfg: Config, gpus: float) -> Config:
-    """`scaling.num_workers: auto` made concrete: one worker per GPU of the cluster (`gpus`), or one worker
-    with every CPU where the run does not use GPUs. A global batch the workers cannot split evenly is split as
-    evenly as possible (as elastic runs do). Other configs are returned as they are."""
-    if not cfg.scaling.auto:
-        return cfg
-    use_gpu = gpus > 0 if cfg.scaling.use_gpu == "auto" else cfg.scaling.use_gpu
-    workers = max(1, min(int(gpus), cfg.train.global_batch)) if use_gpu else 1
-    resolved = Config.from_dict(cfg.to_dict())
-    resolved.scaling.num_workers = workers if cfg.train.global_batch % workers == 0 else (workers, workers)
-    check_workers(resolved)
-    return resolved
 
 
 def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, int]:
@@ -171,57 +156,60 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
                           images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
-def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[str, Any], init_weights,
+def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[str, Any], init_weights,
            driver: dict[str, Any], stop_flag, started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
     """run_training, once the run directory is held: decode, train, summarise."""
     invocation = driver["invocation"]
     # Decide for the nodes the run will train on: on an autoscaling cluster, the first of them may still be to come.
-    joined = wait_for_worker_node(cfg.scaling.use_gpu, cfg.scaling.node_wait_s)
+    joined = wait_for_worker_node(requested.scaling.use_gpu, requested.scaling.node_wait_s)
     if joined:
         print(f"[raydiff] {joined}")
     # Decode the data once with Ray Data.
-    check_shared_storage(cfg.run.storage)
-    resolved = auto_workers(cfg, ray.cluster_resources().get("GPU", 0))  # the config the workers get
+    check_shared_storage(requested.run.storage)
     init_ref = None
     if init_weights is not None:
         init_ref = ray.put(init_weights)
-        print(f"[raydiff] model.init_from: starting from {cfg.model.init_from}")
-    elif cfg.model.init_from:
-        print(f"[raydiff] model.init_from: continuing at step {plan.step}, not read ({cfg.model.init_from})")
+        print(f"[raydiff] model.init_from: starting from {requested.model.init_from}")
+    elif requested.model.init_from:
+        print(f"[raydiff] model.init_from: continuing at step {plan.step}, not read ({requested.model.init_from})")
     decode_start = time.perf_counter()
     decoded = "decoded earlier"
     if images is None:  # a continuing run keeps the layout it began with: the same samples in the same order
-        images, cache = open_images(cfg.data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint,
-                                    keep=plan.layout, lease_stale_s=cfg.run.lease_stale_s,
-                                    use_gpu=cfg.scaling.use_gpu)
+        images, cache = open_images(requested.data, source, storage=requested.run.storage,
+                                    endpoint=requested.run.endpoint,
+                                    keep=plan.layout, lease_stale_s=requested.run.lease_stale_s,
+                                    use_gpu=requested.scaling.use_gpu)
         decoded = f"{cache}; ready in {time.perf_counter() - decode_start:.1f} s"
     elif plan.layout is not None and plan.layout != images.layout():
-        raise DataError(f"run {cfg.run.name!r} was trained on data laid out as {plan.layout} (data.json), now "
+        raise DataError(f"run {requested.run.name!r} was trained on data laid out as {plan.layout} (data.json), now "
                         f"{images.layout()}: the sample order would change; use run.name=NEW for a new run")
-    if cfg.data.val_images >= images.num_good:
-        raise DataError(f"data.val_images = {cfg.data.val_images}: must be below the number of usable images in "
+    if requested.data.val_images >= images.num_good:
+        raise DataError(f"data.val_images = {requested.data.val_images}: must be below the number of usable images in "
                         f"data.source ({images.num_good})")
-    images = with_held_out(cfg, images)
-    resolved, classes = with_classes(resolved, images, init_weights)
+    images = with_held_out(requested, images)
+    # The config the workers get: what the cluster and the data decide, resolved once.
+    resolved, classes = resolve_run(requested, gpus=ray.cluster_resources().get("GPU", 0), images=images,
+                                    init_weights=init_weights)
     unusable = images.bad_report()["count"]
     skipped = f", {unusable} skipped as unusable (see summary.json)" if unusable else ""
     scaling, torch_threads = plan_scaling(resolved, cpus)
     s = resolved.scaling
-    elastic_range = s.num_workers if isinstance(s.num_workers, tuple) and not cfg.scaling.auto else None
+    elastic_range = s.num_workers if isinstance(s.num_workers, tuple) and not requested.scaling.auto else None
     workers = "-".join(map(str, elastic_range)) if elastic_range else s.max_workers
-    workers = f"{workers} (scaling.num_workers=auto)" if cfg.scaling.auto else workers
+    workers = f"{workers} (scaling.num_workers=auto)" if requested.scaling.auto else workers
     conditional = (f"class-conditional on {len(classes['names'])} classes (label dropout "
-                   f"{cfg.train.label_dropout:g}); " if classes else "")
-    print(f"[raydiff] {images.num_good} images from {source.describe()} at {cfg.data.resolution}px ({decoded}"
+                   f"{requested.train.label_dropout:g}); " if classes else "")
+    print(f"[raydiff] {images.num_good} images from {source.describe()} at {requested.data.resolution}px ({decoded}"
           f"{skipped}); "
           f"{'continuing at step ' + str(plan.step) if plan.step else 'training'}"
-          f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); {conditional}{describe_lr(cfg.train)}; "
+          f" on {workers} {'GPU' if scaling.use_gpu else 'CPU'} worker(s); {conditional}"
+          f"{describe_lr(requested.train)}; "
           f"run directory "
           f"{run_dir}")
 
-    quality = _prepare_quality(cfg, images, classes)
+    quality = _prepare_quality(requested, images, classes)
 
-    args = WorkerArgs(config=resolved.to_dict(), images=images, run_dir=run_dir, torch_threads=torch_threads,
+    args = WorkerArgs(config=resolved, images=images, run_dir=run_dir, torch_threads=torch_threads,
                       invocation=invocation, stop_flag=stop_flag, init_weights=init_ref, quality=quality,
                       classes=classes)
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
@@ -232,11 +220,11 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
         train_loop_config={"args": args},
         scaling_config=scaling,
         run_config=ray.train.RunConfig(  # type: ignore[call-arg]
-            name=cfg.run.name,
+            name=requested.run.name,
             storage_path=storage.path,
             storage_filesystem=storage.fs,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+            failure_config=ray.train.FailureConfig(max_failures=requested.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=requested.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=callbacks or [],
         ),
@@ -245,7 +233,7 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
     cancel_previous_reservation(run_dir, requester)
     # What the run records beside its results: written by rank 0 once a checkpoint, if any, has been restored
     # (a start that the workers refuse changes nothing).
-    records = {"config.yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+    records = {"config.yaml": yaml.safe_dump(requested.to_dict(), sort_keys=False),
                DATA_FILE: json.dumps({**identity, "layout": images.layout(), **images.label_summary()},
                                      indent=2) + "\n",
                DRIVER_FILE: json.dumps({**driver, "requester": requester}, indent=2) + "\n"}
@@ -268,7 +256,8 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"
     try:
-        summary = _write_summary(cfg, run_dir, invocation, plan.step, outcome, checkpoint, failure or error, started,
+        summary = _write_summary(requested, run_dir, invocation, plan.step, outcome, checkpoint, failure or error,
+                                 started,
                                  bad_images=images.bad_report())
     except OSError as exc:
         unwritten = storage_failure(exc, str(run_dir), "writing summary.json")
@@ -277,37 +266,11 @@ def _train(cfg: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[s
         raise StorageFailure(f"{failure or unwritten} (summary.json could not be written)") from None
     if failure is not None:
         raise StorageFailure(failure)
-    dashboards = dashboards_for(cfg, run_dir, resume_step=summary["steps"])
+    dashboards = dashboards_for(requested, run_dir, resume_step=summary["steps"])
     if dashboards is not None:  # the final numbers (and the run's status) beside its curves
         dashboards.summary(summary)
         dashboards.close()
     return {**summary, "signal": received["signal"]}
-
-
-def with_classes(cfg: Config, images: RunImages,
-                 init_weights: Any = None) -> tuple[Config, dict[str, Any] | None]:
-    """(the config with `model.num_classes: auto` made the number of classes found, the run's classes as
-    {"names", "counts"}, or None for an unconditional run). A model with fewer classes than the data has, or
-    model.init_from weights made for another number of classes, is refused in one line."""
-    wanted = cfg.model.num_classes
-    if not wanted:
-        return cfg, None
-    names = list(images.classes)
-    found = len(names)
-    if wanted == "auto":
-        if init_weights is not None:  # an int model.num_classes was checked against the UNet's config before
-            check_classes(init_weights, found, init_from=str(cfg.model.init_from), auto=True)
-        resolved = Config.from_dict(cfg.to_dict())
-        resolved.model.num_classes = found
-        cfg, wanted = resolved, found
-    elif wanted < found:
-        raise ConfigError(f"model.num_classes = {wanted}: smaller than the {found} classes found in "
-                          f"data.source = {cfg.data.source!r}; set it to at least {found}, or auto")
-    counts = images.class_counts()
-    # A model may have more classes than the data (model.num_classes = N): the extra ones are named by their id.
-    names += [str(i) for i in range(found, wanted)]
-    counts = list(counts) + [0] * (wanted - found)
-    return cfg, {"names": names, "counts": counts}
 
 
 def with_held_out(cfg: Config, images: RunImages) -> RunImages:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from raydiff.config import Config
 from raydiff.config.learning_rate import lr_at
 from raydiff.model.ema import ema_decay_at
 from raydiff.runs.state import Unresumable
@@ -25,7 +24,7 @@ from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
 def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
     args: WorkerArgs = loop_config["args"]
-    cfg = Config.from_dict(args.config)
+    cfg = args.config
     t = cfg.train
     torch.set_num_threads(args.torch_threads)
     quiet_ray_train_logs()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import ray
 
+    from raydiff.config import Config
     from raydiff.data.run_images import RunImages
     from raydiff.storage.rundir import RunDir
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 class WorkerArgs:
     """Ray Train's `train_loop_config` holds this under the key "args" (Ray wants a dict there)."""
 
-    config: dict[str, Any]  # the resolved `Config.to_dict()`: workers rebuild the config from it
+    config: Config  # the resolved config (`raydiff.training.resolve`)
     images: RunImages  # decoded once by the driver; the workers read it from the object store
     run_dir: RunDir
     torch_threads: int  # intra-op threads of each worker: its share of the node's CPUs

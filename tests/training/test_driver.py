@@ -1,31 +1,38 @@
-"""The driver's decisions that do not need a cluster: what `scaling.num_workers: auto` becomes."""
+"""The config a run trains with, resolved from the requested one: what `scaling.num_workers: auto` becomes."""
 
 from __future__ import annotations
 
 import pytest
 
 from raydiff.config import ConfigError, load_config
-from raydiff.training.driver import auto_workers
+from raydiff.data.image_store import ImageStore
+from raydiff.training.resolve import resolve_run
+
+IMAGES = ImageStore(chunks=(), counts=(), shape=(1, 8, 8), source="test")  # an unconditional run reads no classes
+
+
+def _workers(cfg, gpus: int):
+    return resolve_run(cfg, gpus=gpus, images=IMAGES)[0].scaling.num_workers
 
 
 def test_auto_is_one_worker_per_gpu_and_one_on_cpus():
     cfg = load_config("smoke", ["scaling.num_workers=auto"])
-    assert auto_workers(cfg, gpus=0).scaling.num_workers == 1
-    assert auto_workers(cfg, gpus=1).scaling.num_workers == 1
-    assert auto_workers(cfg, gpus=8).scaling.num_workers == 8
+    assert _workers(cfg, gpus=0) == 1
+    assert _workers(cfg, gpus=1) == 1
+    assert _workers(cfg, gpus=8) == 8
     # 16 images over 3 GPUs: split as evenly as possible (6, 5, 5), as an elastic run of exactly 3 does.
-    assert auto_workers(cfg, gpus=3).scaling.num_workers == (3, 3)
+    assert _workers(cfg, gpus=3) == (3, 3)
     # More GPUs than images per step: one image per worker at most.
-    assert auto_workers(cfg, gpus=64).scaling.num_workers == 16
-    assert cfg.scaling.num_workers == "auto"  # the user's config is left as it is
+    assert _workers(cfg, gpus=64) == 16
+    assert cfg.scaling.num_workers == "auto"  # the requested config is left as it is
     no_gpu = load_config("smoke", ["scaling.num_workers=auto", "scaling.use_gpu=false"])
-    assert auto_workers(no_gpu, gpus=8).scaling.num_workers == 1
+    assert _workers(no_gpu, gpus=8) == 1
 
 
 def test_auto_checks_the_batch_once_resolved():
     cfg = load_config("smoke", ["scaling.num_workers=auto", "train.micro_batch=16"])  # fine for 1 worker
-    assert auto_workers(cfg, gpus=1).scaling.num_workers == 1
+    assert _workers(cfg, gpus=1) == 1
     with pytest.raises(ConfigError, match="train.micro_batch"):
-        auto_workers(cfg, gpus=2)  # 8 images per worker: not a multiple of 16
+        _workers(cfg, gpus=2)  # 8 images per worker: not a multiple of 16
     explicit = load_config("smoke", ["scaling.num_workers=2"])
-    assert auto_workers(explicit, gpus=8) is explicit
+    assert resolve_run(explicit, gpus=8, images=IMAGES)[0] is explicit
