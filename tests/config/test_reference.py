@@ -64,3 +64,4 @@ def test_the_real_schema_has_a_docstring_for_every_key():
                                                "debug")
                   for key in class_docstrings(type(getattr(Config(), name)))[1]}
     assert documented == set(all_keys())
+

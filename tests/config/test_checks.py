@@ -1,3 +1,6 @@
+"""Loading and checking configs: presets, overrides coerced by type, and every refused value in one line naming
+its key (the rules of `raydiff.config.checks`)."""
+
 from __future__ import annotations
 
 from typing import get_type_hints
@@ -209,3 +212,11 @@ def test_pyproject_declares_the_package_floors_raydiff_checks():
     for package, floor in PACKAGE_FLOORS.items():
         specifiers = [str(r.specifier) for r in declared if r.name == package]
         assert specifiers and set(specifiers) == {f">={floor}"}, (package, specifiers)
+
+
+def test_every_rule_names_a_key_of_the_schema():
+    from raydiff.config.checks import LATER_RULES, RULES
+
+    keys = set(all_keys())
+    assert {rule.key for rule in (*RULES, *LATER_RULES)} <= keys
+    assert len(RULES) + len(LATER_RULES) >= 70  # the table holds the rules (none left behind in code)
