@@ -166,6 +166,7 @@ RULES: tuple[Rule, ...] = (
     Rule("train.sample_steps", lambda c: c.train.sample_steps >= 1, "must be >= 1"),
     Rule("train.log_every", lambda c: c.train.log_every >= 1, "must be >= 1"),
     Rule("train.seed", lambda c: c.train.seed >= 0, "must be >= 0"),
+    Rule("train.min_snr_gamma", lambda c: c.train.min_snr_gamma > 0, "must be > 0"),
     Rule("train.label_dropout", lambda c: 0 <= c.train.label_dropout < 1, "must be in [0, 1)"),
     Rule("train.max_bad_steps", lambda c: c.train.max_bad_steps >= 1, "must be >= 1"),
     Rule("train.cuda_graphs", lambda c: c.train.cuda_graphs is not True or c.train.compile in (True, "auto"),

@@ -196,6 +196,12 @@ class TrainSection:
     end."""
     seed: int = 0
     """Fixes the initial weights, the sample order, flips, noise and the sample grids."""
+    loss_weighting: Literal["uniform", "min_snr"] = "uniform"
+    """How each sample's squared error counts: `uniform` (DDPM's plain mean) or `min_snr` (Hang et al. 2023: as if
+    every target's error were the x0 error it implies, weighted by min(SNR, `train.min_snr_gamma`); see
+    docs/training.md#loss-weighting). The logged and validation losses are the weighted ones."""
+    min_snr_gamma: float = 5.0
+    """`train.loss_weighting: min_snr`: the SNR above which timesteps count no more (the paper's 5)."""
     label_dropout: float = 0.5
     """Class-conditional models: the probability that a sample's class is replaced by the null class, so that
     the same model also learns the unconditional prediction that guidance needs (a pure function of the seed and

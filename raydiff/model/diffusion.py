@@ -25,6 +25,7 @@ from raydiff.seeds import image_generators
 
 Schedule = Literal["linear", "cosine"]
 Prediction = Literal["eps", "v", "x0"]
+LossWeighting = Literal["uniform", "min_snr"]
 Denoiser = Callable[..., torch.Tensor]  # model(x_t, t) or, class-conditional, model(x_t, t, labels)
 
 # The linear schedule's largest beta is 0.02 * 1000 / T = 20 / T: T <= 20 gives a beta >= 1 and alpha_bar <= 0.
@@ -48,6 +49,21 @@ def make_betas(schedule: Schedule, timesteps: int) -> torch.Tensor:
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
+def min_snr_weights(alpha_bar: torch.Tensor, prediction: Prediction, gamma: float) -> torch.Tensor:
+    """Min-SNR-gamma loss weights (Hang et al. 2023), in alpha_bar's dtype: the weight on each target's squared
+    error that makes it min(SNR, gamma) times the x0 error it implies, SNR = alpha_bar / (1 - alpha_bar). Since
+    the eps error is sqrt(SNR) times the x0 error and the v error sqrt(SNR + 1) times, the weight is
+    min(SNR, gamma) / SNR for eps, min(SNR, gamma) / (SNR + 1) for v, and min(SNR, gamma) for x0. Written so that
+    it stays finite where SNR is 0 (alpha_bar 0) or infinite (alpha_bar 1): gamma / SNR clamped at 1 for eps."""
+    snr = alpha_bar / (1 - alpha_bar)  # inf at alpha_bar 1, 0 at alpha_bar 0
+    clipped = snr.clamp(max=gamma)
+    if prediction == "eps":
+        return (gamma / snr).clamp(max=1.0)  # = min(SNR, gamma) / SNR, 1 at SNR 0, 0 at SNR inf
+    if prediction == "v":
+        return clipped / (snr + 1)
+    return clipped
+
+
 PIXELS_PER_PASS = 64 * 64 * 64  # sampling without a batch size: as many images per forward pass as make this
 
 
@@ -64,11 +80,15 @@ class GaussianDiffusion:
     :param schedule: "linear" or "cosine".
     :param timesteps: number of diffusion steps T.
     :param prediction: what the network predicts: "eps", "v" or "x0".
+    :param loss_weighting: "uniform" (the plain squared error, as DDPM) or "min_snr" (`min_snr_weights`).
+    :param min_snr_gamma: min-SNR's gamma.
     """
 
-    def __init__(self, *, schedule: Schedule, timesteps: int, prediction: Prediction) -> None:
+    def __init__(self, *, schedule: Schedule, timesteps: int, prediction: Prediction,
+                 loss_weighting: LossWeighting = "uniform", min_snr_gamma: float = 5.0) -> None:
         self.timesteps = timesteps
         self.prediction = prediction
+        self.loss_weighting = loss_weighting
         # Float64 tables, indexed by t in [0, T).
         self.betas = make_betas(schedule, timesteps)
         self.alpha_bar = torch.cumprod(1 - self.betas, dim=0)
@@ -78,6 +98,8 @@ class GaussianDiffusion:
         self.posterior_coef_x0 = self.betas * self.alpha_bar_prev.sqrt() / (1 - self.alpha_bar)
         self.posterior_coef_xt = (1 - self.alpha_bar_prev) * (1 - self.betas).sqrt() / (1 - self.alpha_bar)
         self.posterior_variance = self.betas * (1 - self.alpha_bar_prev) / (1 - self.alpha_bar)
+        self.loss_weight = (min_snr_weights(self.alpha_bar, prediction, min_snr_gamma) if loss_weighting == "min_snr"
+                            else torch.ones_like(self.alpha_bar))
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def tables_on(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,7 +108,7 @@ class GaussianDiffusion:
             device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._device_tables:
             names = ("betas", "alpha_bar", "alpha_bar_prev", "sqrt_alpha_bar", "sqrt_one_minus_alpha_bar",
-                     "posterior_coef_x0", "posterior_coef_xt", "posterior_variance")
+                     "posterior_coef_x0", "posterior_coef_xt", "posterior_variance", "loss_weight")
             # Cast on the CPU first: some devices (MPS) have no float64.
             self._device_tables[device] = {n: getattr(self, n).float().to(device) for n in names}
         return self._device_tables[device]
@@ -111,11 +133,13 @@ class GaussianDiffusion:
         self, model: Denoiser, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mean squared error between the network output and the target, one value per sample; `labels`: the
-        class ids a class-conditional model sees (the null class where dropped)."""
+        """Mean squared error between the network output and the target, one value per sample, weighted by the
+        loss weighting (min-SNR: `min_snr_weights`); `labels`: the class ids a class-conditional model sees (the
+        null class where dropped)."""
         x_t = self.q_sample(x0, t, noise)
         out = model(x_t, t) if labels is None else model(x_t, t, labels)
-        return (out.float() - self.target(x0, t, noise)).square().mean(dim=tuple(range(1, x0.dim())))
+        losses = (out.float() - self.target(x0, t, noise)).square().mean(dim=tuple(range(1, x0.dim())))
+        return losses if self.loss_weighting == "uniform" else losses * self._at("loss_weight", t, losses)
 
     # Converting a network output to the quantities samplers need.
     def predict_x0_eps(
@@ -301,5 +325,6 @@ def full_fp32() -> Iterator[None]:
 
 def build_diffusion(cfg) -> GaussianDiffusion:
     """The diffusion process described by a `raydiff.config.Config`."""
-    d = cfg.diffusion
-    return GaussianDiffusion(schedule=d.schedule, timesteps=d.timesteps, prediction=d.prediction)
+    d, t = cfg.diffusion, cfg.train
+    return GaussianDiffusion(schedule=d.schedule, timesteps=d.timesteps, prediction=d.prediction,
+                             loss_weighting=t.loss_weighting, min_snr_gamma=t.min_snr_gamma)

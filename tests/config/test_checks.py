@@ -112,6 +112,8 @@ def test_round_trip_through_plain_dict():
     ("eval.features=clip", "eval.features = 'clip': expected auto | inception | digits"),
     ("eval.inception_weights=/no/such.pth", "eval.inception_weights = '/no/such.pth': no such file"),
     ("eval.sampler=euler", "expected ddim | ddpm"),
+    ("train.loss_weighting=huber", "train.loss_weighting = 'huber': expected uniform | min_snr"),
+    ("train.min_snr_gamma=0", "train.min_snr_gamma = 0.0: must be > 0"),
 ])
 def test_bad_values_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as info:
@@ -220,3 +222,10 @@ def test_every_rule_names_a_key_of_the_schema():
     keys = set(all_keys())
     assert {rule.key for rule in (*RULES, *LATER_RULES)} <= keys
     assert len(RULES) + len(LATER_RULES) >= 70  # the table holds the rules (none left behind in code)
+
+
+def test_cuda_graphs_need_the_step_compiled():
+    with pytest.raises(ConfigError) as info:
+        load_config("default", ["train.compile=false", "train.cuda_graphs=true"])
+    assert str(info.value) == ("train.cuda_graphs = True: needs train.compile = true or auto (CUDA graphs are "
+                               "torch.compile's reduce-overhead mode)")

@@ -274,3 +274,73 @@ def test_sampling_runs_in_full_fp32():
     d.sample(model, (1, 1, 2, 2), sampler="ddim", steps=3, generator=torch.Generator().manual_seed(0))
     assert seen and set(seen) == {("ieee", "ieee")}
     assert (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == before
+
+
+# Loss weighting: min-SNR-gamma.
+@pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
+def test_min_snr_weights_are_the_closed_forms(prediction):
+    """The weight on each target's error makes it min(SNR, gamma) times the x0 error it implies."""
+    from raydiff.model.diffusion import GaussianDiffusion
+
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction=prediction, loss_weighting="min_snr",
+                          min_snr_gamma=5.0)
+    for t in (0, 10, 100, 500, 999):
+        ab = float(d.alpha_bar[t])
+        snr = ab / (1 - ab)
+        expected = {"eps": min(snr, 5.0) / snr, "v": min(snr, 5.0) / (snr + 1), "x0": min(snr, 5.0)}[prediction]
+        assert float(d.loss_weight[t]) == pytest.approx(expected, rel=1e-12)
+    # The x0-equivalent error: eps error = sqrt(SNR) x0 error, v error = sqrt(SNR + 1) x0 error.
+    snr = d.alpha_bar / (1 - d.alpha_bar)
+    factor = {"eps": snr, "v": snr + 1, "x0": torch.ones_like(snr)}[prediction]
+    assert torch.allclose(d.loss_weight * factor, snr.clamp(max=5.0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v"])
+def test_min_snr_weights_match_diffusers_training_examples(prediction):
+    """diffusers' text-to-image example: min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v_prediction. diffusers
+    computes its schedule in float32, raydiff in float64: they agree to float32's accumulated rounding."""
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_snr
+
+    from raydiff.model.diffusion import GaussianDiffusion
+
+    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear")
+    timesteps = torch.arange(1000)
+    snr = compute_snr(scheduler, timesteps)
+    weights = torch.stack([snr, 5.0 * torch.ones_like(timesteps)], dim=1).min(dim=1)[0]
+    weights = weights / snr if prediction == "eps" else weights / (snr + 1)
+    d = GaussianDiffusion(schedule="linear", timesteps=1000, prediction=prediction, loss_weighting="min_snr")
+    assert torch.allclose(d.loss_weight.float(), weights.float(), rtol=5e-4)
+
+
+@pytest.mark.parametrize("prediction,expected", [("eps", [1.0, 1.0, 0.0]), ("v", [0.0, 0.5, 0.0]),
+                                                 ("x0", [0.0, 1.0, 5.0])])
+def test_min_snr_weights_are_finite_where_the_snr_is_zero_or_infinite(prediction, expected):
+    from raydiff.model.diffusion import min_snr_weights
+
+    alpha_bar = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)  # SNR 0, 1 and infinite
+    weights = min_snr_weights(alpha_bar, prediction, 5.0)
+    assert torch.isfinite(weights).all() and weights.tolist() == expected
+
+
+def test_min_snr_weighs_each_sample_of_the_training_loss():
+    """Through the config, as training builds it: the weighted losses are the uniform ones times each sample's
+    weight at its timestep."""
+    from raydiff.config import load_config
+    from raydiff.model.diffusion import build_diffusion
+
+    uniform = build_diffusion(load_config("smoke", check_source=False))
+    weighted = build_diffusion(load_config("smoke", ["train.loss_weighting=min_snr", "train.min_snr_gamma=2"],
+                                           check_source=False))
+    generator = torch.Generator().manual_seed(0)
+    x0 = torch.rand(6, 1, 8, 8, generator=generator) * 2 - 1
+    noise = torch.randn(6, 1, 8, 8, generator=generator)
+    t = torch.tensor([0, 3, 50, 400, 800, 999])
+
+    def model(x, _):
+        return 0.5 * x
+
+    plain = uniform.loss_per_sample(model, x0, t, noise)
+    assert torch.allclose(weighted.loss_per_sample(model, x0, t, noise), plain * weighted.loss_weight[t].float())
+    # eps: min(SNR, 2) / SNR, small at t = 0 (SNR about 1e4) and 1 where SNR < 2
+    assert weighted.loss_weight[0] < 1e-3 and weighted.loss_weight[999] == 1.0
