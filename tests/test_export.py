@@ -130,6 +130,32 @@ def test_sample_cli_on_the_exported_folder_matches_diffusers_ddim(exported, tmp_
     assert np.abs(ours.astype(float) - theirs).max() <= 1 and (ours == theirs).mean() > 0.99
 
 
+@pytest.mark.parametrize("sampler,steps", [("dpmpp_2m", 4), ("heun", 3)])
+def test_sample_cli_samples_with_the_fast_samplers(exported, tmp_path, sampler, steps):
+    """--sampler dpmpp_2m / heun through the CLI: the images the library makes from the same EMA weights and seeds
+    (8-bit PNGs)."""
+
+    checkpoint, _ = exported
+    proc = run_cli("raydiff.sample", "--checkpoint", str(checkpoint), "--sampler", sampler, "--steps", str(steps),
+                   "--num", "3", "--seed", "5", "--out", str(tmp_path / "samples"), env=ONE_THREAD)
+    assert proc.returncode == 0, proc.stderr
+    assert f"with {sampler}, {steps} steps" in proc.stdout
+    state = read_state(checkpoint)
+    cfg = load_config("smoke", [f"diffusion.timesteps={T}"], check_source=False)
+    model = build_model(cfg)
+    model.load_state_dict(state["ema"])
+    images = build_diffusion(cfg).sample(model.eval(), (3, 1, 8, 8), sampler=sampler, steps=steps,
+                                         generator=image_generators(5, range(3), "cpu", GRID_NOISE))
+    theirs = ((images.clamp(-1, 1) + 1) / 2 * 255 + 0.5).clamp(0, 255).floor().numpy()[:, 0]
+    ours = np.stack([np.asarray(Image.open(tmp_path / "samples" / f"sample_{i:05d}.png").convert("L"))
+                     for i in range(3)])
+    assert np.abs(ours.astype(float) - theirs).max() <= 1 and (ours == theirs).mean() > 0.99
+
+    refused = run_cli("raydiff.sample", "--checkpoint", str(checkpoint), "--sampler", sampler, "--eta", "0.5",
+                      "--out", str(tmp_path / "refused"))
+    assert refused.returncode == 2 and "--eta applies to --sampler ddim only" in refused.stderr
+
+
 def test_export_refuses_a_non_empty_folder_and_changes_nothing(exported, tmp_path):
     checkpoint, _ = exported
     out = tmp_path / "taken"

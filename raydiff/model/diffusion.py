@@ -21,11 +21,15 @@ from typing import Literal
 
 import torch
 
+from raydiff.model.samplers import dpmpp_2m, heun, x0_from_output
 from raydiff.seeds import image_generators
 
 Schedule = Literal["linear", "cosine"]
 Prediction = Literal["eps", "v", "x0"]
 LossWeighting = Literal["uniform", "min_snr"]
+Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "heun"]
+SAMPLERS: tuple[str, ...] = ("ddpm", "ddim", "dpmpp_2m", "heun")
+DEFAULT_STEPS: dict[str, int | None] = {"ddpm": None, "ddim": 50, "dpmpp_2m": 20, "heun": 18}  # None: all T
 Denoiser = Callable[..., torch.Tensor]  # model(x_t, t) or, class-conditional, model(x_t, t, labels)
 
 # The linear schedule's largest beta is 0.02 * 1000 / T = 20 / T: T <= 20 gives a beta >= 1 and alpha_bar <= 0.
@@ -213,7 +217,7 @@ class GaussianDiffusion:
         return self._ddim(self._on(self._step_coefs(t.cpu(), t_prev.cpu(), eta), x0), x0, eps, noise)
 
     def sample_in_chunks(self, model: Denoiser, indices: range, shape: tuple[int, ...], *, batch: int, seed: int,
-                         tag: int, device: torch.device | str, sampler: Literal["ddpm", "ddim"] = "ddim",
+                         tag: int, device: torch.device | str, sampler: Sampler = "ddim",
                          steps: int | None = None, eta: float = 0.0, labels: Sequence[int] | None = None,
                          guidance: float = 1.0) -> Iterator[torch.Tensor]:
         """Images `indices` of one image `shape`, generated at most `batch` per forward pass (what fits the device).
@@ -238,13 +242,14 @@ class GaussianDiffusion:
         model: Denoiser,
         shape: tuple[int, ...],
         *,
-        sampler: Literal["ddpm", "ddim"] = "ddim",
+        sampler: Sampler = "ddim",
         steps: int | None = None,
         eta: float = 0.0,
         generator: torch.Generator | list[torch.Generator],
         device: torch.device | str = "cpu",
         labels: torch.Tensor | None = None,
         guidance: float = 1.0,
+        clip: bool = True,
     ) -> torch.Tensor:
         """Generate images in [-1, 1], in full fp32 (no TF32). Noise is drawn where `generator` lives: give
         generators on `device` (`raydiff.seeds.image_generators`), so that nothing crosses from the host at
@@ -254,7 +259,16 @@ class GaussianDiffusion:
 
         Class-conditional models: `labels` (one class id per image, on `device`) and classifier-free `guidance` w
         in diffusers' convention, out = out_uncond + w (out_cond - out_uncond): w = 1 is conditional sampling
-        without guidance, w = 0 unconditional (so are labels None). Both branches run in one batched forward."""
+        without guidance, w = 0 unconditional (so are labels None). Both branches run in one batched forward.
+
+        `sampler`: "ddpm" (ancestral), "ddim" (`eta`), or the fast deterministic "dpmpp_2m" and "heun"
+        (`raydiff.model.samplers`; `steps` of them, 2 `steps` - 1 network evaluations for Heun). `clip` clamps
+        each predicted x0 to [-1, 1] (as DDPM's reference does; diffusers' DPM-Solver++ and Heun do not by
+        default)."""
+        if sampler in ("dpmpp_2m", "heun"):
+            ode_steps = steps or DEFAULT_STEPS[sampler]
+            assert ode_steps is not None  # the fast samplers have a default
+            return self._sample_ode(model, shape, sampler, ode_steps, generator, device, labels, guidance, clip)
         timesteps = self.sample_timesteps(steps)
         # All steps' coefficients at once, in float64, then moved to the device: no host sync in the loop.
         pairs = torch.tensor(timesteps), torch.tensor(timesteps[1:] + [-1])  # the last step lands on x0
@@ -265,11 +279,26 @@ class GaussianDiffusion:
             coefs, no_noise = self._on(coefs64, x), torch.zeros_like(x)
             for i, step in enumerate(timesteps):
                 t = torch.full((shape[0],), step, dtype=torch.long, device=x.device)
-                x0, eps = self.predict_x0_eps(guided(model, x, t, labels, guidance).float(), x, t)
+                x0, eps = self.predict_x0_eps(guided(model, x, t, labels, guidance).float(), x, t, clip=clip)
                 noise = _randn(shape, generator).to(device) if noisy[i] else no_noise
                 c = {k: v[i] for k, v in coefs.items()}
                 x = self._ddpm(c, x0, x, noise) if sampler == "ddpm" else self._ddim(c, x0, eps, noise)
         return x
+
+
+    def _sample_ode(self, model: Denoiser, shape: tuple[int, ...], sampler: str, steps: int,
+                    generator: torch.Generator | list[torch.Generator], device: torch.device | str,
+                    labels: torch.Tensor | None, guidance: float, clip: bool) -> torch.Tensor:
+        """DPM-Solver++ (2M) or Heun from the same initial noise as the other samplers, in full fp32."""
+        with full_fp32():
+            x = _randn(shape, generator).to(device)
+
+            def denoise(x: torch.Tensor, t: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+                x0 = x0_from_output(self.prediction, guided(model, x, t, labels, guidance).float(), x, alpha, sigma)
+                return x0.clamp(-1, 1) if clip else x0
+
+            solve = dpmpp_2m if sampler == "dpmpp_2m" else heun
+            return solve(denoise, x, self.alpha_bar, steps)
 
 
 def guided(model: Denoiser, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None,

@@ -1,0 +1,87 @@
+"""The fast samplers, DPM-Solver++ (2M) and Heun, against diffusers' schedulers in float32, for every prediction
+target; guided and per image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydiff.config import load_config
+from raydiff.model.diffusion import build_diffusion
+from raydiff.model.unet import build_model
+from raydiff.seeds import GRID_NOISE, image_generators
+
+DIFFUSERS_PREDICTION = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
+SHAPE = (3, 1, 8, 8)
+
+
+def _model(prediction: str, *extra: str):
+    cfg = load_config("smoke", [f"diffusion.prediction={prediction}", *extra], check_source=False)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    for p in model.parameters():  # a network with a real output, not the reference init's near zero
+        torch.nn.init.normal_(p, std=0.05)
+    return model, build_diffusion(cfg), cfg
+
+
+def _noise() -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+
+
+def _diffusers_loop(scheduler, model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            model_input = scheduler.scale_model_input(x, t)
+            x = scheduler.step(model(model_input, t.float().expand(len(x))), t, x).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
+@pytest.mark.parametrize("steps", [5, 20])
+def test_dpm_solver_pp_2m_is_diffusers_multistep_dpm_solver(prediction, steps, one_torch_thread):
+    from diffusers import DPMSolverMultistepScheduler
+
+    model, diffusion, cfg = _model(prediction)
+    scheduler = DPMSolverMultistepScheduler(
+        num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
+        prediction_type=DIFFUSERS_PREDICTION[prediction], algorithm_type="dpmsolver++", solver_order=2,
+        final_sigmas_type="zero", timestep_spacing="linspace", lower_order_final=True)
+    scheduler.set_timesteps(steps)
+    theirs = _diffusers_loop(scheduler, model, _noise())
+    ours = diffusion.sample(model, SHAPE, sampler="dpmpp_2m", steps=steps, clip=False,
+                            generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
+def test_heun_is_diffusers_heun_discrete(prediction, one_torch_thread):
+    from diffusers import HeunDiscreteScheduler
+
+    model, diffusion, cfg = _model(prediction)
+    scheduler = HeunDiscreteScheduler(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02,
+                                      beta_schedule="linear", prediction_type=DIFFUSERS_PREDICTION[prediction],
+                                      timestep_spacing="linspace")
+    scheduler.set_timesteps(6)
+    theirs = _diffusers_loop(scheduler, model, _noise() * scheduler.init_noise_sigma)
+    ours = diffusion.sample(model, SHAPE, sampler="heun", steps=6, clip=False,
+                            generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sampler", ["dpmpp_2m", "heun"])
+def test_fast_samplers_draw_each_image_from_its_own_generator_and_guide(sampler, one_torch_thread):
+    """Image i is the same in a batch of 3 and alone; a class-conditional model samples guided (both branches in
+    one pass) and its guidance moves the images."""
+    model, diffusion, _ = _model("eps", "data.labels=auto", "model.num_classes=10")
+    labels = torch.tensor([1, 2, 3])
+
+    def images(indices, guidance, clip=True):
+        return diffusion.sample(model, (len(indices), 1, 8, 8), sampler=sampler, steps=4, clip=clip,
+                                generator=image_generators(0, indices, "cpu", GRID_NOISE),
+                                labels=labels[list(indices)], guidance=guidance)
+
+    together = images(range(3), 2.0)
+    torch.testing.assert_close(images(range(2, 3), 2.0), together[2:], atol=1e-5, rtol=0)
+    assert together.abs().max() <= 1.0 + 1e-6  # x0 clipped to [-1, 1] by default, so the images are too
+    # This random network's images saturate once clipped: the guidance shows in the unclipped ones.
+    assert (images(range(3), 1.0, clip=False) - images(range(3), 2.0, clip=False)).abs().max() > 1e-3
