@@ -48,7 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--weights", help="a local copy of the Inception-v3 weights (eval.inception_weights)")
     parser.add_argument("--guidance", help="class-conditional models: classifier-free guidance, one result per "
                                            "comma-separated W (1 = conditional, 0 = unconditional; the run's "
-                                           "eval.guidance)")
+                                           "eval.guidance); with --guide, autoguidance weights (1 = the model "
+                                           "alone; default 2)")
+    parser.add_argument("--guide", default=None, help="autoguidance: a weaker model of the same data (an earlier "
+                                                     "checkpoint of the run, or a smaller or shorter-trained run)")
     parser.add_argument("--workers", type=int, default=None, help="Ray tasks (default: every GPU, else every CPU)")
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 1:
@@ -91,15 +94,17 @@ def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str) -
 
 
 def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int | None = None,
-             guidance: tuple[float, ...] | None = None) -> dict[str, Any]:
+             guidance: tuple[float, ...] | None = None, guide: dict[str, Any] | None = None) -> dict[str, Any]:
     """Generate `cfg.eval.num` images from a training state's EMA weights and score them against the reference.
     `features`: a feature extractor (`raydiff.quality.features`); default: what `eval.features` names.
     A class-conditional state is measured once per `guidance` value (default: `eval.guidance`): the result then
-    holds `classes` and `results`, one metrics row per value (see `rows`)."""
+    holds `classes` and `results`, one metrics row per value (see `rows`). With `guide` (a guiding model's training
+    state), each value of `guidance` is an autoguidance weight instead (default 2), for any model."""
     import torch
 
     from raydiff.cluster.start import init_ray
     from raydiff.model.diffusion import build_diffusion, images_per_pass
+    from raydiff.model.guidance import AUTOGUIDANCE, AutoGuided
     from raydiff.model.unet import build_model
     from raydiff.quality.features import features_for
     from raydiff.quality.measure import SampleJob, class_targets, parallel_stats, scores
@@ -124,8 +129,15 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
         job.class_targets = class_targets(features, classes["names"], job.class_counts)
     results = []
     values: tuple[float | None, ...] = (guidance or (e.guidance,)) if classes is not None else (None,)
+    guide_model = None
+    if guide is not None:
+        values = guidance or (AUTOGUIDANCE,)
+        guide_model = build_model(Config.from_dict(guide["config"]))
+        guide_model.load_state_dict(guide["ema"])
     for w in values:  # None: an unconditional model
         job.guidance, w_started = 1.0 if w is None else w, time.perf_counter()
+        if guide_model is not None:  # autoguidance, the model conditioned on the classes asked (no CFG)
+            job.model, job.guidance = AutoGuided(model.float(), guide_model.float(), float(w or 1.0)), 1.0
         with torch.inference_mode():
             samples = parallel_stats("sample", job, features, e.num, workers=workers, keep_features=keep)
         metrics = scores(samples, reference, features, e.metrics, seed=e.seed)
@@ -134,9 +146,12 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     common = {"num": e.num, "sampler": e.sampler, "steps": e.steps, "seed": e.seed, "features": features.name,
               "reference": reference.description, "reference_images": reference.count,
               "reference_s": round(reference_s, 1), "eval_s": round(time.perf_counter() - started, 1)}
-    if classes is None:
+    if guide is not None:
+        common["guide_step"] = guide["step"]
+    if classes is None and guide is None:
         return {"step": state["step"], **results[0], **common}
-    return {"step": state["step"], **common, "classes": list(classes["names"]), "results": results}
+    return {"step": state["step"], **common, **({"classes": list(classes["names"])} if classes else {}),
+            "results": results}
 
 
 def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -165,6 +180,7 @@ def write_result(run_dir, result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from raydiff.model.guidance import AUTOGUIDANCE, check_guide
     from raydiff.quality.features import require_metrics_package
     from raydiff.quality.measure import result_line
     from raydiff.runs.checkpoint import STATE_FILE, checkpoint_location
@@ -182,15 +198,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     guidance = parse_guidance(args.guidance) if args.guidance is not None else None
     checkpoint, state = read_newest(location)
+    guide = None
+    if args.guide is not None:
+        guide_at, guide = read_newest(checkpoint_location(args.guide, args.endpoint))
+        try:
+            check_guide(state["config"], guide["config"], args.guide)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     classes = model_classes(state)
-    if guidance is not None and classes is None:
+    if guidance is not None and classes is None and guide is None:
         raise ConfigError(f"--guidance = {args.guidance!r}: {checkpoint} holds an unconditional model; guidance "
-                          f"applies to class-conditional models only (trained with model.num_classes > 0)")
+                          f"applies to class-conditional models only (trained with model.num_classes > 0), or "
+                          f"with --guide")
     cfg = eval_config(state, args, storage=str(run_dir.parent))
     guided = f", guidance {','.join(f'{w:g}' for w in guidance or (cfg.eval.guidance,))}" if classes else ""
+    if guide is not None:
+        guided = (f", autoguidance {','.join(f'{w:g}' for w in guidance or (AUTOGUIDANCE,))} by {guide_at} (step "
+                  f"{guide['step']})")
     print(f"[raydiff] evaluating {checkpoint} (step {state['step']}): {cfg.eval.num} images, {cfg.eval.sampler} "
           f"{cfg.eval.steps} steps, metrics {','.join(cfg.eval.metrics)}{guided}", file=sys.stderr)
-    result = evaluate(state, cfg, workers=args.workers, guidance=guidance)
+    result = evaluate(state, cfg, workers=args.workers, guidance=guidance, guide=guide)
     name = write_result(run_dir, result)
     for row in rows(result):
         print(f"[raydiff] {result_line(row)} in {row['eval_s']:.0f} s -> {run_dir / name}")

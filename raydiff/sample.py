@@ -1,8 +1,8 @@
 """Generate images from a trained run.
 
     python -m raydiff.sample --checkpoint RUN_DIR_OR_CHECKPOINT --num N --out PATH
-        [--class K[,K...]] [--guidance W] [--sampler ddpm|ddim|dpmpp_2m|heun] [--steps S] [--eta E] [--seed S]
-        [--no-ema]
+        [--class K[,K...]] [--guidance W] [--guide GUIDE] [--sampler ddpm|ddim|dpmpp_2m|heun] [--steps S] [--eta E]
+        [--seed S] [--no-ema]
         [--batch B] [--device auto|cpu|cuda] [--endpoint URL]
 
 PATH ending in .png gets one grid; any other PATH becomes a folder of sample_00000.png, sample_00001.png, ...
@@ -37,6 +37,7 @@ from raydiff.cluster.devices import resolve_device
 from raydiff.config import Config
 from raydiff.model import diffusers_folder
 from raydiff.model.diffusion import DEFAULT_STEPS, SAMPLERS, Sampler, build_diffusion, images_per_pass
+from raydiff.model.guidance import AUTOGUIDANCE, AutoGuided, check_guide
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_location
 from raydiff.runs.images import grid_row, image_labels, save_samples
@@ -61,7 +62,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: every class); image i gets class i * C // N of the C classes")
     parser.add_argument("--guidance", type=float, default=None,
                         help="class-conditional models: classifier-free guidance W >= 0, diffusers' convention "
-                             "(1: conditional without guidance, 0: unconditional; default: the run's eval.guidance)")
+                             "(1: conditional without guidance, 0: unconditional; default: the run's eval.guidance); "
+                             "with --guide, the autoguidance weight (1: the model alone; default 2)")
+    parser.add_argument("--guide", default=None, metavar="GUIDE",
+                        help="autoguidance: a weaker model of the same data guides the model (an earlier checkpoint "
+                             "of the run, or a smaller or shorter-trained run): a run or checkpoint folder, or a "
+                             "diffusers folder")
     parser.add_argument("--sampler", choices=SAMPLERS, default="ddpm",
                         help="default ddpm; dpmpp_2m (DPM-Solver++ 2M) and heun reach ddpm's quality in far fewer "
                              "network evaluations")
@@ -115,10 +121,19 @@ def class_id(token: str, names: Sequence[str]) -> int:
     raise ValueError(f"--class {token!r}: not a class of this model; use {_choices(names)}")
 
 
-def class_request(state: dict, spec: str | None, guidance: float | None) -> tuple[list[int] | None, float]:
-    """(the class ids to sample, or None for an unconditional model; the guidance). ValueError, one line naming
-    the value and what is allowed, for what the model cannot do: checked before anything is sampled or written."""
+def class_request(state: dict, spec: str | None, guidance: float | None,
+                  autoguided: bool = False) -> tuple[list[int] | None, float]:
+    """(the class ids to sample, or None for an unconditional model; the guidance: classifier-free, or with
+    `autoguided` the autoguidance weight). ValueError, one line naming the value and what is allowed, for what
+    the model cannot do: checked before anything is sampled or written."""
     names = class_names(state)
+    if autoguided:
+        if spec is not None and not names:
+            raise ValueError(f"--class {spec}: the model is unconditional (model.num_classes = 0); --class applies "
+                             f"to class-conditional models only")
+        ids = None if not names else list(range(len(names))) if spec is None else [
+            class_id(token.strip(), names) for token in spec.split(",")]
+        return ids, AUTOGUIDANCE if guidance is None else guidance
     if not names:
         for flag, value in (("--class", spec), ("--guidance", None if guidance is None else f"{guidance:g}")):
             if value is not None:
@@ -138,19 +153,36 @@ def describe(classes: Sequence[int], names: Sequence[str], everyone: bool) -> st
 
 def generate(state: dict, *, num: int, sampler: Sampler, steps: int | None, eta: float, seed: int,
              use_ema: bool, batch: int, device: torch.device, labels: Sequence[int] | None = None,
-             guidance: float = 1.0) -> torch.Tensor:
+             guidance: float = 1.0, guide: dict | None = None) -> torch.Tensor:
     """Images in [-1, 1] from a training state; image i is a pure function of (seed, i) (and `labels[i]`, its class,
-    at `guidance`, for a class-conditional model), whatever `batch`."""
+    at `guidance`, for a class-conditional model), whatever `batch`. `guide`: the training state of a guiding
+    model: autoguidance at `guidance` (both networks conditioned on the same classes)."""
     cfg = Config.from_dict(state["config"])
-    model = build_model(cfg)
-    model.load_state_dict(state["ema" if use_ema else "model"])
-    model = model.float().eval().to(device)
+    model: torch.nn.Module = load_network(state, "ema" if use_ema else "model", device)
+    if guide is not None:
+        model, guidance = AutoGuided(model, load_network(guide, "ema", device), guidance), 1.0
     diffusion = build_diffusion(cfg)
     shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
     chunks = diffusion.sample_in_chunks(model, range(num), shape, batch=batch, seed=seed, tag=GRID_NOISE,
                                         device=device, sampler=sampler, steps=steps, eta=eta, labels=labels,
                                         guidance=guidance)
     return torch.cat([images.cpu() for images in chunks])
+
+
+def load_network(state: dict, weights: str, device: torch.device) -> torch.nn.Module:
+    """A training state's network (`weights`: "ema" or "model"), in fp32 and eval mode, on `device`."""
+    model = build_model(Config.from_dict(state["config"]))
+    model.load_state_dict(state[weights] if weights in state else state["ema"])  # a diffusers folder: one set
+    return model.float().eval().to(device)
+
+
+def read_any(location: str, endpoint: str | None) -> tuple[str, dict]:
+    """(where, state) of a run or checkpoint folder (its newest checkpoint that reads) or a diffusers folder."""
+    if "://" not in location and diffusers_folder.is_diffusers_folder(location):
+        # An exported pipeline: one set of weights, converted back to raydiff's names.
+        return location, diffusers_folder.state_from_folder(location)
+    found, state = read_newest(checkpoint_location(location, endpoint))
+    return str(found), state
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,13 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
-    if "://" not in args.checkpoint and diffusers_folder.is_diffusers_folder(args.checkpoint):
-        # An exported pipeline: one set of weights, converted back to raydiff's names.
-        checkpoint, state = args.checkpoint, diffusers_folder.state_from_folder(args.checkpoint)
-    else:
-        checkpoint, state = read_newest(checkpoint_location(args.checkpoint, args.endpoint))
+    checkpoint, state = read_any(args.checkpoint, args.endpoint)
+    guide_at, guide = read_any(args.guide, args.endpoint) if args.guide is not None else (None, None)
     try:
-        classes, guidance = class_request(state, args.classes, args.guidance)
+        if guide is not None:
+            check_guide(state["config"], guide["config"], args.guide)
+        classes, guidance = class_request(state, args.classes, args.guidance, autoguided=guide is not None)
     except ValueError as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
@@ -176,11 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step'] or '?'}, {weights} weights) "
           f"with {args.sampler}, "
           f"{steps or state['config']['diffusion']['timesteps']} steps, on {device}"
-          + ("" if classes is None else f"; {describe(classes, class_names(state), args.classes is None)}, "
-                                        f"guidance {guidance:g}"))
+          + ("" if classes is None else f"; {describe(classes, class_names(state), args.classes is None)}")
+          + ("" if guide is None and classes is None else f", {'autoguidance' if guide else 'guidance'} {guidance:g}")
+          + ("" if guide is None else f" by {guide_at} (step {guide['step'] or '?'})"))
     with torch.inference_mode():
         images = generate(state, num=args.num, sampler=args.sampler, steps=steps, eta=args.eta, seed=args.seed,
-                          use_ema=not args.no_ema, device=device, labels=labels, guidance=guidance,
+                          use_ema=not args.no_ema, device=device, labels=labels, guidance=guidance, guide=guide,
                           batch=args.batch or images_per_pass(state["config"]["data"]["resolution"]))
     out = save_samples(images, args.out, nrow=None if classes is None else grid_row(classes, args.num))
     print(f"[raydiff] wrote {out.resolve()}")

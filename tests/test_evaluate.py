@@ -62,6 +62,22 @@ def test_evaluate_matches_the_run_and_never_overwrites(smoke_run, ray_session, c
     assert one["reference_images"] == 1797 and one["features"] == "digits-classifier-v2"
 
 
+def test_autoguidance_by_an_earlier_checkpoint_gives_one_result_per_weight(smoke_run, ray_session, capsys):
+    """--guide: the run's step-10 checkpoint guides its step-20 one, one result per weight; at W = 1 the model
+    alone, the numbers of the unguided evaluation."""
+    run_dir, _ = smoke_run
+    args = ["--checkpoint", str(run_dir / "checkpoint_00000020"), "--num", "200", "--steps", "10", "--seed", "3"]
+    assert cli.run(evaluate_main, [*args, "--guide", str(run_dir / "checkpoint_00000010"), "--guidance", "1,2"]) == 0
+    out = capsys.readouterr()
+    assert "autoguidance 1,2 by " in out.err
+    assert "step 20, 200 images (ddim, 10 steps, seed 3, autoguidance 2)" in out.out
+    assert cli.run(evaluate_main, args) == 0
+    rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if '"seed": 3' in line]
+    guided_1, guided_2, alone = rows[-3:]
+    assert (guided_1["guidance"], guided_2["guidance"], guided_1["guide_step"]) == (1.0, 2.0, 10)
+    assert guided_1["digits_fd"] == alone["digits_fd"] != guided_2["digits_fd"]
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--num", "1"], "--num = 1: must be >= 2"),
     (["--metrics", "fid,is"], "--metrics = ['fid', 'is']: must be a list of fid and/or kid"),

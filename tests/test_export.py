@@ -34,10 +34,10 @@ CONDITIONAL = [f"diffusion.timesteps={T}", "data.labels=auto", f"model.num_class
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def write_checkpoint(run_dir, cfg, *, step: int = 20, classes=None):
-    """A checkpoint as training writes it, without Ray: random weights, and an EMA that differs from them
-    (`classes`: a class-conditional run's {"names", "counts"})."""
-    torch.manual_seed(0)
+def write_checkpoint(run_dir, cfg, *, step: int = 20, classes=None, seed: int = 0):
+    """A checkpoint as training writes it, without Ray: random weights (from `seed`), and an EMA that differs from
+    them (`classes`: a class-conditional run's {"names", "counts"})."""
+    torch.manual_seed(seed)
     model = build_model(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -154,6 +154,44 @@ def test_sample_cli_samples_with_the_fast_samplers(exported, tmp_path, sampler, 
     refused = run_cli("raydiff.sample", "--checkpoint", str(checkpoint), "--sampler", sampler, "--eta", "0.5",
                       "--out", str(tmp_path / "refused"))
     assert refused.returncode == 2 and "--eta applies to --sampler ddim only" in refused.stderr
+
+
+def test_sample_cli_autoguides_with_a_weaker_model(exported, tmp_path):
+    """--guide: an unconditional model guided by another checkpoint of its data, out = guide + W (model - guide),
+    as the library computes it; a guide of other images is refused in one line and nothing is written."""
+    from raydiff.model.guidance import AutoGuided
+
+    checkpoint, _ = exported
+    cfg = load_config("smoke", [f"diffusion.timesteps={T}"], check_source=False)
+    guide = write_checkpoint(tmp_path / "guide-run", cfg, step=10, seed=1)
+    out = tmp_path / "guided"
+    proc = run_cli("raydiff.sample", "--checkpoint", str(checkpoint), "--guide", str(tmp_path / "guide-run"),
+                   "--guidance", "2.5", "--sampler", "ddim", "--steps", "5", "--num", "3", "--out", str(out),
+                   env=ONE_THREAD)
+    assert proc.returncode == 0, proc.stderr
+    assert f"autoguidance 2.5 by {guide} (step 10)" in proc.stdout
+
+    def network(state):
+        model = build_model(cfg)
+        model.load_state_dict(state["ema"])
+        return model.eval()
+
+    guided = AutoGuided(network(read_state(checkpoint)), network(read_state(guide)), 2.5)
+    images = build_diffusion(cfg).sample(guided, (3, 1, 8, 8), sampler="ddim", steps=5,
+                                         generator=image_generators(0, range(3), "cpu", GRID_NOISE))
+    theirs = ((images.clamp(-1, 1) + 1) / 2 * 255 + 0.5).clamp(0, 255).floor().numpy()[:, 0]
+    ours = np.stack([np.asarray(Image.open(out / f"sample_{i:05d}.png").convert("L")) for i in range(3)])
+    assert np.abs(ours.astype(float) - theirs).max() <= 1 and (ours == theirs).mean() > 0.99
+
+    other = load_config("smoke", [f"diffusion.timesteps={T}", "diffusion.prediction=v"], check_source=False)
+    write_checkpoint(tmp_path / "other-run", other, step=10)
+    refused = run_cli("raydiff.sample", "--checkpoint", str(checkpoint), "--guide", str(tmp_path / "other-run"),
+                      "--num", "3", "--out", str(tmp_path / "refused"))
+    assert refused.returncode == 2 and not (tmp_path / "refused").exists()
+    assert refused.stderr.strip() == (f"raydiff: error: --guide {tmp_path / 'other-run'}: its diffusion.prediction is "
+                                      f"'v', the model's 'eps'; a guide must be a weaker model of the same data and "
+                                      f"process (an earlier checkpoint of the run, or a smaller or shorter-trained "
+                                      f"model)")
 
 
 def test_export_refuses_a_non_empty_folder_and_changes_nothing(exported, tmp_path):

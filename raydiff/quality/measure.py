@@ -205,6 +205,7 @@ def result_line(result: dict[str, Any]) -> str:
     numbers = ", ".join(f"{k} {v:.4g}" for k, v in result.items()
                         if k.endswith(("fd", "fid", "kid", "coverage", "confident", "class_match"))
                         and isinstance(v, float))
-    guided = f", guidance {result['guidance']:g}" if result.get("guidance") is not None else ""
+    kind = "autoguidance" if result.get("guide_step") is not None else "guidance"
+    guided = f", {kind} {result['guidance']:g}" if result.get("guidance") is not None else ""
     return (f"step {result['step']}, {result['num']} images ({result['sampler']}, {result['steps']} steps, seed "
             f"{result['seed']}{guided}): {numbers}")
