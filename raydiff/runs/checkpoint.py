@@ -14,6 +14,7 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -91,16 +92,19 @@ def checkpoint_bytes(cfg) -> int:
 class CheckpointWriter:
     """Rank 0's checkpoint writes, one at a time, never visible on storage before they are complete.
 
-    On a local or mounted folder the state is written under a hidden name beside its final one
-    (`.checkpoint_<step>.partial-<id>`, which no reader lists) and renamed into place: no copy, and the write's
-    error (a full disk) arrives at once. On an object store it is saved to a local staging folder and uploaded on a
-    background thread as one object, which a bucket lists only once it is whole; its error arrives with `outcome`.
+    On a local folder of the same file system as the temporary folder the state is written under a hidden name
+    beside its final one (`.checkpoint_<step>.partial-<id>`, which no reader lists) and renamed into place: no copy,
+    and the write's error (a full disk) arrives at once. Elsewhere the state is saved to a local staging folder and
+    moved to storage on a background thread, so that training does not wait for the network: to a mounted file
+    system (NFS, a disk of its own) under the hidden name, then renamed; to an object store as one object, which a
+    bucket lists only once it is whole. Then the error arrives with `outcome`.
     """
 
     def __init__(self, run_dir: RunDir) -> None:
         self.run_dir = run_dir
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydiff-checkpoint")
         self._pending: tuple[str, Future] | None = None
+        self._in_place = run_dir.local is not None and _same_file_system(run_dir.local, Path(tempfile.gettempdir()))
 
     @property
     def pending(self) -> str | None:
@@ -111,20 +115,20 @@ class CheckpointWriter:
         """Write `state` as checkpoint `name`; the previous write must have been collected (`outcome`)."""
         assert self._pending is None, f"checkpoint {self._pending and self._pending[0]} is still being written"
         future: Future = Future()
-        if self.run_dir.remote:
+        if self._in_place:
+            try:
+                self._into_place(name, lambda folder: write_state(folder, state))
+                future.set_result(None)
+            except OSError as exc:
+                future.set_exception(exc)
+        else:
             staging = Path(tempfile.mkdtemp(prefix="raydiff-ckpt-"))
             try:
                 write_state(staging, state)  # the state of this step, before training changes it
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-            future = self._pool.submit(self._upload, staging, name)
-        else:
-            try:
-                self._write_local(name, state)
-                future.set_result(None)
-            except OSError as exc:
-                future.set_exception(exc)
+            future = self._pool.submit(self._move, staging, name)
         self._pending = (name, future)
 
     def outcome(self, *, wait: bool) -> tuple[str, BaseException | None] | None:
@@ -139,24 +143,39 @@ class CheckpointWriter:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _write_local(self, name: str, state: dict[str, Any]) -> None:
+    def _into_place(self, name: str, fill: Callable[[Path], Any]) -> None:
+        """A local or mounted folder: `fill` a hidden folder beside the checkpoint's, then rename it into place."""
         final = Path(self.run_dir.path) / name
         partial = final.with_name(f".{name}{PARTIAL}{uuid.uuid4().hex[:8]}")
         try:
             partial.mkdir(parents=True)
-            write_state(partial, state)
+            fill(partial)
             os.rename(partial, final)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
 
-    def _upload(self, staging: Path, name: str) -> None:
+    def _move(self, staging: Path, name: str) -> None:
+        """The staged state onto storage (on the writer's thread)."""
         try:
-            target = f"{self.run_dir.path}/{name}/{STATE_FILE}"
-            with open(staging / STATE_FILE, "rb") as source, self.run_dir.fs.open_output_stream(target) as sink:
-                shutil.copyfileobj(source, sink, UPLOAD_CHUNK)
+            if self.run_dir.remote:
+                target = f"{self.run_dir.path}/{name}/{STATE_FILE}"
+                with open(staging / STATE_FILE, "rb") as source, self.run_dir.fs.open_output_stream(target) as sink:
+                    shutil.copyfileobj(source, sink, UPLOAD_CHUNK)
+            else:
+                self._into_place(name, lambda folder: shutil.copyfile(staging / STATE_FILE, folder / STATE_FILE))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _same_file_system(folder: Path, other: Path) -> bool:
+    """Whether `folder` (or its nearest existing ancestor) is on the file system of `other`."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return os.stat(folder).st_dev == os.stat(other).st_dev
+    except OSError:
+        return False
 
 
 def remove_partial_checkpoints(run_dir: Location) -> list[str]:

@@ -31,7 +31,7 @@ import torch
 from raydiff.config.learning_rate import describe_lr
 from raydiff.data.loader import BatchStream, MicroBatch
 from raydiff.data.order import rank_share
-from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name
+from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name, checkpoint_step
 from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.images import grid_png, image_labels
 from raydiff.runs.runlog import progress_line
@@ -327,7 +327,7 @@ class Cadence:
                     self._written = name
                     code = _WRITTEN
                 else:
-                    self._write(f"writing {name}", _raise, error)
+                    self._write(f"writing the checkpoint of step {checkpoint_step(name)}", _raise, error)
             if self.w.writes is not None:
                 self._write("writing to the run directory", self.w.writes.raise_failed)
             code = _FAILED if self.failure is not None else code

@@ -93,6 +93,25 @@ def test_a_checkpoint_write_is_never_visible_before_it_is_complete(tmp_path, mon
     writer.close()
 
 
+def test_a_checkpoint_on_a_mounted_file_system_is_moved_into_place_in_the_background(tmp_path):
+    """Storage on another file system than the temporary folder's (NFS, a disk of its own): staged locally, then
+    copied under the hidden name and renamed on the writer's thread; a copy that fails leaves nothing behind."""
+    from raydiff.runs.checkpoint import CheckpointWriter
+    from raydiff.storage.rundir import RunDir
+
+    writer = CheckpointWriter(RunDir(tmp_path))
+    writer._in_place = False  # what a mount on another device gets
+    writer.start("checkpoint_00000010", {"step": 10, "weights": torch.ones(3)})
+    assert writer.outcome(wait=True) == ("checkpoint_00000010", None)
+    assert torch.equal(read_state(tmp_path / "checkpoint_00000010")["weights"], torch.ones(3))
+    (tmp_path / "checkpoint_00000020").write_text("in the way")  # the rename into place cannot happen
+    writer.start("checkpoint_00000020", {"step": 20})
+    name, error = writer.outcome(wait=True)
+    assert name == "checkpoint_00000020" and isinstance(error, OSError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000010", "checkpoint_00000020"]
+    writer.close()
+
+
 def test_a_checkpoint_on_an_object_store_is_uploaded_in_the_background(s3_server):
     from raydiff.runs.checkpoint import CheckpointWriter
     from raydiff.storage.rundir import RunDir
