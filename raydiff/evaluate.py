@@ -3,7 +3,7 @@ of a digits classifier's features and the class coverage).
 
     python -m raydiff.evaluate --checkpoint RUN_OR_CHECKPOINT [--num N] [--sampler ddim|ddpm|dpmpp_2m|heun] [--steps S]
         [--metrics fid,kid] [--ref REF] [--seed S] [--features auto|inception|digits] [--weights PATH]
-        [--guidance W[,W...]] [--workers N] [--endpoint URL]
+        [--guidance W[,W...]] [--guide GUIDE] [--sigma-rel S[,S...]] [--workers N] [--endpoint URL]
 
 Images are generated from the EMA weights in fp32 and measured in parallel on Ray tasks (one per GPU, else one
 per CPU); image i is a pure function of (seed, i), so the result does not depend on the number of workers. The
@@ -15,6 +15,10 @@ i's class too is a pure function of (seed, i)) and measured once per classifier-
 run's eval.guidance), against the same reference: one line and one eval.jsonl row per W, and one result file
 with them all. On the built-in digits, `digits_class_match` is the share of images the digits classifier reads as
 the class they were asked for.
+
+A run trained with `train.ema: posthoc` can be measured at several EMA widths without writing any weights:
+`--sigma-rel S[,S...]` rebuilds each average from the run's snapshots (as `raydiff.ema` does) and gives one
+result per width, then the best.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 from raydiff import cli
 from raydiff.config import Config, ConfigError, set_key
 from raydiff.config.checks import validate
+from raydiff.runs.ema_snapshots import parse_sigma_rels
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                            "alone; default 2)")
     parser.add_argument("--guide", default=None, help="autoguidance: a weaker model of the same data (an earlier "
                                                      "checkpoint of the run, or a smaller or shorter-trained run)")
+    parser.add_argument("--sigma-rel", default=None, help="a run trained with train.ema=posthoc: one result per "
+                                                          "comma-separated width of the EMA rebuilt from its "
+                                                          "snapshots (raydiff.ema), and the best of them")
     parser.add_argument("--workers", type=int, default=None, help="Ray tasks (default: every GPU, else every CPU)")
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 1:
@@ -197,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     guidance = parse_guidance(args.guidance) if args.guidance is not None else None
+    sigma_rels = parse_sigma_rels(args.sigma_rel) if args.sigma_rel is not None else None
     checkpoint, state = read_newest(location)
+    states = [state] if sigma_rels is None else posthoc_states(run_dir, state, sigma_rels)
     guide = None
     if args.guide is not None:
         guide_at, guide = read_newest(checkpoint_location(args.guide, args.endpoint))
@@ -216,12 +226,43 @@ def main(argv: list[str] | None = None) -> int:
         guided = (f", autoguidance {','.join(f'{w:g}' for w in guidance or (AUTOGUIDANCE,))} by {guide_at} (step "
                   f"{guide['step']})")
     print(f"[raydiff] evaluating {checkpoint} (step {state['step']}): {cfg.eval.num} images, {cfg.eval.sampler} "
-          f"{cfg.eval.steps} steps, metrics {','.join(cfg.eval.metrics)}{guided}", file=sys.stderr)
-    result = evaluate(state, cfg, workers=args.workers, guidance=guidance, guide=guide)
-    name = write_result(run_dir, result)
-    for row in rows(result):
-        print(f"[raydiff] {result_line(row)} in {row['eval_s']:.0f} s -> {run_dir / name}")
+          f"{cfg.eval.steps} steps, metrics {','.join(cfg.eval.metrics)}{guided}"
+          + (f", post-hoc EMA sigma_rel {args.sigma_rel}" if sigma_rels else ""), file=sys.stderr)
+    measured = []
+    for weights in states:
+        result = evaluate(weights, cfg, workers=args.workers, guidance=guidance, guide=guide)
+        if "posthoc" in weights:
+            result = {"sigma_rel": weights["posthoc"]["sigma_rel"], **result}
+        name = write_result(run_dir, result)
+        for row in rows(result):
+            print(f"[raydiff] {result_line(row)} in {row['eval_s']:.0f} s -> {run_dir / name}")
+            measured.append(row)
+    if sigma_rels is not None and len(measured) > 1:
+        print(f"[raydiff] best: {best_line(measured)}")
     return 0
+
+
+def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float]) -> list[dict[str, Any]]:
+    """The averages of widths `sigma_rels` rebuilt from the run's snapshots at the checkpoint's step (or the
+    newest snapshot before it), as training states to evaluate."""
+    from raydiff.runs.ema_snapshots import list_snapshots, rebuild
+
+    steps = [s for s in list_snapshots(run_dir) if s <= state["step"]]
+    if not steps:
+        raise ConfigError(f"--sigma-rel: {run_dir} has no post-hoc EMA snapshots at or before step {state['step']} "
+                          f"(train it with --set train.ema=posthoc to record them)")
+    if steps[-1] != state["step"]:
+        print(f"[raydiff] note: the newest snapshot at or before step {state['step']} is step {steps[-1]}; "
+              f"rebuilding there", file=sys.stderr)
+    return [average.state for average in rebuild(run_dir, sigma_rels, steps[-1])]
+
+
+def best_line(measured: list[dict[str, Any]]) -> str:
+    """The row with the lowest Frechet distance (FID, or the digits' digits_fd), in one line."""
+    key = next(k for k in ("fid", "digits_fd") if k in measured[0])
+    best = min(measured, key=lambda row: row[key])
+    where = ", ".join(f"{k} {best[k]:g}" for k in ("sigma_rel", "guidance") if best.get(k) is not None)
+    return f"{where}: {key} {best[key]:.4g}"
 
 
 def _entry() -> None:

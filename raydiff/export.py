@@ -22,8 +22,9 @@ import tempfile
 from pathlib import Path
 
 from raydiff import cli
-from raydiff.config import Config
+from raydiff.config import Config, ConfigError
 from raydiff.runs.checkpoint import checkpoint_location
+from raydiff.runs.ema_snapshots import weights_of
 from raydiff.runs.state import read_newest
 from raydiff.storage.rundir import unwritable
 
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
 
     diffusers_io.require_diffusers("raydiff.export")
     checkpoint, state = read_newest(location)
+    try:
+        weights = weights_of(state, checkpoint, use_ema=not args.no_ema)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     diffusers_io.check_exportable(Config.from_dict(state["config"]))  # refused before anything is written
 
     # Build beside DIR and rename it into place: DIR is complete or absent.
@@ -68,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    weights = "online" if args.no_ema else "EMA"
     classes = diffusers_folder.recorded_classes(state, Config.from_dict(state["config"]))
     kind = f", {len(classes['names'])} classes plus the null class" if classes else ""
     print(f"[raydiff] exported {checkpoint} (step {state['step']}, {weights} weights{kind}) to {out}")

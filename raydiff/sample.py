@@ -40,6 +40,7 @@ from raydiff.model.diffusion import DEFAULT_STEPS, SAMPLERS, Sampler, build_diff
 from raydiff.model.guidance import AUTOGUIDANCE, AutoGuided, check_guide
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_location
+from raydiff.runs.ema_snapshots import weights_of
 from raydiff.runs.images import grid_row, image_labels, save_samples
 from raydiff.runs.state import read_newest
 from raydiff.seeds import GRID_NOISE
@@ -198,12 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         if guide is not None:
             check_guide(state["config"], guide["config"], args.guide)
         classes, guidance = class_request(state, args.classes, args.guidance, autoguided=guide is not None)
+        weights = state.get("weights") or weights_of(state, checkpoint, use_ema=not args.no_ema)
     except ValueError as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
     labels = None if classes is None else image_labels(classes, args.num)
     steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.sampler]
-    weights = state.get("weights") or ("online" if args.no_ema else "EMA")  # a diffusers folder holds one set
     print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step'] or '?'}, {weights} weights) "
           f"with {args.sampler}, "
           f"{steps or state['config']['diffusion']['timesteps']} steps, on {device}"

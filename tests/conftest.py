@@ -177,3 +177,40 @@ def write_messy_folder(folder: Path, good: int = 40) -> dict[str, list[str]]:
     (folder / "notes.jpg").write_text("this is text, not a JPEG")
     names["bad"] = ["truncated.jpg", "corrupt.png", "empty.jpg", "notes.jpg"]
     return names
+
+
+def write_posthoc_run(run_dir, *, tracked=(0.05, 0.10), steps: int = 60, every: int = 10):
+    """A smoke-preset run of `steps` steps whose weights take a random walk, tracked by `train.ema: posthoc`
+    (snapshots every `every` steps) and by one more average of width 0.07, which the run does not store; returns
+    (the config, the final tracker, the 0.07 average)."""
+    import torch
+
+    from raydiff.config import load_config
+    from raydiff.model.ema import make_ema
+    from raydiff.model.posthoc_ema import PowerEma
+    from raydiff.model.unet import build_model
+    from raydiff.runs.checkpoint import write_state
+    from raydiff.runs.ema_snapshots import snapshot_bytes, snapshot_name
+    from raydiff.runs.state import Progress, TrainingState, checkpoint_state
+    from raydiff.storage.rundir import RunDir
+    cfg = load_config("smoke", ["train.ema=posthoc", f"train.ema_sigma_rels=[{','.join(map(str, tracked))}]",
+                                f"train.ema_snapshot_every={every}", "diffusion.timesteps=50"])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    tracker, between = PowerEma(model, tracked), PowerEma(model, [0.07])
+    run = RunDir(run_dir)
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        tracker(step)
+        between(step)
+        if step % every == 0:
+            run.write_bytes(snapshot_name(step), snapshot_bytes(tracker, step=step, images_seen=step * 16,
+                                                                config=cfg.to_dict(), classes=None))
+    objects = TrainingState(model, make_ema(model), torch.optim.AdamW(model.parameters()),
+                            torch.amp.GradScaler("cpu", enabled=False), tracker)
+    folder = run_dir / f"checkpoint_{steps:08d}"
+    folder.mkdir(parents=True)
+    write_state(folder, checkpoint_state(objects, Progress(step=steps), 16, cfg.to_dict()))
+    return cfg, tracker, between

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import write_posthoc_run
 
 from raydiff import cli
 from raydiff.evaluate import main as evaluate_main
@@ -78,7 +79,36 @@ def test_autoguidance_by_an_earlier_checkpoint_gives_one_result_per_weight(smoke
     assert guided_1["digits_fd"] == alone["digits_fd"] != guided_2["digits_fd"]
 
 
+def test_post_hoc_widths_give_one_result_each_and_the_best(ray_session, tmp_path, capsys):
+    """--sigma-rel on a train.ema=posthoc run: each width rebuilt from the snapshots and measured; a tracked width
+    measures as its own rebuilt checkpoint folder does (raydiff.ema), and the best is named."""
+    from raydiff import ema as ema_command
+
+    run_dir = tmp_path / "run"
+    write_posthoc_run(run_dir)
+    args = ["--num", "64", "--steps", "5", "--sampler", "ddim"]
+    assert cli.run(evaluate_main, ["--checkpoint", str(run_dir), *args, "--sigma-rel", "0.05,0.15"]) == 0
+    out = capsys.readouterr().out
+    assert "step 60, 64 images (ddim, 5 steps, seed 0, post-hoc EMA sigma_rel 0.15): digits_fd" in out
+    rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [r["sigma_rel"] for r in rows] == [0.05, 0.15] and rows[0]["digits_fd"] != rows[1]["digits_fd"]
+    best = min(rows, key=lambda r: r["digits_fd"])
+    assert f"[raydiff] best: sigma_rel {best['sigma_rel']:g}: digits_fd {best['digits_fd']:.4g}" in out
+    assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.05", "--out",
+                                      str(tmp_path / "rebuilt")]) == 0
+    assert cli.run(evaluate_main, ["--checkpoint", str(tmp_path / "rebuilt" / "sigma_rel-0.050"), *args]) == 0
+    rebuilt = json.loads((tmp_path / "rebuilt" / "eval.jsonl").read_text())
+    assert rebuilt["digits_fd"] == rows[0]["digits_fd"]
+
+
+def test_post_hoc_widths_of_a_run_without_snapshots_are_one_line(smoke_run, capsys):
+    run_dir, _ = smoke_run
+    assert cli.run(evaluate_main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.05"]) == 2
+    assert "has no post-hoc EMA snapshots at or before step 20" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, fragment", [
+    (["--sigma-rel", "0"], "--sigma-rel = '0': must be comma-separated different numbers in (0, 0.28)"),
     (["--num", "1"], "--num = 1: must be >= 2"),
     (["--metrics", "fid,is"], "--metrics = ['fid', 'is']: must be a list of fid and/or kid"),
     (["--features", "inception", "--weights", "/nonexistent/inception.pth"],

@@ -21,6 +21,8 @@ from packaging.version import InvalidVersion, Version
 from raydiff.config.schema import Config, ConfigError
 from raydiff.storage.fs import SCHEMES
 
+SIGMA_REL_MAX = 0.28  # a post-hoc EMA width: exponent > 0 needs sigma_rel < sqrt(1/12) = 0.2887
+
 BUILTIN_SOURCES = ("builtin:digits",)
 # The oldest release of an optional package that raydiff works with (pyproject.toml's extras say the same).
 PACKAGE_FLOORS = {"wandb": "0.19.10"}  # wandb.init(reinit="create_new"): a run object of raydiff's own
@@ -161,6 +163,12 @@ RULES: tuple[Rule, ...] = (
     Rule("train.ema_decay", lambda c: 0 <= c.train.ema_decay < 1, "must be in [0, 1)"),
     Rule("train.ema_warmup_steps", lambda c: c.train.ema_warmup_steps >= 0, "must be >= 0"),
     Rule("train.checkpoint_every", lambda c: c.train.checkpoint_every >= 1, "must be >= 1"),
+    Rule("train.ema_sigma_rels", lambda c: len(c.train.ema_sigma_rels) >= 1
+         and all(0 < s < SIGMA_REL_MAX for s in c.train.ema_sigma_rels)
+         and len(set(c.train.ema_sigma_rels)) == len(c.train.ema_sigma_rels),
+         f"must be one or more different widths, each in (0, {SIGMA_REL_MAX})"),
+    Rule("train.ema_snapshot_every", lambda c: c.train.ema_snapshot_every == "auto" or c.train.ema_snapshot_every >= 1,
+         "must be >= 1 or auto"),
     Rule("train.sample_every", lambda c: c.train.sample_every >= 0, "must be >= 0 (0 = only at the end)"),
     Rule("train.sample_num", lambda c: c.train.sample_num >= 1, "must be >= 1"),
     Rule("train.sample_steps", lambda c: c.train.sample_steps >= 1, "must be >= 1"),

@@ -181,6 +181,17 @@ class TrainSection:
     (DDPM's CIFAR-10 model: 0.9999)."""
     ema_warmup_steps: int = 100
     """The EMA's window grows linearly from 1 step to 1/(1 - `train.ema_decay`) steps over this many steps."""
+    ema: Literal["classic", "posthoc"] = "classic"
+    """`classic`: the one EMA above. `posthoc`: also tracks power-function averages of widths
+    `train.ema_sigma_rels` and stores them every `train.ema_snapshot_every` steps, so that `raydiff.ema` can
+    rebuild the EMA of any width afterwards and `raydiff.evaluate --sigma-rel` can pick the best (EDM2's post-hoc
+    EMA; see docs/training.md#post-hoc-ema)."""
+    ema_sigma_rels: tuple[float, ...] = (0.05, 0.10)
+    """`train.ema: posthoc`: the relative widths (standard deviation / training time) of the tracked averages
+    (EDM2's 0.05 and 0.10); each in (0, 0.28)."""
+    ema_snapshot_every: Literal["auto"] | int = "auto"
+    """`train.ema: posthoc`: optimizer steps between snapshots of the tracked averages (`ema_snapshots/` in the run
+    directory); `auto` = `train.checkpoint_every`."""
     checkpoint_every: int = 100
     """Optimizer steps between checkpoints (the run also checkpoints at its end)."""
     sample_every: int = 700
@@ -374,9 +385,12 @@ class Config:
         return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)})
 
     def resolve(self) -> Config:
-        """Fill in what is derived from other keys (the learning rate from the scaling rule); idempotent."""
+        """Fill in what is derived from other keys (the learning rate from the scaling rule, the post-hoc EMA's
+        snapshot cadence); idempotent."""
         if self.train.lr is None:
             self.train.lr = rule_lr(self.train)
+        if self.train.ema_snapshot_every == "auto":
+            self.train.ema_snapshot_every = self.train.checkpoint_every
         return self
 
     def micro_batch_for(self, world_size: int) -> int:
@@ -404,7 +418,7 @@ def _describe(hint: Any) -> str:
     if origin in (Union, types.UnionType):
         return " | ".join("null" if a is type(None) else _describe(a) for a in args)
     if origin is tuple:
-        return f"list of {_describe(args[0])}"
+        return "list of finite numbers" if args[0] is float else f"list of {_describe(args[0])}"
     return {int: "integer", float: "a finite number", bool: "true | false", str: "string"}.get(hint, str(hint))
 
 

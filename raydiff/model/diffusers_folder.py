@@ -119,7 +119,7 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     weights = from_diffusers(read_unet_weights(source, subfolder), cfg)
     info_file = path / EXPORT_INFO_FILE
     info: dict[str, Any] = json.loads(info_file.read_text()) if info_file.is_file() else {}
-    exported = {"ema": "EMA", "online": "online"}.get(info.get("weights", ""), "exported")
+    exported = {"ema": "EMA", "online": "online", "posthoc": "post-hoc EMA"}.get(info.get("weights", ""), "exported")
     state: dict[str, Any] = {"model": weights, "ema": weights, "step": info.get("step"),
                              "images_seen": info.get("images_seen"), "weights": exported, "config": cfg.to_dict()}
     classes = recorded_classes({"classes": info.get("classes")}, cfg)  # None for an unconditional UNet
@@ -181,11 +181,14 @@ pipe.numpy_to_pil((x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy())[0].save
 
 
 def model_card(cfg: Config, *, step: int, images_seen: int, use_ema: bool, checkpoint: str,
-               guidance: float, classes: dict[str, Any] | None = None) -> str:
+               guidance: float, classes: dict[str, Any] | None = None, posthoc: dict[str, Any] | None = None) -> str:
     """README.md of an exported folder: what the model is and a short example (for a class-conditional model,
     `classes` as `recorded_classes` gives them: its classes, and guided sampling at `guidance`)."""
     d, T = cfg.data, cfg.diffusion.timesteps
     weights = f"EMA (decay {cfg.train.ema_decay})" if use_ema else "online (not the EMA)"
+    if posthoc:
+        weights = (f"post-hoc EMA (EDM2), sigma_rel {posthoc['sigma_rel']:g}, rebuilt from {posthoc['snapshots']} "
+                   f"snapshots")
     if classes:
         names, counts = classes["names"], classes.get("counts")
         front = "tags: [ddpm, raydiff, class-conditional, classifier-free-guidance]"
@@ -271,10 +274,10 @@ def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, 
     (folder / RAYDIFF_CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
     classes = recorded_classes(state, cfg)
     info: dict[str, Any] = {"checkpoint": checkpoint, "step": state["step"], "images_seen": state["images_seen"],
-                            "weights": "ema" if use_ema else "online"}
+                            "weights": "posthoc" if state.get("posthoc") else "ema" if use_ema else "online"}
     if classes:
         info["classes"] = classes
     (folder / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     (folder / "README.md").write_text(model_card(cfg, step=state["step"], images_seen=state["images_seen"],
                                                  use_ema=use_ema, checkpoint=checkpoint, classes=classes,
-                                                 guidance=guidance))
+                                                 guidance=guidance, posthoc=state.get("posthoc")))

@@ -207,5 +207,6 @@ def result_line(result: dict[str, Any]) -> str:
                         and isinstance(v, float))
     kind = "autoguidance" if result.get("guide_step") is not None else "guidance"
     guided = f", {kind} {result['guidance']:g}" if result.get("guidance") is not None else ""
+    posthoc = f", post-hoc EMA sigma_rel {result['sigma_rel']:g}" if result.get("sigma_rel") is not None else ""
     return (f"step {result['step']}, {result['num']} images ({result['sampler']}, {result['steps']} steps, seed "
-            f"{result['seed']}{guided}): {numbers}")
+            f"{result['seed']}{guided}{posthoc}): {numbers}")

@@ -24,7 +24,8 @@ from raydiff.storage.rundir import RunDir
 # (learning rate, cadences, total_steps to extend a run, world size, precision, ...).
 IDENTITY_SECTIONS = ("model", "diffusion")
 IDENTITY_KEYS = ("data.source", "data.format", "data.image_column", "data.resolution", "data.channels", "data.flip",
-                 "data.labels", "data.label_column", "data.val_images", "train.global_batch", "train.seed")
+                 "data.labels", "data.label_column", "data.val_images", "train.global_batch", "train.seed",
+                 "train.ema", "train.ema_sigma_rels")  # the post-hoc profiles are tracked from step 0
 # Keys of identity sections that a continuing run may change: model.init_from only initialises a new run.
 NOT_IDENTITY_KEYS = ("model.init_from",)
 DATA_FILE = "data.json"  # the data's identity (and, see `raydiff.data.stream`, its resolved layout)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from raydiff.model.posthoc_ema import PowerEma
 from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
 from raydiff.storage.rundir import RunDir
 
@@ -61,6 +62,7 @@ class TrainingState(NamedTuple):
     ema: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    posthoc: PowerEma | None = None  # train.ema: posthoc: the tracked power-function averages
 
 
 @dataclass
@@ -75,12 +77,14 @@ def checkpoint_state(objects: TrainingState, progress: Progress, global_batch: i
     """What a checkpoint file holds: the objects' state dicts, the progress and the run's config; for a
     class-conditional run, its classes ({"names", "counts"}: what sampling by name and evaluation in the data's
     class frequencies need, without the run's data)."""
-    model, ema, optimizer, scaler = objects
+    model, ema, optimizer, scaler, posthoc = objects
     state = {
         "model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(), "step": progress.step, "images_seen": progress.step * global_batch,
         "counters": dict(progress.counters), "window": dict(progress.window), "config": config,
     }
+    if posthoc is not None:
+        state["posthoc_ema"] = posthoc.state_dict()
     if classes:
         state["classes"] = {"names": list(classes["names"]), "counts": list(classes["counts"])}
     return state
@@ -144,7 +148,9 @@ def restore(state: dict[str, Any], objects: TrainingState) -> tuple[Progress, li
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
         raise KeyError(f"missing {', '.join(missing)}")
-    model, ema, optimizer, scaler = objects
+    model, ema, optimizer, scaler, posthoc = objects
+    if posthoc is not None and "posthoc_ema" not in state:
+        raise KeyError("missing posthoc_ema (train.ema: posthoc tracks its averages from step 0)")
     notes: list[str] = []
     scaler_state = _scaler_state(state, scaler, notes)
     # Load into copies first: a load that fails half way must not leave the live objects half restored.
@@ -154,6 +160,8 @@ def restore(state: dict[str, Any], objects: TrainingState) -> tuple[Progress, li
     copy.deepcopy(optimizer).load_state_dict(state["optimizer"])
     if scaler_state is not None:
         copy.deepcopy(scaler).load_state_dict(scaler_state)
+    if posthoc is not None:
+        copy.deepcopy(posthoc).load_state_dict(state["posthoc_ema"])
     counters = {**Progress().counters, **state["counters"]}
     window = {**Progress().window, **state["window"]}
 
@@ -164,6 +172,8 @@ def restore(state: dict[str, Any], objects: TrainingState) -> tuple[Progress, li
     match_parameter_layout(optimizer)
     if scaler_state is not None:
         scaler.load_state_dict(scaler_state)
+    if posthoc is not None:
+        posthoc.load_state_dict(state["posthoc_ema"])
     return Progress(step=state["step"], counters=counters, window=window), notes
 
 

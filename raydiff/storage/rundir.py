@@ -119,6 +119,14 @@ class RunDir:
         return [self / PurePosixPath(e.path).name for e in entries
                 if e.type == pafs.FileType.Directory and PurePosixPath(e.path).name.startswith(pattern_prefix)]
 
+    def files(self, pattern_prefix: str = "") -> list[str]:
+        """Names of the immediate files whose names start with `pattern_prefix`."""
+        if not self.exists():
+            return []
+        entries = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        return [PurePosixPath(e.path).name for e in entries
+                if e.type == pafs.FileType.File and PurePosixPath(e.path).name.startswith(pattern_prefix)]
+
     # Writing.
     def check_writable(self) -> None:
         """Raise OSError (with the reason) if files cannot be written here; leaves nothing behind. Locally the

@@ -33,6 +33,7 @@ from raydiff.data.loader import BatchStream, MicroBatch
 from raydiff.data.order import rank_share
 from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name, checkpoint_step
 from raydiff.runs.dashboards import Dashboards, dashboards_for
+from raydiff.runs.ema_snapshots import describe_snapshots, snapshot_bytes, snapshot_name
 from raydiff.runs.images import grid_png, image_labels
 from raydiff.runs.runlog import progress_line
 from raydiff.runs.state import Progress, checkpoint_state
@@ -97,6 +98,9 @@ class Cadence:
         self._writer = CheckpointWriter(w.run_dir) if w.is_chief else None
         self._stop_flag, self._notice_handled = args.stop_flag, False
         self._data_wait_s = 0.0
+        snapshot_every = w.cfg.train.ema_snapshot_every
+        assert isinstance(snapshot_every, int), "Config.resolve sets train.ema_snapshot_every"
+        self._snapshot_every = snapshot_every
         if w.is_chief:
             self._write("writing the run's start records", self._record_start, args, progress)
         self.live = _Live.open(w, progress)
@@ -151,6 +155,9 @@ class Cadence:
             # The sample grid.
             if w.is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
                 self._save_sample_grid(step)
+            # The post-hoc EMA's snapshot.
+            if w.is_chief and w.posthoc is not None and (step % self._snapshot_every == 0 or done):
+                self._write(f"writing the post-hoc EMA snapshot of step {step}", self._save_snapshot, step)
             # Stop or preemption, agreed by every worker.
             interrupt = self._poll_interrupts(step) if check and not done else None
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
@@ -276,6 +283,15 @@ class Cadence:
         if self.live.dashboards is not None:
             self.live.dashboards.image("samples", png, step)
 
+    def _save_snapshot(self, step: int) -> None:
+        """Rank 0: the post-hoc averages of this step to `ema_snapshots/`, on the background writer."""
+        w = self.w
+        assert w.posthoc is not None and w.writes is not None  # rank 0's, with train.ema: posthoc
+        data = snapshot_bytes(w.posthoc, step=step, images_seen=step * w.cfg.train.global_batch,
+                              config=w.cfg.to_dict(), classes=w.classes)
+        if self.failure is None:
+            w.writes.submit(w.run_dir.write_bytes, snapshot_name(step), data)
+
     def _poll_interrupts(self, step: int) -> str | None:
         """"stop", "preemption" or None, alike on every worker (a collective); one checkpoint per preemption
         notice, not one per check while the notice lasts."""
@@ -363,11 +379,12 @@ class Cadence:
         for note in w.restore_notes:
             logger.warning(f"[raydiff] note: {note}")
         share = rank_share(t.global_batch, w.world_size, 0)
-        cache = f"; {w.compile_cache_note}" if w.compile_cache_note else ""
+        extra = f"; {w.compile_cache_note}" if w.compile_cache_note else ""
+        extra += f"; {describe_snapshots(w.cfg)}" if w.posthoc is not None else ""
         logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
                     f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
                     f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; "
-                    f"{w.speed.describe()}; {w.memory_plan}{cache}")
+                    f"{w.speed.describe()}; {w.memory_plan}{extra}")
 
     def _record_rollback(self, progress: Progress, rollback: Rollback) -> None:
         w, back = self.w, rollback.progress

@@ -20,6 +20,7 @@ from torch import nn
 from raydiff.data.loader import MicroBatch, scaled
 from raydiff.model.diffusion import GaussianDiffusion
 from raydiff.model.ema import EmaUpdater
+from raydiff.model.posthoc_ema import PowerEma
 from raydiff.seeds import derive_seed
 from raydiff.training.speed import ddp_of
 
@@ -113,9 +114,10 @@ class StepResult:
 
 
 def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: EmaUpdater | None = None,
-                   ema_decay: float = 0.0, fault: Callable[[MicroBatch], bool] | None = None) -> StepResult:
-    """Train on this worker's micro-batches of one step. `fault` (fault injection for tests) says which
-    micro-batches get a non-finite loss."""
+                   ema_decay: float = 0.0, posthoc: PowerEma | None = None, step: int = 0,
+                   fault: Callable[[MicroBatch], bool] | None = None) -> StepResult:
+    """Train on this worker's micro-batches of optimizer step `step` (counted from 1; the post-hoc averages' time).
+    `fault` (fault injection for tests) says which micro-batches get a non-finite loss."""
     params = [p for group in s.optimizer.param_groups for p in group["params"]]
     for group in s.optimizer.param_groups:
         group["lr"] = lr
@@ -159,9 +161,12 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
     s.scaler.update()
     s.optimizer.zero_grad(set_to_none=True)
 
-    # Update the EMA, once per optimizer step, on every worker (not at all after a skipped step).
+    # Update the EMA (and the post-hoc averages), once per optimizer step, on every worker (not at all after a
+    # skipped step).
     if ema is not None:
         ema(ema_decay, finite)
+    if posthoc is not None:
+        posthoc(step, finite)
     return StepResult(finite, grad_norm, loss_sum, samples, quarter_sums, images, timesteps, losses)
 
 

@@ -26,6 +26,7 @@ from raydiff.data.order import SampleOrder, micro_batches, rank_share
 from raydiff.data.run_images import open_tables
 from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
 from raydiff.model.ema import EmaUpdater, make_ema
+from raydiff.model.posthoc_ema import PowerEma
 from raydiff.model.unet import build_model
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Progress, TrainingState, apply_config
@@ -65,6 +66,7 @@ class Worker:
     model: torch.nn.Module  # the bare model (the EMA follows it; checkpoints hold it)
     ema: torch.nn.Module
     ema_update: EmaUpdater
+    posthoc: PowerEma | None  # train.ema: posthoc: the tracked power-function averages
     diffusion: GaussianDiffusion
     speed: SpeedPlan  # what train.compile, channels_last, cuda_graphs, ... mean here
     memory_plan: str  # the micro-batch and activation checkpointing, and why (`plan_memory`)
@@ -105,7 +107,7 @@ class Worker:
     def training_state(self) -> TrainingState:
         """What checkpoints save and restore (the bare model, not its DDP or compiled wrapper)."""
         s = self.step_parts
-        return TrainingState(self.model, self.ema, s.optimizer, s.scaler)
+        return TrainingState(self.model, self.ema, s.optimizer, s.scaler, self.posthoc)
 
     def open_stream(self, progress: Progress) -> BatchStream:
         t = self.cfg.train
@@ -150,6 +152,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     if speed.channels_last:  # before the EMA and the optimizer's moments copy its layout
         model = model.to(memory_format=torch.channels_last)
     ema = make_ema(model)
+    posthoc = PowerEma(model, t.ema_sigma_rels) if t.ema == "posthoc" else None
     assert t.lr is not None, "a loaded config has its learning rate resolved"
     optimizer = make_optimizer(model, lr=t.lr, weight_decay=t.weight_decay)
     autocast_dtype = resolve_precision(t.precision, device)
@@ -176,7 +179,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
         agree=lambda n: smallest(n, device))
 
     # The newest checkpoint every worker restores alike; then the settings a re-run may change.
-    training_state = TrainingState(model, ema, optimizer, scaler)
+    training_state = TrainingState(model, ema, optimizer, scaler, posthoc)
     restored = restore_agreed(training_state, run_dir, is_chief=rank == 0, latest=ray.train.get_checkpoint())
     apply_config(optimizer, weight_decay=t.weight_decay)
 
@@ -198,7 +201,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     writes = BackgroundWrites() if is_chief else None
     worker = Worker(
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
-        ema_update=EmaUpdater(ema, model), diffusion=diffusion, speed=speed, memory_plan=memory_plan,
+        ema_update=EmaUpdater(ema, model), posthoc=posthoc, diffusion=diffusion, speed=speed, memory_plan=memory_plan,
         step_parts=step_parts, table=table, order=order, validation=validation,
         quality=ray.get(args.quality) if args.quality is not None else None,
         micro_batch=micro_batch,

@@ -32,9 +32,10 @@ from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints, read_sta
 pytestmark = pytest.mark.ray
 
 # Class-conditional (the digits' labels, the default label dropout): labels keep every guarantee the images have.
+# Post-hoc EMA, with snapshots between checkpoints: a resumed run writes again the snapshots after its checkpoint.
 FAST = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
         "--set", "train.sample_every=0", "--set", "run.keep_checkpoints=20", "--set", "data.labels=auto",
-        "--set", "model.num_classes=auto"]
+        "--set", "model.num_classes=auto", "--set", "train.ema=posthoc", "--set", "train.ema_snapshot_every=15"]
 TOTAL = 120
 
 
@@ -71,6 +72,23 @@ def assert_same_weights(a: dict, b: dict):
         assert a[part].keys() == b[part].keys()
         for key in a[part]:
             assert torch.equal(a[part][key], b[part][key]), f"{part}.{key} differs"
+    assert ("posthoc_ema" in a) == ("posthoc_ema" in b)
+    averages = zip(a.get("posthoc_ema", {}).get("profiles", []), b.get("posthoc_ema", {}).get("profiles", []),
+                   strict=True)
+    for i, (average, other) in enumerate(averages):
+        for key in average:
+            assert torch.equal(average[key], other[key]), f"post-hoc average {i}: {key} differs"
+
+
+def assert_same_snapshots(run_dir: Path, reference: Path):
+    names = sorted(p.name for p in (reference / "ema_snapshots").iterdir())
+    assert names == [f"step_{step:08d}.pt" for step in (*range(15, TOTAL + 1, 15),)]
+    assert sorted(p.name for p in (run_dir / "ema_snapshots").iterdir()) == names
+    for name in names:
+        a, b = (torch.load(run / "ema_snapshots" / name, weights_only=True) for run in (run_dir, reference))
+        assert a["step"] == b["step"] and a["sigma_rels"] == b["sigma_rels"] == [0.05, 0.1]
+        for average, other in zip(a["profiles"], b["profiles"], strict=True):
+            assert all(torch.equal(average[k], other[k]) for k in average), f"{name} differs"
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -112,6 +130,7 @@ def test_killed_worker_restarts_from_checkpoint_and_ends_identical(cluster, refe
     assert run["restarts"] >= 1
     assert_same_weights(final_state(tmp_path / "worker"), final_state(reference))
     assert losses(tmp_path / "worker") == losses(reference)
+    assert_same_snapshots(tmp_path / "worker", reference)
 
 
 def test_corrupt_newest_checkpoint_falls_back(cluster, reference, tmp_path):

@@ -94,7 +94,7 @@ def test_a_part_that_does_not_fit_leaves_every_object_untouched(tmp_path):
 
 def test_switching_to_fp16_drops_the_missing_loss_scale_with_a_note(tmp_path):
     _write(tmp_path, 10, _objects(0))  # trained without a loss scaler (fp32 or bf16)
-    model, ema, optimizer, _ = _objects(1)
+    model, ema, optimizer, _, _ = _objects(1)
     scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
     restored = restore_newest(checkpoint_candidates(tmp_path), TrainingState(model, ema, optimizer, scaler))
     assert restored.progress.step == 10 and scaler.get_scale() == 1024.0
@@ -119,7 +119,7 @@ def test_transient_storage_errors_are_retried(tmp_path, monkeypatch):
 
 
 def test_a_changed_weight_decay_reaches_the_restored_optimizer(tmp_path):
-    model, ema, optimizer, scaler = _objects(0)
+    model, ema, optimizer, scaler, _ = _objects(0)
     _write(tmp_path, 10, (model, ema, optimizer, scaler))  # saved with weight_decay 0.01 (AdamW's default)
     fresh = _objects(1)
     restore_newest(checkpoint_candidates(tmp_path), fresh)
@@ -157,3 +157,30 @@ def test_a_run_continued_in_channels_last_makes_the_update_of_an_uninterrupted_r
     assert any(not p.is_contiguous() for p in continued.model.parameters())
     for (name, a), b in zip(uninterrupted.model.named_parameters(), continued.model.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_post_hoc_averages_travel_in_the_checkpoint_and_are_required_by_a_post_hoc_run(tmp_path):
+    from raydiff.model.posthoc_ema import PowerEma
+
+    model, ema, optimizer, scaler, _ = _objects(0)
+    tracker = PowerEma(model, [0.05, 0.1])
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        tracker(step)
+    _write(tmp_path, 3, TrainingState(model, ema, optimizer, scaler, tracker))
+    fresh = _objects(1)
+    fresh_tracker = PowerEma(fresh.model, [0.05, 0.1])
+    restored = restore_newest(checkpoint_candidates(tmp_path), fresh._replace(posthoc=fresh_tracker))
+    assert restored.progress.step == 3
+    for saved, loaded in zip(tracker.profiles, fresh_tracker.profiles, strict=True):
+        assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in saved.state_dict().items())
+
+    # A checkpoint without the averages (or of other widths) is no start for a post-hoc run: refused whole.
+    classic = tmp_path / "classic"
+    _write(classic, 3, _objects(0))
+    other = _objects(2)
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(Unresumable, match="missing posthoc_ema"):
+        restore_newest(checkpoint_candidates(classic), other._replace(posthoc=PowerEma(other.model, [0.05])))
+    assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())

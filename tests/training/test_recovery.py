@@ -41,7 +41,7 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
     model = build_model(cfg)
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
     w = Worker(cfg=cfg, run_dir=RunDir(run_dir), rank=rank, world_size=2, device=torch.device("cpu"), model=model,
-               ema=make_ema(model), ema_update=None, diffusion=None, speed=None, memory_plan="",
+               ema=make_ema(model), ema_update=None, posthoc=None, diffusion=None, speed=None, memory_plan="",
                step_parts=SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False)),
                table=None, order=None, validation=None, quality=None, micro_batch=8,
                metrics_log=None, events=None,

@@ -1,0 +1,115 @@
+"""Post-hoc EMA (Karras et al., EDM2, 2024): choose the EMA's length after training, by measured quality.
+
+Why: the EMA length changes sample quality several-fold and is usually guessed before the run. Here training
+tracks a few power-function averages (`PowerEma`), whose profile over past steps is t^gamma, and stores them as
+snapshots every few steps; the average of any other relative width sigma_rel at a snapshot's step is then the
+least-squares combination of the stored snapshots (`solve_coefficients`), which is exact for the tracked widths
+themselves. Widths are relative to the training time (sigma_rel = the profile's standard deviation / its
+length), so one sigma_rel means the same at any batch size or run length.
+
+The formulas are EDM2's (`training/phema.py`, equations 121-151 and algorithms 2-3 of the paper), in float64;
+time is counted in optimizer steps (EDM2 counts images; with a fixed global batch the two differ by a scale the
+coefficients do not depend on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from raydiff.model.ema import EmaUpdater, make_ema
+
+
+def exponent_of(sigma_rel: float) -> float:
+    """The power-function exponent gamma whose profile has relative standard deviation `sigma_rel` (EDM2's
+    algorithm 2: the largest real root of gamma^3 + 7 gamma^2 + (16 - s^-2) gamma + (12 - s^-2))."""
+    t = float(sigma_rel) ** -2
+    return float(np.roots([1.0, 7.0, 16.0 - t, 12.0 - t]).real.max())
+
+
+def sigma_rel_of(exponent: float) -> float:
+    """The inverse of `exponent_of` (EDM2's equation 123)."""
+    g = float(exponent)
+    return float(np.sqrt((g + 1) / (g + 2) ** 2 / (g + 3)))
+
+
+def power_decay(step: int, exponent: float) -> float:
+    """The decay of the update at optimizer step `step` (counted from 1) that keeps an average's profile
+    proportional to t^exponent: (1 - 1/step)^(exponent + 1); 0 at step 1 (a copy of the weights)."""
+    return (1.0 - 1.0 / step) ** (exponent + 1.0)
+
+
+def _correlation(a_step: np.ndarray, a_exp: np.ndarray, b_step: np.ndarray, b_exp: np.ndarray) -> np.ndarray:
+    """Inner products of power-function profiles ending at `a_step` / `b_step` (EDM2's equation 151)."""
+    ratio = a_step / b_step
+    exp = np.where(a_step < b_step, b_exp, -a_exp)
+    return (a_exp + 1) * (b_exp + 1) * ratio**exp / ((a_exp + b_exp + 1) * np.maximum(a_step, b_step))
+
+
+def solve_coefficients(in_steps: Sequence[int], in_sigma_rels: Sequence[float], out_step: int,
+                       out_sigma_rels: Sequence[float]) -> np.ndarray:
+    """[len(in), len(out)] weights: output j = sum_i w[i, j] * snapshot i, the least-squares fit of the profile
+    of width out_sigma_rels[j] ending at `out_step` by the snapshots' profiles (EDM2's algorithm 3); each column
+    sums to 1."""
+    col = lambda x: np.asarray(x, dtype=np.float64).reshape(-1, 1)  # noqa: E731
+    row = lambda x: np.asarray(x, dtype=np.float64).reshape(1, -1)  # noqa: E731
+    in_exp = [exponent_of(s) for s in in_sigma_rels]
+    out_exp = [exponent_of(s) for s in out_sigma_rels]
+    a = _correlation(col(in_steps), col(in_exp), row(in_steps), row(in_exp))
+    b = _correlation(col(in_steps), col(in_exp), row([out_step] * len(out_exp)), row(out_exp))
+    x = np.linalg.solve(a, b)
+    return x / x.sum(axis=0)
+
+
+class PowerEma:
+    """The power-function averages that training tracks, one fp32 copy of the model per sigma_rel, updated once
+    per optimizer step (skipped steps leave them as they were, as the classic EMA)."""
+
+    def __init__(self, model: nn.Module, sigma_rels: Sequence[float]) -> None:
+        self.sigma_rels = tuple(float(s) for s in sigma_rels)
+        self.exponents = tuple(exponent_of(s) for s in self.sigma_rels)
+        self.profiles = [make_ema(model) for _ in self.sigma_rels]
+        self._updates = [EmaUpdater(profile, model) for profile in self.profiles]
+
+    def __call__(self, step: int, finite: torch.Tensor | None = None) -> None:
+        """The update of optimizer step `step` (counted from 1)."""
+        for exponent, update in zip(self.exponents, self._updates, strict=True):
+            update(power_decay(step, exponent), finite)
+
+    def state_dict(self) -> dict:
+        return {"sigma_rels": list(self.sigma_rels), "profiles": [p.state_dict() for p in self.profiles]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if tuple(state["sigma_rels"]) != self.sigma_rels:
+            raise ValueError(f"the checkpoint tracks sigma_rel {state['sigma_rels']}, this run "
+                             f"{list(self.sigma_rels)}")
+        for profile, saved in zip(self.profiles, state["profiles"], strict=True):
+            profile.load_state_dict(saved)
+
+
+def reconstruct(snapshots: Sequence[tuple[int, float, dict[str, torch.Tensor]]], out_sigma_rels: Sequence[float],
+                out_step: int) -> list[dict[str, torch.Tensor]]:
+    """The averages of widths `out_sigma_rels` at `out_step`, as state dicts, from `snapshots` of (step,
+    sigma_rel, state dict) up to `out_step`. Floating-point tensors are combined in float64 and returned in their
+    own dtype; others (integer buffers) are taken from the last snapshot."""
+    used = [s for s in snapshots if 0 < s[0] <= out_step]
+    if not used:
+        raise ValueError(f"no snapshot at or before step {out_step}")
+    coefficients = solve_coefficients([s[0] for s in used], [s[1] for s in used], out_step, out_sigma_rels)
+    outputs: list[dict[str, torch.Tensor]] = []
+    for j in range(len(out_sigma_rels)):
+        last = used[-1][2]
+        out = {}
+        for name, value in last.items():
+            if not value.is_floating_point():
+                out[name] = value.clone()
+                continue
+            total = torch.zeros(value.shape, dtype=torch.float64)
+            for i, (_, _, state) in enumerate(used):
+                total += float(coefficients[i, j]) * state[name].double()
+            out[name] = total.to(value.dtype)
+        outputs.append(out)
+    return outputs

@@ -1,0 +1,143 @@
+"""The post-hoc EMA's snapshots in a run directory, and the averages rebuilt from them.
+
+Why a module: training writes the snapshots (`raydiff.training.cadence`), and `raydiff.ema`, `raydiff.evaluate`
+and the tests read them; the file layout, what a snapshot holds and how a rebuilt average becomes a training
+state that `raydiff.sample`, `raydiff.evaluate` and `raydiff.export` take live here once.
+
+A snapshot is `ema_snapshots/step_<step>.pt` (torch.save, read with `weights_only=True`): every tracked average
+at that step, with the run's config (and classes). Snapshots are written whole and atomically by rank 0's
+background writer; a run that resumes replays the steps after its checkpoint bit for bit, so a snapshot written
+again is the same file.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raydiff.config import Config, ConfigError
+from raydiff.config.checks import SIGMA_REL_MAX
+from raydiff.model.posthoc_ema import PowerEma, reconstruct
+from raydiff.model.unet import build_model, count_parameters
+from raydiff.storage.rundir import RunDir
+
+SNAPSHOT_DIR = "ema_snapshots"
+_NAME = re.compile(r"step_(\d{8})\.pt$")
+
+
+def parse_sigma_rels(text: str) -> list[float]:
+    """--sigma-rel S[,S...]: different numbers in (0, SIGMA_REL_MAX), in the order given."""
+    allowed = f"must be comma-separated different numbers in (0, {SIGMA_REL_MAX}), such as 0.05,0.1"
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--sigma-rel = {text!r}: {allowed}") from None
+    if not all(math.isfinite(s) and 0 < s < SIGMA_REL_MAX for s in values) or len(set(values)) != len(values):
+        raise ConfigError(f"--sigma-rel = {text!r}: {allowed}")
+    return values
+
+
+def snapshot_name(step: int) -> str:
+    return f"{SNAPSHOT_DIR}/step_{step:08d}.pt"
+
+
+def snapshot_bytes(posthoc: PowerEma, *, step: int, images_seen: int, config: dict[str, Any],
+                   classes: dict[str, Any] | None) -> bytes:
+    """One snapshot file's contents: the averages' state dicts (on the CPU) at `step`."""
+    state = {"step": step, "images_seen": images_seen, "sigma_rels": list(posthoc.sigma_rels),
+             "profiles": [{k: v.detach().cpu() for k, v in p.state_dict().items()} for p in posthoc.profiles],
+             "config": config}
+    if classes:
+        state["classes"] = {"names": list(classes["names"]), "counts": list(classes["counts"])}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def snapshot_size(cfg: Config) -> tuple[int, int]:
+    """(bytes per snapshot, snapshots in the run) of `train.ema: posthoc` with this config: 4 bytes per parameter
+    per tracked average (fp32), one snapshot every `train.ema_snapshot_every` steps and one at the end."""
+    t = cfg.train
+    every = t.checkpoint_every if t.ema_snapshot_every == "auto" else t.ema_snapshot_every
+    with torch.device("meta"):
+        parameters = count_parameters(build_model(cfg))
+    count = t.total_steps // every + (t.total_steps % every != 0)
+    return 4 * parameters * len(t.ema_sigma_rels), count
+
+
+def describe_snapshots(cfg: Config) -> str:
+    """For the start line: what the post-hoc EMA tracks and what its snapshots will take on storage."""
+    t = cfg.train
+    size, count = snapshot_size(cfg)
+    widths = ", ".join(f"{s:g}" for s in t.ema_sigma_rels)
+    return (f"post-hoc EMA sigma_rel {widths}: a snapshot every {t.ema_snapshot_every} steps, {_size(size)} each, "
+            f"{count} in the run ({_size(count * size)})")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.3g} MB" if n < 1e9 else f"{n / 1e9:.3g} GB"
+
+
+def list_snapshots(run_dir: RunDir) -> list[int]:
+    """The steps of the run's snapshots, in order."""
+    names = (run_dir / SNAPSHOT_DIR).files("step_")
+    return sorted(int(m.group(1)) for m in map(_NAME.search, names) if m)
+
+
+def read_snapshot(run_dir: RunDir, step: int) -> dict[str, Any]:
+    return torch.load(run_dir.open_binary(snapshot_name(step)), map_location="cpu", weights_only=True)
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """An average rebuilt from a run's snapshots, as a training state (`state`: what a checkpoint's state.pt holds
+    for sampling, evaluating and exporting: the average as `ema`, no online weights or optimizer)."""
+
+    sigma_rel: float
+    state: dict[str, Any]
+
+
+def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None) -> list[Rebuilt]:
+    """The averages of widths `sigma_rels` at snapshot step `step` (default: the newest), from every snapshot of
+    the run up to it. Raises FileNotFoundError (one line) when the run has no snapshots, ValueError when `step`
+    is not a snapshot's."""
+    steps = list_snapshots(run_dir)
+    if not steps:
+        raise FileNotFoundError(f"{run_dir}: no post-hoc EMA snapshots ({SNAPSHOT_DIR}/); train with "
+                                f"--set train.ema=posthoc to record them")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ValueError(f"no snapshot of {run_dir} at that step (snapshots: {_span(steps)})")
+    inputs, last = [], None
+    for s in steps:
+        if s > step:
+            break
+        last = read_snapshot(run_dir, s)
+        inputs += [(s, sigma, profile) for sigma, profile in zip(last["sigma_rels"], last["profiles"], strict=True)]
+    assert last is not None
+    averages = reconstruct(inputs, sigma_rels, step)
+    common = {k: v for k, v in last.items() if k not in ("profiles", "sigma_rels")}
+    return [Rebuilt(sigma, {**common, "ema": average, "posthoc": {"sigma_rel": sigma, "snapshots": len(inputs),
+                                                                  "run": str(run_dir)}})
+            for sigma, average in zip(sigma_rels, averages, strict=True)]
+
+
+def _span(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+
+
+def weights_of(state: dict[str, Any], checkpoint: object, *, use_ema: bool) -> str:
+    """Which weights of a training state a command uses, for its output line: "EMA", "online", or the post-hoc
+    average's width. Raises ValueError (one line) for --no-ema on a rebuilt average, which has no online weights."""
+    posthoc = state.get("posthoc")
+    if posthoc is None:
+        return "EMA" if use_ema else "online"
+    if not use_ema:
+        raise ValueError(f"--no-ema: {checkpoint} is a post-hoc EMA average rebuilt by raydiff.ema and holds no "
+                         f"online weights; leave out --no-ema, or use a checkpoint of the run")
+    return f"post-hoc EMA sigma_rel {posthoc['sigma_rel']:g}"

@@ -1,0 +1,116 @@
+"""Post-hoc EMA's mathematics: the power-function averages training tracks and the least-squares rebuild of any
+other width from their snapshots (EDM2, Karras et al. 2024)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from raydiff.model.posthoc_ema import (
+    PowerEma,
+    exponent_of,
+    power_decay,
+    reconstruct,
+    sigma_rel_of,
+    solve_coefficients,
+)
+
+
+def test_the_papers_widths_have_the_papers_exponents():
+    # EDM2, section 3.1: sigma_rel 0.05 and 0.10 are gamma = 16.97 and 6.94.
+    assert exponent_of(0.05) == pytest.approx(16.97, abs=0.005)
+    assert exponent_of(0.10) == pytest.approx(6.94, abs=0.005)
+    for sigma_rel in (0.01, 0.05, 0.1, 0.2, 0.27):
+        assert sigma_rel_of(exponent_of(sigma_rel)) == pytest.approx(sigma_rel, rel=1e-12)
+
+
+class Weights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(6, dtype=torch.float64))
+
+
+def trajectory(steps: int, seed: int = 0) -> torch.Tensor:
+    """A random walk of 6 weights, one row per step."""
+    return torch.randn(steps, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).cumsum(0)
+
+
+def track(sigma_rels, steps: int, snapshot_every: int):
+    """Train-like tracking of `trajectory`; returns the tracker and (step, sigma_rel, state) snapshots."""
+    model, walk = Weights(), trajectory(steps)
+    tracker = PowerEma(model, sigma_rels)
+    for p in tracker.profiles:
+        p.double()
+    snapshots = []
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            model.w.copy_(walk[step - 1])
+        tracker(step)
+        if step % snapshot_every == 0:
+            snapshots += [(step, s, {k: v.clone() for k, v in p.state_dict().items()})
+                          for s, p in zip(sigma_rels, tracker.profiles, strict=True)]
+    return tracker, snapshots, walk
+
+
+def test_a_tracked_average_is_the_power_function_average_of_the_weights():
+    # With decay (1 - 1/t)^(g+1) the weight of step i in the average at step t is (i^(g+1) - (i-1)^(g+1)) / t^(g+1):
+    # a profile proportional to t^g.
+    steps = 50
+    tracker, _, walk = track([0.1], steps, snapshot_every=steps)
+    g = exponent_of(0.1)
+    i = torch.arange(1, steps + 1, dtype=torch.float64)
+    weights = (i ** (g + 1) - (i - 1) ** (g + 1)) / steps ** (g + 1)
+    expected = (weights[:, None] * walk).sum(0)
+    torch.testing.assert_close(tracker.profiles[0].w.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_first_update_copies_the_weights_and_a_skipped_step_changes_nothing():
+    assert power_decay(1, exponent_of(0.05)) == 0.0
+    model = Weights()
+    tracker = PowerEma(model, [0.05])
+    with torch.no_grad():
+        model.w.fill_(2.0)
+    tracker(1)
+    assert torch.equal(tracker.profiles[0].w, torch.full((6,), 2.0, dtype=torch.float32))
+    with torch.no_grad():
+        model.w.fill_(9.0)
+    tracker(2, finite=torch.tensor(False))
+    assert torch.equal(tracker.profiles[0].w, torch.full((6,), 2.0, dtype=torch.float32))
+
+
+def test_rebuilding_a_tracked_width_gives_back_its_weights():
+    tracker, snapshots, _ = track([0.05, 0.10], 120, snapshot_every=10)
+    rebuilt = reconstruct(snapshots, [0.05, 0.10], out_step=120)
+    for average, profile in zip(rebuilt, tracker.profiles, strict=True):
+        error = (average["w"] - profile.w).abs().max() / profile.w.abs().max()
+        assert error < 1e-3  # the issue's target; the solve puts weight 1 on the profile's own last snapshot
+
+
+def test_an_untracked_width_is_rebuilt_close_to_the_average_tracking_it_would_have_given():
+    steps = 400
+    direct, _, _ = track([0.07], steps, snapshot_every=steps)
+    _, snapshots, _ = track([0.05, 0.10], steps, snapshot_every=20)
+    narrow, wide = reconstruct(snapshots, [0.05, 0.10], out_step=steps)
+    (between,) = reconstruct(snapshots, [0.07], out_step=steps)
+    error = (between["w"] - direct.profiles[0].w).norm()
+    assert error < 0.05 * (wide["w"] - narrow["w"]).norm()
+
+
+def test_the_coefficients_sum_to_one_and_ignore_later_snapshots():
+    x = solve_coefficients([10, 20, 30, 10, 20, 30], [0.05] * 3 + [0.1] * 3, 30, [0.06, 0.08, 0.12])
+    np.testing.assert_allclose(x.sum(axis=0), 1.0, rtol=1e-12)
+    _, snapshots, _ = track([0.05, 0.10], 40, snapshot_every=10)
+    early = reconstruct(snapshots, [0.07], out_step=20)
+    only_early = reconstruct([s for s in snapshots if s[0] <= 20], [0.07], out_step=20)
+    assert torch.equal(early[0]["w"], only_early[0]["w"])
+    with pytest.raises(ValueError, match="no snapshot at or before step 5"):
+        reconstruct(snapshots, [0.07], out_step=5)
+
+
+def test_a_checkpoint_of_other_widths_is_refused():
+    tracker = PowerEma(Weights(), [0.05, 0.10])
+    state = PowerEma(Weights(), [0.05]).state_dict()
+    with pytest.raises(ValueError, match=r"tracks sigma_rel \[0.05\], this run \[0.05, 0.1\]"):
+        tracker.load_state_dict(state)

@@ -1,0 +1,58 @@
+"""What a train command means for an existing run directory: start, continue, finished, or refused when a key
+that fixes what the checkpoints mean has changed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from raydiff.config import Config, ConfigError, load_config
+from raydiff.runs.run_plan import identity_changes, other_changes, plan_run
+from raydiff.storage.rundir import RunDir
+
+DATA = {"fingerprint": "f", "num_files": 1}
+
+
+def write_run(run_dir, cfg: Config, *, steps=(10,), finished: bool = False) -> RunDir:
+    run = RunDir(run_dir)
+    run.write_text("config.yaml", yaml.safe_dump(cfg.to_dict()))
+    run.write_text("data.json", json.dumps(DATA))
+    for step in steps:
+        run.write_bytes(f"checkpoint_{step:08d}/state.pt", b"")
+    if finished:
+        run.write_text("summary.json", json.dumps({"status": "finished"}))
+    return run
+
+
+def test_a_run_continues_from_its_newest_checkpoint_and_notes_what_changed(tmp_path):
+    cfg = load_config("smoke")
+    run = write_run(tmp_path / "run", cfg, steps=(10, 20))
+    plan = plan_run(load_config("smoke", ["train.lr=0.01"]), run, DATA)
+    assert (plan.action, plan.step) == ("continue", 20)
+    assert any("train.lr" in note for note in plan.notes)
+    assert plan_run(cfg, RunDir(tmp_path / "empty"), DATA).action == "start"
+
+
+def test_a_finished_run_is_not_trained_again(tmp_path):
+    cfg = load_config("smoke")
+    run = write_run(tmp_path / "run", cfg, steps=(20,), finished=True)
+    assert plan_run(cfg, run, DATA).action == "finished"
+
+
+@pytest.mark.parametrize("override", ["train.seed=1", "train.global_batch=32", "train.ema=posthoc",
+                                      "train.ema_sigma_rels=[0.05]", "model.base_channels=8"])
+def test_a_changed_identity_key_is_refused_in_one_line(tmp_path, override):
+    run = write_run(tmp_path / "run", load_config("smoke"))
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"holds a run trained with {key} = .*; continuing it would be meaningless"):
+        plan_run(load_config("smoke", [override]), run, DATA)
+
+
+def test_keys_added_since_an_old_run_count_as_their_defaults():
+    old = load_config("default").to_dict()
+    del old["train"]["ema"], old["train"]["ema_sigma_rels"]
+    assert identity_changes(old, load_config("default").to_dict()) == []
+    assert other_changes(old, load_config("default", ["train.ema_decay=0.9"]).to_dict()) == [
+        "train.ema_decay 0.995 -> 0.9"]

@@ -1,0 +1,99 @@
+"""python -m raydiff.ema: a run's EMA rebuilt at any width from its post-hoc snapshots, as checkpoint folders that
+raydiff.sample and raydiff.export take; and the refusals. The run is written here as training writes it (the
+tracked averages, their snapshots, a checkpoint), without Ray; training's own snapshots are held to exact resume
+in tests/runs/test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_cli, write_posthoc_run
+
+from raydiff import cli
+from raydiff import ema as ema_command
+from raydiff.runs.checkpoint import read_state
+from raydiff.runs.ema_snapshots import list_snapshots
+from raydiff.storage.rundir import RunDir
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+STEPS = 60  # write_posthoc_run: a snapshot every 10 steps
+
+
+@pytest.fixture(scope="module")
+def posthoc_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("posthoc") / "run"
+    return run_dir, *write_posthoc_run(run_dir)
+
+
+def relative_error(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))
+               for k in b if b[k].is_floating_point())
+
+
+def test_the_tracked_widths_come_back_exactly_and_others_close_to_tracking_them(posthoc_run, tmp_path, capsys):
+    run_dir, _, tracker, between = posthoc_run
+    out = tmp_path / "rebuilt"
+    assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.05,0.1,0.07",
+                                      "--out", str(out)]) == 0
+    assert "sigma_rel 0.07 at step 60 (from 12 snapshots)" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["sigma_rel-0.050", "sigma_rel-0.070", "sigma_rel-0.100"]
+    for sigma_rel, profile in zip((0.05, 0.1), tracker.profiles, strict=True):
+        assert relative_error(read_state(out / f"sigma_rel-{sigma_rel:.3f}")["ema"], profile.state_dict()) < 1e-3
+    rebuilt = read_state(out / "sigma_rel-0.070")
+    assert rebuilt["step"] == STEPS and rebuilt["posthoc"]["sigma_rel"] == 0.07 and "model" not in rebuilt
+    narrow, wide = (p.state_dict() for p in tracker.profiles)
+    spread = relative_error(narrow, wide)
+    assert relative_error(rebuilt["ema"], between.profiles[0].state_dict()) < 0.1 * spread
+
+
+def test_an_earlier_snapshot_step_is_rebuilt_from_the_snapshots_up_to_it(posthoc_run, tmp_path, capsys):
+    run_dir = posthoc_run[0]
+    assert list_snapshots(RunDir(run_dir)) == [10, 20, 30, 40, 50, 60]
+    assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.05", "--step", "30",
+                                      "--out", str(tmp_path)]) == 0
+    assert "sigma_rel 0.05 at step 30 (from 6 snapshots)" in capsys.readouterr().out
+    snapshot = torch.load(run_dir / "ema_snapshots" / "step_00000030.pt", weights_only=True)
+    assert relative_error(read_state(tmp_path / "sigma_rel-0.050")["ema"], snapshot["profiles"][0]) < 1e-3
+
+
+def test_sample_and_export_take_a_rebuilt_average(posthoc_run, tmp_path):
+    run_dir = posthoc_run[0]
+    assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.08", "--out",
+                                      str(tmp_path / "rebuilt")]) == 0
+    folder = tmp_path / "rebuilt" / "sigma_rel-0.080"
+    proc = run_cli("raydiff.sample", "--checkpoint", str(folder), "--num", "4", "--steps", "5",
+                   "--out", str(tmp_path / "s.png"))
+    assert proc.returncode == 0 and "post-hoc EMA sigma_rel 0.08 weights" in proc.stdout, proc.stderr
+    proc = run_cli("raydiff.export", "--checkpoint", str(folder), "--out", str(tmp_path / "pipeline"))
+    assert proc.returncode == 0, proc.stderr
+    assert "| weights | post-hoc EMA (EDM2), sigma_rel 0.08, rebuilt from 12 snapshots |" in (
+        tmp_path / "pipeline" / "README.md").read_text()
+    proc = run_cli("raydiff.sample", "--checkpoint", str(folder), "--no-ema", "--out", str(tmp_path / "n.png"))
+    assert proc.returncode == 2 and "holds no online weights" in proc.stderr
+    assert not (tmp_path / "n.png").exists()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--sigma-rel", "0.3"], "--sigma-rel = '0.3': must be comma-separated different numbers in (0, 0.28)"),
+    (["--sigma-rel", "0.05,0.05"], "must be comma-separated different numbers"),
+    (["--sigma-rel", "wide"], "--sigma-rel = 'wide'"),
+    (["--sigma-rel", "0.05", "--step", "35"], "--step 35: no snapshot of"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(posthoc_run, tmp_path, args, fragment, capsys):
+    out = tmp_path / "out"
+    assert cli.run(ema_command.main, ["--checkpoint", str(posthoc_run[0]), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_run_without_snapshots_and_a_taken_folder_are_refused(posthoc_run, tmp_path, capsys):
+    (tmp_path / "classic").mkdir()
+    assert cli.run(ema_command.main, ["--checkpoint", str(tmp_path / "classic"), "--sigma-rel", "0.05",
+                                      "--out", str(tmp_path / "out")]) == 2
+    assert "no post-hoc EMA snapshots (ema_snapshots/); train with --set train.ema=posthoc" in capsys.readouterr().err
+    (tmp_path / "taken" / "sigma_rel-0.050").mkdir(parents=True)
+    assert cli.run(ema_command.main, ["--checkpoint", str(posthoc_run[0]), "--sigma-rel", "0.05,0.1",
+                                      "--out", str(tmp_path / "taken")]) == 2
+    assert "sigma_rel-0.050 exists already" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["sigma_rel-0.050"]
