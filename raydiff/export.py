@@ -1,6 +1,7 @@
 """Export a trained run to a Hugging Face diffusers pipeline folder.
 
-    python -m raydiff.export --checkpoint RUN_DIR_OR_CHECKPOINT --out DIR [--no-ema] [--endpoint URL]
+    python -m raydiff.export --checkpoint RUN_DIR_OR_CHECKPOINT --out DIR [--no-ema] [--guide GUIDE [--guidance W]]
+        [--endpoint URL]
 
 DIR gets what `diffusers.DDPMPipeline.from_pretrained(DIR)` loads: model_index.json, unet/ (UNet2DModel config and
 safetensors weights, the EMA unless --no-ema) and scheduler/ (DDPMScheduler config: the run's T, schedule,
@@ -8,21 +9,25 @@ prediction type, clipping and the posterior variance of raydiff's DDPM sampler),
 (raydiff_config.yaml), where the weights came from (raydiff_export.json) and a README model card. A class-conditional
 model's UNet has num_class_embeds = classes + 1 (the null class last); its class names are in raydiff_export.json
 and the model card, whose example samples a class with guidance through diffusers' scheduler (DDPMPipeline itself
-takes no labels). --checkpoint also
-takes an s3:// or gs:// URI (--endpoint for an S3-compatible server); DIR is a local folder that must not exist or
-be empty, and appears complete or not at all. Needs the diffusers extra: pip install "raydiff[diffusers]".
+takes no labels). --guide exports a guiding model's EMA UNet as guide_unet/ and adds sampling with autoguidance
+at --guidance W (default 2) to the model card. --checkpoint and --guide also take s3:// or gs:// URIs
+(--endpoint for an S3-compatible server); DIR is a local folder that must not exist or be empty, and appears
+complete or not at all. Needs the diffusers extra: pip install "raydiff[diffusers]".
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError
+from raydiff.model.guidance import AUTOGUIDANCE, check_guide
 from raydiff.runs.checkpoint import checkpoint_location
 from raydiff.runs.ema_snapshots import weights_of
 from raydiff.runs.state import read_newest
@@ -37,7 +42,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--out", required=True, type=Path, help="the pipeline folder to write (new or empty)")
     parser.add_argument("--no-ema", action="store_true", help="export the online weights instead of the EMA")
-    return parser.parse_args(argv)
+    parser.add_argument("--guide", default=None, help="autoguidance: a weaker model of the same data (an earlier "
+                                                     "checkpoint of the run, or a smaller or shorter-trained run), "
+                                                     "exported as guide_unet/ with sampling code in the model card")
+    parser.add_argument("--guidance", type=float, default=None, help="with --guide: the autoguidance weight the model "
+                                                                     "card samples at (default 2; 1 = the model alone)")
+    args = parser.parse_args(argv)
+    if args.guidance is not None and (args.guide is None or not math.isfinite(args.guidance) or args.guidance < 0):
+        parser.error(f"--guidance {args.guidance:g}: a number >= 0, and only with --guide")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,13 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     diffusers_io.check_exportable(Config.from_dict(state["config"]))  # refused before anything is written
+    guide: dict[str, Any] | None = None
+    guided = ""
+    if args.guide is not None:
+        guide_at, guide_state = read_newest(checkpoint_location(args.guide, args.endpoint))
+        try:
+            check_guide(state["config"], guide_state["config"], args.guide)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        diffusers_io.check_exportable(Config.from_dict(guide_state["config"]))
+        guide = {"state": guide_state, "checkpoint": str(guide_at),
+                 "guidance": AUTOGUIDANCE if args.guidance is None else args.guidance}
+        guided = f", guided by {guide_at} (step {guide_state['step']}) in guide_unet/"
 
     # Build beside DIR and rename it into place: DIR is complete or absent.
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         diffusers_folder.save_pipeline_folder(tmp, state, use_ema=not args.no_ema, checkpoint=str(checkpoint),
-                                              guidance=Config.from_dict(state["config"]).eval.guidance)
+                                              guidance=Config.from_dict(state["config"]).eval.guidance, guide=guide)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)
@@ -75,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     classes = diffusers_folder.recorded_classes(state, Config.from_dict(state["config"]))
     kind = f", {len(classes['names'])} classes plus the null class" if classes else ""
-    print(f"[raydiff] exported {checkpoint} (step {state['step']}, {weights} weights{kind}) to {out}")
+    print(f"[raydiff] exported {checkpoint} (step {state['step']}, {weights} weights{kind}{guided}) to {out}")
     if classes:
         print(f"[raydiff] load it with: DDPMPipeline.from_pretrained({str(out)!r}) and sample a class as "
               f"{out / 'README.md'} shows (DDPMPipeline's own __call__ takes no labels)")

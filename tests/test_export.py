@@ -194,6 +194,54 @@ def test_sample_cli_autoguides_with_a_weaker_model(exported, tmp_path):
                                       f"model)")
 
 
+def test_export_with_a_guide_writes_it_and_a_model_card_that_autoguides_as_raydiff_does(exported, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """--guide: the guide's EMA UNet as guide_unet/, and the card's autoguided loop, run as it stands through
+    diffusers' DDPMScheduler, gives raydiff's autoguided DDPM samples from the same noise."""
+    from diffusers import UNet2DModel
+
+    from raydiff.model.guidance import AutoGuided
+
+    checkpoint, _ = exported
+    cfg = load_config("smoke", [f"diffusion.timesteps={T}"], check_source=False)
+    guide = write_checkpoint(tmp_path / "guide-run", cfg, step=10, seed=1)
+    folder = tmp_path / "pipeline"
+    assert cli.run(export.main, ["--checkpoint", str(checkpoint), "--out", str(folder), "--guide",
+                                 str(tmp_path / "guide-run"), "--guidance", "1.5"]) == 0
+    assert f"guided by {guide} (step 10) in guide_unet/" in capsys.readouterr().out
+    assert json.loads((folder / "raydiff_export.json").read_text())["guide"] == {
+        "checkpoint": str(guide), "step": 10, "guidance": 1.5}
+    assert isinstance(UNet2DModel.from_pretrained(folder, subfolder="guide_unet"), UNet2DModel)
+    card = (folder / "README.md").read_text()
+    assert "## Autoguidance" in card and f"(`{guide}`, step 10)" in card
+    code = [block.split("```")[0] for block in card.split("```python\n")[1:]]
+    snippet = next(block for block in code if "guide_unet" in block)
+    monkeypatch.chdir(tmp_path)  # it writes sample.png
+    namespace: dict = {}
+    exec(snippet.replace("path/to/this/folder", str(folder)), namespace)
+    assert (tmp_path / "sample.png").is_file()
+
+    def network(state):
+        model = build_model(cfg)
+        model.load_state_dict(state["ema"])
+        return model.eval()
+
+    guided = AutoGuided(network(read_state(checkpoint)), network(read_state(guide)), 1.5)
+    generator = torch.Generator().manual_seed(0)
+    ours = build_diffusion(cfg).sample(guided, (16, 1, 8, 8), sampler="ddpm", generator=generator)
+    torch.testing.assert_close(namespace["x"], ours, atol=1e-4, rtol=0)
+
+    other = load_config("smoke", [f"diffusion.timesteps={T}", "diffusion.prediction=v"], check_source=False)
+    write_checkpoint(tmp_path / "other-run", other, step=10)
+    refused = run_cli("raydiff.export", "--checkpoint", str(checkpoint), "--guide", str(tmp_path / "other-run"),
+                      "--out", str(tmp_path / "refused"))
+    assert refused.returncode == 2 and "its diffusion.prediction is 'v', the model's 'eps'" in refused.stderr
+    assert not (tmp_path / "refused").exists() and refused.stderr.count("\n") == 1
+    alone = run_cli("raydiff.export", "--checkpoint", str(checkpoint), "--guidance", "2", "--out", str(tmp_path / "w"))
+    assert alone.returncode == 2 and "--guidance 2: a number >= 0, and only with --guide" in alone.stderr
+    assert not (tmp_path / "w").exists()
+
+
 def test_export_refuses_a_non_empty_folder_and_changes_nothing(exported, tmp_path):
     checkpoint, _ = exported
     out = tmp_path / "taken"

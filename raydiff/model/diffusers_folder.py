@@ -18,6 +18,7 @@ import torch
 from raydiff.config import Config, ConfigError
 from raydiff.model.diffusers_io import (
     EXPORT_INFO_FILE,
+    GUIDE_FOLDER,
     RAYDIFF_CONFIG_FILE,
     check_exportable,
     check_matches,
@@ -180,10 +181,54 @@ pipe.numpy_to_pil((x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy())[0].save
 ```"""
 
 
+def autoguided_snippet(cfg: Config, *, guidance: float, label: int | None) -> str:
+    """The model card's example of autoguidance: the model and the guide (guide_unet/) at weight `guidance`,
+    through diffusers' own scheduler; a class-conditional model and its guide both get class `label`.
+    tests/test_export.py runs it."""
+    d, T = cfg.data, cfg.diffusion.timesteps
+    labels = "" if label is None else ", class_labels=labels"
+    label_line = "" if label is None else f"\nlabels = torch.full((n,), {label})  # class {label}, for both networks"
+    return f"""```python
+import torch
+from diffusers import DDPMPipeline, UNet2DModel
+
+pipe = DDPMPipeline.from_pretrained("path/to/this/folder")  # or its hub id
+guide = UNet2DModel.from_pretrained("path/to/this/folder", subfolder="{GUIDE_FOLDER}")
+unet, scheduler = pipe.unet, pipe.scheduler
+W, n = {guidance}, 16  # the autoguidance weight (1 = the model alone), images{label_line}
+generator = torch.Generator().manual_seed(0)
+x = torch.randn(n, {d.channels}, {d.resolution}, {d.resolution}, generator=generator)
+scheduler.set_timesteps({T})
+with torch.no_grad():
+    for t in scheduler.timesteps:
+        good, weak = unet(x, t{labels}).sample, guide(x, t{labels}).sample
+        x = scheduler.step(weak + W * (good - weak), t, x, generator=generator).prev_sample
+pipe.numpy_to_pil((x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy())[0].save("sample.png")
+```"""
+
+
+def _autoguidance_section(cfg: Config, guide: dict[str, Any] | None, conditional: bool) -> str:
+    if guide is None:
+        return ""
+    unconditional = "" if conditional else "; it helps unconditional models too, where classifier-free guidance cannot"
+    return f"""
+## Autoguidance
+
+`{GUIDE_FOLDER}/` is a weaker model of the same data (`{guide['checkpoint']}`, step {guide['step']:,}) that guides
+this one (Karras et al. 2024, "Guiding a Diffusion Model with a Bad Version of Itself"): eps = eps_guide +
+W (eps_model - eps_guide), W = 1 the model alone{unconditional}. This example samples at W = {guide['guidance']:g};
+`raydiff.evaluate --guide` measures several weights.
+
+{autoguided_snippet(cfg, guidance=guide['guidance'], label=0 if conditional else None)}
+"""
+
+
 def model_card(cfg: Config, *, step: int, images_seen: int, use_ema: bool, checkpoint: str,
-               guidance: float, classes: dict[str, Any] | None = None, posthoc: dict[str, Any] | None = None) -> str:
+               guidance: float, classes: dict[str, Any] | None = None, posthoc: dict[str, Any] | None = None,
+               guide: dict[str, Any] | None = None) -> str:
     """README.md of an exported folder: what the model is and a short example (for a class-conditional model,
-    `classes` as `recorded_classes` gives them: its classes, and guided sampling at `guidance`)."""
+    `classes` as `recorded_classes` gives them: its classes, and guided sampling at `guidance`); with `guide`
+    ({"checkpoint", "step", "guidance"}: the guide_unet/ beside it), sampling with autoguidance too."""
     d, T = cfg.data, cfg.diffusion.timesteps
     weights = f"EMA (decay {cfg.train.ema_decay})" if use_ema else "online (not the EMA)"
     if posthoc:
@@ -256,14 +301,16 @@ library_name: diffusers
 `{RAYDIFF_CONFIG_FILE}` is the run's full config.
 
 {example}
-"""
+{_autoguidance_section(cfg, guide, bool(classes))}"""
 
 
 def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, checkpoint: str,
-                         guidance: float) -> None:
+                         guidance: float, guide: dict[str, Any] | None = None) -> None:
     """Write a complete pipeline folder into `folder` (empty, local): model_index.json, unet/, scheduler/, the
     run's config, where it came from (and a class-conditional model's classes), and a README model card (whose
-    example of a class-conditional model samples at `guidance`)."""
+    example of a class-conditional model samples at `guidance`). `guide` ({"state", "checkpoint", "guidance"}: a
+    guiding model's training state, checked with `check_guide`) adds its EMA UNet as guide_unet/, and sampling
+    with autoguidance at that weight to the card."""
     import yaml
 
     cfg = Config.from_dict(state["config"])
@@ -277,7 +324,14 @@ def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, 
                             "weights": "posthoc" if state.get("posthoc") else "ema" if use_ema else "online"}
     if classes:
         info["classes"] = classes
+    card_guide = None
+    if guide is not None:
+        guide_state = guide["state"]
+        guide_unet = build_pipeline(guide_state["ema"], Config.from_dict(guide_state["config"])).unet
+        guide_unet.save_pretrained(folder / GUIDE_FOLDER, safe_serialization=True)
+        card_guide = info["guide"] = {"checkpoint": guide["checkpoint"], "step": guide_state["step"],
+                                      "guidance": guide["guidance"]}
     (folder / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     (folder / "README.md").write_text(model_card(cfg, step=state["step"], images_seen=state["images_seen"],
                                                  use_ema=use_ema, checkpoint=checkpoint, classes=classes,
-                                                 guidance=guidance, posthoc=state.get("posthoc")))
+                                                 guidance=guidance, posthoc=state.get("posthoc"), guide=card_guide))

@@ -32,6 +32,7 @@ PREDICTION_TO_DIFFUSERS = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"
 SCHEDULE_TO_DIFFUSERS = {"linear": "linear", "cosine": "squaredcos_cap_v2"}
 RAYDIFF_CONFIG_FILE = "raydiff_config.yaml"  # the run's config, written beside the pipeline
 EXPORT_INFO_FILE = "raydiff_export.json"  # where the weights came from: checkpoint, step, images seen, EMA or not
+GUIDE_FOLDER = "guide_unet"  # export --guide: the guiding model's UNet2DModel, beside unet/
 # UNet2DModel keys that raydiff's architecture fixes, with the value it needs (None: diffusers' default of None).
 FIXED_UNET_KEYS = {
     "time_embedding_type": "positional", "flip_sin_to_cos": False, "freq_shift": 1, "downsample_padding": 0,
