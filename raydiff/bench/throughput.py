@@ -332,6 +332,7 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
         "ratio": round(ours["img_s"] / plain_img_s, 3), "ratio_bare": round(ours["img_s"] / bare["img_s"], 3),
         "options": {"compile": plan.compile, "channels_last": plan.channels_last, "cuda_graphs": plan.cuda_graphs,
                     "tf32": plan.tf32, "fused_adamw": True, "cudnn_benchmark": device.type == "cuda",
+                    "ema": cfg.train.ema, "loss_weighting": cfg.train.loss_weighting,
                     "described": plan.describe()},
     }
 
