@@ -1,0 +1,53 @@
+"""The post-hoc EMA's snapshots in a run directory: listing, what they cost on storage, and which weights a
+rebuilt average stands for (the rebuild itself: tests/test_ema.py and tests/model/test_posthoc_ema.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raydiff.config import ConfigError, load_config
+from raydiff.model.unet import build_model, count_parameters
+from raydiff.runs.ema_snapshots import (
+    describe_snapshots,
+    list_snapshots,
+    parse_sigma_rels,
+    snapshot_name,
+    snapshot_size,
+    weights_of,
+)
+from raydiff.storage.rundir import RunDir
+
+
+def test_snapshots_are_listed_by_step_and_nothing_else_counts(tmp_path):
+    run = RunDir(tmp_path)
+    assert list_snapshots(run) == []
+    for step in (200, 100, 1400):
+        run.write_bytes(snapshot_name(step), b"x")
+    run.write_bytes("ema_snapshots/notes.txt", b"mine")
+    assert list_snapshots(run) == [100, 200, 1400]
+
+
+def test_the_storage_cost_is_four_bytes_per_parameter_per_width_per_snapshot():
+    cfg = load_config("smoke", ["train.ema=posthoc", "train.ema_sigma_rels=[0.05,0.1,0.2]"])
+    size, count = snapshot_size(cfg)
+    assert size == 4 * count_parameters(build_model(cfg)) * 3
+    assert count == 2  # 20 steps, every checkpoint (10), the last included
+    uneven = load_config("smoke", ["train.ema=posthoc", "train.ema_snapshot_every=7"])
+    assert snapshot_size(uneven)[1] == 3  # steps 7, 14 and the end, 20
+    assert describe_snapshots(cfg).startswith("post-hoc EMA sigma_rel 0.05, 0.1, 0.2: a snapshot every 10 steps, ")
+
+
+def test_a_rebuilt_average_is_named_and_has_no_online_weights():
+    assert weights_of({"ema": {}}, "run", use_ema=True) == "EMA"
+    assert weights_of({"ema": {}}, "run", use_ema=False) == "online"
+    rebuilt = {"ema": {}, "posthoc": {"sigma_rel": 0.07, "snapshots": 28}}
+    assert weights_of(rebuilt, "out/sigma_rel-0.070", use_ema=True) == "post-hoc EMA sigma_rel 0.07"
+    with pytest.raises(ValueError, match="--no-ema: out/sigma_rel-0.070 is a post-hoc EMA average"):
+        weights_of(rebuilt, "out/sigma_rel-0.070", use_ema=False)
+
+
+def test_widths_are_read_in_order_and_bad_ones_refused():
+    assert parse_sigma_rels("0.1,0.05") == [0.1, 0.05]
+    for text in ("0", "0.28", "nan", "0.05,0.05", "a"):
+        with pytest.raises(ConfigError, match=f"--sigma-rel = '{text}': must be"):
+            parse_sigma_rels(text)

@@ -1,0 +1,41 @@
+"""Writing generated images: grids (one row per class for a class-conditional model), folders of single PNGs,
+and which class each image gets."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+
+from raydiff.runs.images import MIN_GRID_PX, grid_png, grid_row, image_labels, save_samples
+
+
+def test_each_class_gets_a_contiguous_block_and_a_row_of_its_own_where_they_divide_evenly():
+    assert image_labels([2, 0, 1], 6) == [2, 2, 0, 0, 1, 1]
+    assert image_labels([4], 3) == [4, 4, 4]
+    assert grid_row([2, 0, 1], 6) == 2
+    assert grid_row([2, 0, 1], 7) is None and grid_row([5], 4) is None  # a square grid
+
+
+def test_a_grid_of_small_images_is_enlarged_and_maps_minus_one_to_one_onto_black_to_white():
+    images = torch.cat([torch.full((2, 1, 8, 8), -1.0), torch.full((2, 1, 8, 8), 1.0)])
+    grid = np.asarray(Image.open(io.BytesIO(grid_png(images, nrow=2))).convert("L"))
+    assert grid.shape[1] >= MIN_GRID_PX  # 2 columns of 8 px, enlarged nearest-neighbour
+    cell = (grid.shape[1] - 6) // 2  # 2 px padding around and between cells
+    assert grid[2 + cell // 2, 2 + cell // 2] == 0  # the first image is black
+    assert grid[grid.shape[0] - 3 - cell // 2, 2 + cell // 2] == 255  # the third (second row) is white
+
+
+def test_samples_go_to_one_png_or_a_folder_of_pngs_with_their_grid(tmp_path):
+    images = torch.rand(3, 1, 8, 8) * 2 - 1
+    assert save_samples(images, tmp_path / "grid.png") == tmp_path / "grid.png"
+    assert Image.open(tmp_path / "grid.png").size[0] >= MIN_GRID_PX
+    folder = save_samples(images, tmp_path / "many")
+    assert sorted(p.name for p in folder.iterdir()) == ["grid.png", "sample_00000.png", "sample_00001.png",
+                                                         "sample_00002.png"]
+    pixels = np.asarray(Image.open(folder / "sample_00001.png").convert("L")).astype(float)
+    expected = ((images[1, 0].clamp(-1, 1) + 1) / 2 * 255).numpy()
+    assert np.abs(pixels - expected).max() <= 1
+    assert not list(tmp_path.rglob(".*.tmp"))  # written beside and renamed

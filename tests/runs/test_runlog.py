@@ -1,0 +1,33 @@
+"""metrics.jsonl and events.jsonl: rows appended at once locally, cut back to a checkpoint after lost work, and
+the progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from raydiff.runs.runlog import JsonlLog, progress_line
+from raydiff.storage.rundir import RunDir
+
+
+def test_rows_are_appended_at_once_and_cut_back_to_a_step(tmp_path):
+    log = JsonlLog(RunDir(tmp_path), "metrics.jsonl")
+    for step in (10, 20, 30):
+        log.append({"step": step, "loss": 1.0 / step})
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == step // 10  # tail -f works
+    log.truncate_after(20)  # the work after checkpoint 20 was lost
+    assert [r["step"] for r in log.rows()] == [10, 20]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [10, 20]
+
+
+def test_a_non_finite_number_is_written_as_null_so_every_row_is_valid_json(tmp_path):
+    log = JsonlLog(RunDir(tmp_path), "metrics.jsonl")
+    log.append({"step": 1, "loss": math.nan, "grad_norm": math.inf})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": None, "grad_norm": None}
+
+
+def test_the_progress_line_counts_the_eta_from_this_start():
+    row = {"step": 300, "loss": 0.04123, "images_per_s": 236.4, "data_wait_frac": 0.001}
+    line = progress_line(row, total_steps=1000, start_step=200, elapsed_s=30.0)
+    assert line == "[raydiff] step 300/1000 | loss 0.0412 | 236 img/s | data wait 0.1% | ETA 3m30s"
+    assert progress_line({**row, "skipped_steps": 2}, 1000, 300, 0.0).endswith("| skipped 2 | ETA ?")

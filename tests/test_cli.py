@@ -1,0 +1,44 @@
+"""What every command's entry point does with an error: a user's mistake is one line and exit 2, an interrupt
+the signal's exit code, and anything else a traceback (a bug should be seen)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raydiff import cli
+from raydiff.config import ConfigError
+from raydiff.storage.errors import StorageFailure
+from raydiff.training.stop import Interrupted
+
+
+def failing(exc: BaseException):
+    def main(argv):
+        raise exc
+    return main
+
+
+@pytest.mark.parametrize("exc, line", [
+    (ConfigError("train.lr = -1: must be > 0"), "raydiff: config error: train.lr = -1: must be > 0"),
+    (FileNotFoundError("runs/x: no such run or checkpoint folder"),
+     "raydiff: error: runs/x: no such run or checkpoint folder"),
+    (StorageFailure("no space left on /mnt/runs"), "raydiff: error: no space left on /mnt/runs"),
+])
+def test_a_user_error_is_one_line_and_exit_2(exc, line, capsys):
+    assert cli.run(failing(exc), []) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_an_interrupt_exits_with_its_signal_and_says_nothing_was_trained(capsys):
+    assert cli.run(failing(Interrupted("SIGTERM")), []) == 128 + 15
+    assert "stopped by SIGTERM before training began; nothing was trained" in capsys.readouterr().err
+    assert cli.run(failing(KeyboardInterrupt()), []) == 130
+
+
+def test_a_bug_is_not_hidden_behind_a_one_line_error():
+    with pytest.raises(ZeroDivisionError):
+        cli.run(failing(ZeroDivisionError("a bug")), [])
+
+
+def test_a_command_s_own_exit_status_passes_through():
+    assert cli.run(lambda argv: 0, []) == 0
+    assert cli.run(lambda argv: 3, []) == 3
