@@ -186,9 +186,8 @@ def write_posthoc_run(run_dir, *, tracked=(0.05, 0.10), steps: int = 60, every: 
     import torch
 
     from raydiff.config import load_config
-    from raydiff.model.ema import make_ema
-    from raydiff.model.posthoc_ema import PowerEma
     from raydiff.model.unet import build_model
+    from raydiff.model.weight_averages import PowerEma, make_ema
     from raydiff.runs.checkpoint import write_state
     from raydiff.runs.ema_snapshots import snapshot_bytes, snapshot_name
     from raydiff.runs.state import Progress, TrainingState, checkpoint_state

@@ -23,6 +23,7 @@ def test_bench_rejects_bad_arguments():
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_ingest_bench_measures_raydiff_against_the_dataloader(tmp_path):
     from raydiff.data.builtin import write_synthetic
 
@@ -40,6 +41,7 @@ def test_ingest_bench_measures_raydiff_against_the_dataloader(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     """raydiff against the textbook loop and the bare loop with raydiff's own speed plan, warm-up split at the first
     step, the restart's warm-up (--rerun), and the top operators of raydiff's step (--profile)."""

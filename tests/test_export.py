@@ -19,8 +19,8 @@ from raydiff import cli, export, sample, train
 from raydiff.config import ConfigError, load_config
 from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.diffusion import build_diffusion
-from raydiff.model.ema import make_ema
 from raydiff.model.unet import build_model
+from raydiff.model.weight_averages import make_ema
 from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
 from raydiff.runs.state import Progress, TrainingState, checkpoint_state
 from raydiff.seeds import GRID_NOISE, image_generators
@@ -274,6 +274,7 @@ def test_train_refuses_a_mismatched_init_from_before_writing_anything(exported, 
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_new_run_starts_from_init_from(exported, tmp_path):
     checkpoint, folder = exported
     # lr 1e-12: two steps move no weight measurably, so the run's final weights show where it started.

@@ -107,6 +107,7 @@ def test_auth_is_on_a_client_without_the_token_is_refused(head):
     assert proc.returncode != 0
 
 
+@pytest.mark.slow
 def test_train_job_succeeds_and_writes_to_run_storage(head, tmp_path):
     proc = submit(head, "python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -117,6 +118,7 @@ def test_train_job_succeeds_and_writes_to_run_storage(head, tmp_path):
     assert "[raydiff] joined the Ray cluster at" in proc.stdout  # the head's cluster, not a Ray of its own
 
 
+@pytest.mark.slow
 def test_tune_job_succeeds(head, tmp_path):
     """A sweep of class-conditional runs submitted as a job, ranked by sample quality (--metric fid: the digits'
     Frechet distance at eval.guidance, measured at every validation point of every trial)."""
@@ -136,6 +138,7 @@ def test_tune_job_succeeds(head, tmp_path):
     assert all(0 <= r["digits_class_match"] <= 1 for r in trial_rows if "digits_fd" in r)
 
 
+@pytest.mark.slow
 def test_job_stop_checkpoints_and_a_resubmitted_job_resumes(head, tmp_path):
     command = ["python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
                "--set", "train.total_steps=150", "--set", "train.checkpoint_every=100", "--set", "train.log_every=10",

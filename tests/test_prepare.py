@@ -42,6 +42,7 @@ def test_messy_folder_trains_to_completion_and_reports_its_bad_files(messy, tmp_
     assert not (tmp_path / "strict").exists()
 
 
+@pytest.mark.slow
 def test_prepare_then_train_on_the_prepared_folder(messy, tmp_path):
     folder, _ = messy
     out = tmp_path / "prepared"
@@ -68,6 +69,7 @@ def test_prepare_then_train_on_the_prepared_folder(messy, tmp_path):
     assert wrong.returncode == 2 and "was prepared at 8px with 3 channel(s)" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_s3_source_prepare_and_train_against_a_loopback_server(s3_server, tmp_path):
     from raydiff.data.builtin import write_synthetic
 

@@ -56,8 +56,8 @@ def bench_checkpoint(config: str, overrides: list[str], repeat: int) -> dict:
     import torch
 
     from raydiff.model.diffusion import build_diffusion
-    from raydiff.model.ema import make_ema
     from raydiff.model.unet import build_model, count_parameters
+    from raydiff.model.weight_averages import make_ema
     from raydiff.runs.checkpoint import read_state, write_state
     from raydiff.runs.state import Progress, TrainingState, checkpoint_state
 

@@ -23,8 +23,8 @@ from torch import nn
 
 from raydiff.config import Config, load_config
 from raydiff.model.diffusion import build_diffusion
-from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import AttnBlock, ResBlock, UNet, build_model, count_parameters
+from raydiff.model.weight_averages import EmaUpdater, make_ema
 from raydiff.training.step import make_optimizer, resolve_precision
 
 GB = 1e9

@@ -237,7 +237,7 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
     from raydiff.data.loader import BatchStream, ImageTable
     from raydiff.data.order import SampleOrder, rank_share
     from raydiff.model.diffusion import build_diffusion
-    from raydiff.model.ema import EmaUpdater, make_ema
+    from raydiff.model.weight_averages import EmaUpdater, make_ema
     from raydiff.training.speed import for_training, set_tf32
     from raydiff.training.step import StepParts, make_optimizer, optimizer_step
 

@@ -22,8 +22,8 @@ import torch
 
 from raydiff.config import Config, ConfigError
 from raydiff.config.checks import SIGMA_REL_MAX
-from raydiff.model.posthoc_ema import PowerEma, reconstruct
 from raydiff.model.unet import build_model, count_parameters
+from raydiff.model.weight_averages import PowerEma, reconstruct
 from raydiff.storage.rundir import RunDir
 
 SNAPSHOT_DIR = "ema_snapshots"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from raydiff.model.posthoc_ema import PowerEma
+from raydiff.model.weight_averages import PowerEma
 from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
 from raydiff.storage.rundir import RunDir
 

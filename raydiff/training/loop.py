@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from raydiff.config.learning_rate import lr_at
-from raydiff.model.ema import ema_decay_at
+from raydiff.model.weight_averages import ema_decay_at
 from raydiff.runs.state import Unresumable
 from raydiff.training.cadence import Cadence
 from raydiff.training.step import optimizer_step

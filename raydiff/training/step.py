@@ -19,8 +19,7 @@ from torch import nn
 
 from raydiff.data.loader import MicroBatch, scaled
 from raydiff.model.diffusion import GaussianDiffusion
-from raydiff.model.ema import EmaUpdater
-from raydiff.model.posthoc_ema import PowerEma
+from raydiff.model.weight_averages import EmaUpdater, PowerEma
 from raydiff.seeds import derive_seed
 from raydiff.training.speed import ddp_of
 

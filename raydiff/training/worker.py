@@ -25,9 +25,8 @@ from raydiff.data.node_cache import StreamTable
 from raydiff.data.order import SampleOrder, micro_batches, rank_share
 from raydiff.data.run_images import open_tables
 from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
-from raydiff.model.ema import EmaUpdater, make_ema
-from raydiff.model.posthoc_ema import PowerEma
 from raydiff.model.unet import build_model
+from raydiff.model.weight_averages import EmaUpdater, PowerEma, make_ema
 from raydiff.runs.runlog import JsonlLog
 from raydiff.runs.state import Progress, TrainingState, apply_config
 from raydiff.storage.rundir import RunDir

@@ -77,6 +77,7 @@ def autoscaling_cluster(tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_run_decides_for_the_worker_nodes_an_autoscaler_adds(autoscaling_cluster, tmp_path):
     """With only the 0-CPU head alive, the run asks the autoscaler for a worker, waits for it, and decides from its
     object store: the built-in digits go to memory, as on one machine (deciding from the head, they went to stream

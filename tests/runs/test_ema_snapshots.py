@@ -1,5 +1,5 @@
 """The post-hoc EMA's snapshots in a run directory: listing, what they cost on storage, and which weights a
-rebuilt average stands for (the rebuild itself: tests/test_ema.py and tests/model/test_posthoc_ema.py)."""
+rebuilt average stands for (the rebuild itself: tests/test_ema.py and tests/model/test_weight_averages.py)."""
 
 from __future__ import annotations
 

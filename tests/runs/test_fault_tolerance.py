@@ -119,6 +119,7 @@ def _train_worker_pids() -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_from_checkpoint_and_ends_identical(cluster, reference, tmp_path):
     proc = start_train(cluster, tmp_path, "worker")
     wait_for(lambda: (tmp_path / "worker" / "checkpoint_00000040" / "state.pt").exists(), what="a checkpoint")
@@ -207,6 +208,7 @@ def test_divergence_stops_with_a_diagnostic(cluster, tmp_path):
     assert "training diverged" in proc.stderr
 
 
+@pytest.mark.slow
 def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_path, monkeypatch):
     from ray.cluster_utils import Cluster
 
@@ -276,6 +278,7 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
     assert math.isfinite(run["final_loss"])
 
 
+@pytest.mark.slow
 def test_precision_and_weight_decay_may_change_between_runs(cluster, tmp_path):
     # fp32 -> fp16 (no loss scale in the checkpoint: it starts afresh) -> bf16 (the fp16 loss scale is dropped),
     # each run continuing the last. The bf16 run also all-reduces its gradients in bf16 (train.grad_compression),
@@ -302,6 +305,7 @@ def test_precision_and_weight_decay_may_change_between_runs(cluster, tmp_path):
     assert [r["step"] for r in rows] == [10, 20, 30] and all(math.isfinite(r["loss"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, tmp_path):
     proc = train(cluster, tmp_path, "broken", total=20)
     assert proc.returncode == 0, proc.stderr[-3000:]

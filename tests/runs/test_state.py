@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from raydiff.config import Config
-from raydiff.model.ema import make_ema
 from raydiff.model.unet import build_model
+from raydiff.model.weight_averages import make_ema
 from raydiff.runs.checkpoint import checkpoint_name, read_state, write_state
 from raydiff.runs.state import (
     Progress,
@@ -160,7 +160,7 @@ def test_a_run_continued_in_channels_last_makes_the_update_of_an_uninterrupted_r
 
 
 def test_the_post_hoc_averages_travel_in_the_checkpoint_and_are_required_by_a_post_hoc_run(tmp_path):
-    from raydiff.model.posthoc_ema import PowerEma
+    from raydiff.model.weight_averages import PowerEma
 
     model, ema, optimizer, scaler, _ = _objects(0)
     tracker = PowerEma(model, [0.05, 0.1])

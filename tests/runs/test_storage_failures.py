@@ -61,6 +61,7 @@ def reference(tmp_path_factory, cluster) -> dict:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_once_in_one_line_and_loses_nothing(tmp_path, reference):
     with tmpfs(tmp_path / "disk", "12m") as disk:  # room for the start and about three checkpoints of 3 MB
         proc = _train(str(disk))
@@ -124,6 +125,7 @@ def test_a_missing_bucket_is_refused_before_anything_is_written(s3_server):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_flaky_object_store_is_survived_bit_identically(s3_server, reference):
     """10% of requests answered with 503 SlowDown, or applied with the answer dropped (a retry goes through)."""
     endpoint, client = s3_server

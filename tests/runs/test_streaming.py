@@ -151,6 +151,7 @@ def _quiet_files(folder: Path, quiet_s: float = 3.0) -> dict[Path, bytes]:
     return files
 
 
+@pytest.mark.slow
 def test_a_streamed_run_crosses_windows_and_epochs_and_resumes_in_its_own_layout(cluster, tmp_path):
     """Streamed digits over many shuffle windows and an epoch boundary, in the shard-aware order; a driver killed
     mid-epoch is continued with data.cache=auto (memory for 0.1 MB, were it a new run) and another buffer: the
@@ -193,6 +194,7 @@ def test_a_streamed_run_crosses_windows_and_epochs_and_resumes_in_its_own_layout
     assert losses(tmp_path / "killed") == losses(tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_preparation_is_stoppable_exclusive_and_cleans_up_after_a_kill(cluster, tmp_path):
     """A raw source prepared for streaming: SIGTERM during the preparation stops the run at once and leaves no
     partial copy; a SIGKILL's partial copy is removed by the next preparation of the same key; and a run that

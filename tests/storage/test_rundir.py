@@ -85,6 +85,7 @@ STEPS = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.c
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_s3_storage_train_kill_resume_is_identical(s3_server, ray_session, tmp_path):
     endpoint, client = s3_server
     client.create_bucket(Bucket="raydiff-runs")

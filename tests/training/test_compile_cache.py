@@ -48,6 +48,7 @@ def _start_on_a_new_node(run_dir, key: str, node_cache) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_restart_on_another_node_loads_the_compiled_step_instead_of_compiling(tmp_path):
     run_dir = tmp_path / "run"
     first = _start_on_a_new_node(run_dir, "key-a", tmp_path / "node-1")

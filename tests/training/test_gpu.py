@@ -13,8 +13,8 @@ from raydiff.config import load_config
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.order import SampleOrder, rank_share
 from raydiff.model.diffusion import build_diffusion
-from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
+from raydiff.model.weight_averages import EmaUpdater, make_ema
 from raydiff.training.microbatch import measure_micro_batch
 from raydiff.training.speed import SpeedPlan, for_training, unwrap
 from raydiff.training.step import StepParts, make_optimizer, optimizer_step

@@ -13,7 +13,7 @@ from ray.train.torch import TorchTrainer
 from raydiff.config import load_config
 from raydiff.config.learning_rate import lr_at
 from raydiff.data.image_store import ImageStore
-from raydiff.model.ema import ema_decay_at
+from raydiff.model.weight_averages import ema_decay_at
 from raydiff.storage.rundir import RunDir
 from raydiff.training.loop import train_worker
 from raydiff.training.worker_io import WorkerArgs
@@ -62,6 +62,7 @@ def _cli_run(storage, name, *overrides):
     return proc.stdout + proc.stderr, rows, read_state(list_checkpoints(storage / name)[-1])
 
 
+@pytest.mark.slow
 def test_ddp_accumulation_and_uneven_shares_match_one_worker(tmp_path):
     """Under real DDP: 3 workers with uneven shares of the 16-image batch (6, 5, 5; an elastic range, since only
     elastic runs split a batch unevenly), each accumulating 2 micro-batches (no_sync on the first) and

@@ -18,8 +18,8 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from raydiff.model.ema import make_ema
     from raydiff.model.unet import build_model
+    from raydiff.model.weight_averages import make_ema
     from raydiff.runs import state as state_module
     from raydiff.runs.state import Progress
     from raydiff.training.debug import DebugHooks
@@ -56,8 +56,8 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
 def test_a_rollback_restores_the_checkpoint_rank_0_chose_on_every_worker(tmp_path):
     """Rank 0 chooses the checkpoint (falling back past one it cannot read); the other workers restore that one,
     not a newer one they could read: replicas that differ would train apart, or hang a collective."""
-    from raydiff.model.ema import make_ema
     from raydiff.model.unet import build_model
+    from raydiff.model.weight_averages import make_ema
     from raydiff.runs.checkpoint import write_state
     from raydiff.runs.state import Progress, TrainingState, checkpoint_state
     from raydiff.training.step import make_optimizer

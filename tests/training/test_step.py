@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from raydiff.config import TrainSection, load_config
 from raydiff.data.loader import MicroBatch
 from raydiff.model.diffusion import build_diffusion
-from raydiff.model.ema import EmaUpdater, make_ema
 from raydiff.model.unet import build_model
+from raydiff.model.weight_averages import EmaUpdater, make_ema
 from raydiff.training.speed import compiled, plan_speed, unwrap
 from raydiff.training.step import StepParts, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps

@@ -1,5 +1,6 @@
-"""Post-hoc EMA's mathematics: the power-function averages training tracks and the least-squares rebuild of any
-other width from their snapshots (EDM2, Karras et al. 2024)."""
+"""The weight averages: the classic EMA with its warmup, and post-hoc EMA's mathematics (the power-function
+averages training tracks and the least-squares rebuild of any other width from their snapshots; EDM2, Karras et
+al. 2024)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from raydiff.model.posthoc_ema import (
+from raydiff.model.weight_averages import (
+    EmaUpdater,
     PowerEma,
+    ema_decay_at,
     exponent_of,
+    make_ema,
     power_decay,
     reconstruct,
     sigma_rel_of,
@@ -18,6 +22,29 @@ from raydiff.model.posthoc_ema import (
 )
 
 
+def test_warmup_grows_the_window_linearly_to_its_full_length():
+    assert ema_decay_at(0, 0.999, 100) == 0.0  # window of 1 step: the EMA copies the weights
+    assert ema_decay_at(50, 0.999, 100) == pytest.approx(1 - 1 / (1 + 999 * 0.5))
+    assert ema_decay_at(100, 0.999, 100) == pytest.approx(0.999)
+    assert ema_decay_at(10_000, 0.999, 100) == pytest.approx(0.999)
+    assert ema_decay_at(0, 0.9999, 0) == 0.9999  # no warmup
+
+
+def test_update_is_an_exponential_moving_average():
+    model = torch.nn.Linear(2, 1)
+    ema = make_ema(model)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        ema.weight.fill_(0.0)
+    update = EmaUpdater(ema, model)
+    update(0.9)
+    assert torch.allclose(ema.weight, torch.full_like(ema.weight, 0.1))
+    update(0.9)
+    assert torch.allclose(ema.weight, torch.full_like(ema.weight, 0.19))
+    assert not ema.weight.requires_grad and not ema.training
+
+
+# Post-hoc EMA.
 def test_the_papers_widths_have_the_papers_exponents():
     # EDM2, section 3.1: sigma_rel 0.05 and 0.10 are gamma = 16.97 and 6.94.
     assert exponent_of(0.05) == pytest.approx(16.97, abs=0.005)

@@ -1,28 +1,72 @@
-"""Post-hoc EMA (Karras et al., EDM2, 2024): choose the EMA's length after training, by measured quality.
+"""Averages of the weights that samples and exports use: the classic EMA, and EDM2's post-hoc EMA.
 
-Why: the EMA length changes sample quality several-fold and is usually guessed before the run. Here training
-tracks a few power-function averages (`PowerEma`), whose profile over past steps is t^gamma, and stores them as
-snapshots every few steps; the average of any other relative width sigma_rel at a snapshot's step is then the
-least-squares combination of the stored snapshots (`solve_coefficients`), which is exact for the tracked widths
-themselves. Widths are relative to the training time (sigma_rel = the profile's standard deviation / its
-length), so one sigma_rel means the same at any batch size or run length.
+The classic EMA (`make_ema`, `EmaUpdater`, `ema_decay_at`) is updated once per optimizer step with a warmup of
+its window.
 
-The formulas are EDM2's (`training/phema.py`, equations 121-151 and algorithms 2-3 of the paper), in float64;
-time is counted in optimizer steps (EDM2 counts images; with a fixed global batch the two differ by a scale the
-coefficients do not depend on).
+Post-hoc EMA (Karras et al., EDM2, 2024) chooses the EMA's length after training, by measured quality. Why: the
+length changes sample quality several-fold and is usually guessed before the run. Training tracks a few
+power-function averages (`PowerEma`), whose profile over past steps is t^gamma, and stores them as snapshots
+every few steps; the average of any other relative width sigma_rel at a snapshot's step is then the
+least-squares combination of the stored snapshots (`solve_coefficients`, `reconstruct`), which is exact for the
+tracked widths themselves. Widths are relative to the training time (sigma_rel = the profile's standard
+deviation / its length), so one sigma_rel means the same at any batch size or run length. The formulas are
+EDM2's (its `training/phema.py`, equations 121-151 and algorithms 2-3 of the paper), in float64; time is counted
+in optimizer steps (EDM2 counts images; with a fixed global batch the two differ by a scale the coefficients do
+not depend on).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from raydiff.model.ema import EmaUpdater, make_ema
+
+def ema_decay_at(step: int, decay: float, warmup_steps: int) -> float:
+    """Decay for the update after `step` optimizer steps.
+
+    The EMA averages over a window of about 1 / (1 - decay) steps. During warmup that window grows
+    linearly from 1 step (a copy of the online weights) to its full length at `warmup_steps`, so the
+    average never holds on to the random initialisation for long.
+    """
+    if warmup_steps <= 0:
+        return decay
+    full_window = 1.0 / (1.0 - decay)
+    window = min(full_window, 1.0 + (full_window - 1.0) * step / warmup_steps)
+    return 1.0 - 1.0 / window
 
 
+def make_ema(model: nn.Module) -> nn.Module:
+    """An fp32 copy of `model` for averaging: eval mode, no gradients."""
+    return copy.deepcopy(model).float().eval().requires_grad_(False)
+
+
+class EmaUpdater:
+    """Updates `ema` towards `model` once per optimizer step. The parameter lists are built once (they are views
+    of the live tensors, so restores and DDP wrapping keep them valid), and a step's weight can be a device
+    tensor: an update weighted by `finite` (0 or 1) is skipped on the device, without a host sync."""
+
+    def __init__(self, ema: nn.Module, model: nn.Module) -> None:
+        self._ema: list[torch.Tensor] = list(ema.parameters())
+        self._model = [p.detach() for p in model.parameters()]
+        self._ema_buffers, self._model_buffers = list(ema.buffers()), list(model.buffers())
+
+    @torch.no_grad()
+    def __call__(self, decay: float, finite: torch.Tensor | None = None) -> None:
+        # ema += weight * (model - ema). Not lerp: its weight is a number, and a device tensor given there is read
+        # back to the host (a sync every step). A weight of 0 leaves the EMA exactly as it was.
+        weight = 1.0 - decay if finite is None else finite.to(self._ema[0].dtype) * (1.0 - decay)
+        increments = torch._foreach_sub(self._model, self._ema)
+        torch._foreach_mul_(increments, weight)
+        torch._foreach_add_(self._ema, increments)
+        for e, b in zip(self._ema_buffers, self._model_buffers, strict=True):
+            e.copy_(b)
+
+
+# Post-hoc EMA.
 def exponent_of(sigma_rel: float) -> float:
     """The power-function exponent gamma whose profile has relative standard deviation `sigma_rel` (EDM2's
     algorithm 2: the largest real root of gamma^3 + 7 gamma^2 + (16 - s^-2) gamma + (12 - s^-2))."""
