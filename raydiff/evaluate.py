@@ -188,13 +188,13 @@ def write_result(run_dir, result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from raydiff.model.guidance import AUTOGUIDANCE, check_guide
+    from raydiff.model.guidance import AUTOGUIDANCE
     from raydiff.quality.features import require_metrics_package
     from raydiff.quality.measure import result_line
     from raydiff.runs.checkpoint import STATE_FILE, checkpoint_location
 
     require_metrics_package("raydiff.evaluate")
-    from raydiff.runs.state import read_newest
+    from raydiff.runs.state import read_guide, read_newest
     from raydiff.storage.rundir import unwritable
 
     location = checkpoint_location(args.checkpoint, args.endpoint)
@@ -210,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     states = [state] if sigma_rels is None else posthoc_states(run_dir, state, sigma_rels)
     guide = None
     if args.guide is not None:
-        guide_at, guide = read_newest(checkpoint_location(args.guide, args.endpoint))
-        try:
-            check_guide(state["config"], guide["config"], args.guide)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        guide_at, guide = read_guide(args.guide, args.endpoint, state["config"])
     classes = model_classes(state)
     if guidance is not None and classes is None and guide is None:
         raise ConfigError(f"--guidance = {args.guidance!r}: {checkpoint} holds an unconditional model; guidance "

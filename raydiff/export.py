@@ -27,10 +27,10 @@ from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError
-from raydiff.model.guidance import AUTOGUIDANCE, check_guide
+from raydiff.model.guidance import AUTOGUIDANCE
 from raydiff.runs.checkpoint import checkpoint_location
 from raydiff.runs.ema_snapshots import weights_of
-from raydiff.runs.state import read_newest
+from raydiff.runs.state import read_guide, read_newest
 from raydiff.storage.rundir import unwritable
 
 
@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     guide: dict[str, Any] | None = None
     guided = ""
     if args.guide is not None:
-        guide_at, guide_state = read_newest(checkpoint_location(args.guide, args.endpoint))
-        try:
-            check_guide(state["config"], guide_state["config"], args.guide)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        guide_at, guide_state = read_guide(args.guide, args.endpoint, state["config"])
         diffusers_io.check_exportable(Config.from_dict(guide_state["config"]))
         guide = {"state": guide_state, "checkpoint": str(guide_at),
                  "guidance": AUTOGUIDANCE if args.guidance is None else args.guidance}

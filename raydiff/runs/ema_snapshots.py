@@ -60,10 +60,11 @@ def snapshot_bytes(posthoc: PowerEma, *, step: int, images_seen: int, config: di
 
 
 def snapshot_size(cfg: Config) -> tuple[int, int]:
-    """(bytes per snapshot, snapshots in the run) of `train.ema: posthoc` with this config: 4 bytes per parameter
-    per tracked average (fp32), one snapshot every `train.ema_snapshot_every` steps and one at the end."""
+    """(bytes per snapshot, snapshots in the run) of `train.ema: posthoc` with this (resolved) config: 4 bytes per
+    parameter per tracked average (fp32), one snapshot every `train.ema_snapshot_every` steps and one at the end."""
     t = cfg.train
-    every = t.checkpoint_every if t.ema_snapshot_every == "auto" else t.ema_snapshot_every
+    every = t.ema_snapshot_every
+    assert isinstance(every, int), "Config.resolve sets train.ema_snapshot_every"
     with torch.device("meta"):
         parameters = count_parameters(build_model(cfg))
     count = t.total_steps // every + (t.total_steps % every != 0)

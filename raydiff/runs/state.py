@@ -133,6 +133,21 @@ def read_newest(location: Location) -> tuple[RunDir, dict[str, Any]]:
     raise FileNotFoundError(f"{run}: no checkpoint can be read: {'; '.join(failures)}")
 
 
+def read_guide(guide: str, endpoint: str | None, model_config: dict[str, Any]) -> tuple[RunDir, dict[str, Any]]:
+    """(checkpoint, state) of an autoguidance guide (`--guide`), read as `read_newest` reads, and refused in one line
+    (ConfigError) unless its network predicts what the model's (`model_config`) does (`check_guide`)."""
+    from raydiff.config import ConfigError
+    from raydiff.model.guidance import check_guide
+    from raydiff.runs.checkpoint import checkpoint_location
+
+    checkpoint, state = read_newest(checkpoint_location(guide, endpoint))
+    try:
+        check_guide(model_config, state["config"], guide)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return checkpoint, state
+
+
 def _scaler_state(state: dict[str, Any], scaler: torch.amp.GradScaler, notes: list[str]) -> dict[str, Any] | None:
     """The saved loss-scaler state if it applies to this scaler; None (with a note) when the precision changed."""
     saved = state["scaler"]

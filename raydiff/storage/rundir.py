@@ -111,21 +111,20 @@ class RunDir:
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
 
-    def subdirs(self, pattern_prefix: str = "") -> list[RunDir]:
-        """Immediate sub-folders whose names start with `pattern_prefix`."""
+    def _names(self, kind: pafs.FileType, pattern_prefix: str) -> list[str]:
         if not self.exists():
             return []
         entries = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        return [self / PurePosixPath(e.path).name for e in entries
-                if e.type == pafs.FileType.Directory and PurePosixPath(e.path).name.startswith(pattern_prefix)]
+        names = [PurePosixPath(e.path).name for e in entries if e.type == kind]
+        return [name for name in names if name.startswith(pattern_prefix)]
+
+    def subdirs(self, pattern_prefix: str = "") -> list[RunDir]:
+        """Immediate sub-folders whose names start with `pattern_prefix`."""
+        return [self / name for name in self._names(pafs.FileType.Directory, pattern_prefix)]
 
     def files(self, pattern_prefix: str = "") -> list[str]:
         """Names of the immediate files whose names start with `pattern_prefix`."""
-        if not self.exists():
-            return []
-        entries = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        return [PurePosixPath(e.path).name for e in entries
-                if e.type == pafs.FileType.File and PurePosixPath(e.path).name.startswith(pattern_prefix)]
+        return self._names(pafs.FileType.File, pattern_prefix)
 
     # Writing.
     def check_writable(self) -> None:
