@@ -243,14 +243,15 @@ def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float]) -> l
     newest snapshot before it), as training states to evaluate."""
     from raydiff.runs.ema_snapshots import list_snapshots, rebuild
 
-    steps = [s for s in list_snapshots(run_dir) if s <= state["step"]]
+    snapshots = list_snapshots(run_dir)
+    steps = [s for s in snapshots if s <= state["step"]]
     if not steps:
         raise ConfigError(f"--sigma-rel: {run_dir} has no post-hoc EMA snapshots at or before step {state['step']} "
                           f"(train it with --set train.ema=posthoc to record them)")
     if steps[-1] != state["step"]:
         print(f"[raydiff] note: the newest snapshot at or before step {state['step']} is step {steps[-1]}; "
               f"rebuilding there", file=sys.stderr)
-    return [average.state for average in rebuild(run_dir, sigma_rels, steps[-1])]
+    return [average.state for average in rebuild(run_dir, sigma_rels, steps[-1], steps=snapshots)]
 
 
 def best_line(measured: list[dict[str, Any]]) -> str:

@@ -103,11 +103,12 @@ class Rebuilt:
     state: dict[str, Any]
 
 
-def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None) -> list[Rebuilt]:
+def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
+            steps: list[int] | None = None) -> list[Rebuilt]:
     """The averages of widths `sigma_rels` at snapshot step `step` (default: the newest), from every snapshot of
-    the run up to it. Raises FileNotFoundError (one line) when the run has no snapshots, ValueError when `step`
-    is not a snapshot's."""
-    steps = list_snapshots(run_dir)
+    the run up to it (`steps`: the run's snapshot steps, if the caller listed them already). Raises
+    FileNotFoundError (one line) when the run has no snapshots, ValueError when `step` is not a snapshot's."""
+    steps = list_snapshots(run_dir) if steps is None else steps
     if not steps:
         raise FileNotFoundError(f"{run_dir}: no post-hoc EMA snapshots ({SNAPSHOT_DIR}/); train with "
                                 f"--set train.ema=posthoc to record them")
