@@ -4,7 +4,8 @@ checkpoints with Ray Train (and with storage: a write no retry can fix stops the
 
 Why one object: the loop (`raydiff.training.loop`) then reads as training, one step per iteration; every cadence,
 its state (the newest row, the validation loss, the quality, the last checkpoint, the paused time) and the order
-of their side effects live here, and nowhere else.
+of their side effects live here, and nowhere else. What rank 0 writes for the records (start records, metrics
+rows, sample grids, post-hoc snapshots, a rollback) is `raydiff.training.chief_records`.
 
 Checkpoints are written by rank 0 (`raydiff.runs.checkpoint.CheckpointWriter`: never visible before complete) and
 reported to Ray Train only once they are on storage, at the next point where every worker agrees on what rank 0
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,27 +28,21 @@ import ray
 import ray.train
 import torch
 
-from raydiff.config.learning_rate import describe_lr
 from raydiff.data.loader import BatchStream, MicroBatch
-from raydiff.data.order import rank_share
 from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name, checkpoint_step
 from raydiff.runs.dashboards import Dashboards, dashboards_for
-from raydiff.runs.ema_snapshots import describe_snapshots, snapshot_bytes, snapshot_name
-from raydiff.runs.images import grid_png, image_labels
-from raydiff.runs.runlog import progress_line
 from raydiff.runs.state import Progress, checkpoint_state
-from raydiff.seeds import GRID_NOISE
 from raydiff.storage.errors import StorageFailure, storage_failure
+from raydiff.training.chief_records import log_row, record_rollback, record_start, save_sample_grid, save_snapshot
 from raydiff.training.distributed import from_rank_zero_code, interrupt_requested
 from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
-from raydiff.training.recovery import Rollback, divergence_report, roll_back
+from raydiff.training.recovery import divergence_report, roll_back
 from raydiff.training.step import StepResult
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 from raydiff.training.worker import Worker
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
 logger = logging.getLogger("raydiff")
-GRID_CLASSES = 16  # a class-conditional grid shows at most this many classes, one row each
 CHECK_EVERY_STEPS = 10  # how often the workers look at the device's counters and agree on stop, preemption, storage
 _WRITTEN, _FAILED = 1, 2  # what rank 0 tells the others when they settle checkpoints
 
@@ -102,7 +96,7 @@ class Cadence:
         assert isinstance(snapshot_every, int), "Config.resolve sets train.ema_snapshot_every"
         self._snapshot_every = snapshot_every
         if w.is_chief:
-            self._write("writing the run's start records", self._record_start, args, progress)
+            self._write("writing the run's start records", record_start, w, args, progress)
         self.live = _Live.open(w, progress)
         self._settle(wait=False)  # storage that refused the start records stops every worker before training
         self.run_start = time.perf_counter()
@@ -149,15 +143,17 @@ class Cadence:
                                     world_size=w.world_size, skipped_steps=progress.counters["skipped_steps"])
             self.last_row = row = row | self._extra_metrics(new_val_loss, new_quality)
             if w.is_chief:
-                self._write("writing metrics.jsonl", self._log_row, row)
+                self._write("writing metrics.jsonl", log_row, w, row, live.dashboards, start_step=self.start_step,
+                            elapsed_s=time.perf_counter() - self.run_start)
 
         with self._paused():  # sampling and checkpointing are not training time either
             # The sample grid.
             if w.is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
-                self._save_sample_grid(step)
+                save_sample_grid(w, step, live.dashboards, storage_ok=self.failure is None)
             # The post-hoc EMA's snapshot.
             if w.is_chief and w.posthoc is not None and (step % self._snapshot_every == 0 or done):
-                self._write(f"writing the post-hoc EMA snapshot of step {step}", self._save_snapshot, step)
+                self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step,
+                            storage_ok=self.failure is None)
             # Stop or preemption, agreed by every worker.
             interrupt = self._poll_interrupts(step) if check and not done else None
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
@@ -214,7 +210,7 @@ class Cadence:
             rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief)
             if rollback is not None:
                 back = rollback.progress
-                self._write("cutting metrics.jsonl at the rollback", self._record_rollback, progress, rollback)
+                self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback)
                 self.live.close()
                 self.live = _Live.open(w, back)  # the rolled-back steps' dashboard points disappear
                 return back
@@ -255,42 +251,6 @@ class Cadence:
         if quality is not None:
             extra.update(quality)
         return extra
-
-    def _log_row(self, row: dict[str, Any]) -> None:
-        """Rank 0: the row to metrics.jsonl, the dashboards and the progress line."""
-        w = self.w
-        assert w.metrics_log is not None  # rank 0's
-        w.metrics_log.append(row)
-        if self.live.dashboards is not None:
-            self.live.dashboards.metrics(row)
-        logger.info(progress_line(row, w.cfg.train.total_steps, self.start_step, time.perf_counter() - self.run_start))
-
-    @torch.no_grad()
-    def _save_sample_grid(self, step: int) -> None:
-        """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards. Generated a
-        micro-batch at a time: what fits a training step fits sampling (image i depends on (seed, i) only). A
-        class-conditional run's grid has one row per class (the first GRID_CLASSES), at eval.guidance."""
-        w = self.w
-        t, d = w.cfg.train, w.cfg.data
-        labels, per_row = grid_labels(w.num_classes, t.sample_num)
-        chunks = w.diffusion.sample_in_chunks(
-            w.ema, range(len(labels) if labels else t.sample_num), (d.channels, d.resolution, d.resolution),
-            batch=w.micro_batch, seed=t.seed, tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps,
-            labels=labels, guidance=w.cfg.eval.guidance)
-        png = grid_png(torch.cat(list(chunks)), nrow=per_row)
-        if w.writes is not None and self.failure is None:
-            w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
-        if self.live.dashboards is not None:
-            self.live.dashboards.image("samples", png, step)
-
-    def _save_snapshot(self, step: int) -> None:
-        """Rank 0: the post-hoc averages of this step to `ema_snapshots/`, on the background writer."""
-        w = self.w
-        assert w.posthoc is not None and w.writes is not None  # rank 0's, with train.ema: posthoc
-        data = snapshot_bytes(w.posthoc, step=step, images_seen=step * w.cfg.train.global_batch,
-                              config=w.cfg.to_dict(), classes=w.classes)
-        if self.failure is None:
-            w.writes.submit(w.run_dir.write_bytes, snapshot_name(step), data)
 
     def _poll_interrupts(self, step: int) -> str | None:
         """"stop", "preemption" or None, alike on every worker (a collective); one checkpoint per preemption
@@ -365,38 +325,6 @@ class Cadence:
         except NotImplementedError:  # Ray Train's local mode (num_workers=0) has no storage context
             return ray.train.Checkpoint(path=f"{self.w.run_dir.path}/{name}", filesystem=self.w.run_dir.fs)
 
-    # Rank 0's records.
-    def _record_start(self, args: WorkerArgs, progress: Progress) -> None:
-        """Once the checkpoint is restored: the driver's records of this start, the metrics rows of work that was
-        lost cut off, the start event and the start line."""
-        w, t = self.w, self.w.cfg.train
-        for name, text in args.records.items():
-            w.run_dir.write_text(name, text)
-        if w.metrics_log is not None:
-            w.metrics_log.truncate_after(progress.step)
-        w.event("start", invocation=args.invocation, step=progress.step, world_size=w.world_size, pid=os.getpid(),
-                speed=w.speed.describe(), compile_cache=w.compile_cache_note)
-        for note in w.restore_notes:
-            logger.warning(f"[raydiff] note: {note}")
-        share = rank_share(t.global_batch, w.world_size, 0)
-        extra = f"; {w.compile_cache_note}" if w.compile_cache_note else ""
-        extra += f"; {describe_snapshots(w.cfg)}" if w.posthoc is not None else ""
-        logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
-                    f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
-                    f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; "
-                    f"{w.speed.describe()}; {w.memory_plan}{extra}")
-
-    def _record_rollback(self, progress: Progress, rollback: Rollback) -> None:
-        w, back = self.w, rollback.progress
-        gb = w.cfg.train.global_batch
-        assert w.metrics_log is not None  # rank 0's
-        w.metrics_log.truncate_after(back.step)
-        w.event("rollback", from_step=progress.step, to_step=back.step, checkpoint=str(rollback.checkpoint),
-                skipped_positions=[rollback.failed_from * gb, back.stream_step * gb])
-        logger.warning(f"[raydiff] WARNING: {w.cfg.train.max_bad_steps} non-finite steps in a row at step "
-                       f"{progress.step}: rolled back to step {back.step} and skipped the {progress.step - back.step} "
-                       f"steps of data that failed")
-
     def _after_first_step(self, step: int) -> None:
         """After the first step of a start everything the step runs is compiled: rank 0 records how long the step
         took (compilation included) and keeps what was newly compiled in the run directory (train.compile_cache),
@@ -437,16 +365,6 @@ class Cadence:
             yield
         finally:
             self.live.window.paused_s += time.perf_counter() - start
-
-
-def grid_labels(num_classes: int, sample_num: int) -> tuple[list[int] | None, int | None]:
-    """(the class of each grid image, images per row): one row per class of a class-conditional model, as many
-    images per row as `sample_num` allows (at least one); (None, None) for an unconditional model."""
-    if not num_classes:
-        return None, None
-    shown = min(num_classes, GRID_CLASSES)
-    per_row = max(1, sample_num // shown)
-    return image_labels(range(shown), shown * per_row), per_row  # raydiff.sample's blocks: it reproduces the grid
 
 
 def _raise(error: BaseException) -> None:

@@ -1,0 +1,112 @@
+"""What rank 0 records of a run besides checkpoints: the start records and start line, the metrics rows (with
+the dashboards and the progress line), the fixed-seed sample grids, the post-hoc EMA's snapshots, and the record
+of a rollback.
+
+Why apart from `raydiff.training.cadence`: the cadence decides when each happens and what a storage failure
+stops; these functions say what is written. Each is called through the cadence's guard, which keeps a write that
+no retry can fix instead of raising, so none of them handles storage errors itself. `storage_ok` arguments say
+whether rank 0 may still queue background writes (not after such a failure).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from raydiff.config.learning_rate import describe_lr
+from raydiff.data.order import rank_share
+from raydiff.runs.dashboards import Dashboards
+from raydiff.runs.ema_snapshots import describe_snapshots, snapshot_bytes, snapshot_name
+from raydiff.runs.images import grid_png, image_labels
+from raydiff.runs.runlog import progress_line
+from raydiff.runs.state import Progress
+from raydiff.seeds import GRID_NOISE
+from raydiff.training.recovery import Rollback
+from raydiff.training.worker import Worker
+from raydiff.training.worker_io import WorkerArgs
+
+logger = logging.getLogger("raydiff")
+GRID_CLASSES = 16  # a class-conditional grid shows at most this many classes, one row each
+
+
+def record_start(w: Worker, args: WorkerArgs, progress: Progress) -> None:
+    """Once the checkpoint is restored: the driver's records of this start, the metrics rows of work that was lost
+    cut off, the start event and the start line."""
+    t = w.cfg.train
+    for name, text in args.records.items():
+        w.run_dir.write_text(name, text)
+    if w.metrics_log is not None:
+        w.metrics_log.truncate_after(progress.step)
+    w.event("start", invocation=args.invocation, step=progress.step, world_size=w.world_size, pid=os.getpid(),
+            speed=w.speed.describe(), compile_cache=w.compile_cache_note)
+    for note in w.restore_notes:
+        logger.warning(f"[raydiff] note: {note}")
+    share = rank_share(t.global_batch, w.world_size, 0)
+    extra = f"; {w.compile_cache_note}" if w.compile_cache_note else ""
+    extra += f"; {describe_snapshots(w.cfg)}" if w.posthoc is not None else ""
+    logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
+                f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
+                f"micro-batches of up to {w.micro_batch}, device {w.device}; {describe_lr(t)}; "
+                f"{w.speed.describe()}; {w.memory_plan}{extra}")
+
+
+def log_row(w: Worker, row: dict[str, Any], dashboards: Dashboards | None, *, start_step: int,
+            elapsed_s: float) -> None:
+    """A metrics row to metrics.jsonl, the dashboards and the progress line."""
+    assert w.metrics_log is not None  # rank 0's
+    w.metrics_log.append(row)
+    if dashboards is not None:
+        dashboards.metrics(row)
+    logger.info(progress_line(row, w.cfg.train.total_steps, start_step, elapsed_s))
+
+
+@torch.no_grad()
+def save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None, *, storage_ok: bool) -> None:
+    """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards. Generated a
+    micro-batch at a time: what fits a training step fits sampling (image i depends on (seed, i) only). A
+    class-conditional run's grid has one row per class (the first GRID_CLASSES), at eval.guidance."""
+    t, d = w.cfg.train, w.cfg.data
+    labels, per_row = grid_labels(w.num_classes, t.sample_num)
+    chunks = w.diffusion.sample_in_chunks(
+        w.ema, range(len(labels) if labels else t.sample_num), (d.channels, d.resolution, d.resolution),
+        batch=w.micro_batch, seed=t.seed, tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps,
+        labels=labels, guidance=w.cfg.eval.guidance)
+    png = grid_png(torch.cat(list(chunks)), nrow=per_row)
+    if w.writes is not None and storage_ok:
+        w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
+    if dashboards is not None:
+        dashboards.image("samples", png, step)
+
+
+def grid_labels(num_classes: int, sample_num: int) -> tuple[list[int] | None, int | None]:
+    """(the class of each grid image, images per row): one row per class of a class-conditional model, as many
+    images per row as `sample_num` allows (at least one); (None, None) for an unconditional model."""
+    if not num_classes:
+        return None, None
+    shown = min(num_classes, GRID_CLASSES)
+    per_row = max(1, sample_num // shown)
+    return image_labels(range(shown), shown * per_row), per_row  # raydiff.sample's blocks: it reproduces the grid
+
+
+def save_snapshot(w: Worker, step: int, *, storage_ok: bool) -> None:
+    """The post-hoc averages of this step to `ema_snapshots/`, on the background writer."""
+    assert w.posthoc is not None and w.writes is not None  # rank 0's, with train.ema: posthoc
+    data = snapshot_bytes(w.posthoc, step=step, images_seen=step * w.cfg.train.global_batch,
+                          config=w.cfg.to_dict(), classes=w.classes)
+    if storage_ok:
+        w.writes.submit(w.run_dir.write_bytes, snapshot_name(step), data)
+
+
+def record_rollback(w: Worker, progress: Progress, rollback: Rollback) -> None:
+    """metrics.jsonl cut back to the checkpoint, the rollback event, and the warning the user reads."""
+    back, gb = rollback.progress, w.cfg.train.global_batch
+    assert w.metrics_log is not None  # rank 0's
+    w.metrics_log.truncate_after(back.step)
+    w.event("rollback", from_step=progress.step, to_step=back.step, checkpoint=str(rollback.checkpoint),
+            skipped_positions=[rollback.failed_from * gb, back.stream_step * gb])
+    logger.warning(f"[raydiff] WARNING: {w.cfg.train.max_bad_steps} non-finite steps in a row at step "
+                   f"{progress.step}: rolled back to step {back.step} and skipped the {progress.step - back.step} "
+                   f"steps of data that failed")
