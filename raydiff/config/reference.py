@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from raydiff.config.schema import Config, _describe, fields_of
+from raydiff.config.schema import Config, fields_of
+from raydiff.config.values import describe_type
 
 COMMAND = "python -m raydiff.config.reference > docs/configuration.md"
 # `docs/<page>.md#<anchor>` in a docstring: a relative link on the page, which lives in docs/ itself.
@@ -114,7 +115,7 @@ def render(config: Config | None = None) -> str:
             if key not in docs:
                 missing.append(f"{name}.{key} ({cls.__name__} in {inspect.getsourcefile(cls)})")
                 continue
-            parts.append(f"| `{name}.{key}` | {_cell(_describe(hint))} | `{_cell(yaml_value(defaults[key]))}` | "
+            parts.append(f"| `{name}.{key}` | {_cell(describe_type(hint))} | `{_cell(yaml_value(defaults[key]))}` | "
                          f"{_links(_cell(docs[key]))} |\n")
     if missing:
         raise MissingDocstring(f"config keys without a docstring: {', '.join(missing)}; write one under each "

@@ -1,5 +1,6 @@
 """The config schema: typed sections whose defaults are the built-in default run (DDPM on scikit-learn's digits),
-and the typed reading and writing of one `section.key`.
+and the typed reading and writing of one `section.key` (a value converted to the key's type by
+`raydiff.config.values`).
 
 Why one module: a key's type, default and meaning live here once; `raydiff.config.load` reads YAML and overrides
 through `set_key`, `raydiff.config.checks` holds the rules between keys, and docs/configuration.md is generated
@@ -10,15 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import re
-import types
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_type_hints
 
 import yaml
 
 from raydiff.config.learning_rate import rule_lr
+from raydiff.config.values import coerce, describe_type
 
 
 class ConfigError(ValueError):
@@ -411,71 +410,6 @@ def all_keys() -> list[str]:
     return [f"{s}.{k}" for s in fields_of(cfg) for k in fields_of(getattr(cfg, s))]
 
 
-def _describe(hint: Any) -> str:
-    origin, args = get_origin(hint), get_args(hint)
-    if origin is Literal:
-        return " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return " | ".join("null" if a is type(None) else _describe(a) for a in args)
-    if origin is tuple:
-        return "list of finite numbers" if args[0] is float else f"list of {_describe(args[0])}"
-    return {int: "integer", float: "a finite number", bool: "true | false", str: "string"}.get(hint, str(hint))
-
-
-def _coerce(value: Any, hint: Any) -> Any:
-    """Convert `value` to `hint` or raise ValueError. Accepts what YAML and the command line produce."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg)
-            except ValueError:
-                pass
-        raise ValueError
-    if origin is Literal:
-        if value in args and type(value) in {type(a) for a in args}:
-            return value
-        raise ValueError
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.strip("[]() ").split(",") if v.strip()]
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = [value]  # a single value is a one-item list
-        if not isinstance(value, (list, tuple)):
-            raise ValueError
-        return tuple(_coerce(yaml.safe_load(v) if isinstance(v, str) else v, args[0]) for v in value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError
-    if hint is int:
-        if isinstance(value, bool):
-            raise ValueError
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
-            return int(value)
-        raise ValueError
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError
-        number = float(value)  # YAML 1.1 reads "1e-4" as a string
-        if not math.isfinite(number):  # inf or nan would train NaNs, or never stop waiting
-            raise ValueError
-        return number
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ValueError
-    raise TypeError(f"unsupported config type {hint}")
-
-
 def set_key(cfg: Config, key: str, value: Any) -> None:
     parts = key.split(".")
     if len(parts) != 2 or parts[0] not in fields_of(cfg) or parts[1] not in fields_of(getattr(cfg, parts[0])):
@@ -485,9 +419,9 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
     section = getattr(cfg, parts[0])
     hint = fields_of(section)[parts[1]]
     try:
-        setattr(section, parts[1], _coerce(value, hint))
+        setattr(section, parts[1], coerce(value, hint))
     except ValueError:
-        raise ConfigError(f"{key} = {value!r}: expected {_describe(hint)}") from None
+        raise ConfigError(f"{key} = {value!r}: expected {describe_type(hint)}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -1,0 +1,81 @@
+"""How a value from YAML or the command line becomes a config key's type (`coerce`), and how a type is named in
+an error and in docs/configuration.md (`describe_type`).
+
+Why apart from the schema: the schema says what each key is; this says what a typed key accepts, the same for
+every key (numbers finite, integers whole, literals exact, a single value for a one-item list).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+
+def describe_type(hint: Any) -> str:
+    """The type as a user reads it: `auto | true | false`, `integer | null`, `list of finite numbers`."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else describe_type(a) for a in args)
+    if origin is tuple:
+        return "list of finite numbers" if args[0] is float else f"list of {describe_type(args[0])}"
+    return {int: "integer", float: "a finite number", bool: "true | false", str: "string"}.get(hint, str(hint))
+
+
+def coerce(value: Any, hint: Any) -> Any:
+    """Convert `value` to `hint` or raise ValueError. Accepts what YAML and the command line produce."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg)
+            except ValueError:
+                pass
+        raise ValueError
+    if origin is Literal:
+        if value in args and type(value) in {type(a) for a in args}:
+            return value
+        raise ValueError
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]  # a single value is a one-item list
+        if not isinstance(value, (list, tuple)):
+            raise ValueError
+        return tuple(coerce(yaml.safe_load(v) if isinstance(v, str) else v, args[0]) for v in value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError
+    if hint is int:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+            return int(value)
+        raise ValueError
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError
+        number = float(value)  # YAML 1.1 reads "1e-4" as a string
+        if not math.isfinite(number):  # inf or nan would train NaNs, or never stop waiting
+            raise ValueError
+        return number
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError
+    raise TypeError(f"unsupported config type {hint}")
