@@ -16,7 +16,6 @@ from raydiff.data.node_cache import READ_AHEAD_WINDOWS, node_shards
 from raydiff.data.order import SampleOrder, rank_share
 from raydiff.data.run_images import open_tables
 from raydiff.data.shard_format import write_prepared
-from raydiff.data.sharded import ShardedImages
 from raydiff.data.sources import DataError, open_source
 from raydiff.data.stream import choose_cache, stream_images
 
@@ -180,14 +179,6 @@ def test_the_cache_mode_follows_the_object_store(ray_session, tmp_path, capsys):
     uri, _ = _prepared(tmp_path)
     with pytest.raises(DataError, match=r"data.stream_buffer_gb = 1e-06: a node must hold 4 shards of"):
         stream_images(_data(stream_buffer_gb=0.000001), open_source(uri), storage=str(tmp_path), endpoint=None)
-
-
-def test_sharded_images_report_what_the_prepare_step_skipped():
-    images = ShardedImages(uri="u", source="s", filesystem=None, files=("a",), counts=(9,), shape=SHAPE,
-                           window_shards=1, buffer_bytes=1, skipped=({"index": 3, "where": "x", "reason": "y"},))
-    assert images.num_good == 9 and images.usable_indices().tolist() == list(range(9))
-    assert images.bad_report() == {"count": 1, "fraction": 0.1, "examples": [{"index": 3, "where": "x",
-                                                                              "reason": "y"}]}
 
 
 @pytest.mark.ray

@@ -1,0 +1,61 @@
+"""The logging window: a window split by a checkpoint makes the row an unsplit one makes, the other workers of a
+resumed run start from zero, and the non-finite counter reports the longest streak since it was last asked."""
+
+from __future__ import annotations
+
+import torch
+
+from raydiff.training.step import StepResult
+from raydiff.training.window import MetricsWindow, NonFiniteSteps
+
+CPU = torch.device("cpu")
+
+
+def _result(step: int, finite: bool = True) -> StepResult:
+    g = torch.Generator().manual_seed(step)
+    losses = torch.rand(8, generator=g, dtype=torch.float32)
+    quarters = torch.stack([torch.stack([losses[2 * q: 2 * q + 2].sum() for q in range(4)]), torch.full((4,), 2.0)])
+    return StepResult(finite=torch.tensor(finite), grad_norm=torch.tensor(0.5 + step), loss_sum=losses.sum(),
+                      samples=8, quarter_sums=quarters, images=torch.zeros(1, dtype=torch.uint8),
+                      timesteps=torch.zeros(1), losses=losses)
+
+
+def _row(window: MetricsWindow) -> dict:
+    row = window.close(step=6, global_batch=8, lr=1e-3, ema_decay=0.9, world_size=1, skipped_steps=0)
+    return {k: v for k, v in row.items() if k not in ("images_per_s", "data_wait_frac")}  # times differ
+
+
+def test_a_window_split_by_a_checkpoint_makes_the_same_row_bit_for_bit():
+    whole = MetricsWindow(CPU)
+    for step in range(6):
+        whole.add(_result(step), data_wait_s=0.0)
+    first = MetricsWindow(CPU)
+    for step in range(3):
+        first.add(_result(step), data_wait_s=0.0)
+    resumed = MetricsWindow(CPU, saved=first.checkpoint_state(), is_chief=True)
+    for step in range(3, 6):
+        resumed.add(_result(step), data_wait_s=0.0)
+    expected = _row(whole)
+    assert _row(resumed) == expected
+    assert expected["loss_q1"] is not None and expected["grad_norm"] == sum(0.5 + s for s in range(6)) / 6
+
+
+def test_only_rank_0_takes_the_saved_sums_and_a_closed_window_starts_from_zero():
+    saved = MetricsWindow(CPU)
+    saved.add(_result(0), data_wait_s=0.0)
+    other = MetricsWindow(CPU, saved=saved.checkpoint_state(), is_chief=False)
+    assert float(other.loss_sum) == 0.0 and other.samples == 0
+    saved.close(step=1, global_batch=8, lr=1e-3, ema_decay=0.9, world_size=1, skipped_steps=0)
+    assert float(saved.loss_sum) == 0.0 and saved.samples == 0 and saved.steps == 0
+
+
+def test_non_finite_steps_count_and_the_longest_streak_is_since_the_last_question():
+    counter = NonFiniteSteps(CPU, skipped_steps=2)
+    for finite in (False, False, True, False, False, False):
+        counter.add(torch.tensor(finite))
+    assert counter.skipped_steps() == 7 and counter.longest_streak() == 3
+    counter.add(torch.tensor(False))
+    assert counter.longest_streak() == 4  # the streak goes on across the question
+    counter.add(torch.tensor(True))
+    assert counter.longest_streak() == 4  # the streak that was going on at the question ended after it
+    assert counter.longest_streak() == 0 and counter.skipped_steps() == 8
