@@ -24,6 +24,17 @@ os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) the tests that start Ray run on one
+    worker, one after another, and first: they share one Ray cluster, and two Ray instances on one machine disturb
+    each other (docs/training.md#which-ray); the other tests run on the other worker beside them."""
+    starts_ray = [item for item in items if item.get_closest_marker("ray")]
+    for item in starts_ray:
+        item.add_marker(pytest.mark.xdist_group("ray"))
+    items[:] = starts_ray + [item for item in items if not item.get_closest_marker("ray")]
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Built-in datasets go to a per-session cache, never the user's ~/.cache."""
@@ -71,6 +82,11 @@ def cluster(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _ray_tests_join_the_cluster(request):
     if request.node.get_closest_marker("ray"):
+        if getattr(request.config.option, "loadgroup", False) and not request.node.nodeid.endswith("@ray"):
+            # pytest-xdist's grouping fails silently on some pytest releases (pytest-dev/pytest-xdist#1386): two
+            # workers would then start a Ray cluster each.
+            pytest.fail("pytest-xdist did not group the tests that start Ray on one worker: use pytest < 9.2 "
+                        "(pytest-dev/pytest-xdist#1386) or run with -n 0", pytrace=False)
         request.getfixturevalue("cluster")
 
 
