@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from raydiff.cluster.nodes import NoWorkerNode
+from raydiff.cluster.start import RayUnreachable
 from raydiff.config import ConfigError
 from raydiff.data.sources import DataError
 from raydiff.quality.features import QualityError
@@ -16,7 +17,7 @@ from raydiff.storage.rundir import RunInUse
 from raydiff.training.stop import Interrupted
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,
-               StorageFailure)
+               StorageFailure, RayUnreachable)
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

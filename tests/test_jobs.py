@@ -69,7 +69,7 @@ def head():
                 raise RuntimeError((Path(temp_dir) / "head.log").read_text()[-3000:]) from None
             time.sleep(0.5)
     try:
-        yield {"address": address, "env": env, "token": token}
+        yield {"address": address, "env": env, "token": token, "gcs": f"127.0.0.1:{gcs}"}
     finally:
         proc.send_signal(signal.SIGTERM)  # `ray start --block` stops the node it started...
         try:
@@ -105,6 +105,20 @@ def test_auth_is_on_a_client_without_the_token_is_refused(head):
     proc = subprocess.run([str(BIN / "ray"), "job", "list", "--address", head["address"]], capture_output=True,
                           text=True, timeout=120, env={**env, "HOME": str(Path(tempfile.mkdtemp()))}, cwd=ROOT)
     assert proc.returncode != 0
+
+
+def test_a_client_without_the_token_is_told_so_in_one_line_and_nothing_is_written(head, tmp_path):
+    env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+    env.update(RAY_ADDRESS=head["gcs"], HOME=str(tmp_path / "home"),  # no ~/.ray/auth_token either
+               RAY_gcs_server_port_wait_time_s="2")  # Ray's own retries, before it gives up
+    proc = subprocess.run([sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set",
+                           f"run.storage={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("raydiff: error: could not join the Ray cluster at ") and "RAY_AUTH_MODE=token" in last
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs" / "smoke").exists()
 
 
 @pytest.mark.slow

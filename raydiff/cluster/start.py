@@ -2,7 +2,8 @@
 
 Why one place: every command (train, tune, prepare, evaluate, lr_find, bench) must join the cluster that
 RAY_ADDRESS or `ray start` names, or else start a local instance, print one line saying which, and quiet what
-Ray prints that a newcomer would read as a failure.
+Ray prints that a newcomer would read as a failure. A cluster that does not answer, or refuses this client (token
+authentication), is one line too: Ray itself retries for minutes and then raises a traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -19,14 +21,25 @@ from ray._private.services import canonicalize_bootstrap_address
 
 from raydiff.cluster.nodes import alive_nodes
 
+ANSWER_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
+
+
+class RayUnreachable(RuntimeError):
+    """The Ray cluster to join does not answer or refuses this client; the message is one line."""
+
 
 def init_ray() -> None:
     """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one."""
     if ray.is_initialized():
         return
-    # What ray.init() will join, if anything (None: RAY_ADDRESS, else a local `ray start`; Ray's hint says str).
-    existing = canonicalize_bootstrap_address(None)  # type: ignore[arg-type]
-    ray.init(logging_level=logging.WARNING)
+    existing = check_ray_address()
+    try:
+        ray.init(logging_level=logging.WARNING)
+    except ConnectionError as exc:
+        refused = "token" in f"{exc} {exc.__cause__}".lower()
+        hint = ("it uses token authentication: set RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN (or "
+                "~/.ray/auth_token)" if refused else str(exc).splitlines()[0])
+        raise RayUnreachable(f"could not join the Ray cluster at {existing} ({_named()}): {hint}") from None
     resources = ray.cluster_resources()
     what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
     print(f"[raydiff] {what}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU, "
@@ -35,6 +48,32 @@ def init_ray() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
     _drop_harmless_worker_lines()
+
+
+def check_ray_address() -> str | None:
+    """The address of the cluster that ray.init() will join (RAY_ADDRESS, else a local `ray start`), checked to
+    answer (Ray itself would retry for minutes); None where ray.init() starts a local instance."""
+    try:
+        existing = canonicalize_bootstrap_address(None)  # type: ignore[arg-type]  # Ray's hint says str
+    except ValueError as exc:
+        dashboard = ("; an http:// address is a dashboard's, for `ray job submit`" if "http" in str(exc) else "")
+        raise RayUnreachable(f"{_named()}: {exc}; expected the cluster's host:port, auto or local{dashboard}") from None
+    if existing is None:
+        return None
+    host, _, port = existing.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=ANSWER_TIMEOUT_S).close()
+    except OSError as exc:
+        raise RayUnreachable(f"no Ray cluster answers at {existing} ({_named()}): {exc.strerror or exc}; start "
+                             f"one there (`ray start --head`), or unset RAY_ADDRESS to start a local Ray "
+                             f"instance") from None
+    return existing
+
+
+def _named() -> str:
+    """Where the address to join comes from, as the user set it."""
+    address = os.environ.get("RAY_ADDRESS")
+    return f"RAY_ADDRESS={address}" if address else "`ray start` on this machine"
 
 
 # Error-level lines that Ray's own processes print in runs that succeed. Each pattern matches one known message

@@ -16,7 +16,7 @@ import yaml
 from ray.train.torch import TorchTrainer
 
 from raydiff.cluster.nodes import wait_for_worker_node
-from raydiff.cluster.start import init_ray
+from raydiff.cluster.start import check_ray_address, init_ray
 from raydiff.cluster.storage import check_shared_storage
 from raydiff.config import Config, ConfigError
 from raydiff.config.learning_rate import describe_lr
@@ -118,6 +118,8 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
     if reason:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})")
     check_room(cfg, run_dir)
+    if not ray.is_initialized():
+        check_ray_address()  # a cluster that does not answer, before the run directory is touched
     source = source_of(cfg.data)
     identity = source.identity()
     # What this command means for the run directory, read first, so that a refusal (a changed identity key, a
