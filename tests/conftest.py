@@ -41,6 +41,22 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("RAYDIFF_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture(autouse=True)
+def _one_core_beside_the_ray_tests(request, monkeypatch):
+    """Under pytest-xdist, a test that starts no Ray computes on one thread (its subprocesses too), leaving the
+    other core to the tests that start Ray, which set the suite's pace."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or request.node.get_closest_marker("ray"):
+        yield
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_torch_thread():
     """One intra-op thread, for tests of small models: on a busy shared machine two threads wait on each other at
