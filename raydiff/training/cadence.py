@@ -152,8 +152,7 @@ class Cadence:
                 save_sample_grid(w, step, live.dashboards, storage_ok=self.failure is None)
             # The post-hoc EMA's snapshot.
             if w.is_chief and w.posthoc is not None and (step % self._snapshot_every == 0 or done):
-                self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step,
-                            storage_ok=self.failure is None)
+                self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step)
             # Stop or preemption, agreed by every worker.
             interrupt = self._poll_interrupts(step) if check and not done else None
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics

@@ -4,8 +4,9 @@ of a rollback.
 
 Why apart from `raydiff.training.cadence`: the cadence decides when each happens and what a storage failure
 stops; these functions say what is written. Each is called through the cadence's guard, which keeps a write that
-no retry can fix instead of raising, so none of them handles storage errors itself. `storage_ok` arguments say
-whether rank 0 may still queue background writes (not after such a failure).
+no retry can fix instead of raising, so none of them handles storage errors itself. The sample grid alone is
+called directly (it is shown on the dashboards even then): its `storage_ok` says whether rank 0 may still queue
+the background write.
 """
 
 from __future__ import annotations
@@ -91,13 +92,13 @@ def grid_labels(num_classes: int, sample_num: int) -> tuple[list[int] | None, in
     return image_labels(range(shown), shown * per_row), per_row  # raydiff.sample's blocks: it reproduces the grid
 
 
-def save_snapshot(w: Worker, step: int, *, storage_ok: bool) -> None:
-    """The post-hoc averages of this step to `ema_snapshots/`, on the background writer."""
+def save_snapshot(w: Worker, step: int) -> None:
+    """The post-hoc averages of this step to `ema_snapshots/`, on the background writer (called through the
+    cadence's guard, which calls nothing after a storage failure)."""
     assert w.posthoc is not None and w.writes is not None  # rank 0's, with train.ema: posthoc
     data = snapshot_bytes(w.posthoc, step=step, images_seen=step * w.cfg.train.global_batch,
                           config=w.cfg.to_dict(), classes=w.classes)
-    if storage_ok:
-        w.writes.submit(w.run_dir.write_bytes, snapshot_name(step), data)
+    w.writes.submit(w.run_dir.write_bytes, snapshot_name(step), data)
 
 
 def record_rollback(w: Worker, progress: Progress, rollback: Rollback) -> None:
