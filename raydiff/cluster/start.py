@@ -13,6 +13,7 @@ import os
 import re
 import socket
 from collections.abc import Callable
+from types import EllipsisType
 from typing import Any
 
 import ray
@@ -28,11 +29,14 @@ class RayUnreachable(RuntimeError):
     """The Ray cluster to join does not answer or refuses this client; the message is one line."""
 
 
-def init_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one."""
+def init_ray(checked: str | None | EllipsisType = ...) -> None:
+    """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one.
+
+    :param checked: what `check_ray_address()` returned, where the caller checked the address already.
+    """
     if ray.is_initialized():
         return
-    existing = check_ray_address()
+    existing = check_ray_address() if isinstance(checked, EllipsisType) else checked
     try:
         ray.init(logging_level=logging.WARNING)
     except ConnectionError as exc:
