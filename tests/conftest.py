@@ -29,10 +29,12 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) the tests that start Ray run on one
     worker, one after another, and first: they share one Ray cluster, and two Ray instances on one machine disturb
     each other (docs/training.md#which-ray); the other tests run on the other worker beside them."""
-    starts_ray = [item for item in items if item.get_closest_marker("ray")]
+    starts_ray, others = [], []
+    for item in items:
+        (starts_ray if item.get_closest_marker("ray") else others).append(item)
     for item in starts_ray:
         item.add_marker(pytest.mark.xdist_group("ray"))
-    items[:] = starts_ray + [item for item in items if not item.get_closest_marker("ray")]
+    items[:] = starts_ray + others
 
 
 @pytest.fixture(autouse=True)
@@ -45,16 +47,9 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def _one_core_beside_the_ray_tests(request, monkeypatch):
     """Under pytest-xdist, a test that starts no Ray computes on one thread (its subprocesses too), leaving the
     other core to the tests that start Ray, which set the suite's pace."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") or request.node.get_closest_marker("ray"):
-        yield
-        return
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(threads)
+    if os.environ.get("PYTEST_XDIST_WORKER") and not request.node.get_closest_marker("ray"):
+        request.getfixturevalue("one_torch_thread")
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
