@@ -263,7 +263,7 @@ def best_line(measured: list[dict[str, Any]]) -> str:
 
 
 def _entry() -> None:
-    sys.exit(cli.run(main))
+    cli.exit_with(main)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _entry() -> None:
-    sys.exit(cli.run(main))
+    cli.exit_with(main)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ class-conditional training on OUT; samples without a label are skipped and liste
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from raydiff import cli
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _entry() -> None:
-    sys.exit(cli.run(main))
+    cli.exit_with(main)
 
 
 if __name__ == "__main__":

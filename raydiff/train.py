@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _entry() -> None:
-    sys.exit(cli.run(main))
+    cli.exit_with(main)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import csv
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _entry() -> None:
-    sys.exit(cli.run(main))
+    cli.exit_with(main)
 
 
 if __name__ == "__main__":

@@ -228,4 +228,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main))
+    cli.exit_with(main)

@@ -29,16 +29,21 @@ class RayUnreachable(RuntimeError):
     """The Ray cluster to join does not answer or refuses this client; the message is one line."""
 
 
+_joined_here = False  # whether init_ray() made this process's Ray connection (so that leave_ray() may end it)
+
+
 def init_ray(checked: str | None | EllipsisType = ...) -> None:
     """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one.
 
     :param checked: what `check_ray_address()` returned, where the caller checked the address already.
     """
+    global _joined_here
     if ray.is_initialized():
         return
     existing = check_ray_address() if isinstance(checked, EllipsisType) else checked
     try:
         ray.init(logging_level=logging.WARNING)
+        _joined_here = True
     except ConnectionError as exc:
         refused = "token" in f"{exc} {exc.__cause__}".lower()
         hint = ("it uses token authentication: set RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN (or "
@@ -52,6 +57,15 @@ def init_ray(checked: str | None | EllipsisType = ...) -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
     _drop_harmless_worker_lines()
+
+
+def leave_ray() -> None:
+    """End the Ray connection that init_ray() made, if any (a command's last step). Ray's own exit hook would do it
+    too, after half a second's wait for worker output that a command has printed by then."""
+    global _joined_here
+    if _joined_here:
+        _joined_here = False
+        ray.shutdown()
 
 
 def check_ray_address() -> str | None:

@@ -4,10 +4,16 @@ refusal of a cluster with token authentication is tested against a real one in t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import free_port, run_cli
+from conftest import ROOT, free_port, run_cli
+
+from raydiff import cli
+from raydiff.cluster.start import init_ray
 
 
 @pytest.mark.parametrize("address, message", [
@@ -23,3 +29,28 @@ def test_a_ray_address_without_a_cluster_is_one_line_and_nothing_is_written(tmp_
     assert "RAY_ADDRESS=" in proc.stderr
     assert not (tmp_path / "runs").exists()
     assert time.monotonic() - started < 60  # not Ray's minutes of retries
+
+
+# A command ends the Ray connection it made as its last step (Ray's exit hook would first wait half a second),
+# and never one its caller made.
+ENDS_ITS_OWN = """
+import ray
+from raydiff import cli
+from raydiff.cluster.start import init_ray
+assert cli.run(lambda argv: init_ray() or 0, []) == 0
+print("still connected:", ray.is_initialized())
+"""
+
+
+@pytest.mark.ray
+def test_a_command_leaves_the_ray_connection_it_made(cluster):
+    proc = subprocess.run([sys.executable, "-c", ENDS_ITS_OWN], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, RAY_ADDRESS=cluster.address), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "joined the Ray cluster at" in proc.stdout and "still connected: False" in proc.stdout
+
+
+@pytest.mark.ray
+def test_a_command_leaves_its_caller_s_ray_connection_open(ray_session):
+    assert cli.run(lambda argv: init_ray() or 0, []) == 0
+    assert ray_session.is_initialized()
