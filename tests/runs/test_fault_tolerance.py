@@ -107,6 +107,20 @@ def reference(cluster, tmp_path_factory):
     return storage / "ref"
 
 
+def reference_until(reference: Path, step: int, run_dir: Path) -> Path:
+    """The reference run as it stood at `step`: its later rows and checkpoints and Ray's bookkeeping left out."""
+    run_dir.mkdir()
+    for name in ("config.yaml", "data.json"):
+        shutil.copy(reference / name, run_dir / name)
+    for name in ("metrics.jsonl", "events.jsonl"):
+        rows = [line for line in (reference / name).read_text().splitlines() if json.loads(line)["step"] <= step]
+        (run_dir / name).write_text("".join(f"{row}\n" for row in rows))
+    for checkpoint in list_checkpoints(reference):
+        if checkpoint_order(checkpoint)[0] <= step:
+            shutil.copytree(checkpoint.local, run_dir / checkpoint.name)
+    return run_dir
+
+
 def _train_worker_pids() -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
@@ -135,14 +149,7 @@ def test_killed_worker_restarts_from_checkpoint_and_ends_identical(cluster, refe
 
 
 def test_corrupt_newest_checkpoint_falls_back(cluster, reference, tmp_path):
-    # The reference run as it stood at step 100 (its later checkpoints and Ray's bookkeeping left out).
-    run_dir = tmp_path / "corrupt"
-    run_dir.mkdir()
-    for name in ("config.yaml", "data.json", "metrics.jsonl", "events.jsonl"):
-        shutil.copy(reference / name, run_dir / name)
-    for checkpoint in list_checkpoints(reference):
-        if checkpoint_order(checkpoint)[0] <= 100:
-            shutil.copytree(checkpoint.local, run_dir / checkpoint.name)
+    run_dir = reference_until(reference, 100, tmp_path / "corrupt")
     newest = run_dir / "checkpoint_00000100" / "state.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
 
@@ -279,12 +286,15 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
 
 
 @pytest.mark.slow
-def test_precision_and_weight_decay_may_change_between_runs(cluster, tmp_path):
-    # fp32 -> fp16 (no loss scale in the checkpoint: it starts afresh) -> bf16 (the fp16 loss scale is dropped),
-    # each run continuing the last. The bf16 run also all-reduces its gradients in bf16 (train.grad_compression),
-    # which a run may switch on and off: it is not part of the training state.
+def test_precision_and_weight_decay_may_change_between_runs(cluster, reference, tmp_path):
+    # fp32 (the reference run at step 10) -> fp16 (no loss scale in the checkpoint: it starts afresh) -> bf16 (the
+    # fp16 loss scale is dropped), each run continuing the last. The bf16 run also all-reduces its gradients in
+    # bf16 (train.grad_compression), which a run may switch on and off: it is not part of the training state.
     # The new weight decay is the one the optimizer uses from the first step after the resume.
-    chain = [("fp32", 0.0, 10), ("fp16", 0.05, 20), ("bf16", 0.0, 30)]
+    first = final_state(reference_until(reference, 10, tmp_path / "precision"))
+    assert first["step"] == 10 and not first["scaler"]
+    assert {g["weight_decay"] for g in first["optimizer"]["param_groups"]} == {0.0}
+    chain = [("fp16", 0.05, 20), ("bf16", 0.0, 30)]
     for precision, weight_decay, total in chain:
         compression = "bf16" if precision == "bf16" else "none"
         proc = train(cluster, tmp_path, "precision", "--set", f"train.precision={precision}",
@@ -306,10 +316,9 @@ def test_precision_and_weight_decay_may_change_between_runs(cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, tmp_path):
-    proc = train(cluster, tmp_path, "broken", total=20)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = tmp_path / "broken"
+def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, reference, tmp_path):
+    run_dir = reference_until(reference, 20, tmp_path / "broken")
+    (run_dir / ".validate_storage_marker").touch()  # what Ray Train writes at a run's first start
     for checkpoint in list_checkpoints(run_dir):
         state_file = checkpoint.local / "state.pt"
         state_file.write_bytes(state_file.read_bytes()[:1000])
