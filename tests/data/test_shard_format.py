@@ -1,0 +1,113 @@
+"""The prepared-shard format: what is written reads back bit for bit, in order and with its labels; a folder is
+prepared whole or not at all; the older version's tensor column is still read; a mismatched or foreign folder is
+told apart."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+from raydiff.data.errors import BadSample, DataError
+from raydiff.data.labels import LabelPlan
+from raydiff.data.shard_format import (
+    MANIFEST,
+    check_prepared,
+    read_manifest,
+    read_shard,
+    rows_per_shard_for,
+    write_prepared,
+)
+from raydiff.data.sources import open_source
+
+SHAPE = (3, 4, 4)
+LOCAL = pafs.LocalFileSystem()
+
+
+@pytest.fixture
+def source(tmp_path):
+    from raydiff.data.builtin import write_synthetic
+
+    write_synthetic(tmp_path / "raw", num=1, resolution=8)
+    return open_source(str(tmp_path / "raw"))
+
+
+def _images(num: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (num, *SHAPE), dtype=np.uint8)
+
+
+def test_uneven_batches_become_full_shards_that_read_back_bit_for_bit_with_their_labels(source, tmp_path):
+    images = _images(250)
+    labels = np.array([f"class{i % 3}" for i in range(250)], dtype=object)
+    cuts = [0, 7, 90, 91, 200, 250]  # batches of 7, 83, 1, 109 and 50 images
+    bad = [BadSample(index=250, where="raw/broken.png", reason="truncated")]
+    batches = [(images[a:b], bad if a == 0 else [], labels[a:b].tolist(), sorted(set(labels[a:b])))
+               for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    plan = LabelPlan(where="folder", rule="names")
+    manifest = write_prepared(iter(batches), source, str(tmp_path / "out"), shape=SHAPE, rows_per_shard=64,
+                              labels=plan)
+
+    assert manifest["shard_counts"] == [64, 64, 64, 58] and manifest["count"] == 250
+    assert manifest["shards"] == [f"part-{i:05d}.parquet" for i in range(4)]
+    assert manifest["classes"] == ["class0", "class1", "class2"]
+    assert manifest["bad"] == [{"index": 250, "where": "raw/broken.png", "reason": "truncated"}]
+    assert read_manifest(LOCAL, str(tmp_path / "out")) == manifest
+    read = np.concatenate([read_shard(LOCAL, str(tmp_path / "out" / name), SHAPE) for name in manifest["shards"]])
+    assert np.array_equal(read, images)
+    read_labels = [x for name in manifest["shards"]
+                   for x in pq.read_table(tmp_path / "out" / name, columns=["label"]).column("label").to_pylist()]
+    assert read_labels == labels.tolist()
+
+
+def test_a_stopped_preparation_leaves_nothing_behind(source, tmp_path):
+    def stopped():
+        yield _images(100), []
+        raise KeyboardInterrupt  # Ctrl-C, after a shard was written
+
+    with pytest.raises(KeyboardInterrupt):
+        write_prepared(stopped(), source, str(tmp_path / "out"), shape=SHAPE, rows_per_shard=64)
+    assert list(tmp_path.iterdir()) == [tmp_path / "raw"]  # neither the folder nor the copy it was built in
+
+
+def test_too_many_bad_samples_stop_it_before_the_manifest(source, tmp_path):
+    bad = [BadSample(index=i, where=f"raw/{i}.png", reason="not an image") for i in range(10, 15)]
+    with pytest.raises(DataError, match=r"5 of 15 samples .* > data.max_bad_fraction = 0.1"):
+        write_prepared(iter([(_images(10), bad)]), source, str(tmp_path / "out"), shape=SHAPE,
+                       max_bad_fraction=0.1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_occupied_or_empty_result_is_refused(source, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep me")
+    with pytest.raises(DataError, match="already exists and is not empty: choose a new folder"):
+        write_prepared(iter([(_images(3), [])]), source, str(tmp_path / "out"), shape=SHAPE)
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
+    with pytest.raises(DataError, match="no usable samples"):
+        write_prepared(iter([]), source, str(tmp_path / "none"), shape=SHAPE)
+
+
+def test_version_1_s_tensor_column_is_still_read(tmp_path):
+    images = _images(5)
+    column = pa.FixedShapeTensorArray.from_numpy_ndarray(images)
+    pq.write_table(pa.table({"image": column}), tmp_path / "part-00000.parquet")
+    assert np.array_equal(read_shard(LOCAL, str(tmp_path / "part-00000.parquet"), SHAPE), images)
+
+
+def test_only_a_raydiff_manifest_makes_a_prepared_folder(tmp_path):
+    assert read_manifest(LOCAL, str(tmp_path)) is None
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": "someone-else", "count": 3}))
+    assert read_manifest(LOCAL, str(tmp_path)) is None
+
+
+def test_prepared_data_must_match_the_run_s_resolution_and_channels(source, tmp_path):
+    write_prepared(iter([(_images(3), [])]), source, str(tmp_path / "out"), shape=SHAPE)
+    prepared = open_source(str(tmp_path / "out"))
+    check_prepared(prepared, resolution=4, channels=3)
+    with pytest.raises(DataError, match=r"prepared at 4px with 3 channel\(s\), but data.resolution = 8"):
+        check_prepared(prepared, resolution=8, channels=3)
+    assert rows_per_shard_for(SHAPE, shard_bytes=480) == 10  # 48 bytes per image
