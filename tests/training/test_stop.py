@@ -1,0 +1,61 @@
+"""Stopping cleanly: before training a signal stops the command at once; during training the first SIGTERM or
+Ctrl-C asks the run for a final checkpoint (once, whatever follows) and a second Ctrl-C stops at once; the
+handlers that were there before come back. The whole path, through a real run: tests/test_jobs.py and
+tests/test_train.py."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from raydiff.training.stop import Interrupted, interrupt_on_signals, stop_on_signals
+
+pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                                reason="signal handlers live in the main thread")
+
+
+class RecordingFlag:
+    """The driver's StopFlag actor as the handler sees it: `flag.request.remote(reason)`."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        self.request = self
+        self.remote = self.requests.append
+
+
+def _handlers() -> tuple:
+    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+
+
+def test_a_signal_before_training_interrupts_at_once_and_the_old_handlers_come_back():
+    before = _handlers()
+    with pytest.raises(Interrupted) as stopped, interrupt_on_signals():
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(5)  # never reached
+    assert stopped.value.signal == "SIGTERM"
+    assert _handlers() == before
+
+
+def test_the_first_signal_asks_for_one_final_checkpoint(capsys):
+    flag, before = RecordingFlag(), _handlers()
+    with stop_on_signals(flag) as received:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)  # after a SIGTERM: still the one stop already asked for
+        deadline = time.monotonic() + 10
+        while not flag.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert received["signal"] == "SIGTERM" and flag.requests == ["SIGTERM"]
+    assert "SIGTERM: stopping after a final checkpoint (Ctrl-C again to stop at once)" in capsys.readouterr().out
+    assert _handlers() == before
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    flag = RecordingFlag()
+    with pytest.raises(KeyboardInterrupt), stop_on_signals(flag) as received:
+        signal.raise_signal(signal.SIGINT)
+        assert received["signal"] == "SIGINT"
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(5)  # never reached
