@@ -73,7 +73,7 @@ def head():
     finally:
         proc.send_signal(signal.SIGTERM)  # `ray start --block` stops the node it started...
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=3)  # (one process after another, for longer than a test should wait)
         except subprocess.TimeoutExpired:
             pass  # ...or we do, below: its process group, then whatever else runs out of its temp dir
         try:

@@ -73,7 +73,7 @@ def autoscaling_cluster(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(head.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                head.wait(timeout=10)
+                head.wait(timeout=3)  # Ray's graceful stop takes longer than that: the SIGKILL ends it
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
