@@ -11,13 +11,14 @@ import torch.distributed as dist
 from raydiff.training.stop import stop_reason
 
 
-def _active() -> bool:
+def in_a_group() -> bool:
+    """Whether this process is in a torch.distributed group: then every rank must take part in each collective."""
     return dist.is_available() and dist.is_initialized()
 
 
 def from_rank_zero(value: Any) -> Any:
     """Every worker takes rank 0's value."""
-    if not _active():
+    if not in_a_group():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -35,7 +36,7 @@ def smallest(value: int, device: torch.device) -> int:
 
 
 def _reduced(value: int, device: torch.device, op) -> int:
-    if not _active():
+    if not in_a_group():
         return value
     box = torch.tensor(value, device=device)
     dist.all_reduce(box, op=op)
@@ -45,7 +46,7 @@ def _reduced(value: int, device: torch.device, op) -> int:
 def summed(values: list[float], device: torch.device) -> list[float]:
     """Each value summed over all workers (float64)."""
     box = torch.tensor(values, dtype=torch.float64, device=device)
-    if _active():
+    if in_a_group():
         dist.all_reduce(box)
     return box.tolist()
 
@@ -57,7 +58,7 @@ def interrupt_requested(stop_flag, is_chief: bool, device: torch.device,
     preempted = ray.train.get_preemption_info() is not None  # a collective itself: every rank must call it
     preempted = preempted or simulated_preemption
     local = 2 if is_chief and stop_reason(stop_flag) else 1 if preempted else 0
-    if _active():
+    if in_a_group():
         box = torch.tensor(local, device=device)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         local = int(box)

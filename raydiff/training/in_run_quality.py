@@ -18,7 +18,7 @@ import torch.distributed as dist
 from raydiff.quality.features import Features
 from raydiff.quality.measure import SampleJob, chunks, class_targets, empty_stats, sample_stats, scores, total
 from raydiff.quality.reference_stats import Reference
-from raydiff.training.distributed import _active, from_rank_zero
+from raydiff.training.distributed import from_rank_zero, in_a_group
 
 
 @dataclass
@@ -47,7 +47,7 @@ def evaluate_in_run(quality: InRunQuality, ema: torch.nn.Module, diffusion, cfg,
     parts = sample_stats(job, quality.features, mine, device, keep) if mine else []
     dim = len(quality.reference.mu)
     stats = total(parts) if parts else empty_stats(quality.features, keep, dim)
-    if _active():
+    if in_a_group():
         box = stats.packed().to(device)
         dist.all_reduce(box)
         gathered: list[Any] = [None] * world_size
