@@ -13,7 +13,6 @@ import os
 import re
 import socket
 from collections.abc import Callable
-from types import EllipsisType
 from typing import Any
 
 import ray
@@ -32,15 +31,12 @@ class RayUnreachable(RuntimeError):
 _joined_here = False  # whether init_ray() made this process's Ray connection (so that leave_ray() may end it)
 
 
-def init_ray(checked: str | None | EllipsisType = ...) -> None:
-    """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one.
-
-    :param checked: what `check_ray_address()` returned, where the caller checked the address already.
-    """
+def init_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one."""
     global _joined_here
     if ray.is_initialized():
         return
-    existing = check_ray_address() if isinstance(checked, EllipsisType) else checked
+    existing = check_ray_address()
     try:
         ray.init(logging_level=logging.WARNING)
         _joined_here = True

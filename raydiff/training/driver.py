@@ -118,8 +118,8 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
     if reason:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})")
     check_room(cfg, run_dir)
-    # A cluster that does not answer is refused before the run directory is touched.
-    ray_address = None if ray.is_initialized() else check_ray_address()
+    if not ray.is_initialized():
+        check_ray_address()  # a cluster that does not answer, before the run directory is touched
     source = source_of(cfg.data)
     identity = source.identity()
     # What this command means for the run directory, read first, so that a refusal (a changed identity key, a
@@ -149,7 +149,7 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
         elif cfg.model.init_from and init_weights is None:
             init_weights = load_init_weights(cfg)
 
-        init_ray(checked=ray_address)
+        init_ray()
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
         stop_flag = StopFlag.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
         lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
