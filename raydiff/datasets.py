@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.num < 1 or args.resolution < 4:
         parser.error(f"--num {args.num} / --resolution {args.resolution}: need num >= 1 and resolution >= 4")
-    if args.out.exists() and not (args.out.is_dir() and not any(args.out.iterdir())):
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):  # as raydiff.export
         raise DataError(f"OUT = {str(args.out)!r} already exists and is not an empty folder: choose a new folder")
     write_synthetic(args.out, num=args.num, resolution=args.resolution, fmt=args.format, seed=args.seed)
     print(f"wrote {args.num} {args.format} images of {args.resolution}x{args.resolution} to {args.out.resolve()}")
