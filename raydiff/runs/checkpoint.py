@@ -3,12 +3,13 @@
 A checkpoint is the folder `<run.storage>/<run.name>/checkpoint_<step>` (on a local or NFS folder, or an object
 store) holding that one file. This module writes checkpoints so that none is ever visible before it is complete
 (`CheckpointWriter`), reads them back from any storage, finds a run's checkpoints, and removes what an
-interrupted write left behind.
+interrupted write left behind, raydiff's or Ray Train's.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ STATE_FILE = "state.pt"
 PARTIAL = ".partial-"  # a checkpoint folder being written: `.checkpoint_<step>.partial-<id>`, never listed
 _NAME = re.compile(r"checkpoint_(\d{8})(?:-(\d+))?$")
 UPLOAD_CHUNK = 8 * 2**20
+# Ray Train's list of the checkpoints a run reported, beside them in the run directory.
+RAY_CHECKPOINT_LIST = "checkpoint_manager_snapshot.json"
 
 Location = str | os.PathLike | RunDir
 
@@ -189,6 +193,37 @@ def remove_partial_checkpoints(run_dir: Location) -> list[str]:
         shutil.rmtree(partial, ignore_errors=True)
         removed.append(partial.name)
     return removed
+
+
+def drop_unusable_ray_checkpoint_list(run_dir: Location) -> str | None:
+    """Remove Ray Train's checkpoint list if Ray would refuse to start the run over it; returns why, or None.
+
+    Ray rewrites the list in place, so a driver killed during the write leaves it cut short; a list written by
+    another Ray version, or naming a checkpoint folder that is gone, is refused too: each time Ray Train stops
+    before training. raydiff needs no list (it restores the newest checkpoint it finds on storage,
+    `state.checkpoint_candidates`), so the list goes and Ray starts a new one. The checkpoints are kept; those
+    from before no longer count towards `run.keep_checkpoints`.
+    """
+    run = as_rundir(run_dir)
+    if not run.is_file(RAY_CHECKPOINT_LIST):
+        return None
+    text = run.read_text(RAY_CHECKPOINT_LIST)
+    try:
+        listed = json.loads(text)
+        written_by, names = listed["ray_version"], [r["checkpoint_dir_name"] for r in listed["checkpoint_results"]]
+    except (ValueError, KeyError, TypeError):
+        why = f"cut short by an interrupted write ({len(text)} bytes)" if text else "empty: its write was interrupted"
+    else:
+        gone = [name for name in names if not run.exists(name)]
+        if written_by != version("ray"):
+            why = f"written by Ray {written_by}, this is Ray {version('ray')}"
+        elif gone:
+            why = f"it lists {gone[0]}, which is gone"
+        else:
+            return None
+    run.remove(RAY_CHECKPOINT_LIST)
+    return (f"removed Ray Train's checkpoint list {RAY_CHECKPOINT_LIST} ({why}); the run continues from the newest "
+            f"checkpoint on storage")
 
 
 def read_state(directory: Location) -> dict[str, Any]:

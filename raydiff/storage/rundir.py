@@ -172,6 +172,10 @@ class RunDir:
         with path.open("a") as f:
             f.write(text)
 
+    def remove(self, name: str) -> None:
+        """Delete one file (there must be one)."""
+        self.fs.delete_file(self._full(name))
+
     def move_to(self, target: RunDir) -> None:
         """Move the whole folder (a rename locally; copy and delete on an object store)."""
         if not self.remote:

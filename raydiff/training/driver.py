@@ -26,7 +26,7 @@ from raydiff.data.sources import DataError, source_of
 from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.quality.features import features_for, metric_names, require_metrics_package
 from raydiff.quality.reference_stats import reference_for
-from raydiff.runs.checkpoint import checkpoint_bytes, remove_partial_checkpoints
+from raydiff.runs.checkpoint import checkpoint_bytes, drop_unusable_ray_checkpoint_list, remove_partial_checkpoints
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.run_plan import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
 from raydiff.runs.runlog import JsonlLog
@@ -214,6 +214,9 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     args = WorkerArgs(config=resolved, images=images, run_dir=run_dir, torch_threads=torch_threads,
                       invocation=invocation, stop_flag=stop_flag, init_weights=init_ref, quality=quality,
                       classes=classes)
+    dropped = drop_unusable_ray_checkpoint_list(run_dir)  # once nothing can refuse the run any more
+    if dropped:
+        print(f"[raydiff] {dropped}")
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     # ray.train names Train V2's classes at run time (a worker's return value reaches the driver; RunConfig takes
     # a logging config); type checkers see V1's.

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -136,3 +138,41 @@ def test_what_an_interrupted_write_left_is_removed(tmp_path):
     (tmp_path / "checkpoint_00000020").mkdir()
     assert remove_partial_checkpoints(tmp_path) == [".checkpoint_00000030.partial-1a2b3c4d"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000020"]
+
+
+@pytest.mark.parametrize("written, why", [
+    ("", "empty: its write was interrupted"),
+    ('{"ray_version":"VERSION","checkpoint_results":[{"version":0,"checkpoint_dir_name":"checkpo',
+     "cut short by an interrupted write (SIZE bytes)"),
+    ('{"ray_version":"2.9.0","checkpoint_results":[]}', "written by Ray 2.9.0, this is Ray VERSION"),
+    ('{"ray_version":"VERSION","checkpoint_results":[{"checkpoint_dir_name":"checkpoint_00000030"}]}',
+     "it lists checkpoint_00000030, which is gone"),
+])
+def test_a_ray_checkpoint_list_that_ray_would_refuse_is_removed_and_the_checkpoints_kept(tmp_path, written, why):
+    """Ray Train rewrites its list in place (a kill can cut it short) and refuses a list it cannot use."""
+    from importlib.metadata import version
+
+    from raydiff.runs.checkpoint import RAY_CHECKPOINT_LIST, drop_unusable_ray_checkpoint_list
+
+    (tmp_path / "checkpoint_00000020").mkdir()
+    written = written.replace("VERSION", version("ray"))
+    (tmp_path / RAY_CHECKPOINT_LIST).write_text(written)
+    why = why.replace("VERSION", version("ray")).replace("SIZE", str(len(written)))
+    assert drop_unusable_ray_checkpoint_list(tmp_path) == (
+        f"removed Ray Train's checkpoint list {RAY_CHECKPOINT_LIST} ({why}); "
+        f"the run continues from the newest checkpoint on storage")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000020"]
+
+
+def test_a_ray_checkpoint_list_that_ray_can_use_is_kept(tmp_path):
+    from importlib.metadata import version
+
+    from raydiff.runs.checkpoint import RAY_CHECKPOINT_LIST, drop_unusable_ray_checkpoint_list
+
+    (tmp_path / "checkpoint_00000020").mkdir()
+    usable = json.dumps({"ray_version": version("ray"), "checkpoint_results": [
+        {"checkpoint_dir_name": "checkpoint_00000020"}]})
+    (tmp_path / RAY_CHECKPOINT_LIST).write_text(usable)
+    assert drop_unusable_ray_checkpoint_list(tmp_path) is None
+    assert drop_unusable_ray_checkpoint_list(tmp_path / "no-run-yet") is None
+    assert (tmp_path / RAY_CHECKPOINT_LIST).read_text() == usable

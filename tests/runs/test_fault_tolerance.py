@@ -27,7 +27,7 @@ from sklearn.datasets import load_digits
 from raydiff.config.schema import TrainSection
 from raydiff.data.noise import dropped_labels
 from raydiff.data.order import SampleOrder
-from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints, read_state
+from raydiff.runs.checkpoint import RAY_CHECKPOINT_LIST, checkpoint_order, list_checkpoints, read_state
 
 pytestmark = pytest.mark.ray
 
@@ -148,14 +148,19 @@ def test_killed_worker_restarts_from_checkpoint_and_ends_identical(cluster, refe
     assert_same_snapshots(tmp_path / "worker", reference)
 
 
-def test_corrupt_newest_checkpoint_falls_back(cluster, reference, tmp_path):
+def test_a_corrupt_newest_checkpoint_and_a_cut_ray_checkpoint_list_fall_back(cluster, reference, tmp_path):
+    """What a driver killed mid-write leaves: a truncated checkpoint, and Ray Train's checkpoint list emptied (Ray
+    rewrites it in place; it would refuse to start the run over it)."""
     run_dir = reference_until(reference, 100, tmp_path / "corrupt")
     newest = run_dir / "checkpoint_00000100" / "state.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    (run_dir / RAY_CHECKPOINT_LIST).write_text("")
 
     extended = train(cluster, tmp_path, "corrupt")  # continue to TOTAL steps
     assert extended.returncode == 0, extended.stderr[-3000:]
     assert "checkpoint_00000100 is unreadable" in extended.stdout + extended.stderr
+    assert f"removed Ray Train's checkpoint list {RAY_CHECKPOINT_LIST} (empty" in extended.stdout
+    assert json.loads((run_dir / RAY_CHECKPOINT_LIST).read_text())["checkpoint_results"]  # Ray's new list
     starts = [json.loads(line) for line in (tmp_path / "corrupt" / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in starts if e["event"] == "start"] == [0, 90]
     assert_same_weights(final_state(tmp_path / "corrupt"), final_state(reference))
