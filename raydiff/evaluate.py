@@ -1,8 +1,9 @@
 """Measure the quality of a trained run's samples: FID and KID (or, for the built-in digits, the Frechet distance
 of a digits classifier's features and the class coverage).
 
-    python -m raydiff.evaluate --checkpoint RUN_OR_CHECKPOINT [--num N] [--sampler ddim|ddpm|dpmpp_2m|heun] [--steps S]
-        [--metrics fid,kid] [--ref REF] [--seed S] [--features auto|inception|digits] [--weights PATH]
+    python -m raydiff.evaluate --checkpoint RUN_OR_CHECKPOINT [--num N]
+        [--sampler ddim|ddpm|dpmpp_2m|dpmpp_2m_sde|heun] [--steps S] [--metrics fid,kid] [--ref REF] [--seed S]
+        [--features auto|inception|digits] [--weights PATH]
         [--guidance W[,W...]] [--guide GUIDE] [--sigma-rel S[,S...]] [--workers N] [--endpoint URL]
 
 Images are generated from the EMA weights in fp32 and measured in parallel on Ray tasks (one per GPU, else one
@@ -43,7 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                             "folder; a path or s3:// / gs:// URI")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--num", type=int, help="images to generate (the run's eval.num; FID papers use 50000)")
-    parser.add_argument("--sampler", choices=("ddim", "ddpm", "dpmpp_2m", "heun"), help="the run's eval.sampler")
+    parser.add_argument("--sampler", choices=("ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "heun"),
+                        help="the run's eval.sampler")
     parser.add_argument("--steps", type=int, help="sampling steps (the run's eval.steps)")
     parser.add_argument("--metrics", help="comma-separated: fid, kid (the run's eval.metrics)")
     parser.add_argument("--ref", help="reference: an .npz with mu/sigma, or an image folder (default: the run's "

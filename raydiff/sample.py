@@ -1,8 +1,8 @@
 """Generate images from a trained run.
 
     python -m raydiff.sample --checkpoint RUN_DIR_OR_CHECKPOINT --num N --out PATH
-        [--class K[,K...]] [--guidance W] [--guide GUIDE] [--sampler ddpm|ddim|dpmpp_2m|heun] [--steps S] [--eta E]
-        [--seed S] [--no-ema]
+        [--class K[,K...]] [--guidance W] [--guide GUIDE] [--sampler ddpm|ddim|dpmpp_2m|dpmpp_2m_sde|heun]
+        [--steps S] [--eta E] [--seed S] [--no-ema]
         [--batch B] [--device auto|cpu|cuda] [--endpoint URL]
 
 PATH ending in .png gets one grid; any other PATH becomes a folder of sample_00000.png, sample_00001.png, ...
@@ -70,11 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "of the run, or a smaller or shorter-trained run): a run or checkpoint folder, or a "
                              "diffusers folder")
     parser.add_argument("--sampler", choices=SAMPLERS, default="ddpm",
-                        help="default ddpm; dpmpp_2m (DPM-Solver++ 2M) and heun reach ddpm's quality in far fewer "
-                             "network evaluations")
+                        help="default ddpm; dpmpp_2m (DPM-Solver++ 2M), dpmpp_2m_sde (its SDE variant) and heun "
+                             "approach or pass ddpm's quality in far fewer network evaluations")
     parser.add_argument("--steps", type=int, default=None,
-                        help="sampling steps (default: all T for ddpm, 50 for ddim, 20 for dpmpp_2m, 18 for heun: "
-                             "2 x 18 - 1 = 35 network evaluations)")
+                        help="sampling steps (default: all T for ddpm, 50 for ddim, 20 for the dpmpp_2m samplers, "
+                             "18 for heun: 2 x 18 - 1 = 35 network evaluations)")
     parser.add_argument("--eta", type=float, default=0.0, help="DDIM noise: 0 deterministic, 1 = DDPM posterior")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-ema", action="store_true", help="use the online weights instead of the EMA")

@@ -290,9 +290,10 @@ class EvalSection:
     """Evaluate once more when the run finishes (the `default` and `digits` presets do)."""
     num: int = 500
     """Images generated per evaluation (the DDPM paper's FID uses 50,000)."""
-    sampler: Literal["ddim", "ddpm", "dpmpp_2m", "heun"] = "ddim"
-    """The sampler that generates the evaluated images: `ddim`, `ddpm`, or the fast `dpmpp_2m` (DPM-Solver++ 2M)
-    and `heun` (2 `eval.steps` - 1 network evaluations); see docs/sampling-and-diffusers.md#samplers."""
+    sampler: Literal["ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "heun"] = "ddim"
+    """The sampler that generates the evaluated images: `ddim`, `ddpm`, or the fast `dpmpp_2m` (DPM-Solver++ 2M),
+    `dpmpp_2m_sde` (its SDE variant, fresh noise at each step) and `heun` (2 `eval.steps` - 1 network
+    evaluations); see docs/sampling-and-diffusers.md#samplers."""
     steps: int = 50
     """Sampling steps per generated image."""
     metrics: tuple[str, ...] = ("fid",)

@@ -27,9 +27,10 @@ from raydiff.seeds import image_generators
 Schedule = Literal["linear", "cosine"]
 Prediction = Literal["eps", "v", "x0"]
 LossWeighting = Literal["uniform", "min_snr"]
-Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "heun"]
-SAMPLERS: tuple[str, ...] = ("ddpm", "ddim", "dpmpp_2m", "heun")
-DEFAULT_STEPS: dict[str, int | None] = {"ddpm": None, "ddim": 50, "dpmpp_2m": 20, "heun": 18}  # None: all T
+Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_2m_sde", "heun"]
+SAMPLERS: tuple[str, ...] = ("ddpm", "ddim", "dpmpp_2m", "dpmpp_2m_sde", "heun")
+DEFAULT_STEPS: dict[str, int | None] = {"ddpm": None, "ddim": 50, "dpmpp_2m": 20, "dpmpp_2m_sde": 20,
+                                        "heun": 18}  # None: all T
 Denoiser = Callable[..., torch.Tensor]  # model(x_t, t) or, class-conditional, model(x_t, t, labels)
 
 # The linear schedule's largest beta is 0.02 * 1000 / T = 20 / T: T <= 20 gives a beta >= 1 and alpha_bar <= 0.
@@ -261,11 +262,11 @@ class GaussianDiffusion:
         in diffusers' convention, out = out_uncond + w (out_cond - out_uncond): w = 1 is conditional sampling
         without guidance, w = 0 unconditional (so are labels None). Both branches run in one batched forward.
 
-        `sampler`: "ddpm" (ancestral), "ddim" (`eta`), or the fast deterministic "dpmpp_2m" and "heun"
-        (`raydiff.model.samplers`; `steps` of them, 2 `steps` - 1 network evaluations for Heun). `clip` clamps
-        each predicted x0 to [-1, 1] (as DDPM's reference does; diffusers' DPM-Solver++ and Heun do not by
-        default)."""
-        if sampler in ("dpmpp_2m", "heun"):
+        `sampler`: "ddpm" (ancestral), "ddim" (`eta`), or the fast "dpmpp_2m" and "heun" (deterministic) and
+        "dpmpp_2m_sde" (`raydiff.model.samplers`; `steps` of them, 2 `steps` - 1 network evaluations for Heun).
+        `clip` clamps each predicted x0 to [-1, 1] (as DDPM's reference does; diffusers' DPM-Solver++ and Heun do
+        not by default)."""
+        if sampler in ("dpmpp_2m", "dpmpp_2m_sde", "heun"):
             ode_steps = steps or DEFAULT_STEPS[sampler]
             assert ode_steps is not None  # the fast samplers have a default
             return self._sample_ode(model, shape, sampler, ode_steps, generator, device, labels, guidance, clip)
@@ -289,7 +290,7 @@ class GaussianDiffusion:
     def _sample_ode(self, model: Denoiser, shape: tuple[int, ...], sampler: str, steps: int,
                     generator: torch.Generator | list[torch.Generator], device: torch.device | str,
                     labels: torch.Tensor | None, guidance: float, clip: bool) -> torch.Tensor:
-        """DPM-Solver++ (2M) or Heun from the same initial noise as the other samplers, in full fp32."""
+        """DPM-Solver++ (2M, ODE or SDE) or Heun from the same initial noise as the other samplers, in full fp32."""
         with full_fp32():
             x = _randn(shape, generator).to(device)
 
@@ -297,8 +298,10 @@ class GaussianDiffusion:
                 x0 = x0_from_output(self.prediction, guided(model, x, t, labels, guidance).float(), x, alpha, sigma)
                 return x0.clamp(-1, 1) if clip else x0
 
-            solve = dpmpp_2m if sampler == "dpmpp_2m" else heun
-            return solve(denoise, x, self.alpha_bar, steps)
+            if sampler == "heun":
+                return heun(denoise, x, self.alpha_bar, steps)
+            draw_noise = (lambda: _randn(shape, generator).to(device)) if sampler == "dpmpp_2m_sde" else None
+            return dpmpp_2m(denoise, x, self.alpha_bar, steps, draw_noise)
 
 
 def guided(model: Denoiser, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None,

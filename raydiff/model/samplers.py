@@ -1,12 +1,14 @@
-"""Fast samplers: DPM-Solver++ (2M) and Heun's method (EDM), which reach the quality of DDPM's 1,000 steps in
-10 to 35 network evaluations.
+"""Fast samplers: DPM-Solver++ (2M), on the diffusion ODE or SDE, and Heun's method (EDM), which approach or pass
+the quality of DDPM's 1,000 steps in 10 to 35 network evaluations.
 
 Why apart from `raydiff.model.diffusion`: both work in the noise level sigma = sqrt((1 - alpha_bar) / alpha_bar)
 of raydiff's discrete schedule, not on its table of timesteps, and both are written as diffusers writes them
-(`DPMSolverMultistepScheduler` with `algorithm_type="dpmsolver++"`, `solver_order=2`, `final_sigmas_type="zero"`;
-`HeunDiscreteScheduler`), each with "linspace" timesteps, so that the tests can hold them to diffusers' results in
-float32. The step coefficients are computed in float64 before the loop; the loop itself never reads a value back
-from the device. Both are deterministic: an image depends only on its initial noise (its own generator).
+(`DPMSolverMultistepScheduler` with `algorithm_type="dpmsolver++"` or `"sde-dpmsolver++"`, `solver_order=2`,
+`final_sigmas_type="zero"`; `HeunDiscreteScheduler`), each with "linspace" timesteps, so that the tests can hold
+them to diffusers' results in float32. The step coefficients are computed in float64 before the loop; the loop
+itself never reads a value back from the device. The ODE solvers are deterministic (an image depends only on its
+initial noise); the SDE solver draws its fresh noise through the caller's `draw_noise`, from the image's own
+generator too.
 """
 
 from __future__ import annotations
@@ -37,10 +39,15 @@ def dpmpp_2m_timesteps(timesteps: int, steps: int) -> list[int]:
     return [int(t) for t in np.linspace(0, timesteps - 1, steps + 1).round()[::-1][:-1]]
 
 
-def dpmpp_2m(denoise: Denoise, x: torch.Tensor, alpha_bar: torch.Tensor, steps: int) -> torch.Tensor:
+def dpmpp_2m(denoise: Denoise, x: torch.Tensor, alpha_bar: torch.Tensor, steps: int,
+             draw_noise: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
     """DPM-Solver++ (2M) (Lu et al. 2022): the multistep second-order solver of the diffusion ODE in data
     prediction, its first and last steps first-order. `x`: the initial noise; `alpha_bar`: the schedule's float64
-    table; `steps` network evaluations."""
+    table; `steps` network evaluations.
+
+    With `draw_noise` (standard normal noise like `x`, one draw per step but the last), the SDE variant
+    (diffusers' "sde-dpmsolver++", midpoint): each step forgets part of its image and draws fresh noise for it, as
+    DDPM's ancestral steps do, which corrects the network's own errors instead of carrying them along."""
     ts = dpmpp_2m_timesteps(len(alpha_bar), steps)
     ab = torch.cat([alpha_bar[ts], torch.ones(1, dtype=torch.float64)])  # ... then the clean image, alpha_bar 1
     alpha, sigma = ab.sqrt(), (1 - ab).sqrt()
@@ -48,9 +55,15 @@ def dpmpp_2m(denoise: Denoise, x: torch.Tensor, alpha_bar: torch.Tensor, steps: 
     h = lam[1:] - lam[:-1]
     r = torch.cat([torch.ones(1, dtype=torch.float64), h[:-1] / h[1:]])  # the previous step's h over this one's
     first_order = [i == 0 or i == len(ts) - 1 for i in range(len(ts))]
-    # x_next = (sigma_next / sigma) x - alpha_next (exp(-h) - 1) D, D = m0 + (m0 - m1) / (2 r) at second order.
+    # ODE: x_next = (sigma_next / sigma) x - alpha_next (exp(-h) - 1) D, D = m0 + (m0 - m1) / (2 r) at second
+    # order; SDE: x_next = (sigma_next / sigma) exp(-h) x - alpha_next (exp(-2h) - 1) D
+    #                      + sigma_next sqrt(1 - exp(-2h)) z.
+    stochastic = draw_noise is not None
+    keep = sigma[1:] / sigma[:-1] * (torch.exp(-h) if stochastic else 1)
+    add = -alpha[1:] * torch.expm1(-2 * h if stochastic else -h)
+    fresh = sigma[1:] * (-torch.expm1(-2 * h)).sqrt()  # 0 at the last step: nothing drawn there
     on = {k: v.float().to(x.device) for k, v in {
-        "keep": sigma[1:] / sigma[:-1], "add": -alpha[1:] * torch.expm1(-h), "extrapolate": 1 / (2 * r),
+        "keep": keep, "add": add, "fresh": fresh, "extrapolate": 1 / (2 * r),
         "alpha": alpha[:-1], "sigma": sigma[:-1], "t": torch.tensor(ts, dtype=torch.float64)}.items()}
     previous = None
     for i in range(len(ts)):
@@ -58,6 +71,8 @@ def dpmpp_2m(denoise: Denoise, x: torch.Tensor, alpha_bar: torch.Tensor, steps: 
         x0 = denoise(x, t, on["alpha"][i], on["sigma"][i])
         d = x0 if first_order[i] or previous is None else x0 + on["extrapolate"][i] * (x0 - previous)
         x = on["keep"][i] * x + on["add"][i] * d
+        if draw_noise is not None and i < len(ts) - 1:
+            x = x + on["fresh"][i] * draw_noise()
         previous = x0
     return x
 

@@ -1,5 +1,5 @@
-"""The fast samplers, DPM-Solver++ (2M) and Heun, against diffusers' schedulers in float32, for every prediction
-target; guided and per image."""
+"""The fast samplers, DPM-Solver++ (2M, and its SDE variant) and Heun, against diffusers' schedulers in float32, for
+every prediction target; guided and per image."""
 
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ def _noise() -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
 
 
-def _diffusers_loop(scheduler, model, x: torch.Tensor) -> torch.Tensor:
+def _diffusers_loop(scheduler, model, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     with torch.no_grad():
         for t in scheduler.timesteps:
             model_input = scheduler.scale_model_input(x, t)
-            x = scheduler.step(model(model_input, t.float().expand(len(x))), t, x).prev_sample
+            noise = {"generator": generator} if generator is not None else {}  # the SDE solver's fresh noise
+            x = scheduler.step(model(model_input, t.float().expand(len(x))), t, x, **noise).prev_sample
     return x
 
 
@@ -54,6 +55,29 @@ def test_dpm_solver_pp_2m_is_diffusers_multistep_dpm_solver(prediction, steps, o
 
 
 @pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
+@pytest.mark.parametrize("steps", [5, 20])
+def test_dpm_solver_pp_2m_sde_is_diffusers_sde_dpm_solver_with_the_same_noise(prediction, steps, one_torch_thread):
+    """Fresh noise at every step but the last, drawn in order from the image's generator after its initial noise
+    (diffusers draws one more at the last step and multiplies it by zero)."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    model, diffusion, cfg = _model(prediction)
+    scheduler = DPMSolverMultistepScheduler(
+        num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
+        prediction_type=DIFFUSERS_PREDICTION[prediction], algorithm_type="sde-dpmsolver++", solver_order=2,
+        solver_type="midpoint", final_sigmas_type="zero", timestep_spacing="linspace", lower_order_final=True)
+    scheduler.set_timesteps(steps)
+    generator = torch.Generator().manual_seed(3)
+    theirs = _diffusers_loop(scheduler, model, torch.randn(SHAPE, generator=generator), generator)
+    ours = diffusion.sample(model, SHAPE, sampler="dpmpp_2m_sde", steps=steps, clip=False,
+                            generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    deterministic = diffusion.sample(model, SHAPE, sampler="dpmpp_2m", steps=steps, clip=False,
+                                     generator=torch.Generator().manual_seed(3))
+    assert (ours - deterministic).abs().max() > 1e-2  # the fresh noise shows
+
+
+@pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
 def test_heun_is_diffusers_heun_discrete(prediction, one_torch_thread):
     from diffusers import HeunDiscreteScheduler
 
@@ -68,7 +92,7 @@ def test_heun_is_diffusers_heun_discrete(prediction, one_torch_thread):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("sampler", ["dpmpp_2m", "heun"])
+@pytest.mark.parametrize("sampler", ["dpmpp_2m", "dpmpp_2m_sde", "heun"])
 def test_fast_samplers_draw_each_image_from_its_own_generator_and_guide(sampler, one_torch_thread):
     """Image i is the same in a batch of 3 and alone; a class-conditional model samples guided (both branches in
     one pass) and its guidance moves the images."""

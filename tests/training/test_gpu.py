@@ -201,7 +201,7 @@ class _HostCopies(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "ddpm"])
+@pytest.mark.parametrize("sampler", ["ddim", "ddpm", "dpmpp_2m_sde"])
 def test_sampling_draws_its_noise_on_the_gpu(sampler):
     """Sample grids, in-run evaluation and FID generate on the GPU: no noise drawn on the host and copied over at
     every step, so the steps never wait on the host. Two warm calls of 5 and 20 steps copy alike (a first call
