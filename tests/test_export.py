@@ -108,6 +108,26 @@ def test_export_writes_a_pipeline_that_diffusers_loads_without_warnings(exported
     assert "DDPMPipeline.from_pretrained" in card
 
 
+def test_the_model_cards_fast_sampler_is_raydiffs_dpmpp_2m_sde(exported):
+    """The card's DPM-Solver++ SDE snippet, run as it stands on the pipeline (4 steps here), gives raydiff's
+    dpmpp_2m_sde images from the same generator (raydiff's x0 clamp off, as diffusers has none)."""
+    checkpoint, folder = exported
+    snippet = (folder / "README.md").read_text().split("```python\n")[2].split("```")[0]
+    assert "num_inference_steps=20" in snippet
+    pipe = DDPMPipeline.from_pretrained(folder, low_cpu_mem_usage=False)
+    namespace = {"pipe": pipe, "torch": torch}
+    exec(snippet.replace("batch_size=16, num_inference_steps=20", "batch_size=3, num_inference_steps=4")
+         .replace(".manual_seed(0))", ".manual_seed(0), output_type='np')"), namespace)  # floats, not PNGs
+
+    cfg = load_config("smoke", [f"diffusion.timesteps={T}"], check_source=False)
+    model = build_model(cfg).eval()
+    model.load_state_dict(read_state(checkpoint)["ema"])
+    ours = build_diffusion(cfg).sample(model, (3, 1, 8, 8), sampler="dpmpp_2m_sde", steps=4, clip=False,
+                                       generator=torch.Generator().manual_seed(0))
+    ours = ((ours + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(namespace["images"], ours, atol=1e-4, rtol=0)
+
+
 def test_sample_cli_on_the_exported_folder_matches_diffusers_ddim(exported, tmp_path):
     _, folder = exported
     proc = run_cli("raydiff.sample", "--checkpoint", str(folder), "--sampler", "ddim", "--steps", str(T),
