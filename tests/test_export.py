@@ -152,8 +152,8 @@ def test_sample_cli_on_the_exported_folder_matches_diffusers_ddim(exported, tmp_
 
 @pytest.mark.parametrize("sampler,steps", [("dpmpp_2m", 4), ("dpmpp_2m_sde", 4), ("heun", 3)])
 def test_sample_cli_samples_with_the_fast_samplers(exported, tmp_path, sampler, steps):
-    """--sampler dpmpp_2m / dpmpp_2m_sde / heun through the CLI: the images the library makes from the same EMA weights and seeds
-    (8-bit PNGs)."""
+    """--sampler dpmpp_2m / dpmpp_2m_sde / heun through the CLI: the images the library makes from the same EMA
+    weights and seeds (8-bit PNGs)."""
 
     checkpoint, _ = exported
     proc = run_cli("raydiff.sample", "--checkpoint", str(checkpoint), "--sampler", sampler, "--steps", str(steps),
