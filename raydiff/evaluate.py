@@ -34,6 +34,7 @@ from typing import Any
 from raydiff import cli
 from raydiff.config import Config, ConfigError, set_key
 from raydiff.config.checks import validate
+from raydiff.model.diffusion import SAMPLERS
 from raydiff.runs.ema_snapshots import parse_sigma_rels
 
 
@@ -44,8 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                             "folder; a path or s3:// / gs:// URI")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--num", type=int, help="images to generate (the run's eval.num; FID papers use 50000)")
-    parser.add_argument("--sampler", choices=("ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "heun"),
-                        help="the run's eval.sampler")
+    parser.add_argument("--sampler", choices=SAMPLERS, help="the run's eval.sampler")
     parser.add_argument("--steps", type=int, help="sampling steps (the run's eval.steps)")
     parser.add_argument("--metrics", help="comma-separated: fid, kid (the run's eval.metrics)")
     parser.add_argument("--ref", help="reference: an .npz with mu/sigma, or an image folder (default: the run's "

@@ -267,9 +267,10 @@ class GaussianDiffusion:
         `clip` clamps each predicted x0 to [-1, 1] (as DDPM's reference does; diffusers' DPM-Solver++ and Heun do
         not by default)."""
         if sampler in ("dpmpp_2m", "dpmpp_2m_sde", "heun"):
-            ode_steps = steps or DEFAULT_STEPS[sampler]
-            assert ode_steps is not None  # the fast samplers have a default
-            return self._sample_ode(model, shape, sampler, ode_steps, generator, device, labels, guidance, clip)
+            solver_steps = steps or DEFAULT_STEPS[sampler]
+            assert solver_steps is not None  # the fast samplers have a default
+            return self._sample_with_solver(model, shape, sampler, solver_steps, generator, device, labels, guidance,
+                                            clip)
         timesteps = self.sample_timesteps(steps)
         # All steps' coefficients at once, in float64, then moved to the device: no host sync in the loop.
         pairs = torch.tensor(timesteps), torch.tensor(timesteps[1:] + [-1])  # the last step lands on x0
@@ -287,9 +288,9 @@ class GaussianDiffusion:
         return x
 
 
-    def _sample_ode(self, model: Denoiser, shape: tuple[int, ...], sampler: str, steps: int,
-                    generator: torch.Generator | list[torch.Generator], device: torch.device | str,
-                    labels: torch.Tensor | None, guidance: float, clip: bool) -> torch.Tensor:
+    def _sample_with_solver(self, model: Denoiser, shape: tuple[int, ...], sampler: str, steps: int,
+                            generator: torch.Generator | list[torch.Generator], device: torch.device | str,
+                            labels: torch.Tensor | None, guidance: float, clip: bool) -> torch.Tensor:
         """DPM-Solver++ (2M, ODE or SDE) or Heun from the same initial noise as the other samplers, in full fp32."""
         with full_fp32():
             x = _randn(shape, generator).to(device)

@@ -214,9 +214,9 @@ def drop_unusable_ray_checkpoint_list(run_dir: Location) -> str | None:
     except (ValueError, KeyError, TypeError):
         why = f"cut short by an interrupted write ({len(text)} bytes)" if text else "empty: its write was interrupted"
     else:
-        gone = [name for name in names if not run.exists(name)]
-        if written_by != version("ray"):
-            why = f"written by Ray {written_by}, this is Ray {version('ray')}"
+        gone, running = [name for name in names if not run.exists(name)], version("ray")
+        if written_by != running:
+            why = f"written by Ray {written_by}, this is Ray {running}"
         elif gone:
             why = f"it lists {gone[0]}, which is gone"
         else:

@@ -1,13 +1,21 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from raydiff.runs.checkpoint import checkpoint_name, list_checkpoints, read_state, write_state
+from raydiff.runs.checkpoint import (
+    RAY_CHECKPOINT_LIST,
+    checkpoint_name,
+    drop_unusable_ray_checkpoint_list,
+    list_checkpoints,
+    read_state,
+    write_state,
+)
 from raydiff.runs.images import save_samples
 from raydiff.runs.state import read_newest
 
@@ -150,10 +158,6 @@ def test_what_an_interrupted_write_left_is_removed(tmp_path):
 ])
 def test_a_ray_checkpoint_list_that_ray_would_refuse_is_removed_and_the_checkpoints_kept(tmp_path, written, why):
     """Ray Train rewrites its list in place (a kill can cut it short) and refuses a list it cannot use."""
-    from importlib.metadata import version
-
-    from raydiff.runs.checkpoint import RAY_CHECKPOINT_LIST, drop_unusable_ray_checkpoint_list
-
     (tmp_path / "checkpoint_00000020").mkdir()
     written = written.replace("VERSION", version("ray"))
     (tmp_path / RAY_CHECKPOINT_LIST).write_text(written)
@@ -165,10 +169,6 @@ def test_a_ray_checkpoint_list_that_ray_would_refuse_is_removed_and_the_checkpoi
 
 
 def test_a_ray_checkpoint_list_that_ray_can_use_is_kept(tmp_path):
-    from importlib.metadata import version
-
-    from raydiff.runs.checkpoint import RAY_CHECKPOINT_LIST, drop_unusable_ray_checkpoint_list
-
     (tmp_path / "checkpoint_00000020").mkdir()
     usable = json.dumps({"ray_version": version("ray"), "checkpoint_results": [
         {"checkpoint_dir_name": "checkpoint_00000020"}]})
