@@ -48,6 +48,9 @@ class Progress:
     # an uninterrupted one; restored on rank 0 only.
     window: dict[str, Any] = field(default_factory=lambda: {"loss_sum": 0.0, "samples": 0, "grad_norm_sum": 0.0,
                                                             "finite_steps": 0})
+    # The newest measurements (val_loss, quality, the last logged loss), so that a resumed run reports them as an
+    # uninterrupted one would, and one resumed at its last step still ends with them.
+    measured: dict[str, Any] = field(default_factory=dict)
 
     @property
     def stream_step(self) -> int:
@@ -82,6 +85,7 @@ def checkpoint_state(objects: TrainingState, progress: Progress, global_batch: i
         "model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(), "step": progress.step, "images_seen": progress.step * global_batch,
         "counters": dict(progress.counters), "window": dict(progress.window), "config": config,
+        "measured": dict(progress.measured),
     }
     if posthoc is not None:
         state["posthoc_ema"] = posthoc.state_dict()
@@ -189,7 +193,8 @@ def restore(state: dict[str, Any], objects: TrainingState) -> tuple[Progress, li
         scaler.load_state_dict(scaler_state)
     if posthoc is not None:
         posthoc.load_state_dict(state["posthoc_ema"])
-    return Progress(step=state["step"], counters=counters, window=window), notes
+    measured = dict(state.get("measured", {}))  # none in checkpoints written before raydiff kept them
+    return Progress(step=state["step"], counters=counters, window=window, measured=measured), notes
 
 
 def match_parameter_layout(optimizer: torch.optim.Optimizer) -> None:

@@ -84,8 +84,9 @@ class Cadence:
         self.diagnostic: str | None = None
         self.failure: StorageFailure | None = None  # rank 0: a write no retry can fix
         self.last_row: dict[str, Any] | None = None  # the newest metrics row
-        self.val_loss: float | None = None
-        self.quality: dict[str, Any] | None = None  # the newest evaluation's metrics
+        self.val_loss: float | None = progress.measured.get("val_loss")
+        self.quality: dict[str, Any] | None = progress.measured.get("quality")  # the newest evaluation's metrics
+        self._restored_loss: float | None = progress.measured.get("loss")  # until this start logs a row
         self.last_checkpoint_step = progress.step
         self._unreported: dict[str, Any] | None = None  # the metrics of the checkpoint being written
         self._written: str | None = None  # rank 0: the name of the checkpoint it wrote last
@@ -182,10 +183,13 @@ class Cadence:
             self.status, self.diagnostic = WorkerStatus.STORAGE_FAILED, str(self.failure)
         return WorkerResult(self.status or WorkerStatus.FINISHED, steps=progress.step, diagnostic=self.diagnostic,
                             images_seen=progress.step * t.global_batch,
-                            final_loss=self.last_row["loss"] if self.last_row else None, val_loss=self.val_loss,
+                            final_loss=self._final_loss(), val_loss=self.val_loss,
                             quality=self.quality, skipped_steps=progress.counters["skipped_steps"],
                             rollbacks=progress.counters["rollbacks"], world_size=self.w.world_size,
                             resumed_from_step=self.start_step)
+
+    def _final_loss(self) -> float | None:
+        return self.last_row["loss"] if self.last_row else self._restored_loss
 
     def close(self) -> None:
         """At the end of training: rank 0's metrics rows and writes reach storage (unless storage failed)."""
@@ -266,6 +270,7 @@ class Cadence:
         """Every worker: the window's sums into the progress (a collective); rank 0: the rows up to this step on
         storage, then the full state written as a checkpoint. Ray hears of it once it is on storage (`_settle`)."""
         progress.window = self.live.window.checkpoint_state()
+        progress.measured = {"val_loss": self.val_loss, "quality": self.quality, "loss": self._final_loss()}
         self.last_checkpoint_step = progress.step
         self._unreported = report
         if self._writer is None:

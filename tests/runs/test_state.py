@@ -184,3 +184,15 @@ def test_the_post_hoc_averages_travel_in_the_checkpoint_and_are_required_by_a_po
     with pytest.raises(Unresumable, match="missing posthoc_ema"):
         restore_newest(checkpoint_candidates(classic), other._replace(posthoc=PowerEma(other.model, [0.05])))
     assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())
+
+
+def test_a_checkpoint_keeps_the_newest_measurements_and_older_ones_restore_without(tmp_path):
+    """A run resumed at its last step trains nothing and must still end with its validation loss and quality
+    (a sweep's trial reports them to Tune from there); checkpoints from before they were kept restore empty."""
+    measured = {"val_loss": 0.0421, "quality": {"digits_fd": 44.31, "eval_s": 3.5}, "loss": 0.0181}
+    progress = Progress(step=40, measured=measured)
+    write_state(tmp_path, checkpoint_state(_objects(0), progress, 16, Config().to_dict()))
+    state = read_state(RunDir(tmp_path))
+    assert restore(state, _objects(1))[0].measured == measured
+    del state["measured"]
+    assert restore(state, _objects(1))[0].measured == {}
