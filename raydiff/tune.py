@@ -161,6 +161,7 @@ def trial_name(params: dict[str, Any]) -> str:
 def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: str, images,
                cpus_per_trial: float, trial_runs) -> None:
     """A Tune function trainable: one raydiff run whose every report reaches Tune."""
+    from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from raydiff.training.driver import run_training
@@ -169,6 +170,13 @@ def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: 
     cfg = trial_config(base, params, sweep, runs_dir)
     summary = run_training(cfg, images=images, cpus=cpus_per_trial, callbacks=[TuneReportCallback()],
                            note_run=lambda requester: note_trial_run(trial_runs, requester))
+    # A trial Tune runs again whose run had nothing left to train (Tune's state set aside, or a sweep driver
+    # killed after the trial's last checkpoint): its final measurements, restored, count again.
+    nothing_left = summary.get("already_finished") or summary.get("resumed_from_step") == summary.get("steps")
+    if summary["status"] == "finished" and nothing_left:
+        tune.report({"step": summary["steps"], "images_seen": summary["images_seen"],
+                     **(summary["quality"] or {}),
+                     **({"val_loss": summary["final_val_loss"]} if summary["final_val_loss"] is not None else {})})
     if summary["status"] not in ("finished",):
         raise RuntimeError(f"trial {cfg.run.name} {summary['status']}: {summary.get('error', 'unknown error')}")
 
@@ -194,6 +202,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
 
     from raydiff.cluster.nodes import wait_for_worker_node
     from raydiff.cluster.start import init_ray
+    from raydiff.runs.sweep_state import set_aside_unusable_tune_state
     from raydiff.storage.rundir import unwritable
     from raydiff.training.driver import with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
@@ -236,6 +245,9 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
         {"CPU": TRIAL_CPU},
     )
     experiment = str(sweep_dir / "tune")
+    set_aside = set_aside_unusable_tune_state(Path(experiment))
+    if set_aside:
+        print(f"[raydiff] {set_aside}")
     if tune.Tuner.can_restore(experiment):
         print(f"[raydiff] continuing the sweep in {sweep_dir}")
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)

@@ -75,6 +75,29 @@ def test_rerunning_a_sweep_continues_it_and_other_arguments_are_refused(sweep):
     assert other.returncode == 2 and "holds a sweep with other arguments" in other.stderr
 
 
+@pytest.mark.ray
+def test_a_sweep_whose_tune_state_was_cut_short_continues_from_its_trials_runs(sweep):
+    """A driver killed while Tune saved its experiment state: Tune alone would run one trial with an empty
+    config. The re-run sets the state aside and starts Tune afresh; the finished trial reports its result again
+    (not trained again) and the stopped one continues from its own checkpoint."""
+    storage, _, _ = sweep
+    sweep_dir = storage / "s"
+    before = {r["base_lr"]: r for r in csv.DictReader((sweep_dir / "results.csv").open())}
+    newest_state = sorted((sweep_dir / "tune").glob("experiment_state-*.json"))[-1]
+    newest_state.write_text(newest_state.read_text()[:100])
+
+    again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"Tune state is unusable ({newest_state.name} is cut short" in again.stdout
+    [aside] = sweep_dir.glob("tune.unusable-*")
+    assert (aside / newest_state.name).stat().st_size == 100  # kept as it was
+    after = {r["base_lr"]: r for r in csv.DictReader((sweep_dir / "results.csv").open())}
+    assert after["0.003"] == before["0.003"]  # finished: the same result, from its run
+    continued = after["1e-06"]
+    assert continued["status"] != "error" and float(continued["val_loss"]) > 0
+    assert int(continued["images_seen"]) >= int(before["1e-06"]["images_seen"])
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--lr", "fast", "--batch", "16"], "--lr 'fast': expected LOW:HIGH"),
     (["--lr", "1e-3:1e-5", "--batch", "16"], "0 < LOW <= HIGH"),
