@@ -11,11 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from raydiff.config import TrainSection, load_config
 from raydiff.data.loader import MicroBatch
+from raydiff.data.noise import position_noise
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import EmaUpdater, make_ema
 from raydiff.training.speed import compiled, plan_speed, unwrap
-from raydiff.training.step import StepParts, make_optimizer, optimizer_step
+from raydiff.training.step import DenoisingLoss, StepParts, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
@@ -168,6 +169,30 @@ def test_the_speed_plan_per_device_and_world_size():
     assert plan_speed(compressed, gpu, 1).grad_compression == "none"  # no DDP at world size 1
     assert plan_speed(compressed, gpu, 4).grad_compression == "bf16"
     assert not plan_speed(TrainSection(tf32=False), gpu, 1).tf32
+
+
+@pytest.mark.parametrize("options", [
+    [],
+    ["train.loss_weighting=min_snr", "diffusion.prediction=v", "model.dropout=0.1", "model.num_classes=10",
+     "data.labels=auto"],
+])
+def test_the_training_loss_compiles_as_one_graph(options):
+    """What torch.compile gets (uint8 scaling, flips, the forward process, the network, the target, the weighted
+    error) traces as one graph, with every option the step can have: a graph break would split the fusion around
+    the network and bring back a host round trip per micro-batch."""
+    cfg = load_config("cifar10", ["model.base_channels=32", "data.resolution=16", "data.source=builtin:digits",
+                                  *options])
+    conditional = cfg.model.num_classes != 0
+    channels_last = bool(options)  # with autocast, as the speed plan runs it on a GPU
+    model = build_model(cfg).to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    loss = DenoisingLoss(model, build_diffusion(cfg), device=torch.device("cpu"), flip=True,
+                         channels_last=channels_last, autocast_dtype=torch.bfloat16 if channels_last else None)
+    timesteps, noise = position_noise(0, 0, 4, timesteps=cfg.diffusion.timesteps, shape=(3, 16, 16))
+    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    labels = torch.arange(4) if conditional else None
+    torch._dynamo.reset()
+    traced = torch._dynamo.explain(loss)(images, torch.tensor([True, False, True, False]), timesteps, noise, labels)
+    assert (traced.graph_count, traced.graph_break_count) == (1, 0), traced.break_reasons
 
 
 @pytest.mark.parametrize("variant", ["fp32", "fp16", "compiled"])
