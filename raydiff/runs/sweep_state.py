@@ -52,7 +52,7 @@ def set_aside_unusable_tune_state(experiment: Path) -> str | None:
         n += 1
         aside = experiment.with_name(f"{experiment.name}.unusable-{stamp}-{n}")
     experiment.rename(aside)
-    return (f"the sweep's Tune state is unusable ({why}: its driver stopped while Tune saved it), kept as "
+    return (f"the sweep's Tune state is unusable ({why}; its driver was stopped during or before a save), kept as "
             f"{aside}; Tune starts afresh over the same grid, each trial continuing from its own run's newest "
             f"checkpoint")
 

@@ -43,7 +43,7 @@ def test_a_state_tune_could_not_restore_is_set_aside_whole(tmp_path, tuner, stat
     assert unusable_tune_state(broken) == why
     note = set_aside_unusable_tune_state(broken)
     [aside] = tmp_path.glob("tune.unusable-*")
-    assert f"({why}:" in note and str(aside) in note and not broken.exists()
+    assert f"({why}; " in note and str(aside) in note and not broken.exists()
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == files
 
 
