@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 from raydiff.model.weight_averages import PowerEma
@@ -85,13 +86,21 @@ def checkpoint_state(objects: TrainingState, progress: Progress, global_batch: i
         "model": model.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(), "step": progress.step, "images_seen": progress.step * global_batch,
         "counters": dict(progress.counters), "window": dict(progress.window), "config": config,
-        "measured": dict(progress.measured),
+        "measured": _plain_numbers(progress.measured),
     }
     if posthoc is not None:
         state["posthoc_ema"] = posthoc.state_dict()
     if classes:
         state["classes"] = {"names": list(classes["names"]), "counts": list(classes["counts"])}
     return state
+
+
+def _plain_numbers(value: Any) -> Any:
+    """Measurements with numpy scalars as Python numbers: a metric computed in numpy would otherwise make the
+    checkpoint unreadable with `weights_only=True`."""
+    if isinstance(value, dict):
+        return {key: _plain_numbers(item) for key, item in value.items()}
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def read_with_retries(path: RunDir) -> dict[str, Any]:
