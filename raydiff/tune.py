@@ -164,6 +164,7 @@ def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: 
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from raydiff.training.cadence import ray_report
     from raydiff.training.driver import run_training
     from raydiff.training.reservations import note_trial_run
 
@@ -174,9 +175,7 @@ def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: 
     # killed after the trial's last checkpoint): its final measurements, restored, count again.
     nothing_left = summary.get("already_finished") or summary.get("resumed_from_step") == summary.get("steps")
     if summary["status"] == "finished" and nothing_left:
-        tune.report({"step": summary["steps"], "images_seen": summary["images_seen"],
-                     **(summary["quality"] or {}),
-                     **({"val_loss": summary["final_val_loss"]} if summary["final_val_loss"] is not None else {})})
+        tune.report(ray_report(summary["steps"], cfg.train.global_batch, summary["quality"], summary["final_val_loss"]))
     if summary["status"] not in ("finished",):
         raise RuntimeError(f"trial {cfg.run.name} {summary['status']}: {summary.get('error', 'unknown error')}")
 

@@ -158,8 +158,7 @@ class Cadence:
             interrupt = self._poll_interrupts(step) if check and not done else None
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
             # (Tune stops trials on them); other rows go to metrics.jsonl only.
-            report = {"step": step, "images_seen": step * t.global_batch, **(self.quality or {}), **(row or {}),
-                      **({"val_loss": self.val_loss} if self.val_loss is not None else {})}
+            report = ray_report(step, t.global_batch, self.quality, self.val_loss, row)
             checkpoint = step % t.checkpoint_every == 0 or done or (interrupt and self.last_checkpoint_step != step)
             if checkpoint:
                 if self._unreported is not None:  # one write at a time: the previous one first
@@ -369,6 +368,15 @@ class Cadence:
             yield
         finally:
             self.live.window.paused_s += time.perf_counter() - start
+
+
+def ray_report(step: int, global_batch: int, quality: dict[str, Any] | None, val_loss: float | None,
+               row: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What Ray Train, and through it a sweep's Tune, hears at a step: the step, the images seen, the newest
+    quality metrics and validation loss, and the step's metrics row if it has one (Tune ranks trials by these
+    names)."""
+    return {"step": step, "images_seen": step * global_batch, **(quality or {}), **(row or {}),
+            **({"val_loss": val_loss} if val_loss is not None else {})}
 
 
 def _raise(error: BaseException) -> None:
