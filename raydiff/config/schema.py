@@ -157,8 +157,8 @@ class TrainSection:
     off in eager mode, where NHWC GroupNorm is slower (see docs/training.md#performance)."""
     cuda_graphs: Literal["auto"] | bool = "auto"
     """Replay the compiled forward and backward passes as CUDA graphs (torch.compile's `reduce-overhead` mode; one
-    worker per run only, on GPUs, with `train.compile` on); `auto`: off until measured faster (see
-    docs/training.md#performance)."""
+    worker per run only, on GPUs, with `train.compile` on); `auto`: on wherever that holds, since the compiled
+    step is bound by the host launching its kernels there (see docs/training.md#performance)."""
     tf32: bool = True
     """TF32 tensor cores for fp32 convolutions and matmuls during training on GPUs (sampling and evaluation always
     compute in IEEE fp32); false: IEEE fp32 throughout."""

@@ -52,8 +52,9 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int) -> SpeedP
     The rules for `auto` follow the GPU measurements in docs/benchmarks.md: compiled, this UNet trains fastest in
     NHWC on CUDA (cuDNN's NHWC convolutions, with GroupNorm and SiLU fused around them by inductor), while in eager
     mode NHWC GroupNorm is slower than NCHW; so channels_last follows compile on CUDA. Nothing is compiled on CPUs,
-    where compilation costs more than it saves on short runs. CUDA graphs stay off under `auto` until measured
-    faster, and off under DDP (pytorch#128218)."""
+    where compilation costs more than it saves on short runs. Compiled on one CUDA worker the step is bound by the
+    host launching its kernels, not by the GPU, so `auto` replays it as CUDA graphs there; never under DDP
+    (pytorch#128218)."""
     cuda = device.type == "cuda"
     reasons = []
     chosen_compile: bool | str = cuda if t.compile == "auto" else t.compile
@@ -66,8 +67,10 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int) -> SpeedP
         channels_last = bool(t.channels_last)
     inductor = chosen_compile is True
     if t.cuda_graphs == "auto":
-        cuda_graphs = False
-        reasons.append("CUDA graphs auto: off until measured faster")
+        cuda_graphs = cuda and inductor and world_size == 1
+        why = ("compiled on one CUDA worker" if cuda_graphs else "not CUDA" if not cuda
+               else "DDP, pytorch#128218" if world_size > 1 else "needs inductor")
+        reasons.append(f"CUDA graphs auto: {'on' if cuda_graphs else 'off'}, {why}")
     else:
         cuda_graphs = bool(t.cuda_graphs) and cuda and inductor and world_size == 1
         if t.cuda_graphs and not cuda_graphs:

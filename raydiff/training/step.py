@@ -124,6 +124,14 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
     s.loss.train()
     loss_sum, samples = torch.zeros((), device=s.device), 0
     quarter_sums = torch.zeros((2, 4), device=s.device)
+    # Under CUDA graphs a replay overwrites the previous one's outputs, the gradients among them: gradients summed
+    # over several micro-batches need buffers of their own (zeroed, not freed, after the step). One micro-batch
+    # lets the optimizer take the graph's output as it is, with no copy.
+    stable_grads = s.cuda_graphs and len(batches) > 1
+    if stable_grads:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     # Accumulate gradients; all-reduce only on the last micro-batch.
     for i, batch in enumerate(batches):
@@ -158,7 +166,7 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
     s.optimizer.grad_scale, s.optimizer.found_inf = None, (~finite).float()  # type: ignore[attr-defined]
     s.scaler.step(s.optimizer)
     s.scaler.update()
-    s.optimizer.zero_grad(set_to_none=True)
+    s.optimizer.zero_grad(set_to_none=not stable_grads)
 
     # Update the EMA (and the post-hoc averages), once per optimizer step, on every worker (not at all after a
     # skipped step).

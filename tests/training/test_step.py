@@ -134,6 +134,28 @@ def test_a_step_is_a_function_of_its_stream_positions():
     assert torch.equal(ra.loss_sum, rb.loss_sum)
 
 
+def test_under_cuda_graphs_gradients_of_several_micro_batches_accumulate_in_buffers_of_their_own():
+    """A CUDA-graph replay overwrites the previous replay's outputs, so the gradients summed over micro-batches live
+    in buffers the graphs do not own: allocated before the first backward, zeroed (not freed) after each step,
+    the same buffers every step; the update is exactly the one without (checked on the CPU: same arithmetic)."""
+    plain, _, _ = _setup()
+    graphs, _, _ = _setup()
+    graphs.cuda_graphs = True  # the step's bookkeeping for graphs; the loss itself stays eager on a CPU
+    params = [p for g in graphs.optimizer.param_groups for p in g["params"]]
+    buffers = None
+    for step in range(3):
+        a = optimizer_step(plain, _batches(step), lr=1e-3)
+        b = optimizer_step(graphs, _batches(step), lr=1e-3)
+        assert torch.equal(a.loss_sum, b.loss_sum) and torch.equal(a.grad_norm, b.grad_norm)
+        assert all(p.grad is not None and not p.grad.any() for p in params)
+        pointers = [p.grad.data_ptr() for p in params]
+        assert buffers is None or pointers == buffers
+        buffers = pointers
+    assert all(p.grad is None for g in plain.optimizer.param_groups for p in g["params"])
+    for p, q in zip(unwrap(plain.loss).parameters(), unwrap(graphs.loss).parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_a_compiled_model_trains_the_same_step():
     """train.compile with a CPU backend: the compiled model computes the same losses and update as eager."""
     eager, _, _ = _setup()
@@ -149,17 +171,22 @@ def test_a_compiled_model_trains_the_same_step():
 
 
 def test_the_speed_plan_per_device_and_world_size():
-    """auto: compiled and channels_last on CUDA (NHWC is faster only compiled), eager NCHW on CPUs; CUDA graphs
-    only when asked for, on one CUDA worker with inductor; gradient compression only where there is DDP."""
+    """auto: compiled, channels_last and CUDA graphs on one CUDA worker (NHWC is faster only compiled; CUDA graphs
+    never under DDP), eager NCHW on CPUs; gradient compression only where there is DDP."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     auto = TrainSection()
     on_cpu, on_gpu = plan_speed(auto, cpu, 1), plan_speed(auto, gpu, 1)
     assert (on_cpu.compile, on_cpu.channels_last, on_cpu.cuda_graphs, on_cpu.tf32) == (False, False, False, False)
-    assert (on_gpu.compile, on_gpu.channels_last, on_gpu.cuda_graphs, on_gpu.tf32) == (True, True, False, True)
-    assert on_gpu.compile_fallback and on_gpu.compile_mode is None
+    assert (on_gpu.compile, on_gpu.channels_last, on_gpu.cuda_graphs, on_gpu.tf32) == (True, True, True, True)
+    assert on_gpu.compile_fallback and on_gpu.compile_mode == "reduce-overhead"
     assert "channels_last auto: compiled on CUDA" in on_gpu.describe()
+    assert "CUDA graphs auto: on, compiled on one CUDA worker" in on_gpu.describe()
+    on_gpus = plan_speed(auto, gpu, 8)
+    assert on_gpus.compile and not on_gpus.cuda_graphs and on_gpus.compile_mode is None
+    assert "CUDA graphs auto: off, DDP" in on_gpus.describe()
     eager_gpu = plan_speed(TrainSection(compile=False), gpu, 1)
-    assert not eager_gpu.channels_last and "compile off" in eager_gpu.describe()
+    assert not eager_gpu.channels_last and not eager_gpu.cuda_graphs and "compile off" in eager_gpu.describe()
+    assert not plan_speed(TrainSection(compile="aot_eager"), gpu, 1).cuda_graphs  # reduce-overhead is inductor's
     graphs = TrainSection(cuda_graphs=True)
     assert plan_speed(graphs, gpu, 1).compile_mode == "reduce-overhead"
     assert not plan_speed(graphs, gpu, 2).cuda_graphs and "pytorch#128218" in plan_speed(graphs, gpu, 2).describe()
