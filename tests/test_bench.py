@@ -64,6 +64,8 @@ def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     assert "compile off" in result["options"]["described"]
     table = top.read_text()
     assert "raydiff's step, 16 images per step" in table and "aten::convolution" in table
+    # On a GPU: its busy time per step, the host's launches, and the share of raydiff's step the GPU works.
+    assert ours["profile"] == {"device_ms_per_step": None, "launches_per_step": 0}
 
 
 def test_throughput_bench_rejects_bad_arguments():

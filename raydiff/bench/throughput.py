@@ -18,7 +18,8 @@ step (Ray, data, set-up and compilation), and first step to steady state.
 
 FLOPs per trained image are counted with torch's FlopCounterMode (forward + backward of the model), so `tflops` =
 FLOPs x img/s, and `mfu` = tflops / the device's peak dense bf16 throughput. `--profile FILE` writes the top
-kernels of raydiff's steady-state step (CUDA kernels on a GPU, operators on a CPU), profiled in this process.
+kernels of raydiff's steady-state step (CUDA kernels on a GPU, operators on a CPU), profiled in this process, and
+on a GPU how busy the device is during raydiff's step (`device_busy`: well below 1, the host is the bottleneck).
 """
 
 from __future__ import annotations
@@ -229,10 +230,16 @@ def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> di
             "compile_cache": start.get("compile_cache")}
 
 
-def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) -> None:
+# What the host calls to start work on a GPU: a kernel (CUDA's runtime, the driver API that Triton uses) or a graph.
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) -> dict[str, float | None]:
     """The top kernels of raydiff's steady-state step (its own `optimizer_step`, loader and speed plan, in this
-    process, no Ray), by device time on a GPU and by CPU time on a CPU, as a table in `out`."""
+    process, no Ray), by device time on a GPU and by CPU time on a CPU, as a table in `out`; returns the device's
+    busy time and the host's launches per step (None and 0 on a CPU)."""
     import numpy as np
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from raydiff.data.loader import BatchStream, ImageTable
@@ -269,11 +276,20 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
     finally:
         stream.close()
         set_tf32(False)
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = profiler.key_averages().table(sort_by=sort, row_limit=30)
+    events = profiler.key_averages()
+    cuda = device.type == "cuda"
+    # The kernels' own time, as the table's "Self CUDA time total" counts it (not the operators that launched them).
+    kernel_us = sum(e.self_device_time_total for e in events
+                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    device_ms = kernel_us / 1e3 / steps if cuda else None
+    launches = sum(e.count for e in events if e.key in LAUNCHES) / steps
+    busy = f"; per step: {device_ms:.2f} ms of device time, {launches:.0f} launches" if cuda else ""
+    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# raydiff's step, {cfg.train.global_batch} images per step, {steps} steps profiled on "
-                   f"{device_name(device)}; {plan.describe()}\n{table}\n")
+                   f"{device_name(device)}; {plan.describe()}{busy}\n{table}\n")
+    return {"device_ms_per_step": None if device_ms is None else round(device_ms, 3),
+            "launches_per_step": round(launches, 1)}
 
 
 def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: list[int] | None,
@@ -316,11 +332,15 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
     ours = raydiff_run(copy.deepcopy(cfg), steps=steps, storage=tmp / "runs", rerun=rerun)
     bare = bare_loop(cfg, device, steps=steps)
     plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows
+    profiled = None
     if profile is not None:
         try:
-            profile_step(cfg, device, steps=min(steps, 10), out=profile)
+            profiled = profile_step(cfg, device, steps=min(steps, 10), out=profile)
         except Exception as exc:  # noqa: BLE001 - the figures measured above stand without the profile
             print(f"bench throughput: the profile failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+    if profiled is not None and profiled["device_ms_per_step"] is not None:
+        # The share of raydiff's measured step the device is busy: far below 1, the host is what it waits for.
+        profiled["device_busy"] = round(profiled["device_ms_per_step"] * ours["img_s"] / (1e3 * batch), 3)
     plain_img_s = round(sum(p["img_s"] for p in plain) / len(plain), 1)
     dtype = resolve_precision(cfg.train.precision, device)
     plan = plan_speed(cfg.train, device, world_size=1)
@@ -331,7 +351,7 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
         "plain": {"img_s": plain_img_s, "runs": [p["img_s"] for p in plain], **_rates(plain_img_s, flops, peak),
                   "peak_memory_gb": plain[0]["peak_memory_gb"]},
         "bare": {**bare, **_rates(bare["img_s"], flops, peak)},
-        "raydiff": {**ours, **_rates(ours["img_s"], flops, peak)},
+        "raydiff": {**ours, **_rates(ours["img_s"], flops, peak), "profile": profiled},
         "ratio": round(ours["img_s"] / plain_img_s, 3), "ratio_bare": round(ours["img_s"] / bare["img_s"], 3),
         "options": {"compile": plan.compile, "channels_last": plan.channels_last, "cuda_graphs": plan.cuda_graphs,
                     "tf32": plan.tf32, "fused_adamw": True, "cudnn_benchmark": device.type == "cuda",
