@@ -10,7 +10,7 @@ else, and the start line prints what was chosen and why (`SpeedPlan.describe`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -26,15 +26,22 @@ class SpeedPlan:
 
     compile: bool | str  # False, True (inductor) or the name of a torch.compile backend
     compile_fallback: bool  # `train.compile: auto`: an unsupported setup trains in eager mode instead of failing
-    channels_last: bool  # NHWC weights and activations
+    channels_last: bool  # NHWC weights and activations (compiled: every activation around a convolution too)
     cuda_graphs: bool  # torch.compile's reduce-overhead mode: the forward and backward replayed as CUDA graphs
     tf32: bool  # TF32 tensor cores for fp32 convolutions and matmuls (training only; sampling stays IEEE fp32)
     grad_compression: str  # "none" or "bf16": DDP all-reduces in bf16 (only where there is DDP: world size > 1)
     reasons: tuple[str, ...] = ()  # why each `auto` came out as it did, for the start line
 
     @property
-    def compile_mode(self) -> str | None:
-        return "reduce-overhead" if self.cuda_graphs else None
+    def compile_options(self) -> dict[str, Any] | None:
+        """Inductor's options for the step. CUDA graphs are what torch.compile's `reduce-overhead` mode sets. NHWC
+        is forced through the graph: inductor's own heuristic keeps a UNet's activations NCHW (its convolutions
+        that halve the channels, where the skip connections join, are slower in NHWC on some benchmarks), and NHWC
+        weights meeting NCHW activations cost a layout conversion at nearly every convolution."""
+        options: dict[str, Any] = {"triton.cudagraphs": True} if self.cuda_graphs else {}
+        if self.channels_last:
+            options["force_layout_optimization"] = True
+        return options or None
 
     def describe(self) -> str:
         """One phrase for the start line: every choice, and why for the ones `auto` made."""
@@ -103,18 +110,20 @@ def for_training(module: nn.Module, plan: SpeedPlan, device: torch.device, world
         if plan.grad_compression == "bf16":
             ddp.register_comm_hook(state=None, hook=bf16_compress_hook)  # averages in bf16, as the default in fp32
         module = ddp
-    return compiled(module, plan.compile, fallback=plan.compile_fallback, mode=plan.compile_mode)
+    return compiled(module, plan.compile, fallback=plan.compile_fallback, options=plan.compile_options)
 
 
-def compiled(module: nn.Module, option: bool | str, *, fallback: bool, mode: str | None = None) -> nn.Module:
-    """`module` under torch.compile (option True = inductor, a string = that backend), or as it is."""
+def compiled(module: nn.Module, option: bool | str, *, fallback: bool,
+             options: dict[str, Any] | None = None) -> nn.Module:
+    """`module` under torch.compile (option True = inductor, with `options`; a string = that backend), or as it
+    is."""
     if option is False:
         return module
     if fallback:
         from torch import _dynamo
 
         _dynamo.config.suppress_errors = True  # auto: an unsupported setup trains in eager mode instead
-    wrapped = torch.compile(module, mode=mode) if option is True else torch.compile(module, backend=option)
+    wrapped = torch.compile(module, options=options) if option is True else torch.compile(module, backend=option)
     return cast(nn.Module, wrapped)  # an OptimizedModule
 
 

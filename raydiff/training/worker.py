@@ -222,4 +222,4 @@ def compiled_step_key(cfg: Config, speed: SpeedPlan, device: torch.device, *, wo
                       "prediction": cfg.diffusion.prediction, "autocast": str(autocast_dtype),
                       "activation_checkpointing": checkpointing, "micro_batches": sorted({n for _, n in layout}),
                       "ddp": world_size > 1, "grad_compression": speed.grad_compression, "compile": speed.compile,
-                      "mode": speed.compile_mode, "channels_last": speed.channels_last}, device)
+                      "options": speed.compile_options, "channels_last": speed.channels_last}, device)

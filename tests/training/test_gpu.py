@@ -42,10 +42,10 @@ def _setup(precision: str = "fp32", *, channels_last: bool = False, dropout: flo
     return inputs, ema, EmaUpdater(ema, model), cfg
 
 
-def _apply(inputs: StepParts, *, compile_model: bool, cuda_graphs: bool = False) -> None:
+def _apply(inputs: StepParts, *, compile_model: bool, cuda_graphs: bool = False, channels_last: bool = False) -> None:
     """The step's loss as a worker runs it under this plan (one worker: no DDP)."""
-    plan = SpeedPlan(compile=compile_model, compile_fallback=False, channels_last=False, cuda_graphs=cuda_graphs,
-                     tf32=True, grad_compression="none")
+    plan = SpeedPlan(compile=compile_model, compile_fallback=False, channels_last=channels_last,
+                     cuda_graphs=cuda_graphs, tf32=True, grad_compression="none")
     inputs.loss, inputs.cuda_graphs = for_training(inputs.loss, plan, inputs.device, world_size=1), cuda_graphs
 
 
@@ -93,8 +93,9 @@ def test_fp16_non_finite_step_is_skipped_and_the_scale_backs_off():
 def test_the_steady_state_step_never_synchronises(precision, mode):
     """CUDA's sync debug mode raises on any host-device synchronisation inside the steps (with dropout, reseeded
     per micro-batch, as in the cifar10 preset; compiled in NHWC, as raydiff runs on a GPU; with CUDA graphs)."""
-    inputs, _, ema_update, cfg = _setup(precision, dropout=0.1, channels_last=mode == "compiled_nhwc")
-    _apply(inputs, compile_model=mode != "eager", cuda_graphs=mode == "cuda_graphs")
+    nhwc = mode == "compiled_nhwc"
+    inputs, _, ema_update, cfg = _setup(precision, dropout=0.1, channels_last=nhwc)
+    _apply(inputs, compile_model=mode != "eager", cuda_graphs=mode == "cuda_graphs", channels_last=nhwc)
     window, nonfinite = MetricsWindow(inputs.device), NonFiniteSteps(inputs.device)
     stream = _stream(cfg)
     try:
@@ -155,7 +156,7 @@ def test_compiled_channels_last_and_cuda_graph_steps_match_eager():
             ("compiled_nhwc", True, True, False), ("cuda_graphs", True, False, True)):
         inputs, _, ema_update, cfg = _setup("fp32", channels_last=channels_last)
         start = [p.detach().clone() for p in unwrap(inputs.loss).parameters()]
-        _apply(inputs, compile_model=compile_model, cuda_graphs=cuda_graphs)
+        _apply(inputs, compile_model=compile_model, cuda_graphs=cuda_graphs, channels_last=channels_last)
         stream = _stream(cfg)
         try:
             losses[name] = [float(optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update,

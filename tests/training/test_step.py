@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 
 import numpy as np
@@ -15,7 +16,7 @@ from raydiff.data.noise import position_noise
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import EmaUpdater, make_ema
-from raydiff.training.speed import compiled, plan_speed, unwrap
+from raydiff.training.speed import compiled, for_training, plan_speed, unwrap
 from raydiff.training.step import DenoisingLoss, StepParts, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
@@ -178,17 +179,24 @@ def test_the_speed_plan_per_device_and_world_size():
     on_cpu, on_gpu = plan_speed(auto, cpu, 1), plan_speed(auto, gpu, 1)
     assert (on_cpu.compile, on_cpu.channels_last, on_cpu.cuda_graphs, on_cpu.tf32) == (False, False, False, False)
     assert (on_gpu.compile, on_gpu.channels_last, on_gpu.cuda_graphs, on_gpu.tf32) == (True, True, True, True)
-    assert on_gpu.compile_fallback and on_gpu.compile_mode == "reduce-overhead"
+    assert on_gpu.compile_fallback
+    assert on_gpu.compile_options == {"triton.cudagraphs": True, "force_layout_optimization": True}
     assert "channels_last auto: compiled on CUDA" in on_gpu.describe()
     assert "CUDA graphs auto: on, compiled on one CUDA worker" in on_gpu.describe()
     on_gpus = plan_speed(auto, gpu, 8)
-    assert on_gpus.compile and not on_gpus.cuda_graphs and on_gpus.compile_mode is None
+    assert on_gpus.compile and not on_gpus.cuda_graphs
+    assert on_gpus.compile_options == {"force_layout_optimization": True}
     assert "CUDA graphs auto: off, DDP" in on_gpus.describe()
     eager_gpu = plan_speed(TrainSection(compile=False), gpu, 1)
     assert not eager_gpu.channels_last and not eager_gpu.cuda_graphs and "compile off" in eager_gpu.describe()
     assert not plan_speed(TrainSection(compile="aot_eager"), gpu, 1).cuda_graphs  # reduce-overhead is inductor's
     graphs = TrainSection(cuda_graphs=True)
-    assert plan_speed(graphs, gpu, 1).compile_mode == "reduce-overhead"
+    assert plan_speed(TrainSection(cuda_graphs=True, channels_last=False), gpu, 1).compile_options == {
+        "triton.cudagraphs": True}
+    assert plan_speed(TrainSection(cuda_graphs=False, channels_last=False), gpu, 1).compile_options is None
+    # inductor accepts the options (it checks their names when torch.compile wraps the module, before compiling)
+    strict = dataclasses.replace(on_gpu, compile_fallback=False)  # (the fallback would set a process-wide flag)
+    assert for_training(torch.nn.Linear(2, 2), strict, cpu, world_size=1) is not None
     assert not plan_speed(graphs, gpu, 2).cuda_graphs and "pytorch#128218" in plan_speed(graphs, gpu, 2).describe()
     assert not plan_speed(graphs, cpu, 1).cuda_graphs
     assert plan_speed(TrainSection(compile="aot_eager"), cpu, 1).compile == "aot_eager"
