@@ -327,8 +327,8 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
         cfg.data.source = str(images)
     flops = flops_per_image(cfg, device)
     plain = [plain_loop(cfg, device, steps=steps)]
-    # raydiff before the bare loop: its first start compiles cold (with the node's compile cache as it was), and
-    # the bare loop then finds the same graphs compiled (its warm-up is not a figure this bench reports on).
+    # raydiff before the bare loop: its first start compiles with the node's compile cache as it was, not as the
+    # bare loop's compilation would leave it (the bare loop's warm-up is not a figure this bench judges).
     ours = raydiff_run(copy.deepcopy(cfg), steps=steps, storage=tmp / "runs", rerun=rerun)
     bare = bare_loop(cfg, device, steps=steps)
     plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows

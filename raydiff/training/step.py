@@ -125,7 +125,8 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
     loss_sum, samples = torch.zeros((), device=s.device), 0
     quarter_sums = torch.zeros((2, 4), device=s.device)
     # Under CUDA graphs a replay overwrites the previous one's outputs, the gradients among them: gradients summed
-    # over several micro-batches need buffers of their own (zeroed, not freed, after the step). One micro-batch
+    # over several micro-batches need buffers of their own (zeroed, not freed, after the step; every parameter of
+    # the UNet gets a gradient each step, so a zero buffer changes nothing the optimizer does). One micro-batch
     # lets the optimizer take the graph's output as it is, with no copy.
     stable_grads = s.cuda_graphs and len(batches) > 1
     if stable_grads:
