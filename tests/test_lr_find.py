@@ -9,9 +9,8 @@ import re
 import pytest
 from conftest import run_cli
 
-pytestmark = pytest.mark.ray
 
-
+@pytest.mark.ray
 def test_lr_find_writes_plot_and_numbers_and_suggests_a_finite_lr(tmp_path):
     out = tmp_path / "found" / "lr_find.png"
     proc = run_cli("raydiff.lr_find", "--config", "smoke", "--steps", "40", "--start", "1e-6", "--end", "10",

@@ -15,14 +15,13 @@ from PIL import Image
 from raydiff import cli, sample, train
 from raydiff.runs.checkpoint import list_checkpoints, read_state
 
-pytestmark = pytest.mark.ray
-
 METRIC_KEYS = {"step", "images_seen", "loss", "grad_norm", "lr", "ema_decay", "images_per_s", "data_wait_frac",
                "world_size", "loss_q1", "loss_q2", "loss_q3", "loss_q4", "ema_drift"}
 QUALITY_KEYS = {"digits_fd", "digits_coverage", "digits_confident", "eval_s"}
 SUMMARY_KEYS = {"status", "steps", "images_seen", "final_loss", "checkpoint", "world_sizes", "wall_s"}
 
 
+@pytest.mark.ray
 def test_a_successful_run_prints_no_error_lines(smoke_run):
     """A newcomer reads an error-level line as a failure: a run that succeeds prints none (Ray's own included)."""
     _, output = smoke_run
@@ -31,6 +30,7 @@ def test_a_successful_run_prints_no_error_lines(smoke_run):
     assert error_lines == []
 
 
+@pytest.mark.ray
 def test_run_directory_has_every_output(smoke_run):
     run_dir, output = smoke_run
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -79,6 +79,7 @@ def test_run_directory_has_every_output(smoke_run):
     assert "quality:    step 20, 200 images (ddim, 10 steps, seed 0): digits_fd " in output
 
 
+@pytest.mark.ray
 def test_sample_cli_grid_folder_and_determinism(smoke_run, tmp_path):
     run_dir, _ = smoke_run
     common = ["--checkpoint", str(run_dir), "--sampler", "ddim", "--steps", "10", "--num", "16"]
@@ -113,6 +114,7 @@ def test_a_missing_metrics_package_is_refused_before_training(tmp_path, capsys, 
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.ray
 def test_commands_fall_back_from_a_checkpoint_being_written(smoke_run, tmp_path):
     """sample, export and evaluate on a run whose newest checkpoint is still being written (a partial state.pt)
     use the newest one that reads, and name the other in one line."""
@@ -224,6 +226,7 @@ def test_sample_cli_bad_input(args, fragment, capsys):
     assert code == 2 and fragment in capsys.readouterr().err
 
 
+@pytest.mark.ray
 def test_a_256_preset_trains_with_activation_checkpointing_and_samples_in_chunks(tmp_path):
     """The celebahq256 preset end to end at 256x256 on JPEGs larger than that, with a narrow model to stay fast:
     activation checkpointing on, the sample grid generated two images at a time."""
