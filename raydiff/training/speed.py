@@ -72,17 +72,15 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int) -> SpeedP
         reasons.append(f"channels_last auto: {'compiled on CUDA' if channels_last else 'eager or not CUDA'}")
     else:
         channels_last = bool(t.channels_last)
-    inductor = chosen_compile is True
+    graphs_possible = cuda and chosen_compile is True and world_size == 1  # reduce-overhead is inductor's
+    why_not = "not CUDA" if not cuda else "DDP, pytorch#128218" if world_size > 1 else "needs inductor"
     if t.cuda_graphs == "auto":
-        cuda_graphs = cuda and inductor and world_size == 1
-        why = ("compiled on one CUDA worker" if cuda_graphs else "not CUDA" if not cuda
-               else "DDP, pytorch#128218" if world_size > 1 else "needs inductor")
-        reasons.append(f"CUDA graphs auto: {'on' if cuda_graphs else 'off'}, {why}")
+        cuda_graphs = graphs_possible
+        reasons.append(f"CUDA graphs auto: {'on, compiled on one CUDA worker' if cuda_graphs else 'off, ' + why_not}")
     else:
-        cuda_graphs = bool(t.cuda_graphs) and cuda and inductor and world_size == 1
+        cuda_graphs = bool(t.cuda_graphs) and graphs_possible
         if t.cuda_graphs and not cuda_graphs:
-            why = "not CUDA" if not cuda else "DDP, pytorch#128218" if world_size > 1 else "needs inductor"
-            reasons.append(f"CUDA graphs off ({why})")
+            reasons.append(f"CUDA graphs off ({why_not})")
     return SpeedPlan(compile=chosen_compile, compile_fallback=t.compile == "auto", channels_last=channels_last,
                      cuda_graphs=cuda_graphs, tf32=t.tf32 and cuda,
                      grad_compression=t.grad_compression if world_size > 1 else "none", reasons=tuple(reasons))
