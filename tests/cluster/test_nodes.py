@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -51,9 +52,11 @@ def autoscaling_cluster(tmp_path):
         "file_mounts": {}, "file_mounts_sync_continuously": False,
     }
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
-    # Token auth stays on (Ray 2.60's default once ~/.ray/auth_token exists): the head and every client use it.
+    # Token auth stays on, with a token of the test's own: the head, its fake nodes and every client present it (a
+    # fresh machine has no ~/.ray/auth_token, and a user's is not the test's to use).
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     temp_dir = tempfile.mkdtemp(prefix="rdf-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="token")
+    env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", **auth)
     head = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", "6379", "--num-cpus", "0",
          f"--autoscaling-config={tmp_path / 'cluster.yaml'}", "--temp-dir", temp_dir, "--block",
@@ -67,7 +70,7 @@ def autoscaling_cluster(tmp_path):
         while "Ray runtime started" not in (tmp_path / "head.log").read_text():
             assert time.time() < deadline and head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
             time.sleep(0.5)
-        yield {"RAY_ADDRESS": "127.0.0.1:6379", "RAY_AUTH_MODE": "token"}
+        yield {"RAY_ADDRESS": "127.0.0.1:6379", **auth}
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):  # the fake worker nodes are in the head's process group
             with contextlib.suppress(ProcessLookupError):
