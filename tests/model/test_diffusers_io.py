@@ -71,8 +71,8 @@ def test_exported_unet_computes_what_raydiffs_computes(preset):
     print(f"{preset}: max |raydiff - diffusers| = {(ours - theirs).abs().max().item():.2e} "
           f"(outputs up to {ours.abs().max().item():.2f})")
     assert ours.std() > 0.3  # a real output, not the ~0 of a fresh model
-    # fp32 through the whole network: the error grows with the outputs, and with the CPU's kernels (an AVX2 host
-    # gave cifar10 1.04e-5 on outputs up to 2.8, an AVX-512 one 6.3e-6): 1e-5 of the largest output.
+    # fp32 through the whole network: the error grows with the outputs and differs with the CPU's kernels (AVX2 or
+    # AVX-512; docs/benchmarks.md#agreement-with-diffusers): 1e-5 of the largest output.
     torch.testing.assert_close(theirs, ours, atol=1e-5 * ours.abs().max().item(), rtol=0)
     # The mapping is a bijection: back to raydiff's names gives every tensor unchanged.
     back = diffusers_io.from_diffusers(unet.state_dict(), cfg)
