@@ -3,9 +3,11 @@
 Every kind of source (see `raydiff.data.sources`) goes through one pipeline: read (image files, Parquet rows,
 WebDataset samples) -> decode, convert, resize and center-crop (`raydiff.data.decode`) in Ray Data tasks spread
 over the cluster's CPUs -> uint8 (N, C, R, R) chunks, in a fixed order so that sample index i means the same
-image in every run. Prepared sources skip the decode. A sample that cannot be decoded keeps its index (as a
-blank row) and is listed in `ImageStore.bad`; training excludes it. With `data.labels: auto` each sample's label
-travels beside its image (`raydiff.data.labels`), and a sample without one is listed as bad the same way.
+image in every run. Prepared sources skip the decode. A folder of images too small to be worth Ray Data's
+start-up (a few MB on the driver's disk: the built-in digits) is decoded by the driver, with the same batch
+function. A sample that cannot be decoded keeps its index (as a blank row) and is listed in `ImageStore.bad`;
+training excludes it. With `data.labels: auto` each sample's label travels beside its image
+(`raydiff.data.labels`), and a sample without one is listed as bad the same way.
 
 Decoding finishes before the trainer reserves its CPUs, so Ray Data and Ray Train never compete for them: no
 deadlock on a 2-core laptop, full parallelism on a cluster. Workers then read the chunks zero-copy from
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
@@ -29,6 +32,9 @@ from raydiff.data.shard_format import check_prepared
 from raydiff.data.sources import Source, source_of
 
 CHUNK_BYTES = 64 * 1024 * 1024  # object-store chunk size: few chunks, cheap gathers
+# A local folder of images up to this size decodes in the driver in well under the seconds Ray Data takes to start
+# its tasks' processes (docs/data.md#decode-once); bigger or remote sources use the cluster's CPUs.
+DRIVER_DECODE_BYTES = 8 * 1024 * 1024
 DECODE_BATCH = 256
 WEBDATASET_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp")
 _SEP = "\x1f"  # between where a bad sample came from and why it is bad, in the error column
@@ -180,17 +186,19 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
             .map_batches(cast(_BatchFn, _decode_parquet), **kwargs))
 
 
-@ray.remote(num_cpus=0)
-def _errors_of(errors: np.ndarray) -> tuple[int, list[tuple[int, str]]]:
+def _errors_in(errors: np.ndarray) -> tuple[int, list[tuple[int, str]]]:
     """(rows, [(row, error)]) of one chunk's error column: only the bad rows travel back."""
     return len(errors), [(i, str(e)) for i, e in enumerate(errors) if e]
 
 
-@ray.remote(num_cpus=0)
-def _labels_of(labels: np.ndarray) -> tuple[list[str], np.ndarray]:
+def _labels_in(labels: np.ndarray) -> tuple[list[str], np.ndarray]:
     """(the distinct label texts, each row's position among them) of one chunk's label column: compact."""
     names, inverse = np.unique(labels.astype(str), return_inverse=True)
     return names.tolist(), inverse.astype(np.int32)
+
+
+_errors_of = ray.remote(num_cpus=0)(_errors_in)  # where the chunk is, for chunks Ray Data decoded
+_labels_of = ray.remote(num_cpus=0)(_labels_in)
 
 
 def _bad_of(errors: np.ndarray, start: int) -> list[BadSample]:
@@ -221,18 +229,52 @@ def decode_stream(source: Source, *, resolution: int, channels: int, image_colum
             yield batch["image"][usable], bad, texts[usable], {str(t) for t in texts if t}
 
 
+def decodes_in_driver(source: Source) -> bool:
+    """Whether `load_images` decodes `source` in this process instead of in Ray Data tasks: a folder of images on
+    this machine's disk, small enough that decoding it takes less than Ray Data's start-up."""
+    return (source.kind == "images" and isinstance(source.filesystem, pafs.LocalFileSystem)
+            and sum(source.sizes) <= DRIVER_DECODE_BYTES)
+
+
+def _decode_in_driver(source: Source, resolution: int, channels: int, labels: LabelPlan | None,
+                      rows_per_chunk: int) -> tuple[list[ray.ObjectRef], list, list | None]:
+    """Decode a small local folder here with Ray Data's batch function: (chunk refs, each chunk's errors, each
+    chunk's labels or None), as `load_images` gets them from Ray Data."""
+    encoded = []
+    for path in source.files:
+        try:
+            with source.filesystem.open_input_file(path) as file:
+                encoded.append(file.read())
+        except OSError as exc:
+            raise DataError(f"data.source = {source.uri!r}: cannot read {path} ({str(exc).splitlines()[0][:200]})") \
+                from None
+    batch = {"bytes": np.array(encoded, dtype=object), "path": np.array(source.files, dtype=object)}
+    decoded = _decode_files(batch, resolution, channels, labels)
+    starts = range(0, len(encoded), rows_per_chunk)
+    chunks = [ray.put(decoded["image"][s:s + rows_per_chunk]) for s in starts]
+    counted = [_errors_in(decoded["error"][s:s + rows_per_chunk]) for s in starts]
+    per_chunk = None if labels is None else [_labels_in(decoded["label"][s:s + rows_per_chunk]) for s in starts]
+    return chunks, counted, per_chunk
+
+
 def load_images(source: Source, *, resolution: int, channels: int, image_column: str = "image",
                 labels: LabelPlan | None = None) -> ImageStore:
-    """Decode every sample of `source` once with Ray Data; return an `ImageStore` (bad samples listed). `labels`:
-    also read each sample's label (`raydiff.data.labels.plan_labels`); a sample without one is bad."""
+    """Decode every sample of `source` once with Ray Data (in this process where `decodes_in_driver`); return an
+    `ImageStore` (bad samples listed). `labels`: also read each sample's label
+    (`raydiff.data.labels.plan_labels`); a sample without one is bad."""
     check_prepared(source, resolution, channels)
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # sample i must be the same image in every run
     rows_per_chunk = max(1, CHUNK_BYTES // (channels * resolution * resolution))
-    ds = _read(source, resolution, channels, image_column, labels).repartition(
-        target_num_rows_per_block=rows_per_chunk).materialize()
-    chunks = ds.to_numpy_refs(column="image")
-    counted = ray.get([_errors_of.remote(e) for e in ds.to_numpy_refs(column="error")])
+    if decodes_in_driver(source):
+        chunks, counted, per_chunk = _decode_in_driver(source, resolution, channels, labels, rows_per_chunk)
+    else:
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True  # sample i must be the same image in every run
+        ds = _read(source, resolution, channels, image_column, labels).repartition(
+            target_num_rows_per_block=rows_per_chunk).materialize()
+        chunks = ds.to_numpy_refs(column="image")
+        counted = ray.get([_errors_of.remote(e) for e in ds.to_numpy_refs(column="error")])
+        per_chunk = None if labels is None else ray.get([_labels_of.remote(t)
+                                                         for t in ds.to_numpy_refs(column="label")])
     bad, start = [], 0
     for rows, errors in counted:
         for row, error in errors:
@@ -244,9 +286,8 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
         raise DataError(f"data.source = {source.uri!r}: no samples found in {source.describe()}")
     store = ImageStore(chunks=tuple(c for c, _ in keep), counts=tuple(n for _, n in keep),
                        shape=(channels, resolution, resolution), source=source.uri, bad=tuple(bad))
-    if labels is None:
+    if per_chunk is None:  # no labels asked for
         return store
-    per_chunk = ray.get([_labels_of.remote(t) for t in ds.to_numpy_refs(column="label")])
     classes = resolve_classes((n for names, _ in per_chunk for n in names), labels, source.uri)
     if not classes:
         raise missing_labels(source)

@@ -1,4 +1,5 @@
-"""Ray Data ingest through the real pipeline: every kind of source, bad samples, the bad-fraction limit."""
+"""Ray Data ingest through the real pipeline: every kind of source, bad samples, the bad-fraction limit, and the
+small local folders the driver decodes itself, exactly as Ray Data would."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import pytest
 from conftest import write_messy_folder
 from PIL import Image
 
+from raydiff.data import image_store
 from raydiff.data.builtin import write_synthetic
 from raydiff.data.decode import decode_resize_crop, fit_array
 from raydiff.data.errors import check_bad_fraction
-from raydiff.data.image_store import load_images
+from raydiff.data.image_store import decodes_in_driver, load_images
+from raydiff.data.labels import plan_labels
 from raydiff.data.sources import DataError, open_source
 
 pytestmark = pytest.mark.ray
@@ -107,6 +110,28 @@ def test_bad_samples_are_skipped_and_reported_awkward_modes_converted(ray_sessio
     check_bad_fraction(store, 0.1)
     with pytest.raises(DataError, match=r"4 of 48 samples .* cannot be used \(8.3% > data.max_bad_fraction = 0.05\)"):
         check_bad_fraction(store, 0.05)
+
+
+@pytest.mark.parametrize("what", ["messy folder", "labelled digits"])
+def test_a_small_local_folder_decodes_in_the_driver_exactly_as_ray_data_decodes_it(ray_session, tmp_path,
+                                                                                    monkeypatch, what):
+    if what == "messy folder":
+        write_messy_folder(tmp_path)
+        source, labels = open_source(str(tmp_path)), None
+    else:
+        source = open_source("builtin:digits")
+        labels = plan_labels(source, "label")
+    assert decodes_in_driver(source)
+    here = load_images(source, resolution=8, channels=3, labels=labels)
+    monkeypatch.setattr(image_store, "DRIVER_DECODE_BYTES", 0)  # the same source through Ray Data's tasks
+    assert not decodes_in_driver(source)
+    by_ray_data = load_images(source, resolution=8, channels=3, labels=labels)
+    assert np.array_equal(np.concatenate(here.arrays()), np.concatenate(by_ray_data.arrays()))
+    assert here.num_images == by_ray_data.num_images and here.bad == by_ray_data.bad  # chunks may be cut elsewhere
+    assert (here.bad != ()) == (what == "messy folder")
+    if labels is not None:
+        assert here.classes == by_ray_data.classes == tuple(str(d) for d in range(10))
+        assert np.array_equal(here.labels, by_ray_data.labels)
 
 
 def test_a_missing_parquet_column_is_a_one_line_error(ray_session, tmp_path):
