@@ -286,7 +286,7 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
         raise DataError(f"data.source = {source.uri!r}: no samples found in {source.describe()}")
     store = ImageStore(chunks=tuple(c for c, _ in keep), counts=tuple(n for _, n in keep),
                        shape=(channels, resolution, resolution), source=source.uri, bad=tuple(bad))
-    if per_chunk is None:  # no labels asked for
+    if labels is None or per_chunk is None:  # no labels asked for (per_chunk is None exactly then)
         return store
     classes = resolve_classes((n for names, _ in per_chunk for n in names), labels, source.uri)
     if not classes:
