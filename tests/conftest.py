@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests marked `ray` share one local Ray cluster per session (2 logical CPUs)."""
+"""Shared fixtures. Tests marked `ray` share one local Ray cluster per pytest process (2 logical CPUs)."""
 
 from __future__ import annotations
 
@@ -24,17 +24,33 @@ os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+# The tests that start Ray, in two groups of about equal time (docs/benchmarks.md#the-test-suite): each group runs
+# on one pytest-xdist worker with a Ray cluster of its own, beside the other. A file stays in one group, so that its
+# module fixtures (reference runs) run once; files not named here are in the first group.
+SECOND_RAY_GROUP = ("test_jobs.py", "test_tune.py", "test_storage_failures.py", "test_rundir.py", "test_train.py",
+                    "test_evaluate.py", "test_export.py", "test_class_conditional.py", "test_lease.py")
+
+
+def ray_group(item) -> str:
+    return "ray-b" if item.path.name in SECOND_RAY_GROUP else "ray-a"
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) the tests that start Ray run on one
-    worker, one after another, and first: they share one Ray cluster, and two Ray instances on one machine disturb
-    each other (docs/training.md#which-ray); the other tests run on the other worker beside them."""
-    starts_ray, others = [], []
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) the tests that start Ray run in two
+    groups, each on one worker, one test after another on that worker's Ray cluster, and first; the other tests run
+    after them, or beside them on a worker whose group is done."""
+    groups: dict[str, list] = {"ray-a": [], "ray-b": []}
+    others = []
     for item in items:
-        (starts_ray if item.get_closest_marker("ray") else others).append(item)
-    for item in starts_ray:
-        item.add_marker(pytest.mark.xdist_group("ray"))
-    items[:] = starts_ray + others
+        if item.get_closest_marker("ray"):
+            groups[ray_group(item)].append(item)
+        else:
+            others.append(item)
+    for name, group in groups.items():
+        for item in group:
+            item.add_marker(pytest.mark.xdist_group(name))
+    items[:] = groups["ray-a"] + groups["ray-b"] + others
 
 
 @pytest.fixture(autouse=True)
@@ -73,17 +89,32 @@ def free_port() -> int:
 _cluster_address: str | None = None  # set while the session's cluster runs; run_cli joins it
 
 
+def own_head(**args) -> dict:
+    """Head-node arguments for a test's `ray.cluster_utils.Cluster`: a GCS port chosen here, and RAY_ADDRESS naming
+    it in the environment of every process the node starts. Ray looks its cluster up without an address in places
+    (Ray Train's placement-group cleaner), and finds another one when two run on this machine (the two groups'
+    clusters, a test's own): docs/training.md#which-ray."""
+    port = free_port()
+    return {**args, "gcs_server_port": port, "env_vars": {"RAY_ADDRESS": f"127.0.0.1:{port}"}}
+
+
+def own_node(cluster, **args) -> dict:
+    """Arguments for a node added to a test's Cluster: its processes, too, name their cluster (see `own_head`)."""
+    return {**args, "env_vars": {"RAY_ADDRESS": cluster.address}}
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    """One local Ray cluster (a head with 2 CPUs, like this machine) for every test that needs Ray: joining it
-    saves each CLI run the start of a Ray instance of its own. Stopped by the session: only what it started."""
+    """One local Ray cluster (a head with 2 CPUs, like this machine) for every test of this worker's group that
+    needs Ray: joining it saves each CLI run the start of a Ray instance of its own. Stopped by the session: only
+    what it started."""
     global _cluster_address
     from ray.cluster_utils import Cluster
 
     os.environ["RAYDIFF_CACHE"] = str(tmp_path_factory.getbasetemp() / "cache")
     # With the dashboard: Ray Train's placement-group cleaner (which Tune sweeps rely on) uses the state API.
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True,
-                                                      "dashboard_host": "127.0.0.1", "dashboard_port": free_port()})
+    c = Cluster(initialize_head=True, head_node_args=own_head(num_cpus=2, include_dashboard=True,
+                                                              dashboard_host="127.0.0.1", dashboard_port=free_port()))
     _cluster_address = c.address
     yield c
     _cluster_address = None
@@ -93,9 +124,9 @@ def cluster(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _ray_tests_join_the_cluster(request):
     if request.node.get_closest_marker("ray"):
-        if getattr(request.config.option, "loadgroup", False) and not request.node.nodeid.endswith("@ray"):
-            # pytest-xdist's grouping fails silently on some pytest releases (pytest-dev/pytest-xdist#1386): two
-            # workers would then start a Ray cluster each.
+        if getattr(request.config.option, "loadgroup", False) and "@ray-" not in request.node.nodeid:
+            # pytest-xdist's grouping fails silently on some pytest releases (pytest-dev/pytest-xdist#1386): the
+            # tests of a group would then run on both workers, and start a Ray cluster on each.
             pytest.fail("pytest-xdist did not group the tests that start Ray on one worker: use pytest < 9.2 "
                         "(pytest-dev/pytest-xdist#1386) or run with -n 0", pytrace=False)
         request.getfixturevalue("cluster")

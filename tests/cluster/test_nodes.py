@@ -56,7 +56,8 @@ def autoscaling_cluster(tmp_path):
     # fresh machine has no ~/.ray/auth_token, and a user's is not the test's to use).
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     temp_dir = tempfile.mkdtemp(prefix="rdf-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", **auth)
+    # RAY_ADDRESS: its processes, the fake nodes' too, look up this cluster, never another (docs/training.md#which-ray).
+    env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_ADDRESS="127.0.0.1:6379", **auth)
     head = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", "6379", "--num-cpus", "0",
          f"--autoscaling-config={tmp_path / 'cluster.yaml'}", "--temp-dir", temp_dir, "--block",

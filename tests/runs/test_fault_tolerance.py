@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, own_head, own_node, run_cli
 from sklearn.datasets import load_digits
 
 from raydiff.config.schema import TrainSection
@@ -227,9 +227,9 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
     # After a node is lost, Ray Train may first try the old size until its resource view catches up; let that
     # attempt time out in 10 s instead of 60 (the cluster's processes inherit this environment).
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    c = Cluster(initialize_head=True, head_node_args=own_head(num_cpus=0, include_dashboard=False))
     try:
-        c.add_node(num_cpus=1)
+        c.add_node(**own_node(c, num_cpus=1))
         c.wait_for_nodes()
         # Ray notices a new node within one tick of its autoscaling coordinator (20 s): slow the tiny model down
         # so the run outlives a grow and a shrink.
@@ -250,7 +250,7 @@ def test_elastic_resize_of_streamed_data_keeps_global_batch_and_epoch_order(tmp_
             return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
         wait_for(lambda: any(r["step"] >= 20 for r in rows()), what="training on one worker")
-        extra = c.add_node(num_cpus=1)
+        extra = c.add_node(**own_node(c, num_cpus=1))
         wait_for(lambda: any(r["world_size"] == 2 for r in rows()), timeout=60, what="the resize to two workers")
         c.remove_node(extra)
         assert proc.wait(timeout=600) == 0, (tmp_path / "elastic.log").read_text()[-3000:]

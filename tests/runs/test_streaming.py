@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, own_head
 from test_fault_tolerance import assert_same_weights, final_state, losses, summary, wait_for
 
 from raydiff.data.order import SampleOrder
@@ -40,8 +40,8 @@ FAST = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "tra
 def small_cluster(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": OBJECT_STORE,
-                                                      "include_dashboard": False})
+    c = Cluster(initialize_head=True, head_node_args=own_head(num_cpus=2, object_store_memory=OBJECT_STORE,
+                                                              include_dashboard=False))
     yield c
     c.shutdown()
 
