@@ -32,8 +32,8 @@ from raydiff.data.shard_format import check_prepared
 from raydiff.data.sources import Source, source_of
 
 CHUNK_BYTES = 64 * 1024 * 1024  # object-store chunk size: few chunks, cheap gathers
-# A local folder of images up to this size decodes in the driver in well under the seconds Ray Data takes to start
-# its tasks' processes (docs/data.md#decode-once); bigger or remote sources use the cluster's CPUs.
+# A local folder of images up to this size (and one chunk decoded) decodes in the driver in less time than Ray Data
+# takes to start its tasks' processes (docs/data.md#decode-once); bigger or remote sources use the cluster's CPUs.
 DRIVER_DECODE_BYTES = 8 * 1024 * 1024
 DECODE_BATCH = 256
 WEBDATASET_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp")
@@ -229,17 +229,19 @@ def decode_stream(source: Source, *, resolution: int, channels: int, image_colum
             yield batch["image"][usable], bad, texts[usable], {str(t) for t in texts if t}
 
 
-def decodes_in_driver(source: Source) -> bool:
+def decodes_in_driver(source: Source, resolution: int, channels: int) -> bool:
     """Whether `load_images` decodes `source` in this process instead of in Ray Data tasks: a folder of images on
-    this machine's disk, small enough that decoding it takes less than Ray Data's start-up."""
+    this machine's disk, small enough that decoding it takes less than Ray Data's start-up, whose decoded images
+    make one object-store chunk (few images, however small their files, at a high resolution would not)."""
     return (source.kind == "images" and isinstance(source.filesystem, pafs.LocalFileSystem)
-            and sum(source.sizes) <= DRIVER_DECODE_BYTES)
+            and sum(source.sizes) <= DRIVER_DECODE_BYTES
+            and len(source.files) * channels * resolution * resolution <= CHUNK_BYTES)
 
 
-def _decode_in_driver(source: Source, resolution: int, channels: int, labels: LabelPlan | None,
-                      rows_per_chunk: int) -> tuple[list[ray.ObjectRef], list, list | None]:
-    """Decode a small local folder here with Ray Data's batch function: (chunk refs, each chunk's errors, each
-    chunk's labels or None), as `load_images` gets them from Ray Data."""
+def _decode_in_driver(source: Source, resolution: int, channels: int,
+                      labels: LabelPlan | None) -> tuple[list[ray.ObjectRef], list, list | None]:
+    """Decode a small local folder here with Ray Data's batch function: ([the chunk's ref], [its errors], [its
+    labels] or None), as `load_images` gets them from Ray Data."""
     encoded = []
     for path in source.files:
         try:
@@ -250,11 +252,8 @@ def _decode_in_driver(source: Source, resolution: int, channels: int, labels: La
                 from None
     batch = {"bytes": np.array(encoded, dtype=object), "path": np.array(source.files, dtype=object)}
     decoded = _decode_files(batch, resolution, channels, labels)
-    starts = range(0, len(encoded), rows_per_chunk)
-    chunks = [ray.put(decoded["image"][s:s + rows_per_chunk]) for s in starts]
-    counted = [_errors_in(decoded["error"][s:s + rows_per_chunk]) for s in starts]
-    per_chunk = None if labels is None else [_labels_in(decoded["label"][s:s + rows_per_chunk]) for s in starts]
-    return chunks, counted, per_chunk
+    return ([ray.put(decoded["image"])], [_errors_in(decoded["error"])],
+            None if labels is None else [_labels_in(decoded["label"])])
 
 
 def load_images(source: Source, *, resolution: int, channels: int, image_column: str = "image",
@@ -263,10 +262,10 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
     `ImageStore` (bad samples listed). `labels`: also read each sample's label
     (`raydiff.data.labels.plan_labels`); a sample without one is bad."""
     check_prepared(source, resolution, channels)
-    rows_per_chunk = max(1, CHUNK_BYTES // (channels * resolution * resolution))
-    if decodes_in_driver(source):
-        chunks, counted, per_chunk = _decode_in_driver(source, resolution, channels, labels, rows_per_chunk)
+    if decodes_in_driver(source, resolution, channels):
+        chunks, counted, per_chunk = _decode_in_driver(source, resolution, channels, labels)
     else:
+        rows_per_chunk = max(1, CHUNK_BYTES // (channels * resolution * resolution))
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # sample i must be the same image in every run
         ds = _read(source, resolution, channels, image_column, labels).repartition(

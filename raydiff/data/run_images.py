@@ -44,7 +44,8 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
         images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
                                buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
         return images, f"{why}; {images.describe()}"
-    return load_data(data, source), f"{why}; decoded by {'the driver' if decodes_in_driver(source) else 'Ray Data'}"
+    by = "the driver" if decodes_in_driver(source, data.resolution, data.channels) else "Ray Data"
+    return load_data(data, source), f"{why}; decoded by {by}"
 
 
 def open_tables(images: RunImages, train_indices: np.ndarray, val_indices: np.ndarray, seed: int, group: str):

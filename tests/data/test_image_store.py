@@ -121,10 +121,10 @@ def test_a_small_local_folder_decodes_in_the_driver_exactly_as_ray_data_decodes_
     else:
         source = open_source("builtin:digits")
         labels = plan_labels(source, "label")
-    assert decodes_in_driver(source)
+    assert decodes_in_driver(source, 8, 3) and not decodes_in_driver(source, 2048, 3)  # more than a chunk decoded
     here = load_images(source, resolution=8, channels=3, labels=labels)
     monkeypatch.setattr(image_store, "DRIVER_DECODE_BYTES", 0)  # the same source through Ray Data's tasks
-    assert not decodes_in_driver(source)
+    assert not decodes_in_driver(source, 8, 3)
     by_ray_data = load_images(source, resolution=8, channels=3, labels=labels)
     assert np.array_equal(np.concatenate(here.arrays()), np.concatenate(by_ray_data.arrays()))
     assert here.num_images == by_ray_data.num_images and here.bad == by_ray_data.bad  # chunks may be cut elsewhere
