@@ -57,6 +57,7 @@ class ImageStore(LabelledSamples):
     bad: tuple[BadSample, ...] = ()
     labels: np.ndarray | None = field(default=None, compare=False)
     classes: tuple[str, ...] = ()
+    decoded_by: str = field(default="Ray Data", compare=False)  # or "the driver" (`decodes_in_driver`)
 
     def arrays(self) -> list[np.ndarray]:
         """The chunks as read-only numpy arrays; zero-copy when the chunk is on this node."""
@@ -262,7 +263,8 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
     `ImageStore` (bad samples listed). `labels`: also read each sample's label
     (`raydiff.data.labels.plan_labels`); a sample without one is bad."""
     check_prepared(source, resolution, channels)
-    if decodes_in_driver(source, resolution, channels):
+    in_driver = decodes_in_driver(source, resolution, channels)
+    if in_driver:
         chunks, counted, per_chunk = _decode_in_driver(source, resolution, channels, labels)
     else:
         rows_per_chunk = max(1, CHUNK_BYTES // (channels * resolution * resolution))
@@ -284,7 +286,8 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
     if not keep:
         raise DataError(f"data.source = {source.uri!r}: no samples found in {source.describe()}")
     store = ImageStore(chunks=tuple(c for c, _ in keep), counts=tuple(n for _, n in keep),
-                       shape=(channels, resolution, resolution), source=source.uri, bad=tuple(bad))
+                       shape=(channels, resolution, resolution), source=source.uri, bad=tuple(bad),
+                       decoded_by="the driver" if in_driver else "Ray Data")
     if labels is None or per_chunk is None:  # no labels asked for (per_chunk is None exactly then)
         return store
     classes = resolve_classes((n for names, _ in per_chunk for n in names), labels, source.uri)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from raydiff.data.image_store import ImageStore, decodes_in_driver, load_data
+from raydiff.data.image_store import ImageStore, load_data
 from raydiff.data.loader import ImageTable
 from raydiff.data.node_cache import StreamTable, node_shards
 from raydiff.data.order import SampleOrder
@@ -44,8 +44,8 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
         images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
                                buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
         return images, f"{why}; {images.describe()}"
-    by = "the driver" if decodes_in_driver(source, data.resolution, data.channels) else "Ray Data"
-    return load_data(data, source), f"{why}; decoded by {by}"
+    store = load_data(data, source)
+    return store, f"{why}; decoded by {store.decoded_by}"
 
 
 def open_tables(images: RunImages, train_indices: np.ndarray, val_indices: np.ndarray, seed: int, group: str):

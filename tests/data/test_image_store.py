@@ -127,6 +127,7 @@ def test_a_small_local_folder_decodes_in_the_driver_exactly_as_ray_data_decodes_
     assert not decodes_in_driver(source, 8, 3)
     by_ray_data = load_images(source, resolution=8, channels=3, labels=labels)
     assert np.array_equal(np.concatenate(here.arrays()), np.concatenate(by_ray_data.arrays()))
+    assert (here.decoded_by, by_ray_data.decoded_by) == ("the driver", "Ray Data")
     assert here.num_images == by_ray_data.num_images and here.bad == by_ray_data.bad  # chunks may be cut elsewhere
     assert (here.bad != ()) == (what == "messy folder")
     if labels is not None:
