@@ -9,8 +9,10 @@ from conftest import run_cli, write_messy_folder
 
 pytestmark = pytest.mark.ray
 
+# One worker: what these tests look at (decoding, skipping, preparing, streaming from a bucket) happens before or
+# beside the workers; two workers cost each run one more process start-up.
 TINY = ["--config", "smoke", "--set", "data.channels=3", "--set", "train.total_steps=10",
-        "--set", "train.sample_every=0"]
+        "--set", "train.sample_every=0", "--set", "scaling.num_workers=1"]
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,8 @@ def test_a_run_decides_for_the_worker_nodes_an_autoscaler_adds(autoscaling_clust
     object store: the built-in digits go to memory, as on one machine (deciding from the head, they went to stream
     mode: no node with a CPU, so an object store of 0)."""
     proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path / 'runs'}",
-                   "--set", "train.total_steps=10", "--set", "train.sample_every=0", env=autoscaling_cluster)
+                   "--set", "train.total_steps=10", "--set", "train.sample_every=0", "--set", "scaling.num_workers=1",
+                   env=autoscaling_cluster)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "the cluster has no node that can run a worker yet (its head runs none): asked the autoscaler for " \

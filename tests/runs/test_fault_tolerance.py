@@ -180,17 +180,36 @@ def test_a_corrupt_newest_checkpoint_and_a_cut_ray_checkpoint_list_fall_back(clu
     assert losses(tmp_path / "corrupt") == losses(reference)
 
 
-def test_nan_steps_are_skipped_counted_and_never_checkpointed(cluster, tmp_path):
-    proc = train(cluster, tmp_path, "nan", "--set", "debug.nan_at_steps=[3,4,12]", total=20)
+@pytest.fixture(scope="module")
+def nan_and_preemption(cluster, tmp_path_factory):
+    """One run with two independent faults, each test reading its own: non-finite losses at steps 3, 4 and 12,
+    and a preemption notice that arrives at step 20 and stays (periodic checkpoints off: the notice's and the
+    end's are the only ones). Returns (run directory, the CLI's output)."""
+    storage = tmp_path_factory.mktemp("faults")
+    proc = train(cluster, storage, "faults", "--set", "debug.nan_at_steps=[3,4,12]",
+                 "--set", "debug.preemption_from_step=20", "--set", "train.checkpoint_every=100", total=40)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = summary(tmp_path / "nan")
+    return storage / "faults", proc.stdout + proc.stderr
+
+
+def test_nan_steps_are_skipped_counted_and_never_checkpointed(nan_and_preemption):
+    run_dir, output = nan_and_preemption
+    run = summary(run_dir)
     assert run["status"] == "finished" and run["skipped_steps"] == 3 and run["rollbacks"] == 0
-    rows = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped_steps"] for r in rows] == [2, 3]
-    for checkpoint in list_checkpoints(tmp_path / "nan"):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows] == [2, 3, 3, 3]
+    for checkpoint in list_checkpoints(run_dir):
         state = read_state(checkpoint)
         assert all(torch.isfinite(v).all() for part in ("model", "ema") for v in state[part].values())
-    assert "skipped 3" in proc.stdout + proc.stderr
+    assert "skipped 3" in output
+
+
+def test_one_checkpoint_per_preemption_notice(nan_and_preemption):
+    # One checkpoint at once, not one at every check after it (steps 30 and 40).
+    run_dir, _ = nan_and_preemption
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "preemption_checkpoint"] == [20]
+    assert [c.name for c in list_checkpoints(run_dir)] == ["checkpoint_00000020", "checkpoint_00000040"]
 
 
 def poisoned_samples(steps: list[int], global_batch: int = 16) -> list[int]:
@@ -352,13 +371,3 @@ def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, refere
     assert "will not start over" in error_lines[0]
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert after == before  # records, metrics, events, summary and checkpoints untouched; no new checkpoint
-
-
-def test_one_checkpoint_per_preemption_notice(cluster, tmp_path):
-    # A notice that arrives at step 20 and stays: one checkpoint at once, not one at every check after it.
-    proc = train(cluster, tmp_path, "preempted", "--set", "debug.preemption_from_step=20",
-                 "--set", "train.checkpoint_every=100", total=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    events = [json.loads(line) for line in (tmp_path / "preempted" / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "preemption_checkpoint"] == [20]
-    assert [c.name for c in list_checkpoints(tmp_path / "preempted")] == ["checkpoint_00000020", "checkpoint_00000060"]

@@ -152,7 +152,8 @@ def test_a_live_run_is_neither_moved_nor_joined(cluster, tmp_path):
     live = subprocess.Popen(  # trains until the test stops it, however long the refused commands take
         [sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
          "--set", "run.name=live", "--set", "train.total_steps=100000", "--set", "debug.step_delay_s=0.1",
-         "--set", "train.sample_every=0", "--set", "log.tensorboard=false"],
+         "--set", "train.sample_every=0", "--set", "log.tensorboard=false",
+         "--set", "scaling.num_workers=1"],  # one worker leaves the refused commands a core
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
         env=dict(os.environ, RAY_ADDRESS=cluster.address))
     try:
