@@ -1,4 +1,8 @@
-"""What every entry point shares: user mistakes become one line on stderr and exit code 2."""
+"""What every entry point shares: user mistakes become one line on stderr and exit code 2.
+
+Nothing here imports torch or Ray (each takes seconds to import): a mistake found before a command needs them
+(a bad `--set`, a missing file, `--help`) is answered at once.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,14 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from raydiff.cluster.nodes import NoWorkerNode
-from raydiff.cluster.start import RayUnreachable, leave_ray
+from raydiff.cluster.errors import NoWorkerNode, RayUnreachable
 from raydiff.config import ConfigError
-from raydiff.data.sources import DataError
-from raydiff.quality.features import QualityError
-from raydiff.runs.state import Unresumable
+from raydiff.data.errors import DataError
+from raydiff.quality.errors import QualityError
+from raydiff.runs.errors import Unresumable
 from raydiff.storage.errors import StorageFailure
 from raydiff.storage.rundir import RunInUse
-from raydiff.training.stop import Interrupted
+from raydiff.training.interrupts import Interrupted
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,
                StorageFailure, RayUnreachable)
@@ -37,7 +40,9 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
         print("raydiff: interrupted", file=sys.stderr)
         return 130
     finally:
-        leave_ray()  # at once: Ray's exit hook would wait half a second first
+        # Leave Ray at once (its exit hook would wait half a second first), where the command joined it.
+        if "raydiff.cluster.start" in sys.modules:
+            sys.modules["raydiff.cluster.start"].leave_ray()
     return 2
 
 

@@ -26,7 +26,7 @@ from raydiff.data.labels import plan_labels
 from raydiff.data.shard_format import MANIFEST, write_prepared
 from raydiff.data.sources import open_source
 from raydiff.storage.rundir import unwritable
-from raydiff.training.stop import interrupt_on_signals
+from raydiff.training.interrupts import interrupt_on_signals
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

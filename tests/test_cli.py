@@ -1,14 +1,18 @@
 """What every command's entry point does with an error: a user's mistake is one line and exit 2, an interrupt
-the signal's exit code, and anything else a traceback (a bug should be seen)."""
+the signal's exit code, and anything else a traceback (a bug should be seen); a mistake found before torch and
+Ray are needed is answered without importing them."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from raydiff import cli
 from raydiff.config import ConfigError
 from raydiff.storage.errors import StorageFailure
-from raydiff.training.stop import Interrupted
+from raydiff.training.interrupts import Interrupted
 
 
 def failing(exc: BaseException):
@@ -42,3 +46,19 @@ def test_a_bug_is_not_hidden_behind_a_one_line_error():
 def test_a_command_s_own_exit_status_passes_through():
     assert cli.run(lambda argv: 0, []) == 0
     assert cli.run(lambda argv: 3, []) == 3
+
+
+@pytest.mark.parametrize("command, args, line", [
+    ("raydiff.train", ["--set", "train.lr=x"], "raydiff: config error: train.lr = 'x': expected a finite number"),
+    ("raydiff.tune", ["--batch", "16", "--lr", "1e-3", "--set", "train.nope=1"], "raydiff: config error: unknown key 'train.nope'"),
+    ("raydiff.bench", ["throughput", "--steps", "1"], "--steps 1: must be >= 2"),
+])
+def test_a_mistake_found_before_training_imports_neither_torch_nor_ray(command, args, line):
+    """Each takes seconds to import: a bad --set or argument is answered in a fraction of that."""
+    check = (f"import runpy, sys; sys.argv = [{command!r}, *{args!r}]\n"
+             f"try:\n    runpy.run_module({command!r}, run_name='__main__')\n"
+             "finally:\n    print(sorted({'torch', 'ray'} & set(sys.modules)), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    *_, error, imported = proc.stderr.strip().splitlines()
+    assert line in error and imported == "[]"

@@ -16,11 +16,9 @@ from typing import Any
 
 import ray
 
+from raydiff.cluster.errors import NoWorkerNode
+
 POLL_S = 1.0
-
-
-class NoWorkerNode(RuntimeError):
-    """No node that can run a training worker joined the cluster in time; the message is one line."""
 
 
 def alive_nodes() -> list[dict[str, Any]]:

@@ -19,13 +19,10 @@ import ray
 from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 from ray._private.services import canonicalize_bootstrap_address
 
+from raydiff.cluster.errors import RayUnreachable
 from raydiff.cluster.nodes import alive_nodes
 
 ANSWER_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
-
-
-class RayUnreachable(RuntimeError):
-    """The Ray cluster to join does not answer or refuses this client; the message is one line."""
 
 
 _joined_here = False  # whether init_ray() made this process's Ray connection (so that leave_ray() may end it)

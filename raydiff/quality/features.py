@@ -15,12 +15,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from raydiff.quality.errors import QualityError
+
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
                  "weights-inception-2015-12-05-6726825d.pth")
-
-
-class QualityError(RuntimeError):
-    """Evaluation cannot run as configured (missing weights, a bad reference); the message is one line."""
 
 
 class Features(Protocol):

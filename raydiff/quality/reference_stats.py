@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from raydiff.quality.features import Features, QualityError
+from raydiff.quality.errors import QualityError
+from raydiff.quality.features import Features
 from raydiff.quality.measure import parallel_stats, total
 from raydiff.storage.rundir import RunDir
 

@@ -24,6 +24,7 @@ import torch
 
 from raydiff.model.weight_averages import PowerEma
 from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
+from raydiff.runs.errors import Unresumable
 from raydiff.storage.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -33,10 +34,6 @@ logger = logging.getLogger("raydiff")
 REQUIRED_KEYS = ("model", "ema", "optimizer", "scaler", "step", "images_seen", "counters", "window", "config")
 READ_ATTEMPTS = 3  # a storage error (OSError) is retried this often, with a growing pause, before giving up
 READ_RETRY_S = 1.0
-
-
-class Unresumable(RuntimeError):
-    """Checkpoints exist but none can be restored; the message names each one and why."""
 
 
 @dataclass

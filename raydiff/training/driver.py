@@ -28,9 +28,9 @@ from raydiff.quality.features import features_for, metric_names, require_metrics
 from raydiff.quality.reference_stats import reference_for
 from raydiff.runs.checkpoint import checkpoint_bytes, drop_unusable_ray_checkpoint_list, remove_partial_checkpoints
 from raydiff.runs.dashboards import dashboards_for
+from raydiff.runs.errors import Unresumable
 from raydiff.runs.run_plan import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
 from raydiff.runs.runlog import JsonlLog
-from raydiff.runs.state import Unresumable
 from raydiff.storage.errors import (
     StorageFailure,
     failure_message,
@@ -42,10 +42,11 @@ from raydiff.storage.errors import (
 from raydiff.storage.lease import hold, this_process
 from raydiff.storage.rundir import RunDir, unwritable
 from raydiff.training.in_run_quality import InRunQuality
+from raydiff.training.interrupts import interrupt_on_signals
 from raydiff.training.loop import train_worker
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.resolve import resolve_run
-from raydiff.training.stop import StopFlag, interrupt_on_signals, stop_on_signals
+from raydiff.training.stop import StopFlag, stop_on_signals
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 

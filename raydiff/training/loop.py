@@ -15,7 +15,7 @@ import torch
 
 from raydiff.config.learning_rate import lr_at
 from raydiff.model.weight_averages import ema_decay_at
-from raydiff.runs.state import Unresumable
+from raydiff.runs.errors import Unresumable
 from raydiff.training.cadence import Cadence
 from raydiff.training.step import optimizer_step
 from raydiff.training.worker import quiet_ray_train_logs, set_up

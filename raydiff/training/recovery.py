@@ -15,7 +15,8 @@ import ray.train
 import torch
 
 from raydiff.data.loader import scaled
-from raydiff.runs.state import Progress, Restored, TrainingState, Unresumable, checkpoint_candidates, restore_newest
+from raydiff.runs.errors import Unresumable
+from raydiff.runs.state import Progress, Restored, TrainingState, checkpoint_candidates, restore_newest
 from raydiff.storage.rundir import RunDir
 from raydiff.training.distributed import from_rank_zero
 from raydiff.training.step import StepResult

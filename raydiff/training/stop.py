@@ -1,5 +1,5 @@
 """Stopping a run cleanly: SIGTERM (`ray job stop`, a scheduler) or Ctrl-C ends it with a final checkpoint, or,
-before training has started (decoding, preparing streamed data), at once.
+before training has started (decoding, preparing streamed data), at once (`raydiff.training.interrupts`).
 
 During training the driver's signal handler raises a flag in a small Ray actor; the workers look at it every few
 steps (rank 0 asks, all ranks agree through an all-reduce), write a checkpoint, and return. A second Ctrl-C
@@ -17,35 +17,6 @@ from collections.abc import Iterator
 import ray
 
 logger = logging.getLogger("raydiff")
-
-
-class Interrupted(BaseException):
-    """SIGTERM or Ctrl-C before training started: nothing to save, so the command stops at once (a BaseException,
-    like KeyboardInterrupt, so that no `except Exception` swallows it; cleanups in `finally` blocks still run)."""
-
-    def __init__(self, signal_name: str) -> None:
-        super().__init__(signal_name)
-        self.signal = signal_name
-
-
-@contextlib.contextmanager
-def interrupt_on_signals() -> Iterator[None]:
-    """While active, SIGTERM and SIGINT raise `Interrupted` in the main thread: a long data preparation is stopped,
-    and what it left half-written is removed on the way out. Only in the main thread (a Tune trial runs
-    elsewhere and is stopped by Tune)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame) -> None:
-        raise Interrupted(signal.Signals(signum).name)
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 @ray.remote(num_cpus=0)

@@ -8,11 +8,11 @@ import torch
 
 from raydiff.quality import features as features_module
 from raydiff.quality.digits_classifier import digits_arrays, shipped_classifier
+from raydiff.quality.errors import QualityError
 from raydiff.quality.features import (
     DigitsFeatures,
     InceptionFeatures,
     ModuleFeatures,
-    QualityError,
     features_for,
     inception_weights_path,
 )

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from raydiff.training.stop import Interrupted, interrupt_on_signals, stop_on_signals
+from raydiff.training.interrupts import Interrupted, interrupt_on_signals
+from raydiff.training.stop import stop_on_signals
 
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                                 reason="signal handlers live in the main thread")

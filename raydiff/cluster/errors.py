@@ -1,0 +1,15 @@
+"""The cluster failures a command reports in one line: no cluster to join, no node to train on.
+
+Why a module of its own: the commands tell a user's problem from a bug by these classes (`raydiff.cli`), and a
+mistake found before Ray is imported (a bad `--set`) is reported at once only if the classes need no Ray.
+"""
+
+from __future__ import annotations
+
+
+class RayUnreachable(RuntimeError):
+    """The Ray cluster to join does not answer or refuses this client; the message is one line."""
+
+
+class NoWorkerNode(RuntimeError):
+    """No node that can run a training worker joined the cluster in time; the message is one line."""
