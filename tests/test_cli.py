@@ -50,7 +50,8 @@ def test_a_command_s_own_exit_status_passes_through():
 
 @pytest.mark.parametrize("command, args, line", [
     ("raydiff.train", ["--set", "train.lr=x"], "raydiff: config error: train.lr = 'x': expected a finite number"),
-    ("raydiff.tune", ["--batch", "16", "--lr", "1e-3", "--set", "train.nope=1"], "raydiff: config error: unknown key 'train.nope'"),
+    ("raydiff.tune", ["--batch", "16", "--lr", "1e-3", "--set", "train.nope=1"],
+     "raydiff: config error: unknown key 'train.nope'"),
     ("raydiff.bench", ["throughput", "--steps", "1"], "--steps 1: must be >= 2"),
 ])
 def test_a_mistake_found_before_training_imports_neither_torch_nor_ray(command, args, line):
