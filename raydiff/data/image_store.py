@@ -230,13 +230,18 @@ def decode_stream(source: Source, *, resolution: int, channels: int, image_colum
             yield batch["image"][usable], bad, texts[usable], {str(t) for t in texts if t}
 
 
+def rows_per_chunk(resolution: int, channels: int) -> int:
+    """How many decoded images make one object-store chunk (at least one)."""
+    return max(1, CHUNK_BYTES // (channels * resolution * resolution))
+
+
 def decodes_in_driver(source: Source, resolution: int, channels: int) -> bool:
     """Whether `load_images` decodes `source` in this process instead of in Ray Data tasks: a folder of images on
     this machine's disk, small enough that decoding it takes less than Ray Data's start-up, whose decoded images
     make one object-store chunk (few images, however small their files, at a high resolution would not)."""
     return (source.kind == "images" and isinstance(source.filesystem, pafs.LocalFileSystem)
             and sum(source.sizes) <= DRIVER_DECODE_BYTES
-            and len(source.files) * channels * resolution * resolution <= CHUNK_BYTES)
+            and len(source.files) <= rows_per_chunk(resolution, channels))
 
 
 def _decode_in_driver(source: Source, resolution: int, channels: int,
@@ -267,11 +272,10 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
     if in_driver:
         chunks, counted, per_chunk = _decode_in_driver(source, resolution, channels, labels)
     else:
-        rows_per_chunk = max(1, CHUNK_BYTES // (channels * resolution * resolution))
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # sample i must be the same image in every run
         ds = _read(source, resolution, channels, image_column, labels).repartition(
-            target_num_rows_per_block=rows_per_chunk).materialize()
+            target_num_rows_per_block=rows_per_chunk(resolution, channels)).materialize()
         chunks = ds.to_numpy_refs(column="image")
         counted = ray.get([_errors_of.remote(e) for e in ds.to_numpy_refs(column="error")])
         per_chunk = None if labels is None else ray.get([_labels_of.remote(t)
