@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from raydiff import cli
-from raydiff.runs.ema_snapshots import parse_sigma_rels
+from raydiff.config.checks import parse_sigma_rels
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -33,9 +33,8 @@ from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, set_key
-from raydiff.config.checks import validate
-from raydiff.model.diffusion import SAMPLERS
-from raydiff.runs.ema_snapshots import parse_sigma_rels
+from raydiff.config.checks import parse_sigma_rels, validate
+from raydiff.config.schema import SAMPLERS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -190,6 +189,8 @@ def write_result(run_dir, result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    guidance = parse_guidance(args.guidance) if args.guidance is not None else None
+    sigma_rels = parse_sigma_rels(args.sigma_rel) if args.sigma_rel is not None else None
     from raydiff.model.guidance import AUTOGUIDANCE
     from raydiff.quality.features import require_metrics_package
     from raydiff.quality.measure import result_line
@@ -206,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raydiff: error: --checkpoint {args.checkpoint}: cannot write the result into {run_dir} ({reason})",
               file=sys.stderr)
         return 2
-    guidance = parse_guidance(args.guidance) if args.guidance is not None else None
-    sigma_rels = parse_sigma_rels(args.sigma_rel) if args.sigma_rel is not None else None
     checkpoint, state = read_newest(location)
     states = [state] if sigma_rels is None else posthoc_states(run_dir, state, sigma_rels)
     guide = None

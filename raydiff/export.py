@@ -27,10 +27,6 @@ from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError
-from raydiff.model.guidance import AUTOGUIDANCE
-from raydiff.runs.checkpoint import checkpoint_location
-from raydiff.runs.ema_snapshots import weights_of
-from raydiff.runs.state import read_guide, read_newest
 from raydiff.storage.rundir import unwritable
 
 
@@ -63,10 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"raydiff: error: --out {args.out}: cannot write there ({reason})", file=sys.stderr)
         return 2
-    location = checkpoint_location(args.checkpoint, args.endpoint)
 
     from raydiff.model import diffusers_folder, diffusers_io
+    from raydiff.model.guidance import AUTOGUIDANCE
+    from raydiff.runs.checkpoint import checkpoint_location
+    from raydiff.runs.ema_snapshots import weights_of
+    from raydiff.runs.state import read_guide, read_newest
 
+    location = checkpoint_location(args.checkpoint, args.endpoint)
     diffusers_io.require_diffusers("raydiff.export")
     checkpoint, state = read_newest(location)
     try:

@@ -18,7 +18,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from raydiff import cli
 from raydiff.config import Config, load_config, preset_names
@@ -51,6 +50,8 @@ def suggest(lrs: np.ndarray, smoothed: list[float]) -> tuple[float, float, float
 
 
 def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
+    import torch
+
     from raydiff.cluster.devices import resolve_device
     from raydiff.cluster.start import init_ray
     from raydiff.data.loader import BatchStream

@@ -30,20 +30,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from raydiff import cli
-from raydiff.cluster.devices import resolve_device
 from raydiff.config import Config
-from raydiff.model import diffusers_folder
-from raydiff.model.diffusion import DEFAULT_STEPS, SAMPLERS, Sampler, build_diffusion, images_per_pass
-from raydiff.model.guidance import AUTOGUIDANCE, AutoGuided, check_guide
-from raydiff.model.unet import build_model
-from raydiff.runs.checkpoint import checkpoint_location
-from raydiff.runs.ema_snapshots import weights_of
-from raydiff.runs.images import grid_row, image_labels, save_samples
-from raydiff.runs.state import read_newest
-from raydiff.seeds import GRID_NOISE
+from raydiff.config.schema import SAMPLERS
 from raydiff.storage.rundir import unwritable
 
 SHOWN_CLASSES = 8  # classes named in full in the start line and in an error's list of choices
@@ -129,6 +118,8 @@ def class_request(state: dict, spec: str | None, guidance: float | None,
     the model cannot do: checked before anything is sampled or written."""
     names = class_names(state)
     if autoguided:
+        from raydiff.model.guidance import AUTOGUIDANCE
+
         if spec is not None and not names:
             raise ValueError(f"--class {spec}: the model is unconditional (model.num_classes = 0); --class applies "
                              f"to class-conditional models only")
@@ -152,42 +143,17 @@ def describe(classes: Sequence[int], names: Sequence[str], everyone: bool) -> st
     return f"{'every class: ' if everyone else 'class '}{shown}{more}"
 
 
-def generate(state: dict, *, num: int, sampler: Sampler, steps: int | None, eta: float, seed: int,
-             use_ema: bool, batch: int, device: torch.device, labels: Sequence[int] | None = None,
-             guidance: float = 1.0, guide: dict | None = None) -> torch.Tensor:
-    """Images in [-1, 1] from a training state; image i is a pure function of (seed, i) (and `labels[i]`, its class,
-    at `guidance`, for a class-conditional model), whatever `batch`. `guide`: the training state of a guiding
-    model: autoguidance at `guidance` (both networks conditioned on the same classes)."""
-    cfg = Config.from_dict(state["config"])
-    model: torch.nn.Module = load_network(state, "ema" if use_ema else "model", device)
-    if guide is not None:
-        model, guidance = AutoGuided(model, load_network(guide, "ema", device), guidance), 1.0
-    diffusion = build_diffusion(cfg)
-    shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
-    chunks = diffusion.sample_in_chunks(model, range(num), shape, batch=batch, seed=seed, tag=GRID_NOISE,
-                                        device=device, sampler=sampler, steps=steps, eta=eta, labels=labels,
-                                        guidance=guidance)
-    return torch.cat([images.cpu() for images in chunks])
-
-
-def load_network(state: dict, weights: str, device: torch.device) -> torch.nn.Module:
-    """A training state's network (`weights`: "ema" or "model"), in fp32 and eval mode, on `device`."""
-    model = build_model(Config.from_dict(state["config"]))
-    model.load_state_dict(state[weights] if weights in state else state["ema"])  # a diffusers folder: one set
-    return model.float().eval().to(device)
-
-
-def read_any(location: str, endpoint: str | None) -> tuple[str, dict]:
-    """(where, state) of a run or checkpoint folder (its newest checkpoint that reads) or a diffusers folder."""
-    if "://" not in location and diffusers_folder.is_diffusers_folder(location):
-        # An exported pipeline: one set of weights, converted back to raydiff's names.
-        return location, diffusers_folder.state_from_folder(location)
-    found, state = read_newest(checkpoint_location(location, endpoint))
-    return str(found), state
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import torch
+
+    from raydiff.cluster.devices import resolve_device
+    from raydiff.model.diffusion import DEFAULT_STEPS, images_per_pass
+    from raydiff.model.guidance import check_guide
+    from raydiff.runs.ema_snapshots import weights_of
+    from raydiff.runs.generate import generate, read_any
+    from raydiff.runs.images import grid_row, image_labels, save_samples
+
     try:
         device = resolve_device(args.device)
     except ValueError as exc:

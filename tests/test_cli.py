@@ -53,6 +53,14 @@ def test_a_command_s_own_exit_status_passes_through():
     ("raydiff.tune", ["--batch", "16", "--lr", "1e-3", "--set", "train.nope=1"],
      "raydiff: config error: unknown key 'train.nope'"),
     ("raydiff.bench", ["throughput", "--steps", "1"], "--steps 1: must be >= 2"),
+    ("raydiff.sample", ["--checkpoint", "run", "--out", "a.png", "--steps", "0"], "--steps 0: must be >= 1"),
+    ("raydiff.sample", ["--checkpoint", "run", "--out", "a.png", "--sampler", "euler"],
+     "argument --sampler: invalid choice: 'euler'"),
+    ("raydiff.evaluate", ["--checkpoint", "run", "--sigma-rel", "0.5"], "--sigma-rel = '0.5': must be"),
+    ("raydiff.evaluate", ["--checkpoint", "run", "--guidance", "-1"], "--guidance = '-1': must be"),
+    ("raydiff.export", ["--checkpoint", "run", "--out", "pipe", "--guidance", "2"], "only with --guide"),
+    ("raydiff.ema", ["--checkpoint", "run", "--out", "averages", "--sigma-rel", "0.3"], "--sigma-rel = '0.3'"),
+    ("raydiff.lr_find", ["--steps", "5"], "--steps 5: must be >= 10"),
 ])
 def test_a_mistake_found_before_training_imports_neither_torch_nor_ray(command, args, line):
     """Each takes seconds to import: a bad --set or argument is answered in a fraction of that."""

@@ -22,6 +22,7 @@ from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import make_ema
 from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
+from raydiff.runs.images import image_labels
 from raydiff.runs.state import Progress, TrainingState, checkpoint_state
 from raydiff.seeds import GRID_NOISE, image_generators
 
@@ -388,7 +389,7 @@ def test_sample_cli_asks_an_exported_folder_for_classes_by_name_and_id(exported_
         name = f"sample_{i:05d}.png"
         assert (by_name / name).read_bytes() == (by_id / name).read_bytes()
     # Image i gets class i * 3 // 6, and the grid has one row per class: 3 rows of 2 images.
-    assert sample.image_labels([2, 0, 1], 6) == [2, 2, 0, 0, 1, 1]
+    assert image_labels([2, 0, 1], 6) == [2, 2, 0, 0, 1, 1]
     width, height = Image.open(by_name / "grid.png").size
     assert (width - 2) / 2 == (height - 2) / 3  # 2 columns, 3 rows of equal cells (2 px padding)
     pixels = np.asarray(Image.open(by_id / "sample_00000.png"))

@@ -8,6 +8,7 @@ from test_export import CLASSES, CONDITIONAL, write_checkpoint
 
 from raydiff import cli, sample
 from raydiff.config import load_config
+from raydiff.runs.images import grid_row, image_labels
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,9 +27,9 @@ def test_every_class_by_default_one_row_each(runs, tmp_path, capsys):
     assert cli.run(sample.main, ["--checkpoint", str(runs / "conditional"), "--num", "6", "--sampler", "ddim",
                                  "--steps", "2", "--out", str(out)]) == 0
     assert "; every class: 0 (zero), 1 (one), 2 (two), guidance 2" in capsys.readouterr().out
-    assert sample.grid_row([0, 1, 2], 6) == 2 and sample.grid_row([0, 1, 2], 7) is None  # else a square grid
-    assert sample.grid_row([1], 6) is None  # one class: a square grid, not one long row
-    assert sample.image_labels([0, 1, 2], 7) == [0, 0, 0, 1, 1, 2, 2]
+    assert grid_row([0, 1, 2], 6) == 2 and grid_row([0, 1, 2], 7) is None  # else a square grid
+    assert grid_row([1], 6) is None  # one class: a square grid, not one long row
+    assert image_labels([0, 1, 2], 7) == [0, 0, 0, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize(("run", "args", "message"), [

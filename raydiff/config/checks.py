@@ -281,3 +281,15 @@ def check_workers(cfg: Config) -> None:
                t.micro_batch,
                f"train.global_batch = {t.global_batch} is not reachable as micro_batch x {w} workers x "
                f"accumulation: {per_worker} images per worker must be a multiple of micro_batch")
+
+
+def parse_sigma_rels(text: str) -> list[float]:
+    """--sigma-rel S[,S...]: different numbers in (0, SIGMA_REL_MAX), in the order given."""
+    allowed = f"must be comma-separated different numbers in (0, {SIGMA_REL_MAX}), such as 0.05,0.1"
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--sigma-rel = {text!r}: {allowed}") from None
+    if not all(math.isfinite(s) and 0 < s < SIGMA_REL_MAX for s in values) or len(set(values)) != len(values):
+        raise ConfigError(f"--sigma-rel = {text!r}: {allowed}")
+    return values

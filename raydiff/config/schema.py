@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal, get_args, get_type_hints
 
 import yaml
 
@@ -22,6 +22,12 @@ from raydiff.config.values import coerce, describe_type
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one line naming the key."""
+
+
+# The samplers `eval.sampler` and the commands' `--sampler` choose from (`raydiff.model.diffusion` runs them);
+# named here, apart from torch, so that a command reads its arguments before importing it.
+Sampler = Literal["ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "heun"]
+SAMPLERS: tuple[Sampler, ...] = get_args(Sampler)
 
 
 @dataclass
@@ -290,7 +296,7 @@ class EvalSection:
     """Evaluate once more when the run finishes (the `default` and `digits` presets do)."""
     num: int = 500
     """Images generated per evaluation (the DDPM paper's FID uses 50,000)."""
-    sampler: Literal["ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "heun"] = "ddim"
+    sampler: Sampler = "ddim"
     """The sampler that generates the evaluated images: `ddim`, `ddpm`, or the fast `dpmpp_2m` (DPM-Solver++ 2M),
     `dpmpp_2m_sde` (its SDE variant, fresh noise at each step) and `heun` (2 `eval.steps` - 1 network
     evaluations); see docs/sampling-and-diffusers.md#samplers."""

@@ -21,14 +21,13 @@ from typing import Literal
 
 import torch
 
+from raydiff.config.schema import Sampler
 from raydiff.model.samplers import dpmpp_2m, heun, x0_from_output
 from raydiff.seeds import image_generators
 
 Schedule = Literal["linear", "cosine"]
 Prediction = Literal["eps", "v", "x0"]
 LossWeighting = Literal["uniform", "min_snr"]
-Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_2m_sde", "heun"]
-SAMPLERS: tuple[str, ...] = ("ddpm", "ddim", "dpmpp_2m", "dpmpp_2m_sde", "heun")
 DEFAULT_STEPS: dict[str, int | None] = {"ddpm": None, "ddim": 50, "dpmpp_2m": 20, "dpmpp_2m_sde": 20,
                                         "heun": 18}  # None: all T
 Denoiser = Callable[..., torch.Tensor]  # model(x_t, t) or, class-conditional, model(x_t, t, labels)

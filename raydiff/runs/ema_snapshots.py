@@ -13,33 +13,19 @@ again is the same file.
 from __future__ import annotations
 
 import io
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from raydiff.config import Config, ConfigError
-from raydiff.config.checks import SIGMA_REL_MAX
+from raydiff.config import Config
 from raydiff.model.unet import build_model, count_parameters
 from raydiff.model.weight_averages import PowerEma, reconstruct
 from raydiff.storage.rundir import RunDir
 
 SNAPSHOT_DIR = "ema_snapshots"
 _NAME = re.compile(r"step_(\d{8})\.pt$")
-
-
-def parse_sigma_rels(text: str) -> list[float]:
-    """--sigma-rel S[,S...]: different numbers in (0, SIGMA_REL_MAX), in the order given."""
-    allowed = f"must be comma-separated different numbers in (0, {SIGMA_REL_MAX}), such as 0.05,0.1"
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--sigma-rel = {text!r}: {allowed}") from None
-    if not all(math.isfinite(s) and 0 < s < SIGMA_REL_MAX for s in values) or len(set(values)) != len(values):
-        raise ConfigError(f"--sigma-rel = {text!r}: {allowed}")
-    return values
 
 
 def snapshot_name(step: int) -> str:

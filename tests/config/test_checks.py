@@ -7,6 +7,7 @@ import pytest
 from conftest import ROOT
 
 from raydiff.config import ConfigError, all_keys, load_config
+from raydiff.config.checks import parse_sigma_rels
 
 
 @pytest.mark.parametrize("override, fragment", [
@@ -121,3 +122,10 @@ def test_cuda_graphs_need_the_step_compiled():
         load_config("default", ["train.compile=false", "train.cuda_graphs=true"])
     assert str(info.value) == ("train.cuda_graphs = True: needs train.compile = true or auto (CUDA graphs are "
                                "torch.compile's reduce-overhead mode)")
+
+
+def test_widths_are_read_in_order_and_bad_ones_refused():
+    assert parse_sigma_rels("0.1,0.05") == [0.1, 0.05]
+    for text in ("0", "0.28", "nan", "0.05,0.05", "a"):
+        with pytest.raises(ConfigError, match=f"--sigma-rel = '{text}': must be"):
+            parse_sigma_rels(text)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from raydiff.config import ConfigError, load_config
+from raydiff.config import load_config
 from raydiff.model.unet import build_model, count_parameters
 from raydiff.runs.ema_snapshots import (
     describe_snapshots,
     list_snapshots,
-    parse_sigma_rels,
     snapshot_name,
     snapshot_size,
     weights_of,
@@ -44,10 +43,3 @@ def test_a_rebuilt_average_is_named_and_has_no_online_weights():
     assert weights_of(rebuilt, "out/sigma_rel-0.070", use_ema=True) == "post-hoc EMA sigma_rel 0.07"
     with pytest.raises(ValueError, match="--no-ema: out/sigma_rel-0.070 is a post-hoc EMA average"):
         weights_of(rebuilt, "out/sigma_rel-0.070", use_ema=False)
-
-
-def test_widths_are_read_in_order_and_bad_ones_refused():
-    assert parse_sigma_rels("0.1,0.05") == [0.1, 0.05]
-    for text in ("0", "0.28", "nan", "0.05,0.05", "a"):
-        with pytest.raises(ConfigError, match=f"--sigma-rel = '{text}': must be"):
-            parse_sigma_rels(text)
