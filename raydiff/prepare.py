@@ -19,9 +19,7 @@ import argparse
 import time
 
 from raydiff import cli
-from raydiff.cluster.start import init_ray
 from raydiff.data.errors import DataError
-from raydiff.data.image_store import decode_stream
 from raydiff.data.labels import plan_labels
 from raydiff.data.shard_format import MANIFEST, write_prepared
 from raydiff.data.sources import open_source
@@ -57,7 +55,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     args = parse_args(argv)
     started = time.perf_counter()
     source = open_source(args.source, format=args.format, endpoint=args.endpoint, anonymous=args.anonymous)
@@ -67,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     reason = unwritable(args.out, endpoint=args.endpoint)
     if reason:
         raise DataError(f"OUT = {args.out!r}: cannot write there ({reason})")
+    from raydiff.cluster.start import init_ray
+    from raydiff.data.image_store import decode_stream
+
     init_ray()
     with interrupt_on_signals():  # SIGTERM / Ctrl-C stop it, and OUT is left absent, not half-written
         decoded = decode_stream(source, resolution=args.resolution, channels=args.channels,

@@ -61,6 +61,7 @@ def test_a_command_s_own_exit_status_passes_through():
     ("raydiff.export", ["--checkpoint", "run", "--out", "pipe", "--guidance", "2"], "only with --guide"),
     ("raydiff.ema", ["--checkpoint", "run", "--out", "averages", "--sigma-rel", "0.3"], "--sigma-rel = '0.3'"),
     ("raydiff.lr_find", ["--steps", "5"], "--steps 5: must be >= 10"),
+    ("raydiff.prepare", ["images", "prepared", "--resolution", "4"], "--resolution 4: must be between 8 and 1024"),
 ])
 def test_a_mistake_found_before_training_imports_neither_torch_nor_ray(command, args, line):
     """Each takes seconds to import: a bad --set or argument is answered in a fraction of that."""
