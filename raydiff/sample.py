@@ -145,6 +145,7 @@ def describe(classes: Sequence[int], names: Sequence[str], everyone: bool) -> st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Imported once the arguments are read: a mistake in them is answered without loading torch.
     import torch
 
     from raydiff.cluster.devices import resolve_device
