@@ -124,11 +124,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.set)
     from raydiff.config.learning_rate import rule_lr
     from raydiff.plots import plot_lr_find
 
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.set)
     t = cfg.train
     print(f"[raydiff] LR range test: up to {args.steps} steps, lr {args.start:.2g} -> {args.end:.2g}, "
           f"global batch {t.global_batch}")
