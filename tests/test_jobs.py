@@ -69,7 +69,7 @@ def head():
                 raise RuntimeError((Path(temp_dir) / "head.log").read_text()[-3000:]) from None
             time.sleep(0.5)
     try:
-        yield {"address": address, "env": env, "token": token, "gcs": f"127.0.0.1:{gcs}"}
+        yield {"address": address, "env": env, "token": token, "gcs": f"127.0.0.1:{gcs}", "temp_dir": temp_dir}
     finally:
         proc.send_signal(signal.SIGTERM)  # `ray start --block` stops the node it started...
         try:
@@ -87,6 +87,15 @@ def head():
                 pass
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def failed(head, proc: subprocess.CompletedProcess) -> str:
+    """What a failed `ray job` call printed, and the head's logs (`ray start --block` names a Ray process that
+    died, and then stops the head; the dashboard's own): the test's temp dir is gone after it."""
+    temp_dir = Path(head["temp_dir"])
+    logs = [temp_dir / "head.log", *sorted(temp_dir.glob("session_latest/logs/dashboard*.*"))]
+    return "\n".join([proc.stdout[-3000:] + proc.stderr[-3000:],
+                      *(f"--- {log.name}:\n{log.read_text(errors='replace')[-2000:]}" for log in logs)])
 
 
 def ray_job(head, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -129,7 +138,7 @@ def test_tune_job_succeeds(head, tmp_path):
                   "--samples", "2", "--budget-images", "320", "--name", "jobsweep", "--metric", "fid",
                   "--set", "eval.num=100", "--set", "eval.steps=5", "--set", f"run.storage={tmp_path}",
                   "--set", "data.labels=auto", "--set", "model.num_classes=auto")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(head, proc)
     rows = list(csv.DictReader((tmp_path / "jobsweep" / "results.csv").open()))
     assert len(rows) == 2 and all(float(r["digits_fd"]) > 0 for r in rows if r["status"] == "finished")
     summary = json.loads((tmp_path / "jobsweep" / "summary.json").read_text())
@@ -151,7 +160,7 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes_to_the_end(head, tmp
     # Ray gives a stopped job 3 s before SIGKILL by default; raydiff needs a little longer for its last checkpoint.
     stop_env = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}
     started = submit(head, *command, "--set", "debug.step_delay_s=0.1", runtime_env=stop_env, wait=False)
-    assert started.returncode == 0, started.stderr
+    assert started.returncode == 0, failed(head, started)
     job_id = re.search(r"raysubmit_\w+", started.stdout + started.stderr).group(0)
     metrics = tmp_path / "smoke" / "metrics.jsonl"
     deadline = time.time() + 180
@@ -159,7 +168,7 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes_to_the_end(head, tmp
         assert time.time() < deadline, ray_job(head, "logs", "--address", head["address"], job_id).stdout[-3000:]
         time.sleep(0.5)
     stopped = ray_job(head, "stop", "--address", head["address"], job_id)
-    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.returncode == 0, failed(head, stopped)
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
     assert summary["status"] == "stopped" and 30 <= summary["steps"] < 150
     assert checkpoint_step(list_checkpoints(tmp_path / "smoke")[-1]) == summary["steps"]  # the stop's checkpoint
@@ -167,7 +176,7 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes_to_the_end(head, tmp
     assert any(e["event"] == "stop_checkpoint" for e in events)
 
     again = submit(head, *command)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.returncode == 0, failed(head, again)
     assert "succeeded" in (again.stdout + again.stderr).lower()
     assert "[raydiff] joined the Ray cluster at" in again.stdout  # the head's cluster, not a Ray of its own
     resumed = json.loads((tmp_path / "smoke" / "summary.json").read_text())
