@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, set_key
-from raydiff.config.checks import parse_sigma_rels, validate
+from raydiff.config.checks import parse_numbers, parse_sigma_rels, validate
 from raydiff.config.schema import SAMPLERS
 
 
@@ -70,14 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def parse_guidance(text: str) -> tuple[float, ...]:
     """--guidance W[,W...]: numbers >= 0, in the order given."""
-    allowed = "must be comma-separated numbers >= 0 (1 = conditional without guidance, 0 = unconditional)"
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--guidance = {text!r}: {allowed}") from None
-    if not all(math.isfinite(w) and w >= 0 for w in values):
-        raise ConfigError(f"--guidance = {text!r}: {allowed}")
-    return values
+    return tuple(parse_numbers("--guidance", text, ok=lambda w: w >= 0, allowed="must be comma-separated numbers "
+                               ">= 0 (1 = conditional without guidance, 0 = unconditional)"))
 
 
 def model_classes(state: dict[str, Any]) -> dict[str, list] | None:

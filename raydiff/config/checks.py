@@ -283,13 +283,20 @@ def check_workers(cfg: Config) -> None:
                f"accumulation: {per_worker} images per worker must be a multiple of micro_batch")
 
 
-def parse_sigma_rels(text: str) -> list[float]:
-    """--sigma-rel S[,S...]: different numbers in (0, SIGMA_REL_MAX), in the order given."""
-    allowed = f"must be comma-separated different numbers in (0, {SIGMA_REL_MAX}), such as 0.05,0.1"
+def parse_numbers(flag: str, text: str, *, ok: Callable[[float], bool], allowed: str,
+                  different: bool = False) -> list[float]:
+    """A command's comma-separated numbers (`--sigma-rel`, `--guidance`), finite and each `ok`, in the order
+    given (and all `different`); else a ConfigError naming the flag and what is `allowed`."""
     try:
         values = [float(part) for part in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--sigma-rel = {text!r}: {allowed}") from None
-    if not all(math.isfinite(s) and 0 < s < SIGMA_REL_MAX for s in values) or len(set(values)) != len(values):
-        raise ConfigError(f"--sigma-rel = {text!r}: {allowed}")
+        raise ConfigError(f"{flag} = {text!r}: {allowed}") from None
+    if not all(math.isfinite(v) and ok(v) for v in values) or (different and len(set(values)) != len(values)):
+        raise ConfigError(f"{flag} = {text!r}: {allowed}")
     return values
+
+
+def parse_sigma_rels(text: str) -> list[float]:
+    """--sigma-rel S[,S...]: different numbers in (0, SIGMA_REL_MAX), in the order given."""
+    return parse_numbers("--sigma-rel", text, ok=lambda s: 0 < s < SIGMA_REL_MAX, different=True,
+                         allowed=f"must be comma-separated different numbers in (0, {SIGMA_REL_MAX}), such as 0.05,0.1")
