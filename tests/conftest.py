@@ -16,6 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # checkpoint every few steps, so the end of every test run would wait on that queue; every Ray process the
 # tests start (local instances, test clusters, CLI runs) inherits this.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Each test run would also start Ray Train's preemption watcher (a process that watches for node drains, which no
+# test cluster sees: the tests simulate a notice with debug.preemption_from_step) and Ray's prestarted idle
+# workers: about 4 of a run's 58 CPU-seconds (docs/benchmarks.md#the-test-suite). The job tests' head runs with
+# Ray's defaults, as users do.
+TEST_ONLY_RAY_SETTINGS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_enable_worker_prestart": "0",
+                          "RAY_prestart_worker_first_driver": "0"}
+for _name, _value in TEST_ONLY_RAY_SETTINGS.items():
+    os.environ.setdefault(_name, _value)
 # S3 tests talk to a moto server on loopback. Ray processes the tests start inherit these dummy credentials
 # (the standard way to pass them); real credentials and the EC2 metadata service are never consulted.
 os.environ["AWS_ACCESS_KEY_ID"] = "raydiff-tests"

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port
+from conftest import ROOT, TEST_ONLY_RAY_SETTINGS, free_port
 
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
 
@@ -45,7 +45,7 @@ def head():
     token = secrets.token_hex(32)
     temp_dir = tempfile.mkdtemp(prefix="rdh-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     dashboard, gcs = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and k not in TEST_ONLY_RAY_SETTINGS}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}{os.pathsep}{env['PATH']}")
     # The session's other test cluster runs on this machine too: Ray processes that look a cluster up without
     # an address (Ray Train's placement-group cleaner) must find this one.
