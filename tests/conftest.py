@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # Each test run would also start Ray Train's preemption watcher (a process that watches for node drains, which no
 # test cluster sees: the tests simulate a notice with debug.preemption_from_step) and Ray's prestarted idle
-# workers: about 4 of a run's 58 CPU-seconds (docs/benchmarks.md#the-test-suite). The job tests' head runs with
-# Ray's defaults, as users do.
+# workers, which no test uses: CPU the suite is bound by (docs/benchmarks.md#the-test-suite). The job tests' head
+# runs with Ray's defaults, as users do.
 TEST_ONLY_RAY_SETTINGS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_enable_worker_prestart": "0",
                           "RAY_prestart_worker_first_driver": "0"}
 for _name, _value in TEST_ONLY_RAY_SETTINGS.items():
