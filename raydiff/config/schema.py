@@ -162,9 +162,16 @@ class TrainSection:
     """NHWC (channels-last) activations and weights; `auto`: on where the step is compiled on a GPU (faster there),
     off in eager mode, where NHWC GroupNorm is slower (see docs/training.md#performance)."""
     cuda_graphs: Literal["auto"] | bool = "auto"
-    """Replay the compiled forward and backward passes as CUDA graphs (torch.compile's `reduce-overhead` mode; one
-    worker per run only, on GPUs, with `train.compile` on); `auto`: on wherever that holds, since the compiled
-    step is bound by the host launching its kernels there (see docs/training.md#performance)."""
+    """Replay the compiled forward and backward passes as CUDA graphs (torch.compile's `reduce-overhead` mode; on
+    GPUs, with `train.compile` on, and with several workers only under `train.allreduce: flat`); `auto`: on
+    wherever that holds, since the compiled step is bound by the host launching its kernels there (see
+    docs/training.md#performance)."""
+    allreduce: Literal["auto", "ddp", "flat"] = "auto"
+    """How several workers average their gradients. `ddp`: DDP all-reduces them in buckets while the backward pass
+    runs (overlapped; no CUDA graphs). `flat`: the gradients live in one buffer, all-reduced once after the last
+    micro-batch's backward pass, so that the step replays as CUDA graphs. `auto`: `flat` where the step replays as
+    CUDA graphs and all workers share one node (the all-reduce over the node's links is short beside the launches
+    the graphs save), else `ddp`. Both average alike (see docs/training.md#performance)."""
     tf32: bool = True
     """TF32 tensor cores for fp32 convolutions and matmuls during training on GPUs (sampling and evaluation always
     compute in IEEE fp32); false: IEEE fp32 throughout."""
@@ -177,8 +184,8 @@ class TrainSection:
     micro-batch (`train.micro_batch: auto`) would be smaller than the worker's share of the global batch (see
     docs/training.md#activation-checkpointing)."""
     grad_compression: Literal["none", "bf16"] = "none"
-    """`bf16`: DDP all-reduces the gradients in bf16, half the bytes on links between nodes (the cluster presets use
-    it; see docs/training.md#performance); `none` averages them in fp32."""
+    """`bf16`: the gradients are all-reduced in bf16 (by DDP or the flat all-reduce), half the bytes on links
+    between nodes (the cluster presets use it; see docs/training.md#performance); `none` averages them in fp32."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     ema_decay: float = 0.995

@@ -1,5 +1,6 @@
 """What makes the training step fast on this device, decided once per worker start: torch.compile, the memory
-format, CUDA graphs, TF32 and DDP's gradient compression; and wrapping the step's forward module accordingly.
+format, CUDA graphs, TF32, how the workers all-reduce their gradients (DDP or one flat all-reduce) and in what
+precision; and wrapping the step's forward module accordingly.
 
 Why a module of its own: each choice is a trade-off that differs by device and was settled by measurement
 (docs/benchmarks.md#gpu-throughput), not by the step's arithmetic: the step (`raydiff.training.step`) computes the
@@ -29,7 +30,8 @@ class SpeedPlan:
     channels_last: bool  # NHWC weights and activations (compiled: every activation around a convolution too)
     cuda_graphs: bool  # torch.compile's reduce-overhead mode: the forward and backward replayed as CUDA graphs
     tf32: bool  # TF32 tensor cores for fp32 convolutions and matmuls (training only; sampling stays IEEE fp32)
-    grad_compression: str  # "none" or "bf16": DDP all-reduces in bf16 (only where there is DDP: world size > 1)
+    grad_compression: str  # "none" or "bf16": the all-reduce in bf16 (only where there is one: world size > 1)
+    allreduce: str = "none"  # "ddp", "flat" (`raydiff.training.flat_allreduce`), or "none" with one worker
     reasons: tuple[str, ...] = ()  # why each `auto` came out as it did, for the start line
 
     @property
@@ -48,20 +50,22 @@ class SpeedPlan:
         compiled = "off" if self.compile is False else "on" if self.compile is True else f"on ({self.compile})"
         parts = [f"compile {compiled}", f"channels_last {'on' if self.channels_last else 'off'}",
                  f"CUDA graphs {'on' if self.cuda_graphs else 'off'}", f"TF32 {'on' if self.tf32 else 'off'}",
-                 f"gradient compression {self.grad_compression}"]
+                 f"all-reduce {self.allreduce}", f"gradient compression {self.grad_compression}"]
         return ", ".join(parts) + (f" ({'; '.join(self.reasons)})" if self.reasons else "")
 
 
-def plan_speed(t: TrainSection, device: torch.device, world_size: int) -> SpeedPlan:
-    """`train.compile`, `train.channels_last`, `train.cuda_graphs`, `train.tf32` and `train.grad_compression` made
-    concrete for this device and world size.
+def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_node: bool = True) -> SpeedPlan:
+    """`train.compile`, `train.channels_last`, `train.cuda_graphs`, `train.tf32`, `train.allreduce` and
+    `train.grad_compression` made concrete for this device and world size (`one_node`: all workers on this node).
 
     The rules for `auto` follow the GPU measurements in docs/benchmarks.md: compiled, this UNet trains fastest in
     NHWC on CUDA (cuDNN's NHWC convolutions, with GroupNorm and SiLU fused around them by inductor), while in eager
     mode NHWC GroupNorm is slower than NCHW; so channels_last follows compile on CUDA. Nothing is compiled on CPUs,
-    where compilation costs more than it saves on short runs. Compiled on one CUDA worker the step is bound by the
-    host launching its kernels, not by the GPU, so `auto` replays it as CUDA graphs there; never under DDP
-    (pytorch#128218)."""
+    where compilation costs more than it saves on short runs. Compiled on CUDA the step is bound by the host
+    launching its kernels, not by the GPU, so `auto` replays it as CUDA graphs there. DDP cannot be replayed
+    (pytorch#128218): with several workers the graphs need the flat all-reduce after the backward pass, which
+    `auto` chooses where the workers share a node (its links make the all-reduce short); across nodes DDP's
+    overlap of the all-reduce with the backward pass is kept unless CUDA graphs are asked for."""
     cuda = device.type == "cuda"
     reasons = []
     chosen_compile: bool | str = cuda if t.compile == "auto" else t.compile
@@ -72,18 +76,30 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int) -> SpeedP
         reasons.append(f"channels_last auto: {'compiled on CUDA' if channels_last else 'eager or not CUDA'}")
     else:
         channels_last = bool(t.channels_last)
-    graphs_possible = cuda and chosen_compile is True and world_size == 1  # reduce-overhead is inductor's
-    why_not = "not CUDA" if not cuda else "DDP, pytorch#128218" if world_size > 1 else "needs inductor"
+    graphable = cuda and chosen_compile is True  # reduce-overhead is inductor's
+    allreduce = "none" if world_size == 1 else t.allreduce
+    if allreduce == "auto":
+        want_graphs = graphable and (t.cuda_graphs is True or (t.cuda_graphs == "auto" and one_node))
+        allreduce = "flat" if want_graphs else "ddp"
+        reasons.append(f"all-reduce auto: {allreduce}, " + (
+            "for CUDA graphs" + (" on one node" if one_node else "") if want_graphs
+            else "no CUDA graphs" if not graphable or t.cuda_graphs is False
+            else "overlapping the backward pass across nodes"))
+    graphs_possible = graphable and allreduce != "ddp"
+    why_not = ("not CUDA" if not cuda else "needs inductor" if not graphable
+               else "DDP, pytorch#128218; train.allreduce=flat replays them")
     if t.cuda_graphs == "auto":
         cuda_graphs = graphs_possible
-        reasons.append(f"CUDA graphs auto: {'on, compiled on one CUDA worker' if cuda_graphs else 'off, ' + why_not}")
+        on = "on, compiled on " + ("one CUDA worker" if world_size == 1 else "CUDA with the flat all-reduce")
+        reasons.append(f"CUDA graphs auto: {on if cuda_graphs else 'off, ' + why_not}")
     else:
         cuda_graphs = bool(t.cuda_graphs) and graphs_possible
         if t.cuda_graphs and not cuda_graphs:
             reasons.append(f"CUDA graphs off ({why_not})")
     return SpeedPlan(compile=chosen_compile, compile_fallback=t.compile == "auto", channels_last=channels_last,
                      cuda_graphs=cuda_graphs, tf32=t.tf32 and cuda,
-                     grad_compression=t.grad_compression if world_size > 1 else "none", reasons=tuple(reasons))
+                     grad_compression=t.grad_compression if world_size > 1 else "none", allreduce=allreduce,
+                     reasons=tuple(reasons))
 
 
 def set_tf32(on: bool) -> None:
@@ -98,11 +114,12 @@ def set_tf32(on: bool) -> None:
 
 
 def for_training(module: nn.Module, plan: SpeedPlan, device: torch.device, world_size: int) -> nn.Module:
-    """`module` (the step's forward module, on `device`) as the step runs it: under DDP when there are several
-    workers (DDP's gradient buckets double as the .grad tensors: no copy after each all-reduce; optionally
-    averaged in bf16), then under torch.compile. At world size 1 there is no DDP wrapper to pay for. (The model is
-    converted to channels_last where it is built, before the optimizer and the EMA copy its layout.)"""
-    if world_size > 1:
+    """`module` (the step's forward module, on `device`) as the step runs it: under DDP when several workers
+    all-reduce with it (DDP's gradient buckets double as the .grad tensors: no copy after each all-reduce;
+    optionally averaged in bf16), then under torch.compile. At world size 1, and under the flat all-reduce (which
+    the step does itself: `raydiff.training.flat_allreduce`), there is no DDP wrapper. (The model is converted to
+    channels_last where it is built, before the optimizer and the EMA copy its layout.)"""
+    if world_size > 1 and plan.allreduce == "ddp":
         ddp = nn.parallel.DistributedDataParallel(
             module, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
         if plan.grad_compression == "bf16":

@@ -1,5 +1,5 @@
 """One optimizer step: accumulate the gradients of this worker's micro-batches (all-reduced only on the last
-one), unscale, clip, and apply the step only if everything is finite; then the EMA.
+one, by DDP or the flat all-reduce), unscale, clip, and apply the step only if everything is finite; then the EMA.
 
 The step never waits for the device: whether it was finite stays a device tensor, the optimizer skips a
 non-finite step on the device (fused AdamW's `found_inf`, the mechanism GradScaler uses), and the EMA update is
@@ -21,6 +21,7 @@ from raydiff.data.loader import MicroBatch, scaled
 from raydiff.model.diffusion import GaussianDiffusion
 from raydiff.model.weight_averages import EmaUpdater, PowerEma
 from raydiff.seeds import derive_seed
+from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.speed import ddp_of
 
 
@@ -84,6 +85,7 @@ class StepParts:
     timesteps: int  # T, for the loss per timestep quarter
     dropout: bool = True  # the model has dropout: seed it by stream position
     cuda_graphs: bool = False  # the compiled loss replays CUDA graphs: a new step begins at each optimizer step
+    flat_grads: FlatGradients | None = None  # `train.allreduce: flat`: the step all-reduces these itself
 
     @classmethod
     def build(cls, model: nn.Module, diffusion: GaussianDiffusion, optimizer: torch.optim.Optimizer,
@@ -127,9 +129,13 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
     # Under CUDA graphs a replay overwrites the previous one's outputs, the gradients among them: gradients summed
     # over several micro-batches need buffers of their own (zeroed, not freed, after the step; every parameter of
     # the UNet gets a gradient each step, so a zero buffer changes nothing the optimizer does). One micro-batch
-    # lets the optimizer take the graph's output as it is, with no copy.
-    stable_grads = s.cuda_graphs and len(batches) > 1
-    if stable_grads:
+    # lets the optimizer take the graph's output as it is, with no copy. The flat all-reduce's buffer is such a
+    # buffer already.
+    flat = s.flat_grads
+    stable_grads = s.cuda_graphs and len(batches) > 1 and flat is None
+    if flat is not None:
+        flat.attach()
+    elif stable_grads:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -157,6 +163,8 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
         quarter = timesteps * 4 // s.timesteps
         quarter_sums[0].index_add_(0, quarter, losses)
         quarter_sums[1].index_add_(0, quarter, torch.ones_like(losses))
+    if flat is not None:  # the flat all-reduce: once, after the last backward pass (DDP's ran inside it)
+        flat.all_reduce()
 
     # Unscale, clip, and skip the step on the device if anything is not finite (the gradients are all-reduced,
     # so every worker agrees).
@@ -167,7 +175,10 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
     s.optimizer.grad_scale, s.optimizer.found_inf = None, (~finite).float()  # type: ignore[attr-defined]
     s.scaler.step(s.optimizer)
     s.scaler.update()
-    s.optimizer.zero_grad(set_to_none=not stable_grads)
+    if flat is not None:
+        flat.zero()
+    else:
+        s.optimizer.zero_grad(set_to_none=not stable_grads)
 
     # Update the EMA (and the post-hoc averages), once per optimizer step, on every worker (not at all after a
     # skipped step).

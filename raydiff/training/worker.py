@@ -34,6 +34,7 @@ from raydiff.storage.writes import BackgroundWrites
 from raydiff.training.compile_cache import CompileCache, cache_key
 from raydiff.training.debug import DebugHooks
 from raydiff.training.distributed import from_rank_zero, smallest
+from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.microbatch import plan_memory
 from raydiff.training.recovery import restore_agreed
@@ -139,7 +140,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
-    speed = plan_speed(t, device, world_size)
+    speed = plan_speed(t, device, world_size, one_node=context.get_local_world_size() == world_size)
     set_tf32(speed.tf32)
     torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: autotune the convolutions once
 
@@ -182,7 +183,8 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     restored = restore_agreed(training_state, run_dir, is_chief=rank == 0, latest=ray.train.get_checkpoint())
     apply_config(optimizer, weight_decay=t.weight_decay)
 
-    # The step's forward module as it runs here: under DDP with several workers, compiled (with its cache).
+    # The step's forward module as it runs here: under DDP (or beside the flat all-reduce) with several workers,
+    # compiled (with its cache).
     step_parts = StepParts.build(model, diffusion, optimizer, scaler, device=device, autocast_dtype=autocast_dtype,
                                    seed=t.seed, flip=cfg.data.flip, global_batch=t.global_batch,
                                    world_size=world_size, grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0,
@@ -190,11 +192,15 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     compile_cache, compile_cache_note = None, None
     if speed.compile is not False and t.compile_cache:
         compile_cache = CompileCache(run_dir, compiled_step_key(
-            cfg, speed, device, world_size=world_size, layout=micro_batches(share, micro_batch),
+            cfg, speed, device, layout=micro_batches(share, micro_batch),
             autocast_dtype=autocast_dtype, checkpointing=model.activation_checkpointing))
         compile_cache_note = compile_cache.load()
     step_parts.loss = for_training(step_parts.loss, speed, device, world_size)
     step_parts.cuda_graphs = speed.cuda_graphs
+    if speed.allreduce == "flat":
+        step_parts.flat_grads = FlatGradients(list(model.parameters()), world_size=world_size,
+                                              compression=speed.grad_compression)
+        step_parts.flat_grads.broadcast_weights()
 
     is_chief = rank == 0
     writes = BackgroundWrites() if is_chief else None
@@ -214,12 +220,13 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     return worker, restored.progress if restored is not None else Progress()
 
 
-def compiled_step_key(cfg: Config, speed: SpeedPlan, device: torch.device, *, world_size: int,
+def compiled_step_key(cfg: Config, speed: SpeedPlan, device: torch.device, *,
                       layout: list[tuple[int, int]], autocast_dtype: torch.dtype | None, checkpointing: bool) -> str:
     """The compile cache's key: what the compiled step depends on besides torch and the device."""
     model = {k: v for k, v in asdict(cfg.model).items() if k != "init_from"}
     return cache_key({"model": model, "image": [cfg.data.channels, cfg.data.resolution], "flip": cfg.data.flip,
                       "prediction": cfg.diffusion.prediction, "autocast": str(autocast_dtype),
                       "activation_checkpointing": checkpointing, "micro_batches": sorted({n for _, n in layout}),
-                      "ddp": world_size > 1, "grad_compression": speed.grad_compression, "compile": speed.compile,
-                      "options": speed.compile_options, "channels_last": speed.channels_last}, device)
+                      "ddp": speed.allreduce == "ddp", "grad_compression": speed.grad_compression,
+                      "compile": speed.compile, "options": speed.compile_options,
+                      "channels_last": speed.channels_last}, device)

@@ -352,6 +352,18 @@ def test_precision_and_weight_decay_may_change_between_runs(cluster, reference, 
     assert [r["step"] for r in rows] == [10, 20, 30] and all(math.isfinite(r["loss"]) for r in rows)
 
 
+def test_the_flat_all_reduce_continues_a_ddp_run_bit_identically(cluster, reference, tmp_path):
+    """`train.allreduce: flat` (the all-reduce that lets CUDA graphs replay several workers' steps) averages as DDP
+    does: the reference run's last 20 steps, continued with it, end bit-identical to the reference's."""
+    run_dir = reference_until(reference, 100, tmp_path / "flat")
+    proc = train(cluster, tmp_path, "flat", "--set", "train.allreduce=flat")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all-reduce flat" in proc.stdout + proc.stderr
+    assert summary(run_dir)["resumed_from_step"] == 100
+    assert_same_weights(final_state(run_dir), final_state(reference))
+    assert losses(run_dir) == losses(reference)
+
+
 @pytest.mark.slow
 def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, reference, tmp_path):
     run_dir = reference_until(reference, 20, tmp_path / "broken")

@@ -15,6 +15,7 @@ from raydiff.data.order import SampleOrder, rank_share
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import EmaUpdater, make_ema
+from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.microbatch import measure_micro_batch
 from raydiff.training.speed import SpeedPlan, for_training, unwrap
 from raydiff.training.step import StepParts, make_optimizer, optimizer_step
@@ -147,29 +148,56 @@ def test_dropout_on_the_gpu_is_a_function_of_the_stream_position(mode):
     assert (first - unseeded).abs().mean() > 0.1 * first.abs().mean()
 
 
+def _three_steps(*, compile_model: bool, channels_last: bool, cuda_graphs: bool, flat: bool = False):
+    """Three steps of two micro-batches each under this plan: the losses, and how far each weight moved."""
+    inputs, _, ema_update, cfg = _setup("fp32", channels_last=channels_last)
+    start = [p.detach().clone() for p in unwrap(inputs.loss).parameters()]
+    _apply(inputs, compile_model=compile_model, cuda_graphs=cuda_graphs, channels_last=channels_last)
+    if flat:
+        inputs.flat_grads = FlatGradients(list(unwrap(inputs.loss).parameters()), world_size=1, compression="none")
+    stream = _stream(cfg)
+    try:
+        losses = [float(optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update, ema_decay=0.9).loss_sum)
+                  for _ in range(3)]
+    finally:
+        stream.close()
+    moved = torch.cat([(p.detach() - p0).flatten()
+                       for p, p0 in zip(unwrap(inputs.loss).parameters(), start, strict=True)])
+    return losses, moved
+
+
+def _assert_same_steps(losses: list[float], moved: torch.Tensor, eager_losses: list[float], eager_moved: torch.Tensor,
+                       name: str) -> None:
+    # TF32 convolutions and fused kernels change the last bits, not the steps; a gradient lost or counted twice
+    # turns a large share of Adam's updates (about +-lr each) the other way.
+    assert losses == pytest.approx(eager_losses, rel=1e-2), name
+    assert (moved - eager_moved).abs().mean() < 0.1 * eager_moved.abs().mean(), name
+
+
 def test_compiled_channels_last_and_cuda_graph_steps_match_eager():
     """Each way of running the step trains the same steps, two micro-batches each (under CUDA graphs their
     gradients must be summed outside the graphs' memory): the same losses, and weights that moved as eager's did."""
-    losses, moved = {}, {}
+    eager = _three_steps(compile_model=False, channels_last=False, cuda_graphs=False)
     for name, compile_model, channels_last, cuda_graphs in (
-            ("eager", False, False, False), ("compiled", True, False, False), ("channels_last", False, True, False),
+            ("compiled", True, False, False), ("channels_last", False, True, False),
             ("compiled_nhwc", True, True, False), ("cuda_graphs", True, False, True)):
-        inputs, _, ema_update, cfg = _setup("fp32", channels_last=channels_last)
-        start = [p.detach().clone() for p in unwrap(inputs.loss).parameters()]
-        _apply(inputs, compile_model=compile_model, cuda_graphs=cuda_graphs, channels_last=channels_last)
-        stream = _stream(cfg)
-        try:
-            losses[name] = [float(optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update,
-                                                 ema_decay=0.9).loss_sum) for _ in range(3)]
-        finally:
-            stream.close()
-        moved[name] = torch.cat([(p.detach() - p0).flatten()
-                                 for p, p0 in zip(unwrap(inputs.loss).parameters(), start, strict=True)])
-    # TF32 convolutions and fused kernels change the last bits, not the steps; a gradient lost or counted twice
-    # turns a large share of Adam's updates (about +-lr each) the other way.
-    for name in ("compiled", "channels_last", "compiled_nhwc", "cuda_graphs"):
-        assert losses[name] == pytest.approx(losses["eager"], rel=1e-2), name
-        assert (moved[name] - moved["eager"]).abs().mean() < 0.1 * moved["eager"].abs().mean(), name
+        _assert_same_steps(*_three_steps(compile_model=compile_model, channels_last=channels_last,
+                                         cuda_graphs=cuda_graphs), *eager, name)
+
+
+def test_the_flat_all_reduce_under_cuda_graphs_trains_as_eager(tmp_path):
+    """`train.allreduce: flat` as several workers on one node run it, in a one-process NCCL group: compiled, NHWC,
+    CUDA graphs, two micro-batches summed into the flat buffer's NHWC views, then its all-reduce, outside the
+    graphs. The same losses, and weights that moved as eager's did."""
+    import torch.distributed as dist
+
+    eager = _three_steps(compile_model=False, channels_last=False, cuda_graphs=False)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        flat = _three_steps(compile_model=True, channels_last=True, cuda_graphs=True, flat=True)
+    finally:
+        dist.destroy_process_group()
+    _assert_same_steps(*flat, *eager, "flat all-reduce, CUDA graphs, NHWC")
 
 
 def test_micro_batch_auto_measures_what_fits():

@@ -90,3 +90,78 @@ def test_ddp_averages_the_gradients_of_the_global_batch_in_overlapping_buckets(t
     # all-reduce starts while the backward pass is still computing the earlier layers.
     buckets = result["buckets"]
     assert sum(buckets) == 35_746_307 * 4 and len(buckets) >= 5 and buckets[0] < 4 * 2**20
+
+
+def _flat_or_ddp(rank: int, init_file: str, compression: str, channels_last: bool, out: str) -> None:
+    import numpy as np
+    import torch.distributed as dist
+
+    from raydiff.config import TrainSection
+    from raydiff.data.loader import MicroBatch
+    from raydiff.model.diffusion import build_diffusion
+    from raydiff.model.unet import build_model
+    from raydiff.training.flat_allreduce import FlatGradients
+    from raydiff.training.speed import for_training, plan_speed
+    from raydiff.training.step import StepParts, make_optimizer, optimizer_step
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    cpu = torch.device("cpu")
+    all_reduces = []  # every dist.all_reduce of this process (DDP's reducer runs its own below Python)
+    counted = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: all_reduces.append(a[0].dtype) or counted(*a, **k)
+    cfg = load_config("smoke", ["model.dropout=0.1"], check_source=False)
+    results: dict = {}
+    for allreduce in ("ddp", "flat"):
+        plan = plan_speed(TrainSection(allreduce=allreduce, grad_compression=compression), cpu, world_size=2)
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        for p in model.parameters():  # leave the near-zero init: gradients everywhere
+            torch.nn.init.normal_(p, std=0.05)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
+        parts = StepParts.build(model, build_diffusion(cfg), optimizer, torch.amp.GradScaler("cpu", enabled=False),
+                                device=cpu, autocast_dtype=None, seed=0, flip=True, global_batch=16, world_size=2,
+                                grad_clip=1.0, dropout=True, channels_last=channels_last)
+        parts.loss = for_training(parts.loss, plan, cpu, world_size=2)
+        if plan.allreduce == "flat":
+            parts.flat_grads = FlatGradients(list(model.parameters()), world_size=2, compression=compression)
+            if rank == 1:  # weights that disagree are rank 0's after the broadcast, as DDP's wrapper makes them
+                with torch.no_grad():
+                    next(model.parameters()).add_(1.0)
+            parts.flat_grads.broadcast_weights()
+        all_reduces.clear()
+        pointers = set()
+        for step in range(3):  # this worker's 8 of each step's 16 images, in two micro-batches
+            rng = np.random.default_rng(step)
+            images = torch.from_numpy(rng.integers(0, 256, (16, 1, 8, 8), dtype=np.uint8))
+            flips = torch.from_numpy(rng.random(16) < 0.5)
+            batches = [MicroBatch(images=images[i:i + 4], flips=flips[i:i + 4], position=step * 16 + i,
+                                  indices=np.arange(i, i + 4)) for i in (8 * rank, 8 * rank + 4)]
+            optimizer_step(parts, batches, lr=1e-3)
+            pointers.add(tuple(p.grad.data_ptr() if p.grad is not None else 0 for p in model.parameters()))
+        results[allreduce] = {"plan": plan.describe(), "all_reduces": [str(d) for d in all_reduces],
+                              "same_grad_buffers": len(pointers) == 1,
+                              "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compression,channels_last", [("none", False), ("bf16", True)])
+def test_the_flat_all_reduce_trains_the_weights_ddp_trains(tmp_path, compression, channels_last):
+    """`train.allreduce: flat` (the step's own all-reduce, which CUDA graphs can replay around) against DDP on two
+    gloo processes, two micro-batches each, three steps: bit-identical weights (DDP's arithmetic: divided by the
+    world size, then summed; in bf16 with compression), one all-reduce per step (none after the first
+    micro-batch), and the gradients in the same buffer every step, laid out like the parameters (NHWC too). Like
+    DDP's wrapper, the flat all-reduce starts every worker from rank 0's weights."""
+    out = tmp_path / "rank0.json"
+    torch.multiprocessing.spawn(_flat_or_ddp, args=(str(tmp_path / "init"), compression, channels_last, str(out)),
+                                nprocs=2)
+    result = json.loads(out.read_text())
+    ddp, flat = result["ddp"], result["flat"]
+    assert "all-reduce ddp" in ddp["plan"] and "all-reduce flat" in flat["plan"]
+    assert flat["all_reduces"] == ["torch.bfloat16" if compression == "bf16" else "torch.float32"] * 3
+    assert flat["same_grad_buffers"]
+    for i, (a, b) in enumerate(zip(ddp["weights"], flat["weights"], strict=True)):
+        assert a == b, f"parameter {i} differs"

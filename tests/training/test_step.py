@@ -172,8 +172,9 @@ def test_a_compiled_model_trains_the_same_step():
 
 
 def test_the_speed_plan_per_device_and_world_size():
-    """auto: compiled, channels_last and CUDA graphs on one CUDA worker (NHWC is faster only compiled; CUDA graphs
-    never under DDP), eager NCHW on CPUs; gradient compression only where there is DDP."""
+    """auto: compiled, channels_last and CUDA graphs on CUDA (NHWC is faster only compiled; CUDA graphs never under
+    DDP, so several workers on one node all-reduce flat, and across nodes keep DDP's overlap), eager NCHW on CPUs;
+    gradient compression only where there is an all-reduce."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     auto = TrainSection()
     on_cpu, on_gpu = plan_speed(auto, cpu, 1), plan_speed(auto, gpu, 1)
@@ -183,10 +184,21 @@ def test_the_speed_plan_per_device_and_world_size():
     assert on_gpu.compile_options == {"triton.cudagraphs": True, "force_layout_optimization": True}
     assert "channels_last auto: compiled on CUDA" in on_gpu.describe()
     assert "CUDA graphs auto: on, compiled on one CUDA worker" in on_gpu.describe()
-    on_gpus = plan_speed(auto, gpu, 8)
-    assert on_gpus.compile and not on_gpus.cuda_graphs
-    assert on_gpus.compile_options == {"force_layout_optimization": True}
-    assert "CUDA graphs auto: off, DDP" in on_gpus.describe()
+    assert on_gpu.allreduce == "none" and "all-reduce none" in on_gpu.describe()
+    on_gpus = plan_speed(auto, gpu, 8)  # one node
+    assert on_gpus.compile and on_gpus.cuda_graphs and on_gpus.allreduce == "flat"
+    assert "all-reduce auto: flat, for CUDA graphs on one node" in on_gpus.describe()
+    on_nodes = plan_speed(auto, gpu, 8, one_node=False)
+    assert on_nodes.compile and not on_nodes.cuda_graphs and on_nodes.allreduce == "ddp"
+    assert on_nodes.compile_options == {"force_layout_optimization": True}
+    assert "all-reduce auto: ddp, overlapping the backward pass across nodes" in on_nodes.describe()
+    assert "CUDA graphs auto: off, DDP" in on_nodes.describe()
+    assert plan_speed(auto, cpu, 2).allreduce == "ddp" and "all-reduce auto: ddp, no CUDA graphs" in plan_speed(
+        auto, cpu, 2).describe()
+    asked = plan_speed(TrainSection(cuda_graphs=True), gpu, 8, one_node=False)  # graphs asked for: flat
+    assert asked.cuda_graphs and asked.allreduce == "flat"
+    assert plan_speed(TrainSection(cuda_graphs=False), gpu, 8).allreduce == "ddp"
+    assert plan_speed(TrainSection(allreduce="flat"), cpu, 2).allreduce == "flat"  # also without graphs
     eager_gpu = plan_speed(TrainSection(compile=False), gpu, 1)
     assert not eager_gpu.channels_last and not eager_gpu.cuda_graphs and "compile off" in eager_gpu.describe()
     assert not plan_speed(TrainSection(compile="aot_eager"), gpu, 1).cuda_graphs  # reduce-overhead is inductor's
@@ -197,7 +209,8 @@ def test_the_speed_plan_per_device_and_world_size():
     # inductor accepts the options (it checks their names when torch.compile wraps the module, before compiling)
     strict = dataclasses.replace(on_gpu, compile_fallback=False)  # (the fallback would set a process-wide flag)
     assert for_training(torch.nn.Linear(2, 2), strict, cpu, world_size=1) is not None
-    assert not plan_speed(graphs, gpu, 2).cuda_graphs and "pytorch#128218" in plan_speed(graphs, gpu, 2).describe()
+    with_ddp = plan_speed(dataclasses.replace(graphs, allreduce="ddp"), gpu, 2)
+    assert not with_ddp.cuda_graphs and "pytorch#128218" in with_ddp.describe()
     assert not plan_speed(graphs, cpu, 1).cuda_graphs
     assert plan_speed(TrainSection(compile="aot_eager"), cpu, 1).compile == "aot_eager"
     compressed = TrainSection(grad_compression="bf16")
