@@ -16,6 +16,7 @@ from raydiff.data.noise import position_noise
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import EmaUpdater, make_ema
+from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.speed import compiled, for_training, plan_speed, unwrap
 from raydiff.training.step import DenoisingLoss, StepParts, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
@@ -73,9 +74,26 @@ def _batches(step: int) -> list[MicroBatch]:
             MicroBatch(images=images[4:], flips=flips[4:], position=step * 8 + 4, indices=np.arange(4, 8))]
 
 
-@pytest.mark.parametrize("fp16", [False, True])
-def test_the_steady_state_step_never_reads_a_device_value(monkeypatch, fp16):
+@pytest.fixture
+def flat_allreduce(tmp_path):
+    """`with_flat(inputs)`: the step under `train.allreduce: flat`, in a one-process gloo group (left after)."""
+    import torch.distributed as dist
+
+    def with_flat(inputs: StepParts) -> StepParts:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+        inputs.flat_grads = FlatGradients([p for g in inputs.optimizer.param_groups for p in g["params"]],
+                                          world_size=1, compression="none")
+        return inputs
+    yield with_flat
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fp16,flat", [(False, False), (True, False), (False, True)])
+def test_the_steady_state_step_never_reads_a_device_value(monkeypatch, flat_allreduce, fp16, flat):
     inputs, _, ema_update = _setup(fp16)
+    if flat:
+        flat_allreduce(inputs)
     window, nonfinite = MetricsWindow(inputs.device), NonFiniteSteps(inputs.device)
     optimizer_step(inputs, _batches(0), lr=1e-3, ema=ema_update, ema_decay=0.9)  # the optimizer's lazy state
     calls: list[str] = []
@@ -99,9 +117,11 @@ def test_the_steady_state_step_never_reads_a_device_value(monkeypatch, fp16):
                                                             world_size=1, skipped_steps=0)["loss"] > 0
 
 
-@pytest.mark.parametrize("fp16", [False, True])
-def test_a_non_finite_step_changes_nothing_and_is_counted(fp16):
+@pytest.mark.parametrize("fp16,flat", [(False, False), (True, False), (False, True)])
+def test_a_non_finite_step_changes_nothing_and_is_counted(flat_allreduce, fp16, flat):
     inputs, ema, ema_update = _setup(fp16)
+    if flat:
+        flat_allreduce(inputs)
     optimizer_step(inputs, _batches(0), lr=1e-3, ema=ema_update, ema_decay=0.5)
     model_before = {k: v.clone() for k, v in unwrap(inputs.loss).model.state_dict().items()}
     ema_before = {k: v.clone() for k, v in ema.state_dict().items()}
