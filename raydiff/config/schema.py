@@ -169,9 +169,9 @@ class TrainSection:
     allreduce: Literal["auto", "ddp", "flat"] = "auto"
     """How several workers average their gradients. `ddp`: DDP all-reduces them in buckets while the backward pass
     runs (overlapped; no CUDA graphs). `flat`: the gradients live in one buffer, all-reduced once after the last
-    micro-batch's backward pass, so that the step replays as CUDA graphs. `auto`: `flat` where the step replays as
-    CUDA graphs and all workers share one node (the all-reduce over the node's links is short beside the launches
-    the graphs save), else `ddp`. Both average alike (see docs/training.md#performance)."""
+    micro-batch's backward pass, so that the step can replay as CUDA graphs. `auto`: `flat` where the step
+    replays as CUDA graphs and all workers share one node (the all-reduce over the node's links is short beside
+    the launches the graphs save), else `ddp`. Both average alike (see docs/training.md#performance)."""
     tf32: bool = True
     """TF32 tensor cores for fp32 convolutions and matmuls during training on GPUs (sampling and evaluation always
     compute in IEEE fp32); false: IEEE fp32 throughout."""
