@@ -29,10 +29,7 @@ def _worker(rank: int, init_file: str, compression: str, out: str) -> None:
 
     # The smoke model: this worker's half of a batch of 8, scaled as the step scales it (sum x world / global).
     cfg = load_config("smoke", check_source=False)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    for p in model.parameters():  # leave the near-zero init: gradients everywhere
-        torch.nn.init.normal_(p, std=0.05)
+    model = _smoke_model(cfg)
     loss = for_training(DenoisingLoss(model, build_diffusion(cfg), device=cpu, flip=False), plan, cpu, world_size=2)
     images, flips, timesteps, noise = _batch(8)
     mine = slice(4 * rank, 4 * rank + 4)
@@ -53,6 +50,16 @@ def _worker(rank: int, init_file: str, compression: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _smoke_model(cfg):
+    from raydiff.model.unet import build_model
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    for p in model.parameters():  # leave the near-zero init: gradients everywhere
+        torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
 def _batch(n: int, channels: int = 1, resolution: int = 8):
     generator = torch.Generator().manual_seed(1)
     images = torch.randint(0, 256, (n, channels, resolution, resolution), dtype=torch.uint8, generator=generator)
@@ -63,14 +70,10 @@ def _batch(n: int, channels: int = 1, resolution: int = 8):
 def _reference_gradients() -> torch.Tensor:
     """One process, the whole batch of 8: the mean loss's gradients."""
     from raydiff.model.diffusion import build_diffusion
-    from raydiff.model.unet import build_model
     from raydiff.training.step import DenoisingLoss
 
     cfg = load_config("smoke", check_source=False)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.05)
+    model = _smoke_model(cfg)
     loss = DenoisingLoss(model, build_diffusion(cfg), device=torch.device("cpu"), flip=False)
     (loss(*_batch(8)).sum() / 8).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -99,7 +102,6 @@ def _flat_or_ddp(rank: int, init_file: str, compression: str, channels_last: boo
     from raydiff.config import TrainSection
     from raydiff.data.loader import MicroBatch
     from raydiff.model.diffusion import build_diffusion
-    from raydiff.model.unet import build_model
     from raydiff.training.flat_allreduce import FlatGradients
     from raydiff.training.speed import for_training, plan_speed
     from raydiff.training.step import StepParts, make_optimizer, optimizer_step
@@ -113,10 +115,7 @@ def _flat_or_ddp(rank: int, init_file: str, compression: str, channels_last: boo
     results: dict = {}
     for allreduce in ("ddp", "flat"):
         plan = plan_speed(TrainSection(allreduce=allreduce, grad_compression=compression), cpu, world_size=2)
-        torch.manual_seed(0)
-        model = build_model(cfg)
-        for p in model.parameters():  # leave the near-zero init: gradients everywhere
-            torch.nn.init.normal_(p, std=0.05)
+        model = _smoke_model(cfg)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
         optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
