@@ -60,8 +60,9 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
 
     The rules for `auto` follow the GPU measurements in docs/benchmarks.md: compiled, this UNet trains fastest in
     NHWC on CUDA (cuDNN's NHWC convolutions, with GroupNorm and SiLU fused around them by inductor), while in eager
-    mode NHWC GroupNorm is slower than NCHW; so channels_last follows compile on CUDA. Nothing is compiled on CPUs,
-    where compilation costs more than it saves on short runs. Compiled on CUDA the step is bound by the host
+    mode NHWC GroupNorm is slower than NCHW; so channels_last follows compile on CUDA. Nothing is compiled on CPUs:
+    the compiled `default` step is no faster there than eager (docs/benchmarks.md#training-throughput), after
+    minutes of compilation. Compiled on CUDA the step is bound by the host
     launching its kernels, not by the GPU, so `auto` replays it as CUDA graphs there. DDP cannot be replayed
     (pytorch#128218): with several workers the graphs need the flat all-reduce after the backward pass, which
     `auto` chooses where the workers share a node (its links make the all-reduce short); across nodes DDP's
