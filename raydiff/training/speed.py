@@ -62,11 +62,11 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
     NHWC on CUDA (cuDNN's NHWC convolutions, with GroupNorm and SiLU fused around them by inductor), while in eager
     mode NHWC GroupNorm is slower than NCHW; so channels_last follows compile on CUDA. Nothing is compiled on CPUs:
     the compiled `default` step is no faster there than eager (docs/benchmarks.md#training-throughput), after
-    minutes of compilation. Compiled on CUDA the step is bound by the host
-    launching its kernels, not by the GPU, so `auto` replays it as CUDA graphs there. DDP cannot be replayed
-    (pytorch#128218): with several workers the graphs need the flat all-reduce after the backward pass, which
-    `auto` chooses where the workers share a node (its links make the all-reduce short); across nodes DDP's
-    overlap of the all-reduce with the backward pass is kept unless CUDA graphs are asked for."""
+    minutes of compilation. Compiled on CUDA the step is bound by the host launching its kernels, not by the GPU,
+    so `auto` replays it as CUDA graphs there. DDP cannot be replayed (pytorch#128218): with several workers the
+    graphs need the flat all-reduce after the backward pass, which `auto` chooses where the workers share a node
+    (its links make the all-reduce short); across nodes DDP's overlap of the all-reduce with the backward pass is
+    kept unless CUDA graphs are asked for."""
     cuda = device.type == "cuda"
     reasons = []
     chosen_compile: bool | str = cuda if t.compile == "auto" else t.compile
