@@ -23,6 +23,7 @@ from raydiff.cluster.errors import RayUnreachable
 from raydiff.cluster.nodes import alive_nodes
 
 ANSWER_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
+GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # the GCS port of a head that Ray starts (ray._private.ray_constants)
 
 
 _joined_here = False  # whether init_ray() made this process's Ray connection (so that leave_ray() may end it)
@@ -35,7 +36,10 @@ def init_ray() -> None:
         return
     existing = check_ray_address()
     try:
-        ray.init(logging_level=logging.WARNING)
+        if existing is None:
+            _start_local_instance()
+        else:
+            ray.init(logging_level=logging.WARNING)
         _joined_here = True
     except ConnectionError as exc:
         refused = "token" in f"{exc} {exc.__cause__}".lower()
@@ -50,6 +54,31 @@ def init_ray() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
     _drop_harmless_worker_lines()
+
+
+def _start_local_instance() -> None:
+    """Start a local Ray instance whose processes name it in RAY_ADDRESS.
+
+    Ray Train's placement-group cleaner (an actor of every run) asks the state API whether the run's controller is
+    alive, and the state API, given no address, takes whichever Ray instance it finds on the machine: with a second
+    one running (another local run, a test cluster), it can ask that one, take the controller for dead and remove
+    the run's workers. With RAY_ADDRESS in the job's environment every worker and actor asks its own cluster. The
+    GCS port is chosen here (Ray reads RAY_GCS_SERVER_PORT when it starts a head) so that the address is known
+    before the instance starts.
+    """
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    address = f"{ray.util.get_node_ip_address()}:{port}"
+    before = os.environ.get(GCS_PORT_VARIABLE)
+    os.environ[GCS_PORT_VARIABLE] = str(port)
+    try:
+        ray.init(address="local", logging_level=logging.WARNING, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+    finally:
+        if before is None:
+            os.environ.pop(GCS_PORT_VARIABLE, None)
+        else:
+            os.environ[GCS_PORT_VARIABLE] = before
 
 
 def leave_ray() -> None:

@@ -1,9 +1,11 @@
 """Joining Ray: an address where no cluster answers, or one that is not a cluster's, is one line and exit 2 within
 seconds (Ray itself retries for minutes, then raises a traceback), before the run directory is touched. The
-refusal of a cluster with token authentication is tested against a real one in tests/test_jobs.py."""
+refusal of a cluster with token authentication is tested against a real one in tests/test_jobs.py. A local Ray
+instance that a command starts is its processes' own, whatever else runs on the machine."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,3 +56,19 @@ def test_a_command_leaves_the_ray_connection_it_made(cluster):
 def test_a_command_leaves_its_caller_s_ray_connection_open(ray_session):
     assert cli.run(lambda argv: init_ray() or 0, []) == 0
     assert ray_session.is_initialized()
+
+
+@pytest.mark.ray
+def test_a_local_run_beside_another_ray_instance_trains_without_a_restart(cluster, tmp_path):
+    """A command with RAY_ADDRESS=local starts a Ray instance of its own while another runs on this machine (the
+    test group's cluster). Ray Train's placement-group cleaner looks its cluster up without an address: it must
+    still find its own, not fail on finding two, nor take the run's controller for dead and remove the workers
+    (docs/training.md#which-ray)."""
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set",
+                   "scaling.num_workers=1", "--set", "train.sample_every=0", env={"RAY_ADDRESS": "local"})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "started a local Ray instance" in output
+    summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["restarts"] == 0, output[-3000:]
+    assert "Found multiple active Ray instances" not in output and "placement group was removed" not in output
