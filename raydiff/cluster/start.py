@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray._common.utils import get_ray_address_file
 from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 from ray._private.services import canonicalize_bootstrap_address
 
@@ -104,16 +105,19 @@ def check_ray_address() -> str | None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=ANSWER_TIMEOUT_S).close()
     except OSError as exc:
+        # Without RAY_ADDRESS the address is the one the last `ray start` wrote: a head stopped other than by
+        # `ray stop` leaves it behind, and every command would try that cluster again.
+        forget = ("unset RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else
+                  f"remove {get_ray_address_file(None)} (`ray stop` does)")
         raise RayUnreachable(f"no Ray cluster answers at {existing} ({_named()}): {exc.strerror or exc}; start "
-                             f"one there (`ray start --head`), or unset RAY_ADDRESS to start a local Ray "
-                             f"instance") from None
+                             f"one there (`ray start --head`), or {forget} to start a local Ray instance") from None
     return existing
 
 
 def _named() -> str:
     """Where the address to join comes from, as the user set it."""
     address = os.environ.get("RAY_ADDRESS")
-    return f"RAY_ADDRESS={address}" if address else "`ray start` on this machine"
+    return f"RAY_ADDRESS={address}" if address else f"left by `ray start` in {get_ray_address_file(None)}"
 
 
 # Error-level lines that Ray's own processes print in runs that succeed. Each pattern matches one known message

@@ -33,6 +33,26 @@ def test_a_ray_address_without_a_cluster_is_one_line_and_nothing_is_written(tmp_
     assert time.monotonic() - started < 60  # not Ray's minutes of retries
 
 
+def test_an_address_that_a_stopped_ray_start_left_behind_is_one_line_naming_its_file(tmp_path):
+    """Without RAY_ADDRESS a command joins the cluster whose address the last `ray start` wrote (RAY_TMPDIR/ray/
+    ray_current_cluster); a head stopped other than by `ray stop` leaves the file behind. The error names the file
+    and how to forget it, not RAY_ADDRESS, which the user never set."""
+    address_file = tmp_path / "ray" / "ray_current_cluster"
+    address_file.parent.mkdir()
+    port = free_port()
+    address_file.write_text(f"127.0.0.1:{port}")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set",
+                           f"run.storage={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**env, "RAY_TMPDIR": str(tmp_path)}, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+    assert proc.stderr.startswith("raydiff: error: no Ray cluster answers at ") and f":{port} (" in proc.stderr
+    assert f"left by `ray start` in {address_file}" in proc.stderr and f"remove {address_file} (`ray stop` does)" \
+        in proc.stderr and "RAY_ADDRESS" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 # A command ends the Ray connection it made as its last step (Ray's exit hook would first wait half a second),
 # and never one its caller made.
 ENDS_ITS_OWN = """
