@@ -8,11 +8,12 @@ authentication), is one line too: Ray itself retries for minutes and then raises
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -40,7 +41,8 @@ def init_ray() -> None:
         if existing is None:
             _start_local_instance()
         else:
-            ray.init(logging_level=logging.WARNING)
+            with _quiet_address_lookup():
+                ray.init(logging_level=logging.WARNING)
         _joined_here = True
     except ConnectionError as exc:
         refused = "token" in f"{exc} {exc.__cause__}".lower()
@@ -95,7 +97,8 @@ def check_ray_address() -> str | None:
     """The address of the cluster that ray.init() will join (RAY_ADDRESS, else a local `ray start`), checked to
     answer (Ray itself would retry for minutes); None where ray.init() starts a local instance."""
     try:
-        existing = canonicalize_bootstrap_address(None)  # type: ignore[arg-type]  # Ray's hint says str
+        with _quiet_address_lookup():
+            existing = canonicalize_bootstrap_address(None)  # type: ignore[arg-type]  # Ray's hint says str
     except ValueError as exc:
         dashboard = ("; an http:// address is a dashboard's, for `ray job submit`" if "http" in str(exc) else "")
         raise RayUnreachable(f"{_named()}: {exc}; expected the cluster's host:port, auto or local{dashboard}") from None
@@ -112,6 +115,19 @@ def check_ray_address() -> str | None:
         raise RayUnreachable(f"no Ray cluster answers at {existing} ({_named()}): {exc.strerror or exc}; start "
                              f"one there (`ray start --head`), or {forget} to start a local Ray instance") from None
     return existing
+
+
+@contextlib.contextmanager
+def _quiet_address_lookup() -> Iterator[None]:
+    """Without RAY_ADDRESS, Ray warns "Found multiple active Ray instances" wherever it looks the cluster up while
+    other instances run on the machine: raydiff's own line says which cluster it joined, or why it could not."""
+    services_log = logging.getLogger("ray._private.services")
+    level = services_log.level
+    services_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        services_log.setLevel(level)
 
 
 def _named() -> str:
