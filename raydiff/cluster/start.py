@@ -3,7 +3,8 @@
 Why one place: every command (train, tune, prepare, evaluate, lr_find, bench) must join the cluster that
 RAY_ADDRESS or `ray start` names, or else start a local instance, print one line saying which, and quiet what
 Ray prints that a newcomer would read as a failure. A cluster that does not answer, or refuses this client (token
-authentication), is one line too: Ray itself retries for minutes and then raises a traceback.
+authentication), is one line too: Ray itself retries for minutes and then raises a traceback. A local instance
+is its own processes' cluster, whatever other Ray instances run on the machine.
 """
 
 from __future__ import annotations
