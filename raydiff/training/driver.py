@@ -46,7 +46,7 @@ from raydiff.training.interrupts import interrupt_on_signals
 from raydiff.training.loop import train_worker
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.resolve import resolve_run
-from raydiff.training.stop import StopFlag, stop_on_signals
+from raydiff.training.stop import StopFlag, beside_the_handlers, stop_on_signals
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
@@ -251,7 +251,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     error = None
     with stop_on_signals(stop_flag) as received:
         try:
-            result = trainer.fit()
+            result = beside_the_handlers(trainer.fit)
             outcome: WorkerResult | None = result.return_value  # type: ignore[attr-defined]
             checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
         except ray.train.TrainingFailedError as exc:

@@ -3,7 +3,8 @@ before training has started (decoding, preparing streamed data), at once (`raydi
 
 During training the driver's signal handler raises a flag in a small Ray actor; the workers look at it every few
 steps (rank 0 asks, all ranks agree through an all-reduce), write a checkpoint, and return. A second Ctrl-C
-interrupts at once.
+interrupts at once. Ray Train's `fit()`, called in the main thread, would replace the SIGINT handler with its own,
+which aborts the run without a checkpoint: `beside_the_handlers` calls it from a helper thread instead.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import ray
 
 logger = logging.getLogger("raydiff")
+T = TypeVar("T")
 
 
 @ray.remote(num_cpus=0)
@@ -76,3 +79,27 @@ def stop_on_signals(flag) -> Iterator[dict[str, str | None]]:
         for s, h in previous.items():
             signal.signal(s, h)
         wake.set()
+
+
+def beside_the_handlers(call: Callable[[], T]) -> T:
+    """`call()`, run in a helper thread while the main thread waits, so that it cannot replace the main thread's
+    signal handlers (only the main thread can install one). Ray Train's `fit()` installs a SIGINT handler of its
+    own that aborts the run: the workers are killed without a final checkpoint and the command exits 1 with
+    nothing printed. The main thread's wait is interrupted by signals, so raydiff's handlers still run, and a
+    second Ctrl-C still stops at once (the helper thread is a daemon: it does not hold the process)."""
+    if threading.current_thread() is not threading.main_thread():
+        return call()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # re-raised in the main thread  # noqa: BLE001
+            outcome["error"] = exc
+
+    helper = threading.Thread(target=run, daemon=True, name="raydiff-fit")
+    helper.start()
+    helper.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

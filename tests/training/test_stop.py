@@ -1,10 +1,11 @@
 """Stopping cleanly: before training a signal stops the command at once; during training the first SIGTERM or
 Ctrl-C asks the run for a final checkpoint (once, whatever follows) and a second Ctrl-C stops at once; the
-handlers that were there before come back. The whole path, through a real run: tests/test_jobs.py and
-tests/test_train.py."""
+handlers that were there before come back; Ray Train's fit() runs beside them, where it cannot replace them. The
+whole path, through a real run: tests/test_jobs.py (SIGTERM) and tests/test_train.py (Ctrl-C)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from raydiff.training.interrupts import Interrupted, interrupt_on_signals
-from raydiff.training.stop import stop_on_signals
+from raydiff.training.stop import beside_the_handlers, stop_on_signals
 
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                                 reason="signal handlers live in the main thread")
@@ -60,3 +61,23 @@ def test_a_second_ctrl_c_stops_at_once():
         assert received["signal"] == "SIGINT"
         signal.raise_signal(signal.SIGINT)
         time.sleep(5)  # never reached
+
+
+def test_a_call_beside_the_handlers_runs_off_the_main_thread_and_signals_still_reach_them():
+    """Ray Train's fit() replaces SIGINT's handler when it runs in the main thread; beside them it cannot, and a
+    signal that arrives while the main thread waits for it still reaches raydiff's handler at once."""
+    flag = RecordingFlag()
+
+    def fit() -> str:
+        assert threading.current_thread() is not threading.main_thread()
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while not flag.requests and time.monotonic() < deadline:  # the handler runs while the main thread waits
+            time.sleep(0.01)
+        return "result"
+
+    with stop_on_signals(flag) as received:
+        assert beside_the_handlers(fit) == "result"
+    assert received["signal"] == "SIGINT" and flag.requests == ["SIGINT"]
+    with pytest.raises(ZeroDivisionError):
+        beside_the_handlers(lambda: 1 / 0)
