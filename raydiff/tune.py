@@ -26,6 +26,7 @@ import csv
 import json
 import math
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from raydiff.storage.rundir import unwritable
     from raydiff.training.driver import with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
+    from raydiff.training.stop import noting_tune_interrupt
 
     sweep_dir = Path(cfg.run.storage) / sweep.name
     spec_file = sweep_dir / "sweep.json"
@@ -264,8 +266,10 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
             run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=1)),
         )
-    with releasing_killed_trials(trial_runs):
+    with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt:
         grid = tuner.fit()
+    if interrupt["signal"]:  # Tune saved its state; the results so far are not the sweep's
+        return {"interrupted": interrupt["signal"], "dir": str(sweep_dir)}
     rows = [_result_row(grid[i], cfg, sweep, sweep_dir) for i in range(len(grid))]
     return write_outputs(rows, cfg, sweep, sweep_dir)
 
@@ -380,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"trials' results are gathered from it); single runs accept s3:// and gs://")
     sweep = plan_sweep(args, cfg)
     summary = run_sweep(cfg, sweep)
+    if "interrupted" in summary:
+        print(f"[raydiff] sweep {sweep.name} stopped by {summary['interrupted']}, its state saved in "
+              f"{summary['dir']}: the same command continues it (each trial from its newest checkpoint)")
+        return 128 + signal.Signals[summary["interrupted"]].value
     print(f"[raydiff] sweep {sweep.name}: {summary['finished']} finished, {summary['stopped']} stopped early by "
           f"ASHA, {summary['errors']} failed")
     for rule, info in summary["rules"].items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -201,6 +202,24 @@ def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout:
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def run_cli_interrupted(module: str, *args: str, at: str, timeout: float = 600) -> tuple[int, str]:
+    """Run like `run_cli`, and press Ctrl-C (SIGINT to the command) once a line of its output contains `at`.
+    Returns the exit code and the output (stdout and stderr together)."""
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, RAY_ADDRESS=_cluster_address or "local"), cwd=ROOT,
+                            stdin=subprocess.DEVNULL)
+    output, pressed = [], False
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            output.append(line)
+            if at in line and not pressed:
+                proc.send_signal(signal.SIGINT)
+                pressed = True
+        return proc.wait(timeout=timeout), "".join(output)
+    finally:
+        proc.kill()
 
 
 SMOKE_EVAL = ["--set", "eval.every=10", "--set", "eval.at_end=true", "--set", "eval.num=200", "--set", "eval.steps=10"]

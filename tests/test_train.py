@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT, run_cli
+from conftest import run_cli, run_cli_interrupted
 from PIL import Image
 
 from raydiff import cli, sample, train
@@ -145,27 +142,15 @@ def test_commands_fall_back_from_a_checkpoint_being_written(smoke_run, tmp_path)
 def test_ctrl_c_during_training_stops_after_a_final_checkpoint(cluster, tmp_path):
     """Ctrl-C (SIGINT to the command) asks the run for a final checkpoint, as SIGTERM does: Ray Train's own
     handler would abort the run without one and exit 1 with nothing printed."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set",
-         "train.total_steps=1000", "--set", "train.sample_every=0", "--set", "debug.step_delay_s=0.05"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
-        env=dict(os.environ, RAY_ADDRESS=cluster.address))
-    output = []
-    try:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            output.append(line)
-            if "[raydiff] step 20/" in line:
-                proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    finally:
-        proc.kill()
-    text = "".join(output)
-    assert proc.returncode == 128 + signal.SIGINT, text[-3000:]
-    assert "SIGINT: stopping after a final checkpoint (Ctrl-C again to stop at once)" in text
+    code, output = run_cli_interrupted(
+        "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set", "train.total_steps=1000",
+        "--set", "train.sample_every=0", "--set", "debug.step_delay_s=0.05", at="[raydiff] step 20/")
+    assert code == 128 + signal.SIGINT, output[-3000:]
+    assert "SIGINT: stopping after a final checkpoint (Ctrl-C again to stop at once)" in output
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
-    assert summary["status"] == "stopped" and 20 <= summary["steps"] < 1000, text[-3000:]
+    assert summary["status"] == "stopped" and 20 <= summary["steps"] < 1000, output[-3000:]
     assert checkpoint_step(list_checkpoints(tmp_path / "smoke")[-1]) == summary["steps"]  # the stop's checkpoint
-    assert f"stopped at step {summary['steps']} (SIGINT) after a final checkpoint" in text
+    assert f"stopped at step {summary['steps']} (SIGINT) after a final checkpoint" in output
 
 
 @pytest.mark.parametrize("args, fragment", [

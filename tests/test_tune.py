@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 
 import pytest
 import yaml
-from conftest import reserving, run_cli
+from conftest import reserving, run_cli, run_cli_interrupted
 
 from raydiff import cli
 from raydiff.tune import main as tune_main
@@ -96,6 +97,25 @@ def test_a_sweep_whose_tune_state_was_cut_short_continues_from_its_trials_runs(s
     continued = after["1e-06"]
     assert continued["status"] != "error" and float(continued["val_loss"]) > 0
     assert int(continued["images_seen"]) >= int(before["1e-06"]["images_seen"])
+
+
+@pytest.mark.ray
+def test_ctrl_c_stops_a_sweep_and_the_same_command_continues_it(ray_session, tmp_path):
+    """Tune's own Ctrl-C handler saves its state and ends the sweep; the command says so (not Tune's
+    `Tuner.restore(...)`, a Python call), writes no results for the part-done sweep and exits 130. Run again, the
+    interrupted trial continues from its checkpoint and the sweep ends as an uninterrupted one does."""
+    code, output = run_cli_interrupted("raydiff.tune", *SWEEP, "--set", f"run.storage={tmp_path}",
+                                       at="[raydiff] step 10/")
+    assert code == 128 + signal.SIGINT, output[-3000:]
+    assert "[raydiff] sweep s stopped by SIGINT, its state saved in" in output and "the same command continues it" \
+        in output
+    assert "Tuner.restore" not in output and "Traceback" not in output
+    assert not (tmp_path / "s" / "results.csv").exists()
+
+    again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={tmp_path}")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "continuing the sweep" in again.stdout and "continuing at step" in again.stdout + again.stderr
+    assert "1 finished, 1 stopped early by ASHA" in again.stdout
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -5,6 +5,9 @@ During training the driver's signal handler raises a flag in a small Ray actor; 
 steps (rank 0 asks, all ranks agree through an all-reduce), write a checkpoint, and return. A second Ctrl-C
 interrupts at once. Ray Train's `fit()`, called in the main thread, would replace the SIGINT handler with its own,
 which aborts the run without a checkpoint: `beside_the_handlers` calls it from a helper thread instead.
+
+A sweep keeps Ray Tune's own SIGINT handler, which saves Tune's state and ends the sweep (its trials continue from
+their checkpoints when the command runs again): `noting_tune_interrupt` tells the command that it happened.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import ray
 
 logger = logging.getLogger("raydiff")
 T = TypeVar("T")
+TUNE_INTERRUPTED = "Experiment has been interrupted"  # how Tune's warning after a Ctrl-C begins (ray.tune.tune)
 
 
 @ray.remote(num_cpus=0)
@@ -103,3 +107,29 @@ def beside_the_handlers(call: Callable[[], T]) -> T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+@contextlib.contextmanager
+def noting_tune_interrupt() -> Iterator[dict[str, str | None]]:
+    """While active, a Ctrl-C that ends a Ray Tune sweep is noted in the yielded dict ("signal"). Tune's SIGINT
+    handler saves its state and ends the sweep, then warns "... Resume experiment with: Tuner.restore(...)", a
+    Python call where running the same command again is what continues it: that warning is noted and dropped
+    (the command says what to do). Tune leaves its handler installed after a sweep; the one before comes back."""
+    received: dict[str, str | None] = {"signal": None}
+    tune_log = logging.getLogger("ray.tune.tune")
+
+    def note(record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(TUNE_INTERRUPTED):
+            received["signal"] = "SIGINT"
+            return False
+        return True
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if in_main else None
+    tune_log.addFilter(note)
+    try:
+        yield received
+    finally:
+        tune_log.removeFilter(note)
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
