@@ -130,6 +130,27 @@ def test_a_client_without_the_token_is_told_so_in_one_line_and_nothing_is_writte
     assert not (tmp_path / "runs" / "smoke").exists()
 
 
+def test_a_command_joins_the_cluster_that_ray_start_left_its_address_and_token_for(head, tmp_path):
+    """After `ray start --head` on a machine, a command with no RAY_ADDRESS and no auth settings joins that head:
+    Ray reads its address from RAY_TMPDIR/ray/ray_current_cluster (written by hand here, as `ray start` writes it
+    under /tmp) and, for a cluster found that way, the token from ~/.ray/auth_token (an address passed on to
+    ray.init would not load it and be refused)."""
+    home, ray_tmp = tmp_path / "home", tmp_path / "tmp"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(head["token"])
+    (ray_tmp / "ray").mkdir(parents=True)
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(head["gcs"])
+    env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "RAY_ADDRESS")}
+    env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp))
+    proc = subprocess.run([sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set",
+                           f"run.storage={tmp_path / 'runs'}", "--set", "train.sample_every=0"], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    port = head["gcs"].rpartition(":")[2]  # Ray names the head by the machine's address, not loopback
+    assert re.search(rf"\[raydiff\] joined the Ray cluster at [\d.]+:{port}: ", proc.stdout), proc.stdout[-3000:]
+    assert json.loads((tmp_path / "runs" / "smoke" / "summary.json").read_text())["status"] == "finished"
+
+
 @pytest.mark.slow
 def test_tune_job_succeeds(head, tmp_path):
     """A sweep of class-conditional runs submitted as a job, ranked by sample quality (--metric fid: the digits'

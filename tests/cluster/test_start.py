@@ -1,7 +1,8 @@
 """Joining Ray: an address where no cluster answers, or one that is not a cluster's, is one line and exit 2 within
 seconds (Ray itself retries for minutes, then raises a traceback), before the run directory is touched. The
-refusal of a cluster with token authentication is tested against a real one in tests/test_jobs.py. A local Ray
-instance that a command starts is its processes' own, whatever else runs on the machine."""
+refusal of a cluster with token authentication, and the join of one found through `ray start`'s address file, are
+tested against a real one in tests/test_jobs.py. A local Ray instance that a command starts is its processes'
+own, whatever else runs on the machine."""
 
 from __future__ import annotations
 
