@@ -204,9 +204,10 @@ def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout:
                           timeout=timeout, env=full_env, cwd=ROOT, stdin=subprocess.DEVNULL)
 
 
-def run_cli_interrupted(module: str, *args: str, at: str, timeout: float = 600) -> tuple[int, str]:
-    """Run like `run_cli`, and press Ctrl-C (SIGINT to the command) once a line of its output contains `at`.
-    Returns the exit code and the output (stdout and stderr together)."""
+def run_cli_interrupted(module: str, *args: str, at: str, sig: int = signal.SIGINT,
+                        timeout: float = 600) -> tuple[int, str]:
+    """Run like `run_cli`, and press Ctrl-C (SIGINT to the command), or send `sig`, once a line of its output
+    contains `at`. Returns the exit code and the output (stdout and stderr together)."""
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, RAY_ADDRESS=_cluster_address or "local"), cwd=ROOT,
                             stdin=subprocess.DEVNULL)
@@ -215,7 +216,7 @@ def run_cli_interrupted(module: str, *args: str, at: str, timeout: float = 600) 
         for line in proc.stdout:  # type: ignore[union-attr]
             output.append(line)
             if at in line and not pressed:
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(sig)
                 pressed = True
         return proc.wait(timeout=timeout), "".join(output)
     finally:

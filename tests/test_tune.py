@@ -118,6 +118,17 @@ def test_ctrl_c_stops_a_sweep_and_the_same_command_continues_it(ray_session, tmp
     assert "1 finished, 1 stopped early by ASHA" in again.stdout
 
 
+@pytest.mark.ray
+def test_sigterm_stops_a_sweep_as_ctrl_c_does(ray_session, tmp_path):
+    """SIGTERM (`ray job stop`, a scheduler) has no handler in Tune, and Ray's own printed a stack dump and exited
+    1: it now ends the sweep as Ctrl-C does."""
+    code, output = run_cli_interrupted("raydiff.tune", *SWEEP, "--set", f"run.storage={tmp_path}",
+                                       at="[raydiff] step 10/", sig=signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    assert "[raydiff] sweep s stopped by SIGTERM, its state saved in" in output
+    assert "SIGTERM received at time" not in output and "Traceback" not in output
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--lr", "fast", "--batch", "16"], "--lr 'fast': expected LOW:HIGH"),
     (["--lr", "1e-3:1e-5", "--batch", "16"], "0 < LOW <= HIGH"),

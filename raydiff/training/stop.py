@@ -7,7 +7,8 @@ interrupts at once. Ray Train's `fit()`, called in the main thread, would replac
 which aborts the run without a checkpoint: `beside_the_handlers` calls it from a helper thread instead.
 
 A sweep keeps Ray Tune's own SIGINT handler, which saves Tune's state and ends the sweep (its trials continue from
-their checkpoints when the command runs again): `noting_tune_interrupt` tells the command that it happened.
+their checkpoints when the command runs again), and SIGTERM is passed on to it: `noting_tune_interrupt` tells the
+command that it happened.
 """
 
 from __future__ import annotations
@@ -111,25 +112,35 @@ def beside_the_handlers(call: Callable[[], T]) -> T:
 
 @contextlib.contextmanager
 def noting_tune_interrupt() -> Iterator[dict[str, str | None]]:
-    """While active, a Ctrl-C that ends a Ray Tune sweep is noted in the yielded dict ("signal"). Tune's SIGINT
-    handler saves its state and ends the sweep, then warns "... Resume experiment with: Tuner.restore(...)", a
-    Python call where running the same command again is what continues it: that warning is noted and dropped
-    (the command says what to do). Tune leaves its handler installed after a sweep; the one before comes back."""
+    """While active, a Ctrl-C or SIGTERM that ends a Ray Tune sweep is noted in the yielded dict ("signal").
+    Tune's SIGINT handler saves its state and ends the sweep, then warns "... Resume experiment with:
+    Tuner.restore(...)", a Python call where running the same command again is what continues it: that warning
+    is noted and dropped (the command says what to do). Tune has no SIGTERM handler (`ray job stop`, schedulers),
+    and Ray's own prints a stack dump and exits 1: SIGTERM is passed on to Tune's as a SIGINT. Tune leaves its
+    handler installed after a sweep; the ones before come back."""
     received: dict[str, str | None] = {"signal": None}
+    terminated = False
     tune_log = logging.getLogger("ray.tune.tune")
 
     def note(record: logging.LogRecord) -> bool:
         if record.getMessage().startswith(TUNE_INTERRUPTED):
-            received["signal"] = "SIGINT"
+            received["signal"] = "SIGTERM" if terminated else "SIGINT"
             return False
         return True
 
+    def as_ctrl_c(signum, frame) -> None:
+        nonlocal terminated
+        terminated = True
+        signal.raise_signal(signal.SIGINT)  # Tune's handler; a second one stops at once
+
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if in_main else None
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    if in_main:
+        signal.signal(signal.SIGTERM, as_ctrl_c)
     tune_log.addFilter(note)
     try:
         yield received
     finally:
         tune_log.removeFilter(note)
-        if in_main:
-            signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
