@@ -19,7 +19,7 @@ from raydiff.quality.errors import QualityError
 from raydiff.runs.errors import Unresumable
 from raydiff.storage.errors import StorageFailure
 from raydiff.storage.rundir import RunInUse
-from raydiff.training.interrupts import Interrupted
+from raydiff.training.interrupts import Interrupted, last_interrupt, sigterm_raises
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,
                StorageFailure, RayUnreachable)
@@ -27,18 +27,20 @@ USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityEr
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     try:
-        return main(argv)
+        with sigterm_raises():
+            return main(argv)
     except ConfigError as exc:
         print(f"raydiff: config error: {exc}", file=sys.stderr)
     except USER_ERRORS as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
-    except Interrupted as exc:
-        print(f"raydiff: stopped by {exc.signal} before training began; nothing was trained (the same command starts "
-              f"again)", file=sys.stderr)
-        return 128 + signal.Signals[exc.signal].value
-    except KeyboardInterrupt:
-        print("raydiff: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or a signal's Interrupted (which Ray may re-raise as a plain one)
+        stopped = exc if isinstance(exc, Interrupted) else last_interrupt()
+        if stopped is None:
+            print("raydiff: interrupted", file=sys.stderr)
+            return 130
+        print(f"raydiff: stopped by {stopped.signal} before training began; nothing was trained (the same command "
+              f"starts again)" if stopped.before_training else f"raydiff: stopped by {stopped.signal}", file=sys.stderr)
+        return 128 + signal.Signals[stopped.signal].value
     finally:
         # Leave Ray at once (its exit hook would wait half a second first), where the command joined it.
         if "raydiff.cluster.start" in sys.modules:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -204,10 +205,10 @@ def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout:
                           timeout=timeout, env=full_env, cwd=ROOT, stdin=subprocess.DEVNULL)
 
 
-def run_cli_interrupted(module: str, *args: str, at: str, sig: int = signal.SIGINT,
+def run_cli_interrupted(module: str, *args: str, at: str, sig: int = signal.SIGINT, after_s: float = 0.0,
                         timeout: float = 600) -> tuple[int, str]:
-    """Run like `run_cli`, and press Ctrl-C (SIGINT to the command), or send `sig`, once a line of its output
-    contains `at`. Returns the exit code and the output (stdout and stderr together)."""
+    """Run like `run_cli`, and press Ctrl-C (SIGINT to the command), or send `sig`, `after_s` seconds after a line
+    of its output contains `at`. Returns the exit code and the output (stdout and stderr together)."""
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, RAY_ADDRESS=_cluster_address or "local"), cwd=ROOT,
                             stdin=subprocess.DEVNULL)
@@ -216,6 +217,7 @@ def run_cli_interrupted(module: str, *args: str, at: str, sig: int = signal.SIGI
         for line in proc.stdout:  # type: ignore[union-attr]
             output.append(line)
             if at in line and not pressed:
+                time.sleep(after_s)
                 proc.send_signal(sig)
                 pressed = True
         return proc.wait(timeout=timeout), "".join(output)

@@ -4,8 +4,10 @@ Ray are needed is answered without importing them."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,6 +38,23 @@ def test_an_interrupt_exits_with_its_signal_and_says_nothing_was_trained(capsys)
     assert cli.run(failing(Interrupted("SIGTERM")), []) == 128 + 15
     assert "stopped by SIGTERM before training began; nothing was trained" in capsys.readouterr().err
     assert cli.run(failing(KeyboardInterrupt()), []) == 130
+
+
+def test_sigterm_stops_any_command_in_one_line_even_where_ray_re_raises_it_as_ctrl_c(capsys):
+    """SIGTERM raises Interrupted; inside ray.get Ray catches it (a KeyboardInterrupt) and raises a plain
+    KeyboardInterrupt in its place: the command still names the signal and exits 143."""
+    def waiting_in_ray_get(argv):
+        try:
+            signal.raise_signal(signal.SIGTERM)
+            time.sleep(5)  # never reached
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt from None  # what ray.get raises in its place
+        return 0
+
+    assert cli.run(waiting_in_ray_get, []) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "raydiff: stopped by SIGTERM\n"
+    assert cli.run(failing(KeyboardInterrupt()), []) == 130  # a later Ctrl-C is one again
+    assert capsys.readouterr().err == "raydiff: interrupted\n"
 
 
 def test_a_bug_is_not_hidden_behind_a_one_line_error():

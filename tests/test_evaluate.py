@@ -7,9 +7,10 @@ per call."""
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
-from conftest import write_posthoc_run
+from conftest import run_cli_interrupted, write_posthoc_run
 
 from raydiff import cli
 from raydiff.evaluate import main as evaluate_main
@@ -120,6 +121,18 @@ def test_bad_input_is_one_line_exit_2(smoke_run, args, fragment, capsys):
     assert cli.run(evaluate_main, ["--checkpoint", str(run_dir), *args]) == 2
     err = capsys.readouterr().err
     assert fragment in err and len([line for line in err.splitlines() if line.startswith("raydiff:")]) == 1
+
+
+@pytest.mark.ray
+def test_sigterm_stops_an_evaluation_in_one_line(smoke_run, ray_session):
+    """SIGTERM while the samples are drawn by Ray tasks: one line and exit 143, where Ray's own handler printed a
+    stack dump and aborted (and an exception of raydiff's own, raised inside ray.get, became a SystemError)."""
+    run_dir, _ = smoke_run
+    code, output = run_cli_interrupted("raydiff.evaluate", "--checkpoint", str(run_dir), "--num", "100000",
+                                       at="[raydiff] joined the Ray cluster", sig=signal.SIGTERM, after_s=3)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    assert output.strip().splitlines()[-1] == "raydiff: stopped by SIGTERM", output[-3000:]
+    assert "SIGTERM received at time" not in output and "Traceback" not in output
 
 
 def test_missing_run_is_one_line(tmp_path, capsys):

@@ -13,7 +13,9 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +40,7 @@ def init_ray() -> None:
     if ray.is_initialized():
         return
     existing = check_ray_address()
+    sigterm = signal.getsignal(signal.SIGTERM)
     try:
         if existing is None:
             _start_local_instance()
@@ -50,6 +53,11 @@ def init_ray() -> None:
         hint = ("it uses token authentication: set RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN (or "
                 "~/.ray/auth_token)" if refused else str(exc).splitlines()[0])
         raise RayUnreachable(f"could not join the Ray cluster at {existing} ({_named()}): {hint}") from None
+    finally:
+        # ray.init replaces SIGTERM's handler with one that prints a stack dump and aborts: a command's own
+        # (`raydiff.cli`) comes back, one line and its cleanups (a library caller's default is left to Ray).
+        if callable(sigterm) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm)
     resources = ray.cluster_resources()
     what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
     print(f"[raydiff] {what}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU, "

@@ -1,7 +1,9 @@
 """A command stopped by SIGTERM or Ctrl-C before training started: nothing to save, so it stops at once.
 
 Why a module of its own: data preparation and the driver's decoding use it, and the commands report it
-(`raydiff.cli`), before and without Ray; stopping a run that trains is `raydiff.training.stop`'s, with Ray.
+(`raydiff.cli`), before and without Ray; stopping a run that trains is `raydiff.training.stop`'s, with Ray. Every
+command turns SIGTERM into an exception, as Python does Ctrl-C (`sigterm_raises`), so that its `finally` blocks
+run and it ends with one line.
 """
 
 from __future__ import annotations
@@ -12,13 +14,30 @@ import threading
 from collections.abc import Iterator
 
 
-class Interrupted(BaseException):
-    """SIGTERM or Ctrl-C before training started: nothing to save, so the command stops at once (a BaseException,
-    like KeyboardInterrupt, so that no `except Exception` swallows it; cleanups in `finally` blocks still run)."""
+class Interrupted(KeyboardInterrupt):
+    """A signal that stops the command at once: SIGTERM, or Ctrl-C before training started (nothing to save yet).
+    A KeyboardInterrupt, so that no `except Exception` swallows it and Ray stops waiting for it: `ray.get` checks
+    for that one only, and raises a plain KeyboardInterrupt in its place (`last_interrupt` keeps which signal it
+    was). Cleanups in `finally` blocks still run."""
 
-    def __init__(self, signal_name: str) -> None:
+    def __init__(self, signal_name: str, before_training: bool = True) -> None:
         super().__init__(signal_name)
         self.signal = signal_name
+        self.before_training = before_training  # False: a command that does not train (evaluate, sample, ...)
+
+
+_raised: list[Interrupted] = []  # the newest Interrupted a handler of this module raised, if any
+
+
+def last_interrupt() -> Interrupted | None:
+    """The newest Interrupted raised by a signal during the current command (None after a plain Ctrl-C)."""
+    return _raised[-1] if _raised else None
+
+
+def _raise(signum: int, before_training: bool) -> None:
+    interrupted = Interrupted(signal.Signals(signum).name, before_training)
+    _raised[:] = [interrupted]
+    raise interrupted
 
 
 @contextlib.contextmanager
@@ -29,13 +48,26 @@ def interrupt_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, frame) -> None:
-        raise Interrupted(signal.Signals(signum).name)
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, lambda signum, frame: _raise(signum, before_training=True))
+                for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While active (a whole command), SIGTERM raises `Interrupted` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt: cleanups run (Ray is left) and the command ends with one line and exit 143. Ray's own
+    handler, which `init_ray` puts this one back over, prints a stack dump and aborts."""
+    _raised.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _raise(signum, before_training=False))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
