@@ -115,9 +115,9 @@ def noting_tune_interrupt() -> Iterator[dict[str, str | None]]:
     """While active, a Ctrl-C or SIGTERM that ends a Ray Tune sweep is noted in the yielded dict ("signal").
     Tune's SIGINT handler saves its state and ends the sweep, then warns "... Resume experiment with:
     Tuner.restore(...)", a Python call where running the same command again is what continues it: that warning
-    is noted and dropped (the command says what to do). Tune has no SIGTERM handler (`ray job stop`, schedulers),
-    and Ray's own prints a stack dump and exits 1: SIGTERM is passed on to Tune's as a SIGINT. Tune leaves its
-    handler installed after a sweep; the ones before come back."""
+    is noted and dropped (the command says what to do). Tune has no SIGTERM handler (`ray job stop`, schedulers):
+    SIGTERM is passed on to Tune's as a SIGINT, so that Tune saves its state too. Tune leaves its handler
+    installed after a sweep; the ones before come back."""
     received: dict[str, str | None] = {"signal": None}
     terminated = False
     tune_log = logging.getLogger("ray.tune.tune")
