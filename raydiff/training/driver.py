@@ -154,9 +154,8 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
         stop_flag = StopFlag.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
         lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
-        with interrupt_on_signals():  # again: ray.init installs a SIGTERM handler of its own
-            return _train(cfg, run_dir, plan, source, identity, init_weights, lease.holder, stop_flag, started,
-                          images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
+        return _train(cfg, run_dir, plan, source, identity, init_weights, lease.holder, stop_flag, started,
+                      images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
 def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[str, Any], init_weights,
