@@ -12,6 +12,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 
 class Interrupted(KeyboardInterrupt):
@@ -40,16 +41,19 @@ def _raise(signum: int, before_training: bool) -> None:
     raise interrupted
 
 
+def in_main_thread() -> bool:
+    """Whether signal handlers can be installed here (only the main thread may; a Tune trial runs elsewhere)."""
+    return threading.current_thread() is threading.main_thread()
+
+
 @contextlib.contextmanager
-def interrupt_on_signals() -> Iterator[None]:
-    """While active, SIGTERM and SIGINT raise `Interrupted` in the main thread: a long data preparation is stopped,
-    and what it left half-written is removed on the way out. Only in the main thread (a Tune trial runs
-    elsewhere and is stopped by Tune)."""
-    if threading.current_thread() is not threading.main_thread():
+def signal_handlers(handlers: dict[int, Any]) -> Iterator[None]:
+    """While active, `handlers` (signal -> handler) in place of the ones before, which come back after. Nothing
+    outside the main thread, which alone may install a handler."""
+    if not in_main_thread():
         yield
         return
-    previous = {s: signal.signal(s, lambda signum, frame: _raise(signum, before_training=True))
-                for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, h) for s, h in handlers.items()}
     try:
         yield
     finally:
@@ -58,16 +62,22 @@ def interrupt_on_signals() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """While active, SIGTERM and SIGINT raise `Interrupted` in the main thread: a long data preparation is stopped,
+    and what it left half-written is removed on the way out. Only in the main thread (a Tune trial runs
+    elsewhere and is stopped by Tune)."""
+    def handler(signum, frame) -> None:
+        _raise(signum, before_training=True)
+
+    with signal_handlers({signal.SIGTERM: handler, signal.SIGINT: handler}):
+        yield
+
+
+@contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
     """While active (a whole command), SIGTERM raises `Interrupted` in the main thread, as Ctrl-C raises
     KeyboardInterrupt: cleanups run (Ray is left) and the command ends with one line and exit 143. Ray's own
     handler, which `init_ray` puts this one back over, prints a stack dump and aborts."""
     _raised.clear()
-    if threading.current_thread() is not threading.main_thread():
+    with signal_handlers({signal.SIGTERM: lambda signum, frame: _raise(signum, before_training=False)}):
         yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _raise(signum, before_training=False))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 import ray
 
+from raydiff.training.interrupts import in_main_thread, signal_handlers
+
 logger = logging.getLogger("raydiff")
 T = TypeVar("T")
 TUNE_INTERRUPTED = "Experiment has been interrupted"  # how Tune's warning after a Ctrl-C begins (ray.tune.tune)
@@ -57,7 +59,7 @@ def stop_on_signals(flag) -> Iterator[dict[str, str | None]]:
     gets the signal's name); a second SIGINT raises KeyboardInterrupt. Only in the main thread (a Tune trial
     runs elsewhere and is stopped by Tune)."""
     received: dict[str, str | None] = {"signal": None}
-    if threading.current_thread() is not threading.main_thread():
+    if not in_main_thread():
         yield received
         return
     wake = threading.Event()
@@ -77,12 +79,10 @@ def stop_on_signals(flag) -> Iterator[dict[str, str | None]]:
 
     forwarder = threading.Thread(target=forward, daemon=True, name="raydiff-stop")
     forwarder.start()
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield received
+        with signal_handlers({signal.SIGTERM: handler, signal.SIGINT: handler}):
+            yield received
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
         wake.set()
 
 
@@ -92,7 +92,7 @@ def beside_the_handlers(call: Callable[[], T]) -> T:
     own that aborts the run: the workers are killed without a final checkpoint and the command exits 1 with
     nothing printed. The main thread's wait is interrupted by signals, so raydiff's handlers still run, and a
     second Ctrl-C still stops at once (the helper thread is a daemon: it does not hold the process)."""
-    if threading.current_thread() is not threading.main_thread():
+    if not in_main_thread():
         return call()
     outcome: dict[str, Any] = {}
 
@@ -133,14 +133,11 @@ def noting_tune_interrupt() -> Iterator[dict[str, str | None]]:
         terminated = True
         signal.raise_signal(signal.SIGINT)  # Tune's handler; a second one stops at once
 
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-    if in_main:
-        signal.signal(signal.SIGTERM, as_ctrl_c)
+    # SIGINT keeps its handler until Tune replaces it, and gets it back after.
+    keep_sigint = signal.getsignal(signal.SIGINT) if in_main_thread() else None
     tune_log.addFilter(note)
     try:
-        yield received
+        with signal_handlers({signal.SIGTERM: as_ctrl_c, signal.SIGINT: keep_sigint}):
+            yield received
     finally:
         tune_log.removeFilter(note)
-        for s, h in previous.items():
-            signal.signal(s, h)
