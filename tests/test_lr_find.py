@@ -27,3 +27,23 @@ def test_lr_find_writes_plot_and_numbers_and_suggests_a_finite_lr(tmp_path):
 def test_lr_find_rejects_a_backwards_range(tmp_path):
     proc = run_cli("raydiff.lr_find", "--start", "1e-2", "--end", "1e-5", "--out", str(tmp_path / "x.png"))
     assert proc.returncode == 2 and "need 0 < start < end" in proc.stderr
+
+
+@pytest.mark.ray
+def test_lr_find_trains_a_class_conditional_config_on_the_classes_its_data_has(tmp_path):
+    # model.num_classes = auto is resolved from the data's labels, as a run resolves it (was: a traceback).
+    proc = run_cli("raydiff.lr_find", "--config", "smoke", "--set", "data.labels=auto", "--set",
+                   "model.num_classes=auto", "--steps", "10", "--out", str(tmp_path / "lr_find.png"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on cpu, class-conditional on 10 classes" in proc.stdout
+    assert len(list(csv.DictReader((tmp_path / "lr_find.csv").open()))) == 10
+
+
+@pytest.mark.ray
+def test_lr_find_refuses_fewer_classes_than_the_data_has_in_one_line(tmp_path):
+    proc = run_cli("raydiff.lr_find", "--config", "smoke", "--set", "data.labels=auto", "--set",
+                   "model.num_classes=4", "--steps", "10", "--out", str(tmp_path / "lr_find.png"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("raydiff: config error: model.num_classes = 4: smaller "
+                                                           "than the 10 classes found")
+    assert not (tmp_path / "lr_find.png").exists()
