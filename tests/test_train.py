@@ -229,6 +229,14 @@ def test_dry_run_prints_config_and_parameters(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_a_dry_run_of_a_class_conditional_config_counts_what_each_class_adds(capsys):
+    # model.num_classes = auto is resolved when the run reads its data, which a dry run does not (was a traceback).
+    assert cli.run(train.main, ["--set", "data.labels=auto", "--set", "model.num_classes=auto", "--dry-run"]) == 0
+    assert "# model parameters: 1,112,801, and 128 more per class" in capsys.readouterr().out
+    assert cli.run(train.main, ["--set", "data.labels=auto", "--set", "model.num_classes=10", "--dry-run"]) == 0
+    assert "# model parameters: 1,114,209\n" in capsys.readouterr().out  # 10 classes and the null class: 11 x 128
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--checkpoint", "/no/such/run", "--out", "x.png"], "no such run or checkpoint folder"),
     (["--checkpoint", ".", "--num", "0", "--out", "x.png"], "--num 0: must be >= 1"),
