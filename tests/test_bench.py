@@ -79,6 +79,19 @@ def test_throughput_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and "--batch 128,0: every batch must be >= 1" in proc.stderr
 
 
+@pytest.mark.parametrize("bench", ["checkpoint", "memory", "throughput"])
+def test_a_bench_that_reads_no_data_asks_for_the_number_of_classes_in_one_line(bench, capsys):
+    # Each builds the model without counting the data's classes (was a ValueError traceback).
+    from raydiff import cli
+    from raydiff.bench.__main__ import main
+
+    args = [bench, "--config", "smoke", "--set", "data.labels=auto", "--set", "model.num_classes=auto"]
+    assert cli.run(main, args) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"raydiff: config error: model.num_classes = auto: `bench {bench}` builds the model without counting the "
+        "data's classes; set model.num_classes to their number (--set model.num_classes=N)")
+
+
 def test_memory_bench_reports_the_parts_with_and_without_activation_checkpointing():
     proc = run_cli("raydiff.bench", "memory", "--config", "default", "--micro-batch", "32")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from raydiff import cli
-from raydiff.config import load_config
+from raydiff.bench import load_model_config
 
 
 def _timed(fn) -> float:
@@ -61,7 +61,7 @@ def bench_checkpoint(config: str, overrides: list[str], repeat: int) -> dict:
     from raydiff.runs.checkpoint import read_state, write_state
     from raydiff.runs.state import Progress, TrainingState, checkpoint_state
 
-    cfg = load_config(config, overrides, check_source=False)
+    cfg = load_model_config(config, overrides, "checkpoint")
     torch.manual_seed(0)
     model = build_model(cfg)
     ema = make_ema(model)

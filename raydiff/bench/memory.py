@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from raydiff.config import Config, load_config
+from raydiff.bench import load_model_config
+from raydiff.config import Config
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import AttnBlock, ResBlock, UNet, build_model, count_parameters
 from raydiff.model.weight_averages import EmaUpdater, make_ema
@@ -136,7 +137,7 @@ def measure_step_memory(cfg: Config, micro_batch: int, device: torch.device) -> 
 
 
 def bench_memory(config: str, overrides: list[str], micro_batch: int | None) -> dict[str, Any]:
-    cfg = load_config(config, overrides, check_source=False)
+    cfg = load_model_config(config, overrides, "memory")
     if micro_batch is None:  # the preset's own, else one image (micro_batch auto: what a small GPU runs)
         micro_batch = cfg.micro_batch_for(1) if cfg.train.micro_batch != "auto" else 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from raydiff.config import Config, load_config, set_key
+from raydiff.bench import load_model_config
+from raydiff.config import Config, set_key
 
 MEASURED_CHUNKS = 5
 
@@ -298,7 +299,7 @@ def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: 
     from raydiff.cluster.devices import resolve_device
     from raydiff.cluster.start import init_ray
 
-    base = load_config(config, overrides, check_source=False)
+    base = load_model_config(config, overrides, "throughput")
     device = resolve_device("auto")
     peak = peak or peak_tflops(device_name(device))
     init_ray()  # the baselines run beside the same idle Ray processes as raydiff's worker: same conditions
