@@ -3,12 +3,12 @@
     python -m raydiff.lr_find [--config NAME_OR_PATH] [--set key=value ...] [--start 1e-7] [--end 1e-2]
         [--steps 200] [--out lr_find.png]
 
-One process on one device (a GPU if there is one), the config's model, data (with its labels and label dropout
-for a class-conditional config, the classes resolved as a run resolves them), global batch and precision. The
-learning rate grows from --start to --end over --steps optimizer steps; the test stops early when the smoothed
-loss diverges (above 4x its minimum, or not finite). It suggests a tenth of the learning rate at the smoothed
-loss minimum (the textbook heuristic) and also reports the point of steepest descent. Writes the plot to --out
-and the numbers to a .csv beside it.
+One process on one device (a GPU if there is one), the config's model (from `model.init_from`'s weights for a
+fine-tune), data (with its labels and label dropout for a class-conditional config, the classes resolved as a run
+resolves them), global batch and precision. The learning rate grows from --start to --end over --steps optimizer
+steps; the test stops early when the smoothed loss diverges (above 4x its minimum, or not finite). It suggests a
+tenth of the learning rate at the smoothed loss minimum (the textbook heuristic) and also reports the point of
+steepest descent. Writes the plot to --out and the numbers to a .csv beside it.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.data.order import Share
     from raydiff.data.run_images import open_images, open_tables
     from raydiff.data.sources import source_of
+    from raydiff.model.diffusers_folder import load_init_weights
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
     from raydiff.training.resolve import resolve_run
@@ -66,11 +67,13 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.training.validation import holdout_split
 
     t = cfg.train
+    # A fine-tune's range test starts where the fine-tune will: from model.init_from's weights (checked first).
+    init_weights = load_init_weights(cfg) if cfg.model.init_from else None
     init_ray()
     device = resolve_device("auto")
     images, _ = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint)
     # A class-conditional config trains on the data's labels, its classes resolved as a run's are.
-    cfg, _ = resolve_run(cfg, gpus=float(device.type == "cuda"), images=images)
+    cfg, _ = resolve_run(cfg, gpus=float(device.type == "cuda"), images=images, init_weights=init_weights)
     num_classes = int(cfg.model.num_classes)
     train_indices, _ = holdout_split(images.usable_indices(), cfg.data.val_images, t.seed)
     table, order, _, _ = open_tables(images, train_indices, np.empty(0, np.int64), t.seed, group="lr-find")
@@ -81,7 +84,10 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
                          labels=(t.label_dropout, num_classes) if num_classes else None)
 
     torch.manual_seed(t.seed)
-    model = build_model(cfg).to(device)
+    model = build_model(cfg)
+    if init_weights is not None:
+        model.load_state_dict(init_weights)
+    model = model.to(device)
     autocast_dtype = resolve_precision(t.precision, device)
     step_parts = StepParts.build(
         model, build_diffusion(cfg), make_optimizer(model, lr=start, weight_decay=t.weight_decay),
@@ -104,7 +110,8 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     suggested, at_minimum, steepest = suggest(lrs, smoothed)
     return {"lrs": lrs.tolist(), "losses": losses, "smoothed": smoothed, "suggested_lr": float(suggested),
             "minimum_lr": float(at_minimum), "steepest_lr": float(steepest), "steps_run": len(losses),
-            "stop_reason": stop_reason, "device": str(device), "classes": num_classes}
+            "stop_reason": stop_reason, "device": str(device), "classes": num_classes,
+            "init_from": cfg.model.init_from}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     # The base_lr that the config's scaling rule would turn into the suggested learning rate.
     base = suggested * t.base_lr / rule_lr(t)
     conditional = f", class-conditional on {found['classes']} classes" if found["classes"] else ""
-    print(f"[raydiff] {ended} on {found['device']}{conditional}")
+    init_from = f", from model.init_from = {found['init_from']}" if found["init_from"] else ""
+    print(f"[raydiff] {ended} on {found['device']}{conditional}{init_from}")
     print(f"[raydiff] smoothed loss minimum at lr {found['minimum_lr']:.3g}; steepest descent at lr "
           f"{found['steepest_lr']:.3g}")
     print(f"[raydiff] suggested lr {suggested:.3g} (a tenth of the minimum): --set train.lr={suggested:.3g}, or "

@@ -3,6 +3,7 @@ a class-conditional model (its classes, and the model card's guided sampling loo
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import warnings
@@ -319,6 +320,34 @@ def test_a_new_run_starts_from_init_from(exported, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"model.init_from: continuing at step 2, not read ({gone})" in proc.stdout
     assert read_state(list_checkpoints(run_dir)[-1])["step"] == 4
+
+
+@pytest.mark.ray
+def test_lr_find_starts_from_init_from_as_the_fine_tune_will(exported, tmp_path):
+    _, folder = exported
+
+    def first_loss(*init_from: str) -> tuple[float, str]:
+        out = tmp_path / f"lr_find-{len(init_from)}.png"
+        proc = run_cli("raydiff.lr_find", "--config", "smoke", "--set", f"diffusion.timesteps={T}", *init_from,
+                       "--steps", "10", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return float(next(csv.DictReader(out.with_suffix(".csv").open()))["loss"]), proc.stdout
+
+    # The same seed, data and noise: the first step's loss differs only by the weights it starts from.
+    scratch, _ = first_loss()
+    fine_tune, out = first_loss("--set", f"model.init_from={folder}")
+    assert fine_tune != scratch and f"from model.init_from = {folder}" in out
+
+
+def test_lr_find_refuses_an_init_from_that_does_not_fit_before_starting_ray(exported, tmp_path, capsys):
+    from raydiff import lr_find
+
+    _, folder = exported  # an 8x8 model; the default preset is 16x16
+    code = cli.run(lr_find.main, ["--set", f"model.init_from={folder}", "--out", str(tmp_path / "lr.png")])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (f"raydiff: config error: model.init_from = '{folder}': "
+                                               f"data.resolution = 16 here, but the UNet there has sample_size = 8")
+    assert list(tmp_path.iterdir()) == []
 
 
 # Class-conditional models.
