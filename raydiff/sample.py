@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from raydiff.cluster.devices import resolve_device
-    from raydiff.model.diffusion import DEFAULT_STEPS, images_per_pass
+    from raydiff.model.diffusion import images_per_pass, steps_taken
     from raydiff.model.guidance import check_guide
     from raydiff.runs.ema_snapshots import weights_of
     from raydiff.runs.generate import generate, read_any
@@ -171,10 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
     labels = None if classes is None else image_labels(classes, args.num)
-    steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.sampler]
+    steps = steps_taken(args.sampler, args.steps, state["config"]["diffusion"]["timesteps"])
     print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step'] or '?'}, {weights} weights) "
-          f"with {args.sampler}, "
-          f"{steps or state['config']['diffusion']['timesteps']} steps, on {device}"
+          f"with {args.sampler}, {steps} steps, on {device}"
           + ("" if classes is None else f"; {describe(classes, class_names(state), args.classes is None)}")
           + ("" if guide is None and classes is None else f", {'autoguidance' if guide else 'guidance'} {guidance:g}")
           + ("" if guide is None else f" by {guide_at} (step {guide['step'] or '?'})"))

@@ -60,3 +60,13 @@ def test_a_negative_guidance_is_refused_before_reading_the_checkpoint(tmp_path, 
                                             "(diffusers' convention: 0 unconditional, 1 conditional without "
                                             "guidance, more follows the class more closely)")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("sampler", "steps", "taken"), [("dpmpp_2m", "1000", 49), ("ddim", "1000", 50),
+                                                         ("ddpm", None, 50), ("heun", None, 18)])
+def test_the_start_line_says_the_steps_the_sampler_takes(runs, tmp_path, capsys, sampler, steps, taken):
+    # T = 50: DPM-Solver++ takes at most 49 steps (asked for 50 or more, its images were NaN), DDIM and DDPM 50.
+    out = tmp_path / "grid.png"
+    args = ["--checkpoint", str(runs / "unconditional"), "--num", "1", "--sampler", sampler, "--out", str(out)]
+    assert cli.run(sample.main, args + (["--steps", steps] if steps else [])) == 0
+    assert f"with {sampler}, {taken} steps, on cpu" in capsys.readouterr().out

@@ -30,6 +30,16 @@ Prediction = Literal["eps", "v", "x0"]
 LossWeighting = Literal["uniform", "min_snr"]
 DEFAULT_STEPS: dict[str, int | None] = {"ddpm": None, "ddim": 50, "dpmpp_2m": 20, "dpmpp_2m_sde": 20,
                                         "heun": 18}  # None: all T
+
+
+def steps_taken(sampler: str, steps: int | None, timesteps: int) -> int:
+    """The steps `sampler` takes when asked for `steps` (None: its default) on a schedule of `timesteps`. More
+    are capped: DDPM and DDIM visit each timestep at most once, and DPM-Solver++ steps between distinct timesteps
+    (one more step would repeat a timestep: a step of zero length, whose update divides by zero). Heun
+    interpolates between timesteps: no cap."""
+    asked = steps or DEFAULT_STEPS[sampler] or timesteps
+    most = {"ddpm": timesteps, "ddim": timesteps, "dpmpp_2m": timesteps - 1, "dpmpp_2m_sde": timesteps - 1}.get(sampler)
+    return asked if most is None else min(asked, most)
 Denoiser = Callable[..., torch.Tensor]  # model(x_t, t) or, class-conditional, model(x_t, t, labels)
 
 # The linear schedule's largest beta is 0.02 * 1000 / T = 20 / T: T <= 20 gives a beta >= 1 and alpha_bar <= 0.
@@ -264,12 +274,10 @@ class GaussianDiffusion:
         `sampler`: "ddpm" (ancestral), "ddim" (`eta`), or the fast "dpmpp_2m" and "heun" (deterministic) and
         "dpmpp_2m_sde" (`raydiff.model.samplers`; `steps` of them, 2 `steps` - 1 network evaluations for Heun).
         `clip` clamps each predicted x0 to [-1, 1] (as DDPM's reference does; diffusers' DPM-Solver++ and Heun do
-        not by default)."""
+        not by default). More `steps` than a sampler can take are capped (`steps_taken`)."""
         if sampler in ("dpmpp_2m", "dpmpp_2m_sde", "heun"):
-            solver_steps = steps or DEFAULT_STEPS[sampler]
-            assert solver_steps is not None  # the fast samplers have a default
-            return self._sample_with_solver(model, shape, sampler, solver_steps, generator, device, labels, guidance,
-                                            clip)
+            return self._sample_with_solver(model, shape, sampler, steps_taken(sampler, steps, self.timesteps),
+                                            generator, device, labels, guidance, clip)
         timesteps = self.sample_timesteps(steps)
         # All steps' coefficients at once, in float64, then moved to the device: no host sync in the loop.
         pairs = torch.tensor(timesteps), torch.tensor(timesteps[1:] + [-1])  # the last step lands on x0

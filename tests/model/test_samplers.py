@@ -109,3 +109,19 @@ def test_fast_samplers_draw_each_image_from_its_own_generator_and_guide(sampler,
     assert together.abs().max() <= 1.0 + 1e-6  # x0 clipped to [-1, 1] by default, so the images are too
     # This random network's images saturate once clipped: the guidance shows in the unclipped ones.
     assert (images(range(3), 1.0, clip=False) - images(range(3), 2.0, clip=False)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("sampler", ["dpmpp_2m", "dpmpp_2m_sde", "ddim"])
+def test_more_steps_than_the_schedule_has_are_capped_not_a_step_of_zero_length(sampler, one_torch_thread):
+    # T = 30: DPM-Solver++ takes at most T - 1 steps (T would repeat a timestep, and its images were NaN); DDIM T.
+    model, diffusion, _ = _model("eps", "diffusion.timesteps=30")
+    most = 29 if sampler.startswith("dpmpp") else 30
+
+    def sample(steps: int) -> torch.Tensor:
+        with torch.no_grad():
+            return diffusion.sample(model, SHAPE, sampler=sampler, steps=steps,
+                                    generator=image_generators(0, range(3), "cpu", GRID_NOISE))
+
+    capped = sample(1000)
+    assert torch.isfinite(capped).all()
+    assert torch.equal(capped, sample(most))
