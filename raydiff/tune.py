@@ -21,12 +21,15 @@ continues an interrupted sweep.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import json
 import math
+import os
 import re
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,12 +269,30 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
             run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=1)),
         )
-    with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt:
+    with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt, without_tune_banner():
         grid = tuner.fit()
     if interrupt["signal"]:  # Tune saved its state; the results so far are not the sweep's
         return {"interrupted": interrupt["signal"], "dir": str(sweep_dir)}
     rows = [_result_row(grid[i], cfg, sweep, sweep_dir) for i in range(len(grid))]
     return write_outputs(rows, cfg, sweep, sweep_dir)
+
+
+@contextlib.contextmanager
+def without_tune_banner() -> Iterator[None]:
+    """Tune's start banner off. At `verbose=0` Tune's current output engine still prints a table of its search
+    algorithm and scheduler, its experiment folder and a `tensorboard` command for a folder of the Ray session,
+    where raydiff's own lines say what the sweep is and where its results are; its legacy engine
+    (`RAY_AIR_NEW_OUTPUT=0`, read when the sweep starts) prints nothing at `verbose=0`. Tune's log messages (a
+    trial's error, its interruption) are unchanged."""
+    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["RAY_AIR_NEW_OUTPUT"]
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = before
 
 
 def sweep_images(cfg: Config, sweep_dir: Path, concurrent: int):

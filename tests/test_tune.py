@@ -42,6 +42,8 @@ def test_two_trial_sweep_stops_the_worse_trial_and_writes_its_outputs(sweep):
     summary = json.loads((sweep_dir / "summary.json").read_text())
     assert summary["best"]["trial"] == "linear-b16-lr0.003" and summary["stopped"] == 1
     assert "1 finished, 1 stopped early by ASHA" in output
+    # Only raydiff's lines and the trials': not Tune's banner, nor its TensorBoard command for a Ray session folder.
+    assert "Configuration for experiment" not in output and "tensorboard --logdir" not in output
 
     best = yaml.safe_load((sweep_dir / "best.yaml").read_text())
     assert best["train"]["base_lr"] == 0.003 and best["train"]["lr"] is None and best["data"]["val_images"] == 256
