@@ -85,12 +85,32 @@ def _start_local_instance() -> None:
     before = os.environ.get(GCS_PORT_VARIABLE)
     os.environ[GCS_PORT_VARIABLE] = str(port)
     try:
-        ray.init(address="local", logging_level=logging.WARNING, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+        with _quiet_token_auth_notice():
+            ray.init(address="local", logging_level=logging.WARNING,
+                     runtime_env={"env_vars": {"RAY_ADDRESS": address}})
     finally:
         if before is None:
             os.environ.pop(GCS_PORT_VARIABLE, None)
         else:
             os.environ[GCS_PORT_VARIABLE] = before
+
+
+@contextlib.contextmanager
+def _quiet_token_auth_notice() -> Iterator[None]:
+    """A new local instance turns Ray's token authentication on (where RAY_AUTH_MODE is unset) and warns that it
+    did, with a timestamp and how to turn it off: the first line a newcomer reads, and advice raydiff does not give
+    (docs/training.md#which-ray: the token stays on). Only that notice is dropped; what Ray does, and its other
+    warnings about authentication, are unchanged."""
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+
+    def other(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+    auth_log.addFilter(other)
+    try:
+        yield
+    finally:
+        auth_log.removeFilter(other)
 
 
 def leave_ray() -> None:

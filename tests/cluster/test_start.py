@@ -90,6 +90,7 @@ def test_a_local_run_beside_another_ray_instance_trains_without_a_restart(cluste
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     assert "started a local Ray instance" in output
+    assert "Token authentication is enabled" not in output  # Ray's notice, which says how to turn it off
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["restarts"] == 0, output[-3000:]
     assert "Found multiple active Ray instances" not in output and "placement group was removed" not in output
