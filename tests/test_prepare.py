@@ -51,6 +51,8 @@ def test_prepare_then_train_on_the_prepared_folder(messy, tmp_path):
     proc = run_cli("raydiff.prepare", str(folder), str(out), "--resolution", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "prepared 44 images at 8px" in proc.stdout and "4 unusable sample(s) skipped" in proc.stdout
+    # raydiff's lines, not Ray Data's INFO log of its execution plan.
+    assert "streaming_executor" not in proc.stdout + proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["count"] == 44 and manifest["resolution"] == 8 and manifest["channels"] == 3
     assert len(manifest["bad"]) == 4 and manifest["shards"] == ["part-00000.parquet"]

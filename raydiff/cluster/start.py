@@ -62,9 +62,10 @@ def init_ray() -> None:
     what = f"joined the Ray cluster at {existing}" if existing else "started a local Ray instance"
     print(f"[raydiff] {what}: {resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU, "
           f"{len(alive_nodes())} node(s)")
+    # After ray.data's import, which sets its loggers' levels (to DEBUG) when it first runs.
+    ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
-    ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
     _drop_harmless_worker_lines()
 
 
