@@ -79,8 +79,10 @@ def model_classes(state: dict[str, Any]) -> dict[str, list] | None:
     return classes if classes and int(state["config"].get("model", {}).get("num_classes") or 0) > 0 else None
 
 
-def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str) -> Config:
-    """The run's config with the command line's `eval` overrides; the reference cache beside the run."""
+def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str,
+                guidance: tuple[float, ...] | None = None) -> Config:
+    """The run's config with the command line's `eval` overrides; the reference cache beside the run. Checked with
+    each classifier-free `guidance` the evaluation will use (default: the run's own)."""
     cfg = Config.from_dict(state["config"])
     overrides = {"num": args.num, "sampler": args.sampler, "steps": args.steps, "metrics": args.metrics,
                  "ref": args.ref, "seed": args.seed, "features": args.features, "inception_weights": args.weights}
@@ -89,7 +91,8 @@ def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str) -
             set_key(cfg, f"eval.{key}", value)
     cfg.run.storage, cfg.run.endpoint = storage, args.endpoint
     try:
-        validate(cfg, check_source=False)
+        for w in guidance or (cfg.eval.guidance,):
+            validate(cfg.replaced("eval", guidance=w), check_source=False)
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("eval.", "--", 1) if str(exc).startswith("eval.") else str(exc)) from None
     return cfg
@@ -210,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--guidance = {args.guidance!r}: {checkpoint} holds an unconditional model; guidance "
                           f"applies to class-conditional models only (trained with model.num_classes > 0), or "
                           f"with --guide")
-    cfg = eval_config(state, args, storage=str(run_dir.parent))
+    # Autoguidance conditions the model on the classes asked for: no classifier-free guidance.
+    cfg = eval_config(state, args, storage=str(run_dir.parent), guidance=(1.0,) if guide is not None else guidance)
     guided = f", guidance {','.join(f'{w:g}' for w in guidance or (cfg.eval.guidance,))}" if classes else ""
     if guide is not None:
         guided = (f", autoguidance {','.join(f'{w:g}' for w in guidance or (AUTOGUIDANCE,))} by {guide_at} (step "

@@ -133,8 +133,13 @@ def class_request(state: dict, spec: str | None, guidance: float | None,
                                  f"applies to class-conditional models only")
         return None, 1.0
     ids = list(range(len(names))) if spec is None else [class_id(token.strip(), names) for token in spec.split(",")]
-    default = Config.from_dict(state["config"]).eval.guidance  # the run's own grids' guidance
-    return ids, default if guidance is None else guidance
+    run = Config.from_dict(state["config"])
+    w = run.eval.guidance if guidance is None else guidance  # default: the run's own grids' guidance
+    if w != 1 and run.train.label_dropout == 0:
+        raise ValueError(f"--guidance {w:g}: this model never learned the unconditional prediction that guidance "
+                         f"needs (trained with train.label_dropout = 0: no labels dropped); use --guidance 1 "
+                         f"(conditional, no guidance)")
+    return ids, w
 
 
 def describe(classes: Sequence[int], names: Sequence[str], everyone: bool) -> str:

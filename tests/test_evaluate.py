@@ -20,17 +20,18 @@ pytestmark = pytest.mark.ray
 DIGIT_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 0]  # no nines: never asked for
 
 
-def write_checkpoint(storage, *, classes: dict | None, step: int = 7):
+def write_checkpoint(storage, *, classes: dict | None, step: int = 7, overrides: tuple[str, ...] = ()):
     """A checkpoint folder of a tiny smoke-preset model (random weights), class-conditional when `classes` is
-    given ({"names", "counts"}), as training writes it; returns (its folder, the config)."""
+    given ({"names", "counts"}), as training writes it, of the config with `overrides`; returns (its folder, the
+    config)."""
     import torch
 
     from raydiff.config import load_config
     from raydiff.model.unet import build_model
     from raydiff.runs.checkpoint import write_state
 
-    overrides = ["data.labels=auto", f"model.num_classes={len(classes['names'])}"] if classes else []
-    cfg = load_config("smoke", overrides)
+    conditional = ["data.labels=auto", f"model.num_classes={len(classes['names'])}"] if classes else []
+    cfg = load_config("smoke", [*conditional, *overrides])
     torch.manual_seed(0)
     model = build_model(cfg)
     for p in model.parameters():  # the zero-initialised output layers would make every image the same
@@ -249,4 +250,14 @@ def test_guidance_on_an_unconditional_model_is_one_line_exit_2(tmp_path, capsys)
     assert cli.run(evaluate_main, ["--checkpoint", str(checkpoint), "--guidance", "2"]) == 2
     err = capsys.readouterr().err
     assert "--guidance = '2': " in err and "holds an unconditional model" in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]
+
+
+def test_guidance_on_a_model_that_never_dropped_a_label_is_one_line_exit_2(tmp_path, capsys):
+    checkpoint, _ = write_checkpoint(tmp_path, classes={"names": ["a", "b"], "counts": [5, 5]},
+                                     overrides=("train.label_dropout=0", "eval.guidance=1"))
+    assert cli.run(evaluate_main, ["--checkpoint", str(checkpoint), "--guidance", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raydiff: config error: --guidance = 2.0: the unconditional prediction it needs is learned "
+                          "only from dropped labels, and train.label_dropout = 0") and len(err.splitlines()) == 1
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]

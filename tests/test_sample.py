@@ -15,10 +15,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two smoke-shaped runs (T = 50): `conditional` (classes zero, one, two) and `unconditional`."""
+    """Three smoke-shaped runs (T = 50): `conditional` (classes zero, one, two), `unconditional`, and
+    `no-null-class` (conditional, trained without dropped labels)."""
     root = tmp_path_factory.mktemp("sample")
     write_checkpoint(root / "conditional", load_config("smoke", CONDITIONAL, check_source=False), classes=CLASSES)
     write_checkpoint(root / "unconditional", load_config("smoke", ["diffusion.timesteps=50"], check_source=False))
+    no_null_class = [*CONDITIONAL, "train.label_dropout=0", "eval.guidance=1"]  # conditional, never unconditional
+    write_checkpoint(root / "no-null-class", load_config("smoke", no_null_class, check_source=False), classes=CLASSES)
     return root
 
 
@@ -42,6 +45,9 @@ def test_every_class_by_default_one_row_each(runs, tmp_path, capsys):
     ("conditional", ["--class", "3"], "--class '3': not a class of this model; use an id 0..2 or a name: 0 'zero', "
                                       "1 'one', 2 'two'"),
     ("conditional", ["--class", "-1"], "--class '-1': not a class of this model"),
+    ("no-null-class", ["--guidance", "0"], "--guidance 0: this model never learned the unconditional prediction "
+                                           "that guidance needs (trained with train.label_dropout = 0: no labels "
+                                           "dropped); use --guidance 1"),
 ])
 def test_a_request_the_model_cannot_serve_is_one_line_and_writes_nothing(runs, tmp_path, capsys, run, args, message):
     out = tmp_path / "samples"

@@ -109,6 +109,12 @@ def _package_rules(key: str, package: str) -> tuple[Rule, ...]:
 
 
 # The rules, in the order they are checked: the first one broken is the error.
+# Guidance other than 1 mixes in the unconditional prediction, which a class-conditional model learns only from
+# the samples whose labels were dropped.
+NO_NULL_CLASS = ("the unconditional prediction it needs is learned only from dropped labels, and train.label_dropout "
+                 "= 0: set train.label_dropout > 0 (0.1 to 0.2 in long runs), or guidance 1 (conditional, no guidance)")
+
+
 RULES: tuple[Rule, ...] = (
     # Data.
     Rule("data.max_bad_fraction", lambda c: 0 <= c.data.max_bad_fraction <= 1, "must be in [0, 1]"),
@@ -215,6 +221,8 @@ LATER_RULES: tuple[Rule, ...] = (
     Rule("eval.seed", lambda c: c.eval.seed >= 0, "must be >= 0"),
     Rule("eval.guidance", lambda c: math.isfinite(c.eval.guidance) and c.eval.guidance >= 0,
          "must be a number >= 0 (1 = conditional without guidance, 0 = unconditional)"),
+    Rule("eval.guidance", lambda c: not c.model.num_classes or c.train.label_dropout > 0 or c.eval.guidance == 1,
+         NO_NULL_CLASS),
     Rule("eval.metrics", lambda c: len(c.eval.metrics) >= 1 and set(c.eval.metrics) <= {"fid", "kid"},
          "must be a list of fid and/or kid"),
     Rule("eval.features", lambda c: c.eval.features != "digits" or c.data.source == "builtin:digits",

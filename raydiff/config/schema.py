@@ -230,7 +230,7 @@ class TrainSection:
     the same model also learns the unconditional prediction that guidance needs (a pure function of the seed and
     the sample's stream position, like the noise). The default suits short budgets, where the unconditional
     prediction learns only from this share; long runs on large datasets often use 0.1 to 0.2 (DiT, the CFG
-    paper)."""
+    paper). At 0 no guidance but 1 can be used (`eval.guidance`)."""
     max_bad_steps: int = 25
     """Consecutive non-finite steps after which the run rolls back to its last good checkpoint (once), then
     stops with a diagnostic."""

@@ -50,6 +50,16 @@ def test_bad_values_name_the_key(override, fragment):
     assert "\n" not in message
 
 
+def test_guidance_needs_a_model_that_learned_the_unconditional_prediction():
+    conditional = ["data.labels=auto", "model.num_classes=auto", "train.label_dropout=0"]
+    with pytest.raises(ConfigError) as info:
+        load_config("default", conditional, check_source=False)  # eval.guidance 2, the default
+    assert str(info.value).startswith("eval.guidance = 2.0: the unconditional prediction it needs is learned only "
+                                      "from dropped labels, and train.label_dropout = 0: set train.label_dropout > 0")
+    load_config("default", [*conditional, "eval.guidance=1"], check_source=False)  # conditional only: no null class
+    load_config("default", ["train.label_dropout=0"], check_source=False)  # unconditional: no labels to drop
+
+
 @pytest.mark.parametrize("timesteps", [2, 20])
 def test_linear_schedule_refuses_too_few_timesteps(timesteps):
     """The linear schedule's largest beta is 20/T: T <= 20 would give alpha_bar <= 0 and NaN."""
