@@ -108,13 +108,12 @@ def _package_rules(key: str, package: str) -> tuple[Rule, ...]:
                            f"'raydiff[{package}]'"))
 
 
-# The rules, in the order they are checked: the first one broken is the error.
 # Guidance other than 1 mixes in the unconditional prediction, which a class-conditional model learns only from
 # the samples whose labels were dropped.
 NO_NULL_CLASS = ("the unconditional prediction it needs is learned only from dropped labels, and train.label_dropout "
                  "= 0: set train.label_dropout > 0 (0.1 to 0.2 in long runs), or guidance 1 (conditional, no guidance)")
 
-
+# The rules, in the order they are checked: the first one broken is the error.
 RULES: tuple[Rule, ...] = (
     # Data.
     Rule("data.max_bad_fraction", lambda c: 0 <= c.data.max_bad_fraction <= 1, "must be in [0, 1]"),

@@ -30,6 +30,10 @@ Prediction = Literal["eps", "v", "x0"]
 LossWeighting = Literal["uniform", "min_snr"]
 DEFAULT_STEPS: dict[str, int | None] = {"ddpm": None, "ddim": 50, "dpmpp_2m": 20, "dpmpp_2m_sde": 20,
                                         "heun": 18}  # None: all T
+Denoiser = Callable[..., torch.Tensor]  # model(x_t, t) or, class-conditional, model(x_t, t, labels)
+
+# The linear schedule's largest beta is 0.02 * 1000 / T = 20 / T: T <= 20 gives a beta >= 1 and alpha_bar <= 0.
+LINEAR_MIN_TIMESTEPS = 21
 
 
 def steps_taken(sampler: str, steps: int | None, timesteps: int) -> int:
@@ -40,10 +44,6 @@ def steps_taken(sampler: str, steps: int | None, timesteps: int) -> int:
     asked = steps or DEFAULT_STEPS[sampler] or timesteps
     most = {"ddpm": timesteps, "ddim": timesteps, "dpmpp_2m": timesteps - 1, "dpmpp_2m_sde": timesteps - 1}.get(sampler)
     return asked if most is None else min(asked, most)
-Denoiser = Callable[..., torch.Tensor]  # model(x_t, t) or, class-conditional, model(x_t, t, labels)
-
-# The linear schedule's largest beta is 0.02 * 1000 / T = 20 / T: T <= 20 gives a beta >= 1 and alpha_bar <= 0.
-LINEAR_MIN_TIMESTEPS = 21
 
 
 def make_betas(schedule: Schedule, timesteps: int) -> torch.Tensor:
