@@ -35,7 +35,8 @@ def last_interrupt() -> Interrupted | None:
     return _raised[-1] if _raised else None
 
 
-def _raise(signum: int, before_training: bool) -> None:
+def raise_interrupted(signum: int, before_training: bool) -> None:
+    """Raise `Interrupted` for signal `signum`, and keep it for `last_interrupt` (a signal handler's call)."""
     interrupted = Interrupted(signal.Signals(signum).name, before_training)
     _raised[:] = [interrupted]
     raise interrupted
@@ -67,7 +68,7 @@ def interrupt_on_signals() -> Iterator[None]:
     and what it left half-written is removed on the way out. Only in the main thread (a Tune trial runs
     elsewhere and is stopped by Tune)."""
     def handler(signum, frame) -> None:
-        _raise(signum, before_training=True)
+        raise_interrupted(signum, before_training=True)
 
     with signal_handlers({signal.SIGTERM: handler, signal.SIGINT: handler}):
         yield
@@ -79,5 +80,5 @@ def sigterm_raises() -> Iterator[None]:
     KeyboardInterrupt: cleanups run (Ray is left) and the command ends with one line and exit 143. Ray's own
     handler, which `init_ray` puts this one back over, prints a stack dump and aborts."""
     _raised.clear()
-    with signal_handlers({signal.SIGTERM: lambda signum, frame: _raise(signum, before_training=False)}):
+    with signal_handlers({signal.SIGTERM: lambda signum, frame: raise_interrupted(signum, before_training=False)}):
         yield

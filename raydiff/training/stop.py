@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from raydiff.training.interrupts import in_main_thread, signal_handlers
+from raydiff.training.interrupts import in_main_thread, raise_interrupted, signal_handlers
 
 logger = logging.getLogger("raydiff")
 T = TypeVar("T")
@@ -116,8 +116,9 @@ def noting_tune_interrupt() -> Iterator[dict[str, str | None]]:
     Tune's SIGINT handler saves its state and ends the sweep, then warns "... Resume experiment with:
     Tuner.restore(...)", a Python call where running the same command again is what continues it: that warning
     is noted and dropped (the command says what to do). Tune has no SIGTERM handler (`ray job stop`, schedulers):
-    SIGTERM is passed on to Tune's as a SIGINT, so that Tune saves its state too. Tune leaves its handler
-    installed after a sweep; the ones before come back."""
+    SIGTERM is passed on to Tune's as a SIGINT, so that Tune saves its state too; a second SIGTERM stops at once
+    (`Interrupted`), as a second Ctrl-C does. Tune leaves its handler installed after a sweep; the ones before come
+    back."""
     received: dict[str, str | None] = {"signal": None}
     terminated = False
     tune_log = logging.getLogger("ray.tune.tune")
@@ -130,8 +131,10 @@ def noting_tune_interrupt() -> Iterator[dict[str, str | None]]:
 
     def as_ctrl_c(signum, frame) -> None:
         nonlocal terminated
+        if terminated:  # a second SIGTERM stops at once, as a second Ctrl-C does, and says which signal it was
+            raise_interrupted(signum, before_training=False)
         terminated = True
-        signal.raise_signal(signal.SIGINT)  # Tune's handler; a second one stops at once
+        signal.raise_signal(signal.SIGINT)  # Tune's handler
 
     # SIGINT keeps its handler until Tune replaces it, and gets it back after.
     keep_sigint = signal.getsignal(signal.SIGINT) if in_main_thread() else None

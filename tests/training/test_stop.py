@@ -13,7 +13,7 @@ import time
 import pytest
 
 from raydiff.training.interrupts import Interrupted, interrupt_on_signals
-from raydiff.training.stop import beside_the_handlers, stop_on_signals
+from raydiff.training.stop import beside_the_handlers, noting_tune_interrupt, stop_on_signals
 
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                                 reason="signal handlers live in the main thread")
@@ -61,6 +61,18 @@ def test_a_second_ctrl_c_stops_at_once():
         assert received["signal"] == "SIGINT"
         signal.raise_signal(signal.SIGINT)
         time.sleep(5)  # never reached
+
+
+def test_a_sweep_passes_the_first_sigterm_to_tune_as_ctrl_c_and_stops_at_the_second():
+    before, tune_saw = _handlers(), []
+    with pytest.raises(Interrupted) as stopped, noting_tune_interrupt():
+        signal.signal(signal.SIGINT, lambda signum, frame: tune_saw.append(signum))  # as Tune's fit() installs it
+        signal.raise_signal(signal.SIGTERM)
+        assert tune_saw == [signal.SIGINT]  # Tune saves its state and ends the sweep
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(5)  # never reached
+    assert stopped.value.signal == "SIGTERM" and not stopped.value.before_training  # "stopped by SIGTERM", 143
+    assert tune_saw == [signal.SIGINT] and _handlers() == before
 
 
 def test_a_call_beside_the_handlers_runs_off_the_main_thread_and_signals_still_reach_them():
