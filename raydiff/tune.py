@@ -46,6 +46,9 @@ REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them
 TRIAL_CPU = 0.01  # a trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs
 DEFAULT_VAL_IMAGES = 256
 LAYOUT_FILE = "data.json"  # the sweep's data layout, kept by a re-run
+# Each trial's Ray Train controller ends with the trial (finished, or stopped by ASHA) and the run's placement-group
+# cleaner warns that it found it dead: routine in a sweep (in a single run it would signal a fault, and shows).
+TRIAL_CONTROLLER_GONE = re.compile(r"Detected that the Ray Train controller actor \(\w+\) is dead")
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray.tune.schedulers import ASHAScheduler
 
     from raydiff.cluster.nodes import wait_for_worker_node
-    from raydiff.cluster.start import init_ray
+    from raydiff.cluster.start import init_ray, quiet_worker_lines
     from raydiff.runs.sweep_state import set_aside_unusable_tune_state
     from raydiff.storage.rundir import unwritable
     from raydiff.training.driver import with_held_out
@@ -269,7 +272,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
             run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=1)),
         )
-    with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt, without_tune_banner():
+    with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt, without_tune_banner(), \
+            quiet_worker_lines(TRIAL_CONTROLLER_GONE):
         grid = tuner.fit()
     if interrupt["signal"]:  # Tune saved its state; the results so far are not the sweep's
         return {"interrupted": interrupt["signal"], "dir": str(sweep_dir)}

@@ -23,7 +23,7 @@ def sweep(tmp_path_factory, ray_session):
     reserving_before = reserving(ray_session)
     proc = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return storage, proc.stdout, reserving(ray_session) - reserving_before
+    return storage, proc.stdout + proc.stderr, reserving(ray_session) - reserving_before
 
 
 @pytest.mark.ray
@@ -42,8 +42,10 @@ def test_two_trial_sweep_stops_the_worse_trial_and_writes_its_outputs(sweep):
     summary = json.loads((sweep_dir / "summary.json").read_text())
     assert summary["best"]["trial"] == "linear-b16-lr0.003" and summary["stopped"] == 1
     assert "1 finished, 1 stopped early by ASHA" in output
-    # Only raydiff's lines and the trials': not Tune's banner, nor its TensorBoard command for a Ray session folder.
+    # Only raydiff's lines and the trials': not Tune's banner, nor its TensorBoard command for a Ray session folder,
+    # nor each trial's placement-group cleaner finding its controller gone.
     assert "Configuration for experiment" not in output and "tensorboard --logdir" not in output
+    assert "Detected that the Ray Train controller actor" not in output
 
     best = yaml.safe_load((sweep_dir / "best.yaml").read_text())
     assert best["train"]["base_lr"] == 0.003 and best["train"]["lr"] is None and best["data"]["val_images"] == 256

@@ -175,6 +175,19 @@ HARMLESS_WORKER_LINES = (
                r"max_restarts > 0"),
 )
 _INSTALLED_FILTERS: list[Callable[[dict[str, Any]], None]] = []  # installed once per process, not stacked
+_ROUTINE_HERE: list[re.Pattern] = []  # lines routine in the running command only (`quiet_worker_lines`)
+
+
+@contextlib.contextmanager
+def quiet_worker_lines(*patterns: re.Pattern) -> Iterator[None]:
+    """While active, worker lines that match `patterns` are dropped too: lines routine in one command (a sweep)
+    that would signal a fault in another (a single run)."""
+    _ROUTINE_HERE.extend(patterns)
+    try:
+        yield
+    finally:
+        for pattern in patterns:
+            _ROUTINE_HERE.remove(pattern)
 
 
 def _drop_harmless_worker_lines() -> None:
@@ -185,7 +198,8 @@ def _drop_harmless_worker_lines() -> None:
     print_lines = printers[0][1]
 
     def filtered(data: dict[str, Any]) -> None:
-        lines = [line for line in data.get("lines", []) if not any(p.search(line) for p in HARMLESS_WORKER_LINES)]
+        harmless = (*HARMLESS_WORKER_LINES, *_ROUTINE_HERE)
+        lines = [line for line in data.get("lines", []) if not any(p.search(line) for p in harmless)]
         if lines:
             print_lines({**data, "lines": lines})
 
