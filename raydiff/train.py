@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         if cfg.model.num_classes == "auto":  # the classes are counted when the run reads its data
             unconditional = count_parameters(build_model(cfg.replaced("model", num_classes=0)))
-            per_class = count_parameters(build_model(cfg.replaced("model", num_classes=1))) - unconditional
-            print(f"# model parameters: {unconditional:,}, and {per_class // 2:,} more per class (model.num_classes = "
-                  "auto: one embedding row for each class the data has, and one for the null class)")
+            embedding = build_model(cfg.replaced("model", num_classes=1)).class_embed
+            assert embedding is not None  # a class-conditional UNet has one
+            print(f"# model parameters: {unconditional:,}, and {embedding.embedding_dim:,} more per class "
+                  "(model.num_classes = auto: one embedding row for each class the data has, and one for the null "
+                  "class)")
         else:
             print(f"# model parameters: {count_parameters(build_model(cfg)):,}")
         if not cfg.data.source:
