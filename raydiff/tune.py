@@ -207,7 +207,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray.tune.schedulers import ASHAScheduler
 
     from raydiff.cluster.nodes import wait_for_worker_node
-    from raydiff.cluster.start import init_ray, quiet_worker_lines
+    from raydiff.cluster.start import drop_worker_lines, init_ray
     from raydiff.runs.sweep_state import set_aside_unusable_tune_state
     from raydiff.storage.rundir import unwritable
     from raydiff.training.driver import with_held_out
@@ -272,8 +272,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
             run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=1)),
         )
-    with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt, without_tune_banner(), \
-            quiet_worker_lines(TRIAL_CONTROLLER_GONE):
+    drop_worker_lines(TRIAL_CONTROLLER_GONE)  # the last trial's cleaner may speak after fit() has returned
+    with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt, without_tune_banner():
         grid = tuner.fit()
     if interrupt["signal"]:  # Tune saved its state; the results so far are not the sweep's
         return {"interrupted": interrupt["signal"], "dir": str(sweep_dir)}

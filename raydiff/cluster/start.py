@@ -175,19 +175,14 @@ HARMLESS_WORKER_LINES = (
                r"max_restarts > 0"),
 )
 _INSTALLED_FILTERS: list[Callable[[dict[str, Any]], None]] = []  # installed once per process, not stacked
-_ROUTINE_HERE: list[re.Pattern] = []  # lines routine in the running command only (`quiet_worker_lines`)
+_ROUTINE_HERE: list[re.Pattern] = []  # lines routine in this process's command only (`drop_worker_lines`)
 
 
-@contextlib.contextmanager
-def quiet_worker_lines(*patterns: re.Pattern) -> Iterator[None]:
-    """While active, worker lines that match `patterns` are dropped too: lines routine in one command (a sweep)
-    that would signal a fault in another (a single run)."""
-    _ROUTINE_HERE.extend(patterns)
-    try:
-        yield
-    finally:
-        for pattern in patterns:
-            _ROUTINE_HERE.remove(pattern)
+def drop_worker_lines(*patterns: re.Pattern) -> None:
+    """From now on in this process, worker lines that match `patterns` are dropped too: lines routine in one
+    command (a sweep) that would signal a fault in another (a single run). For the rest of the process, not a
+    block: Ray forwards a worker's line when it comes, which can be after the work that caused it has returned."""
+    _ROUTINE_HERE.extend(p for p in patterns if p not in _ROUTINE_HERE)
 
 
 def _drop_harmless_worker_lines() -> None:
