@@ -154,7 +154,7 @@ def test_trials_keep_warmup_and_ema_half_life_in_images(tmp_path):
     import math
 
     from raydiff.config import load_config
-    from raydiff.tune import Sweep, trial_config
+    from raydiff.training.sweep_plan import Sweep, trial_config
 
     cfg = load_config("smoke", [f"run.storage={tmp_path}", "train.warmup_steps=20", "train.ema_warmup_steps=8"])
     sweep = Sweep(name="s", base_lrs=(1e-3,), batches=(16, 64), rules=("linear",), budget_images=640,
@@ -173,7 +173,8 @@ def test_trials_keep_warmup_and_ema_half_life_in_images(tmp_path):
 def test_best_yaml_keeps_the_base_configs_scaling(tmp_path, num_workers):
     """Trials of an `auto` config run one worker each, side by side; the long run from best.yaml must not."""
     from raydiff.config import load_config
-    from raydiff.tune import Sweep, write_outputs
+    from raydiff.training.sweep_plan import Sweep
+    from raydiff.tune import write_outputs
 
     cfg = load_config("smoke", [f"run.storage={tmp_path}", f"scaling.num_workers={num_workers}"])
     sweep = Sweep(name="s", base_lrs=(1e-3,), batches=(16,), rules=("linear",), budget_images=640,
@@ -190,7 +191,7 @@ def test_trials_that_run_at_once_split_the_stream_buffer(ray_session, tmp_path):
     """Streamed, K concurrent trials on a node each have a node cache: together they hold data.stream_buffer_gb,
     not K times it (their shards are prepared smaller, so the shuffle windows stay what the key says)."""
     from raydiff.config import load_config
-    from raydiff.tune import sweep_images
+    from raydiff.training.sweep import sweep_images
 
     cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.cache=stream", "data.stream_buffer_gb=0.0001",
                                 "data.stream_window_shards=2"])

@@ -83,17 +83,23 @@ def _start_local_instance() -> None:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
     address = f"{ray.util.get_node_ip_address()}:{port}"
-    before = os.environ.get(GCS_PORT_VARIABLE)
-    os.environ[GCS_PORT_VARIABLE] = str(port)
+    with environment_variable(GCS_PORT_VARIABLE, str(port)), _quiet_token_auth_notice():
+        ray.init(address="local", logging_level=logging.WARNING, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+
+
+@contextlib.contextmanager
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """While active, this process's environment variable `name` is `value` (for a setting Ray reads from the
+    environment when it starts something); what it was, or its absence, comes back after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
-        with _quiet_token_auth_notice():
-            ray.init(address="local", logging_level=logging.WARNING,
-                     runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+        yield
     finally:
         if before is None:
-            os.environ.pop(GCS_PORT_VARIABLE, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[GCS_PORT_VARIABLE] = before
+            os.environ[name] = before
 
 
 @contextlib.contextmanager

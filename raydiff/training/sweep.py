@@ -1,0 +1,174 @@
+"""Running a Ray Tune sweep: every trial a full raydiff run (a Ray Train TorchTrainer launched from a Tune function
+trainable) on images decoded once, ASHA stopping the worse trials, and what the sweep leaves (results.csv,
+best.yaml, sweep.png, summary.json).
+
+Why a module of its own: `raydiff.tune` is the command (its arguments and lines); this is the library it runs,
+with the plan of `raydiff.training.sweep_plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from raydiff.config import Config, ConfigError
+from raydiff.training.sweep_plan import Sweep, concurrent_trials, trial_config
+
+TRIAL_CPU = 0.01  # a trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs
+LAYOUT_FILE = "data.json"  # the sweep's data layout, kept by a re-run
+# Each trial's Ray Train controller ends with the trial (finished, or stopped by ASHA) and the run's placement-group
+# cleaner warns that it found it dead: routine in a sweep (in a single run it would signal a fault, and shows).
+TRIAL_CONTROLLER_GONE = re.compile(r"Detected that the Ray Train controller actor \(\w+\) is dead")
+
+
+def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: str, images,
+               cpus_per_trial: float, trial_runs) -> None:
+    """A Tune function trainable: one raydiff run whose every report reaches Tune."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from raydiff.training.cadence import ray_report
+    from raydiff.training.driver import run_training
+    from raydiff.training.reservations import note_trial_run
+
+    cfg = trial_config(base, params, sweep, runs_dir)
+    summary = run_training(cfg, images=images, cpus=cpus_per_trial, callbacks=[TuneReportCallback()],
+                           note_run=lambda requester: note_trial_run(trial_runs, requester))
+    # A trial Tune runs again whose run had nothing left to train (Tune's state set aside, or a sweep driver
+    # killed after the trial's last checkpoint): its final measurements, restored, count again.
+    nothing_left = summary.get("already_finished") or summary.get("resumed_from_step") == summary.get("steps")
+    if summary["status"] == "finished" and nothing_left:
+        tune.report(ray_report(summary["steps"], cfg.train.global_batch, summary["quality"], summary["final_val_loss"]))
+    if summary["status"] not in ("finished",):
+        raise RuntimeError(f"trial {cfg.run.name} {summary['status']}: {summary.get('error', 'unknown error')}")
+
+
+def _require_state_api() -> None:
+    """ASHA stops a trial by killing it, and with it the trial's Ray Train controller; Ray then frees that run's
+    placement group through its state API (served by the dashboard). Without it the freed CPUs/GPUs stay
+    reserved and the next trial waits forever, so refuse up front."""
+    from ray.util.state import list_actors
+
+    try:
+        list_actors(limit=1, timeout=10, raise_on_missing_output=False)
+    except Exception:
+        raise ConfigError("this Ray cluster has no state API (started without the dashboard): sweeps need it to "
+                          "free the resources of stopped trials; start Ray with the dashboard (the default of "
+                          "`ray start --head`, or pip install 'ray[default]')") from None
+
+
+def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from raydiff.cluster.nodes import wait_for_worker_node
+    from raydiff.cluster.start import drop_worker_lines, environment_variable, init_ray
+    from raydiff.runs.sweep_state import set_aside_unusable_tune_state
+    from raydiff.storage.rundir import unwritable
+    from raydiff.training.driver import with_held_out
+    from raydiff.training.reservations import TrialRuns, releasing_killed_trials
+    from raydiff.training.stop import noting_tune_interrupt
+
+    sweep_dir = Path(cfg.run.storage) / sweep.name
+    spec_file = sweep_dir / "sweep.json"
+    spec = {**sweep.__dict__, "config": cfg.to_dict()}
+    spec = json.loads(json.dumps(spec))  # tuples -> lists, as read back
+    if spec_file.exists() and json.loads(spec_file.read_text()) != spec:
+        raise ConfigError(f"--name {sweep.name}: {sweep_dir} holds a sweep with other arguments or config; "
+                          f"use --name NEW for a new sweep")
+    reason = unwritable(sweep_dir)
+    if reason:
+        raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the sweep directory {sweep_dir} ({reason})")
+
+    init_ray()
+    _require_state_api()
+    joined = wait_for_worker_node(cfg.scaling.use_gpu, cfg.scaling.node_wait_s)
+    if joined:
+        print(f"[raydiff] {joined}")
+    resources = ray.cluster_resources()
+    cpus = resources.get("CPU", 1)
+    concurrent = sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0))
+    images, cache = sweep_images(cfg, sweep_dir, concurrent)
+    if cfg.data.val_images >= images.num_good:
+        raise ConfigError(f"data.val_images = {cfg.data.val_images}: must be below the {images.num_good} images")
+    images = with_held_out(cfg, images)  # once for every trial: they all hold out the same images
+    print(f"[raydiff] sweep {sweep.name}: {len(sweep.base_lrs)} base LR(s) x {len(sweep.batches)} batch size(s) x "
+          f"{len(sweep.rules)} rule(s) = {len(sweep.base_lrs) * len(sweep.batches) * len(sweep.rules)} trials of "
+          f"{sweep.budget_images:,} images, validation every {sweep.interval_images:,} images on "
+          f"{cfg.data.val_images} held-out images, {concurrent} at a time; {cache}")
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(json.dumps(spec, indent=2) + "\n")
+    (sweep_dir / LAYOUT_FILE).write_text(json.dumps({"layout": images.layout()}, indent=2) + "\n")
+
+    trial_runs = TrialRuns.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
+    trainable = tune.with_resources(
+        tune.with_parameters(_run_trial, base=cfg, sweep=sweep, runs_dir=str(sweep_dir / "runs"),
+                             images=images, cpus_per_trial=cpus / concurrent - TRIAL_CPU, trial_runs=trial_runs),
+        {"CPU": TRIAL_CPU},
+    )
+    experiment = str(sweep_dir / "tune")
+    set_aside = set_aside_unusable_tune_state(Path(experiment))
+    if set_aside:
+        print(f"[raydiff] {set_aside}")
+    if tune.Tuner.can_restore(experiment):
+        print(f"[raydiff] continuing the sweep in {sweep_dir}")
+        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
+    else:
+        scheduler = ASHAScheduler(time_attr="images_seen", max_t=sweep.budget_images,
+                                  grace_period=min(2 * sweep.interval_images, sweep.budget_images),
+                                  reduction_factor=2)
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"base_lr": tune.grid_search(list(sweep.base_lrs)),
+                         "batch": tune.grid_search(list(sweep.batches)),
+                         "rule": tune.grid_search(list(sweep.rules))},
+            tune_config=tune.TuneConfig(metric=sweep.metric, mode="min", scheduler=scheduler,
+                                        max_concurrent_trials=concurrent),
+            run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir), verbose=0,
+                                      failure_config=tune.FailureConfig(max_failures=1)),
+        )
+    drop_worker_lines(TRIAL_CONTROLLER_GONE)  # the last trial's cleaner may speak after fit() has returned
+    # RAY_AIR_NEW_OUTPUT=0: Tune's legacy output engine, silent at verbose=0, where the current one still prints a
+    # banner (its scheduler table, and a `tensorboard` command for a folder of the Ray session) beside raydiff's
+    # own lines; read when the sweep starts. Tune's log messages (a trial's error, its interruption) are unchanged.
+    with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt, \
+            environment_variable("RAY_AIR_NEW_OUTPUT", "0"):
+        grid = tuner.fit()
+    if interrupt["signal"]:  # Tune saved its state; the results so far are not the sweep's
+        return {"interrupted": interrupt["signal"], "dir": str(sweep_dir)}
+    return {"rows": [_result_row(grid[i], cfg, sweep, sweep_dir) for i in range(len(grid))], "dir": str(sweep_dir)}
+
+
+def sweep_images(cfg: Config, sweep_dir: Path, concurrent: int):
+    """The images every trial trains on, decoded once: `open_images` with two sweep rules. Streamed, the K trials
+    that run at once on a node split `data.stream_buffer_gb` (each node cache holds a K-th of it, so the node
+    holds what the key says, not K times that). A re-run of the sweep keeps the layout it began with (the
+    sweep's data.json), so that its trials continue in their sample order."""
+    from raydiff.data.run_images import open_images
+    from raydiff.data.sources import source_of
+
+    layout_file = sweep_dir / LAYOUT_FILE
+    keep = json.loads(layout_file.read_text())["layout"] if layout_file.is_file() else None
+    images, cache = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint,
+                                keep=keep, buffer_share=1 / concurrent, lease_stale_s=cfg.run.lease_stale_s,
+                                use_gpu=cfg.scaling.use_gpu)
+    if images.layout()["cache"] == "stream" and concurrent > 1:
+        cache += f" (each trial's node cache holds 1/{concurrent} of data.stream_buffer_gb: {concurrent} at a time)"
+    return images, cache
+
+
+def _result_row(result, cfg: Config, sweep: Sweep, sweep_dir: Path) -> dict[str, Any]:
+    params = result.config
+    metrics = result.metrics or {}
+    images_seen = metrics.get("images_seen", 0)
+    if result.error is not None:
+        status = "error"
+    else:
+        status = "finished" if images_seen >= sweep.budget_images else "stopped"
+    trial = trial_config(cfg, params, sweep, str(sweep_dir / "runs"))
+    return {"trial": trial.run.name, "rule": params["rule"], "batch": params["batch"], "base_lr": params["base_lr"],
+            "lr": trial.train.lr, "images_seen": images_seen, "val_loss": metrics.get("val_loss"),
+            **({sweep.metric: metrics.get(sweep.metric)} if sweep.metric != "val_loss" else {}), "status": status}

@@ -1,0 +1,138 @@
+"""What a Ray Tune sweep runs: its grid of base learning rates, batch sizes and scaling rules, checked against the
+config, its budget and validation points, and the full config of each trial.
+
+Why a module of its own: the plan is decided, and every trial's config checked, before Ray starts (a mistake in
+the arguments is one line), and the sweep's outputs name their trials by the same configs
+(`raydiff.training.sweep`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from raydiff.config import Config, ConfigError
+from raydiff.config.checks import validate
+from raydiff.config.learning_rate import LR_RULES
+
+REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What a sweep runs: its name, grid and budget (saved as sweep.json so that a re-run can check it)."""
+
+    name: str
+    base_lrs: tuple[float, ...]
+    batches: tuple[int, ...]
+    rules: tuple[str, ...]
+    budget_images: int  # images per trial, a multiple of interval_images
+    interval_images: int  # images between validation points, a multiple of every batch size
+    max_concurrent: int | None  # None: as many as the cluster fits
+    metric: str = "val_loss"  # what trials are ranked by (lower is better): val_loss, fid or digits_fd
+
+
+def _parse_lrs(text: str, samples: int) -> tuple[float, ...]:
+    """'1e-5:1e-3' -> `samples` log-spaced values, largest first (a single value is allowed)."""
+    try:
+        parts = [float(p) for p in text.split(":")]
+    except ValueError:
+        raise ConfigError(f"--lr {text!r}: expected LOW:HIGH, for example 1e-5:1e-3") from None
+    if len(parts) == 1:
+        parts *= 2
+    low, high = parts if len(parts) == 2 else (0.0, 0.0)
+    if not 0 < low <= high or len(parts) != 2:
+        raise ConfigError(f"--lr {text!r}: expected LOW:HIGH with 0 < LOW <= HIGH")
+    if samples > 1 and low == high:
+        raise ConfigError(f"--lr {text!r}: --samples {samples} needs a range, LOW < HIGH")
+    return tuple(float(v) for v in np.geomspace(high, low, samples)) if samples > 1 else (high,)
+
+
+def _parse_batches(text: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise ConfigError(f"--batch {text!r}: expected comma-separated integers, for example 64,128,256") from None
+    if not batches or any(b < 1 for b in batches) or len(set(batches)) != len(batches):
+        raise ConfigError(f"--batch {text!r}: expected distinct positive integers, for example 64,128,256")
+    return tuple(sorted(batches))
+
+
+def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
+    """Check the arguments against the config; raises ConfigError with one line."""
+    if args.samples < 1:
+        raise ConfigError(f"--samples {args.samples}: must be >= 1")
+    base_lrs, batches = _parse_lrs(args.lr, args.samples), _parse_batches(args.batch)
+    rules = LR_RULES if args.scaling == "compare" else (args.scaling,)
+    for batch in batches:  # every trial's config must be valid, e.g. divisible by the number of workers
+        trial = cfg.replaced("train", global_batch=batch)
+        try:
+            validate(trial, check_source=False)
+        except ConfigError as exc:
+            raise ConfigError(f"--batch {batch}: {exc}") from None
+    step = math.lcm(*batches)
+    budget = args.budget_images or cfg.train.total_steps * cfg.train.global_batch
+    if budget < step:
+        raise ConfigError(f"--budget-images {budget}: must be at least {step} (one step of every batch size)")
+    interval = step * max(1, budget // (REPORTS_PER_TRIAL * step))
+    budget = -(-budget // interval) * interval
+    if args.max_concurrent is not None and args.max_concurrent < 1:
+        raise ConfigError(f"--max-concurrent {args.max_concurrent}: must be >= 1")
+    name = args.name or f"sweep-{cfg.run.name}"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ConfigError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    metric = "val_loss" if args.metric == "val_loss" else fd_metric_name(cfg)
+    return Sweep(name=name, base_lrs=base_lrs, batches=batches, rules=rules, budget_images=budget,
+                 interval_images=interval, max_concurrent=args.max_concurrent, metric=metric)
+
+
+def fd_metric_name(cfg: Config) -> str:
+    """The metrics key of the Frechet distance the run's eval.features give: fid (Inception) or digits_fd."""
+    from raydiff.quality.features import feature_kind
+
+    return "digits_fd" if feature_kind(cfg.eval.features, cfg.data.source) == "digits" else "fid"
+
+
+def concurrent_trials(cfg: Config, cpus: float, gpus: float) -> int:
+    """How many trials fit the cluster at once: whole worker groups, on GPUs if the run uses them."""
+    workers = cfg.scaling.max_workers
+    use_gpu = gpus > 0 if cfg.scaling.use_gpu == "auto" else cfg.scaling.use_gpu
+    fit = gpus // workers if use_gpu else cpus // (cfg.scaling.cpus_per_worker or 1) // workers
+    return max(1, int(fit))
+
+
+def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: str) -> Config:
+    """The full config of one trial: the base config with this trial's batch, base LR, rule and budget."""
+    cfg = copy.deepcopy(base)
+    if cfg.scaling.auto:  # a sweep runs trials side by side: one worker each, not every GPU each
+        cfg.scaling.num_workers = 1
+    t, batch = cfg.train, params["batch"]
+    # Trials are compared at equal images seen: keep the LR warmup, the EMA warmup and the EMA half-life what they
+    # are in images for the base config (EDM's half-life rule), not in steps, which would favour small batches.
+    images_per_base_step = t.global_batch / batch
+    t.warmup_steps = round(t.warmup_steps * images_per_base_step)
+    t.ema_warmup_steps = round(t.ema_warmup_steps * images_per_base_step)
+    t.ema_decay = t.ema_decay ** (1 / images_per_base_step)
+    t.global_batch, t.base_lr, t.lr_scaling, t.lr = batch, params["base_lr"], params["rule"], None
+    t.total_steps = sweep.budget_images // batch
+    t.val_every = t.checkpoint_every = sweep.interval_images // batch  # every report carries a validation loss
+    t.log_every = min(t.log_every, t.val_every)
+    t.sample_every = 0  # grids only at the end
+    if sweep.metric != "val_loss":  # every report carries the Frechet distance too
+        cfg.eval.every, cfg.eval.at_end = t.val_every, True
+    cfg.run.name = trial_name(params)
+    cfg.run.storage = runs_dir
+    cfg.run.keep_checkpoints = 1
+    cfg.resolve()
+    validate(cfg, check_source=False)
+    return cfg
+
+
+def trial_name(params: dict[str, Any]) -> str:
+    return f"{params['rule']}-b{params['batch']}-lr{params['base_lr']:.3g}"
