@@ -6,6 +6,7 @@ Nothing here imports torch or Ray (each takes seconds to import): a mistake foun
 
 from __future__ import annotations
 
+import errno
 import gc
 import signal
 import sys
@@ -17,7 +18,7 @@ from raydiff.config import ConfigError
 from raydiff.data.errors import DataError
 from raydiff.quality.errors import QualityError
 from raydiff.runs.errors import Unresumable
-from raydiff.storage.errors import StorageFailure
+from raydiff.storage.errors import FULL_OR_READ_ONLY_ERRNOS, PERMANENT_ERRNOS, StorageFailure
 from raydiff.storage.rundir import RunInUse
 from raydiff.training.interrupts import Interrupted, last_interrupt, sigterm_raises
 
@@ -33,6 +34,13 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
         print(f"raydiff: config error: {exc}", file=sys.stderr)
     except USER_ERRORS as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
+    except OSError as exc:  # a full or read-only disk met where no command expected a write to fail
+        if exc.errno not in FULL_OR_READ_ONLY_ERRNOS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        fix = "make it writable" if exc.errno == errno.EROFS else "make room there"
+        print(f"raydiff: error: {PERMANENT_ERRNOS[exc.errno]}{where}; {fix}, then run the same command again",
+              file=sys.stderr)
     except KeyboardInterrupt as exc:  # Ctrl-C, or a signal's Interrupted (which Ray may re-raise as a plain one)
         stopped = exc if isinstance(exc, Interrupted) else last_interrupt()
         if stopped is None:

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from raydiff.config import ConfigError
     from raydiff.runs.checkpoint import checkpoint_location, write_state
     from raydiff.runs.ema_snapshots import rebuild
+    from raydiff.storage.atomic import new_folder
+    from raydiff.storage.errors import output_errors
     from raydiff.storage.rundir import unwritable
 
     out = args.out.expanduser().resolve()
@@ -61,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--step {args.step}: {exc}") from None
     for average in rebuilt:
         folder = out / folder_name(average.sigma_rel)
-        folder.mkdir(parents=True)
-        write_state(folder, average.state)  # state.pt appears whole: the folder is a checkpoint once it is there
+        with output_errors("--out", args.out), new_folder(folder) as tmp:  # a checkpoint folder once it is there
+            write_state(tmp, average.state)
         print(f"[raydiff] sigma_rel {average.sigma_rel:g} at step {average.state['step']} (from "
               f"{average.state['posthoc']['snapshots']} snapshots) -> {folder}")
     return 0

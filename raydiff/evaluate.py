@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     require_metrics_package("raydiff.evaluate")
     from raydiff.runs.state import read_guide, read_newest
+    from raydiff.storage.errors import StorageFailure, permanent_reason
     from raydiff.storage.rundir import unwritable
 
     location = checkpoint_location(args.checkpoint, args.endpoint)
@@ -227,7 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate(weights, cfg, workers=args.workers, guidance=guidance, guide=guide)
         if "posthoc" in weights:
             result = {"sigma_rel": weights["posthoc"]["sigma_rel"], **result}
-        name = write_result(run_dir, result)
+        try:
+            name = write_result(run_dir, result)
+        except OSError as exc:  # a full disk: the minutes of sampling are not lost with the file
+            reason = permanent_reason(exc)
+            if reason is None:
+                raise
+            measured_lines = "; ".join(result_line(row) for row in rows(result))
+            raise StorageFailure(f"--checkpoint {args.checkpoint}: writing the result into {run_dir} failed: "
+                                 f"{reason}; nothing half-written was left there. The result, not saved: "
+                                 f"{measured_lines}") from None
         for row in rows(result):
             print(f"[raydiff] {result_line(row)} in {row['eval_s']:.0f} s -> {run_dir / name}")
             measured.append(row)

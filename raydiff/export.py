@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError
+from raydiff.storage.atomic import new_folder
+from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
 
 
@@ -83,17 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                  "guidance": AUTOGUIDANCE if args.guidance is None else args.guidance}
         guided = f", guided by {guide_at} (step {guide_state['step']}) in guide_unet/"
 
-    # Build beside DIR and rename it into place: DIR is complete or absent.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    # Built beside DIR and renamed into place: DIR is complete or absent (or still empty).
+    with output_errors("--out", args.out), new_folder(out) as tmp:
         diffusers_folder.save_pipeline_folder(tmp, state, use_ema=not args.no_ema, checkpoint=str(checkpoint),
                                               guidance=Config.from_dict(state["config"]).eval.guidance, guide=guide)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     classes = diffusers_folder.recorded_classes(state, Config.from_dict(state["config"]))
     kind = f", {len(classes['names'])} classes plus the null class" if classes else ""
     print(f"[raydiff] exported {checkpoint} (step {state['step']}, {weights} weights{kind}{guided}) to {out}")

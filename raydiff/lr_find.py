@@ -22,6 +22,8 @@ import numpy as np
 
 from raydiff import cli
 from raydiff.config import Config, load_config, preset_names
+from raydiff.storage.atomic import new_file
+from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
 
 SMOOTHING = 0.98  # exponential smoothing of the loss, bias-corrected
@@ -146,14 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[raydiff] LR range test: up to {args.steps} steps, lr {args.start:.2g} -> {args.end:.2g}, "
           f"global batch {t.global_batch}")
     found = run_lr_find(cfg, start=args.start, end=args.end, steps=args.steps)
-    plot = plot_lr_find(found["lrs"], found["losses"], found["smoothed"], suggested=found["suggested_lr"],
-                        steepest=found["steepest_lr"], path=args.out)
     table = args.out.with_suffix(".csv")
-    with table.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", "lr", "loss", "smoothed_loss"])
-        writer.writerows(zip(range(1, found["steps_run"] + 1), found["lrs"], found["losses"], found["smoothed"],
-                             strict=True))
+    with output_errors("--out", args.out):
+        plot = plot_lr_find(found["lrs"], found["losses"], found["smoothed"], suggested=found["suggested_lr"],
+                            steepest=found["steepest_lr"], path=args.out)
+        with new_file(table) as tmp, tmp.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["step", "lr", "loss", "smoothed_loss"])
+            writer.writerows(zip(range(1, found["steps_run"] + 1), found["lrs"], found["losses"], found["smoothed"],
+                                 strict=True))
 
     ended = f"stopped after {found['steps_run']} steps: {found['stop_reason']}" if found["stop_reason"] else \
         f"ran all {found['steps_run']} steps without diverging (a larger --end may find the edge)"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,15 +11,16 @@ matplotlib.use("Agg")  # no display on clusters, CI or laptops over ssh
 import matplotlib.pyplot as plt
 from matplotlib.ticker import NullFormatter
 
+from raydiff.storage.atomic import new_file
+
 
 def _save(fig, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    try:
+        with new_file(path) as tmp:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+    finally:
+        plt.close(fig)
+    return Path(path)
 
 
 def plot_lr_find(lrs: Sequence[float], raw: Sequence[float], smoothed: Sequence[float], *, suggested: float,

@@ -23,6 +23,7 @@ from raydiff.data.errors import DataError
 from raydiff.data.labels import plan_labels
 from raydiff.data.shard_format import MANIFEST, write_prepared
 from raydiff.data.sources import open_source
+from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
 from raydiff.training.interrupts import interrupt_on_signals
 
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from raydiff.data.image_store import decode_stream
 
     init_ray()
-    with interrupt_on_signals():  # SIGTERM / Ctrl-C stop it, and OUT is left absent, not half-written
+    # SIGTERM / Ctrl-C stop it, and OUT is left absent, not half-written; a full disk too, told in one line
+    with interrupt_on_signals(), output_errors("OUT", args.out):
         decoded = decode_stream(source, resolution=args.resolution, channels=args.channels,
                                 image_column=args.image_column, labels=labels)
         manifest = write_prepared(decoded, source, args.out, shape=(args.channels, args.resolution, args.resolution),

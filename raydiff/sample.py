@@ -33,6 +33,7 @@ from pathlib import Path
 from raydiff import cli
 from raydiff.config import Config
 from raydiff.config.schema import SAMPLERS
+from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
 
 SHOWN_CLASSES = 8  # classes named in full in the start line and in an error's list of choices
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         images = generate(state, num=args.num, sampler=args.sampler, steps=steps, eta=args.eta, seed=args.seed,
                           use_ema=not args.no_ema, device=device, labels=labels, guidance=guidance, guide=guide,
                           batch=args.batch or images_per_pass(state["config"]["data"]["resolution"]))
-    out = save_samples(images, args.out, nrow=None if classes is None else grid_row(classes, args.num))
+    with output_errors("--out", args.out):
+        out = save_samples(images, args.out, nrow=None if classes is None else grid_row(classes, args.num))
     print(f"[raydiff] wrote {out.resolve()}")
     return 0
 

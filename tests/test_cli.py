@@ -4,6 +4,7 @@ Ray are needed is answered without importing them."""
 
 from __future__ import annotations
 
+import errno
 import signal
 import subprocess
 import sys
@@ -60,6 +61,24 @@ def test_sigterm_stops_any_command_in_one_line_even_where_ray_re_raises_it_as_ct
 def test_a_bug_is_not_hidden_behind_a_one_line_error():
     with pytest.raises(ZeroDivisionError):
         cli.run(failing(ZeroDivisionError("a bug")), [])
+    with pytest.raises(PermissionError):  # may be a bug (a signal to a process not ours): shown whole
+        cli.run(failing(PermissionError(errno.EPERM, "Operation not permitted")), [])
+    with pytest.raises(OSError):
+        cli.run(failing(OSError(errno.EIO, "Input/output error")), [])
+
+
+@pytest.mark.parametrize("exc, line", [
+    (OSError(errno.ENOSPC, "No space left on device"),
+     "raydiff: error: no space left on device; make room there, then run the same command again"),
+    (OSError(errno.EROFS, "Read-only file system", "/mnt/ro/x.png"),
+     "raydiff: error: read-only file system (/mnt/ro/x.png); make it writable, then run the same command again"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded", "/home/me/.cache/raydiff/digits"),
+     "raydiff: error: disk quota exceeded (/home/me/.cache/raydiff/digits); make room there, then run the same "
+     "command again"),
+])
+def test_a_full_or_read_only_disk_met_anywhere_is_one_line_not_a_traceback(exc, line, capsys):
+    assert cli.run(failing(exc), []) == 2
+    assert capsys.readouterr().err == line + "\n"
 
 
 def test_a_command_s_own_exit_status_passes_through():

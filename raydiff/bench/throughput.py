@@ -39,6 +39,7 @@ import torch
 
 from raydiff.bench import load_model_config
 from raydiff.config import Config, set_key
+from raydiff.storage.atomic import new_file
 
 MEASURED_CHUNKS = 5
 
@@ -286,9 +287,9 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
     launches = sum(e.count for e in events if e.key in LAUNCHES) / steps
     busy = f"; per step: {device_ms:.2f} ms of device time, {launches:.0f} launches" if cuda else ""
     table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# raydiff's step, {cfg.train.global_batch} images per step, {steps} steps profiled on "
-                   f"{device_name(device)}; {plan.describe()}{busy}\n{table}\n")
+    with new_file(out) as tmp:
+        tmp.write_text(f"# raydiff's step, {cfg.train.global_batch} images per step, {steps} steps profiled on "
+                       f"{device_name(device)}; {plan.describe()}{busy}\n{table}\n")
     return {"device_ms_per_step": None if device_ms is None else round(device_ms, 3),
             "launches_per_step": round(launches, 1)}
 

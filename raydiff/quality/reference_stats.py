@@ -13,6 +13,7 @@ import copy
 import hashlib
 import io
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import numpy as np
 from raydiff.quality.errors import QualityError
 from raydiff.quality.features import Features
 from raydiff.quality.measure import parallel_stats, total
+from raydiff.storage.errors import permanent_reason
 from raydiff.storage.rundir import RunDir
 
 CACHE_FOLDER = ".raydiff-reference"
@@ -99,5 +101,12 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
         stats = parallel_stats("arrays", arrays, features, len(arrays), keep_features=keep_features)
     mu, sigma = stats.mu_sigma()
     reference = Reference(mu, sigma, stats.count, stats.all_features() if keep_features else None, description)
-    cache.write_bytes(f"{key}.npz", reference.to_npz())
+    try:
+        cache.write_bytes(f"{key}.npz", reference.to_npz())
+    except Exception as exc:  # a cache: a full disk costs the next measurement this one's time, nothing more
+        reason = permanent_reason(exc)
+        if reason is None:
+            raise
+        print(f"[raydiff] note: {description} were not kept in {cache} ({reason}); they are computed again next "
+              f"time", file=sys.stderr)
     return reference

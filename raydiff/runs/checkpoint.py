@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from raydiff.model.unet import build_model, count_parameters
+from raydiff.storage.atomic import new_file
 from raydiff.storage.rundir import RunDir
 
 STATE_FILE = "state.pt"
@@ -70,14 +71,8 @@ def write_state(directory: Path, state: dict[str, Any]) -> Path:
     of it or none. Written through a Python file, so that a full disk raises OSError(ENOSPC) rather than torch's
     errno-less "file write failed"."""
     path = Path(directory) / STATE_FILE
-    tmp = path.with_name(f".{STATE_FILE}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+    with new_file(path) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)
     return path
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import io
 import math
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from raydiff.storage.atomic import new_file
 
 MIN_GRID_PX = 512  # grids of small images (digits are 16 px) are enlarged, nearest-neighbour, to at least this width
 
@@ -27,10 +30,8 @@ def _png(tensor: torch.Tensor) -> bytes:
 
 
 def _save_atomically(tensor: torch.Tensor, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(_png(tensor))
-    os.replace(tmp, path)
+    with new_file(path) as tmp:
+        tmp.write_bytes(_png(tensor))
 
 
 def _grid(images: torch.Tensor, nrow: int | None = None) -> torch.Tensor:
@@ -62,9 +63,14 @@ def save_samples(images: torch.Tensor, out: Path, nrow: int | None = None) -> Pa
     out = Path(out)
     if out.suffix.lower() == ".png":
         return save_grid(images, out, nrow)
-    for i, image in enumerate(_to_unit(images)):
-        _save_atomically(image, out / f"sample_{i:05d}.png")
-    save_grid(images, out / "grid.png", nrow)
+    # All of them, or none: written in a hidden folder inside, then moved out of it (renames need no room).
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".raydiff-samples-", dir=out) as staging:
+        for i, image in enumerate(_to_unit(images)):
+            _save_atomically(image, Path(staging) / f"sample_{i:05d}.png")
+        save_grid(images, Path(staging) / "grid.png", nrow)
+        for written in sorted(Path(staging).iterdir()):
+            os.replace(written, out / written.name)
     return out
 
 

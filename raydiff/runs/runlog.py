@@ -8,6 +8,7 @@ import math
 import time
 from typing import Any
 
+from raydiff.storage.atomic import whole_lines
 from raydiff.storage.rundir import RunDir
 from raydiff.storage.writes import BackgroundWrites
 
@@ -42,7 +43,7 @@ class JsonlLog:
             return list(self._rows)
         if not self.run.is_file(self.name):
             return []
-        return [json.loads(line) for line in self.run.read_text(self.name).splitlines() if line.strip()]
+        return [json.loads(line) for line in whole_lines(self.run.read_text(self.name)) if line.strip()]
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         self.run.write_text(self.name, "".join(json.dumps(r) + "\n" for r in rows))

@@ -10,7 +10,10 @@ Both kinds arrive as OSError: pyarrow puts the S3 or GCS error in the message.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # errno -> what the user reads.
@@ -29,14 +32,17 @@ PERMANENT_MESSAGES = (
     ("SIGNATURE_DOES_NOT_MATCH", "the credentials were refused"),
     ("UNAUTHENTICATED", "the credentials were refused"),
 )
-ADVICE = {
-    "no space left on device": "free space there or set another run.storage",
-    "disk quota exceeded": "raise the quota, free space or set another run.storage",
-    "file too large": "raise the file-size limit or set another run.storage",
-    "the bucket does not exist": "create the bucket or correct run.storage",
+ADVICE = {  # {setting}: where the user chose the storage (run.storage, or a command's --out)
+    "no space left on device": "free space there or set another {setting}",
+    "disk quota exceeded": "raise the quota, free space or set another {setting}",
+    "file too large": "raise the file-size limit or set another {setting}",
+    "the bucket does not exist": "create the bucket or correct {setting}",
     "the credentials were refused": "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
                                     "GOOGLE_APPLICATION_CREDENTIALS or the instance's role)",
 }
+FULL = ("no space left on device", "disk quota exceeded")  # the reasons where the free space is worth telling
+# A disk full or read-only: the machine's state, never a fault of the program, wherever it is met.
+FULL_OR_READ_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 
 def permanent_reason(exc: BaseException) -> str | None:
@@ -72,9 +78,9 @@ def failure_message(storage: str, operation: str, reason: str, detail: str = "")
             f"checkpoint")
 
 
-def advice(reason: str) -> str:
-    """What to do about a storage error no retry can fix."""
-    return ADVICE.get(reason, "make it writable or set another run.storage")
+def advice(reason: str, setting: str = "run.storage") -> str:
+    """What to do about a storage error no retry can fix, where `setting` chose the storage."""
+    return ADVICE.get(reason, "make it writable or set another {setting}").format(setting=setting)
 
 
 def storage_failure(exc: BaseException, storage: str, operation: str, *,
@@ -85,11 +91,28 @@ def storage_failure(exc: BaseException, storage: str, operation: str, *,
     if reason is None:
         return None
     detail = ""
-    if reason in ("no space left on device", "disk quota exceeded") and needed_bytes and "://" not in storage:
+    if reason in FULL and needed_bytes and "://" not in storage:
         free = free_bytes(storage)
         if free is not None:
             detail = f"{megabytes(free)} free, {megabytes(needed_bytes)} needed"
     return StorageFailure(failure_message(storage, operation, reason, detail))
+
+
+@contextmanager
+def output_errors(setting: str, path: str | os.PathLike) -> Iterator[None]:
+    """Raise the storage errors no retry can fix that the block meets writing a command's output `path` (chosen by
+    `setting`, e.g. "--out") as one StorageFailure line: what failed, why, the free space of a full local disk, and
+    what to do. The block's writes leave nothing half-written (`raydiff.storage.atomic`); its other errors pass."""
+    try:
+        yield
+    except Exception as exc:  # OSError, or a library's own (safetensors': "I/O error: No space left on device")
+        reason = permanent_reason(exc)
+        if reason is None:
+            raise
+        free = free_bytes(str(path)) if reason in FULL and "://" not in str(path) else None
+        detail = "" if free is None else f" ({megabytes(free)} free)"
+        raise StorageFailure(f"{setting} {path}: writing it failed: {reason}{detail}; nothing half-written was left "
+                             f"there; {advice(reason, setting)}") from None
 
 
 def free_bytes(folder: str) -> int | None:

@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow.fs as pafs
 
+from raydiff.storage.atomic import append_lines, new_file
 from raydiff.storage.errors import advice, permanent_reason
 from raydiff.storage.fs import filesystem_for, is_remote
 
@@ -155,22 +156,19 @@ class RunDir:
             with self.fs.open_output_stream(target) as f:
                 f.write(data)
             return
-        tmp = Path(parent) / f".{PurePosixPath(target).name}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+        with new_file(target) as tmp:
+            tmp.write_bytes(data)
 
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode())
 
     def append_text(self, name: str, text: str) -> None:
-        """Append to a local file; on an object store (which cannot append) rewrite it."""
+        """Append whole lines to a local file, all or none (`atomic.append_lines`); on an object store (which cannot
+        append) rewrite it."""
         if self.remote:
             self.write_bytes(name, (self.read_bytes(name) if self.is_file(name) else b"") + text.encode())
             return
-        path = Path(self._full(name))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(text)
+        append_lines(self._full(name), text)
 
     def remove(self, name: str) -> None:
         """Delete one file (there must be one)."""

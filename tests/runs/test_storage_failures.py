@@ -5,34 +5,19 @@ survived bit-identically."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli
+from disks import tmpfs
 from flaky_s3 import FlakyS3
 
 from raydiff.runs.checkpoint import list_checkpoints, read_state
 
 SMOKE_40 = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=5",
             "--set", "run.keep_checkpoints=100"]
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str, *, read_only: bool = False):
-    """A small file system of its own at `path` (a tmpfs: needs root), unmounted afterwards."""
-    path.mkdir(parents=True, exist_ok=True)
-    options = f"size={size}" + (",ro" if read_only else "")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _train(storage: str, *extra: str):

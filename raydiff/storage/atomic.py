@@ -1,0 +1,89 @@
+"""Local files and folders that appear whole or not at all, and appends that add whole lines or nothing.
+
+Why: a command that fails mid-write (a full disk, a quota, a stop) must leave neither a file that a reader takes
+for complete nor a hidden partial one that keeps the disk full and blocks the next try; and a JSON-lines log cut
+in the middle of a row would make the run directory unreadable at its next start. A file or folder is written
+beside its target under a hidden name and renamed into place (atomic within one file system); an append that
+fails is cut back to where it began.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TAIL_CHUNK = 1 << 16  # bytes read at a time when looking back for a log's last whole line
+
+
+@contextmanager
+def new_file(path: str | os.PathLike) -> Iterator[Path]:
+    """A hidden path beside `path` to write: renamed onto `path` when the block ends, removed if the block fails.
+    The parent folder is made if missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def new_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """A hidden empty folder beside `path` to fill: renamed onto `path` (absent, or an empty folder) when the block
+    ends, removed with all it holds if the block fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        os.replace(tmp, path)  # onto an empty folder too (rename(2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def append_lines(path: str | os.PathLike, text: str) -> None:
+    """Append whole lines (`text` ends in a newline) to `path`, made if missing: all of them or none. A failed
+    write is cut back off; a last line that an earlier crash left without its newline is dropped first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            size = _after_last_newline(fd, size)
+            os.ftruncate(fd, size)
+        rest = memoryview(text.encode())
+        try:
+            while rest:
+                rest = rest[os.write(fd, rest):]
+        except BaseException:
+            os.ftruncate(fd, size)  # frees what the failed write took: works on a full disk
+            raise
+    finally:
+        os.close(fd)
+
+
+def whole_lines(text: str) -> list[str]:
+    """The lines of a log that `append_lines` writes, without a last one cut short by a crash (no newline)."""
+    lines = text.split("\n")
+    return lines[:-1]  # the part after the last newline: "" for a whole file, a cut line otherwise
+
+
+def _after_last_newline(fd: int, size: int) -> int:
+    end = size
+    while end > 0:
+        start = max(0, end - TAIL_CHUNK)
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0

@@ -1,0 +1,51 @@
+"""Small file systems of their own for the storage-failure tests: a tmpfs (needs root: the tests skip without it),
+and one that is full but for a few kilobytes."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+FILLER = "filler"  # the file that takes a full disk's room; removing it makes room
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+    """A small file system of its own at `path` (a tmpfs: needs root), unmounted afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextlib.contextmanager
+def full_disk(path: Path, *, size: str = "4m", free_kb: int = 0) -> Iterator[Path]:
+    """A tmpfs at `path` with about `free_kb` KB free: the rest is taken by the file FILLER."""
+    with tmpfs(path, size) as disk:
+        filler = disk / FILLER
+        with filler.open("wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+        taken = filler.stat().st_size
+        with filler.open("r+b") as f:
+            f.truncate(max(taken - free_kb * 1024, 0))
+        yield disk
+
+
+def left_on(disk: Path) -> list[str]:
+    """What a command left on a full disk: every file and folder but the filler, hidden ones included."""
+    return sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.name != FILLER)

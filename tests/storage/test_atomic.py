@@ -1,0 +1,69 @@
+"""Local files and folders appear whole or not at all, and a log gains whole rows or none: a write that fails
+(a full disk, a stop) leaves neither a partial file in sight nor a hidden one taking room, and a log cut mid-row by
+a crash still reads."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+from disks import full_disk, left_on
+
+from raydiff.runs.runlog import JsonlLog
+from raydiff.storage.atomic import append_lines, new_file, new_folder
+from raydiff.storage.rundir import RunDir
+
+
+def test_a_file_that_fails_midway_leaves_the_old_one_and_nothing_else(tmp_path):
+    target = tmp_path / "grid.png"
+    target.write_bytes(b"old")
+    with pytest.raises(OSError), new_file(target) as tmp:
+        tmp.write_bytes(b"half of the new")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]
+    with new_file(tmp_path / "sub" / "grid.png") as tmp:
+        tmp.write_bytes(b"new")
+    assert (tmp_path / "sub" / "grid.png").read_bytes() == b"new" and len(list((tmp_path / "sub").iterdir())) == 1
+
+
+def test_a_folder_appears_whole_onto_an_empty_one_or_not_at_all(tmp_path):
+    with pytest.raises(KeyboardInterrupt), new_folder(tmp_path / "pipeline") as tmp:
+        (tmp / "unet").mkdir()
+        (tmp / "unet" / "weights").write_bytes(b"half")
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "pipeline").mkdir()  # an empty folder the user made for it
+    with new_folder(tmp_path / "pipeline") as tmp:
+        (tmp / "model_index.json").write_text("{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["pipeline"]
+    assert [p.name for p in (tmp_path / "pipeline").iterdir()] == ["model_index.json"]
+
+
+def test_on_a_full_disk_a_new_file_takes_no_room_and_a_log_gains_no_half_row(tmp_path):
+    with full_disk(tmp_path / "disk", free_kb=8) as disk:
+        with pytest.raises(OSError) as failed, new_file(disk / "samples.png") as tmp:
+            tmp.write_bytes(b"x" * 64 * 1024)
+        assert failed.value.errno == errno.ENOSPC and left_on(disk) == []
+        log = JsonlLog(RunDir(disk), "metrics.jsonl")
+        rows = 0
+        with pytest.raises(OSError) as failed:
+            while True:  # rows of 100 bytes, until one does not fit: most cross a page boundary first
+                log.append({"step": rows, "pad": "x" * 80})
+                rows += 1
+        assert failed.value.errno == errno.ENOSPC and rows > 10
+        text = (disk / "metrics.jsonl").read_text()
+        assert text.endswith("\n") and [r["step"] for r in log.rows()] == list(range(rows))
+
+
+def test_a_row_cut_by_a_crash_is_not_read_and_the_next_append_drops_it(tmp_path):
+    log_file = tmp_path / "events.jsonl"
+    log_file.write_text(json.dumps({"step": 10}) + "\n" + '{"step": 2')  # a crash mid-write
+    log = JsonlLog(RunDir(tmp_path), "events.jsonl")
+    assert log.rows() == [{"step": 10}]
+    log.append({"step": 20})
+    assert log_file.read_text() == '{"step": 10}\n{"step": 20}\n'
+    append_lines(tmp_path / "one.jsonl", "{}\n")
+    (tmp_path / "one.jsonl").write_text("{")  # cut with no whole line before it
+    append_lines(tmp_path / "one.jsonl", "[]\n")
+    assert (tmp_path / "one.jsonl").read_text() == "[]\n"
