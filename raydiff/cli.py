@@ -21,9 +21,10 @@ from raydiff.runs.errors import Unresumable
 from raydiff.storage.errors import FULL_OR_READ_ONLY_ERRNOS, PERMANENT_ERRNOS, StorageFailure
 from raydiff.storage.rundir import RunInUse
 from raydiff.training.interrupts import Interrupted, last_interrupt, sigterm_raises
+from raydiff.training.sweep import TrialFailed
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,
-               StorageFailure, RayUnreachable)
+               StorageFailure, RayUnreachable, TrialFailed)
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

@@ -35,7 +35,9 @@ from raydiff import cli
 from raydiff.config import Config, ConfigError, load_config, preset_names
 from raydiff.config.checks import validate
 from raydiff.config.learning_rate import LR_RULES
-from raydiff.training.sweep import run_sweep
+from raydiff.storage.atomic import new_file
+from raydiff.storage.errors import output_errors
+from raydiff.training.sweep import TrialFailed, run_sweep
 from raydiff.training.sweep_plan import Sweep, plan_sweep, trial_config
 
 DEFAULT_VAL_IMAGES = 256
@@ -61,7 +63,7 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_d
     from raydiff.plots import plot_sweep
 
     rows = sorted(rows, key=lambda r: (r["rule"], r["batch"], -r["base_lr"]))
-    with (sweep_dir / "results.csv").open("w", newline="") as f:
+    with new_file(sweep_dir / "results.csv") as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -80,9 +82,11 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_d
         best_cfg.scaling = copy.deepcopy(cfg.scaling)  # the long run's workers, not a trial's (auto: one each)
         header = (f"# Best trial of sweep {sweep.name}: {best['trial']}, {metric} {best[metric]:.5g} after "
                   f"{best['images_seen']:,} images.\n# Train it longer with --set train.total_steps=N.\n")
-        (sweep_dir / "best.yaml").write_text(header + yaml.safe_dump(best_cfg.to_dict(), sort_keys=False))
+        with new_file(sweep_dir / "best.yaml") as tmp:
+            tmp.write_text(header + yaml.safe_dump(best_cfg.to_dict(), sort_keys=False))
         summary["best"] = best
-    (sweep_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with new_file(sweep_dir / "summary.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
     summary["dir"] = str(sweep_dir)
     return summary
 
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[raydiff] sweep {sweep.name} stopped by {ran['interrupted']}, its state saved in "
               f"{ran['dir']}: the same command continues it (each trial from its newest checkpoint)")
         return 128 + signal.Signals[ran["interrupted"]].value
-    summary = write_outputs(ran["rows"], cfg, sweep, Path(ran["dir"]))
+    with output_errors("run.storage", ran["dir"]):
+        summary = write_outputs(ran["rows"], cfg, sweep, Path(ran["dir"]))
     print(f"[raydiff] sweep {sweep.name}: {summary['finished']} finished, {summary['stopped']} stopped early by "
           f"ASHA, {summary['errors']} failed")
     for rule, info in summary["rules"].items():
@@ -136,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[raydiff] best: {best['trial']} (lr {best['lr']:.3g}), {metric} {best[metric]:.5g}")
         print(f"[raydiff] train it: python -m raydiff.train --config {summary['dir']}/best.yaml")
     print(f"[raydiff] results: {summary['dir']}/results.csv, sweep.png, summary.json")
+    if ran["failed"]:
+        raise TrialFailed(f"{len(ran['failed'])} of {len(ran['rows'])} trials failed (each said why above); once that "
+                          f"is fixed, the same command runs them again")
     return 0 if "best" in summary else 1
 
 

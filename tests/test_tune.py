@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import yaml
-from conftest import reserving, run_cli, run_cli_interrupted
+from conftest import ROOT, reserving, run_cli, run_cli_interrupted
+from disks import tmpfs
 
 from raydiff import cli
 from raydiff.tune import main as tune_main
@@ -101,6 +105,59 @@ def test_a_sweep_whose_tune_state_was_cut_short_continues_from_its_trials_runs(s
     continued = after["1e-06"]
     assert continued["status"] != "error" and float(continued["val_loss"]) > 0
     assert int(continued["images_seen"]) >= int(before["1e-06"]["images_seen"])
+
+
+@pytest.mark.ray
+def test_a_sweep_without_room_for_its_trials_checkpoints_is_refused_before_anything_is_written(ray_session,
+                                                                                                 tmp_path):
+    with tmpfs(tmp_path / "disk", "9m") as disk:  # room for two smoke checkpoints (a run's minimum), not three
+        proc = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}")
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        [line] = [line for line in proc.stderr.splitlines() if line.startswith("raydiff:")]
+        assert line.startswith(f"raydiff: config error: run.storage = '{disk}': 9.4 MB free on its file system, and "
+                               f"the sweep's 2 trials (")
+        assert "need room for 3 more checkpoints of about 3.9 MB (11.6 MB); free space there, set another " \
+               "run.storage or sweep fewer trials" in line  # one kept by each trial, and the next of the one running
+        assert not any(disk.iterdir())
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_trials_that_fail_on_a_disk_filled_meanwhile_say_why_in_a_line_and_the_same_command_runs_them(ray_session,
+                                                                                                     tmp_path):
+    """The disk fills (another job's files) once the first trial trains: each trial that then fails says why in one
+    line, not Tune's traceback, and the sweep ends in one line, exit 2. With room again, the same command runs the
+    failed trials (all at once as Tune resumes them, without their waiting actors starving each other's workers),
+    or, where Tune's own save was cut short by the full disk, sets that state aside and continues from the runs."""
+    from conftest import _cluster_address  # set once the session's cluster runs
+
+    with tmpfs(tmp_path / "disk", "20m") as disk:
+        command = [sys.executable, "-m", "raydiff.tune", *SWEEP, "--set", f"run.storage={disk}"]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                env=dict(os.environ, RAY_ADDRESS=_cluster_address), stdin=subprocess.DEVNULL)
+        output = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            output.append(line)
+            if "[raydiff] step " in line and not (disk / "other-job").exists():
+                (disk / "other-job").write_bytes(bytes(17 * 2**20))  # leaves less than a checkpoint's room
+        assert proc.wait(timeout=600) == 2, "".join(output)[-3000:]
+        text = "".join(output)
+        failed = [line for line in output if line.startswith("[raydiff] trial ") and " failed: " in line]
+        # The first trial at its next checkpoint, the second before it starts; each once, though Tune retries it.
+        assert len(failed) == 2 and all("free space there or set another run.storage" in line for line in failed)
+        assert len({line.split(" failed: ")[0] for line in failed}) == 2
+        assert "Traceback" not in text and "Trials did not complete" not in text
+        # Tune's own saves of the sweep's state may fail first on the full disk, and end the sweep; else the trials'.
+        assert text.splitlines()[-1] in (
+            "raydiff: error: 2 of 2 trials failed (each said why above); once that is fixed, the same command runs "
+            "them again",
+            f"raydiff: error: storage {disk / 's'}: saving the sweep's state failed: no space left on device. Nothing "
+            f"already saved was lost; free space there or set another run.storage, then run the same command again to "
+            f"continue from the newest checkpoint")
+        (disk / "other-job").unlink()
+        again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}", timeout=600)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert "continuing the sweep" in again.stdout and ", 0 failed" in again.stdout
 
 
 @pytest.mark.ray

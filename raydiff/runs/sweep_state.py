@@ -1,8 +1,9 @@
 """A sweep's Ray Tune experiment state, checked before Tune restores it.
 
-Why a check of our own: Tune saves its experiment state (`tuner.pkl`, then `experiment_state-<time>.json`) by
-writing or copying each file in place, not atomically. A sweep driver killed during a save leaves a file cut
-short, and one killed before Tune's first save leaves `tuner.pkl` with no experiment state. Tune's own
+Why a check of our own: Tune saves its experiment state (`tuner.pkl`, then `experiment_state-<time>.json` and the
+grid's `basic-variant-state-<time>.json`) by writing or copying each file in place, not atomically. A sweep driver
+killed during a save, or a disk that fills, leaves a file cut short, and a driver killed before Tune's first save
+leaves `tuner.pkl` with no experiment state. Tune's own
 `Tuner.can_restore` looks at `tuner.pkl` alone; the restore then either raises (a cut `tuner.pkl`) or, worse,
 continues an experiment that has lost its trials, running one trial with an empty config. raydiff does not
 need Tune's state to continue a sweep: every trial is a raydiff run that continues from its own newest
@@ -19,6 +20,7 @@ from pathlib import Path
 
 TUNER_FILE = "tuner.pkl"
 EXPERIMENT_STATE = "experiment_state-*.json"  # one per driver session; Tune restores the newest by name
+SEARCHER_STATE = "basic-variant-state-*.json"  # the grid's progress, a pickle despite its name; the newest is read
 
 
 def unusable_tune_state(experiment: Path) -> str | None:
@@ -36,6 +38,9 @@ def unusable_tune_state(experiment: Path) -> str | None:
         json.loads(states[-1].read_text())
     except (ValueError, UnicodeDecodeError):
         return f"{states[-1].name} is cut short"
+    searchers = sorted(experiment.glob(SEARCHER_STATE))
+    if searchers and not _whole_pickle(searchers[-1].read_bytes()):
+        return f"{searchers[-1].name} is cut short"
     return None
 
 
@@ -52,7 +57,8 @@ def set_aside_unusable_tune_state(experiment: Path) -> str | None:
         n += 1
         aside = experiment.with_name(f"{experiment.name}.unusable-{stamp}-{n}")
     experiment.rename(aside)
-    return (f"the sweep's Tune state is unusable ({why}; its driver was stopped during or before a save), kept as "
+    return (f"the sweep's Tune state is unusable ({why}: a save was cut short, by a stop of its driver or a full "
+            f"disk), kept as "
             f"{aside}; Tune starts afresh over the same grid, each trial continuing from its own run's newest "
             f"checkpoint")
 

@@ -9,18 +9,39 @@ with the plan of `raydiff.training.sweep_plan`.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from raydiff.config import Config, ConfigError
+from raydiff.data.errors import DataError
+from raydiff.quality.errors import QualityError
+from raydiff.runs.errors import Unresumable
+from raydiff.storage.errors import StorageFailure, failure_message
+from raydiff.storage.rundir import RunInUse
 from raydiff.training.sweep_plan import Sweep, concurrent_trials, trial_config
 
-TRIAL_CPU = 0.01  # a trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs
+# A trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs. Every trial's waiting
+# actor may be up at once (a re-run resumes the failed trials all together: Tune's max_concurrent_trials applies
+# only when it creates trials), so the workers' share leaves room for all of them: a running trial's workers always
+# fit, and the others' wait for them to finish.
+TRIAL_CPU = 0.001
 LAYOUT_FILE = "data.json"  # the sweep's data layout, kept by a re-run
 # Each trial's Ray Train controller ends with the trial (finished, or stopped by ASHA) and the run's placement-group
 # cleaner warns that it found it dead: routine in a sweep (in a single run it would signal a fault, and shows).
 TRIAL_CONTROLLER_GONE = re.compile(r"Detected that the Ray Train controller actor \(\w+\) is dead")
+# What a raydiff run refuses or stops with in one line (a disk without room, data it cannot read): the user's to fix.
+ONE_LINE_ERRORS = (ConfigError, DataError, StorageFailure, QualityError, Unresumable, RunInUse)
+
+
+class TrialFailed(RuntimeError):
+    """A trial's run refused or stopped with one of raydiff's one-line errors; the message is that line, with the
+    trial's name (or, from the command, how many trials failed)."""
 
 
 def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: str, images,
@@ -34,8 +55,11 @@ def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: 
     from raydiff.training.reservations import note_trial_run
 
     cfg = trial_config(base, params, sweep, runs_dir)
-    summary = run_training(cfg, images=images, cpus=cpus_per_trial, callbacks=[TuneReportCallback()],
-                           note_run=lambda requester: note_trial_run(trial_runs, requester))
+    try:
+        summary = run_training(cfg, images=images, cpus=cpus_per_trial, callbacks=[TuneReportCallback()],
+                               note_run=lambda requester: note_trial_run(trial_runs, requester))
+    except ONE_LINE_ERRORS as exc:
+        raise TrialFailed(f"trial {cfg.run.name} failed: {exc}") from None
     # A trial Tune runs again whose run had nothing left to train (Tune's state set aside, or a sweep driver
     # killed after the trial's last checkpoint): its final measurements, restored, count again.
     nothing_left = summary.get("already_finished") or summary.get("resumed_from_step") == summary.get("steps")
@@ -91,12 +115,13 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     resources = ray.cluster_resources()
     cpus = resources.get("CPU", 1)
     concurrent = sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0))
+    check_sweep_room(cfg, sweep, sweep_dir, concurrent)
     images, cache = sweep_images(cfg, sweep_dir, concurrent)
     if cfg.data.val_images >= images.num_good:
         raise ConfigError(f"data.val_images = {cfg.data.val_images}: must be below the {images.num_good} images")
     images = with_held_out(cfg, images)  # once for every trial: they all hold out the same images
     print(f"[raydiff] sweep {sweep.name}: {len(sweep.base_lrs)} base LR(s) x {len(sweep.batches)} batch size(s) x "
-          f"{len(sweep.rules)} rule(s) = {len(sweep.base_lrs) * len(sweep.batches) * len(sweep.rules)} trials of "
+          f"{len(sweep.rules)} rule(s) = {sweep.trials} trials of "
           f"{sweep.budget_images:,} images, validation every {sweep.interval_images:,} images on "
           f"{cfg.data.val_images} held-out images, {concurrent} at a time; {cache}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +131,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     trial_runs = TrialRuns.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
     trainable = tune.with_resources(
         tune.with_parameters(_run_trial, base=cfg, sweep=sweep, runs_dir=str(sweep_dir / "runs"),
-                             images=images, cpus_per_trial=cpus / concurrent - TRIAL_CPU, trial_runs=trial_runs),
+                             images=images, cpus_per_trial=(cpus - TRIAL_CPU * sweep.trials) / concurrent,
+                             trial_runs=trial_runs),
         {"CPU": TRIAL_CPU},
     )
     experiment = str(sweep_dir / "tune")
@@ -135,11 +161,93 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     # banner (its scheduler table, and a `tensorboard` command for a folder of the Ray session) beside raydiff's
     # own lines; read when the sweep starts. Tune's log messages (a trial's error, its interruption) are unchanged.
     with releasing_killed_trials(trial_runs), noting_tune_interrupt() as interrupt, \
-            environment_variable("RAY_AIR_NEW_OUTPUT", "0"):
-        grid = tuner.fit()
+            environment_variable("RAY_AIR_NEW_OUTPUT", "0"), telling_tune_failures() as failures:
+        try:
+            grid = tuner.fit()
+        except Exception:
+            if failures.state_unsaved is None:
+                raise
+            # Tune fails reading back a file it could not write whole (a trial's error): the full disk is the news.
+            raise StorageFailure(failure_message(str(sweep_dir), "saving the sweep's state",
+                                                 failures.state_unsaved)) from None
     if interrupt["signal"]:  # Tune saved its state; the results so far are not the sweep's
         return {"interrupted": interrupt["signal"], "dir": str(sweep_dir)}
-    return {"rows": [_result_row(grid[i], cfg, sweep, sweep_dir) for i in range(len(grid))], "dir": str(sweep_dir)}
+    return {"rows": [_result_row(grid[i], cfg, sweep, sweep_dir) for i in range(len(grid))], "dir": str(sweep_dir),
+            "failed": failures.trials}
+
+
+@dataclass
+class TuneFailures:
+    """What `telling_tune_failures` told or noted: each failed trial's line, by trial, and why Tune could not save
+    the sweep's state (None if it could)."""
+
+    trials: dict[str, str] = field(default_factory=dict)
+    state_unsaved: str | None = None
+
+
+@contextmanager
+def telling_tune_failures() -> Iterator[TuneFailures]:
+    """While active, Tune's traceback for a trial that failed with `TrialFailed` is raydiff's line instead, once per
+    trial (Tune runs a failed trial once more), and Tune's closing "Trials did not complete" is left out; a failure
+    to save the sweep's state that no retry can fix (a full disk) is noted, not shown. Any other failure keeps its
+    traceback (a bug should be seen)."""
+    from raydiff.storage.errors import permanent_reason
+
+    told = TuneFailures()
+    controller_log = logging.getLogger("ray.tune.execution.tune_controller")
+    state_log = logging.getLogger("ray.tune.execution.experiment_state")
+    tune_log = logging.getLogger("ray.tune.tune")
+
+    def trial_failed(record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, TrialFailed):  # Ray's task error is an instance of its cause's class too
+            return True
+        line = str(getattr(error, "cause", error))
+        trial = line.split(" failed: ", 1)[0]
+        if trial not in told.trials:
+            told.trials[trial] = line
+            print(f"[raydiff] {line}", file=sys.stderr)
+        return False
+
+    def state_unsaved(record: logging.LogRecord) -> bool:
+        reason = permanent_reason(record.exc_info[1]) if record.exc_info and record.exc_info[1] else None
+        told.state_unsaved = told.state_unsaved or reason
+        return reason is None
+
+    def incomplete(record: logging.LogRecord) -> bool:
+        return not (told.trials and record.getMessage().startswith("Trials did not complete"))
+
+    filters = ((controller_log, trial_failed), (state_log, state_unsaved), (tune_log, incomplete))
+    for log, keep in filters:
+        log.addFilter(keep)
+    try:
+        yield told
+    finally:
+        for log, keep in filters:
+            log.removeFilter(keep)
+
+
+def check_sweep_room(cfg: Config, sweep: Sweep, sweep_dir: Path, concurrent: int) -> None:
+    """On a local or mounted file system, room for the checkpoints the sweep keeps at its fullest: one per trial
+    (run.keep_checkpoints 1) and the next one of each trial running; those a re-run finds are there already.
+    Refused in one line otherwise, before anything is written: a disk that fills halfway through fails the trials
+    that remain, one after another."""
+    from raydiff.runs.checkpoint import checkpoint_bytes
+    from raydiff.storage.errors import free_bytes, megabytes
+
+    free = free_bytes(str(sweep_dir))
+    if free is None:
+        return
+    trials = sweep.trials
+    kept = sum(1 for trial in (sweep_dir / "runs").glob("*") for _ in trial.glob("checkpoint_*"))
+    each = checkpoint_bytes(trial_config(cfg, {"base_lr": sweep.base_lrs[0], "batch": sweep.batches[0],
+                                               "rule": sweep.rules[0]}, sweep, str(sweep_dir / "runs")))
+    needed = max(trials + min(concurrent, trials) - kept, 0) * each
+    if free < needed:
+        raise ConfigError(f"run.storage = {cfg.run.storage!r}: {megabytes(free)} free on its file system, and the "
+                          f"sweep's {trials} trials ({min(concurrent, trials)} at a time) need room for "
+                          f"{needed // each} more checkpoints of about {megabytes(each)} ({megabytes(needed)}); free "
+                          f"space there, set another run.storage or sweep fewer trials")
 
 
 def sweep_images(cfg: Config, sweep_dir: Path, concurrent: int):

@@ -37,6 +37,10 @@ class Sweep:
     max_concurrent: int | None  # None: as many as the cluster fits
     metric: str = "val_loss"  # what trials are ranked by (lower is better): val_loss, fid or digits_fd
 
+    @property
+    def trials(self) -> int:
+        return len(self.base_lrs) * len(self.batches) * len(self.rules)
+
 
 def _parse_lrs(text: str, samples: int) -> tuple[float, ...]:
     """'1e-5:1e-3' -> `samples` log-spaced values, largest first (a single value is allowed)."""

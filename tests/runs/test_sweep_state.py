@@ -43,8 +43,19 @@ def test_a_state_tune_could_not_restore_is_set_aside_whole(tmp_path, tuner, stat
     assert unusable_tune_state(broken) == why
     note = set_aside_unusable_tune_state(broken)
     [aside] = tmp_path.glob("tune.unusable-*")
-    assert f"({why}; " in note and str(aside) in note and not broken.exists()
+    assert f"({why}: a save was cut short" in note and str(aside) in note and not broken.exists()
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == files
+
+
+def test_a_grid_state_cut_by_a_full_disk_is_set_aside(tmp_path):
+    """Tune's grid state (a pickle named .json) cut at a page, as a full disk leaves it; Tune would restore a trial
+    with an empty config from it."""
+    broken = experiment(tmp_path)
+    grid = pickle.dumps({"iterators": list(range(2000))})
+    (broken / "basic-variant-state-2026-11-26_09-00-00.json").write_bytes(grid)
+    assert unusable_tune_state(broken) is None
+    (broken / "basic-variant-state-2026-11-26_10-00-00.json").write_bytes(grid[:4096])
+    assert unusable_tune_state(broken) == "basic-variant-state-2026-11-26_10-00-00.json is cut short"
 
 
 def test_setting_aside_twice_keeps_both(tmp_path):
