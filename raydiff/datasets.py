@@ -12,6 +12,8 @@ from pathlib import Path
 from raydiff import cli
 from raydiff.data.builtin import digits_folder, write_synthetic
 from raydiff.data.errors import DataError
+from raydiff.storage.atomic import new_folder
+from raydiff.storage.errors import output_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--num {args.num} / --resolution {args.resolution}: need num >= 1 and resolution >= 4")
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):  # as raydiff.export
         raise DataError(f"OUT = {str(args.out)!r} already exists and is not an empty folder: choose a new folder")
-    write_synthetic(args.out, num=args.num, resolution=args.resolution, fmt=args.format, seed=args.seed)
+    with output_errors("OUT", args.out), new_folder(args.out) as folder:  # whole, or absent
+        write_synthetic(folder, num=args.num, resolution=args.resolution, fmt=args.format, seed=args.seed)
     print(f"wrote {args.num} {args.format} images of {args.resolution}x{args.resolution} to {args.out.resolve()}")
     return 0
 

@@ -9,7 +9,7 @@ from conftest import run_cli, write_posthoc_run
 from disks import FILLER, full_disk, left_on, tmpfs
 from test_export import write_checkpoint
 
-from raydiff import cli, ema, export, sample
+from raydiff import cli, datasets, ema, export, sample
 from raydiff.config import load_config
 from raydiff.evaluate import main as evaluate_main
 
@@ -105,3 +105,18 @@ def test_lr_find_and_prepare_on_a_full_disk_are_one_line_each(tmp_path):
         assert _error_line(prepared.stderr) == f"raydiff: error: OUT {disk / 'prepared'}: {FULL} OUT"
         assert "Traceback" not in found.stderr + prepared.stderr
         assert left_on(disk) == []
+
+
+def test_the_built_in_datasets_on_a_full_disk_say_where_and_what_to_do(tmp_path, monkeypatch, capsys):
+    with full_disk(tmp_path / "disk", size="16m") as disk:  # 1,797 small files: a page each once there is room
+        monkeypatch.setenv("RAYDIFF_CACHE", str(disk / "cache"))
+        assert cli.run(datasets.main, ["digits"]) == 2
+        assert _error_line(capsys.readouterr().err) == (
+            f"raydiff: error: cannot write the built-in dataset into {disk / 'cache'} (no space left on device); make "
+            f"room there or set RAYDIFF_CACHE to another folder")
+        assert cli.run(datasets.main, ["synthetic", str(disk / "synthetic"), "--num", "8"]) == 2
+        assert _error_line(capsys.readouterr().err) == f"raydiff: error: OUT {disk / 'synthetic'}: {FULL} OUT"
+        assert left_on(disk) == ["cache"]  # the cache folder, empty
+        (disk / FILLER).unlink()
+        assert cli.run(datasets.main, ["digits"]) == 0
+        assert len(list((disk / "cache" / "digits-v1").iterdir())) == 1797

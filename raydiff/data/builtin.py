@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from raydiff.data.errors import DataError
+from raydiff.storage.errors import permanent_reason
+
 
 def cache_dir() -> Path:
     """Where built-in datasets are written: $RAYDIFF_CACHE, else $XDG_CACHE_HOME/raydiff, else ~/.cache/raydiff."""
@@ -34,9 +37,14 @@ def _publish(build, target: Path) -> Path:
     try:
         build(tmp)
         os.replace(tmp, target)
-    except OSError:
-        if not target.is_dir():  # a concurrent writer that won the race is fine; anything else is not
+    except OSError as exc:
+        if target.is_dir():  # a concurrent writer that won the race is fine; anything else is not
+            return target
+        reason = permanent_reason(exc)
+        if reason is None:
             raise
+        raise DataError(f"cannot write the built-in dataset into {target.parent} ({reason}); make room there or set "
+                        f"RAYDIFF_CACHE to another folder") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
