@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -267,6 +268,8 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
                          noise=(0, cfg.diffusion.timesteps))
     update = EmaUpdater(ema, model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type != "cuda":  # else the profiler's GPU probe prints "ERROR: ... gpuGetDeviceCount failed" on a CPU
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     try:
         for _ in range(steps):
             optimizer_step(inputs, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
