@@ -1,6 +1,7 @@
 """Running a Ray Tune sweep: every trial a full raydiff run (a Ray Train TorchTrainer launched from a Tune function
 trainable) on images decoded once, ASHA stopping the worse trials, and what the sweep leaves (results.csv,
-best.yaml, sweep.png, summary.json).
+best.yaml, sweep.png, summary.json). A trial that fails as a raydiff run does (one line: a full disk, bad data) is
+told in that line, not in Tune's traceback.
 
 Why a module of its own: `raydiff.tune` is the command (its arguments and lines); this is the library it runs,
 with the plan of `raydiff.training.sweep_plan`.
@@ -22,7 +23,7 @@ from raydiff.config import Config, ConfigError
 from raydiff.data.errors import DataError
 from raydiff.quality.errors import QualityError
 from raydiff.runs.errors import Unresumable
-from raydiff.storage.errors import StorageFailure, failure_message
+from raydiff.storage.errors import StorageFailure, failure_message, free_bytes, megabytes, permanent_reason
 from raydiff.storage.rundir import RunInUse
 from raydiff.training.sweep_plan import Sweep, concurrent_trials, trial_config
 
@@ -191,8 +192,6 @@ def telling_tune_failures() -> Iterator[TuneFailures]:
     trial (Tune runs a failed trial once more), and Tune's closing "Trials did not complete" is left out; a failure
     to save the sweep's state that no retry can fix (a full disk) is noted, not shown. Any other failure keeps its
     traceback (a bug should be seen)."""
-    from raydiff.storage.errors import permanent_reason
-
     told = TuneFailures()
     controller_log = logging.getLogger("ray.tune.execution.tune_controller")
     state_log = logging.getLogger("ray.tune.execution.experiment_state")
@@ -232,20 +231,19 @@ def check_sweep_room(cfg: Config, sweep: Sweep, sweep_dir: Path, concurrent: int
     (run.keep_checkpoints 1) and the next one of each trial running; those a re-run finds are there already.
     Refused in one line otherwise, before anything is written: a disk that fills halfway through fails the trials
     that remain, one after another."""
-    from raydiff.runs.checkpoint import checkpoint_bytes
-    from raydiff.storage.errors import free_bytes, megabytes
+    from raydiff.runs.checkpoint import checkpoint_bytes  # torch: imported once a sweep runs
 
     free = free_bytes(str(sweep_dir))
     if free is None:
         return
-    trials = sweep.trials
+    trials, running = sweep.trials, min(concurrent, sweep.trials)
     kept = sum(1 for trial in (sweep_dir / "runs").glob("*") for _ in trial.glob("checkpoint_*"))
     each = checkpoint_bytes(trial_config(cfg, {"base_lr": sweep.base_lrs[0], "batch": sweep.batches[0],
                                                "rule": sweep.rules[0]}, sweep, str(sweep_dir / "runs")))
-    needed = max(trials + min(concurrent, trials) - kept, 0) * each
+    needed = max(trials + running - kept, 0) * each
     if free < needed:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: {megabytes(free)} free on its file system, and the "
-                          f"sweep's {trials} trials ({min(concurrent, trials)} at a time) need room for "
+                          f"sweep's {trials} trials ({running} at a time) need room for "
                           f"{needed // each} more checkpoints of about {megabytes(each)} ({megabytes(needed)}); free "
                           f"space there, set another run.storage or sweep fewer trials")
 
