@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     from raydiff.runs.ema_snapshots import weights_of
     from raydiff.runs.state import read_guide, read_newest
 
+    if diffusers_folder.is_diffusers_folder(args.checkpoint):
+        raise ConfigError(f"--checkpoint {args.checkpoint}: a diffusers pipeline folder, exported already; "
+                          f"export reads a raydiff run or checkpoint folder (raydiff.sample and model.init_from "
+                          f"read this one)")
     location = checkpoint_location(args.checkpoint, args.endpoint)
     diffusers_io.require_diffusers("raydiff.export")
     checkpoint, state = read_newest(location)

@@ -276,6 +276,15 @@ def test_export_refuses_a_non_empty_folder_and_changes_nothing(exported, tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["taken"]
 
 
+def test_exporting_an_exported_folder_says_what_it_is_in_one_line(exported, tmp_path, capsys):
+    _, folder = exported
+    assert cli.run(export.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "again")]) == 2
+    assert capsys.readouterr().err == (
+        f"raydiff: config error: --checkpoint {folder}: a diffusers pipeline folder, exported already; export reads "
+        f"a raydiff run or checkpoint folder (raydiff.sample and model.init_from read this one)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_no_ema_exports_the_online_weights(exported, tmp_path, capsys):
     checkpoint, _ = exported
     assert cli.run(export.main, ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "online"), "--no-ema"]) == 0
