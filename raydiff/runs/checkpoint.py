@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from raydiff.model.unet import build_model, count_parameters
-from raydiff.storage.atomic import new_file
+from raydiff.storage.atomic import new_file, scratch_folder
 from raydiff.storage.rundir import RunDir
 
 STATE_FILE = "state.pt"
@@ -121,7 +121,7 @@ class CheckpointWriter:
             except OSError as exc:
                 future.set_exception(exc)
         else:
-            staging = Path(tempfile.mkdtemp(prefix="raydiff-ckpt-"))
+            staging = scratch_folder("ckpt")
             try:
                 write_state(staging, state)  # the state of this step, before training changes it
             except BaseException:

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from raydiff.config import Config
+from raydiff.storage.atomic import scratch_folder
 from raydiff.storage.rundir import RunDir
 from raydiff.storage.writes import BackgroundWrites
 
@@ -123,7 +124,7 @@ class _TensorBoard(_Backend):
         # An object store cannot append: write locally and upload whole event files at flush() and close(). The
         # file grows all run long; flush() (at every checkpoint) uploads it on a thread of its own, not on the
         # training thread.
-        self._tmp = None if run_dir.local else Path(tempfile.mkdtemp(prefix="raydiff-tensorboard-"))
+        self._tmp = None if run_dir.local else scratch_folder("tensorboard")
         self._uploads = BackgroundWrites() if self._tmp else None
         self._uploaded: dict[str, int] = {}
         self.guard(self._open, cfg, resume_step)
@@ -194,7 +195,7 @@ class _WandB(_Backend):
         # W&B writes its files under <dir>/wandb/; on an object store that is a temporary folder, uploaded at
         # close() in offline mode (online, the W&B server has it all).
         self.run_dir = run_dir
-        self._tmp = None if run_dir.local else Path(tempfile.mkdtemp(prefix="raydiff-wandb-"))
+        self._tmp = None if run_dir.local else scratch_folder("wandb")
         self.guard(self._open, cfg, run_dir, ids)
 
     def _open(self, cfg: Config, run_dir: RunDir, ids: _Ids) -> None:

@@ -1,10 +1,13 @@
-"""Local files and folders that appear whole or not at all, and appends that add whole lines or nothing.
+"""Local files and folders that appear whole or not at all, appends that add whole lines or nothing, and scratch
+folders that a killed process does not leave behind for good.
 
 Why: a command that fails mid-write (a full disk, a quota, a stop) must leave neither a file that a reader takes
 for complete nor a hidden partial one that keeps the disk full and blocks the next try; and a JSON-lines log cut
 in the middle of a row would make the run directory unreadable at its next start. A file or folder is written
 beside its target under a hidden name and renamed into place (atomic within one file system); an append that
-fails is cut back to where it began.
+fails is cut back to where it began. A process killed outright (the OOM killer, SIGKILL) cannot remove its
+scratch folder, and a checkpoint staged there is the size of the whole training state: the next one of its kind
+removes it.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 TAIL_CHUNK = 1 << 16  # bytes read at a time when looking back for a log's last whole line
+STALE_SCRATCH_S = 600  # a scratch folder of a process that is gone is removed once it is this old
 
 
 @contextmanager
@@ -70,6 +75,32 @@ def append_lines(path: str | os.PathLike, text: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def scratch_folder(kind: str) -> Path:
+    """A new folder `raydiff-<kind>-<pid>-*` in the temporary folder, after removing those of `kind` that a process
+    now gone left (older than STALE_SCRATCH_S, in case the process is one of another pid namespace sharing it).
+    `kind` has no "-"."""
+    root = Path(tempfile.gettempdir())
+    for stale in root.glob(f"raydiff-{kind}-*-*"):
+        pid = stale.name.split("-")[2]
+        try:
+            old = time.time() - stale.stat().st_mtime > STALE_SCRATCH_S
+        except OSError:  # removed meanwhile
+            continue
+        if pid.isdigit() and old and not _running(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"raydiff-{kind}-{os.getpid()}-"))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def whole_lines(text: str) -> list[str]:

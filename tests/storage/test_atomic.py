@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 from disks import full_disk, left_on
 
 from raydiff.runs.runlog import JsonlLog
-from raydiff.storage.atomic import append_lines, new_file, new_folder
+from raydiff.storage.atomic import append_lines, new_file, new_folder, scratch_folder
 from raydiff.storage.rundir import RunDir
 
 
@@ -67,3 +72,27 @@ def test_a_row_cut_by_a_crash_is_not_read_and_the_next_append_drops_it(tmp_path)
     (tmp_path / "one.jsonl").write_text("{")  # cut with no whole line before it
     append_lines(tmp_path / "one.jsonl", "[]\n")
     assert (tmp_path / "one.jsonl").read_text() == "[]\n"
+
+
+def test_the_scratch_folder_of_a_killed_process_is_removed_by_the_next_of_its_kind(tmp_path, monkeypatch):
+    """A worker killed outright (the OOM killer) leaves its staged checkpoint, the size of the training state."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    an_hour_ago = time.time() - 3600
+
+    def folder(name: str, *, old: bool = True):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "state.pt").write_bytes(b"state")
+        if old:
+            os.utime(path, (an_hour_ago, an_hour_ago))
+        return path
+
+    killed = folder(f"raydiff-ckpt-{gone}-a1b2")
+    just_made = folder(f"raydiff-ckpt-{gone}-c3d4", old=False)  # maybe a live process of another pid namespace
+    alive = folder(f"raydiff-ckpt-{os.getpid()}-e5f6")
+    other_kind = folder(f"raydiff-tensorboard-{gone}-g7h8")
+    new = scratch_folder("ckpt")
+    assert new.parent == tmp_path and new.name.startswith(f"raydiff-ckpt-{os.getpid()}-") and new.is_dir()
+    assert not killed.exists() and just_made.exists() and alive.exists() and other_kind.exists()
