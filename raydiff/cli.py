@@ -25,6 +25,7 @@ from raydiff.training.sweep import TrialFailed
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,
                StorageFailure, RayUnreachable, TrialFailed)
+DISK_FIXES = {errno.EROFS: "make it writable", errno.EFBIG: "raise the file-size limit"}  # else: make room there
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
@@ -39,7 +40,7 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
         if exc.errno not in FULL_OR_READ_ONLY_ERRNOS:
             raise
         where = f" ({exc.filename})" if exc.filename else ""
-        fix = "make it writable" if exc.errno == errno.EROFS else "make room there"
+        fix = DISK_FIXES.get(exc.errno, "make room there")
         print(f"raydiff: error: {PERMANENT_ERRNOS[exc.errno]}{where}; {fix}, then run the same command again",
               file=sys.stderr)
     except KeyboardInterrupt as exc:  # Ctrl-C, or a signal's Interrupted (which Ray may re-raise as a plain one)

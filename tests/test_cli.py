@@ -72,6 +72,8 @@ def test_a_bug_is_not_hidden_behind_a_one_line_error():
      "raydiff: error: no space left on device; make room there, then run the same command again"),
     (OSError(errno.EROFS, "Read-only file system", "/mnt/ro/x.png"),
      "raydiff: error: read-only file system (/mnt/ro/x.png); make it writable, then run the same command again"),
+    (OSError(errno.EFBIG, "File too large", "/data/big.parquet"),
+     "raydiff: error: file too large (/data/big.parquet); raise the file-size limit, then run the same command again"),
     (OSError(errno.EDQUOT, "Disk quota exceeded", "/home/me/.cache/raydiff/digits"),
      "raydiff: error: disk quota exceeded (/home/me/.cache/raydiff/digits); make room there, then run the same "
      "command again"),
