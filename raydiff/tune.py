@@ -59,7 +59,10 @@ def rule_spread(rows: list[dict[str, Any]], metric: str = "val_loss") -> dict[st
     return out
 
 
-def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_dir: Path) -> dict[str, Any]:
+def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_dir: Path,
+                  failed: dict[str, str] | None = None) -> dict[str, Any]:
+    """results.csv, sweep.png, best.yaml (from the best finished trial) and summary.json, which also keeps the line
+    of each trial that `failed` with one of raydiff's one-line errors, by trial."""
     from raydiff.plots import plot_sweep
 
     rows = sorted(rows, key=lambda r: (r["rule"], r["batch"], -r["base_lr"]))
@@ -72,7 +75,8 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_d
     finished = [r for r in rows if r["status"] == "finished" and r[metric] is not None]
     summary: dict[str, Any] = {"sweep": sweep.name, "metric": metric, "trials": len(rows),
                                "finished": len(finished), "stopped": sum(r["status"] == "stopped" for r in rows),
-                               "errors": sum(r["status"] == "error" for r in rows), "rules": rule_spread(rows, metric)}
+                               "errors": sum(r["status"] == "error" for r in rows), "failed_trials": failed or {},
+                               "rules": rule_spread(rows, metric)}
     if finished:
         best = min(finished, key=lambda r: r[metric])
         best_cfg = trial_config(cfg, best, sweep, cfg.run.storage)
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{ran['dir']}: the same command continues it (each trial from its newest checkpoint)")
         return 128 + signal.Signals[ran["interrupted"]].value
     with output_errors("run.storage", ran["dir"]):
-        summary = write_outputs(ran["rows"], cfg, sweep, Path(ran["dir"]))
+        summary = write_outputs(ran["rows"], cfg, sweep, Path(ran["dir"]), ran["failed"])
     print(f"[raydiff] sweep {sweep.name}: {summary['finished']} finished, {summary['stopped']} stopped early by "
           f"ASHA, {summary['errors']} failed")
     for rule, info in summary["rules"].items():

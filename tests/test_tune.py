@@ -154,6 +154,10 @@ def test_trials_that_fail_on_a_disk_filled_meanwhile_say_why_in_a_line_and_the_s
             f"raydiff: error: storage {disk / 's'}: saving the sweep's state failed: no space left on device. Nothing "
             f"already saved was lost; free space there or set another run.storage, then run the same command again to "
             f"continue from the newest checkpoint")
+        if "trials failed" in text.splitlines()[-1]:  # the outputs were written: the lines are kept there too
+            summary = json.loads((disk / "s" / "summary.json").read_text())
+            assert sorted(summary["failed_trials"].values()) == sorted(line.removeprefix("[raydiff] ").strip()
+                                                                       for line in failed)
         (disk / "other-job").unlink()
         again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}", timeout=600)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
@@ -241,6 +245,24 @@ def test_best_yaml_keeps_the_base_configs_scaling(tmp_path, num_workers):
     write_outputs([row], cfg, sweep, tmp_path)
     best = load_config(str(tmp_path / "best.yaml"))
     assert best.scaling == cfg.scaling and best.train.global_batch == 16
+
+
+def test_summary_json_keeps_each_failed_trials_line(tmp_path):
+    from raydiff.config import load_config
+    from raydiff.training.sweep_plan import Sweep
+    from raydiff.tune import write_outputs
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}"])
+    sweep = Sweep(name="s", base_lrs=(1e-3, 1e-4), batches=(16,), rules=("linear",), budget_images=640,
+                  interval_images=64, max_concurrent=None)
+    rows = [{"trial": f"linear-b16-lr{lr:.3g}", "rule": "linear", "batch": 16, "base_lr": lr, "lr": lr,
+             "images_seen": seen, "val_loss": loss, "status": status}
+            for lr, seen, loss, status in ((1e-3, 640, 0.1, "finished"), (1e-4, 0, None, "error"))]
+    line = "trial linear-b16-lr0.0001 failed: run.storage = '/mnt/runs': 0.0 MB free on its file system, ..."
+    write_outputs(rows, cfg, sweep, tmp_path, {"linear-b16-lr0.0001": line})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["errors"] == 1 and summary["failed_trials"] == {"linear-b16-lr0.0001": line}
+    assert summary["best"]["trial"] == "linear-b16-lr0.001"
 
 
 @pytest.mark.ray

@@ -202,7 +202,7 @@ def telling_tune_failures() -> Iterator[TuneFailures]:
         if not isinstance(error, TrialFailed):  # Ray's task error is an instance of its cause's class too
             return True
         line = str(getattr(error, "cause", error))
-        trial = line.split(" failed: ", 1)[0]
+        trial = line.split(" failed: ", 1)[0].removeprefix("trial ")
         if trial not in told.trials:
             told.trials[trial] = line
             print(f"[raydiff] {line}", file=sys.stderr)
