@@ -6,7 +6,6 @@ Nothing here imports torch or Ray (each takes seconds to import): a mistake foun
 
 from __future__ import annotations
 
-import errno
 import gc
 import signal
 import sys
@@ -18,14 +17,13 @@ from raydiff.config import ConfigError
 from raydiff.data.errors import DataError
 from raydiff.quality.errors import QualityError
 from raydiff.runs.errors import Unresumable
-from raydiff.storage.errors import FULL_OR_READ_ONLY_ERRNOS, PERMANENT_ERRNOS, StorageFailure
+from raydiff.storage.errors import StorageFailure, disk_failure
 from raydiff.storage.rundir import RunInUse
 from raydiff.training.interrupts import Interrupted, last_interrupt, sigterm_raises
 from raydiff.training.sweep import TrialFailed
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,
                StorageFailure, RayUnreachable, TrialFailed)
-DISK_FIXES = {errno.EROFS: "make it writable", errno.EFBIG: "raise the file-size limit"}  # else: make room there
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
@@ -37,12 +35,10 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
     except USER_ERRORS as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
     except OSError as exc:  # a full or read-only disk met where no command expected a write to fail
-        if exc.errno not in FULL_OR_READ_ONLY_ERRNOS:
+        line = disk_failure(exc)
+        if line is None:
             raise
-        where = f" ({exc.filename})" if exc.filename else ""
-        fix = DISK_FIXES.get(exc.errno, "make room there")
-        print(f"raydiff: error: {PERMANENT_ERRNOS[exc.errno]}{where}; {fix}, then run the same command again",
-              file=sys.stderr)
+        print(f"raydiff: error: {line}", file=sys.stderr)
     except KeyboardInterrupt as exc:  # Ctrl-C, or a signal's Interrupted (which Ray may re-raise as a plain one)
         stopped = exc if isinstance(exc, Interrupted) else last_interrupt()
         if stopped is None:

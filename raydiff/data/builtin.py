@@ -9,14 +9,13 @@ The command line is `python -m raydiff.datasets`.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from raydiff.data.errors import DataError
+from raydiff.storage.atomic import new_folder
 from raydiff.storage.errors import permanent_reason
 
 
@@ -32,11 +31,9 @@ def _publish(build, target: Path) -> Path:
     """Build a folder under a temporary name and rename it into place, so a reader never sees half of it."""
     if target.is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build(tmp)
-        os.replace(tmp, target)
+        with new_folder(target) as tmp:
+            build(tmp)
     except OSError as exc:
         if target.is_dir():  # a concurrent writer that won the race is fine; anything else is not
             return target
@@ -45,8 +42,6 @@ def _publish(build, target: Path) -> Path:
             raise
         raise DataError(f"cannot write the built-in dataset into {target.parent} ({reason}); make room there or set "
                         f"RAYDIFF_CACHE to another folder") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

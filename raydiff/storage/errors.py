@@ -41,8 +41,11 @@ ADVICE = {  # {setting}: where the user chose the storage (run.storage, or a com
                                     "GOOGLE_APPLICATION_CREDENTIALS or the instance's role)",
 }
 FULL = ("no space left on device", "disk quota exceeded")  # the reasons where the free space is worth telling
-# A disk full or read-only: the machine's state, never a fault of the program, wherever it is met.
-FULL_OR_READ_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+# A disk full or read-only: the machine's state, never a fault of the program, wherever it is met; what to do.
+DISK_FIXES = {
+    errno.ENOSPC: "make room there", errno.EDQUOT: "make room there",
+    errno.EFBIG: "raise the file-size limit", errno.EROFS: "make it writable",
+}
 
 
 def permanent_reason(exc: BaseException) -> str | None:
@@ -113,6 +116,15 @@ def output_errors(setting: str, path: str | os.PathLike) -> Iterator[None]:
         detail = "" if free is None else f" ({megabytes(free)} free)"
         raise StorageFailure(f"{setting} {path}: writing it failed: {reason}{detail}; nothing half-written was left "
                              f"there; {advice(reason, setting)}") from None
+
+
+def disk_failure(exc: OSError) -> str | None:
+    """`exc` in one line when it is a full or read-only disk (DISK_FIXES), met where no command expected a write to
+    fail: the reason, the file where the system names it, what to do; None for any other error."""
+    if exc.errno not in DISK_FIXES:
+        return None
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{PERMANENT_ERRNOS[exc.errno]}{where}; {DISK_FIXES[exc.errno]}, then run the same command again"
 
 
 def free_bytes(folder: str) -> int | None:

@@ -150,14 +150,13 @@ class RunDir:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         target = self._full(name)
-        parent = str(PurePosixPath(target).parent)
-        self.fs.create_dir(parent, recursive=True)
-        if self.remote:
-            with self.fs.open_output_stream(target) as f:
-                f.write(data)
+        if not self.remote:
+            with new_file(target) as tmp:  # makes the folder too
+                tmp.write_bytes(data)
             return
-        with new_file(target) as tmp:
-            tmp.write_bytes(data)
+        self.fs.create_dir(str(PurePosixPath(target).parent), recursive=True)
+        with self.fs.open_output_stream(target) as f:
+            f.write(data)
 
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode())
