@@ -153,7 +153,9 @@ def test_trials_that_fail_on_a_disk_filled_meanwhile_say_why_in_a_line_and_the_s
             "them again",
             f"raydiff: error: storage {disk / 's'}: saving the sweep's state failed: no space left on device. Nothing "
             f"already saved was lost; free space there or set another run.storage, then run the same command again to "
-            f"continue from the newest checkpoint")
+            f"continue from the newest checkpoint",
+            f"raydiff: error: run.storage {disk / 's'}: writing it failed: no space left on device (0.0 MB free); "
+            f"nothing half-written was left there; free space there or set another run.storage")
         if "trials failed" in text.splitlines()[-1]:  # the outputs were written: the lines are kept there too
             summary = json.loads((disk / "s" / "summary.json").read_text())
             assert sorted(summary["failed_trials"].values()) == sorted(line.removeprefix("[raydiff] ").strip()
