@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -209,17 +210,28 @@ def run_cli_interrupted(module: str, *args: str, at: str, sig: int = signal.SIGI
                         timeout: float = 600) -> tuple[int, str]:
     """Run like `run_cli`, and press Ctrl-C (SIGINT to the command), or send `sig`, `after_s` seconds after a line
     of its output contains `at`. Returns the exit code and the output (stdout and stderr together)."""
+    def press(proc: subprocess.Popen) -> None:
+        time.sleep(after_s)
+        proc.send_signal(sig)
+
+    return run_cli_acting(module, *args, at=at, act=press, timeout=timeout)
+
+
+def run_cli_acting(module: str, *args: str, at: str, act: Callable[[subprocess.Popen], None],
+                   timeout: float = 600) -> tuple[int, str]:
+    """Run like `run_cli`, and call `act(process)` once, as soon as a line of its output contains `at` (something
+    done to the command, or around it, at a known point of its work). Returns the exit code and the output (stdout
+    and stderr together)."""
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, RAY_ADDRESS=_cluster_address or "local"), cwd=ROOT,
                             stdin=subprocess.DEVNULL)
-    output, pressed = [], False
+    output, acted = [], False
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             output.append(line)
-            if at in line and not pressed:
-                time.sleep(after_s)
-                proc.send_signal(sig)
-                pressed = True
+            if at in line and not acted:
+                act(proc)
+                acted = True
         return proc.wait(timeout=timeout), "".join(output)
     finally:
         proc.kill()

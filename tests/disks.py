@@ -1,11 +1,13 @@
 """Small file systems of their own for the storage-failure tests: a tmpfs (needs root: the tests skip without it),
-and one that is full but for a few kilobytes."""
+one that is full but for a few kilobytes, and another job that keeps one full."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +48,37 @@ def full_disk(path: Path, *, size: str = "4m", free_kb: int = 0) -> Iterator[Pat
         yield disk
 
 
+@contextlib.contextmanager
+def kept_full(disk: Path, *, once: Path | None = None) -> Iterator[None]:
+    """Another job that takes whatever room appears on `disk`, within milliseconds, until the block ends (its files,
+    FILLER-<n>, stay): every write from then on fails, whichever comes first. With `once`, from the moment that
+    path exists (the write that made it succeeded: the next one fails)."""
+    stop = threading.Event()
+
+    def take_the_room() -> None:
+        n = 0
+        while not stop.wait(0.001):
+            if (once is not None and not once.exists()) or os.statvfs(disk).f_bavail == 0:
+                continue
+            n += 1
+            fd = os.open(disk / f"{FILLER}-{n}", os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                while os.write(fd, bytes(65536)):
+                    pass
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+            finally:
+                os.close(fd)
+
+    thread = threading.Thread(target=take_the_room, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def left_on(disk: Path) -> list[str]:
-    """What a command left on a full disk: every file and folder but the filler, hidden ones included."""
-    return sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.name != FILLER)
+    """What a command left on a full disk: every file and folder but the fillers, hidden ones included."""
+    return sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if not p.name.startswith(FILLER))

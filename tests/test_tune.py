@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
-import os
+import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import ROOT, reserving, run_cli, run_cli_interrupted
-from disks import tmpfs
+from conftest import reserving, run_cli, run_cli_acting, run_cli_interrupted
+from disks import FILLER, kept_full, tmpfs
 
 from raydiff import cli
 from raydiff.tune import main as tune_main
@@ -125,46 +124,56 @@ def test_a_sweep_without_room_for_its_trials_checkpoints_is_refused_before_anyth
 @pytest.mark.slow
 def test_trials_that_fail_on_a_disk_filled_meanwhile_say_why_in_a_line_and_the_same_command_runs_them(ray_session,
                                                                                                      tmp_path):
-    """The disk fills (another job's files) once the first trial trains: each trial that then fails says why in one
-    line, not Tune's traceback, and the sweep ends in one line, exit 2. With room again, the same command runs the
-    failed trials (all at once as Tune resumes them, without their waiting actors starving each other's workers),
-    or, where Tune's own save was cut short by the full disk, sets that state aside and continues from the runs."""
-    from conftest import _cluster_address  # set once the session's cluster runs
+    """The disk fills (another job's files) once the first trial trains, leaving room for Tune's own saves and the
+    sweep's outputs but not for a checkpoint: each trial that then fails says why in one line, not Tune's traceback,
+    and the sweep writes its outputs and ends in one line, exit 2. With room again, the same command runs the failed
+    trials (all at once as Tune resumes them, without their waiting actors starving each other's workers)."""
+    def other_job(_) -> None:
+        # 1 MB left: Tune's saves and the outputs (KBs) fit, a checkpoint (3 MB) never does, even with the room of
+        # one cut short as the disk filled.
+        (disk / "other-job").write_bytes(bytes(max(shutil.disk_usage(disk).free - 2**20, 0)))
 
     with tmpfs(tmp_path / "disk", "20m") as disk:
-        command = [sys.executable, "-m", "raydiff.tune", *SWEEP, "--set", f"run.storage={disk}"]
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                env=dict(os.environ, RAY_ADDRESS=_cluster_address), stdin=subprocess.DEVNULL)
-        output = []
-        for line in proc.stdout:  # type: ignore[union-attr]
-            output.append(line)
-            if "[raydiff] step " in line and not (disk / "other-job").exists():
-                (disk / "other-job").write_bytes(bytes(17 * 2**20))  # leaves less than a checkpoint's room
-        assert proc.wait(timeout=600) == 2, "".join(output)[-3000:]
-        text = "".join(output)
-        failed = [line for line in output if line.startswith("[raydiff] trial ") and " failed: " in line]
+        code, text = run_cli_acting("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}", at="[raydiff] step ",
+                                    act=other_job)
+        assert code == 2, text[-3000:]
+        failed = [line for line in text.splitlines() if line.startswith("[raydiff] trial ") and " failed: " in line]
         # The first trial at its next checkpoint, the second before it starts; each once, though Tune retries it.
         assert len(failed) == 2 and all("free space there or set another run.storage" in line for line in failed)
         assert len({line.split(" failed: ")[0] for line in failed}) == 2
         assert "Traceback" not in text and "Trials did not complete" not in text
-        # Tune's own saves of the sweep's state may fail first on the full disk, and end the sweep; else the trials'.
-        assert text.splitlines()[-1] in (
-            "raydiff: error: 2 of 2 trials failed (each said why above); once that is fixed, the same command runs "
-            "them again",
-            f"raydiff: error: storage {disk / 's'}: saving the sweep's state failed: no space left on device. Nothing "
-            f"already saved was lost; free space there or set another run.storage, then run the same command again to "
-            f"continue from the newest checkpoint",
-            f"raydiff: error: run.storage {disk / 's'}: writing it failed: no space left on device (0.0 MB free); "
-            f"nothing half-written was left there; free space there or set another run.storage")
-        if "trials failed" in text.splitlines()[-1]:  # the outputs were written: the lines are kept there too
-            summary = json.loads((disk / "s" / "summary.json").read_text())
-            assert sorted(summary["failed_trials"].values()) == sorted(line.removeprefix("[raydiff] ").strip()
-                                                                       for line in failed)
+        assert text.splitlines()[-1] == ("raydiff: error: 2 of 2 trials failed (each said why above); once that is "
+                                         "fixed, the same command runs them again"), text[-3000:]
+        summary = json.loads((disk / "s" / "summary.json").read_text())  # the lines are kept with the outputs
+        assert sorted(summary["failed_trials"].values()) == sorted(line.removeprefix("[raydiff] ") for line in failed)
         (disk / "other-job").unlink()
         again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}", timeout=600)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-        # Tune continues its saved state, or, where the full disk had cut it short, it is set aside and the trials
-        # continue from their runs (a CI run saw the second): either way nothing fails.
+        assert "continuing the sweep" in again.stdout and ", 0 failed" in again.stdout
+        assert "Traceback" not in again.stdout + again.stderr
+
+
+@pytest.mark.ray
+def test_a_sweep_on_a_disk_another_job_keeps_full_ends_in_one_line_and_the_same_command_continues_it(ray_session,
+                                                                                                   tmp_path):
+    """From the first step on, another job takes every byte the moment it is free, so Tune's own saves of the
+    sweep's state fail too: the trials say why in a line each, the sweep ends in one line naming its state, and
+    nothing prints a traceback (Tune's, Ray Train's controller's, TensorBoard's thread's). With room again, the same
+    command continues the sweep."""
+    with tmpfs(tmp_path / "disk", "20m") as disk, contextlib.ExitStack() as filling:
+        code, text = run_cli_acting("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}", at="[raydiff] step ",
+                                    act=lambda _: filling.enter_context(kept_full(disk)))
+        filling.close()
+        assert code == 2, text[-3000:]
+        assert "Traceback" not in text and "Exception in thread" not in text, text[-5000:]
+        assert text.splitlines()[-1] == (
+            f"raydiff: error: storage {disk / 's'}: saving the sweep's state failed: no space left on device. Nothing "
+            f"already saved was lost; free space there or set another run.storage, then run the same command again "
+            f"to continue from the newest checkpoint"), text[-3000:]
+        for filler in disk.glob(f"{FILLER}-*"):
+            filler.unlink()
+        again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}", timeout=600)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert ", 0 failed" in again.stdout and "Traceback" not in again.stdout + again.stderr
 
 

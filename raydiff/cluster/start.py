@@ -26,6 +26,7 @@ from ray._private.services import canonicalize_bootstrap_address
 
 from raydiff.cluster.errors import RayUnreachable
 from raydiff.cluster.nodes import alive_nodes
+from raydiff.storage.errors import permanent_reason
 
 ANSWER_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
 GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # the GCS port of a head that Ray starts (ray._private.ray_constants)
@@ -182,6 +183,29 @@ HARMLESS_WORKER_LINES = (
 )
 _INSTALLED_FILTERS: list[Callable[[dict[str, Any]], None]] = []  # installed once per process, not stacked
 _ROUTINE_HERE: list[re.Pattern] = []  # lines routine in this process's command only (`drop_worker_lines`)
+# Ray Train's controller logs the traceback of any error in its control loop, then fails the run with that error.
+# Where it is a storage error no retry can fix (its own checkpoint list written to a full disk), the driver says it
+# in one line: the block is left out. Any other error keeps its traceback.
+_CONTROLLER_ERROR = re.compile(r"Error in control loop iteration: (.*)")
+
+
+class _StorageTracebacks:
+    """Leaves out, per process, a controller's "Error in control loop iteration" block for a storage error no retry
+    can fix: the line, then its traceback up to and including the exception's own line."""
+
+    def __init__(self) -> None:
+        self._in_block: set[Any] = set()  # the pids whose block is being left out
+
+    def keep(self, pid: Any, line: str) -> bool:
+        if pid in self._in_block:
+            if not (line.startswith(("Traceback", " ")) or not line.strip()):
+                self._in_block.discard(pid)  # the exception's line ends the block
+            return False
+        error = _CONTROLLER_ERROR.search(line)
+        if error and permanent_reason(RuntimeError(error.group(1))) is not None:
+            self._in_block.add(pid)
+            return False
+        return True
 
 
 def drop_worker_lines(*patterns: re.Pattern) -> None:
@@ -198,9 +222,12 @@ def _drop_harmless_worker_lines() -> None:
         return
     print_lines = printers[0][1]
 
+    storage_tracebacks = _StorageTracebacks()
+
     def filtered(data: dict[str, Any]) -> None:
-        harmless = (*HARMLESS_WORKER_LINES, *_ROUTINE_HERE)
-        lines = [line for line in data.get("lines", []) if not any(p.search(line) for p in harmless)]
+        harmless, pid = (*HARMLESS_WORKER_LINES, *_ROUTINE_HERE), data.get("pid")
+        lines = [line for line in data.get("lines", []) if not any(p.search(line) for p in harmless)
+                 and storage_tracebacks.keep(pid, line)]
         if lines:
             print_lines({**data, "lines": lines})
 

@@ -132,6 +132,7 @@ class _TensorBoard(_Backend):
     def _open(self, cfg: Config, resume_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_thread_failures()
         folder = self._tmp
         if folder is None:
             local = self.run_dir.local
@@ -183,6 +184,27 @@ class _TensorBoard(_Backend):
                 assert self._uploads is not None  # made with the temporary folder
                 self._uploads.close()
                 shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _quiet_writer_thread_failures() -> None:
+    """TensorBoard writes its event files on a thread of its own: a write that fails there (a full disk) printed a
+    traceback and was kept for the writer's next call, which raises it, and `guard` says it in one line. The hook
+    leaves out the first of the two. Installed once per process; other threads' failures print as before."""
+    try:  # tensorboard's private writer thread: if it is renamed, its traceback shows again (cosmetic)
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:
+        return
+    previous = threading.excepthook
+    if getattr(previous, "raydiff_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        thread = args.thread
+        if not (isinstance(thread, _AsyncWriterThread) and getattr(thread, "exception", None) is args.exc_value):
+            previous(args)
+
+    hook.raydiff_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class _WandB(_Backend):

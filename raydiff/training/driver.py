@@ -247,7 +247,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     args.records = records
     if note_run is not None:
         note_run(requester)
-    error = None
+    error: str | None = None
+    failed_because: str | None = None  # all that Ray Train said: the first line names the kind, the rest the cause
     with stop_on_signals(stop_flag) as received:
         try:
             result = beside_the_handlers(trainer.fit)
@@ -255,9 +256,10 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
             checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
         except ray.train.TrainingFailedError as exc:
             error, outcome, checkpoint = str(exc).strip().splitlines()[0], None, None
+            failed_because = str(exc)
     if outcome is not None and outcome.status == WorkerStatus.UNRESUMABLE:  # nothing was trained or written:
         raise Unresumable(outcome.diagnostic)  # refuse, as for a bad config
-    failure = _storage_failure(run_dir, outcome, error)
+    failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"
     try:

@@ -1,17 +1,19 @@
 """When storage fails, through the CLI: a full disk stops the run at once in one line and loses nothing (the next
-run continues bit-identical once there is room); storage without room for two checkpoints, a read-only folder and
-a missing bucket are refused before anything is written; a flaky object store (503s and dropped answers) is
-survived bit-identically."""
+run continues bit-identical once there is room), also where another job takes every byte freed, so that any of the
+run's writers (Ray Train's own, TensorBoard's thread) may meet it first; storage without room for two checkpoints,
+a read-only folder and a missing bucket are refused before anything is written; a flaky object store (503s and
+dropped answers) is survived bit-identically."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 
 import pytest
 import torch
-from conftest import run_cli
-from disks import tmpfs
+from conftest import run_cli, run_cli_acting
+from disks import FILLER, kept_full, tmpfs
 from flaky_s3 import FlakyS3
 
 from raydiff.runs.checkpoint import list_checkpoints, read_state
@@ -77,6 +79,34 @@ def test_a_full_disk_stops_the_run_at_once_in_one_line_and_loses_nothing(tmp_pat
         assert f"continuing at step {int(newest[-1].name[-8:])}" in again.stdout + again.stderr
         assert "WARNING" not in again.stdout + again.stderr
         assert _same_weights(_final_state(run_dir), reference)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("from_when", ["step 10", "checkpoint 10 whole"])
+def test_a_disk_another_job_keeps_full_stops_the_run_in_one_line_without_a_traceback(tmp_path, reference,
+                                                                                      from_when):
+    """Another job takes every byte the moment it is free: from the tenth step's line (a log row or TensorBoard's
+    writer thread meets it first), or from the moment a checkpoint is whole (Ray Train's own checkpoint list, written
+    next, meets it). The run ends in one line, not a traceback, and the same command continues it once there is room,
+    as an uninterrupted run would."""
+    with tmpfs(tmp_path / "disk", "24m") as disk, contextlib.ExitStack() as filling:
+        once = disk / "smoke" / "checkpoint_00000010" if from_when.startswith("checkpoint") else None
+        code, output = run_cli_acting("raydiff.train", *SMOKE_40, "--set", f"run.storage={disk}",
+                                      at="[raydiff] step 10/" if once is None else "[raydiff] starting",
+                                      act=lambda _: filling.enter_context(kept_full(disk, once=once)))
+        filling.close()
+        assert code == 2, output[-3000:]
+        [line] = [line for line in output.splitlines() if line.startswith("raydiff:")]
+        assert line.startswith(f"raydiff: error: storage {disk / 'smoke'}: ") and "no space left on device" in line
+        assert "Traceback" not in output and "Exception in thread" not in output, output[-5000:]
+        for filler in disk.glob(f"{FILLER}-*"):
+            filler.unlink()
+
+        again = _train(str(disk))
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "continuing at step" in again.stdout + again.stderr
+        assert _same_weights(_final_state(disk / "smoke"), reference)
 
 
 def test_storage_without_room_for_two_checkpoints_is_refused_before_anything_is_written(tmp_path):
