@@ -190,11 +190,12 @@ class TuneFailures:
 def telling_tune_failures() -> Iterator[TuneFailures]:
     """While active, Tune's traceback for a trial that failed with `TrialFailed` is raydiff's line instead, once per
     trial (Tune runs a failed trial once more), and Tune's closing "Trials did not complete" is left out; a failure
-    to save the sweep's state that no retry can fix (a full disk) is noted, not shown. Any other failure keeps its
-    traceback (a bug should be seen)."""
+    to save the sweep's state (its own saves, or its upload of the trials' files) that no retry can fix (a full
+    disk) is noted, not shown. Any other failure keeps its traceback (a bug should be seen)."""
     told = TuneFailures()
     controller_log = logging.getLogger("ray.tune.execution.tune_controller")
     state_log = logging.getLogger("ray.tune.execution.experiment_state")
+    sync_log = logging.getLogger("ray.train._internal.syncer")
     tune_log = logging.getLogger("ray.tune.tune")
 
     def trial_failed(record: logging.LogRecord) -> bool:
@@ -209,14 +210,17 @@ def telling_tune_failures() -> Iterator[TuneFailures]:
         return False
 
     def state_unsaved(record: logging.LogRecord) -> bool:
-        reason = permanent_reason(record.exc_info[1]) if record.exc_info and record.exc_info[1] else None
+        # The syncer (Tune's upload of its files to the sweep's storage) puts the traceback in the message.
+        error = record.exc_info[1] if record.exc_info and record.exc_info[1] else RuntimeError(record.getMessage())
+        reason = permanent_reason(error)
         told.state_unsaved = told.state_unsaved or reason
         return reason is None
 
     def incomplete(record: logging.LogRecord) -> bool:
         return not (told.trials and record.getMessage().startswith("Trials did not complete"))
 
-    filters = ((controller_log, trial_failed), (state_log, state_unsaved), (tune_log, incomplete))
+    filters = ((controller_log, trial_failed), (state_log, state_unsaved), (sync_log, state_unsaved),
+               (tune_log, incomplete))
     for log, keep in filters:
         log.addFilter(keep)
     try:
