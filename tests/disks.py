@@ -1,11 +1,12 @@
 """Small file systems of their own for the storage-failure tests: a tmpfs (needs root: the tests skip without it),
-one that is full but for a few kilobytes, and another job that keeps one full."""
+one that is full but for a few kilobytes, and another job that fills one while a command writes there."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -46,6 +47,25 @@ def full_disk(path: Path, *, size: str = "4m", free_kb: int = 0) -> Iterator[Pat
         with filler.open("r+b") as f:
             f.truncate(max(taken - free_kb * 1024, 0))
         yield disk
+
+
+def fill_leaving(disk: Path, free_bytes: int, *, name: str = "other-job") -> Path:
+    """Another job's file `name` on `disk`, taking all its room but `free_bytes`, while the run under test writes
+    there too: allocated at once (a write the run makes meanwhile cannot make it fail halfway), again if the run
+    took room between the look and the allocation."""
+    path = disk / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while (room := shutil.disk_usage(disk).free - free_bytes) > 0:
+            try:
+                os.posix_fallocate(fd, 0, os.fstat(fd).st_size + room)
+                break
+            except OSError as exc:  # a tmpfs gives back what a failed allocation took
+                if exc.errno != errno.ENOSPC:
+                    raise
+    finally:
+        os.close(fd)
+    return path
 
 
 @contextlib.contextmanager

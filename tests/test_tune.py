@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-import shutil
 import signal
 
 import pytest
 import yaml
 from conftest import reserving, run_cli, run_cli_acting, run_cli_interrupted
-from disks import FILLER, kept_full, tmpfs
+from disks import FILLER, fill_leaving, kept_full, tmpfs
 
 from raydiff import cli
 from raydiff.tune import main as tune_main
@@ -128,14 +127,11 @@ def test_trials_that_fail_on_a_disk_filled_meanwhile_say_why_in_a_line_and_the_s
     sweep's outputs but not for a checkpoint: each trial that then fails says why in one line, not Tune's traceback,
     and the sweep writes its outputs and ends in one line, exit 2. With room again, the same command runs the failed
     trials (all at once as Tune resumes them, without their waiting actors starving each other's workers)."""
-    def other_job(_) -> None:
+    with tmpfs(tmp_path / "disk", "20m") as disk:
         # 1 MB left: Tune's saves and the outputs (KBs) fit, a checkpoint (3 MB) never does, even with the room of
         # one cut short as the disk filled.
-        (disk / "other-job").write_bytes(bytes(max(shutil.disk_usage(disk).free - 2**20, 0)))
-
-    with tmpfs(tmp_path / "disk", "20m") as disk:
         code, text = run_cli_acting("raydiff.tune", *SWEEP, "--set", f"run.storage={disk}", at="[raydiff] step ",
-                                    act=other_job)
+                                    act=lambda _: fill_leaving(disk, 2**20))
         assert code == 2, text[-3000:]
         failed = [line for line in text.splitlines() if line.startswith("[raydiff] trial ") and " failed: " in line]
         # The first trial at its next checkpoint, the second before it starts; each once, though Tune retries it.
