@@ -169,8 +169,8 @@ class _TensorBoard(_Backend):
             if self._uploaded.get(path.name) != size:
                 # Read now (what the writer has flushed), upload in the background, in order; a failed upload
                 # turns TensorBoard off like any other failure.
-                self._uploads.submit(self.guard, self.run_dir.write_bytes, f"{TENSORBOARD_DIR}/{path.name}",
-                                     path.read_bytes())
+                name = f"{TENSORBOARD_DIR}/{path.name}"
+                self._uploads.submit(name, self.guard, self.run_dir.write_bytes, name, path.read_bytes())
                 self._uploaded[path.name] = size
         if wait:
             self._uploads.drain()

@@ -73,7 +73,7 @@ class JsonlLog:
         """Write buffered rows (object stores only; a no-op for local files); in the background with `writes`."""
         if self._dirty and self._rows is not None:
             if self.writes is not None:
-                self.writes.submit(self._write, list(self._rows))  # a snapshot: appends go on meanwhile
+                self.writes.submit(self.name, self._write, list(self._rows))  # a snapshot: appends go on meanwhile
             else:
                 self._write(self._rows)
             self._dirty = False

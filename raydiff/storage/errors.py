@@ -89,15 +89,15 @@ def advice(reason: str, setting: str = "run.storage") -> str:
 def storage_failure(exc: BaseException, storage: str, operation: str, *,
                     needed_bytes: int | None = None) -> StorageFailure | None:
     """`exc` as a StorageFailure when no retry can fix it (None otherwise). A full local disk says how much is
-    free and what the write needed."""
+    free and, given `needed_bytes`, what the write needed."""
     reason = permanent_reason(exc)
     if reason is None:
         return None
     detail = ""
-    if reason in FULL and needed_bytes and "://" not in storage:
+    if reason in FULL and "://" not in storage:
         free = free_bytes(storage)
         if free is not None:
-            detail = f"{megabytes(free)} free, {megabytes(needed_bytes)} needed"
+            detail = f"{megabytes(free)} free" + (f", {megabytes(needed_bytes)} needed" if needed_bytes else "")
     return StorageFailure(failure_message(storage, operation, reason, detail))
 
 

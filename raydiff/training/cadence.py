@@ -33,6 +33,7 @@ from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name, checkpoin
 from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.state import Progress, checkpoint_state
 from raydiff.storage.errors import StorageFailure, storage_failure
+from raydiff.storage.writes import failed_write
 from raydiff.training.chief_records import log_row, record_rollback, record_start, save_sample_grid, save_snapshot
 from raydiff.training.distributed import from_rank_zero_code, interrupt_requested
 from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
@@ -275,7 +276,8 @@ class Cadence:
         if self._writer is None:
             return
         self._write("writing metrics.jsonl", self._flush_logs)  # the rows up to a checkpoint are kept on resume
-        self._write(f"writing the checkpoint of step {progress.step}", self._start_checkpoint, progress)
+        self._write(f"writing the checkpoint of step {progress.step}", self._start_checkpoint, progress,
+                    needed_bytes=self._needed_bytes())
         if self.live.dashboards is not None:
             self.live.dashboards.flush()
 
@@ -306,7 +308,8 @@ class Cadence:
                     self._written = name
                     code = _WRITTEN
                 else:
-                    self._write(f"writing the checkpoint of step {checkpoint_step(name)}", _raise, error)
+                    self._write(f"writing the checkpoint of step {checkpoint_step(name)}", _raise, error,
+                                needed_bytes=self._needed_bytes())
             if self.w.writes is not None:
                 self._write("writing to the run directory", self.w.writes.raise_failed)
             code = _FAILED if self.failure is not None else code
@@ -338,20 +341,24 @@ class Cadence:
             return
         data = w.compile_cache.artifacts()
         if data is not None and self.failure is None:
-            w.writes.submit(w.compile_cache.save, data)
+            w.writes.submit("the compile cache", w.compile_cache.save, data)
 
     def _event(self, event: str, **fields: Any) -> None:
         self._write(f"writing events.jsonl ({event})", self.w.event, event, *(), **fields)
 
-    def _write(self, operation: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def _write(self, operation: str, fn: Callable[..., Any], *args: Any, needed_bytes: int | None = None,
+               **kwargs: Any) -> None:
         """One of rank 0's writes (a no-op elsewhere). A storage error no retry can fix is kept (every worker stops
-        at the next `_settle`) and rank 0 writes nothing more; any other error raises."""
+        at the next `_settle`) and rank 0 writes nothing more; any other error raises. The failure's line names the
+        file of a background write that failed (`operation` waited for it), and for a checkpoint, `needed_bytes`."""
         if not self.w.is_chief or self.failure is not None:
             return
         try:
             fn(*args, **kwargs)
         except Exception as exc:
-            failure = storage_failure(exc, str(self.w.run_dir), operation, needed_bytes=self._needed_bytes())
+            written = failed_write(exc)
+            failure = storage_failure(exc, str(self.w.run_dir), f"writing {written}" if written else operation,
+                                      needed_bytes=needed_bytes)
             if failure is None:
                 raise
             self.failure = failure  # the driver prints it: the one line the user reads

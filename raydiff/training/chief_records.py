@@ -77,7 +77,8 @@ def save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None, *, sto
         labels=labels, guidance=w.cfg.eval.guidance)
     png = grid_png(torch.cat(list(chunks)), nrow=per_row)
     if w.writes is not None and storage_ok:
-        w.writes.submit(w.run_dir.write_bytes, f"samples/step_{step:08d}.png", png)
+        name = f"samples/step_{step:08d}.png"
+        w.writes.submit(name, w.run_dir.write_bytes, name, png)
     if dashboards is not None:
         dashboards.image("samples", png, step)
 
@@ -98,7 +99,7 @@ def save_snapshot(w: Worker, step: int) -> None:
     assert w.posthoc is not None and w.writes is not None  # rank 0's, with train.ema: posthoc
     data = snapshot_bytes(w.posthoc, step=step, images_seen=step * w.cfg.train.global_batch,
                           config=w.cfg.to_dict(), classes=w.classes)
-    w.writes.submit(w.run_dir.write_bytes, snapshot_name(step), data)
+    w.writes.submit(snapshot_name(step), w.run_dir.write_bytes, snapshot_name(step), data)
 
 
 def record_rollback(w: Worker, progress: Progress, rollback: Rollback) -> None:

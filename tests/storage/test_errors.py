@@ -39,4 +39,6 @@ def test_a_full_disk_says_how_much_is_free_and_what_the_write_needed(tmp_path):
                               needed_bytes=3_000_000)
     assert str(failure).startswith(f"storage {tmp_path}: writing checkpoint_00000020 failed: no space left on device; ")
     assert " MB free, 3.0 MB needed. Nothing already saved was lost" in str(failure)
+    unsized = storage_failure(OSError(28, "No space left on device"), str(tmp_path), "writing metrics.jsonl")
+    assert " MB free. Nothing already saved was lost" in str(unsized)  # a write of no known size: the room left
     assert storage_failure(OSError(104, "Connection reset by peer"), str(tmp_path), "writing x") is None

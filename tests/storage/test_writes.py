@@ -9,7 +9,7 @@ import time
 import pytest
 
 from raydiff.runs.runlog import JsonlLog
-from raydiff.storage.writes import BackgroundWrites
+from raydiff.storage.writes import BackgroundWrites, failed_write
 
 
 class SlowStore:
@@ -53,9 +53,11 @@ def test_a_failed_write_is_raised_at_drain():
     def fail() -> None:
         raise OSError("bucket unreachable")
 
-    writes.submit(fail)
-    writes.submit(lambda: None)
-    with pytest.raises(OSError, match="bucket unreachable"):
+    writes.submit("samples/step_00000010.png", fail)
+    writes.submit("metrics.jsonl", lambda: None)
+    with pytest.raises(OSError, match="bucket unreachable") as raised:
         writes.drain()
+    assert failed_write(raised.value) == "samples/step_00000010.png"  # what the one line names
+    assert failed_write(OSError("elsewhere")) is None
     writes.drain()  # reported once
     writes.close()
