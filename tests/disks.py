@@ -36,13 +36,7 @@ def full_disk(path: Path, *, size: str = "4m", free_kb: int = 0) -> Iterator[Pat
     """A tmpfs at `path` with about `free_kb` KB free: the rest is taken by the file FILLER."""
     with tmpfs(path, size) as disk:
         filler = disk / FILLER
-        with filler.open("wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
+        _take_the_room(filler)
         taken = filler.stat().st_size
         with filler.open("r+b") as f:
             f.truncate(max(taken - free_kb * 1024, 0))
@@ -70,9 +64,9 @@ def fill_leaving(disk: Path, free_bytes: int, *, name: str = "other-job") -> Pat
 
 @contextlib.contextmanager
 def kept_full(disk: Path, *, once: Path | None = None) -> Iterator[None]:
-    """Another job that takes whatever room appears on `disk`, within milliseconds, until the block ends (its files,
-    FILLER-<n>, stay): every write from then on fails, whichever comes first. With `once`, from the moment that
-    path exists (the write that made it succeeded: the next one fails)."""
+    """Another job that takes whatever room appears on `disk`, within milliseconds, until the block ends (then its
+    files, FILLER-<n>, go): every write from then on fails, whichever comes first. With `once`, from the moment
+    that path exists (the write that made it succeeded: the next one fails)."""
     stop = threading.Event()
 
     def take_the_room() -> None:
@@ -81,14 +75,7 @@ def kept_full(disk: Path, *, once: Path | None = None) -> Iterator[None]:
             if (once is not None and not once.exists()) or os.statvfs(disk).f_bavail == 0:
                 continue
             n += 1
-            fd = os.open(disk / f"{FILLER}-{n}", os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                while os.write(fd, bytes(65536)):
-                    pass
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
-            finally:
-                os.close(fd)
+            _take_the_room(disk / f"{FILLER}-{n}")
 
     thread = threading.Thread(target=take_the_room, daemon=True)
     thread.start()
@@ -97,6 +84,20 @@ def kept_full(disk: Path, *, once: Path | None = None) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+        for filler in disk.glob(f"{FILLER}-*"):
+            filler.unlink()
+
+
+def _take_the_room(path: Path) -> None:
+    """Write zeros to the new file `path` until the disk is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while os.write(fd, bytes(65536)):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
 
 
 def left_on(disk: Path) -> list[str]:

@@ -26,7 +26,7 @@ from ray._private.services import canonicalize_bootstrap_address
 
 from raydiff.cluster.errors import RayUnreachable
 from raydiff.cluster.nodes import alive_nodes
-from raydiff.storage.errors import permanent_reason
+from raydiff.storage.errors import permanent_reason_in
 
 ANSWER_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
 GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # the GCS port of a head that Ray starts (ray._private.ray_constants)
@@ -198,11 +198,12 @@ class _StorageTracebacks:
 
     def keep(self, pid: Any, line: str) -> bool:
         if pid in self._in_block:
-            if not (line.startswith(("Traceback", " ")) or not line.strip()):
+            in_traceback = line.startswith(("Traceback", " ")) or not line.strip()
+            if not in_traceback:
                 self._in_block.discard(pid)  # the exception's line ends the block
             return False
         error = _CONTROLLER_ERROR.search(line)
-        if error and permanent_reason(RuntimeError(error.group(1))) is not None:
+        if error and permanent_reason_in(error.group(1)) is not None:
             self._in_block.add(pid)
             return False
         return True

@@ -56,12 +56,16 @@ def permanent_reason(exc: BaseException) -> str | None:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in PERMANENT_ERRNOS:
             return PERMANENT_ERRNOS[error.errno]
-        text = str(error)
-        for needle, reason in PERMANENT_MESSAGES:
-            if needle in text:
-                return reason
+        reason = permanent_reason_in(str(error))
+        if reason is not None:
+            return reason
         error = error.__cause__ or error.__context__
     return None
+
+
+def permanent_reason_in(text: str) -> str | None:
+    """`permanent_reason` of an error known only by its text (a log line, an error that crossed a process)."""
+    return next((reason for needle, reason in PERMANENT_MESSAGES if needle in text), None)
 
 
 class StorageFailure(RuntimeError):

@@ -277,7 +277,7 @@ class Cadence:
             return
         self._write("writing metrics.jsonl", self._flush_logs)  # the rows up to a checkpoint are kept on resume
         self._write(f"writing the checkpoint of step {progress.step}", self._start_checkpoint, progress,
-                    needed_bytes=self._needed_bytes())
+                    checkpoint=True)
         if self.live.dashboards is not None:
             self.live.dashboards.flush()
 
@@ -309,7 +309,7 @@ class Cadence:
                     code = _WRITTEN
                 else:
                     self._write(f"writing the checkpoint of step {checkpoint_step(name)}", _raise, error,
-                                needed_bytes=self._needed_bytes())
+                                checkpoint=True)
             if self.w.writes is not None:
                 self._write("writing to the run directory", self.w.writes.raise_failed)
             code = _FAILED if self.failure is not None else code
@@ -346,11 +346,11 @@ class Cadence:
     def _event(self, event: str, **fields: Any) -> None:
         self._write(f"writing events.jsonl ({event})", self.w.event, event, *(), **fields)
 
-    def _write(self, operation: str, fn: Callable[..., Any], *args: Any, needed_bytes: int | None = None,
+    def _write(self, operation: str, fn: Callable[..., Any], *args: Any, checkpoint: bool = False,
                **kwargs: Any) -> None:
         """One of rank 0's writes (a no-op elsewhere). A storage error no retry can fix is kept (every worker stops
         at the next `_settle`) and rank 0 writes nothing more; any other error raises. The failure's line names the
-        file of a background write that failed (`operation` waited for it), and for a checkpoint, `needed_bytes`."""
+        file of a background write that failed (`operation` waited for it), and for a `checkpoint`, what one needs."""
         if not self.w.is_chief or self.failure is not None:
             return
         try:
@@ -358,7 +358,7 @@ class Cadence:
         except Exception as exc:
             written = failed_write(exc)
             failure = storage_failure(exc, str(self.w.run_dir), f"writing {written}" if written else operation,
-                                      needed_bytes=needed_bytes)
+                                      needed_bytes=self._needed_bytes() if checkpoint else None)
             if failure is None:
                 raise
             self.failure = failure  # the driver prints it: the one line the user reads

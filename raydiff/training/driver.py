@@ -36,7 +36,7 @@ from raydiff.storage.errors import (
     failure_message,
     free_bytes,
     megabytes,
-    permanent_reason,
+    permanent_reason_in,
     storage_failure,
 )
 from raydiff.storage.lease import hold, this_process
@@ -247,7 +247,6 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     args.records = records
     if note_run is not None:
         note_run(requester)
-    error: str | None = None
     failed_because: str | None = None  # all that Ray Train said: the first line names the kind, the rest the cause
     with stop_on_signals(stop_flag) as received:
         try:
@@ -255,8 +254,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
             outcome: WorkerResult | None = result.return_value  # type: ignore[attr-defined]
             checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
         except ray.train.TrainingFailedError as exc:
-            error, outcome, checkpoint = str(exc).strip().splitlines()[0], None, None
-            failed_because = str(exc)
+            failed_because, outcome, checkpoint = str(exc).strip(), None, None
+    error = failed_because.splitlines()[0] if failed_because else None
     if outcome is not None and outcome.status == WorkerStatus.UNRESUMABLE:  # nothing was trained or written:
         raise Unresumable(outcome.diagnostic)  # refuse, as for a bad config
     failure = _storage_failure(run_dir, outcome, failed_because)
@@ -313,7 +312,7 @@ def _storage_failure(run_dir: RunDir, outcome: WorkerResult | None, error: str |
     fit (Ray Train's own writes, or a worker that died of one); None for any other ending."""
     if outcome is not None and outcome.status == WorkerStatus.STORAGE_FAILED:
         return outcome.diagnostic
-    reason = permanent_reason(RuntimeError(error)) if error else None
+    reason = permanent_reason_in(error) if error else None
     return failure_message(str(run_dir), "training", reason) if reason else None
 
 

@@ -23,7 +23,14 @@ from raydiff.config import Config, ConfigError
 from raydiff.data.errors import DataError
 from raydiff.quality.errors import QualityError
 from raydiff.runs.errors import Unresumable
-from raydiff.storage.errors import StorageFailure, failure_message, free_bytes, megabytes, permanent_reason
+from raydiff.storage.errors import (
+    StorageFailure,
+    failure_message,
+    free_bytes,
+    megabytes,
+    permanent_reason,
+    permanent_reason_in,
+)
 from raydiff.storage.rundir import RunInUse
 from raydiff.training.sweep_plan import Sweep, concurrent_trials, trial_config
 
@@ -211,8 +218,8 @@ def telling_tune_failures() -> Iterator[TuneFailures]:
 
     def state_unsaved(record: logging.LogRecord) -> bool:
         # The syncer (Tune's upload of its files to the sweep's storage) puts the traceback in the message.
-        error = record.exc_info[1] if record.exc_info and record.exc_info[1] else RuntimeError(record.getMessage())
-        reason = permanent_reason(error)
+        error = record.exc_info[1] if record.exc_info else None
+        reason = permanent_reason(error) if error else permanent_reason_in(record.getMessage())
         told.state_unsaved = told.state_unsaved or reason
         return reason is None
 
