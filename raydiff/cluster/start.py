@@ -12,21 +12,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import ray
 from ray._common.utils import get_ray_address_file
-from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 from ray._private.services import canonicalize_bootstrap_address
 
 from raydiff.cluster.errors import RayUnreachable
 from raydiff.cluster.nodes import alive_nodes
-from raydiff.storage.errors import permanent_reason_in
+from raydiff.cluster.worker_output import filter_worker_output
 
 ANSWER_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
 GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # the GCS port of a head that Ray starts (ray._private.ray_constants)
@@ -67,7 +64,7 @@ def init_ray() -> None:
     ray.data.DataContext.get_current().enable_progress_bars = os.isatty(2)
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
-    _drop_harmless_worker_lines()
+    filter_worker_output()
 
 
 def _start_local_instance() -> None:
@@ -171,67 +168,3 @@ def _named() -> str:
     """Where the address to join comes from, as the user set it."""
     address = os.environ.get("RAY_ADDRESS")
     return f"RAY_ADDRESS={address}" if address else f"left by `ray start` in {get_ray_address_file(None)}"
-
-
-# Error-level lines that Ray's own processes print in runs that succeed. Each pattern matches one known message
-# exactly, so every other line, real errors included, still reaches the driver's terminal.
-HARMLESS_WORKER_LINES = (
-    # Ray Train's controller starts its PreemptionWatcher with worker handles as arguments and max_restarts=-1;
-    # Ray's core worker warns, at error level, that a restart could lose them (ray-project/ray#53727).
-    re.compile(r"class name: 'PreemptionWatcher' .* has constructor arguments in the object store and "
-               r"max_restarts > 0"),
-)
-_INSTALLED_FILTERS: list[Callable[[dict[str, Any]], None]] = []  # installed once per process, not stacked
-_ROUTINE_HERE: list[re.Pattern] = []  # lines routine in this process's command only (`drop_worker_lines`)
-# Ray Train's controller logs the traceback of any error in its control loop, then fails the run with that error.
-# Where it is a storage error no retry can fix (its own checkpoint list written to a full disk), the driver says it
-# in one line: the block is left out. Any other error keeps its traceback.
-_CONTROLLER_ERROR = re.compile(r"Error in control loop iteration: (.*)")
-
-
-class _StorageTracebacks:
-    """Leaves out, per process, a controller's "Error in control loop iteration" block for a storage error no retry
-    can fix: the line, then its traceback up to and including the exception's own line."""
-
-    def __init__(self) -> None:
-        self._in_block: set[Any] = set()  # the pids whose block is being left out
-
-    def keep(self, pid: Any, line: str) -> bool:
-        if pid in self._in_block:
-            in_traceback = line.startswith(("Traceback", " ")) or not line.strip()
-            if not in_traceback:
-                self._in_block.discard(pid)  # the exception's line ends the block
-            return False
-        error = _CONTROLLER_ERROR.search(line)
-        if error and permanent_reason_in(error.group(1)) is not None:
-            self._in_block.add(pid)
-            return False
-        return True
-
-
-def drop_worker_lines(*patterns: re.Pattern) -> None:
-    """From now on in this process, worker lines that match `patterns` are dropped too: lines routine in one
-    command (a sweep) that would signal a fault in another (a single run). For the rest of the process, not a
-    block: Ray forwards a worker's line when it comes, which can be after the work that caused it has returned."""
-    _ROUTINE_HERE.extend(p for p in patterns if p not in _ROUTINE_HERE)
-
-
-def _drop_harmless_worker_lines() -> None:
-    """Filter the worker output Ray forwards to this driver: a newcomer reads an error line as a failure."""
-    printers = [(name, handler) for name, handler in dispatcher.handlers if name == "ray_print_logs"]
-    if not printers or printers[0][1] in _INSTALLED_FILTERS:
-        return
-    print_lines = printers[0][1]
-
-    storage_tracebacks = _StorageTracebacks()
-
-    def filtered(data: dict[str, Any]) -> None:
-        harmless, pid = (*HARMLESS_WORKER_LINES, *_ROUTINE_HERE), data.get("pid")
-        lines = [line for line in data.get("lines", []) if not any(p.search(line) for p in harmless)
-                 and storage_tracebacks.keep(pid, line)]
-        if lines:
-            print_lines({**data, "lines": lines})
-
-    _INSTALLED_FILTERS.append(filtered)
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("ray_print_logs", filtered)

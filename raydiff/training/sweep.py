@@ -97,7 +97,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from ray.tune.schedulers import ASHAScheduler
 
     from raydiff.cluster.nodes import wait_for_worker_node
-    from raydiff.cluster.start import drop_worker_lines, environment_variable, init_ray
+    from raydiff.cluster.start import environment_variable, init_ray
+    from raydiff.cluster.worker_output import drop_worker_lines
     from raydiff.runs.sweep_state import set_aside_unusable_tune_state
     from raydiff.storage.rundir import unwritable
     from raydiff.training.driver import with_held_out

@@ -57,7 +57,7 @@ def test_an_address_that_a_stopped_ray_start_left_behind_is_one_line_naming_its_
 def test_only_a_controller_traceback_for_a_full_disk_is_left_out_of_the_workers_lines():
     """Ray Train's controller logs a traceback for a full disk under its checkpoint list, then fails the run,
     which the driver says in one line: that block goes, per process; any other error keeps its traceback."""
-    from raydiff.cluster.start import _StorageTracebacks
+    from raydiff.cluster.worker_output import _StorageTracebacks
 
     full = ["Error in control loop iteration: [Errno 28] Error writing bytes to file. Detail: [errno 28] No space "
             "left on device", "Traceback (most recent call last):", '  File "checkpoint_manager.py", line 504, in w',
