@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from raydiff.cluster.errors import NoWorkerNode, RayUnreachable
+from raydiff.cluster.errors import NoWorkerNode, RayCannotStart, RayUnreachable
 from raydiff.config import ConfigError
 from raydiff.data.errors import DataError
 from raydiff.quality.errors import QualityError
@@ -23,7 +23,7 @@ from raydiff.training.interrupts import Interrupted, last_interrupt, sigterm_rai
 from raydiff.training.sweep import TrialFailed
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, Unresumable, QualityError, RunInUse, NoWorkerNode,
-               StorageFailure, RayUnreachable, TrialFailed)
+               StorageFailure, RayUnreachable, RayCannotStart, TrialFailed)
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

@@ -218,13 +218,13 @@ def run_cli_interrupted(module: str, *args: str, at: str, sig: int = signal.SIGI
 
 
 def run_cli_acting(module: str, *args: str, at: str, act: Callable[[subprocess.Popen], None],
-                   timeout: float = 600) -> tuple[int, str]:
+                   env: dict[str, str] | None = None, timeout: float = 600) -> tuple[int, str]:
     """Run like `run_cli`, and call `act(process)` once, as soon as a line of its output contains `at` (something
     done to the command, or around it, at a known point of its work). Returns the exit code and the output (stdout
     and stderr together)."""
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, RAY_ADDRESS=_cluster_address or "local"), cwd=ROOT,
-                            stdin=subprocess.DEVNULL)
+                            text=True, env={**os.environ, "RAY_ADDRESS": _cluster_address or "local", **(env or {})},
+                            cwd=ROOT, stdin=subprocess.DEVNULL)
     output, acted = [], False
     try:
         for line in proc.stdout:  # type: ignore[union-attr]

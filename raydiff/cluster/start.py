@@ -21,6 +21,7 @@ import ray
 from ray._common.utils import get_ray_address_file
 from ray._private.services import canonicalize_bootstrap_address
 
+from raydiff.cluster import ray_temp_dir
 from raydiff.cluster.errors import RayUnreachable
 from raydiff.cluster.nodes import alive_nodes
 from raydiff.cluster.worker_output import filter_worker_output
@@ -30,6 +31,7 @@ GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # the GCS port of a head that Ray sta
 
 
 _joined_here = False  # whether init_ray() made this process's Ray connection (so that leave_ray() may end it)
+_stop_watching = threading.Event()  # ends the watch on a local instance's temp directory (`ray_temp_dir.watch`)
 
 
 def init_ray() -> None:
@@ -77,12 +79,21 @@ def _start_local_instance() -> None:
     GCS port is chosen here (Ray reads RAY_GCS_SERVER_PORT when it starts a head) so that the address is known
     before the instance starts.
     """
+    temp = ray_temp_dir.check_before_start()
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
     address = f"{ray.util.get_node_ip_address()}:{port}"
     with environment_variable(GCS_PORT_VARIABLE, str(port)), _quiet_token_auth_notice():
-        ray.init(address="local", logging_level=logging.WARNING, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+        try:
+            ray.init(address="local", logging_level=logging.WARNING,
+                     runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+        except OSError as exc:
+            if "AF_UNIX path length" not in str(exc):
+                raise
+            raise ray_temp_dir.too_long(temp) from None
+    _stop_watching.clear()
+    ray_temp_dir.watch(temp, _stop_watching)
 
 
 @contextlib.contextmanager
@@ -122,6 +133,7 @@ def leave_ray() -> None:
     """End the Ray connection that init_ray() made, if any (a command's last step). Ray's own exit hook would do it
     too, after half a second's wait for worker output that a command has printed by then."""
     global _joined_here
+    _stop_watching.set()
     if _joined_here:
         _joined_here = False
         ray.shutdown()

@@ -10,6 +10,7 @@ filter matches what it leaves out exactly, so every other line, real errors incl
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,72 @@ class _StorageTracebacks:
         return True
 
 
+# Over Ray's capacity threshold, a raylet says its temp directory is full every ten seconds for as long as it lasts:
+# said once, by raydiff (`warn_ray_disk_once`) or by the first such line.
+_RAY_DISK_OVER = re.compile(r"file_system_monitor\.cc:\d+: .* is over \d+% full")
+_RAY_DISK_SAID = threading.Event()
+_SAYING = threading.Lock()  # the watch on Ray's temp directory says it from a thread of its own
+# Ray's C++ logger, failing to write a process's log file, says so on its terminal.
+_LOG_WRITE_FAILED = re.compile(r"^\[\*\*\* LOG ERROR #\d+ \*\*\*\]")
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): ")  # a traceback's last line
+
+
+def warn_ray_disk_once(line: str) -> None:
+    """Print raydiff's `line` saying that Ray's temp directory is over Ray's capacity threshold, unless this process
+    has said it (or let the raylet's own line through); the raylet's lines are left out from then on."""
+    with _SAYING:
+        if _RAY_DISK_SAID.is_set():
+            return
+        _RAY_DISK_SAID.set()
+    print(line, flush=True)
+
+
+def ray_disk_warned() -> bool:
+    """Whether this process has said that Ray's temp directory is over Ray's capacity threshold."""
+    return _RAY_DISK_SAID.is_set()
+
+
+class _LoggingErrors:
+    """Holds, per process, Python's report of a failed log write ("--- Logging error ---", then the traceback, the
+    call stack and the record: `logging.Handler.handleError`) until its last line; leaves it out where the error is
+    a storage error no retry can fix (Ray's processes writing their logs to a full temp directory, which the
+    raylet's line says), else lets it through whole."""
+
+    START, ENDS = "--- Logging error ---", ("Arguments: ", "Use the traceback above")
+    LONGEST = 500  # lines: a report cut short (its process died) is let through, not held for ever
+
+    def __init__(self) -> None:
+        self._held: dict[Any, list[str]] = {}
+
+    def shown(self, pid: Any, line: str) -> list[str]:
+        """The lines of `pid` to show now, `line` the next one."""
+        held = self._held.get(pid)
+        if held is None and not line.startswith(self.START):
+            return [line]
+        if held is None:
+            self._held[pid] = [line]
+            return []
+        held.append(line)
+        if not line.startswith(self.ENDS) and len(held) < self.LONGEST:
+            return []
+        del self._held[pid]
+        storage = any(permanent_reason_in(line) for line in held if _EXCEPTION_LINE.match(line))
+        return [] if storage else held
+
+
+def _ray_disk_line(line: str) -> bool:
+    """Whether `line` is Ray's noise about its own full disk that is left out: the raylet's line once said, and the
+    C++ logger's failed writes to a full disk."""
+    if _LOG_WRITE_FAILED.match(line):
+        return permanent_reason_in(line) is not None
+    if not _RAY_DISK_OVER.search(line):
+        return False
+    with _SAYING:
+        said = _RAY_DISK_SAID.is_set()
+        _RAY_DISK_SAID.set()
+    return said
+
+
 def drop_worker_lines(*patterns: re.Pattern) -> None:
     """From now on in this process, worker lines that match `patterns` are dropped too: lines routine in one
     command (a sweep) that would signal a fault in another (a single run). For the rest of the process, not a
@@ -68,12 +135,13 @@ def filter_worker_output() -> None:
         return
     print_lines = printers[0][1]
 
-    storage_tracebacks = _StorageTracebacks()
+    storage_tracebacks, logging_errors = _StorageTracebacks(), _LoggingErrors()
 
     def filtered(data: dict[str, Any]) -> None:
         harmless, pid = (*HARMLESS_WORKER_LINES, *_ROUTINE_HERE), data.get("pid")
-        lines = [line for line in data.get("lines", []) if not any(p.search(line) for p in harmless)
-                 and storage_tracebacks.keep(pid, line)]
+        lines = [shown for line in data.get("lines", []) if not any(p.search(line) for p in harmless)
+                 and storage_tracebacks.keep(pid, line) and not _ray_disk_line(line)
+                 for shown in logging_errors.shown(pid, line)]
         if lines:
             print_lines({**data, "lines": lines})
 

@@ -133,13 +133,25 @@ def disk_failure(exc: OSError) -> str | None:
 
 def free_bytes(folder: str) -> int | None:
     """Free bytes on the file system of a local folder (its nearest existing ancestor); None if unknown."""
+    usage = disk_usage(folder)
+    return None if usage is None else usage.free
+
+
+def disk_usage(folder: str) -> shutil._ntuple_diskusage | None:
+    """shutil.disk_usage of a local folder's file system (its nearest existing ancestor's): total, used and free
+    bytes, free as an unprivileged user may use it; None if unknown."""
+    try:
+        return shutil.disk_usage(nearest_existing(folder))
+    except OSError:
+        return None
+
+
+def nearest_existing(folder: str) -> Path:
+    """`folder`, or its nearest ancestor that exists (where a folder not made yet will be)."""
     path = Path(folder)
     while not path.exists() and path != path.parent:
         path = path.parent
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
+    return path
 
 
 def megabytes(n: int) -> str:

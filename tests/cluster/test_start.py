@@ -54,24 +54,6 @@ def test_an_address_that_a_stopped_ray_start_left_behind_is_one_line_naming_its_
     assert not (tmp_path / "runs").exists()
 
 
-def test_only_a_controller_traceback_for_a_full_disk_is_left_out_of_the_workers_lines():
-    """Ray Train's controller logs a traceback for a full disk under its checkpoint list, then fails the run,
-    which the driver says in one line: that block goes, per process; any other error keeps its traceback."""
-    from raydiff.cluster.worker_output import _StorageTracebacks
-
-    full = ["Error in control loop iteration: [Errno 28] Error writing bytes to file. Detail: [errno 28] No space "
-            "left on device", "Traceback (most recent call last):", '  File "checkpoint_manager.py", line 504, in w',
-            "    f.write(snapshot)", "    ^^^^^^^^^^^^^^^^^", "OSError: [Errno 28] Error writing bytes to file. "
-            "Detail: [errno 28] No space left on device"]
-    bug = ["Error in control loop iteration: division by zero", "Traceback (most recent call last):",
-           '  File "controller.py", line 1, in _step', "ZeroDivisionError: division by zero"]
-    lines = _StorageTracebacks()
-    kept = [(pid, line) for pid, line in [(1, full[0]), (1, full[1]), (2, "another process's line"), *[
-        (1, line) for line in full[2:]], (1, "[raydiff] the next line"), *[(1, line) for line in bug]]
-        if lines.keep(pid, line)]
-    assert kept == [(2, "another process's line"), (1, "[raydiff] the next line"), *[(1, line) for line in bug]]
-
-
 # A command ends the Ray connection it made as its last step (Ray's exit hook would first wait half a second),
 # and never one its caller made.
 ENDS_ITS_OWN = """

@@ -1,0 +1,81 @@
+"""Ray's own temp directory on this machine (RAY_TMPDIR, else TMPDIR, else /tmp; then ray/), where a local Ray
+instance keeps its session: its processes' logs and output, its sockets, the objects it spills.
+
+Why raydiff looks at it: Ray does not say plainly when it is the problem. Full or read-only, a local instance
+waits a minute for processes that cannot start and raises a traceback; too long a path, Ray's Unix sockets do not
+fit and it raises another. Over Ray's capacity threshold (95% in use) Ray spills no objects there, and its raylet
+says so every ten seconds; once full, the workers' output (the step lines) cannot reach the driver's terminal and
+Ray's processes print a traceback for every log line they cannot write, while the run itself goes on. So: one line
+before a local instance starts, one warning while it runs (`watch`), and the rest left out (`worker_output`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ray._common.utils import get_default_ray_temp_dir
+
+from raydiff.cluster.errors import RayCannotStart
+from raydiff.cluster.worker_output import ray_disk_warned, warn_ray_disk_once
+from raydiff.storage.errors import disk_usage, megabytes, nearest_existing
+
+# A local instance's session when it starts (its logs, sockets, runtime files), with room for its logs: with less
+# free, Ray's processes cannot start (Ray waits for them, then raises).
+SESSION_BYTES = 8 * 2**20
+WATCH_EVERY_S = 5.0
+UNIX_SOCKET_PATH_BYTES = 107  # Linux's limit, which Ray checks its socket paths against
+FIX = "free space there, or set RAY_TMPDIR to a folder on a disk with room"
+
+
+def check_before_start() -> str:
+    """Ray's temp directory, checked to hold a local instance's session (one line where it cannot: RayCannotStart),
+    with a warning where it is over Ray's capacity threshold."""
+    temp = get_default_ray_temp_dir()
+    usage = disk_usage(temp)
+    if usage is None:
+        return temp
+    if not os.access(nearest_existing(temp), os.W_OK):
+        raise RayCannotStart(f"cannot start a local Ray instance: its temp directory {temp} is not writable; make it "
+                             f"writable, or set RAY_TMPDIR to a writable folder")
+    if usage.free < SESSION_BYTES:
+        raise RayCannotStart(f"cannot start a local Ray instance: its temp directory {temp} has "
+                             f"{megabytes(usage.free)} free, and Ray's session there needs {megabytes(SESSION_BYTES)}; "
+                             f"{FIX}")
+    _warn_if_over_threshold(temp)
+    return temp
+
+
+def too_long(temp: str) -> RayCannotStart:
+    """The error for Ray's refusal of its socket paths under `temp`."""
+    return RayCannotStart(f"cannot start a local Ray instance: its temp directory {temp} is too long a path for the "
+                          f"Unix sockets Ray makes under it (at most {UNIX_SOCKET_PATH_BYTES} bytes each); set "
+                          f"RAY_TMPDIR to a shorter one")
+
+
+def watch(temp: str, stop: threading.Event) -> None:
+    """Until `stop` is set or the warning is given, look at `temp` every WATCH_EVERY_S seconds and warn once when it
+    goes over Ray's capacity threshold (a daemon thread: a disk filled by another job is not the run's failure)."""
+    def look() -> None:
+        while not ray_disk_warned() and not stop.wait(WATCH_EVERY_S):
+            _warn_if_over_threshold(temp)
+
+    threading.Thread(target=look, name="raydiff-ray-temp-dir", daemon=True).start()
+
+
+def capacity_threshold() -> float:
+    """The fraction of a disk in use over which Ray spills no objects to it (Ray's `local_fs_capacity_threshold`)."""
+    try:
+        return float(os.environ.get("RAY_local_fs_capacity_threshold", "0.95"))
+    except ValueError:
+        return 0.95
+
+
+def _warn_if_over_threshold(temp: str) -> None:
+    usage, threshold = disk_usage(temp), capacity_threshold()
+    if usage is None or not usage.total or (in_use := (usage.total - usage.free) / usage.total) < threshold:
+        return
+    warn_ray_disk_once(f"[raydiff] warning: Ray's temp directory {temp} is {in_use:.0%} full "
+                       f"({megabytes(usage.free)} free): over {threshold:.0%} Ray spills no objects there (work that "
+                       f"needs to fails), and once it is full Ray's logs and the workers' lines on this terminal stop "
+                       f"(the run goes on, its metrics in its run directory); {FIX}")
