@@ -53,15 +53,24 @@ class EmaUpdater:
         self._ema: list[torch.Tensor] = list(ema.parameters())
         self._model = [p.detach() for p in model.parameters()]
         self._ema_buffers, self._model_buffers = list(ema.buffers()), list(model.buffers())
+        # On a CPU, where an operation's launch is cheap, one lerp per tensor reads and writes the averages once;
+        # on an accelerator three multi-tensor operations launch fewer kernels (lerp's multi-tensor form takes a
+        # tensor weight only of each tensor's shape), and they also average a model of another dtype.
+        self._lerp_each = all(e.device.type == "cpu" and e.dtype == m.dtype and e.device == m.device
+                              for e, m in zip(self._ema, self._model, strict=True))
 
     @torch.no_grad()
     def __call__(self, decay: float, finite: torch.Tensor | None = None) -> None:
-        # ema += weight * (model - ema). Not lerp: its weight is a number, and a device tensor given there is read
-        # back to the host (a sync every step). A weight of 0 leaves the EMA exactly as it was.
+        # ema += weight * (model - ema), with `finite` a tensor on the model's device (a number made of it would be
+        # read back to the host: a sync every step). A weight of 0 leaves the EMA exactly as it was.
         weight = 1.0 - decay if finite is None else finite.to(self._ema[0].dtype) * (1.0 - decay)
-        increments = torch._foreach_sub(self._model, self._ema)
-        torch._foreach_mul_(increments, weight)
-        torch._foreach_add_(self._ema, increments)
+        if self._lerp_each:
+            for e, m in zip(self._ema, self._model, strict=True):
+                e.lerp_(m, weight)
+        else:
+            increments = torch._foreach_sub(self._model, self._ema)
+            torch._foreach_mul_(increments, weight)
+            torch._foreach_add_(self._ema, increments)
         for e, b in zip(self._ema_buffers, self._model_buffers, strict=True):
             e.copy_(b)
 

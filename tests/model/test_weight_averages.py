@@ -44,6 +44,28 @@ def test_update_is_an_exponential_moving_average():
     assert not ema.weight.requires_grad and not ema.training
 
 
+
+def test_the_ema_is_the_same_average_for_a_model_of_its_own_dtype_and_of_another():
+    """A CPU model in the EMA's dtype is averaged one tensor at a time (lerp), any other with multi-tensor
+    operations: the same average either way, a skipped step (finite false) leaving it exactly as it was."""
+    walk = trajectory(12, seed=3)
+    averages = []
+    for dtype in (torch.float32, torch.float64):
+        model = Weights().to(dtype)
+        ema = make_ema(model)
+        update = EmaUpdater(ema, model)
+        for step, weights in enumerate(walk):
+            with torch.no_grad():
+                model.w.copy_(weights)
+            before = ema.w.clone()
+            update(ema_decay_at(step, 0.9, 4), finite=torch.tensor(step != 7))
+            if step == 7:
+                assert torch.equal(ema.w, before)
+        averages.append(ema.w)
+    torch.testing.assert_close(averages[0], averages[1], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(averages[0], ema.w.new_zeros(6))
+
+
 # Post-hoc EMA.
 def test_the_papers_widths_have_the_papers_exponents():
     # EDM2, section 3.1: sigma_rel 0.05 and 0.10 are gamma = 16.97 and 6.94.
