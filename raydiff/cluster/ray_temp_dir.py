@@ -53,14 +53,18 @@ def too_long(temp: str) -> RayCannotStart:
                           f"RAY_TMPDIR to a shorter one")
 
 
-def watch(temp: str, stop: threading.Event) -> None:
-    """Until `stop` is set or the warning is given, look at `temp` every WATCH_EVERY_S seconds and warn once when it
-    goes over Ray's capacity threshold (a daemon thread: a disk filled by another job is not the run's failure)."""
+def watch(temp: str) -> threading.Event:
+    """Look at `temp` every WATCH_EVERY_S seconds, on a daemon thread, and warn once when it goes over Ray's capacity
+    threshold (a disk another job fills is not the run's failure), until the warning is given or the event returned
+    is set."""
+    stop = threading.Event()
+
     def look() -> None:
         while not ray_disk_warned() and not stop.wait(WATCH_EVERY_S):
             _warn_if_over_threshold(temp)
 
     threading.Thread(target=look, name="raydiff-ray-temp-dir", daemon=True).start()
+    return stop
 
 
 def capacity_threshold() -> float:

@@ -31,7 +31,7 @@ GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # the GCS port of a head that Ray sta
 
 
 _joined_here = False  # whether init_ray() made this process's Ray connection (so that leave_ray() may end it)
-_stop_watching = threading.Event()  # ends the watch on a local instance's temp directory (`ray_temp_dir.watch`)
+_watching: threading.Event | None = None  # set, it ends the watch on a local instance's temp directory
 
 
 def init_ray() -> None:
@@ -77,7 +77,8 @@ def _start_local_instance() -> None:
     one running (another local run, a test cluster), it can ask that one, take the controller for dead and remove
     the run's workers. With RAY_ADDRESS in the job's environment every worker and actor asks its own cluster. The
     GCS port is chosen here (Ray reads RAY_GCS_SERVER_PORT when it starts a head) so that the address is known
-    before the instance starts.
+    before the instance starts. Ray's temp directory is checked first and watched while the instance runs
+    (`raydiff.cluster.ray_temp_dir`).
     """
     temp = ray_temp_dir.check_before_start()
     with socket.socket() as probe:
@@ -92,8 +93,8 @@ def _start_local_instance() -> None:
             if "AF_UNIX path length" not in str(exc):
                 raise
             raise ray_temp_dir.too_long(temp) from None
-    _stop_watching.clear()
-    ray_temp_dir.watch(temp, _stop_watching)
+    global _watching
+    _watching = ray_temp_dir.watch(temp)
 
 
 @contextlib.contextmanager
@@ -133,7 +134,8 @@ def leave_ray() -> None:
     """End the Ray connection that init_ray() made, if any (a command's last step). Ray's own exit hook would do it
     too, after half a second's wait for worker output that a command has printed by then."""
     global _joined_here
-    _stop_watching.set()
+    if _watching is not None:
+        _watching.set()
     if _joined_here:
         _joined_here = False
         ray.shutdown()

@@ -3,8 +3,9 @@ failure, and a traceback as a bug.
 
 Ray prints its workers' and actors' output, and its raylets' error lines, on the driver's terminal. Some of it is
 routine in runs that succeed (`HARMLESS_WORKER_LINES`, and a command's own `drop_worker_lines`); some says, as a
-traceback, what raydiff says in one line (a storage error no retry can fix, met by Ray Train's controller). Each
-filter matches what it leaves out exactly, so every other line, real errors included, still reaches the terminal.
+traceback or a line repeated every few seconds, what raydiff says once in one line (a storage error no retry can
+fix, met by Ray Train's controller; Ray's own temp directory full: `raydiff.cluster.ray_temp_dir`). Each filter
+matches what it leaves out exactly, so every other line, real errors included, still reaches the terminal.
 """
 
 from __future__ import annotations
