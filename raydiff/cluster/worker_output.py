@@ -17,7 +17,7 @@ from typing import Any
 
 from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-from raydiff.storage.errors import permanent_reason_in
+from raydiff.storage.errors import FULL, permanent_reason_in
 
 # Error-level lines that Ray's own processes print in runs that succeed. Each pattern matches one known message
 # exactly, so every other line, real errors included, still reaches the driver's terminal.
@@ -83,7 +83,7 @@ def ray_disk_warned() -> bool:
 class _LoggingErrors:
     """Holds, per process, Python's report of a failed log write ("--- Logging error ---", then the traceback, the
     call stack and the record: `logging.Handler.handleError`) until its last line; leaves it out where the error is
-    a storage error no retry can fix (Ray's processes writing their logs to a full temp directory, which the
+    a full disk (Ray's processes writing their logs to a full temp directory, which raydiff's warning or the
     raylet's line says), else lets it through whole."""
 
     START, ENDS = "--- Logging error ---", ("Arguments: ", "Use the traceback above")
@@ -104,15 +104,15 @@ class _LoggingErrors:
         if not line.startswith(self.ENDS) and len(held) < self.LONGEST:
             return []
         del self._held[pid]
-        storage = any(permanent_reason_in(line) for line in held if _EXCEPTION_LINE.match(line))
-        return [] if storage else held
+        full = any(permanent_reason_in(line) in FULL for line in held if _EXCEPTION_LINE.match(line))
+        return [] if full else held
 
 
 def _ray_disk_line(line: str) -> bool:
     """Whether `line` is Ray's noise about its own full disk that is left out: the raylet's line once said, and the
-    C++ logger's failed writes to a full disk."""
+    C++ logger's failed writes to a full disk (any other failure of its shows)."""
     if _LOG_WRITE_FAILED.match(line):
-        return permanent_reason_in(line) is not None
+        return permanent_reason_in(line) in FULL
     if not _RAY_DISK_OVER.search(line):
         return False
     with _SAYING:

@@ -3,7 +3,13 @@ line: each filter on the lines of its kind, one process's lines among another's.
 
 from __future__ import annotations
 
-from raydiff.cluster.worker_output import _LoggingErrors, _StorageTracebacks
+from raydiff.cluster.worker_output import (
+    _RAY_DISK_SAID,
+    _LoggingErrors,
+    _ray_disk_line,
+    _StorageTracebacks,
+    ray_disk_warned,
+)
 
 
 def test_only_a_controller_traceback_for_a_full_disk_is_left_out_of_the_workers_lines():
@@ -22,7 +28,7 @@ def test_only_a_controller_traceback_for_a_full_disk_is_left_out_of_the_workers_
     assert kept == [(2, "another process's line"), (1, "[raydiff] the next line"), *[(1, line) for line in bug]]
 
 
-def test_only_a_failed_log_write_to_a_full_disk_is_left_out_whole_and_any_other_is_shown_whole():
+def test_only_a_failed_log_write_to_a_full_disk_is_left_out_and_any_other_is_shown_whole():
     """Python's logging reports a handler's failed write with a traceback, the call stack and the record; Ray's
     processes whose temp directory is full report one for each line they log."""
     full = ["--- Logging error ---", "Traceback (most recent call last):", '  File "logging/__init__.py", line 1114',
@@ -31,8 +37,26 @@ def test_only_a_failed_log_write_to_a_full_disk_is_left_out_whole_and_any_other_
     bug = ["--- Logging error ---", "Traceback (most recent call last):", '  File "logging/__init__.py", line 1110',
            "TypeError: not all arguments converted during string formatting", "Call stack:", '  File "x.py", line 1',
            "Message: 'step %d'", "Arguments: (1, 2)"]
+    denied = [line.replace("OSError: [Errno 28] No space left on device", "PermissionError: [Errno 13] Permission "
+                           "denied: 'raylet.out'") for line in full]
     reports = _LoggingErrors()
     shown = [(pid, shown) for pid, line in [(1, full[0]), (2, "another process's line"), *[(1, line) for line in
-             full[1:]], (1, "[raydiff] the next line"), *[(3, line) for line in bug]]
+             full[1:]], (1, "[raydiff] the next line"), *[(3, line) for line in bug + denied]]
              for shown in reports.shown(pid, line)]
-    assert shown == [(2, "another process's line"), (1, "[raydiff] the next line"), *[(3, line) for line in bug]]
+    assert shown == [(2, "another process's line"), (1, "[raydiff] the next line"),
+                     *[(3, line) for line in bug + denied]]
+
+
+def test_ray_s_lines_about_its_own_full_disk_are_said_once_and_its_logger_s_failed_writes_go():
+    raylet = ("[2026-11-28 22:56:07,875 E 6071 6086] (raylet) file_system_monitor.cc:116: /tmp/ray/session_x is "
+              "over 95% full, available space: 0 GB; capacity: 1 GB. Object creation will fail if spilling is "
+              "required.")
+    full = ("[*** LOG ERROR #0001 ***] [2026-11-28 22:56:54] [ray_log_sink] Failed writing to file /tmp/ray/session_x/"
+            "logs/python-core-worker-1.log: No space left on device")
+    other = "[*** LOG ERROR #0001 ***] [2026-11-28 22:56:54] [ray_log_sink] Failed to open file: Permission denied"
+    try:
+        assert [_ray_disk_line(line) for line in (raylet, full, raylet, other, raylet)] == [
+            False, True, True, False, True]
+        assert ray_disk_warned()
+    finally:
+        _RAY_DISK_SAID.clear()
