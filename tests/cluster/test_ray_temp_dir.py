@@ -26,13 +26,18 @@ def short_path():
     folder.rmdir()
 
 
-@pytest.mark.parametrize("state", ["full", "read-only"])
+COMMANDS = {"train": ["raydiff.train", *SMOKE],
+            "tune": ["raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3", "--batch", "16", "--samples", "2",
+                     "--name", "smoke"]}
+
+
+@pytest.mark.parametrize("command, state", [("train", "full"), ("train", "read-only"), ("tune", "full")])
 def test_a_local_ray_instance_without_room_for_its_temp_directory_is_one_line_before_anything_starts(
-        tmp_path, short_path, state):
+        tmp_path, short_path, command, state):
     with tmpfs(short_path, "4m", read_only=state == "read-only") as temp:
         if state == "full":
             fill_leaving(temp, 0)
-        proc = run_cli("raydiff.train", *SMOKE, "--set", f"run.storage={tmp_path / 'runs'}",
+        proc = run_cli(*COMMANDS[command], "--set", f"run.storage={tmp_path / 'runs'}",
                        env={"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp)}, timeout=60)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
