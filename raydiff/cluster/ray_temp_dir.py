@@ -67,7 +67,7 @@ def watch(temp: str) -> threading.Event:
     return stop
 
 
-def capacity_threshold() -> float:
+def _capacity_threshold() -> float:
     """The fraction of a disk in use over which Ray spills no objects to it (Ray's `local_fs_capacity_threshold`)."""
     try:
         return float(os.environ.get("RAY_local_fs_capacity_threshold", "0.95"))
@@ -76,10 +76,10 @@ def capacity_threshold() -> float:
 
 
 def _warn_if_over_threshold(temp: str) -> None:
-    usage, threshold = disk_usage(temp), capacity_threshold()
+    usage, threshold = disk_usage(temp), _capacity_threshold()
     if usage is None or not usage.total or (in_use := (usage.total - usage.free) / usage.total) < threshold:
         return
     warn_ray_disk_once(f"[raydiff] warning: Ray's temp directory {temp} is {in_use:.0%} full "
                        f"({megabytes(usage.free)} free): over {threshold:.0%} Ray spills no objects there (work that "
-                       f"needs to fails), and once it is full Ray's logs and the workers' lines on this terminal stop "
-                       f"(the run goes on, its metrics in its run directory); {FIX}")
+                       f"would spill fails), and once it is full Ray's logs and the workers' lines on this terminal "
+                       f"stop (the run goes on, its metrics in its run directory); {FIX}")
