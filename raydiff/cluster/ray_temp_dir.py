@@ -17,7 +17,7 @@ import threading
 from ray._common.utils import get_default_ray_temp_dir
 
 from raydiff.cluster.errors import RayCannotStart
-from raydiff.cluster.worker_output import ray_disk_warned, warn_ray_disk_once
+from raydiff.cluster.worker_output import ray_disk_warned, raydiff_watches_ray_disk, warn_ray_disk_once
 from raydiff.storage.errors import disk_usage, megabytes, nearest_existing
 
 # A local instance's session when it starts (its logs, sockets, runtime files), with room for its logs: with less
@@ -56,8 +56,9 @@ def too_long(temp: str) -> RayCannotStart:
 def watch(temp: str) -> threading.Event:
     """Look at `temp` every WATCH_EVERY_S seconds, on a daemon thread, and warn once when it goes over Ray's capacity
     threshold (a disk another job fills is not the run's failure), until the warning is given or the event returned
-    is set."""
+    is set. The raylet's own lines about it are left out from now on: the warning says it."""
     stop = threading.Event()
+    raydiff_watches_ray_disk()
 
     def look() -> None:
         while not ray_disk_warned() and not stop.wait(WATCH_EVERY_S):

@@ -56,9 +56,11 @@ class _StorageTracebacks:
 
 
 # Over Ray's capacity threshold, a raylet says its temp directory is full every ten seconds for as long as it lasts:
-# said once, by raydiff (`warn_ray_disk_once`) or by the first such line.
+# said once, by raydiff (`warn_ray_disk_once`, where it watches the disk: a local instance's) or by the first such
+# line (a joined cluster's node).
 _RAY_DISK_OVER = re.compile(r"file_system_monitor\.cc:\d+: .* is over \d+% full")
 _RAY_DISK_SAID = threading.Event()
+_RAY_DISK_WATCHED = threading.Event()
 _SAYING = threading.Lock()  # the watch on Ray's temp directory says it from a thread of its own
 # Ray's C++ logger, failing to write a process's log file, says so on its terminal.
 _LOG_WRITE_FAILED = re.compile(r"^\[\*\*\* LOG ERROR #\d+ \*\*\*\]")
@@ -73,6 +75,12 @@ def warn_ray_disk_once(line: str) -> None:
             return
         _RAY_DISK_SAID.set()
     print(line, flush=True)
+
+
+def raydiff_watches_ray_disk() -> None:
+    """This process watches Ray's temp directory and will say it when it is over the threshold: the raylet's lines
+    are left out, the first included (which of the two comes first is a race)."""
+    _RAY_DISK_WATCHED.set()
 
 
 def ray_disk_warned() -> bool:
@@ -115,6 +123,8 @@ def _ray_disk_line(line: str) -> bool:
         return permanent_reason_in(line) in FULL
     if not _RAY_DISK_OVER.search(line):
         return False
+    if _RAY_DISK_WATCHED.is_set():
+        return True
     with _SAYING:
         said = _RAY_DISK_SAID.is_set()
         _RAY_DISK_SAID.set()

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from raydiff.cluster.worker_output import (
     _RAY_DISK_SAID,
+    _RAY_DISK_WATCHED,
     _LoggingErrors,
     _ray_disk_line,
     _StorageTracebacks,
     ray_disk_warned,
+    raydiff_watches_ray_disk,
 )
 
 
@@ -55,8 +57,14 @@ def test_ray_s_lines_about_its_own_full_disk_are_said_once_and_its_logger_s_fail
             "logs/python-core-worker-1.log: No space left on device")
     other = "[*** LOG ERROR #0001 ***] [2026-11-28 22:56:54] [ray_log_sink] Failed to open file: Permission denied"
     try:
+        # A joined cluster's node: its raylet's first line says it.
         assert [_ray_disk_line(line) for line in (raylet, full, raylet, other, raylet)] == [
             False, True, True, False, True]
         assert ray_disk_warned()
+        # A local instance's disk, which raydiff watches and says itself, whichever comes first.
+        _RAY_DISK_SAID.clear()
+        raydiff_watches_ray_disk()
+        assert _ray_disk_line(raylet) and not ray_disk_warned()
     finally:
         _RAY_DISK_SAID.clear()
+        _RAY_DISK_WATCHED.clear()
