@@ -12,6 +12,7 @@ before a local instance starts, one warning while it runs (`watch`), and the res
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 from ray._common.utils import get_default_ray_temp_dir
@@ -42,7 +43,7 @@ def check_before_start() -> str:
         raise RayCannotStart(f"cannot start a local Ray instance: its temp directory {temp} has "
                              f"{megabytes(usage.free)} free, and Ray's session there needs {megabytes(SESSION_BYTES)}; "
                              f"{FIX}")
-    _warn_if_over_threshold(temp)
+    _warn_if_over_threshold(temp, usage)
     return temp
 
 
@@ -62,7 +63,7 @@ def watch(temp: str) -> threading.Event:
 
     def look() -> None:
         while not ray_disk_warned() and not stop.wait(WATCH_EVERY_S):
-            _warn_if_over_threshold(temp)
+            _warn_if_over_threshold(temp, disk_usage(temp))
 
     threading.Thread(target=look, name="raydiff-ray-temp-dir", daemon=True).start()
     return stop
@@ -76,8 +77,8 @@ def _capacity_threshold() -> float:
         return 0.95
 
 
-def _warn_if_over_threshold(temp: str) -> None:
-    usage, threshold = disk_usage(temp), _capacity_threshold()
+def _warn_if_over_threshold(temp: str, usage: shutil._ntuple_diskusage | None) -> None:
+    threshold = _capacity_threshold()
     if usage is None or not usage.total or (in_use := (usage.total - usage.free) / usage.total) < threshold:
         return
     warn_ray_disk_once(f"[raydiff] warning: Ray's temp directory {temp} is {in_use:.0%} full "

@@ -70,11 +70,16 @@ _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): ")  # a traceback's las
 def warn_ray_disk_once(line: str) -> None:
     """Print raydiff's `line` saying that Ray's temp directory is over Ray's capacity threshold, unless this process
     has said it (or let the raylet's own line through); the raylet's lines are left out from then on."""
+    if _first_to_say():
+        print(line, flush=True)
+
+
+def _first_to_say() -> bool:
+    """Marks Ray's full temp directory as said; whether it was not said before (by raydiff or the raylet's line)."""
     with _SAYING:
-        if _RAY_DISK_SAID.is_set():
-            return
+        said = _RAY_DISK_SAID.is_set()
         _RAY_DISK_SAID.set()
-    print(line, flush=True)
+    return not said
 
 
 def raydiff_watches_ray_disk() -> None:
@@ -123,12 +128,7 @@ def _ray_disk_line(line: str) -> bool:
         return permanent_reason_in(line) in FULL
     if not _RAY_DISK_OVER.search(line):
         return False
-    if _RAY_DISK_WATCHED.is_set():
-        return True
-    with _SAYING:
-        said = _RAY_DISK_SAID.is_set()
-        _RAY_DISK_SAID.set()
-    return said
+    return _RAY_DISK_WATCHED.is_set() or not _first_to_say()
 
 
 def drop_worker_lines(*patterns: re.Pattern) -> None:
