@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import re
 import signal
 
@@ -78,6 +79,18 @@ def test_run_directory_has_every_output(smoke_run):
     assert [e.step for e in board.Images("samples")] == [10, 20] and board.Images("samples")[0].width >= 512
     assert {"config/text_summary", "summary/text_summary"} <= set(board.Tags()["tensors"])
     assert "quality:    step 20, 200 images (ddim, 10 steps, seed 0): digits_fd " in output
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's allocator's")
+def test_cpu_workers_start_with_their_freed_host_memory_kept(smoke_run):
+    """Ray starts the workers' processes with the allocator settings (`train.keep_host_memory: auto` on CPUs); each
+    worker says what its own process got."""
+    run_dir, output = smoke_run
+    starts = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    speeds = [event["speed"] for event in starts if event["event"] == "start"]
+    assert speeds and all("host memory kept" in speed for speed in speeds)
+    assert "host memory kept" in output
 
 
 @pytest.mark.ray

@@ -7,7 +7,9 @@ For each per-device batch (`--batch N[,N...]`, default the config's global batch
 - `bare`: the fastest loop we know for the model, with nothing else: raydiff's own speed plan for the device
   (compile, channels_last, CUDA graphs, TF32: `raydiff.training.speed`) applied to the same loss module, fused
   AdamW and clipping, over images and noise already on the device. No Ray, no loader, no EMA, no metrics: what
-  raydiff's step costs beyond the model itself is `raydiff / bare`.
+  raydiff's step costs beyond the model itself is `raydiff / bare`. It runs in the bench's own process, whose
+  allocator keeps its defaults (`train.keep_host_memory` is set when a worker's process starts), as the plain
+  loop's does.
 - `raydiff`: the real thing, `python -m raydiff.train` through Ray Train with one worker and its defaults for the
   device, on images decoded by its own ingest; `--rerun` continues the run once more, as a restart would (its
   warm-up shows what the compile cache saves).
@@ -230,7 +232,7 @@ def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> di
             "start_s": round(start["time"] - launched, 2), "first_step_s": round(first["seconds"], 2),
             "warmup_s": round(warm["time_s"], 2), "peak_memory_gb": max(peaks) if peaks else None,
             "data_wait_frac": round(statistics.median(row["data_wait_frac"] for row in measured), 4),
-            "compile_cache": start.get("compile_cache")}
+            "compile_cache": start.get("compile_cache"), "described": start["speed"]}
 
 
 # What the host calls to start work on a GPU: a kernel (CUDA's runtime, the driver API that Triton uses) or a graph.
@@ -335,6 +337,7 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
     # raydiff before the bare loop: its first start compiles with the node's compile cache as it was, not as the
     # bare loop's compilation would leave it (the bare loop's warm-up is not a figure this bench judges).
     ours = raydiff_run(copy.deepcopy(cfg), steps=steps, storage=tmp / "runs", rerun=rerun)
+    described = ours.pop("described")  # the worker's own start line: what its process got
     bare = bare_loop(cfg, device, steps=steps)
     plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows
     profiled = None
@@ -360,8 +363,7 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
         "ratio": round(ours["img_s"] / plain_img_s, 3), "ratio_bare": round(ours["img_s"] / bare["img_s"], 3),
         "options": {"compile": plan.compile, "channels_last": plan.channels_last, "cuda_graphs": plan.cuda_graphs,
                     "tf32": plan.tf32, "fused_adamw": True, "cudnn_benchmark": device.type == "cuda",
-                    "ema": cfg.train.ema, "loss_weighting": cfg.train.loss_weighting,
-                    "described": plan.describe()},
+                    "ema": cfg.train.ema, "loss_weighting": cfg.train.loss_weighting, "described": described},
     }
 
 

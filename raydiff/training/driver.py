@@ -46,6 +46,7 @@ from raydiff.training.interrupts import interrupt_on_signals
 from raydiff.training.loop import train_worker
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.resolve import resolve_run
+from raydiff.training.speed import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.training.stop import StopFlag, beside_the_handlers, stop_on_signals
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -218,6 +219,9 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     if dropped:
         print(f"[raydiff] {dropped}")
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
+    # The allocator's settings are read when a worker's process starts, so they travel in its runtime environment.
+    keep = keep_host_memory(resolved.train, use_gpu=bool(scaling.use_gpu))
+    worker_env = {"env_vars": HOST_MEMORY_ENV} if keep else {}
     # ray.train names Train V2's classes at run time (a worker's return value reaches the driver; RunConfig takes
     # a logging config); type checkers see V1's.
     trainer = TorchTrainer(
@@ -232,6 +236,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=requested.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=callbacks or [],
+            worker_runtime_env=worker_env,
         ),
     )
     requester = requester_of(trainer)  # the name the run reserves its resources under

@@ -1,6 +1,7 @@
 """What makes the training step fast on this device, decided once per worker start: torch.compile, the memory
 format, CUDA graphs, TF32, how the workers all-reduce their gradients (DDP or one flat all-reduce) and in what
-precision; and wrapping the step's forward module accordingly.
+precision, whether the worker's process keeps its freed host memory; and wrapping the step's forward module
+accordingly.
 
 Why a module of its own: each choice is a trade-off that differs by device and was settled by measurement
 (docs/benchmarks.md#gpu-throughput), not by the step's arithmetic: the step (`raydiff.training.step`) computes the
@@ -10,6 +11,8 @@ else, and the start line prints what was chosen and why (`SpeedPlan.describe`).
 
 from __future__ import annotations
 
+import os
+import platform
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,6 +35,7 @@ class SpeedPlan:
     tf32: bool  # TF32 tensor cores for fp32 convolutions and matmuls (training only; sampling stays IEEE fp32)
     grad_compression: str  # "none" or "bf16": the all-reduce in bf16 (only where there is one: world size > 1)
     allreduce: str = "none"  # "ddp", "flat" (`raydiff.training.flat_allreduce`), or "none" with one worker
+    host_memory_kept: bool = False  # this process's allocator keeps freed memory for reuse (HOST_MEMORY_ENV)
     reasons: tuple[str, ...] = ()  # why each `auto` came out as it did, for the start line
 
     @property
@@ -50,7 +54,8 @@ class SpeedPlan:
         compiled = "off" if self.compile is False else "on" if self.compile is True else f"on ({self.compile})"
         parts = [f"compile {compiled}", f"channels_last {'on' if self.channels_last else 'off'}",
                  f"CUDA graphs {'on' if self.cuda_graphs else 'off'}", f"TF32 {'on' if self.tf32 else 'off'}",
-                 f"all-reduce {self.allreduce}", f"gradient compression {self.grad_compression}"]
+                 f"all-reduce {self.allreduce}", f"gradient compression {self.grad_compression}",
+                 f"host memory {'kept' if self.host_memory_kept else 'returned'}"]
         return ", ".join(parts) + (f" ({'; '.join(self.reasons)})" if self.reasons else "")
 
 
@@ -100,7 +105,29 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
     return SpeedPlan(compile=chosen_compile, compile_fallback=t.compile == "auto", channels_last=channels_last,
                      cuda_graphs=cuda_graphs, tf32=t.tf32 and cuda,
                      grad_compression=t.grad_compression if world_size > 1 else "none", allreduce=allreduce,
-                     reasons=tuple(reasons))
+                     host_memory_kept=host_memory_kept(), reasons=tuple(reasons))
+
+
+# glibc's malloc as a training worker's process needs it, read by glibc when the process starts (the driver puts it
+# in the workers' runtime environment). By default glibc hands freed memory back to the system: large blocks are
+# mapped and unmapped one by one, and the heaps of a thread's own arena (Ray Train runs the loop in a thread of its
+# own) are unmapped once empty, so each step's activations come back as fresh pages that the kernel faults in and
+# zeroes, thousands a step. One arena (the main heap), never trimmed, with large blocks taken from it too, keeps
+# freed memory for the next step. Other allocators ignore these variables.
+HOST_MEMORY_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                   "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def keep_host_memory(t: TrainSection, *, use_gpu: bool) -> bool:
+    """`train.keep_host_memory` made concrete, on the driver (before the workers' processes start): `auto` keeps
+    it where the workers train on CPUs, whose steps allocate their activations in host memory."""
+    return not use_gpu if t.keep_host_memory == "auto" else t.keep_host_memory
+
+
+def host_memory_kept() -> bool:
+    """Whether this process started with HOST_MEMORY_ENV under glibc (what `keep_host_memory` asked of it)."""
+    env_set = all(os.environ.get(name) == value for name, value in HOST_MEMORY_ENV.items())
+    return env_set and platform.libc_ver()[0] == "glibc"
 
 
 def set_tf32(on: bool) -> None:

@@ -31,6 +31,7 @@ from raydiff.config.checks import parse_sigma_rels
     ("model.dropout=1.0", "must be in [0, 1)"),
     ("train.compile=turbo", "train.compile = 'turbo': auto, true, false, or a torch.compile backend: "),
     ("train.channels_last=maybe", "train.channels_last"),
+    ("train.keep_host_memory=maybe", "train.keep_host_memory = 'maybe': expected auto | true | false"),
     ("train.ema_decay=1", "must be in [0, 1)"),
     ("run.name=a/b", "use letters, digits"),
     ("train.lr", "expected key=value"),
