@@ -11,6 +11,7 @@ else, and the start line prints what was chosen and why (`SpeedPlan.describe`).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -127,7 +128,12 @@ def keep_host_memory(t: TrainSection, *, use_gpu: bool) -> bool:
 def host_memory_kept() -> bool:
     """Whether this process started with HOST_MEMORY_ENV under glibc (what `keep_host_memory` asked of it)."""
     env_set = all(os.environ.get(name) == value for name, value in HOST_MEMORY_ENV.items())
-    return env_set and platform.libc_ver()[0] == "glibc"
+    return env_set and _glibc()
+
+
+@functools.cache
+def _glibc() -> bool:
+    return platform.libc_ver()[0] == "glibc"  # read from the Python binary: once
 
 
 def set_tf32(on: bool) -> None:
