@@ -25,6 +25,7 @@ class FlakyS3:
         self.rate, self.random, self.lock = rate, random.Random(seed), threading.Lock()
         self.counts = {"requests": 0, "slow_down": 0, "dropped": 0}
         self.failed: set[tuple[str, str]] = set()  # requests whose retry goes through
+        self.drops: list[str] = []  # methods whose next request is applied and its answer dropped (drop_next)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,12 +52,22 @@ class FlakyS3:
         self.server.shutdown()
         self.server.server_close()
 
+    def drop_next(self, method: str) -> None:
+        """The next `method` request (PUT, ...) is applied and its answer dropped, whatever the rate says."""
+        with self.lock:
+            self.drops.append(method)
+
     def _fate(self, key: tuple[str, str]) -> str:
         with self.lock:
             self.counts["requests"] += 1
             if key in self.failed:
                 self.failed.discard(key)
                 return "pass"
+            if key[0] in self.drops:
+                self.drops.remove(key[0])
+                self.failed.add(key)
+                self.counts["dropped"] += 1
+                return "dropped"
             draw = self.random.random()
             if draw >= self.rate:
                 return "pass"

@@ -170,13 +170,17 @@ class _ObjectLease:
 
     def take(self, holder: dict[str, Any]) -> tuple[str, Any]:
         """("held", Lease), ("live", holder): renewed while watched, or ("watching", holder): not decided yet."""
-        version = self.objects.create(self._body(holder))
+        mine = self._body(holder)
+        version = self.objects.create(mine)
         if version is None:
             found = self.objects.read()
             if found is None:
                 return "watching", None  # released between the two calls: try again
             body, seen, age_s = found
             other, now = body.get("holder"), time.monotonic()
+            if body == json.loads(mine):  # this very write, applied, its answer lost: the retry was refused
+                self.version = seen
+                return self._held(holder)
             if self.watched is None or self.watched[0] != seen:
                 renewed = self.watched is not None
                 self.watched = (seen, now)
@@ -184,16 +188,30 @@ class _ObjectLease:
             watched_s = now - self.watched[1]
             if watched_s < max(self.stale_s - age_s, self.stale_s / 2):
                 return "watching", other
-            version = self.objects.replace(self._body(holder), seen)
+            version = self._replace(self._body(holder), seen)
             if version is None:
                 return "watching", other  # another claimant took it over first
             logger.warning(f"[raydiff] took over the lease of {describe(other)}: not renewed for "
                            f"{max(age_s, watched_s):.0f} s (run.lease_stale_s = {self.stale_s:g})")
         self.version = version
+        return self._held(holder)
+
+    def _held(self, holder: dict[str, Any]) -> tuple[str, Lease]:
         self.lease = Lease(self, holder)
         self._thread = threading.Thread(target=self._heartbeat, name="raydiff-lease", daemon=True)
         self._thread.start()
         return "held", self.lease
+
+    def _replace(self, body: bytes, version: str) -> str | None:
+        """The object's new version once `body` replaced `version`, or None where another write came first. A
+        store may apply a write and lose its answer; the client's retry is then refused, because of that very
+        write: finding `body` there is success."""
+        written = self.objects.replace(body, version)
+        if written is None:
+            found = self.objects.read()
+            if found is not None and found[0] == json.loads(body):
+                return found[1]
+        return written
 
     def rewrite(self, holder: dict[str, Any]) -> None:
         with self._lock:
@@ -202,7 +220,7 @@ class _ObjectLease:
     def _renew(self, holder: dict[str, Any]) -> None:
         if self.version is None:
             return
-        version = self.objects.replace(self._body(holder), self.version)
+        version = self._replace(self._body(holder), self.version)
         if version is None:
             self.version = None
             logger.error("[raydiff] ERROR: this run's lease was taken over by another raydiff run (it was not "

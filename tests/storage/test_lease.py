@@ -101,6 +101,31 @@ def test_an_s3_lease_is_renewed_taken_over_when_stale_and_released(s3_server):
     assert "Contents" not in client.list_objects_v2(Bucket="raydiff-leases")  # released: deleted
 
 
+def test_an_s3_lease_write_whose_answer_was_lost_is_still_the_holders(s3_server):
+    """The store applied the lease's write (the first one, a renewal) and the answer never came: the client's retry
+    is refused, the object having changed by that very write. The holder finds its own write there and holds on,
+    neither watching its own lease as another run's nor stopping the run as if the lease were taken over."""
+    from flaky_s3 import FlakyS3
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="lost-answers")
+    with FlakyS3(endpoint, rate=0.0) as proxy:
+        run_dir = RunDir("s3://lost-answers/runs/smoke", endpoint=proxy.endpoint)
+        proxy.drop_next("PUT")
+        started = time.monotonic()
+        lease = take(run_dir, {"name": "a"}, stale_s=4, what="run directory")
+        assert time.monotonic() - started < 2  # held at once, not after watching for half the stale time
+        lost: list[bool] = []
+        lease.on_lost = lambda: lost.append(True)
+        proxy.drop_next("PUT")
+        lease.update(step=1)
+        assert proxy.counts["dropped"] == 2 and not lost
+        with pytest.raises(RunInUse):  # still held, and renewed: another run is refused
+            take(run_dir, {"name": "b"}, stale_s=4, what="run directory")
+        lease.release()
+    assert "Contents" not in client.list_objects_v2(Bucket="lost-answers")  # released: deleted
+
+
 @pytest.fixture
 def gcs_with_preconditions(gcs_server):
     """The emulator ignores ifGenerationMatch; real GCS refuses a write whose precondition fails (412). Teach it."""
