@@ -178,7 +178,7 @@ class _ObjectLease:
                 return "watching", None  # released between the two calls: try again
             body, seen, age_s = found
             other, now = body.get("holder"), time.monotonic()
-            if body == json.loads(mine):  # this very write, applied, its answer lost: the retry was refused
+            if _written(found, mine):  # this very write, applied, its answer lost: the retry was refused
                 self.version = seen
                 return self._held(holder)
             if self.watched is None or self.watched[0] != seen:
@@ -209,7 +209,7 @@ class _ObjectLease:
         written = self.objects.replace(body, version)
         if written is None:
             found = self.objects.read()
-            if found is not None and found[0] == json.loads(body):
+            if found is not None and _written(found, body):
                 return found[1]
         return written
 
@@ -251,6 +251,12 @@ class _ObjectLease:
                 with contextlib.suppress(Exception):  # stale in stale_s anyway
                     self.objects.delete(self.version)
             self.version = None
+
+
+def _written(found: tuple[dict[str, Any], str, float], body: bytes) -> bool:
+    """Whether the lease object read back (`found`: body, version, age) holds `body`, a write of this process (each
+    body has an id of its own)."""
+    return found[0] == json.loads(body)
 
 
 class _S3Object:
