@@ -26,6 +26,7 @@ class FlakyS3:
         self.counts = {"requests": 0, "slow_down": 0, "dropped": 0}
         self.failed: set[tuple[str, str]] = set()  # requests whose retry goes through
         self.drops: list[str] = []  # methods whose next request is applied and its answer dropped (drop_next)
+        self.refusals: list[str] = []  # one entry per coming request of that method to answer 503 (fail_next)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,9 +58,19 @@ class FlakyS3:
         with self.lock:
             self.drops.append(method)
 
+    def fail_next(self, method: str, times: int) -> None:
+        """The next `times` requests of `method` are answered 503 SlowDown, their retries included: more than the
+        client retries, the request fails."""
+        with self.lock:
+            self.refusals += [method] * times
+
     def _fate(self, key: tuple[str, str]) -> str:
         with self.lock:
             self.counts["requests"] += 1
+            if key[0] in self.refusals:
+                self.refusals.remove(key[0])
+                self.counts["slow_down"] += 1
+                return "slow_down"
             if key in self.failed:
                 self.failed.discard(key)
                 return "pass"

@@ -162,11 +162,17 @@ class _ObjectLease:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._renewals = 0
+        self.id = uuid.uuid4().hex  # in every body this holder writes
 
     def _body(self, holder: dict[str, Any]) -> bytes:
         # A new body at every renewal: a watcher sees the version change (an S3 ETag is the body's MD5).
         self._renewals += 1
-        return json.dumps({"holder": holder, "renewal": self._renewals, "id": uuid.uuid4().hex}).encode()
+        return json.dumps({"holder": holder, "renewal": self._renewals, "lease": self.id}).encode()
+
+    def _mine(self, found: tuple[dict[str, Any], str, float]) -> bool:
+        """Whether the lease object read back (`found`: body, version, age) is a write of this holder's: another
+        writer would have replaced the body, and its id, with its own."""
+        return found[0].get("lease") == self.id
 
     def take(self, holder: dict[str, Any]) -> tuple[str, Any]:
         """("held", Lease), ("live", holder): renewed while watched, or ("watching", holder): not decided yet."""
@@ -178,7 +184,7 @@ class _ObjectLease:
                 return "watching", None  # released between the two calls: try again
             body, seen, age_s = found
             other, now = body.get("holder"), time.monotonic()
-            if _written(found, mine):  # this very write, applied, its answer lost: the retry was refused
+            if self._mine(found):  # this very write, applied, its answer lost: the retry was refused
                 self.version = seen
                 return self._held(holder)
             if self.watched is None or self.watched[0] != seen:
@@ -203,19 +209,26 @@ class _ObjectLease:
         return "held", self.lease
 
     def _replace(self, body: bytes, version: str) -> str | None:
-        """The object's new version once `body` replaced `version`, or None where another write came first. A
-        store may apply a write and lose its answer; the client's retry is then refused, because of that very
-        write: finding `body` there is success."""
+        """The object's version once `body` replaced `version`, or None where another write came first. A store
+        may apply a write and lose its answer; the client's retry is then refused, because of that very write. So
+        a refusal reads the object back, and finding a write of this holder's there is success: this one, or an
+        earlier one whose answer and read-back were both lost (the next renewal writes the holder anew)."""
         written = self.objects.replace(body, version)
         if written is None:
             found = self.objects.read()
-            if found is not None and _written(found, body):
+            if found is not None and self._mine(found):
                 return found[1]
         return written
 
     def rewrite(self, holder: dict[str, Any]) -> None:
-        with self._lock:
-            self._renew(holder)
+        self._renew_or_wait(holder)
+
+    def _renew_or_wait(self, holder: dict[str, Any]) -> None:
+        try:
+            with self._lock:
+                self._renew(holder)
+        except Exception:  # a network error: the next renewal tries again, well within stale_s
+            logger.debug("renewing the lease failed", exc_info=True)
 
     def _renew(self, holder: dict[str, Any]) -> None:
         if self.version is None:
@@ -234,11 +247,7 @@ class _ObjectLease:
         lease = self.lease
         assert lease is not None  # take() sets it before starting this thread
         while not self._stop.wait(self.renew_s):
-            try:
-                with self._lock:
-                    self._renew(lease.holder)
-            except Exception:  # a network error: the next renewal tries again, well within stale_s
-                logger.debug("renewing the lease failed", exc_info=True)
+            self._renew_or_wait(lease.holder)
             if self.version is None:
                 return
 
@@ -251,12 +260,6 @@ class _ObjectLease:
                 with contextlib.suppress(Exception):  # stale in stale_s anyway
                     self.objects.delete(self.version)
             self.version = None
-
-
-def _written(found: tuple[dict[str, Any], str, float], body: bytes) -> bool:
-    """Whether the lease object read back (`found`: body, version, age) holds `body`, a write of this process (each
-    body has an id of its own)."""
-    return found[0] == json.loads(body)
 
 
 class _S3Object:

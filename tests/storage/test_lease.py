@@ -126,6 +126,32 @@ def test_an_s3_lease_write_whose_answer_was_lost_is_still_the_holders(s3_server)
     assert "Contents" not in client.list_objects_v2(Bucket="lost-answers")  # released: deleted
 
 
+def test_an_s3_lease_renewal_lost_and_unreadable_is_still_the_holders_at_the_next_renewal(s3_server):
+    """A renewal applied whose answer was lost, and whose read-back then failed too (the store unreachable for a
+    moment): the holder does not know its version. At the next renewal, refused, it reads its own earlier write
+    there and holds on; the renewal after that writes again."""
+    from flaky_s3 import FlakyS3
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="lost-renewal")
+    with FlakyS3(endpoint, rate=0.0) as proxy:
+        run_dir = RunDir("s3://lost-renewal/runs/smoke", endpoint=proxy.endpoint)
+        lease = take(run_dir, {"name": "a"}, stale_s=600, what="run directory")  # no heartbeat in the test
+        lost: list[bool] = []
+        lease.on_lost = lambda: lost.append(True)
+        proxy.drop_next("PUT")
+        proxy.fail_next("GET", 10)  # the read-back fails, whatever boto3 retries
+        lease.update(step=1)  # not an error: the next renewal tries again
+        proxy.refusals.clear()  # the store answers again
+        lease.update(step=2)
+        assert proxy.counts["dropped"] == 1 and proxy.counts["slow_down"] > 1 and not lost
+        lease.update(step=3)
+        [key] = [entry["Key"] for entry in client.list_objects_v2(Bucket="lost-renewal")["Contents"]]
+        assert json.loads(client.get_object(Bucket="lost-renewal", Key=key)["Body"].read())["holder"]["step"] == 3
+        lease.release()  # deletes the object only where it is the version the holder last wrote
+    assert "Contents" not in client.list_objects_v2(Bucket="lost-renewal") and not lost
+
+
 @pytest.fixture
 def gcs_with_preconditions(gcs_server):
     """The emulator ignores ifGenerationMatch; real GCS refuses a write whose precondition fails (412). Teach it."""
