@@ -144,7 +144,8 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
         if guide_model is not None:  # autoguidance, the model conditioned on the classes asked (no CFG)
             job.model, job.guidance = AutoGuided(model.float(), guide_model.float(), float(w or 1.0)), 1.0
         with torch.inference_mode():
-            samples = parallel_stats("sample", job, features, e.num, workers=workers, keep_features=keep)
+            samples = parallel_stats("sample", job, features, e.num, host_memory=cfg.train.keep_host_memory,
+                                     workers=workers, keep_features=keep)
         metrics = scores(samples, reference, features, e.metrics, seed=e.seed)
         results.append(metrics if w is None else {"guidance": w, **metrics,
                                                   "eval_s": round(time.perf_counter() - w_started, 1)})

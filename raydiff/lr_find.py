@@ -56,6 +56,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     import torch
 
     from raydiff.cluster.devices import resolve_device
+    from raydiff.cluster.host_memory import keep_host_memory, keep_host_memory_here
     from raydiff.cluster.start import init_ray
     from raydiff.data.loader import BatchStream
     from raydiff.data.order import Share
@@ -71,8 +72,10 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     t = cfg.train
     # A fine-tune's range test starts where the fine-tune will: from model.init_from's weights (checked first).
     init_weights = load_init_weights(cfg) if cfg.model.init_from else None
-    init_ray()
     device = resolve_device("auto")
+    # The test trains in this process, in its main thread: on CPUs, keep what each step frees, as a worker does.
+    kept = keep_host_memory(t.keep_host_memory, use_gpu=device.type == "cuda") and keep_host_memory_here()
+    init_ray()
     images, _ = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint)
     # A class-conditional config trains on the data's labels, its classes resolved as a run's are.
     cfg, _ = resolve_run(cfg, gpus=float(device.type == "cuda"), images=images, init_weights=init_weights)
@@ -112,7 +115,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     suggested, at_minimum, steepest = suggest(lrs, smoothed)
     return {"lrs": lrs.tolist(), "losses": losses, "smoothed": smoothed, "suggested_lr": float(suggested),
             "minimum_lr": float(at_minimum), "steepest_lr": float(steepest), "steps_run": len(losses),
-            "stop_reason": stop_reason, "device": str(device), "classes": num_classes,
+            "stop_reason": stop_reason, "device": str(device), "host_memory_kept": kept, "classes": num_classes,
             "init_from": cfg.model.init_from}
 
 
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     base = suggested * t.base_lr / rule_lr(t)
     conditional = f", class-conditional on {found['classes']} classes" if found["classes"] else ""
     init_from = f", from model.init_from = {found['init_from']}" if found["init_from"] else ""
-    print(f"[raydiff] {ended} on {found['device']}{conditional}{init_from}")
+    kept = ", host memory kept" if found["host_memory_kept"] else ""
+    print(f"[raydiff] {ended} on {found['device']}{conditional}{init_from}{kept}")
     print(f"[raydiff] smoothed loss minimum at lr {found['minimum_lr']:.3g}; steepest descent at lr "
           f"{found['steepest_lr']:.3g}")
     print(f"[raydiff] suggested lr {suggested:.3g} (a tenth of the minimum): --set train.lr={suggested:.3g}, or "

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from raydiff.cluster.devices import resolve_device
+    from raydiff.cluster.host_memory import keep_host_memory, keep_host_memory_here
     from raydiff.model.diffusion import images_per_pass, steps_taken
     from raydiff.model.guidance import check_guide
     from raydiff.runs.ema_snapshots import weights_of
@@ -177,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
     labels = None if classes is None else image_labels(classes, args.num)
+    # Sampling runs in this process: on CPUs, keep what each pass frees, as the run's workers did.
+    setting = state["config"]["train"].get("keep_host_memory", "auto")  # older runs' configs lack it
+    kept = keep_host_memory(setting, use_gpu=device.type == "cuda") and keep_host_memory_here()
     steps = steps_taken(args.sampler, args.steps, state["config"]["diffusion"]["timesteps"])
     print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step'] or '?'}, {weights} weights) "
-          f"with {args.sampler}, {steps} steps, on {device}"
+          f"with {args.sampler}, {steps} steps, on {device}" + (", host memory kept" if kept else "")
           + ("" if classes is None else f"; {describe(classes, class_names(state), args.classes is None)}")
           + ("" if guide is None and classes is None else f", {'autoguidance' if guide else 'guidance'} {guidance:g}")
           + ("" if guide is None else f" by {guide_at} (step {guide['step'] or '?'})"))

@@ -22,6 +22,7 @@ def test_lr_find_writes_plot_and_numbers_and_suggests_a_finite_lr(tmp_path):
     suggested = float(re.search(r"suggested lr (\S+)", proc.stdout).group(1))
     assert math.isfinite(suggested) and 1e-6 < suggested < 10
     assert "diverged" in proc.stdout  # lr 10 is far past the edge for this model
+    assert "on cpu, host memory kept" in proc.stdout  # it trains in its own process, as a CPU worker does
 
 
 def test_lr_find_rejects_a_backwards_range(tmp_path):

@@ -75,4 +75,15 @@ def test_the_start_line_says_the_steps_the_sampler_takes(runs, tmp_path, capsys,
     out = tmp_path / "grid.png"
     args = ["--checkpoint", str(runs / "unconditional"), "--num", "1", "--sampler", sampler, "--out", str(out)]
     assert cli.run(sample.main, args + (["--steps", steps] if steps else [])) == 0
-    assert f"with {sampler}, {taken} steps, on cpu" in capsys.readouterr().out
+    # On CPUs the command keeps the host memory each pass frees, as the run's workers did (train.keep_host_memory).
+    assert f"with {sampler}, {taken} steps, on cpu, host memory kept" in capsys.readouterr().out
+
+
+def test_a_run_trained_without_keeping_host_memory_samples_without_it_too(tmp_path, capsys):
+    run = tmp_path / "returned"
+    write_checkpoint(run, load_config("smoke", ["diffusion.timesteps=50", "train.keep_host_memory=false"],
+                                      check_source=False))
+    args = ["--checkpoint", str(run), "--num", "1", "--sampler", "ddim", "--steps", "2"]
+    assert cli.run(sample.main, [*args, "--out", str(tmp_path / "x.png")]) == 0
+    out = capsys.readouterr().out
+    assert "with ddim, 2 steps, on cpu\n" in out and "host memory" not in out

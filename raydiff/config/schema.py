@@ -176,9 +176,10 @@ class TrainSection:
     """TF32 tensor cores for fp32 convolutions and matmuls during training on GPUs (sampling and evaluation always
     compute in IEEE fp32); false: IEEE fp32 throughout."""
     keep_host_memory: Literal["auto"] | bool = "auto"
-    """Start the training workers with glibc's allocator set to keep freed host memory for the next step (one arena,
-    no trimming) instead of returning it to the system and having it zeroed again; `auto`: on where the workers
-    train on CPUs (see docs/training.md#performance). The workers' memory stays at its peak."""
+    """Set glibc's allocator to keep freed host memory for the next step (one arena, no trimming) instead of
+    returning it to the system and having it zeroed again, in the training workers, the evaluation's tasks,
+    `lr_find` and `sample`; `auto`: on where they compute on CPUs (see docs/training.md#performance). Their memory
+    stays at its peak."""
     compile_cache: bool = True
     """Keep the compiled step in the run directory (`compile_cache/`), so that a restarted worker, a resized run or
     a re-run loads it instead of compiling again (torch 2.7 and later)."""

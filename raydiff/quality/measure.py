@@ -13,13 +13,14 @@ import bisect
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.model.diffusion import full_fp32
 from raydiff.quality.features import DigitsFeatures, Features, metric_names
 from raydiff.quality.stats import FeatureStats, coverage, frechet_distance, kernel_distance
@@ -161,23 +162,33 @@ def _remote(kind: str, payload: Any, features: Features, ranges: list[range], ke
     return array_stats(payload, features, ranges, device, keep_features)
 
 
-def parallel_stats(kind: str, payload: Any, features: Features, num: int, *, workers: int | None = None,
-                   keep_features: bool = False) -> FeatureStats:
+def parallel_stats(kind: str, payload: Any, features: Features, num: int, *, host_memory: Literal["auto"] | bool,
+                   workers: int | None = None, keep_features: bool = False) -> FeatureStats:
     """Statistics of `num` images (kind "sample": a SampleJob; "arrays": a uint8 array) over `workers` Ray tasks
-    (default: one per GPU of the cluster, else one per CPU), each taking an equal run of chunks."""
+    (default: one per GPU of the cluster, else one per CPU), each taking an equal run of chunks. `host_memory`:
+    the run's `train.keep_host_memory`, for the tasks' processes."""
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
     all_chunks = chunks(num)
     workers = max(1, min(workers or gpus or int(resources.get("CPU", 1)), len(all_chunks)))
-    options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
-    # Not in the caller's placement group (a Tune trial's holds no CPU for this): the cluster's free resources.
-    # Ray documents placement_group=None as "no group", but annotates the parameter without None.
-    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=None)  # type: ignore[arg-type]
     payload_ref, features_ref = ray.put(payload), ray.put(features)  # once, not once per task (Inception: 92 MB)
     parts = np.array_split(np.arange(len(all_chunks)), workers)
+    options = task_options(gpus > 0, host_memory)
     futures = [_remote.options(**options).remote(kind, payload_ref, features_ref, [all_chunks[i] for i in part],
                                                  keep_features) for part in parts]
     return total([s for result in ray.get(futures) for s in result])
+
+
+def task_options(use_gpu: bool, host_memory: Literal["auto"] | bool) -> dict[str, Any]:
+    """A measuring task's Ray options: a whole GPU, or one CPU; outside the caller's placement group (a Tune
+    trial's holds no CPU for this: the cluster's free resources); and, where its process computes on CPUs, the
+    allocator's settings that keep what each pass frees, read as Ray starts the process."""
+    options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
+    # Ray documents placement_group=None as "no group", but annotates the parameter without None.
+    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=None)  # type: ignore[arg-type]
+    if keep_host_memory(host_memory, use_gpu=use_gpu):
+        options["runtime_env"] = {"env_vars": HOST_MEMORY_ENV}
+    return options
 
 
 def scores(samples: FeatureStats, reference: Any, features: Features, metrics: tuple[str, ...],

@@ -93,12 +93,14 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
         return read_npz(cache.read_bytes(f"{key}.npz"), description)
     if images is None:
         images, _ = open_images(data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
+    host_memory = cfg.train.keep_host_memory
     if isinstance(images, ShardedImages):  # streamed: a few shards at a time
-        stats = total([parallel_stats("arrays", a, features, len(a), keep_features=keep_features)
-                       for a in images.iter_arrays()])
+        stats = total([parallel_stats("arrays", a, features, len(a), host_memory=host_memory,
+                                      keep_features=keep_features) for a in images.iter_arrays()])
     else:
         arrays = np.concatenate(images.arrays())[images.usable_indices()]
-        stats = parallel_stats("arrays", arrays, features, len(arrays), keep_features=keep_features)
+        stats = parallel_stats("arrays", arrays, features, len(arrays), host_memory=host_memory,
+                               keep_features=keep_features)
     mu, sigma = stats.mu_sigma()
     reference = Reference(mu, sigma, stats.count, stats.all_features() if keep_features else None, description)
     try:

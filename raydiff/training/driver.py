@@ -15,6 +15,7 @@ import ray.train
 import yaml
 from ray.train.torch import TorchTrainer
 
+from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.cluster.nodes import wait_for_worker_node
 from raydiff.cluster.start import check_ray_address, init_ray
 from raydiff.cluster.storage import check_shared_storage
@@ -46,7 +47,6 @@ from raydiff.training.interrupts import interrupt_on_signals
 from raydiff.training.loop import train_worker
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.resolve import resolve_run
-from raydiff.training.speed import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.training.stop import StopFlag, beside_the_handlers, stop_on_signals
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -220,7 +220,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         print(f"[raydiff] {dropped}")
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     # The allocator's settings are read when a worker's process starts, so they travel in its runtime environment.
-    keep = keep_host_memory(resolved.train, use_gpu=bool(scaling.use_gpu))
+    keep = keep_host_memory(resolved.train.keep_host_memory, use_gpu=bool(scaling.use_gpu))
     worker_env = {"env_vars": HOST_MEMORY_ENV} if keep else {}
     # ray.train names Train V2's classes at run time (a worker's return value reaches the driver; RunConfig takes
     # a logging config); type checkers see V1's.

@@ -11,15 +11,14 @@ else, and the start line prints what was chosen and why (`SpeedPlan.describe`).
 
 from __future__ import annotations
 
-import functools
-import os
-import platform
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+from raydiff.cluster.host_memory import host_memory_kept
 
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
@@ -107,33 +106,6 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
                      cuda_graphs=cuda_graphs, tf32=t.tf32 and cuda,
                      grad_compression=t.grad_compression if world_size > 1 else "none", allreduce=allreduce,
                      host_memory_kept=host_memory_kept(), reasons=tuple(reasons))
-
-
-# glibc's malloc as a training worker's process needs it, read by glibc when the process starts (the driver puts it
-# in the workers' runtime environment). By default glibc hands freed memory back to the system: large blocks are
-# mapped and unmapped one by one, and the heaps of a thread's own arena (Ray Train runs the loop in a thread of its
-# own) are unmapped once empty, so each step's activations come back as fresh pages that the kernel faults in and
-# zeroes, thousands a step. One arena (the main heap), never trimmed, with large blocks taken from it too, keeps
-# freed memory for the next step. Other allocators ignore these variables.
-HOST_MEMORY_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-                   "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
-def keep_host_memory(t: TrainSection, *, use_gpu: bool) -> bool:
-    """`train.keep_host_memory` made concrete, on the driver (before the workers' processes start): `auto` keeps
-    it where the workers train on CPUs, whose steps allocate their activations in host memory."""
-    return not use_gpu if t.keep_host_memory == "auto" else t.keep_host_memory
-
-
-def host_memory_kept() -> bool:
-    """Whether this process started with HOST_MEMORY_ENV under glibc (what `keep_host_memory` asked of it)."""
-    env_set = all(os.environ.get(name) == value for name, value in HOST_MEMORY_ENV.items())
-    return env_set and _glibc()
-
-
-@functools.cache
-def _glibc() -> bool:
-    return platform.libc_ver()[0] == "glibc"  # read from the Python binary: once
 
 
 def set_tf32(on: bool) -> None:

@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from raydiff.cluster.host_memory import host_memory_kept
 from raydiff.config import Config
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.quality.digits_classifier import digits_arrays
 from raydiff.quality.features import ModuleFeatures
-from raydiff.quality.measure import SampleJob, parallel_stats, scores
+from raydiff.quality.measure import SampleJob, parallel_stats, scores, task_options
 from raydiff.quality.reference_stats import Reference
 
 pytestmark = pytest.mark.ray
@@ -33,15 +34,25 @@ def _reference(stats) -> Reference:
 def test_fid_of_a_set_against_itself_shifted_and_over_1_or_2_workers(ray_session):
     images = digits_arrays()[0][:600]
     features = small_extractor()
-    one = parallel_stats("arrays", images, features, len(images), workers=1, keep_features=True)
-    two = parallel_stats("arrays", images, features, len(images), workers=2, keep_features=True)
-    assert np.array_equal(one.sum, two.sum) and np.array_equal(one.outer, two.outer)  # the same chunks, summed alike
+    # The same chunks, summed alike, over one or two workers, whether their processes keep host memory or not.
+    one = parallel_stats("arrays", images, features, len(images), host_memory=False, workers=1, keep_features=True)
+    two = parallel_stats("arrays", images, features, len(images), host_memory="auto", workers=2, keep_features=True)
+    assert np.array_equal(one.sum, two.sum) and np.array_equal(one.outer, two.outer)
     brighter = np.clip(images.astype(np.int16) + 60, 0, 255).astype(np.uint8)
-    shifted = parallel_stats("arrays", brighter, features, len(images), workers=2, keep_features=True)
+    shifted = parallel_stats("arrays", brighter, features, len(images), host_memory="auto", workers=2,
+                             keep_features=True)
     reference = _reference(one)
     same, moved = (scores(s, reference, features, ("fid", "kid")) for s in (two, shifted))
     assert same["features_fd"] == pytest.approx(0, abs=1e-8) and abs(same["features_kid"]) < 1e-3
     assert moved["features_fd"] > 1e-3 and moved["features_kid"] > 1e-3
+
+
+def test_measuring_tasks_on_cpus_start_with_their_freed_host_memory_kept(ray_session):
+    probe = ray_session.remote(host_memory_kept)  # in the task's own process
+    kept = ray_session.get(probe.options(**task_options(False, "auto")).remote())
+    returned = ray_session.get(probe.options(**task_options(False, False)).remote())
+    assert kept and not returned
+    assert "runtime_env" not in task_options(True, "auto")  # on a GPU, the activations are not in host memory
 
 
 def test_image_i_depends_on_seed_and_i_only(one_torch_thread):

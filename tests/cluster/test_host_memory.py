@@ -1,8 +1,10 @@
-"""A CPU worker keeps the host memory its steps free (`train.keep_host_memory`): the setting the driver gives the
-workers' processes, what the worker says it got, and that it does what it is for: raydiff's step in a thread of its
-own, as Ray Train runs it, stops faulting in fresh pages every step. (Here the thresholds do it; inside a Ray
-worker, whose many threads share glibc's arenas, one arena is needed too: docs/benchmarks.md#training-throughput.)
-The Ray runs' own start lines: tests/test_train.py and tests/test_bench.py."""
+"""A process that computes on CPUs keeps the host memory its steps free (`train.keep_host_memory`): the setting
+the driver gives the workers' processes, what the worker says it got, and that it does what it is for: raydiff's
+step in a thread of its own, as Ray Train runs it, or in the main thread of a command that set it on itself
+(`lr_find`, `sample`), stops faulting in fresh pages every step. (Here the thresholds do it; inside a Ray worker,
+whose many threads share glibc's arenas, one arena is needed too: docs/benchmarks.md#training-throughput.) The
+commands' and Ray runs' own lines: tests/test_lr_find.py, tests/test_sample.py, tests/test_train.py and
+tests/test_bench.py."""
 
 from __future__ import annotations
 
@@ -15,17 +17,17 @@ import sys
 import pytest
 import torch
 
+from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.config import TrainSection
-from raydiff.training.speed import HOST_MEMORY_ENV, keep_host_memory, plan_speed
+from raydiff.training.speed import plan_speed
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's allocator's")
 
 
 def test_auto_keeps_host_memory_for_cpu_workers_only():
-    auto = TrainSection()
+    auto = TrainSection().keep_host_memory
     assert keep_host_memory(auto, use_gpu=False) and not keep_host_memory(auto, use_gpu=True)
-    assert keep_host_memory(TrainSection(keep_host_memory=True), use_gpu=True)
-    assert not keep_host_memory(TrainSection(keep_host_memory=False), use_gpu=False)
+    assert keep_host_memory(True, use_gpu=True) and not keep_host_memory(False, use_gpu=False)
 
 
 @glibc
@@ -44,9 +46,13 @@ def test_the_start_line_says_whether_the_process_started_with_the_settings(monke
 
 # Minor page faults in a typical optimizer step (the median: an odd step still grows the heap once, more on a busy
 # host) of raydiff's own step (`optimizer_step`, its loader thread and EMA) on the
-# `default` preset's model, trained in a thread that is not the process's main one, as Ray Train runs it.
+# `default` preset's model, trained in a thread that is not the process's main one, as Ray Train runs it
+# (argument "thread"), or in the main thread of a process that first set the settings on itself ("here").
 FAULTS_PER_STEP = """
-import json, resource, statistics, threading, torch
+import json, resource, statistics, sys, threading, torch
+if sys.argv[1] == "here":
+    from raydiff.cluster.host_memory import keep_host_memory_here
+    assert keep_host_memory_here()
 import numpy as np
 from raydiff.config import load_config
 from raydiff.data.loader import BatchStream, ImageTable
@@ -78,17 +84,20 @@ def train(steps=14, warm_up=3):
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     stream.close()
 
-thread = threading.Thread(target=train)
-thread.start()
-thread.join()
+if sys.argv[2] == "thread":
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()
+else:
+    train()
 print(json.dumps(statistics.median(faults)))
 """
 
 
-def _faults_per_step(env: dict[str, str]) -> float:
+def _faults_per_step(env: dict[str, str], *, settings: str = "env", thread: str = "thread") -> float:
     clean = {k: v for k, v in os.environ.items() if k not in HOST_MEMORY_ENV}
-    proc = subprocess.run([sys.executable, "-c", FAULTS_PER_STEP], env={**clean, **env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", FAULTS_PER_STEP, settings, thread],
+                          env={**clean, **env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return float(json.loads(proc.stdout))
 
@@ -98,4 +107,10 @@ def test_a_training_thread_started_with_the_settings_reuses_its_freed_memory():
     returned, kept = _faults_per_step({}), _faults_per_step(HOST_MEMORY_ENV)
     # Without them, the step's activations come back as fresh pages (thousands of faults a step); with them, from
     # memory the process already has.
+    assert returned > 1000 and kept < returned / 20, (returned, kept)
+
+
+@glibc
+def test_a_command_that_keeps_host_memory_here_reuses_what_its_main_thread_frees():
+    returned, kept = _faults_per_step({}, thread="main"), _faults_per_step({}, settings="here", thread="main")
     assert returned > 1000 and kept < returned / 20, (returned, kept)
