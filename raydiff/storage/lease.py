@@ -14,7 +14,9 @@ pid, Ray job, since) for the one-line refusal:
   A lease that is not renewed belongs to a holder that is gone: a claimant that has watched it unchanged for
   `stale_s` since its last renewal (by the store's clock), and for at least half of `stale_s` itself, takes it
   over with an overwrite conditional on the version it watched, so that of two claimants only one wins. A holder
-  whose renewal fails that condition has lost the lease, and is told (`on_lost`).
+  whose renewal fails that condition reads the object back: a body with its own lease id is its own write, whose
+  answer was lost; another's means it has lost the lease, and is told (`on_lost`). A network error is never a
+  loss: the next renewal tries again.
 """
 
 from __future__ import annotations
