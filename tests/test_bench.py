@@ -82,7 +82,28 @@ def test_throughput_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and "--batch 128,0: every batch must be >= 1" in proc.stderr
 
 
-@pytest.mark.parametrize("bench", ["checkpoint", "memory", "throughput"])
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's allocator's")
+def test_sampling_bench_measures_raydiff_s_sampling_against_the_allocator_left_as_it_is():
+    args = ["raydiff.bench", "sampling", "--num", "32", "--batch", "16", "--steps", "2", "--pairs", "1"]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "sampling" and result["device"] == "cpu" and result["steps"] == 2
+    raydiff, baseline = result["raydiff"], result["baseline"]
+    assert raydiff["host_memory_kept"] and not baseline["host_memory_kept"]
+    # Without the settings each pass faults in fresh pages; with them, next to none.
+    assert baseline["faults_per_image"] > 50 and raydiff["faults_per_image"] < baseline["faults_per_image"] / 10
+    assert result["ratio"] == pytest.approx(raydiff["img_s"] / baseline["img_s"], rel=0.01)
+    off = json.loads(run_cli(*args, "--set", "train.keep_host_memory=false").stdout.strip().splitlines()[-1])
+    assert not off["raydiff"]["host_memory_kept"]  # the config's setting decides raydiff's side
+
+    for bad, message in ((["--pairs", "0"], "--pairs 0: must be >= 1"),
+                         (["--device", "tpu"], "--device tpu: expected auto, cpu, cuda or cuda:N")):
+        proc = run_cli("raydiff.bench", "sampling", *bad)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(message), proc.stderr
+
+
+@pytest.mark.parametrize("bench", ["checkpoint", "memory", "sampling", "throughput"])
 def test_a_bench_that_reads_no_data_asks_for_the_number_of_classes_in_one_line(bench, capsys):
     # Each builds the model without counting the data's classes (was a ValueError traceback).
     from raydiff import cli

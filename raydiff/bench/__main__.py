@@ -7,6 +7,8 @@
     python -m raydiff.bench throughput [--config cifar10] [--set key=value ...] [--steps 50] [--batch N[,N...]]
         [--peak-tflops F] [--profile FILE] [--rerun]
     python -m raydiff.bench memory --config NAME [--set key=value ...] [--micro-batch N]
+    python -m raydiff.bench sampling [--config default] [--set key=value ...] [--sampler ddim] [--steps S]
+        [--num 256] [--batch 64] [--pairs 3] [--device auto]
 
 `checkpoint`: how long writing and reading the full training state (model, EMA, AdamW state, scaler,
 counters) takes and how large it is, for a preset's model; baseline: the bare weights, as `torch.save` of
@@ -27,6 +29,10 @@ memory and warm-up, one JSON line per `--batch` (see `raydiff.bench.throughput`)
 
 `memory`: the memory one training step needs at a micro-batch (weights, gradients, AdamW state, EMA,
 activations), with and without `train.activation_checkpointing` (see `raydiff.bench.memory`).
+
+`sampling`: img/s of raydiff's sampling (`sample`, and each of `evaluate`'s tasks) with the config's
+`train.keep_host_memory`, against the same sampling with glibc's allocator as it is, in processes taking turns
+(see `raydiff.bench.sampling`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from pathlib import Path
 
 from raydiff import cli
 from raydiff.bench import load_model_config
+from raydiff.config.schema import SAMPLERS
 
 
 def _timed(fn) -> float:
@@ -164,7 +171,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     memory.add_argument("--config", default="default")
     memory.add_argument("--micro-batch", type=int, default=None,
                         help="images per forward pass (default: the preset's micro-batch; 1 where it is auto)")
-    for p in (ckpt, rec, speed, memory):
+    sampling = sub.add_parser("sampling", help="img/s of raydiff's sampling, host memory kept vs the allocator as "
+                                               "it is")
+    sampling.add_argument("--config", default="default")
+    sampling.add_argument("--sampler", choices=SAMPLERS, default="ddim")
+    sampling.add_argument("--steps", type=int, default=None, help="sampling steps (default: the sampler's)")
+    sampling.add_argument("--num", type=int, default=256, help="images timed per process (default 256)")
+    sampling.add_argument("--batch", type=int, default=64, help="images per pass (default 64)")
+    sampling.add_argument("--pairs", type=int, default=3, help="processes per side, taking turns (default 3)")
+    sampling.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda, cuda:N")
+    for p in (ckpt, rec, speed, memory, sampling):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ingest = sub.add_parser("ingest", help="img/s of raydiff's ingest (raw, prepared) vs the torch DataLoader")
     ingest.add_argument("--source", default=None, help="folder of images (default: synthetic JPEGs)")
@@ -190,6 +206,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--batch {args.batch}: expected N or N,N,... (images per device per step)")
         if min(args.batch) < 1:
             parser.error(f"--batch {','.join(map(str, args.batch))}: every batch must be >= 1")
+    if args.bench == "sampling":
+        for name in ("num", "batch", "pairs", "steps"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                parser.error(f"--{name} {getattr(args, name)}: must be >= 1")
+        from raydiff.cluster.devices import resolve_device
+
+        try:
+            resolve_device(args.device)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.bench == "ingest":
         for name in ("resolution", "batch", "synthetic"):
             if getattr(args, name) < 1:
@@ -212,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         from raydiff.bench.memory import bench_memory
 
         result = bench_memory(args.config, args.set, args.micro_batch)
+    elif args.bench == "sampling":
+        from raydiff.bench.sampling import bench_sampling
+
+        result = bench_sampling(args.config, args.set, sampler=args.sampler, steps=args.steps, num=args.num,
+                                batch=args.batch, pairs=args.pairs, device=args.device)
     elif args.bench == "throughput":
         from raydiff.bench.throughput import bench_throughput
 
