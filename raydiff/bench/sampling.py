@@ -38,28 +38,24 @@ def bench_sampling(config: str, overrides: list[str], *, sampler: Sampler, steps
     for pair in range(pairs):
         for side in ("raydiff", "baseline") if pair % 2 == 0 else ("baseline", "raydiff"):
             runs[side].append(_run({**job, "keep": keep and side == "raydiff"}))
-    img_s = {side: statistics.median(num / run["seconds"] for run in found) for side, found in runs.items()}
-    return {
-        "bench": "sampling", "config": config, "device": runs["raydiff"][0]["device"], "sampler": sampler,
-        "steps": job["steps"], "num": num, "batch": batch, "pairs": pairs,
-        "raydiff": {"img_s": round(img_s["raydiff"], 1), "host_memory_kept": runs["raydiff"][0]["kept"],
-                    "faults_per_image": _faults(runs["raydiff"], num),
-                    "runs_img_s": [round(num / run["seconds"], 1) for run in runs["raydiff"]]},
-        "baseline": {"img_s": round(img_s["baseline"], 1), "host_memory_kept": False,
-                     "faults_per_image": _faults(runs["baseline"], num),
-                     "runs_img_s": [round(num / run["seconds"], 1) for run in runs["baseline"]]},
-        "ratio": round(img_s["raydiff"] / img_s["baseline"], 3),
-    }
+    sides = {side: _side(found, num) for side, found in runs.items()}
+    return {"bench": "sampling", "config": config, "device": runs["raydiff"][0]["device"], "sampler": sampler,
+            "steps": job["steps"], "num": num, "batch": batch, "pairs": pairs, **sides,
+            "ratio": round(sides["raydiff"]["img_s"] / sides["baseline"]["img_s"], 3)}
+
+
+def _side(runs: list[dict[str, Any]], num: int) -> dict[str, Any]:
+    """One side's figures from its processes' measurements."""
+    img_s = [num / run["seconds"] for run in runs]
+    return {"img_s": round(statistics.median(img_s), 1), "host_memory_kept": runs[0]["kept"],
+            "faults_per_image": round(statistics.median(run["faults"] for run in runs) / num, 1),
+            "runs_img_s": [round(value, 1) for value in img_s]}
 
 
 def _device(name: str) -> str:
     from raydiff.cluster.devices import resolve_device
 
     return resolve_device(name).type
-
-
-def _faults(runs: list[dict[str, Any]], num: int) -> float:
-    return round(statistics.median(run["faults"] for run in runs) / num, 1)
 
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:
