@@ -26,12 +26,12 @@ from raydiff.config.schema import Sampler
 def bench_sampling(config: str, overrides: list[str], *, sampler: Sampler, steps: int | None, num: int, batch: int,
                    pairs: int, device: str) -> dict[str, Any]:
     from raydiff.bench import load_model_config
+    from raydiff.cluster.devices import resolve_device
     from raydiff.cluster.host_memory import keep_host_memory
     from raydiff.model.diffusion import steps_taken
 
     cfg = load_model_config(config, overrides, "sampling")  # refuses a bad config before any process starts
-    cuda = _device(device) == "cuda"
-    keep = keep_host_memory(cfg.train.keep_host_memory, use_gpu=cuda)
+    keep = keep_host_memory(cfg.train.keep_host_memory, use_gpu=resolve_device(device).type == "cuda")
     job = {"config": config, "overrides": overrides, "sampler": sampler, "num": num, "batch": batch,
            "device": device, "steps": steps_taken(sampler, steps, cfg.diffusion.timesteps)}
     runs: dict[str, list[dict[str, Any]]] = {"raydiff": [], "baseline": []}
@@ -50,12 +50,6 @@ def _side(runs: list[dict[str, Any]], num: int) -> dict[str, Any]:
     return {"img_s": round(statistics.median(img_s), 1), "host_memory_kept": runs[0]["kept"],
             "faults_per_image": round(statistics.median(run["faults"] for run in runs) / num, 1),
             "runs_img_s": [round(value, 1) for value in img_s]}
-
-
-def _device(name: str) -> str:
-    from raydiff.cluster.devices import resolve_device
-
-    return resolve_device(name).type
 
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:

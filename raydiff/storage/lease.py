@@ -178,8 +178,7 @@ class _ObjectLease:
 
     def take(self, holder: dict[str, Any]) -> tuple[str, Any]:
         """("held", Lease), ("live", holder): renewed while watched, or ("watching", holder): not decided yet."""
-        mine = self._body(holder)
-        version = self.objects.create(mine)
+        version = self.objects.create(self._body(holder))
         if version is None:
             found = self.objects.read()
             if found is None:
@@ -223,9 +222,6 @@ class _ObjectLease:
         return written
 
     def rewrite(self, holder: dict[str, Any]) -> None:
-        self._renew_or_wait(holder)
-
-    def _renew_or_wait(self, holder: dict[str, Any]) -> None:
         try:
             with self._lock:
                 self._renew(holder)
@@ -249,7 +245,7 @@ class _ObjectLease:
         lease = self.lease
         assert lease is not None  # take() sets it before starting this thread
         while not self._stop.wait(self.renew_s):
-            self._renew_or_wait(lease.holder)
+            self.rewrite(lease.holder)
             if self.version is None:
                 return
 
