@@ -96,3 +96,20 @@ def test_a_command_the_manual_shows_is_accepted(shown, tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as refused:
         load_config(args.config, args.set, check_source=False)
     assert str(refused.value) == shown.error, shown.where
+
+
+def test_the_readme_names_every_command_and_every_benchmark():
+    # The table of commands is where a user first looks; a command or benchmark added without a row is not found.
+    readme = (ROOT / "README.md").read_text()
+    table = {re.match(r"\| `python -m (raydiff[\w.]*)`", line).group(1): line
+             for line in readme.splitlines() if re.match(r"\| `python -m raydiff", line)}
+    commands = {f"raydiff.{path.stem}" for path in (ROOT / "raydiff").glob("*.py")
+                if re.search(r"^def main\(", path.read_text(), re.M)}
+    assert commands | {"raydiff.bench", "raydiff.quality.digits_classifier"} <= set(table)
+    usage = io.StringIO()
+    with contextlib.redirect_stdout(usage), pytest.raises(SystemExit):
+        importlib.import_module("raydiff.bench.__main__").parse_args(["--help"])
+    benchmarks = re.search(r"\{([a-z,]+)\}", usage.getvalue()).group(1).split(",")
+    assert len(benchmarks) >= 6
+    missing = [name for name in benchmarks if name not in table["raydiff.bench"]]
+    assert not missing, f"README's row of raydiff.bench does not name {missing}"
