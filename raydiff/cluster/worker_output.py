@@ -64,7 +64,7 @@ _RAY_DISK_WATCHED = threading.Event()
 _SAYING = threading.Lock()  # the watch on Ray's temp directory says it from a thread of its own
 # Ray's C++ logger, failing to write a process's log file, says so on its terminal.
 _LOG_WRITE_FAILED = re.compile(r"^\[\*\*\* LOG ERROR #\d+ \*\*\*\]")
-_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): ")  # a traceback's last line
+EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): ")  # a traceback's last line
 
 
 def warn_ray_disk_once(line: str) -> None:
@@ -117,7 +117,7 @@ class _LoggingErrors:
         if not line.startswith(self.ENDS) and len(held) < self.LONGEST:
             return []
         del self._held[pid]
-        full = any(permanent_reason_in(line) in FULL for line in held if _EXCEPTION_LINE.match(line))
+        full = any(permanent_reason_in(line) in FULL for line in held if EXCEPTION_LINE.match(line))
         return [] if full else held
 
 

@@ -197,6 +197,7 @@ RULES: tuple[Rule, ...] = (
          "must be > 0 or null"),
     Rule("scaling.resize_check_s", lambda c: c.scaling.resize_check_s > 0, "must be > 0 seconds"),
     Rule("scaling.node_wait_s", lambda c: c.scaling.node_wait_s > 0, "must be > 0 seconds"),
+    Rule("scaling.hang_timeout_s", lambda c: c.scaling.hang_timeout_s >= 10, "must be at least 10 seconds"),
 )
 
 # Checked after the workers' batch arithmetic, as before it: run, evaluation, dashboards, debug.

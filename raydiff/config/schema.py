@@ -258,6 +258,11 @@ class ScalingSection:
     node_wait_s: float = 900.0
     """Seconds to wait for the first node that can run a worker, on a cluster that has none yet (a head without
     workers, whose worker nodes the autoscaler adds)."""
+    hang_timeout_s: float = 1800.0
+    """Seconds after which a worker that makes no progress counts as lost, like one that died: a process that stops
+    answering, or a collective (an all-reduce, a checkpoint's report) that another worker never joins. The run
+    then restarts from its newest checkpoint (`run.max_failures`). Keep it above the longest wait a healthy run
+    has: the first step's compilation, rank 0's sample grid, a checkpoint's write. At least 10."""
 
     @property
     def elastic(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import Any
 import ray
 import ray.train
 import yaml
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.cluster.nodes import wait_for_worker_node
@@ -45,6 +46,7 @@ from raydiff.storage.rundir import RunDir, unwritable
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.interrupts import interrupt_on_signals
 from raydiff.training.loop import train_worker
+from raydiff.training.lost_workers import LostWorkers, causes, hang_timeouts
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.resolve import resolve_run
 from raydiff.training.stop import StopFlag, beside_the_handlers, stop_on_signals
@@ -222,12 +224,18 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     # The allocator's settings are read when a worker's process starts, so they travel in its runtime environment.
     keep = keep_host_memory(resolved.train.keep_host_memory, use_gpu=bool(scaling.use_gpu))
     worker_env = {"env_vars": HOST_MEMORY_ENV} if keep else {}
+    # A worker silent for scaling.hang_timeout_s is lost: the process group's collectives time out then, and Ray
+    # Train's controller, which takes its own timeouts from the environment of the driver that starts the run.
+    collective_timeout_s, hang_env = hang_timeouts(s.hang_timeout_s)
+    os.environ.update(hang_env)
+    lost_workers = LostWorkers(max_failures=requested.run.max_failures, hang_timeout_s=s.hang_timeout_s)
     # ray.train names Train V2's classes at run time (a worker's return value reaches the driver; RunConfig takes
     # a logging config); type checkers see V1's.
     trainer = TorchTrainer(
         train_worker,  # type: ignore[arg-type]
         train_loop_config={"args": args},
         scaling_config=scaling,
+        torch_config=TorchConfig(timeout_s=collective_timeout_s),
         run_config=ray.train.RunConfig(  # type: ignore[call-arg]
             name=requested.run.name,
             storage_path=storage.path,
@@ -235,7 +243,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
             failure_config=ray.train.FailureConfig(max_failures=requested.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=requested.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=callbacks or [],
+            callbacks=[*(callbacks or []), lost_workers],  # type: ignore[list-item]
             worker_runtime_env=worker_env,
         ),
     )
@@ -253,6 +261,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     if note_run is not None:
         note_run(requester)
     failed_because: str | None = None  # all that Ray Train said: the first line names the kind, the rest the cause
+    lost: dict[int, BaseException] | None = None  # where workers failed (a WorkerGroupError): which, and how
     with stop_on_signals(stop_flag) as received:
         try:
             result = beside_the_handlers(trainer.fit)
@@ -260,7 +269,10 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
             checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
         except ray.train.TrainingFailedError as exc:
             failed_because, outcome, checkpoint = str(exc).strip(), None, None
+            lost = getattr(exc, "worker_failures", None)
     error = failed_because.splitlines()[0] if failed_because else None
+    if lost:  # Ray Train's first line is "Training failed due to worker errors:"; which, and how, is the news
+        error = "; ".join(causes(lost, s.hang_timeout_s))
     if outcome is not None and outcome.status == WorkerStatus.UNRESUMABLE:  # nothing was trained or written:
         raise Unresumable(outcome.diagnostic)  # refuse, as for a bad config
     failure = _storage_failure(run_dir, outcome, failed_because)

@@ -20,6 +20,7 @@ from raydiff.config.checks import parse_sigma_rels
     ("diffusion.schedule=quadratic", "expected linear | cosine"),
     ("diffusion.prediction=score", "expected eps | v | x0"),
     ("scaling.use_gpu=maybe", "expected auto | true | false"),
+    ("scaling.hang_timeout_s=5", "scaling.hang_timeout_s = 5.0: must be at least 10 seconds"),
     ("train.global_batch=63", "not reachable with scaling.num_workers = 2"),
     ("train.micro_batch=24", "not reachable as micro_batch x 2 workers x accumulation"),
     ("data.source=/no/such/folder", "data.source = '/no/such/folder': no such file or folder"),

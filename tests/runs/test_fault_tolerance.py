@@ -8,9 +8,11 @@ with an uninterrupted reference run, bit for bit where the issue demands it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -147,18 +149,37 @@ def _train_worker_pids(cluster) -> list[int]:
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_from_checkpoint_and_ends_identical(cluster, reference, tmp_path):
-    proc = start_train(cluster, tmp_path, "worker")
+def test_a_killed_and_a_hung_worker_restart_from_checkpoint_each_said_in_a_line_and_the_run_ends_identical(
+        cluster, reference, tmp_path):
+    # The steps slowed down (numbers unchanged) so that the second fault lands before the run ends.
+    proc = start_train(cluster, tmp_path, "worker", "--set", "scaling.hang_timeout_s=10",
+                       "--set", "debug.step_delay_s=0.1")
     wait_for(lambda: (tmp_path / "worker" / "checkpoint_00000040" / "state.pt").exists(), what="a checkpoint")
     pids = wait_for(lambda: _train_worker_pids(cluster), what="worker processes")
     os.kill(pids[-1], signal.SIGKILL)
-    assert proc.wait(timeout=300) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    # The restarted group's checkpoint, then one of its workers stops (a frozen process: alive, silent).
+    wait_for(lambda: (tmp_path / "worker" / "checkpoint_00000080" / "state.pt").exists(), what="a later checkpoint")
+    stopped = wait_for(lambda: [p for p in _train_worker_pids(cluster) if p not in pids], what="the new workers")[-1]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        assert proc.wait(timeout=300) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGCONT)
     run = summary(tmp_path / "worker")
     assert run["status"] == "finished" and run["steps"] == TOTAL and run["images_seen"] == TOTAL * 16
-    assert run["restarts"] >= 1
+    assert run["restarts"] == 2
     assert_same_weights(final_state(tmp_path / "worker"), final_state(reference))
     assert losses(tmp_path / "worker") == losses(reference)
     assert_same_snapshots(tmp_path / "worker", reference)
+    # What the terminal showed: a line for each loss, not the tracebacks it set off.
+    log = (tmp_path / "worker.log").read_text()
+    said = [line.split("[raydiff] ", 1)[1] for line in log.splitlines() if "[raydiff] worker " in line]
+    assert len(said) == 2, log[-3000:]
+    assert re.match(r"worker \d's process ended", said[0]) and "(failure 1 of at most 3, run.max_failures)" in said[0]
+    assert re.match(r"worker \d (stopped answering for 10 s|waited 10 s) \(scaling.hang_timeout_s\)", said[1]), said
+    assert "(failure 2 of at most 3, run.max_failures)" in said[1]
+    assert "Traceback" not in log, log[-3000:]
 
 
 def test_a_corrupt_newest_checkpoint_and_a_cut_ray_checkpoint_list_fall_back(cluster, reference, tmp_path):

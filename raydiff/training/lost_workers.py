@@ -1,0 +1,144 @@
+"""A worker that dies, hangs or is preempted: one line says which, and what happens next.
+
+Why: Ray Train restarts the workers from the newest checkpoint when one is lost, which is what a long run needs,
+but says nothing of it in a run that goes on. What reaches the terminal is what the loss sets off: the surviving
+workers' tracebacks (their all-reduce lost its peer) and the controller's (it could not shut the lost worker's
+process group down), dozens of lines that read as a crash. A hung worker shows nothing at all until a timeout, which
+was Ray's own (10 minutes for a stopped process, 30 for a collective, none for `ray.train.report`).
+
+So: `LostWorkers`, a Ray Train callback in the controller, says each failure in one line (the lost worker and
+why, then a restart from the newest checkpoint or the end of the run, counted as Ray Train counts it against
+`run.max_failures`), and from then on leaves out the controller's own warnings about the shutdown.
+`quiet_collective_aftermath` leaves out, in a worker, the traceback of a collective that failed only because a
+peer was lost. Every other error, and its traceback, still shows. `scaling.hang_timeout_s` is the one time after
+which a silent worker counts as lost (`hang_timeouts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import ray.train
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.train.v2._internal.exceptions import (
+    BroadcastCollectiveTimeoutError,
+    WorkerHealthCheckFailedError,
+    WorkerHealthCheckTimeoutError,
+)
+
+from raydiff.cluster.worker_output import EXCEPTION_LINE
+
+# Ray Train reads these in its controller (propagated from the driver's environment when a run starts).
+HEALTH_CHECK_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"  # a worker process that does not answer
+TRAIN_COLLECTIVE_ENV = "RAY_TRAIN_COLLECTIVE_TIMEOUT_S"  # ray.train.report's barrier
+
+# What a collective raises in a worker whose peer was lost, or never came (gloo; its source's file and line vary).
+PEER_LOST = re.compile(r"^RuntimeError: \[\S*gloo\S*\] (?:Connection closed by peer|Read error \S*: Connection "
+                       r"reset by peer|Timed out waiting \d+ms for (?:recv|send) operation to complete)")
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms")
+_TRAINING_ERROR = "Error in training function:"  # Ray Train's record of a worker's exception, traceback included
+# The controller's warnings when it shuts down a worker group that lost a worker (each with its own traceback).
+_SHUTDOWN_WARNINGS = {"ray.train.v2._internal.callbacks.backend_setup": "Graceful shutdown of backend failed",
+                      "ray.train.torch.config": "Torch process group shutdown timed out"}
+
+
+def hang_timeouts(hang_timeout_s: float) -> tuple[int, dict[str, str]]:
+    """`scaling.hang_timeout_s` as Ray Train takes it: the torch process group's timeout (every all-reduce and
+    broadcast), and the environment of the driver that starts the run (a worker that stops answering,
+    `ray.train.report`'s barrier)."""
+    seconds = f"{hang_timeout_s:g}"
+    return math.ceil(hang_timeout_s), {HEALTH_CHECK_ENV: seconds, TRAIN_COLLECTIVE_ENV: seconds}
+
+
+def lost_peer(traceback_text: str) -> bool:
+    """Whether a worker's traceback ends in a collective that failed because another worker was lost."""
+    lines = [line for line in traceback_text.splitlines() if EXCEPTION_LINE.match(line)]
+    return bool(lines) and (PEER_LOST.match(lines[-1]) is not None
+                            or lines[-1].split(":")[0].endswith(BroadcastCollectiveTimeoutError.__name__))
+
+
+class _DropRecords(logging.Filter):
+    """Leaves out the records of one logger that `drop` says are aftermath."""
+
+    def __init__(self, drop) -> None:
+        super().__init__()
+        self._drop = drop
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self._drop(record.getMessage())
+
+
+def quiet_collective_aftermath() -> None:
+    """In a worker: Ray Train's record of an exception whose traceback ends in a collective that lost its peer is
+    left out (the controller's line says which worker was lost). Any other exception's record shows."""
+    logger = logging.getLogger("ray.train.v2._internal.util")
+    if not any(isinstance(f, _DropRecords) for f in logger.filters):
+        logger.addFilter(_DropRecords(lambda m: m.startswith(_TRAINING_ERROR) and lost_peer(m)))
+
+
+def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[str, str]:
+    """(kind, what happened to worker `rank`), from the error Ray Train's controller has for it: kind is `lost`
+    (died, hung, preempted), `raised` (an error of its own) or `aftermath` (a collective that failed because
+    another worker was lost)."""
+    if isinstance(error, WorkerHealthCheckTimeoutError):
+        return "lost", f"worker {rank} stopped answering for {hang_timeout_s:g} s (scaling.hang_timeout_s)"
+    if isinstance(error, WorkerHealthCheckFailedError):
+        died = error.health_check_failure
+        if isinstance(died, RayActorError) and died.preempted:
+            return "lost", f"worker {rank}'s node was preempted"
+        if isinstance(died, ActorUnavailableError):
+            return "lost", f"worker {rank} could not be reached (its node or network)"
+        return "lost", f"worker {rank}'s process ended (killed, out of memory, or its node was lost)"
+    first = (str(error).strip().splitlines() or [""])[0]
+    said = f"{type(error).__name__}: {first}"
+    if isinstance(error, BroadcastCollectiveTimeoutError) or _TIMED_OUT.search(said) and PEER_LOST.match(said):
+        return "aftermath", (f"worker {rank} waited {hang_timeout_s:g} s (scaling.hang_timeout_s) for another "
+                             f"worker that never joined: one hangs")
+    if PEER_LOST.match(said):
+        return "aftermath", f"worker {rank} lost its connection to another worker"
+    return "raised", f"worker {rank} raised {said}"
+
+
+def causes(worker_exceptions: Mapping[int, BaseException], hang_timeout_s: float) -> list[str]:
+    """What failed, worker by worker: the lost workers and those that raised errors of their own, not the
+    collectives that failed because of them (unless nothing else is known); two at most."""
+    said = [describe(rank, error, hang_timeout_s) for rank, error in sorted(worker_exceptions.items())]
+    return ([what for kind, what in said if kind != "aftermath"] or [what for _, what in said])[:2]
+
+
+class LostWorkers(ray.train.UserCallback):
+    """Says, from Ray Train's controller, each failure of the worker group in one line, and what comes of it."""
+
+    def __init__(self, *, max_failures: int, hang_timeout_s: float) -> None:
+        self.max_failures = max_failures
+        self.hang_timeout_s = hang_timeout_s
+        self.failures = 0  # as Ray Train counts them against max_failures: preemptions apart
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        said = causes(worker_exceptions, self.hang_timeout_s)
+        preempted = all(what.endswith("was preempted") for what in said)
+        if not preempted:
+            self.failures += 1
+        if preempted:
+            next_ = "restarting the workers from the newest checkpoint (preemptions do not count against " \
+                    "run.max_failures)"
+        elif self.max_failures == -1 or self.failures <= self.max_failures:
+            next_ = (f"restarting the workers from the newest checkpoint (failure {self.failures} of at most "
+                     f"{'any' if self.max_failures == -1 else self.max_failures}, run.max_failures)")
+        else:
+            next_ = f"no restarts left (run.max_failures = {self.max_failures}): the run ends"
+        print(f"[raydiff] {'; '.join(said)}: {next_}", flush=True)
+        _quiet_shutdown_warnings()
+
+
+def _quiet_shutdown_warnings() -> None:
+    """In the controller, once a failure is said: its warnings that it could not shut the lost group's process
+    group down (the lost worker cannot answer) are left out, with their tracebacks."""
+    for name, start in _SHUTDOWN_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropRecords) for f in logger.filters):
+            logger.addFilter(_DropRecords(lambda message, start=start: message.startswith(start)))

@@ -1,0 +1,126 @@
+"""A lost worker is said in one line: which worker, how (died, hung, preempted, unreachable, or an error of its
+own), and what comes of it, counted as Ray Train counts failures against run.max_failures; the tracebacks a loss
+sets off (the survivors' collectives, the controller's shutdown warnings) are left out, every other error's kept.
+Through a real run (a killed and a stopped worker): tests/runs/test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.train.v2._internal.exceptions import (
+    BroadcastCollectiveTimeoutError,
+    WorkerHealthCheckFailedError,
+    WorkerHealthCheckTimeoutError,
+)
+
+from raydiff.training.lost_workers import (
+    HEALTH_CHECK_ENV,
+    TRAIN_COLLECTIVE_ENV,
+    LostWorkers,
+    causes,
+    hang_timeouts,
+    quiet_collective_aftermath,
+)
+
+GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/{}]"
+PEER_CLOSED = RuntimeError(GLOO.format("pair.cc:561") + " Connection closed by peer [127.0.0.1]:5047. This is "
+                           "typically caused by a remote worker crashing.")
+TIMED_OUT = RuntimeError(GLOO.format("unbound_buffer.cc:78") + " Timed out waiting 15000ms for recv operation to "
+                         "complete")
+HUNG = WorkerHealthCheckTimeoutError("A worker health check has been hanging for 15.20 seconds.")
+DIED = WorkerHealthCheckFailedError("poll failed", ActorDiedError())
+
+
+def test_the_lost_worker_is_named_not_the_collectives_it_broke():
+    assert causes({0: PEER_CLOSED, 1: DIED}, 15) == [
+        "worker 1's process ended (killed, out of memory, or its node was lost)"]
+    assert causes({0: TIMED_OUT, 1: HUNG}, 15) == ["worker 1 stopped answering for 15 s (scaling.hang_timeout_s)"]
+    assert causes({1: WorkerHealthCheckFailedError("poll failed", RayActorError(preempted=True))}, 15) == [
+        "worker 1's node was preempted"]
+    assert causes({2: WorkerHealthCheckFailedError("poll failed", ActorUnavailableError("x", b"a" * 16))}, 15) == [
+        "worker 2 could not be reached (its node or network)"]
+
+
+def test_a_collective_that_timed_out_alone_says_a_worker_hangs():
+    # The hung worker's process still answers (its training thread waits on storage, say): only the collective
+    # that it never joined times out.
+    assert causes({0: TIMED_OUT}, 15) == [
+        "worker 0 waited 15 s (scaling.hang_timeout_s) for another worker that never joined: one hangs"]
+    assert causes({0: BroadcastCollectiveTimeoutError(15.1, [1], 15)}, 15) == causes({0: TIMED_OUT}, 15)
+    assert causes({0: PEER_CLOSED}, 15) == ["worker 0 lost its connection to another worker"]
+
+
+def test_an_error_of_a_workers_own_is_named_with_its_first_line():
+    assert causes({0: ValueError("bad pixel\nmore"), 1: PEER_CLOSED}, 60) == ["worker 0 raised ValueError: bad pixel"]
+
+
+def test_each_failure_says_what_comes_next_as_ray_train_counts_them(capsys):
+    lost = LostWorkers(max_failures=1, hang_timeout_s=20)
+    preempted = WorkerHealthCheckFailedError("poll failed", RayActorError(preempted=True))
+    lost.after_exception(None, {0: PEER_CLOSED, 1: DIED})
+    lost.after_exception(None, {1: preempted})
+    lost.after_exception(None, {0: TIMED_OUT, 1: HUNG})
+    assert capsys.readouterr().out.splitlines() == [
+        "[raydiff] worker 1's process ended (killed, out of memory, or its node was lost): restarting the workers "
+        "from the newest checkpoint (failure 1 of at most 1, run.max_failures)",
+        "[raydiff] worker 1's node was preempted: restarting the workers from the newest checkpoint (preemptions do "
+        "not count against run.max_failures)",
+        "[raydiff] worker 1 stopped answering for 20 s (scaling.hang_timeout_s): no restarts left (run.max_failures "
+        "= 1): the run ends"]
+    unlimited = LostWorkers(max_failures=-1, hang_timeout_s=20)
+    unlimited.after_exception(None, {1: DIED})
+    assert "(failure 1 of at most any, run.max_failures)" in capsys.readouterr().out
+
+
+def _shown(logger_name: str, message: str) -> bool:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        logger.warning(message)
+    finally:
+        logger.removeHandler(handler)
+    return bool(records)
+
+
+def _training_error(last_line: str) -> str:
+    return ("Error in training function:\nTraceback (most recent call last):\n  File \"loop.py\", line 48, in "
+            f"train_worker\n    result = optimizer_step(...)\n{last_line}\n")
+
+
+def test_a_workers_traceback_of_a_collective_that_lost_its_peer_is_left_out_and_any_other_shown():
+    util = "ray.train.v2._internal.util"
+    quiet_collective_aftermath()
+    quiet_collective_aftermath()  # once per process, however often a worker starts
+    assert len(logging.getLogger(util).filters) == 1
+    assert not _shown(util, _training_error(f"RuntimeError: {PEER_CLOSED}"))
+    assert not _shown(util, _training_error(f"RuntimeError: {TIMED_OUT}"))
+    assert not _shown(util, _training_error("ray.train.v2._internal.exceptions.BroadcastCollectiveTimeoutError: "
+                                            "The collective operation timed out after 15.10 seconds."))
+    assert _shown(util, _training_error("ValueError: bad pixel"))
+    # A peer's loss that caused another error, which is what the worker ended in: shown.
+    assert _shown(util, _training_error(f"RuntimeError: {PEER_CLOSED}\n\nDuring handling of the above exception, "
+                                        f"another exception occurred:\n\nKeyError: 'loss'"))
+    assert _shown(util, "Something else: RuntimeError: Connection closed by peer")
+
+
+def test_the_controllers_shutdown_warnings_are_left_out_once_a_failure_is_said(capsys):
+    backend, torch_config = "ray.train.v2._internal.callbacks.backend_setup", "ray.train.torch.config"
+    graceful = "Graceful shutdown of backend failed. This is expected if one of the workers has crashed."
+    for name in (backend, torch_config):
+        for f in list(logging.getLogger(name).filters):
+            logging.getLogger(name).removeFilter(f)
+    assert _shown(backend, graceful)
+    LostWorkers(max_failures=3, hang_timeout_s=20).after_exception(None, {1: DIED})
+    assert not _shown(backend, graceful)
+    assert not _shown(torch_config, "Torch process group shutdown timed out after 30 seconds")
+    assert _shown(backend, "Another warning")
+
+
+@pytest.mark.parametrize("seconds, torch_timeout_s, env", [(1800.0, 1800, "1800"), (12.5, 13, "12.5")])
+def test_the_hang_timeout_is_every_timeout_ray_train_has(seconds, torch_timeout_s, env):
+    assert hang_timeouts(seconds) == (torch_timeout_s, {HEALTH_CHECK_ENV: env, TRAIN_COLLECTIVE_ENV: env})
