@@ -182,6 +182,21 @@ def test_a_killed_and_a_hung_worker_restart_from_checkpoint_each_said_in_a_line_
     assert "Traceback" not in log, log[-3000:]
 
 
+def test_a_worker_lost_with_no_restarts_left_ends_the_run_in_lines_that_name_it(cluster, tmp_path):
+    proc = start_train(cluster, tmp_path, "gives_up", "--set", "run.max_failures=0", "--set", "debug.step_delay_s=0.1")
+    wait_for(lambda: (tmp_path / "gives_up" / "checkpoint_00000010" / "state.pt").exists(), what="a checkpoint")
+    os.kill(wait_for(lambda: _train_worker_pids(cluster), what="worker processes")[-1], signal.SIGKILL)
+    assert proc.wait(timeout=300) == 1
+    log = (tmp_path / "gives_up.log").read_text()
+    lost = re.search(r"\[raydiff\] (worker \d's process ended \(killed, out of memory, or its node was lost\)): no "
+                     r"restarts left \(run.max_failures = 0\): the run ends", log)
+    assert lost, log[-3000:]
+    run = summary(tmp_path / "gives_up")
+    assert run["status"] == "failed" and run["error"] == lost.group(1)
+    assert f"[raydiff] run failed at step {run['steps']}: {lost.group(1)}\n" in log
+    assert "Traceback" not in log, log[-3000:]
+
+
 def test_a_corrupt_newest_checkpoint_and_a_cut_ray_checkpoint_list_fall_back(cluster, reference, tmp_path):
     """What a driver killed mid-write leaves: a truncated checkpoint, and Ray Train's checkpoint list emptied (Ray
     rewrites it in place; it would refuse to start the run over it)."""
