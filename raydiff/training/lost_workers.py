@@ -8,7 +8,8 @@ was Ray's own (10 minutes for a stopped process, 30 for a collective, none for `
 
 So: `LostWorkers`, a Ray Train callback in the controller, says each failure in one line (the lost worker and
 why, then a restart from the newest checkpoint or the end of the run, counted as Ray Train counts it against
-`run.max_failures`), and from then on leaves out the controller's own warnings about the shutdown.
+`run.max_failures`), and from then on leaves out the controller's own warnings about the shutdown, which it
+shortens (a hung worker cannot take part in it).
 `quiet_collective_aftermath` leaves out, in a worker, the traceback of a collective that failed only because a
 peer was lost. Every other error, and its traceback, still shows. `scaling.hang_timeout_s` is the one time after
 which a silent worker counts as lost (`hang_timeouts`).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -35,6 +37,9 @@ from raydiff.cluster.worker_output import EXCEPTION_LINE
 # Ray Train reads these in its controller (propagated from the driver's environment when a run starts).
 HEALTH_CHECK_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"  # a worker process that does not answer
 TRAIN_COLLECTIVE_ENV = "RAY_TRAIN_COLLECTIVE_TIMEOUT_S"  # ray.train.report's barrier
+# How long the controller waits for the workers to shut their process group down before it stops them: 30 s by
+# default, all of it spent on a hung worker, which cannot answer. Once a worker is lost the rest need under that.
+SHUTDOWN_ENV, SHUTDOWN_AFTER_A_LOSS_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5"
 
 # What a collective raises in a worker whose peer was lost, or never came (gloo; its source's file and line vary).
 PEER_LOST = re.compile(r"^RuntimeError: \[\S*gloo\S*\] (?:Connection closed by peer|Read error \S*: Connection "
@@ -133,6 +138,7 @@ class LostWorkers(ray.train.UserCallback):
             next_ = f"no restarts left (run.max_failures = {self.max_failures}): the run ends"
         print(f"[raydiff] {'; '.join(said)}: {next_}", flush=True)
         _quiet_shutdown_warnings()
+        os.environ.setdefault(SHUTDOWN_ENV, SHUTDOWN_AFTER_A_LOSS_S)  # read by the shutdown that follows
 
 
 def _quiet_shutdown_warnings() -> None:

@@ -153,7 +153,7 @@ def test_a_killed_and_a_hung_worker_restart_from_checkpoint_each_said_in_a_line_
         cluster, reference, tmp_path):
     # The steps slowed down (numbers unchanged) so that the second fault lands before the run ends.
     proc = start_train(cluster, tmp_path, "worker", "--set", "scaling.hang_timeout_s=10",
-                       "--set", "debug.step_delay_s=0.1")
+                       "--set", "debug.step_delay_s=0.05")
     wait_for(lambda: (tmp_path / "worker" / "checkpoint_00000040" / "state.pt").exists(), what="a checkpoint")
     pids = wait_for(lambda: _train_worker_pids(cluster), what="worker processes")
     os.kill(pids[-1], signal.SIGKILL)

@@ -6,6 +6,7 @@ Through a real run (a killed and a stopped worker): tests/runs/test_fault_tolera
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -17,6 +18,7 @@ from ray.train.v2._internal.exceptions import (
 
 from raydiff.training.lost_workers import (
     HEALTH_CHECK_ENV,
+    SHUTDOWN_ENV,
     TRAIN_COLLECTIVE_ENV,
     LostWorkers,
     causes,
@@ -108,7 +110,9 @@ def test_a_workers_traceback_of_a_collective_that_lost_its_peer_is_left_out_and_
     assert _shown(util, "Something else: RuntimeError: Connection closed by peer")
 
 
-def test_the_controllers_shutdown_warnings_are_left_out_once_a_failure_is_said(capsys):
+def test_the_controllers_shutdown_warnings_are_left_out_and_its_wait_cut_once_a_failure_is_said(capsys,
+                                                                                                    monkeypatch):
+    monkeypatch.delenv(SHUTDOWN_ENV, raising=False)
     backend, torch_config = "ray.train.v2._internal.callbacks.backend_setup", "ray.train.torch.config"
     graceful = "Graceful shutdown of backend failed. This is expected if one of the workers has crashed."
     for name in (backend, torch_config):
@@ -119,6 +123,10 @@ def test_the_controllers_shutdown_warnings_are_left_out_once_a_failure_is_said(c
     assert not _shown(backend, graceful)
     assert not _shown(torch_config, "Torch process group shutdown timed out after 30 seconds")
     assert _shown(backend, "Another warning")
+    assert os.environ[SHUTDOWN_ENV] == "5"  # Ray's 30 s, all of it spent waiting for a hung worker
+    monkeypatch.setenv(SHUTDOWN_ENV, "60")
+    LostWorkers(max_failures=3, hang_timeout_s=20).after_exception(None, {1: DIED})
+    assert os.environ[SHUTDOWN_ENV] == "60"  # the cluster's own setting is kept
 
 
 @pytest.mark.parametrize("seconds, torch_timeout_s, env", [(1800.0, 1800, "1800"), (12.5, 13, "12.5")])
