@@ -92,20 +92,25 @@ def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[st
     if isinstance(error, WorkerHealthCheckTimeoutError):
         return "lost", f"worker {rank} stopped answering for {hang_timeout_s:g} s (scaling.hang_timeout_s)"
     if isinstance(error, WorkerHealthCheckFailedError):
-        died = error.health_check_failure
-        if isinstance(died, RayActorError) and died.preempted:
+        if _preempted(error):
             return "lost", f"worker {rank}'s node was preempted"
-        if isinstance(died, ActorUnavailableError):
+        if isinstance(error.health_check_failure, ActorUnavailableError):
             return "lost", f"worker {rank} could not be reached (its node or network)"
         return "lost", f"worker {rank}'s process ended (killed, out of memory, or its node was lost)"
     first = (str(error).strip().splitlines() or [""])[0]
     said = f"{type(error).__name__}: {first}"
-    if isinstance(error, BroadcastCollectiveTimeoutError) or _TIMED_OUT.search(said) and PEER_LOST.match(said):
+    if isinstance(error, BroadcastCollectiveTimeoutError) or (_TIMED_OUT.search(said) and PEER_LOST.match(said)):
         return "aftermath", (f"worker {rank} waited {hang_timeout_s:g} s (scaling.hang_timeout_s) for another "
                              f"worker that never joined: one hangs")
     if PEER_LOST.match(said):
         return "aftermath", f"worker {rank} lost its connection to another worker"
     return "raised", f"worker {rank} raised {said}"
+
+
+def _preempted(error: BaseException) -> bool:
+    """Whether a worker died because its node was preempted (Ray Train's own test)."""
+    died = error.health_check_failure if isinstance(error, WorkerHealthCheckFailedError) else error
+    return isinstance(died, RayActorError) and died.preempted
 
 
 def causes(worker_exceptions: Mapping[int, BaseException], hang_timeout_s: float) -> list[str]:
@@ -125,7 +130,8 @@ class LostWorkers(ray.train.UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         said = causes(worker_exceptions, self.hang_timeout_s)
-        preempted = all(what.endswith("was preempted") for what in said)
+        # As Ray Train counts: a preemption among the errors makes the failure a preemption's.
+        preempted = any(_preempted(error) for error in worker_exceptions.values())
         if not preempted:
             self.failures += 1
         if preempted:

@@ -62,13 +62,13 @@ def test_each_failure_says_what_comes_next_as_ray_train_counts_them(capsys):
     lost = LostWorkers(max_failures=1, hang_timeout_s=20)
     preempted = WorkerHealthCheckFailedError("poll failed", RayActorError(preempted=True))
     lost.after_exception(None, {0: PEER_CLOSED, 1: DIED})
-    lost.after_exception(None, {1: preempted})
+    lost.after_exception(None, {0: ValueError("bad pixel"), 1: preempted})  # a preemption's, as Ray Train counts
     lost.after_exception(None, {0: TIMED_OUT, 1: HUNG})
     assert capsys.readouterr().out.splitlines() == [
         "[raydiff] worker 1's process ended (killed, out of memory, or its node was lost): restarting the workers "
         "from the newest checkpoint (failure 1 of at most 1, run.max_failures)",
-        "[raydiff] worker 1's node was preempted: restarting the workers from the newest checkpoint (preemptions do "
-        "not count against run.max_failures)",
+        "[raydiff] worker 0 raised ValueError: bad pixel; worker 1's node was preempted: restarting the workers from "
+        "the newest checkpoint (preemptions do not count against run.max_failures)",
         "[raydiff] worker 1 stopped answering for 20 s (scaling.hang_timeout_s): no restarts left (run.max_failures "
         "= 1): the run ends"]
     unlimited = LostWorkers(max_failures=-1, hang_timeout_s=20)
