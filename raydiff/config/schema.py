@@ -372,6 +372,9 @@ class DebugSection:
     """Each worker logs the sample indices it trained on to `<run>/order/` (needs a local `run.storage`)."""
     step_delay_s: float = 0.0
     """Sleep this many seconds every step (at most 60): slows a tiny test run to the pace of cluster events."""
+    hang_at_step: int = 0
+    """Worker 1's training thread stops at this optimizer step and never goes on, once per run (its process still
+    answers Ray): a hung worker; 0 = never. Needs two workers or more and a local `run.storage`."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import IO
@@ -18,20 +19,25 @@ from raydiff.storage.rundir import RunDir
 
 
 class DebugHooks:
-    """debug.step_delay_s, debug.record_order, debug.nan_at_steps, debug.nan_at_samples and
-    debug.preemption_from_step, for one worker."""
+    """debug.step_delay_s, debug.record_order, debug.nan_at_steps, debug.nan_at_samples,
+    debug.preemption_from_step and debug.hang_at_step, for one worker."""
 
     def __init__(self, cfg: Config, run_dir: RunDir, rank: int) -> None:
         self._debug = cfg.debug
         self._is_chief = rank == 0
+        self._hangs = cfg.debug.hang_at_step > 0 and rank == 1
+        self._run_dir = run_dir
         self._faulted_steps: set[int] = set()
         self._poisoned = frozenset(cfg.debug.nan_at_samples)
         self._order_log: IO[str] | None = _order_log(run_dir, rank) if cfg.debug.record_order else None
 
     def before_step(self, step: int, batches: list[MicroBatch]) -> None:
-        """Slow the step down (debug.step_delay_s) and record the samples it trains (debug.record_order)."""
+        """Slow the step down (debug.step_delay_s), record the samples it trains (debug.record_order), or hang
+        (debug.hang_at_step)."""
         if self._debug.step_delay_s:
             time.sleep(self._debug.step_delay_s)
+        if self._hangs and step == self._debug.hang_at_step and _first_time(self._run_dir, f"hung_at_step_{step}"):
+            threading.Event().wait()  # until Ray Train stops this worker's process
         if self._order_log is not None:
             first, last = batches[0], batches[-1]
             self._order_log.write(json.dumps({"step": step, "positions": [first.position, last.position + len(last)],
@@ -67,6 +73,19 @@ def _labels_of(batches) -> dict[str, list[int]]:
     if batches[0].labels is None:
         return {}
     return {"labels": [int(c) for b in batches for c in b.labels]}
+
+
+def _first_time(run_dir: RunDir, name: str) -> bool:
+    """Whether this run meets `<run>/debug/<name>` for the first time (a restart meets it again)."""
+    if run_dir.local is None:
+        raise ValueError(f"debug.hang_at_step needs a local run.storage, not {run_dir}")
+    folder = run_dir.local / "debug"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        (folder / name).touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _order_log(run_dir: RunDir, rank: int) -> IO[str]:

@@ -100,8 +100,8 @@ def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[st
     first = (str(error).strip().splitlines() or [""])[0]
     said = f"{type(error).__name__}: {first}"
     if isinstance(error, BroadcastCollectiveTimeoutError) or (_TIMED_OUT.search(said) and PEER_LOST.match(said)):
-        return "aftermath", (f"worker {rank} waited {hang_timeout_s:g} s (scaling.hang_timeout_s) for another "
-                             f"worker that never joined: one hangs")
+        return "aftermath", (f"worker {rank} waited {hang_timeout_s:g} s (scaling.hang_timeout_s) for a worker that "
+                             f"never joined its collective (a hung worker)")
     if PEER_LOST.match(said):
         return "aftermath", f"worker {rank} lost its connection to another worker"
     return "raised", f"worker {rank} raised {said}"

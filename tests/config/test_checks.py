@@ -62,6 +62,15 @@ def test_guidance_needs_a_model_that_learned_the_unconditional_prediction():
     load_config("default", ["train.label_dropout=0"], check_source=False)  # unconditional: no labels to drop
 
 
+def test_a_hung_worker_needs_a_second_worker_and_local_storage():
+    for refused in (["debug.hang_at_step=-1"], ["debug.hang_at_step=5", "scaling.num_workers=1"],
+                    ["debug.hang_at_step=5", "run.storage=s3://bucket/runs"]):
+        with pytest.raises(ConfigError) as info:
+            load_config("default", refused, check_source=False)
+        assert str(info.value).startswith("debug.hang_at_step = ")
+    load_config("default", ["debug.hang_at_step=5"], check_source=False)
+
+
 @pytest.mark.parametrize("timesteps", [2, 20])
 def test_linear_schedule_refuses_too_few_timesteps(timesteps):
     """The linear schedule's largest beta is 20/T: T <= 20 would give alpha_bar <= 0 and NaN."""

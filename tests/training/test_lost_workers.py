@@ -49,7 +49,8 @@ def test_a_collective_that_timed_out_alone_says_a_worker_hangs():
     # The hung worker's process still answers (its training thread waits on storage, say): only the collective
     # that it never joined times out.
     assert causes({0: TIMED_OUT}, 15) == [
-        "worker 0 waited 15 s (scaling.hang_timeout_s) for another worker that never joined: one hangs"]
+        "worker 0 waited 15 s (scaling.hang_timeout_s) for a worker that never joined its collective (a hung "
+        "worker)"]
     assert causes({0: BroadcastCollectiveTimeoutError(15.1, [1], 15)}, 15) == causes({0: TIMED_OUT}, 15)
     assert causes({0: PEER_CLOSED}, 15) == ["worker 0 lost its connection to another worker"]
 
