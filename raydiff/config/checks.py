@@ -19,7 +19,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from raydiff.config.schema import Config, ConfigError
-from raydiff.storage.fs import SCHEMES
+from raydiff.storage.fs import SCHEMES, is_remote
 
 SIGMA_REL_MAX = 0.28  # a post-hoc EMA width: exponent > 0 needs sigma_rel < sqrt(1/12) = 0.2887
 
@@ -81,10 +81,6 @@ def _resolutions(cfg: Config) -> list[int]:
 def _channels_not_divided(cfg: Config) -> list[int]:
     m = cfg.model
     return [m.base_channels * mult for mult in (1, *m.channel_mult) if m.base_channels * mult % m.norm_groups]
-
-
-def _local_storage(cfg: Config) -> bool:
-    return "://" not in cfg.run.storage or cfg.run.storage.startswith("file://")
 
 
 def _installed(package: str) -> Version | None:
@@ -213,7 +209,8 @@ LATER_RULES: tuple[Rule, ...] = (
          f"supported URI schemes: {', '.join(SCHEMES)} (or a local or NFS path)"),
     Rule("run.endpoint", lambda c: c.run.endpoint is None or "://" in c.run.endpoint,
          "must be a URL such as http://127.0.0.1:9000, or null"),
-    Rule("debug.record_order", lambda c: not c.debug.record_order or _local_storage(c), "needs a local run.storage"),
+    Rule("debug.record_order", lambda c: not c.debug.record_order or not is_remote(c.run.storage),
+         "needs a local run.storage"),
     Rule("run.max_failures", lambda c: c.run.max_failures >= -1, "must be >= 0, or -1 for unlimited"),
     Rule("run.keep_checkpoints", lambda c: c.run.keep_checkpoints >= 1, "must be >= 1"),
     Rule("run.lease_stale_s", lambda c: c.run.lease_stale_s >= 4,
@@ -242,7 +239,8 @@ LATER_RULES: tuple[Rule, ...] = (
     Rule("debug.preemption_from_step", lambda c: c.debug.preemption_from_step >= 0, "must be >= 0 (0 = never)"),
     Rule("debug.step_delay_s", lambda c: 0 <= c.debug.step_delay_s <= 60, "must be in [0, 60]"),
     Rule("debug.hang_at_step", lambda c: c.debug.hang_at_step >= 0, "must be >= 0 (0 = never)"),
-    Rule("debug.hang_at_step", lambda c: not c.debug.hang_at_step or (c.scaling.max_workers >= 2 and _local_storage(c)),
+    Rule("debug.hang_at_step", lambda c: not c.debug.hang_at_step or (c.scaling.max_workers >= 2
+                                                                      and not is_remote(c.run.storage)),
          "needs scaling.num_workers >= 2 and a local run.storage"),
 )
 

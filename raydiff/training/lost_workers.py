@@ -77,12 +77,18 @@ class _DropRecords(logging.Filter):
         return not self._drop(record.getMessage())
 
 
+def _drop_records(logger_name: str, drop) -> None:
+    """From now on in this process, the records of one logger that `drop` says are aftermath are left out (the
+    filter installed once, however often this is called)."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, _DropRecords) for f in logger.filters):
+        logger.addFilter(_DropRecords(drop))
+
+
 def quiet_collective_aftermath() -> None:
     """In a worker: Ray Train's record of an exception whose traceback ends in a collective that lost its peer is
     left out (the controller's line says which worker was lost). Any other exception's record shows."""
-    logger = logging.getLogger("ray.train.v2._internal.util")
-    if not any(isinstance(f, _DropRecords) for f in logger.filters):
-        logger.addFilter(_DropRecords(lambda m: m.startswith(_TRAINING_ERROR) and lost_peer(m)))
+    _drop_records("ray.train.v2._internal.util", lambda m: m.startswith(_TRAINING_ERROR) and lost_peer(m))
 
 
 def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[str, str]:
@@ -99,12 +105,12 @@ def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[st
         return "lost", f"worker {rank}'s process ended (killed, out of memory, or its node was lost)"
     first = (str(error).strip().splitlines() or [""])[0]
     said = f"{type(error).__name__}: {first}"
-    if isinstance(error, BroadcastCollectiveTimeoutError) or (_TIMED_OUT.search(said) and PEER_LOST.match(said)):
+    if not lost_peer(said):
+        return "raised", f"worker {rank} raised {said}"
+    if isinstance(error, BroadcastCollectiveTimeoutError) or _TIMED_OUT.search(said):
         return "aftermath", (f"worker {rank} waited {hang_timeout_s:g} s (scaling.hang_timeout_s) for a worker that "
                              f"never joined its collective (a hung worker)")
-    if PEER_LOST.match(said):
-        return "aftermath", f"worker {rank} lost its connection to another worker"
-    return "raised", f"worker {rank} raised {said}"
+    return "aftermath", f"worker {rank} lost its connection to another worker"
 
 
 def _preempted(error: BaseException) -> bool:
@@ -151,6 +157,4 @@ def _quiet_shutdown_warnings() -> None:
     """In the controller, once a failure is said: its warnings that it could not shut the lost group's process
     group down (the lost worker cannot answer) are left out, with their tracebacks."""
     for name, start in _SHUTDOWN_WARNINGS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropRecords) for f in logger.filters):
-            logger.addFilter(_DropRecords(lambda message, start=start: message.startswith(start)))
+        _drop_records(name, lambda message, start=start: message.startswith(start))
