@@ -33,6 +33,12 @@ os.environ["AWS_ACCESS_KEY_ID"] = "raydiff-tests"
 os.environ["AWS_SECRET_ACCESS_KEY"] = "raydiff-tests"
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# Tests report no usage to Ray (no network). This also keeps Ray Data's usage poller out of every test process: a
+# thread that, with no Prometheus to ask, formats a traceback every 10 s, and Python 3.11 formats tracebacks with
+# `ast`, whose conversion is not safe against a second parse interleaved with it (CPython gh-106905): the layout
+# and config-reference tests, which parse raydiff's source, failed on it once ("AST constructor recursion depth
+# mismatch").
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
 # The tests that start Ray, in two groups of about equal time (docs/benchmarks.md#the-test-suite): each group runs
