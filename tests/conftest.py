@@ -203,6 +203,17 @@ def gcs_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def hub_server(tmp_path_factory):
+    """A stand-in for the Hugging Face Hub on a free loopback port (tests/hub_server.py): dataset OWNER/NAME is the
+    folder `hub_server.root / OWNER / NAME`; clients reach it with data.endpoint = hub_server.endpoint."""
+    from hub_server import HubServer
+
+    server = HubServer(tmp_path_factory.mktemp("hub")).start()
+    yield server
+    server.stop()
+
+
 def run_cli(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
     """Run `python -m <module> args...` as a user would, in a fresh process. Ray tests join the session's
     cluster; other tests get `local` (a fresh Ray if they start one), never someone else's cluster."""

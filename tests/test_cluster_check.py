@@ -49,7 +49,7 @@ def test_job_dependency_lists_match_pyproject():
     lists = {"rayjob.yaml": yaml.safe_load(job["spec"]["runtimeEnvYAML"])["pip"],
              **{f"README runtime env {i}": json.loads(found)["pip"]
                 for i, found in enumerate(re.findall(r"--runtime-env-json '(\{\"pip\": \[\".*?\})'", readme))},
-             "README prose": re.findall(r"`([a-z][a-z0-9-]*(?:>=|==|~=)[0-9][^`]*)`", readme)}
+             "README prose": re.findall(r"`([a-z][a-z0-9_-]*(?:>=|==|~=)[0-9][^`]*)`", readme)}
     assert len(lists) == 3
     for where, requirements in lists.items():
         parsed = [Requirement(r) for r in requirements]

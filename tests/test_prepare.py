@@ -1,4 +1,5 @@
-"""Decode once: prepare -> train round trips (local and S3), and a messy folder that trains and reports."""
+"""Decode once: prepare -> train round trips (local and S3), a messy folder that trains and reports, and a split of a
+Hugging Face Hub dataset that trains."""
 
 from __future__ import annotations
 
@@ -100,3 +101,32 @@ def test_s3_source_prepare_and_train_against_a_loopback_server(s3_server, tmp_pa
     missing = run_cli("raydiff.train", *TINY, "--set", "data.source=s3://raydiff-data/nothing",
                       "--set", f"data.endpoint={endpoint}", "--set", f"run.storage={tmp_path}")
     assert missing.returncode == 2 and "s3://raydiff-data/nothing': no such file or folder" in missing.stderr
+
+
+@pytest.mark.slow
+def test_a_split_of_a_hub_dataset_trains_from_its_hf_uri(hub_server, tmp_path):
+    """As `--set data.source='hf://datasets/uoft-cs/cifar10/plain_text/train-*.parquet'` trains on CIFAR-10's
+    training split: Parquet files as Hugging Face's `datasets` writes them, read over HTTP by every process."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raydiff.data.builtin import write_synthetic
+
+    folder = hub_server.root / "raydiff-tests" / "synthetic" / "plain_text"
+    folder.mkdir(parents=True)
+    pngs = write_synthetic(tmp_path / "images", num=30, resolution=16, fmt="png")
+    for name, part in (("train-00000-of-00002", pngs[:12]), ("train-00001-of-00002", pngs[12:24]),
+                       ("test-00000-of-00001", pngs[24:])):
+        images = [{"bytes": p.read_bytes(), "path": p.name} for p in part]
+        pq.write_table(pa.table({"img": images, "label": [i % 3 for i in range(len(part))]}),
+                       folder / f"{name}.parquet")
+    source = "hf://datasets/raydiff-tests/synthetic/plain_text/train-*.parquet"
+    train = run_cli("raydiff.train", *TINY, "--set", f"data.source={source}", "--set", "data.image_column=img",
+                    "--set", f"data.endpoint={hub_server.endpoint}", "--set", "data.labels=auto",
+                    "--set", "model.num_classes=auto", "--set", f"run.storage={tmp_path}", "--set", "run.name=hub")
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert summary_of(tmp_path / "hub")["status"] == "finished"
+    assert f"24 images from 2 Parquet files in {source}" in train.stdout, train.stdout[-3000:]
+    assert "class-conditional on 3 classes" in train.stdout
+    read = [path for method, path in hub_server.requests if "/resolve/" in path]
+    assert any("train-00001-of-00002" in path for path in read) and not any("test-" in path for path in read)

@@ -19,7 +19,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from raydiff.config.schema import Config, ConfigError
-from raydiff.storage.fs import SCHEMES, is_remote
+from raydiff.storage.fs import SCHEMES, STORAGE_SCHEMES, glob_split, is_remote
 
 SIGMA_REL_MAX = 0.28  # a post-hoc EMA width: exponent > 0 needs sigma_rel < sqrt(1/12) = 0.2887
 
@@ -205,8 +205,8 @@ LATER_RULES: tuple[Rule, ...] = (
     Rule("run.name", lambda c: RUN_NAME.fullmatch(c.run.name) is not None,
          "use letters, digits, '.', '_' and '-' (it names a folder)"),
     Rule("run.storage", lambda c: bool(c.run.storage), "required: a folder for run directories"),
-    Rule("run.storage", lambda c: "://" not in c.run.storage or c.run.storage.startswith(SCHEMES),
-         f"supported URI schemes: {', '.join(SCHEMES)} (or a local or NFS path)"),
+    Rule("run.storage", lambda c: "://" not in c.run.storage or c.run.storage.startswith(STORAGE_SCHEMES),
+         f"supported URI schemes: {', '.join(STORAGE_SCHEMES)} (or a local or NFS path)"),
     Rule("run.endpoint", lambda c: c.run.endpoint is None or "://" in c.run.endpoint,
          "must be a URL such as http://127.0.0.1:9000, or null"),
     Rule("debug.record_order", lambda c: not c.debug.record_order or not is_remote(c.run.storage),
@@ -269,7 +269,8 @@ def _check_source(source: str | None) -> None:
     if source.startswith("builtin:"):
         _check(source in BUILTIN_SOURCES, "data.source", source, f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
     elif "://" not in source:
-        _check(Path(source).exists(), "data.source", source, "no such file or folder")
+        exists = Path(source).exists() or Path(glob_split(str(Path(source).expanduser()))[0]).is_dir()
+        _check(exists, "data.source", source, "no such file or folder")
     else:
         _check(source.startswith(SCHEMES), "data.source", source,
                f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")

@@ -37,8 +37,8 @@ class DataSection:
 
     source: str | None = "builtin:digits"
     """Where the training images are: a folder or file of images, Parquet or WebDataset shards, or a folder written
-    by `raydiff.prepare`, as a local path or a `file://`, `s3://` or `gs://` URI; or `builtin:digits` (see
-    docs/data.md#sources)."""
+    by `raydiff.prepare`, as a local path or a `file://`, `s3://`, `gs://` or `hf://` (Hugging Face Hub) URI, whose
+    last parts may be a glob (`train-*.parquet`); or `builtin:digits` (see docs/data.md#sources)."""
     format: Literal["auto", "images", "parquet", "webdataset"] = "auto"
     """What kind of files `data.source` holds; `auto` tells from the files' extensions (a prepared folder is
     recognised by its manifest whatever this says)."""
@@ -46,10 +46,10 @@ class DataSection:
     """Parquet: the column holding the images, encoded (bytes, or Hugging Face's `{bytes, path}`) or as uint8
     tensors."""
     endpoint: str | None = None
-    """The S3 or GCS endpoint URL for `data.source` (MinIO, Ceph, a local test server); null: `AWS_ENDPOINT_URL` or
-    the provider's default."""
+    """The S3, GCS or Hugging Face Hub endpoint URL for `data.source` (MinIO, Ceph, a Hub mirror, a local test
+    server); null: `AWS_ENDPOINT_URL` or `HF_ENDPOINT`, else the provider's default."""
     anonymous: bool = False
-    """Read a public bucket without credentials."""
+    """Read a public bucket or Hub dataset without credentials (no token is sent)."""
     max_bad_fraction: float = 0.1
     """Stop before training when more than this share of the source's samples cannot be decoded (the others are
     skipped and listed in `bad_images.json`)."""

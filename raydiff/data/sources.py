@@ -3,7 +3,8 @@
 Kinds: a folder (recursive) or a single file of images; Parquet files with an encoded-image column (bytes, or
 Hugging Face's {bytes, path} struct) or a decoded uint8 tensor column; WebDataset `.tar` shards; a folder written
 by `python -m raydiff.prepare` (its manifest.json says so); `builtin:digits`. Each may be a local path or a
-file://, s3:// or gs:// URI. Files are sorted, so that sample i is the same image in every run.
+file://, s3://, gs:// or hf:// (Hugging Face Hub) URI, and its last parts a glob (`train-*.parquet`: one split of
+a Hub dataset). Files are sorted, so that sample i is the same image in every run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pyarrow.fs as pafs
 
 from raydiff.data.errors import DataError
 from raydiff.data.shard_format import PREPARED_VERSION, read_manifest
-from raydiff.storage.fs import filesystem_for, is_remote
+from raydiff.storage.fs import HUB_SCHEME, filesystem_for, glob_match, glob_split, is_remote
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 FileKind = Literal["images", "parquet", "webdataset"]  # told from the files' extensions (or data.format)
@@ -97,7 +98,7 @@ def open_source(source: str | None, *, format: FileKind | Literal["auto"] = "aut
             raise DataError(f"data.source = {source!r}: {exc}") from None
         return _list(source, str(folder), pafs.LocalFileSystem(), format)
     try:
-        filesystem, path = filesystem_for(source, endpoint=endpoint, anonymous=anonymous)
+        filesystem, path = filesystem_for(source, endpoint=endpoint, anonymous=anonymous, hub=True)
     except ValueError as exc:
         raise DataError(f"data.source = {source!r}: {exc}") from None
     return _list(source, path, filesystem, format)
@@ -111,18 +112,25 @@ def source_of(data) -> Source:
 def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | Literal["auto"]) -> Source:
     try:
         info = filesystem.get_file_info(path)
-        if info.type == pafs.FileType.NotFound:
-            raise DataError(f"data.source = {uri!r}: no such file or folder")
+        folder, pattern = glob_split(path) if info.type == pafs.FileType.NotFound else (path, None)
+        if pattern is not None:
+            info = filesystem.get_file_info(folder)
+        if info.type == pafs.FileType.NotFound or (pattern is not None and info.type != pafs.FileType.Directory):
+            hint = (" (a private or gated dataset needs a token: HF_TOKEN, or `hf auth login`)"
+                    if uri.startswith(HUB_SCHEME) else "")
+            raise DataError(f"data.source = {uri!r}: no such file or folder{hint}")
         if info.type == pafs.FileType.File:
             found = [info]
         else:
-            manifest = read_manifest(filesystem, path)
+            manifest = read_manifest(filesystem, path) if pattern is None else None
             if manifest is not None:
                 return _prepared(uri, path, filesystem, manifest)
-            found = [f for f in filesystem.get_file_info(pafs.FileSelector(path, recursive=True))
-                     if f.type == pafs.FileType.File]
+            found = [f for f in filesystem.get_file_info(pafs.FileSelector(folder, recursive=True))
+                     if f.type == pafs.FileType.File and (pattern is None or glob_match(f.path, pattern))]
     except OSError as exc:  # permissions, credentials, network: say so in one line
         raise DataError(f"data.source = {uri!r}: cannot read it ({str(exc).splitlines()[0][:200]})") from None
+    if pattern is not None and not found:
+        raise DataError(f"data.source = {uri!r}: no file matches it")
 
     by_kind: dict[FileKind, list[pafs.FileInfo]] = {}
     for f in found:
@@ -144,7 +152,7 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
         raise DataError(f"data.source = {uri!r}: no {label} files found (looked for {looked_for}"
                         f"{'' if is_remote(uri) else ', recursively'})")
     return Source(uri=uri, kind=chosen, filesystem=filesystem, files=tuple(f.path for f in files),
-                  sizes=tuple(int(f.size) for f in files), root=path)
+                  sizes=tuple(int(f.size) for f in files), root=folder)
 
 
 def _prepared(uri: str, folder: str, filesystem: pafs.FileSystem, manifest: dict[str, Any]) -> Source:

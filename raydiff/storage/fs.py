@@ -1,20 +1,30 @@
-"""Filesystems for URIs: local paths, file://, s3:// and gs://, through pyarrow.
+"""Filesystems for URIs: local paths, file://, s3:// and gs://, through pyarrow; and, for data only, hf:// (the
+Hugging Face Hub, through huggingface_hub's fsspec filesystem).
 
 Credentials come the standard way (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or
-~/.aws, instance roles; GOOGLE_APPLICATION_CREDENTIALS or the metadata server), never from raydiff's config.
-An S3-compatible server (MinIO, Ceph, moto) is reached with an endpoint: the config's key, or AWS_ENDPOINT_URL.
+~/.aws, instance roles; GOOGLE_APPLICATION_CREDENTIALS or the metadata server; HF_TOKEN or `hf auth login`),
+never from raydiff's config. An S3-compatible server (MinIO, Ceph, moto) is reached with an endpoint: the
+config's key, or AWS_ENDPOINT_URL; a Hub mirror the same way (or HF_ENDPOINT).
+
+A data source's last parts may be a glob (`train-*.parquet`): a Hub dataset keeps its splits side by side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from pathlib import Path
+from collections.abc import Iterator
+from fnmatch import fnmatchcase
+from pathlib import Path, PurePosixPath
 
 import pyarrow.fs as pafs
 
-REMOTE_SCHEMES = ("s3://", "gs://", "gcs://")
-SCHEMES = ("file://", *REMOTE_SCHEMES)
+HUB_SCHEME = "hf://"  # read-only to raydiff: a data source, never a run's storage
+REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", HUB_SCHEME)
+STORAGE_SCHEMES = ("file://", "s3://", "gs://", "gcs://")
+SCHEMES = (*STORAGE_SCHEMES, HUB_SCHEME)  # what data.source may name
+GLOB_CHARACTERS = "*?["
 # google-cloud-cpp retries a failing GCS request for 15 minutes by default, so a missing credential or an
 # unreachable endpoint left a run silent that long. A minute rides out transient errors (503s, rate limits), as
 # pyarrow's 3 attempts do on S3. Then the error surfaces: one line before training, or a failed worker that Ray
@@ -30,9 +40,15 @@ def scheme_of(uri: str) -> str | None:
     return uri.split("://", 1)[0] + "://" if "://" in uri else None
 
 
-def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = False) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path within it) for a local path or a file://, s3:// or gs:// URI. Raises ValueError for
-    other schemes."""
+def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = False,
+                   hub: bool = False) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path within it) for a local path or a file://, s3:// or gs:// URI, and with `hub` an hf://
+    URI. Raises ValueError for other schemes."""
+    if uri.startswith(HUB_SCHEME):
+        if not hub:
+            raise ValueError(f"{HUB_SCHEME} (the Hugging Face Hub) is for data.source only; raydiff writes to a "
+                             f"local path, s3:// or gs://")
+        return _hub_filesystem(endpoint, anonymous), uri[len(HUB_SCHEME):].rstrip("/")
     if uri.startswith("s3://"):
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         options: dict = {"anonymous": anonymous}
@@ -57,9 +73,68 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
     if uri.startswith("file://"):
         return pafs.LocalFileSystem(), str(Path(uri[7:]).expanduser().resolve())
     if "://" in uri:
-        raise ValueError(f"unsupported URI scheme {scheme_of(uri)!r}; supported: {', '.join(SCHEMES)} or a local path")
+        schemes = SCHEMES if hub else STORAGE_SCHEMES
+        raise ValueError(f"unsupported URI scheme {scheme_of(uri)!r}; supported: {', '.join(schemes)} or a local path")
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
 
 
 def join_uri(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
+
+
+def glob_split(path: str) -> tuple[str, str | None]:
+    """(the folder to list, the pattern) of a path whose parts hold glob characters, from the first such part;
+    (path, None) for a plain path."""
+    parts = PurePosixPath(path).parts
+    first = next((i for i, part in enumerate(parts) if any(c in part for c in GLOB_CHARACTERS)), None)
+    if first is None:
+        return path, None
+    return str(PurePosixPath(*parts[:first])) if first else "", path
+
+
+def glob_match(path: str, pattern: str) -> bool:
+    """Whether `path` matches `pattern` part for part (a `*` never crosses a `/`)."""
+    parts, wanted = PurePosixPath(path).parts, PurePosixPath(pattern).parts
+    return len(parts) == len(wanted) and all(fnmatchcase(p, w) for p, w in zip(parts, wanted, strict=True))
+
+
+def _hub_filesystem(endpoint: str | None, anonymous: bool) -> pafs.FileSystem:
+    from huggingface_hub import HfFileSystem
+
+    # token None: each process that reads takes its own (HF_TOKEN, the login's token file); False sends none.
+    hub = HfFileSystem(endpoint=endpoint or None, token=False if anonymous else None)
+    return pafs.PyFileSystem(_HubHandler(hub))
+
+
+class _HubHandler(pafs.FSSpecHandler):
+    """huggingface_hub's network errors (httpx's, or requests' in older releases) as ConnectionError, an OSError:
+    what every other filesystem raises when it cannot reach its server."""
+
+    def get_file_info(self, paths):
+        with _network_errors_as_oserror():
+            return super().get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        with _network_errors_as_oserror():
+            return super().get_file_info_selector(selector)
+
+    def open_input_file(self, path):
+        with _network_errors_as_oserror():
+            return super().open_input_file(path)
+
+    def open_input_stream(self, path):
+        with _network_errors_as_oserror():
+            return super().open_input_stream(path)
+
+
+@contextlib.contextmanager
+def _network_errors_as_oserror() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] not in _NETWORK_LIBRARIES:
+            raise
+        raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+
+
+_NETWORK_LIBRARIES = ("httpx", "httpx2", "requests", "urllib3")

@@ -25,6 +25,9 @@ from raydiff.config.checks import parse_sigma_rels
     ("train.micro_batch=24", "not reachable as micro_batch x 2 workers x accumulation"),
     ("data.source=/no/such/folder", "data.source = '/no/such/folder': no such file or folder"),
     ("data.source=builtin:mnist", "builtin sources: builtin:digits"),
+    ("data.source=ftp://host/images", "supported URI schemes: file://, s3://, gs://, gcs://, hf:// (or a local path)"),
+    ("run.storage=hf://datasets/me/runs", "run.storage = 'hf://datasets/me/runs': supported URI schemes: file://, "
+                                          "s3://, gs://, gcs:// (or a local or NFS path)"),
     ("data.resolution=10", "must be divisible by"),
     ("model.attention_resolutions=[5]", "each must be one of the model's resolutions [16, 8, 4]"),
     ("model.norm_groups=24", "must divide every channel count"),
@@ -150,3 +153,10 @@ def test_widths_are_read_in_order_and_bad_ones_refused():
     for text in ("0", "0.28", "nan", "0.05,0.05", "a"):
         with pytest.raises(ConfigError, match=f"--sigma-rel = '{text}': must be"):
             parse_sigma_rels(text)
+
+
+def test_a_source_may_be_a_glob_in_an_existing_folder(tmp_path):
+    load_config("default", [f"data.source={tmp_path}/train-*.parquet"])  # what matches is listed later
+    with pytest.raises(ConfigError, match="no such file or folder"):
+        load_config("default", [f"data.source={tmp_path}/missing/train-*.parquet"])
+    load_config("default", ["data.source=hf://datasets/owner/name/train-*.parquet"])  # listed when the run starts
