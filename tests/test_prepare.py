@@ -115,10 +115,12 @@ def test_a_split_of_a_hub_dataset_trains_from_its_hf_uri(hub_server, tmp_path):
     folder = hub_server.root / "raydiff-tests" / "synthetic" / "plain_text"
     folder.mkdir(parents=True)
     pngs = write_synthetic(tmp_path / "images", num=30, resolution=16, fmt="png")
+    features = {"img": {"_type": "Image"}, "label": {"names": ["cat", "dog", "frog"], "_type": "ClassLabel"}}
     for name, part in (("train-00000-of-00002", pngs[:12]), ("train-00001-of-00002", pngs[12:24]),
                        ("test-00000-of-00001", pngs[24:])):
         images = [{"bytes": p.read_bytes(), "path": p.name} for p in part]
-        pq.write_table(pa.table({"img": images, "label": [i % 3 for i in range(len(part))]}),
+        table = pa.table({"img": images, "label": [i % 3 for i in range(len(part))]})
+        pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
                        folder / f"{name}.parquet")
     source = "hf://datasets/raydiff-tests/synthetic/plain_text/train-*.parquet"
     train = run_cli("raydiff.train", *TINY, "--set", f"data.source={source}", "--set", "data.image_column=img",
@@ -128,5 +130,6 @@ def test_a_split_of_a_hub_dataset_trains_from_its_hf_uri(hub_server, tmp_path):
     assert summary_of(tmp_path / "hub")["status"] == "finished"
     assert f"24 images from 2 Parquet files in {source}" in train.stdout, train.stdout[-3000:]
     assert "class-conditional on 3 classes" in train.stdout
+    assert json.loads((tmp_path / "hub" / "data.json").read_text())["classes"] == ["cat", "dog", "frog"]
     read = [path for method, path in hub_server.requests if "/resolve/" in path]
     assert any("train-00001-of-00002" in path for path in read) and not any("test-" in path for path in read)

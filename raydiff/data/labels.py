@@ -8,14 +8,17 @@ stay as they were).
 
 Labels travel through decoding as text, one per sample ("" for none), and become class ids once every label is
 known: names are numbered in sorted order (ImageFolder's rule); integer labels are ids as they are, named by
-str(id), with max + 1 classes. A Parquet column's type says which it is; a `.cls` text is read as ids when every
-label is an integer, else as names. Why text: a streamed preparation writes shards before it has seen every
-label, so the shards keep the names and the manifest the numbering. A sample without a usable label is reported
-like one that cannot be decoded (`raydiff.data.errors.BadSample`); a source with no labels at all is one line.
+str(id), with max + 1 classes, or by the names a Hugging Face `datasets` file gives them (a `ClassLabel` feature
+in its schema's metadata: CIFAR-10's "airplane" ... "truck"; a label is then its name from the start). A Parquet
+column's type says which it is; a `.cls` text is read as ids when every label is an integer, else as names. Why
+text: a streamed preparation writes shards before it has seen every label, so the shards keep the names and the
+manifest the numbering. A sample without a usable label is reported like one that cannot be decoded
+(`raydiff.data.errors.BadSample`); a source with no labels at all is one line.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -35,8 +38,9 @@ _DIGIT = re.compile(r"_digit(\d+)\.[A-Za-z]+$")
 _INTEGER = re.compile(r"[+-]?\d+")
 
 # How a source's labels become ids: `names` sorted, `ids` as they are, `text` ids if every label is an integer
-# (else names), `manifest` the classes a prepared folder's manifest lists.
-Rule = Literal["names", "ids", "text", "manifest"]
+# (else names), `manifest` the classes a prepared folder's manifest lists, `named` ids as they are with the names
+# the data gives them (`classes`).
+Rule = Literal["names", "ids", "text", "manifest", "named"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class LabelPlan:
     :param rule: how labels become ids (see `Rule`).
     :param root: folder: the path `data.source` names, within its filesystem.
     :param column: the Parquet column (prepared data: `LABEL_COLUMN`).
-    :param classes: prepared data: the manifest's class names.
+    :param classes: prepared data: the manifest's class names; `named`: the name of each id.
     """
 
     where: Literal["folder", "digits", "column", "cls", "prepared"]
@@ -87,6 +91,10 @@ class LabelPlan:
         number = int(value)
         if number < 0:
             return "", f"no label: {self._what()} is {number} (negative: none)"
+        if self.rule == "named":
+            if number >= len(self.classes):
+                return "", f"no label: {self._what()} is {number}; its dataset names {len(self.classes)} classes"
+            return self.classes[number], ""
         return str(number), ""
 
     def _what(self) -> str:
@@ -132,12 +140,25 @@ def plan_labels(source, label_column: str) -> LabelPlan:
     if pa.types.is_dictionary(kind):
         kind = kind.value_type
     if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
-        return LabelPlan("column", "ids", column=label_column)
+        names = class_label_names(schema, label_column)
+        return LabelPlan("column", "named" if names else "ids", column=label_column, classes=names)
     if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
             or pa.types.is_large_binary(kind):
         return LabelPlan("column", "names", column=label_column)
     raise DataError(f"{where}: data.label_column = {label_column!r} holds {kind} values in {source.files[0]}; "
                     f"expected integer class ids or class names (strings)")
+
+
+def class_label_names(schema: pa.Schema, column: str) -> tuple[str, ...]:
+    """The name of each id of `column` as a Hugging Face `datasets` file gives them (a `ClassLabel` feature, in
+    the schema's `huggingface` metadata); () when the file names none."""
+    try:
+        feature = json.loads((schema.metadata or {})[b"huggingface"])["info"]["features"][column]
+        names = feature["names"] if feature.get("_type") == "ClassLabel" else []
+    except (KeyError, TypeError, AttributeError, ValueError):  # no such metadata, or not the shape `datasets` writes
+        return ()
+    unique = [str(n) for n in names] if isinstance(names, list) else []
+    return tuple(unique) if len(set(unique)) == len(unique) else ()
 
 
 def missing_labels(source) -> DataError:
@@ -151,7 +172,7 @@ def missing_labels(source) -> DataError:
 
 def resolve_classes(names: Iterable[str], plan: LabelPlan, source: str) -> tuple[str, ...]:
     """The class names, id = position, of every label seen (labels "" excluded)."""
-    if plan.rule == "manifest":
+    if plan.rule in ("manifest", "named"):
         return plan.classes
     found = {n for n in names if n}
     as_ids = plan.rule == "ids" or (plan.rule == "text" and all(n.isdigit() for n in found))

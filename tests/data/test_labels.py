@@ -53,18 +53,25 @@ def sources(tmp_path_factory) -> dict[str, str]:
     (root / "ints").mkdir()
     pq.write_table(pa.table({"image": pa.array(images, pa.binary()),
                              "label": pa.array([2, 0, None, 2, -1, 0], pa.int64())}), root / "ints" / "a.parquet")
+    (root / "named").mkdir()  # as Hugging Face's `datasets` writes a ClassLabel column: ids, their names aside
+    features = {"image": {"dtype": "binary", "_type": "Value"},
+                "label": {"names": ["airplane", "automobile", "bird", "cat"], "_type": "ClassLabel"}}
+    named = pa.table({"image": pa.array(images, pa.binary()), "label": pa.array([3, 0, None, 7, -1, 0], pa.int64())})
+    pq.write_table(named.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
+                   root / "named" / "a.parquet")
     (root / "names").mkdir()
     pq.write_table(pa.table({"image": pa.array(images[:4], pa.binary()),
                              "kind": pa.array(["tree", "boat", None, "tree"])}), root / "names" / "a.parquet")
     (root / "wds").mkdir()
     _write_tar(root / "wds" / "shard-0.tar", [(images[0], b"3\n"), (images[1], b"1"), (images[2], None),
                                               (images[3], b"0")])
-    return {kind: str(root / kind) for kind in ("folder", "ints", "names", "wds")}
+    return {kind: str(root / kind) for kind in ("folder", "ints", "named", "names", "wds")}
 
 
 EXPECTED = {  # kind: (options, classes, labels by sample index, indices without a label)
     "folder": ({}, ("cat", "dog"), [0, 0, 0, 1, 1, -1], [5]),
     "ints": ({}, ("0", "1", "2"), [2, 0, -1, 2, -1, 0], [2, 4]),
+    "named": ({}, ("airplane", "automobile", "bird", "cat"), [3, 0, -1, -1, -1, 0], [2, 3, 4]),
     "names": ({"label_column": "kind"}, ("boat", "tree"), [1, 0, -1, 1], [2]),
     "wds": ({}, ("0", "1", "2", "3"), [3, 1, -1, 0], [2]),
 }
@@ -85,6 +92,22 @@ def test_each_source_kind_reads_its_labels_in_memory(ray_session, sources, kind)
     plain = load_data(_data(sources[kind], labels="none", **options))
     assert plain.labels is None and plain.classes == () and not plain.bad and plain.label_summary() == {}
     assert plain.class_counts() == []
+
+
+def test_class_names_come_from_a_class_label_feature_and_nothing_else():
+    from raydiff.data.labels import class_label_names
+
+    def schema(features) -> pa.Schema:
+        metadata = None if features is None else {"huggingface": features if isinstance(features, str) else
+                                                  json.dumps({"info": {"features": features}})}
+        return pa.schema([("label", pa.int64())], metadata=metadata)
+
+    assert class_label_names(schema({"label": {"names": ["cat", "dog"], "_type": "ClassLabel"}}), "label") == (
+        "cat", "dog")
+    for features in (None, "{not json", {"label": {"dtype": "int64", "_type": "Value"}}, {"other": {}},
+                     {"label": {"names": "cat", "_type": "ClassLabel"}},
+                     {"label": {"names": ["cat", "cat"], "_type": "ClassLabel"}}):  # names that tell no id apart
+        assert class_label_names(schema(features), "label") == (), features
 
 
 @pytest.mark.ray
