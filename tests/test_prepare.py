@@ -65,7 +65,7 @@ def test_prepare_then_train_on_the_prepared_folder(messy, tmp_path):
 
     train = run_cli("raydiff.train", *TINY, "--set", f"data.source={out}", "--set", f"run.storage={tmp_path}")
     assert train.returncode == 0, train.stderr[-3000:]
-    assert "44 images from 1 prepared shards" in train.stdout
+    assert "44 images from 1 prepared shard in" in train.stdout
     run = summary_of(tmp_path / "smoke")
     assert run["status"] == "finished" and run["bad_images"]["count"] == 0
 

@@ -61,7 +61,7 @@ class Source:
     def describe(self) -> str:
         what = {"images": "image files", "parquet": "Parquet files", "webdataset": "WebDataset shards",
                 "prepared": "prepared shards"}[self.kind]
-        return f"{len(self.files)} {what} in {self.uri}"
+        return f"{len(self.files)} {what if len(self.files) != 1 else what[:-1]} in {self.uri}"
 
 
 def _common_root(files: tuple[str, ...]) -> str:

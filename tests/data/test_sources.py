@@ -19,8 +19,9 @@ def test_folder_is_listed_recursively_and_sorted(tmp_path):
     source = open_source(str(tmp_path))
     assert source.kind == "images" and len(source.files) == 5 and list(source.files) == sorted(source.files)
     assert open_source(f"file://{tmp_path}").files == source.files
+    assert source.describe() == f"5 image files in {tmp_path}"
     single = str(tmp_path / "b" / "synthetic_000000.jpg")
-    assert open_source(single).files == (single,)
+    assert open_source(single).files == (single,) and open_source(single).describe() == f"1 image file in {single}"
 
 
 def test_identity_follows_names_and_sizes_not_location(tmp_path):
