@@ -108,7 +108,7 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 chunk = data
                 self.send_response(200)
             self.send_header("Content-Length", str(len(chunk)))
-            self.send_header("ETag", f'"{_entry(repo, path)["oid"]}"')
+            self.send_header("ETag", f'"{hashlib.sha1(data).hexdigest()}"')  # the oid `_entry` lists
             self.send_header("X-Repo-Commit", SHA)
             self.end_headers()
             if body:

@@ -269,8 +269,8 @@ def _check_source(source: str | None) -> None:
     if source.startswith("builtin:"):
         _check(source in BUILTIN_SOURCES, "data.source", source, f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
     elif "://" not in source:
-        exists = Path(source).exists() or Path(glob_split(str(Path(source).expanduser()))[0]).is_dir()
-        _check(exists, "data.source", source, "no such file or folder")
+        folder, _ = glob_split(source)  # a glob's folder must exist; what matches is listed when the run starts
+        _check(Path(source).exists() or Path(folder).is_dir(), "data.source", source, "no such file or folder")
     else:
         _check(source.startswith(SCHEMES), "data.source", source,
                f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")

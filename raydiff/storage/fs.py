@@ -106,27 +106,6 @@ def _hub_filesystem(endpoint: str | None, anonymous: bool) -> pafs.FileSystem:
     return pafs.PyFileSystem(_HubHandler(hub))
 
 
-class _HubHandler(pafs.FSSpecHandler):
-    """huggingface_hub's network errors (httpx's, or requests' in older releases) as ConnectionError, an OSError:
-    what every other filesystem raises when it cannot reach its server."""
-
-    def get_file_info(self, paths):
-        with _network_errors_as_oserror():
-            return super().get_file_info(paths)
-
-    def get_file_info_selector(self, selector):
-        with _network_errors_as_oserror():
-            return super().get_file_info_selector(selector)
-
-    def open_input_file(self, path):
-        with _network_errors_as_oserror():
-            return super().open_input_file(path)
-
-    def open_input_stream(self, path):
-        with _network_errors_as_oserror():
-            return super().open_input_stream(path)
-
-
 @contextlib.contextmanager
 def _network_errors_as_oserror() -> Iterator[None]:
     try:
@@ -138,3 +117,13 @@ def _network_errors_as_oserror() -> Iterator[None]:
 
 
 _NETWORK_LIBRARIES = ("httpx", "httpx2", "requests", "urllib3")
+
+
+class _HubHandler(pafs.FSSpecHandler):
+    """huggingface_hub's network errors (httpx's, or requests' in older releases) as ConnectionError, an OSError:
+    what every other filesystem raises when it cannot reach its server. The methods that list and open files."""
+
+    get_file_info = _network_errors_as_oserror()(pafs.FSSpecHandler.get_file_info)
+    get_file_info_selector = _network_errors_as_oserror()(pafs.FSSpecHandler.get_file_info_selector)
+    open_input_file = _network_errors_as_oserror()(pafs.FSSpecHandler.open_input_file)
+    open_input_stream = _network_errors_as_oserror()(pafs.FSSpecHandler.open_input_stream)
