@@ -104,9 +104,9 @@ def test_s3_source_prepare_and_train_against_a_loopback_server(s3_server, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_split_of_a_hub_dataset_trains_from_its_hf_uri(hub_server, tmp_path):
-    """As `--set data.source='hf://datasets/uoft-cs/cifar10/plain_text/train-*.parquet'` trains on CIFAR-10's
-    training split: Parquet files as Hugging Face's `datasets` writes them, read over HTTP by every process."""
+def test_a_hub_dataset_trains_on_its_train_split_from_its_hf_uri(hub_server, tmp_path):
+    """As `--set data.source=hf://datasets/uoft-cs/cifar10` trains on CIFAR-10's training split: Parquet files as
+    Hugging Face's `datasets` writes them, beside the test split's, read over HTTP by every process."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -122,13 +122,13 @@ def test_a_split_of_a_hub_dataset_trains_from_its_hf_uri(hub_server, tmp_path):
         table = pa.table({"img": images, "label": [i % 3 for i in range(len(part))]})
         pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
                        folder / f"{name}.parquet")
-    source = "hf://datasets/raydiff-tests/synthetic/plain_text/train-*.parquet"
+    source = "hf://datasets/raydiff-tests/synthetic"
     train = run_cli("raydiff.train", *TINY, "--set", f"data.source={source}", "--set", "data.image_column=img",
                     "--set", f"data.endpoint={hub_server.endpoint}", "--set", "data.labels=auto",
                     "--set", "model.num_classes=auto", "--set", f"run.storage={tmp_path}", "--set", "run.name=hub")
     assert train.returncode == 0, train.stderr[-3000:]
     assert summary_of(tmp_path / "hub")["status"] == "finished"
-    assert f"24 images from 2 Parquet files in {source}" in train.stdout, train.stdout[-3000:]
+    assert f"24 images from 2 Parquet files in {source} (its train split)" in train.stdout, train.stdout[-3000:]
     assert "class-conditional on 3 classes" in train.stdout
     assert json.loads((tmp_path / "hub" / "data.json").read_text())["classes"] == ["cat", "dog", "frog"]
     read = [path for method, path in hub_server.requests if "/resolve/" in path]

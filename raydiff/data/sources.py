@@ -4,7 +4,8 @@ Kinds: a folder (recursive) or a single file of images; Parquet files with an en
 Hugging Face's {bytes, path} struct) or a decoded uint8 tensor column; WebDataset `.tar` shards; a folder written
 by `python -m raydiff.prepare` (its manifest.json says so); `builtin:digits`. Each may be a local path or a
 file://, s3://, gs:// or hf:// (Hugging Face Hub) URI, and its last parts a glob (`train-*.parquet`: one split of
-a Hub dataset). Files are sorted, so that sample i is the same image in every run.
+a Hub dataset). A Hub dataset's folder gives its train split (`raydiff.data.hub_splits`). Files are sorted, so that
+sample i is the same image in every run.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Literal
 import pyarrow.fs as pafs
 
 from raydiff.data.errors import DataError
+from raydiff.data.hub_splits import train_split
 from raydiff.data.shard_format import PREPARED_VERSION, read_manifest
 from raydiff.storage.fs import HUB_SCHEME, filesystem_for, glob_match, glob_split, is_remote
 
@@ -39,6 +41,8 @@ class Source:
     :param sizes: byte size of each file.
     :param manifest: the prepare manifest (only for `prepared`).
     :param root: the path `data.source` names within the filesystem (a folder's class subfolders are under it).
+    :param split: the split of a Hugging Face Hub dataset its files are, where its folder holds several
+        (`raydiff.data.hub_splits`); "" otherwise.
     """
 
     uri: str
@@ -48,6 +52,7 @@ class Source:
     sizes: tuple[int, ...]
     manifest: dict[str, Any] = field(default_factory=dict)
     root: str = ""
+    split: str = ""
 
     def identity(self) -> dict[str, Any]:
         """Count and fingerprint of the files (relative names and sizes): a changed source is caught on resume."""
@@ -61,7 +66,8 @@ class Source:
     def describe(self) -> str:
         what = {"images": "image files", "parquet": "Parquet files", "webdataset": "WebDataset shards",
                 "prepared": "prepared shards"}[self.kind]
-        return f"{len(self.files)} {what if len(self.files) != 1 else what[:-1]} in {self.uri}"
+        split = f" (its {self.split} split)" if self.split else ""
+        return f"{len(self.files)} {what if len(self.files) != 1 else what[:-1]} in {self.uri}{split}"
 
 
 def _common_root(files: tuple[str, ...]) -> str:
@@ -146,13 +152,18 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
     else:
         chosen = next(iter(by_kind), "images")
     files = sorted(by_kind.get(chosen, []), key=lambda f: f.path)
+    split = ""
+    if uri.startswith(HUB_SCHEME) and pattern is None and info.type == pafs.FileType.Directory:
+        paths, split, folder = train_split(uri, [f.path for f in files], folder)
+        wanted = set(paths)
+        files = [f for f in files if f.path in wanted]
     if not files:
         looked_for = ", ".join(KIND_EXTENSIONS[chosen])
         label = {"images": "image", "parquet": "Parquet", "webdataset": "WebDataset"}[chosen]
         raise DataError(f"data.source = {uri!r}: no {label} files found (looked for {looked_for}"
                         f"{'' if is_remote(uri) else ', recursively'})")
     return Source(uri=uri, kind=chosen, filesystem=filesystem, files=tuple(f.path for f in files),
-                  sizes=tuple(int(f.size) for f in files), root=folder)
+                  sizes=tuple(int(f.size) for f in files), root=folder, split=split)
 
 
 def _prepared(uri: str, folder: str, filesystem: pafs.FileSystem, manifest: dict[str, Any]) -> Source:

@@ -9,7 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from raydiff.data.builtin import write_synthetic
+from raydiff.data.hub_splits import glob_of, splits_of
+from raydiff.data.labels import plan_labels
 from raydiff.data.sources import DataError, open_source
+from raydiff.storage.fs import glob_match
 from raydiff.storage.rundir import RunDir
 
 
@@ -40,8 +43,73 @@ def test_a_glob_picks_one_split_of_a_hub_dataset_and_its_files_read_anywhere(hub
     table = pq.read_table(source.files[1], filesystem=filesystem)
     assert table.column("label").to_pylist() == [3, 4]
     assert table.column("img").to_pylist()[0]["bytes"] == b"image train-00001-of-00002 0"
-    everything = open_source(cifar_like, endpoint=hub_server.endpoint)
-    assert len(everything.files) == 3
+
+
+def test_a_hub_datasets_folder_trains_on_its_train_split_and_says_so(hub_server, cifar_like):
+    prefix = "datasets/raydiff-tests/cifar-like/plain_text/"
+    for folder in (cifar_like, cifar_like.rsplit("/", 1)[0]):  # the split's folder, and the repository's root
+        source = open_source(folder, endpoint=hub_server.endpoint)
+        assert source.files == (f"{prefix}train-00000-of-00002.parquet", f"{prefix}train-00001-of-00002.parquet")
+        assert source.split == "train"
+        assert source.describe() == f"2 Parquet files in {folder} (its train split)"
+    one_file = open_source(f"{cifar_like}/test-00000-of-00001.parquet", endpoint=hub_server.endpoint)
+    assert one_file.split == "" and len(one_file.files) == 1  # a file or a glob is taken as named
+
+
+def test_images_in_a_hub_datasets_split_folders_keep_their_classes(hub_server):
+    repo = hub_server.root / "raydiff-tests" / "pets"
+    for split, kind, num in (("train", "cat", 2), ("train", "dog", 1), ("test", "cat", 1)):
+        write_synthetic(repo / "data" / split / kind, num=num, resolution=8)
+    source = open_source("hf://datasets/raydiff-tests/pets", endpoint=hub_server.endpoint)
+    assert source.split == "train" and len(source.files) == 3
+    assert source.root == "datasets/raydiff-tests/pets/data/train"
+    plan = plan_labels(source, "label")
+    assert [plan.of_path(f)[0] for f in source.files] == ["cat", "cat", "dog"]  # not "train"
+
+
+def test_a_hub_dataset_without_a_train_split_is_refused_in_one_line(hub_server):
+    folder = hub_server.root / "raydiff-tests" / "eval-only"
+    _write_split(folder / "data", "validation", [0])
+    _write_split(folder / "data", "test-en", [1])
+    _write_split(folder / "data", "test-fr", [2])
+    _write_split(folder / "other", "test-de", [3])
+    source = "hf://datasets/raydiff-tests/eval-only"
+    with pytest.raises(DataError) as info:
+        open_source(f"{source}/data", endpoint=hub_server.endpoint)
+    assert str(info.value) == (
+        f"data.source = '{source}/data' holds several splits and no train split (test: 2 files, e.g. "
+        f"test-en.parquet; validation: 1 file, e.g. validation.parquet): name the files of one with a glob, e.g. "
+        f"{source}/data/test*.parquet")
+    alone = open_source(f"{source}/other", endpoint=hub_server.endpoint)  # one split is the dataset
+    assert alone.split == "test" and alone.describe().endswith("(its test split)")
+
+
+@pytest.mark.parametrize(("paths", "splits"), [
+    # The examples of https://huggingface.co/docs/hub/datasets-file-names-and-splits
+    (["data.csv"], {}),
+    (["train.csv", "test.csv", "validation.csv"], {"train": ["train.csv"], "test": ["test.csv"],
+                                                  "validation": ["validation.csv"]}),
+    (["my_train_file.csv", "test-file.csv", "validation1.csv", "testfile.csv"],
+     {"train": ["my_train_file.csv"], "test": ["test-file.csv"], "validation": ["validation1.csv"]}),
+    (["data/train/0.csv", "data/test/0.csv", "data/train.csv"], {"train": ["data/train/0.csv"],
+                                                                 "test": ["data/test/0.csv"]}),
+    (["training.csv", "dev.csv", "eval.csv"], {"train": ["training.csv"], "validation": ["dev.csv"],
+                                               "test": ["eval.csv"]}),
+    (["data/random-00000-of-00002.parquet", "data/random-00001-of-00002.parquet", "data/train.parquet"],
+     {"random": ["data/random-00000-of-00002.parquet", "data/random-00001-of-00002.parquet"]}),
+    (["retrain.csv", "trains/a.csv", "contest.csv"], {}),  # a keyword inside a word is no split
+])
+def test_splits_are_told_from_names_as_the_hub_tells_them(paths, splits):
+    assert splits_of(paths) == splits
+    for split, found in splits.items():  # the glob an error suggests picks the split's example and its kin
+        assert glob_match(found[0], glob_of(found[0], split)), (found[0], glob_of(found[0], split))
+
+
+def test_the_suggested_glob_keeps_the_examples_shape():
+    assert glob_of("plain_text/test-00000-of-00001.parquet", "test") == "plain_text/test*.parquet"
+    assert glob_of("data/test/deeper/0.parquet", "test") == "data/test*/*/*.parquet"
+    assert glob_of("data/my_eval_set.parquet", "test") == "data/my_eval*.parquet"
+    assert glob_of("data/random-00000-of-00002.parquet", "random") == "data/random*.parquet"
 
 
 def test_a_missing_or_private_hub_dataset_is_one_line_that_names_the_token(hub_server, cifar_like):

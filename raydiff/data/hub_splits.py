@@ -1,0 +1,93 @@
+"""Which split of a Hugging Face Hub dataset each of its files belongs to, so that a run pointed at a dataset's
+folder trains on its train split and never on its test split.
+
+A Hub dataset keeps its splits side by side (`plain_text/train-00000-of-00001.parquet`, `plain_text/test-...`);
+listing the folder finds them all. The Hub names splits by where files are, in this order of precedence
+(https://huggingface.co/docs/hub/datasets-file-names-and-splits, as `datasets` reads them): sharded files
+`data/<split>-00000-of-00001.*`; else folders whose name holds a split's keyword; else file names that hold one.
+A keyword counts when non-word characters (`-._ 0-9`) or the ends of the name delimit it (`test-file.csv` is
+test, `testfile.csv` is not), and each split has its synonyms (`dev` and `val` are validation, `eval` is test).
+A dataset's card may define other splits (its YAML `configs:`); this module reads names only, so a glob in
+`data.source` remains the way to pick any files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+
+from raydiff.data.errors import DataError
+
+TRAIN = "train"
+SPLIT_KEYWORDS = {TRAIN: ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+_SEPARATORS = r"[-._ 0-9]"
+_SHARDED = re.compile(r"data/(\w+)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
+_FOLDER = {split: re.compile(rf"(.*{_SEPARATORS})?({'|'.join(words)})({_SEPARATORS}.*)?")
+           for split, words in SPLIT_KEYWORDS.items()}
+_FILE = {split: re.compile(rf"(.*{_SEPARATORS})?({'|'.join(words)}){_SEPARATORS}.*")
+         for split, words in SPLIT_KEYWORDS.items()}
+
+
+def splits_of(paths: list[str]) -> dict[str, list[str]]:
+    """{split: its paths} of paths relative to a dataset's folder, by the first of the Hub's rules that names any
+    split; {} when none does (then the whole folder is one split, as on the Hub). A path no rule places is in
+    no split."""
+    sharded: dict[str, list[str]] = {}
+    for path in paths:
+        if match := _SHARDED.fullmatch(path):
+            sharded.setdefault(match.group(1), []).append(path)
+    if sharded:
+        return sharded
+    for rules, in_folder in ((_FOLDER, True), (_FILE, False)):
+        found: dict[str, list[str]] = {}
+        for path in paths:
+            parts = PurePosixPath(path).parent.parts if in_folder else (PurePosixPath(path).name,)
+            split = next((s for s, rule in rules.items() if any(rule.fullmatch(part) for part in parts)), None)
+            if split is not None:
+                found.setdefault(split, []).append(path)
+        if found:
+            return found
+    return {}
+
+
+def train_split(uri: str, files: list[str], folder: str) -> tuple[list[str], str, str]:
+    """(the files to train on, their split: "" for the whole folder, the folder their class subfolders are in) of
+    `files`, the full paths of a Hub dataset's files listed under `folder` (`data.source = uri`): its train split,
+    or its only split. Raises DataError when the folder holds several splits and none of them is train."""
+    root = folder.rstrip("/") + "/" if folder else ""
+    full = {f[len(root):]: f for f in files}
+    splits = splits_of(list(full))
+    if not splits:
+        return files, "", folder
+    chosen = TRAIN if TRAIN in splits else next(iter(splits)) if len(splits) == 1 else None
+    if chosen is None:
+        named = "; ".join(f"{split}: {len(paths)} file{'s' if len(paths) > 1 else ''}, e.g. {paths[0]}"
+                          for split, paths in sorted(splits.items()))
+        first = min(splits)
+        raise DataError(f"data.source = {uri!r} holds several splits and no train split ({named}): name the files "
+                        f"of one with a glob, e.g. {uri.rstrip('/')}/{glob_of(splits[first][0], first)}")
+    paths = splits[chosen]
+    # Images in split folders keep their classes one level down (`train/cat/0.png`): the split's folder is the root.
+    tops = {_split_folder(p, chosen) for p in paths}
+    top = tops.pop() if len(tops) == 1 else None
+    return [full[p] for p in paths], chosen, root + top if top else folder
+
+
+def _split_folder(path: str, split: str) -> str | None:
+    """The folders of `path` down to the one named for `split`; None when no folder is."""
+    parts = PurePosixPath(path).parent.parts
+    named = next((i for i, part in enumerate(parts) if split in _FOLDER and _FOLDER[split].fullmatch(part)), None)
+    return "/".join(parts[:named + 1]) if named is not None else None
+
+
+def glob_of(path: str, split: str) -> str:
+    """A glob for the files of `split` shaped like `path`, one of them: the part that names the split cut after
+    its keyword (`data/test-en.parquet` -> `data/test*.parquet`), each part below it `*`."""
+    words = "|".join(SPLIT_KEYWORDS.get(split, (re.escape(split),)))
+    parts = PurePosixPath(path).parts
+    for i, part in enumerate(parts):
+        if match := re.search(rf"(^|{_SEPARATORS})({words})({_SEPARATORS}|$)", part):
+            below = ["*"] * (len(parts) - i - 1)
+            return "/".join([*parts[:i], part[:match.end(2)] + "*", *below]) + PurePosixPath(path).suffix
+    return path
