@@ -27,6 +27,7 @@ import ray
 
 from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.hub_features import image_columns
 from raydiff.data.labels import LabelledSamples, LabelPlan, class_ids, missing_labels, plan_labels, resolve_classes
 from raydiff.data.shard_format import check_prepared
 from raydiff.data.sources import Source, source_of
@@ -178,9 +179,12 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
                                          suffixes=list(WEBDATASET_IMAGE_KEYS) + label_keys + ["__key__"])
                 .map_batches(cast(_BatchFn, _decode_webdataset), **kwargs))
     column = "image" if source.kind == "prepared" else image_column
-    names = pq.read_schema(files[0], filesystem=fs).names
-    if column not in names:
-        raise DataError(f"data.image_column = {column!r}: not a column of {files[0]}; its columns: {', '.join(names)}")
+    schema = pq.read_schema(files[0], filesystem=fs)
+    if column not in schema.names:
+        images = image_columns(schema)
+        hint = f"; its images are in {' and '.join(images)}: --set data.image_column={images[0]}" if images else ""
+        raise DataError(f"data.image_column = {column!r}: not a column of {files[0]}; its columns: "
+                        f"{', '.join(schema.names)}{hint}")
     kwargs["fn_kwargs"].update(column=column, prepared=source.kind == "prepared")
     columns = [column] if labels is None or labels.column == column else [column, labels.column]
     return (ray.data.read_parquet(files, filesystem=fs, columns=columns, include_paths=True)

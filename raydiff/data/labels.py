@@ -18,7 +18,6 @@ manifest the numbering. A sample without a usable label is reported like one tha
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable
@@ -31,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydiff.data.errors import BadSample, DataError, usable_indices
+from raydiff.data.hub_features import class_label_names
 
 LABEL_COLUMN = "label"  # the column of prepared shards that holds each sample's class name
 MAX_CLASSES = 100_000  # more than this is a wrong column (an id per sample), not classes
@@ -147,18 +147,6 @@ def plan_labels(source, label_column: str) -> LabelPlan:
         return LabelPlan("column", "names", column=label_column)
     raise DataError(f"{where}: data.label_column = {label_column!r} holds {kind} values in {source.files[0]}; "
                     f"expected integer class ids or class names (strings)")
-
-
-def class_label_names(schema: pa.Schema, column: str) -> tuple[str, ...]:
-    """The name of each id of `column` as a Hugging Face `datasets` file gives them (a `ClassLabel` feature, in
-    the schema's `huggingface` metadata); () when the file names none."""
-    try:
-        feature = json.loads((schema.metadata or {})[b"huggingface"])["info"]["features"][column]
-        names = feature["names"] if feature.get("_type") == "ClassLabel" else []
-    except (KeyError, TypeError, AttributeError, ValueError):  # no such metadata, or not the shape `datasets` writes
-        return ()
-    unique = [str(n) for n in names] if isinstance(names, list) else []
-    return tuple(unique) if len(set(unique)) == len(unique) else ()
 
 
 def missing_labels(source) -> DataError:

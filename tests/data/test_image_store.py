@@ -4,6 +4,7 @@ small local folders the driver decodes itself, exactly as Ray Data would."""
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 
 import numpy as np
@@ -135,10 +136,19 @@ def test_a_small_local_folder_decodes_in_the_driver_exactly_as_ray_data_decodes_
         assert np.array_equal(here.labels, by_ray_data.labels)
 
 
-def test_a_missing_parquet_column_is_a_one_line_error(ray_session, tmp_path):
+def test_a_missing_parquet_column_is_a_one_line_error_that_names_the_files_image_column(ray_session, tmp_path):
     _write("parquet-bytes", _encoded(tmp_path), tmp_path / "data")
-    with pytest.raises(DataError, match="data.image_column = 'nope': not a column of .*a.parquet; its columns: png"):
+    with pytest.raises(DataError, match="data.image_column = 'nope': not a column of .*a.parquet; its columns: png$"):
         load_images(open_source(str(tmp_path / "data")), resolution=8, channels=3, image_column="nope")
+    # A file of Hugging Face's `datasets` says which column holds its images (CIFAR-10's is `img`).
+    features = {"img": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": ["a", "b"]}}
+    table = pa.table({"img": [{"bytes": b"", "path": "0.png"}], "label": [0]})
+    (tmp_path / "hub").mkdir()
+    pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
+                   tmp_path / "hub" / "train-00000-of-00001.parquet")
+    wanted = r"'image': not a column of .*/train-00000-of-00001.parquet; its columns: img, label; its images are in img"
+    with pytest.raises(DataError, match=rf"data.image_column = {wanted}: --set data.image_column=img$"):
+        load_images(open_source(str(tmp_path / "hub")), resolution=8, channels=3)
 
 
 def test_gcs_source_against_a_loopback_emulator(ray_session, tmp_path, gcs_server):

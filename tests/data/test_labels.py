@@ -94,22 +94,6 @@ def test_each_source_kind_reads_its_labels_in_memory(ray_session, sources, kind)
     assert plain.class_counts() == []
 
 
-def test_class_names_come_from_a_class_label_feature_and_nothing_else():
-    from raydiff.data.labels import class_label_names
-
-    def schema(features) -> pa.Schema:
-        metadata = None if features is None else {"huggingface": features if isinstance(features, str) else
-                                                  json.dumps({"info": {"features": features}})}
-        return pa.schema([("label", pa.int64())], metadata=metadata)
-
-    assert class_label_names(schema({"label": {"names": ["cat", "dog"], "_type": "ClassLabel"}}), "label") == (
-        "cat", "dog")
-    for features in (None, "{not json", {"label": {"dtype": "int64", "_type": "Value"}}, {"other": {}},
-                     {"label": {"names": "cat", "_type": "ClassLabel"}},
-                     {"label": {"names": ["cat", "cat"], "_type": "ClassLabel"}}):  # names that tell no id apart
-        assert class_label_names(schema(features), "label") == (), features
-
-
 @pytest.mark.ray
 def test_digits_are_labelled_by_their_digit_in_the_same_order(ray_session):
     from sklearn.datasets import load_digits
