@@ -60,13 +60,13 @@ def train_split(uri: str, files: list[str], folder: str) -> tuple[list[str], str
     splits = splits_of(list(full))
     if not splits:
         return files, "", folder
-    chosen = TRAIN if TRAIN in splits else next(iter(splits)) if len(splits) == 1 else None
-    if chosen is None:
+    if TRAIN not in splits and len(splits) > 1:
         named = "; ".join(f"{split}: {len(paths)} file{'s' if len(paths) > 1 else ''}, e.g. {paths[0]}"
                           for split, paths in sorted(splits.items()))
         first = min(splits)
         raise DataError(f"data.source = {uri!r} holds several splits and no train split ({named}): name the files "
                         f"of one with a glob, e.g. {uri.rstrip('/')}/{glob_of(splits[first][0], first)}")
+    chosen = TRAIN if TRAIN in splits else next(iter(splits))
     paths = splits[chosen]
     # Images in split folders keep their classes one level down (`train/cat/0.png`): the split's folder is the root.
     tops = {_split_folder(p, chosen) for p in paths}
@@ -76,8 +76,8 @@ def train_split(uri: str, files: list[str], folder: str) -> tuple[list[str], str
 
 def _split_folder(path: str, split: str) -> str | None:
     """The folders of `path` down to the one named for `split`; None when no folder is."""
-    parts = PurePosixPath(path).parent.parts
-    named = next((i for i, part in enumerate(parts) if split in _FOLDER and _FOLDER[split].fullmatch(part)), None)
+    rule, parts = _FOLDER.get(split), PurePosixPath(path).parent.parts
+    named = next((i for i, part in enumerate(parts) if rule and rule.fullmatch(part)), None)
     return "/".join(parts[:named + 1]) if named is not None else None
 
 
