@@ -36,7 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resolution", type=int, required=True, help="square training resolution R")
     parser.add_argument("--channels", type=int, choices=(1, 3), default=3, help="1 grayscale, 3 RGB (default 3)")
     parser.add_argument("--format", choices=("auto", "images", "parquet", "webdataset"), default="auto")
-    parser.add_argument("--image-column", default="image", help="Parquet column with the images (default image)")
+    parser.add_argument("--image-column", default="image",
+                        help="Parquet column with the images (default image, or where there is none the one column "
+                             "that the files' Hugging Face Image feature names)")
     parser.add_argument("--labels", choices=("none", "auto"), default="none",
                         help="auto: also write each sample's class (class subfolders, the Parquet label column, "
                              "WebDataset .cls, the digit of builtin:digits); default none")

@@ -106,7 +106,8 @@ def test_s3_source_prepare_and_train_against_a_loopback_server(s3_server, tmp_pa
 @pytest.mark.slow
 def test_a_hub_dataset_trains_on_its_train_split_from_its_hf_uri(hub_server, tmp_path):
     """As `--set data.source=hf://datasets/uoft-cs/cifar10` trains on CIFAR-10's training split: Parquet files as
-    Hugging Face's `datasets` writes them, beside the test split's, read over HTTP by every process."""
+    Hugging Face's `datasets` writes them, beside the test split's, read over HTTP by every process, their images
+    found by the files' `Image` feature and their classes named by its `ClassLabel`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -123,13 +124,15 @@ def test_a_hub_dataset_trains_on_its_train_split_from_its_hf_uri(hub_server, tmp
         pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
                        folder / f"{name}.parquet")
     source = "hf://datasets/raydiff-tests/synthetic"
-    train = run_cli("raydiff.train", *TINY, "--set", f"data.source={source}", "--set", "data.image_column=img",
+    train = run_cli("raydiff.train", *TINY, "--set", f"data.source={source}",
                     "--set", f"data.endpoint={hub_server.endpoint}", "--set", "data.labels=auto",
                     "--set", "model.num_classes=auto", "--set", f"run.storage={tmp_path}", "--set", "run.name=hub")
     assert train.returncode == 0, train.stderr[-3000:]
     assert summary_of(tmp_path / "hub")["status"] == "finished"
     assert f"24 images from 2 Parquet files in {source} (its train split)" in train.stdout, train.stdout[-3000:]
     assert "class-conditional on 3 classes" in train.stdout
+    assert "data.image_column: 'image' is not a column of hf://datasets/raydiff-tests/synthetic; reading 'img'" in (
+        train.stdout)
     assert json.loads((tmp_path / "hub" / "data.json").read_text())["classes"] == ["cat", "dog", "frog"]
     read = [path for method, path in hub_server.requests if "/resolve/" in path]
     assert any("train-00001-of-00002" in path for path in read) and not any("test-" in path for path in read)

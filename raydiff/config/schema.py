@@ -44,7 +44,8 @@ class DataSection:
     recognised by its manifest whatever this says)."""
     image_column: str = "image"
     """Parquet: the column holding the images, encoded (bytes, or Hugging Face's `{bytes, path}`) or as uint8
-    tensors."""
+    tensors. Left at `image` where a file that Hugging Face's `datasets` wrote has no such column: the one column
+    its `Image` feature names (CIFAR-10's `img`)."""
     endpoint: str | None = None
     """The S3, GCS or Hugging Face Hub endpoint URL for `data.source` (MinIO, Ceph, a Hub mirror, a local test
     server); null: `AWS_ENDPOINT_URL` or `HF_ENDPOINT`, else the provider's default."""

@@ -38,6 +38,7 @@ CHUNK_BYTES = 64 * 1024 * 1024  # object-store chunk size: few chunks, cheap gat
 DRIVER_DECODE_BYTES = 8 * 1024 * 1024
 DECODE_BATCH = 256
 WEBDATASET_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "bmp")
+DEFAULT_IMAGE_COLUMN = "image"  # data.image_column's default: in a file whose Image feature is elsewhere, read that
 _SEP = "\x1f"  # between where a bad sample came from and why it is bad, in the error column
 
 
@@ -180,8 +181,12 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
                 .map_batches(cast(_BatchFn, _decode_webdataset), **kwargs))
     column = "image" if source.kind == "prepared" else image_column
     schema = pq.read_schema(files[0], filesystem=fs)
+    images = image_columns(schema)
+    if column not in schema.names and column == DEFAULT_IMAGE_COLUMN and len(images) == 1:
+        print(f"[raydiff] data.image_column: {column!r} is not a column of {source.uri}; reading {images[0]!r}, "
+              f"its files' Image feature")
+        column = images[0]
     if column not in schema.names:
-        images = image_columns(schema)
         hint = f"; its images are in {' and '.join(images)}: --set data.image_column={images[0]}" if images else ""
         raise DataError(f"data.image_column = {column!r}: not a column of {files[0]}; its columns: "
                         f"{', '.join(schema.names)}{hint}")

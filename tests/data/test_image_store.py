@@ -140,15 +140,33 @@ def test_a_missing_parquet_column_is_a_one_line_error_that_names_the_files_image
     _write("parquet-bytes", _encoded(tmp_path), tmp_path / "data")
     with pytest.raises(DataError, match="data.image_column = 'nope': not a column of .*a.parquet; its columns: png$"):
         load_images(open_source(str(tmp_path / "data")), resolution=8, channels=3, image_column="nope")
-    # A file of Hugging Face's `datasets` says which column holds its images (CIFAR-10's is `img`).
-    features = {"img": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": ["a", "b"]}}
-    table = pa.table({"img": [{"bytes": b"", "path": "0.png"}], "label": [0]})
-    (tmp_path / "hub").mkdir()
-    pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
-                   tmp_path / "hub" / "train-00000-of-00001.parquet")
-    wanted = r"'image': not a column of .*/train-00000-of-00001.parquet; its columns: img, label; its images are in img"
-    with pytest.raises(DataError, match=rf"data.image_column = {wanted}: --set data.image_column=img$"):
-        load_images(open_source(str(tmp_path / "hub")), resolution=8, channels=3)
+
+
+def test_a_hugging_face_file_is_read_from_its_image_feature_where_the_default_column_is_not(ray_session, tmp_path,
+                                                                                          capsys):
+    encoded = _encoded(tmp_path)
+
+    def hub_file(folder, features: dict) -> str:
+        """A Parquet file as Hugging Face's `datasets` writes CIFAR-10's: images in `img`, said so in its metadata."""
+        table = pa.table({name: [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(encoded)]
+                          for name in features} | {"label": [0] * len(encoded)})
+        (tmp_path / folder).mkdir()
+        metadata = {"huggingface": json.dumps({"info": {"features": features}})}
+        pq.write_table(table.replace_schema_metadata(metadata), tmp_path / folder / "train-00000-of-00001.parquet")
+        return str(tmp_path / folder)
+
+    one = hub_file("one", {"img": {"_type": "Image"}})
+    store = load_images(open_source(one), resolution=8, channels=3)  # data.image_column left at its default
+    assert store.num_images == len(encoded) and not store.bad
+    assert f"data.image_column: 'image' is not a column of {one}; reading 'img', its files' Image feature" in (
+        capsys.readouterr().out)
+    wanted = r"'picture': not a column of .*/train-00000-of-00001.parquet; its columns: img, label; its images are in"
+    with pytest.raises(DataError, match=rf"data.image_column = {wanted} img: --set data.image_column=img$"):
+        load_images(open_source(one), resolution=8, channels=3, image_column="picture")  # a name given is kept
+    two = hub_file("two", {"img": {"_type": "Image"}, "thumb": {"_type": "Image"}})
+    with pytest.raises(DataError, match=r"data.image_column = 'image': .* its images are in img and thumb: --set "
+                                        r"data.image_column=img$"):
+        load_images(open_source(two), resolution=8, channels=3)  # which of two: the user says
 
 
 def test_gcs_source_against_a_loopback_emulator(ray_session, tmp_path, gcs_server):
