@@ -171,7 +171,9 @@ def test_ctrl_c_during_training_stops_after_a_final_checkpoint(cluster, tmp_path
     (["--set", "train.bogus=1"], "unknown key 'train.bogus'"),
     (["--set", "train.global_batch=30", "--set", "train.micro_batch=4"], "not reachable as micro_batch x 2 workers"),
     (["--set", "scaling.num_workers=0"], "scaling.num_workers = 0: must be >= 1"),
-    (["--config", "cifar10"], "data.source = null: required"),
+    (["--config", "cifar10"], "data.source = null: required: a folder or file of images, Parquet or WebDataset "
+                              "shards (local, s3://, gs://), a dataset on the Hugging Face Hub "
+                              "(hf://datasets/uoft-cs/cifar10), or builtin:digits"),
     (["--set", "data.source=/definitely/missing"], "no such file or folder"),
     (["--config", "nosuch"], "not a file and not a preset"),
 ])

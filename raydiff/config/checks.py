@@ -264,7 +264,9 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
 
 
 def _check_source(source: str | None) -> None:
-    _check(bool(source), "data.source", source, "required: a folder of images or builtin:digits")
+    _check(bool(source), "data.source", source, "required: a folder or file of images, Parquet or WebDataset "
+           "shards (local, s3://, gs://), a dataset on the Hugging Face Hub (hf://datasets/uoft-cs/cifar10), or "
+           "builtin:digits")
     assert source is not None  # _check raised if it is None or empty
     if source.startswith("builtin:"):
         _check(source in BUILTIN_SOURCES, "data.source", source, f"builtin sources: {', '.join(BUILTIN_SOURCES)}")

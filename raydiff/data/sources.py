@@ -94,7 +94,8 @@ def open_source(source: str | None, *, format: FileKind | Literal["auto"] = "aut
                 anonymous: bool = False) -> Source:
     """List `source`. Raises DataError when it is missing, empty or ambiguous."""
     if not source:
-        raise DataError("data.source is not set: give a folder, a file or an s3:// / gs:// URI of images")
+        raise DataError("data.source is not set: give a folder or file of images, Parquet or WebDataset shards, "
+                        "as a path or an s3://, gs:// or hf:// URI")
     if source.startswith("builtin:"):
         from raydiff.data.builtin import builtin_folder
 
