@@ -97,6 +97,9 @@ def test_a_hub_dataset_without_a_train_split_is_refused_in_one_line(hub_server):
                                                "test": ["eval.csv"]}),
     (["data/random-00000-of-00002.parquet", "data/random-00001-of-00002.parquet", "data/train.parquet"],
      {"random": ["data/random-00000-of-00002.parquet", "data/random-00001-of-00002.parquet"]}),
+    (["imagenet1k-train-0000.tar", "imagenet1k-train-0001.tar", "imagenet1k-validation-00.tar"],  # WebDataset
+     {"train": ["imagenet1k-train-0000.tar", "imagenet1k-train-0001.tar"],
+      "validation": ["imagenet1k-validation-00.tar"]}),
     (["retrain.csv", "trains/a.csv", "contest.csv"], {}),  # a keyword inside a word is no split
 ])
 def test_splits_are_told_from_names_as_the_hub_tells_them(paths, splits):
