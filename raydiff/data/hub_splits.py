@@ -7,8 +7,10 @@ listing the folder finds them all. The Hub names splits by where files are, in t
 `data/<split>-00000-of-00001.*`; else folders whose name holds a split's keyword; else file names that hold one.
 A keyword counts when non-word characters (`-._ 0-9`) or the ends of the name delimit it (`test-file.csv` is
 test, `testfile.csv` is not), and each split has its synonyms (`dev` and `val` are validation, `eval` is test).
-A dataset's card may define other splits (its YAML `configs:`); this module reads names only, so a glob in
-`data.source` remains the way to pick any files.
+A split whose files lie in several folders is refused: a repository's subsets (`mnist/train-*`,
+`fashion/train-*`) are different datasets, and the Hub's card names them (its YAML `configs:`, which may also
+define other splits). This module reads names only, never the card, so a glob in `data.source` remains the way to
+pick any files.
 """
 
 from __future__ import annotations
@@ -68,9 +70,19 @@ def train_split(uri: str, files: list[str], folder: str) -> tuple[list[str], str
                         f"of one with a glob, e.g. {uri.rstrip('/')}/{glob_of(splits[first][0], first)}")
     chosen = TRAIN if TRAIN in splits else next(iter(splits))
     paths = splits[chosen]
+    # A split in several folders is several datasets (a repository's subsets, `mnist/` and `fashion/`): not one.
+    subsets: dict[str, list[str]] = {}
+    for path in paths:
+        subsets.setdefault(_subset_of(path, chosen), []).append(path)
+    if len(subsets) > 1:
+        named = "; ".join(f"{subset or '.'}: {len(found)} file{'s' if len(found) > 1 else ''}"
+                          for subset, found in sorted(subsets.items()))
+        first = min(subsets)
+        example = first or glob_of(subsets[first][0], chosen)  # a folder, or a glob for the files beside them
+        raise DataError(f"data.source = {uri!r}: its {chosen} split lies in several folders, subsets of the dataset "
+                        f"({named}): name one, e.g. {uri.rstrip('/')}/{example}")
     # Images in split folders keep their classes one level down (`train/cat/0.png`): the split's folder is the root.
-    tops = {_split_folder(p, chosen) for p in paths}
-    top = tops.pop() if len(tops) == 1 else None
+    top = _split_folder(paths[0], chosen)
     return [full[p] for p in paths], chosen, root + top if top else folder
 
 
@@ -79,6 +91,13 @@ def _split_folder(path: str, split: str) -> str | None:
     rule, parts = _FOLDER.get(split), PurePosixPath(path).parent.parts
     named = next((i for i, part in enumerate(parts) if rule and rule.fullmatch(part)), None)
     return "/".join(parts[:named + 1]) if named is not None else None
+
+
+def _subset_of(path: str, split: str) -> str:
+    """The folder above the split's files: above its split folder, or the folder of a file named for it."""
+    folder = _split_folder(path, split)
+    parent = PurePosixPath(folder if folder is not None else path).parent
+    return "" if parent == PurePosixPath(".") else str(parent)
 
 
 def glob_of(path: str, split: str) -> str:

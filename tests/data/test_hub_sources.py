@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from raydiff.data.builtin import write_synthetic
-from raydiff.data.hub_splits import glob_of, splits_of
+from raydiff.data.hub_splits import glob_of, splits_of, train_split
 from raydiff.data.labels import plan_labels
 from raydiff.data.sources import DataError, open_source
 from raydiff.storage.fs import glob_match
@@ -82,6 +83,37 @@ def test_a_hub_dataset_without_a_train_split_is_refused_in_one_line(hub_server):
         f"{source}/data/test*.parquet")
     alone = open_source(f"{source}/other", endpoint=hub_server.endpoint)  # one split is the dataset
     assert alone.split == "test" and alone.describe().endswith("(its test split)")
+
+
+def test_a_split_in_several_folders_is_refused_as_several_datasets(hub_server):
+    repo = hub_server.root / "raydiff-tests" / "subsets"
+    for subset in ("digits", "fashion"):
+        _write_split(repo / subset, "train-00000-of-00001", [0, 1])
+        _write_split(repo / subset, "test-00000-of-00001", [2])
+    source = "hf://datasets/raydiff-tests/subsets"
+    with pytest.raises(DataError) as info:
+        open_source(source, endpoint=hub_server.endpoint)
+    assert str(info.value) == (f"data.source = {source!r}: its train split lies in several folders, subsets of the "
+                               f"dataset (digits: 1 file; fashion: 1 file): name one, e.g. {source}/digits")
+    one = open_source(f"{source}/fashion", endpoint=hub_server.endpoint)
+    assert one.split == "train" and one.files == (f"{one.root}/train-00000-of-00001.parquet",)
+    assert one.root == "datasets/raydiff-tests/subsets/fashion"
+
+
+@pytest.mark.parametrize(("files", "found"), [
+    (["r/train/a/0.png", "r/train/b/1.png", "r/test/a/2.png"], (["r/train/a/0.png", "r/train/b/1.png"], "r/train")),
+    (["r/x/train/0.png", "r/y/train/1.png"], "its train split lies in several folders, subsets of the dataset "
+                                             "(x: 1 file; y: 1 file): name one, e.g. hf://d/x"),
+    (["r/train-0.tar", "r/more/train-1.tar"], "(.: 1 file; more: 1 file): name one, e.g. hf://d/train*.tar"),
+    (["r/a/0.parquet", "r/b/1.parquet"], (["r/a/0.parquet", "r/b/1.parquet"], "r")),  # no split: the folder as it is
+])
+def test_the_train_split_is_one_folders_files(files, found):
+    if isinstance(found, str):
+        with pytest.raises(DataError, match=re.escape(found)):
+            train_split("hf://d", files, "r")
+    else:
+        chosen, _, root = train_split("hf://d", files, "r")
+        assert (chosen, root) == found
 
 
 @pytest.mark.parametrize(("paths", "splits"), [
