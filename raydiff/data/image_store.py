@@ -219,7 +219,7 @@ def _bad_of(errors: np.ndarray, start: int) -> list[BadSample]:
     return bad
 
 
-def decode_stream(source: Source, *, resolution: int, channels: int, image_column: str = "image",
+def decode_stream(source: Source, *, resolution: int, channels: int, image_column: str = DEFAULT_IMAGE_COLUMN,
                   labels: LabelPlan | None = None):
     """Decode `source` with Ray Data, streaming: yield (uint8 (n, C, R, R) usable images, [BadSample]) in sample
     order, never holding more than Ray Data's bounded window (for `raydiff.prepare` and data.cache=stream).
@@ -271,7 +271,7 @@ def _decode_in_driver(source: Source, resolution: int, channels: int,
             None if labels is None else [_labels_in(decoded["label"])])
 
 
-def load_images(source: Source, *, resolution: int, channels: int, image_column: str = "image",
+def load_images(source: Source, *, resolution: int, channels: int, image_column: str = DEFAULT_IMAGE_COLUMN,
                 labels: LabelPlan | None = None) -> ImageStore:
     """Decode every sample of `source` once with Ray Data (in this process where `decodes_in_driver`); return an
     `ImageStore` (bad samples listed). `labels`: also read each sample's label
