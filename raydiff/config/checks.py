@@ -19,7 +19,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from raydiff.config.schema import Config, ConfigError
-from raydiff.storage.fs import SCHEMES, STORAGE_SCHEMES, glob_split, is_remote
+from raydiff.storage.fs import HUB_SCHEME, SCHEMES, STORAGE_SCHEMES, glob_split, hub_uri_problem, is_remote
 
 SIGMA_REL_MAX = 0.28  # a post-hoc EMA width: exponent > 0 needs sigma_rel < sqrt(1/12) = 0.2887
 
@@ -276,6 +276,8 @@ def _check_source(source: str | None) -> None:
     else:
         _check(source.startswith(SCHEMES), "data.source", source,
                f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")
+        problem = hub_uri_problem(source) if source.startswith(HUB_SCHEME) else None
+        _check(problem is None, "data.source", source, str(problem))
 
 
 def check_workers(cfg: Config) -> None:

@@ -48,6 +48,9 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
         if not hub:
             raise ValueError(f"{HUB_SCHEME} (the Hugging Face Hub) is for data.source only; raydiff writes to a "
                              f"local path, s3:// or gs://")
+        problem = hub_uri_problem(uri)
+        if problem:
+            raise ValueError(problem)
         return _hub_filesystem(endpoint, anonymous), uri[len(HUB_SCHEME):].rstrip("/")
     if uri.startswith("s3://"):
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -76,6 +79,14 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
         schemes = SCHEMES if hub else STORAGE_SCHEMES
         raise ValueError(f"unsupported URI scheme {scheme_of(uri)!r}; supported: {', '.join(schemes)} or a local path")
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+
+
+def hub_uri_problem(uri: str) -> str | None:
+    """Why an hf:// URI names no dataset on the Hub; None when it names one (whether it exists is the Hub's to say)."""
+    kind, owner, name = ([*uri[len(HUB_SCHEME):].split("/", 3), "", ""])[:3]
+    if kind == "datasets" and owner and "@" not in owner and name.split("@", 1)[0]:  # the revision follows NAME
+        return None
+    return f"a Hugging Face Hub source is {HUB_SCHEME}datasets/OWNER/NAME[@REVISION][/PATH]"
 
 
 def join_uri(uri: str, *parts: str) -> str:

@@ -26,6 +26,10 @@ from raydiff.config.checks import parse_sigma_rels
     ("data.source=/no/such/folder", "data.source = '/no/such/folder': no such file or folder"),
     ("data.source=builtin:mnist", "builtin sources: builtin:digits"),
     ("data.source=ftp://host/images", "supported URI schemes: file://, s3://, gs://, gcs://, hf:// (or a local path)"),
+    ("data.source=hf://datasets/uoft-cs", "data.source = 'hf://datasets/uoft-cs': a Hugging Face Hub source is "
+                                          "hf://datasets/OWNER/NAME[@REVISION][/PATH]"),
+    ("data.source=hf://uoft-cs/cifar10", "'hf://uoft-cs/cifar10': a Hugging Face Hub source is hf://datasets/"),
+    ("data.source=hf://", "data.source = 'hf://': a Hugging Face Hub source is hf://datasets/"),
     ("run.storage=hf://datasets/me/runs", "run.storage = 'hf://datasets/me/runs': supported URI schemes: file://, "
                                           "s3://, gs://, gcs:// (or a local or NFS path)"),
     ("data.resolution=10", "must be divisible by"),

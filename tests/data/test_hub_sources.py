@@ -159,6 +159,15 @@ def test_a_missing_or_private_hub_dataset_is_one_line_that_names_the_token(hub_s
                            "`hf auth login`)"))
 
 
+@pytest.mark.parametrize("source", ["hf://", "hf://datasets", "hf://datasets/uoft-cs", "hf://datasets//cifar10",
+                                    "hf://uoft-cs/cifar10", "hf://models/owner/name", "hf://datasets/@main/x"])
+def test_a_hub_uri_not_naming_a_dataset_is_a_one_line_error(hub_server, source):
+    with pytest.raises(DataError) as info:
+        open_source(source, endpoint=hub_server.endpoint)
+    assert str(info.value) == (f"data.source = {source!r}: a Hugging Face Hub source is "
+                               f"hf://datasets/OWNER/NAME[@REVISION][/PATH]")
+
+
 def test_an_unreachable_hub_is_a_one_line_error():
     from conftest import free_port
 
