@@ -7,14 +7,29 @@ and none of them should import another just for that.
 
 from __future__ import annotations
 
+import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import pyarrow as pa
 
 
 class DataError(ValueError):
     """The data source cannot be used (missing, empty, too many bad images); one line for the user."""
+
+
+@contextmanager
+def reading(uri: str, path: str) -> Iterator[None]:
+    """Read `path`, a file of data.source `uri`: a file that cannot be read (permissions, network) or is not what its
+    name says (a Parquet file without its footer, a .tar that is no archive) is one line naming it."""
+    try:
+        yield
+    except (OSError, pa.ArrowException, tarfile.TarError) as exc:
+        reason = "not a tar archive" if isinstance(exc, tarfile.TarError) else str(exc).splitlines()[0][:200]
+        raise DataError(f"data.source = {uri!r}: cannot read {path} ({reason})") from None
 
 
 @dataclass(frozen=True)

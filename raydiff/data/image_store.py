@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
-from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
 from raydiff.data.hub_features import image_columns
 from raydiff.data.labels import LabelledSamples, LabelPlan, class_ids, missing_labels, plan_labels, resolve_classes
 from raydiff.data.shard_format import check_prepared
@@ -180,7 +180,8 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
                                          suffixes=list(WEBDATASET_IMAGE_KEYS) + label_keys + ["__key__"])
                 .map_batches(cast(_BatchFn, _decode_webdataset), **kwargs))
     column = "image" if source.kind == "prepared" else image_column
-    schema = pq.read_schema(files[0], filesystem=fs)
+    with reading(source.uri, files[0]):
+        schema = pq.read_schema(files[0], filesystem=fs)
     images = image_columns(schema)
     if column not in schema.names and column == DEFAULT_IMAGE_COLUMN and len(images) == 1:
         print(f"[raydiff] data.image_column: {column!r} is not a column of {source.uri}; reading {images[0]!r}, "
@@ -259,12 +260,8 @@ def _decode_in_driver(source: Source, resolution: int, channels: int,
     labels] or None), as `load_images` gets them from Ray Data."""
     encoded = []
     for path in source.files:
-        try:
-            with source.filesystem.open_input_file(path) as file:
-                encoded.append(file.read())
-        except OSError as exc:
-            raise DataError(f"data.source = {source.uri!r}: cannot read {path} ({str(exc).splitlines()[0][:200]})") \
-                from None
+        with reading(source.uri, path), source.filesystem.open_input_file(path) as file:
+            encoded.append(file.read())
     batch = {"bytes": np.array(encoded, dtype=object), "path": np.array(source.files, dtype=object)}
     decoded = _decode_files(batch, resolution, channels, labels)
     return ([ray.put(decoded["image"])], [_errors_in(decoded["error"])],

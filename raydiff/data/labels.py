@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydiff.data.errors import BadSample, DataError, usable_indices
+from raydiff.data.errors import BadSample, DataError, reading, usable_indices
 from raydiff.data.hub_features import class_label_names
 
 LABEL_COLUMN = "label"  # the column of prepared shards that holds each sample's class name
@@ -132,7 +132,8 @@ def plan_labels(source, label_column: str) -> LabelPlan:
         return plan
     if source.kind == "webdataset":  # known only once read: `check_found` says so if no sample has a .cls
         return LabelPlan("cls", "text")
-    schema = pq.read_schema(source.files[0], filesystem=source.filesystem)
+    with reading(source.uri, source.files[0]):
+        schema = pq.read_schema(source.files[0], filesystem=source.filesystem)
     if label_column not in schema.names:
         raise DataError(f"{where}: data.label_column = {label_column!r} is not a column of {source.files[0]}; its "
                         f"columns: {', '.join(schema.names)}")

@@ -39,7 +39,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydiff.cluster.nodes import smallest_object_store
-from raydiff.data.errors import BadSample, DataError, check_bad_fraction
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
 from raydiff.data.image_store import WEBDATASET_IMAGE_KEYS, decode_stream
 from raydiff.data.labels import LabelPlan, plan_labels, read_labels
 from raydiff.data.node_cache import WINDOWS_HELD
@@ -64,10 +64,17 @@ def estimated_count(source: Source) -> int:
     if source.kind == "images":
         return len(source.files)
     if source.kind == "parquet":
-        return sum(pq.read_metadata(f, filesystem=source.filesystem).num_rows for f in source.files)
-    with source.filesystem.open_input_file(source.files[0]) as f, tarfile.open(fileobj=f) as tar:
+        return sum(_rows_of(source, f) for f in source.files)
+    with (reading(source.uri, source.files[0]), source.filesystem.open_input_file(source.files[0]) as f,
+          tarfile.open(fileobj=f) as tar):
         first = sum(m.name.rsplit(".", 1)[-1].lower() in WEBDATASET_IMAGE_KEYS for m in tar.getmembers())
     return first * len(source.files)
+
+
+def _rows_of(source: Source, path: str) -> int:
+    """The rows of a Parquet file of `source`, from its footer."""
+    with reading(source.uri, path):
+        return pq.read_metadata(path, filesystem=source.filesystem).num_rows
 
 
 def _mb(nbytes: float) -> str:
@@ -111,8 +118,7 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
     check_prepared(source, data.resolution, data.channels)
     plan = plan_labels(source, data.label_column) if labelled else None
     manifest = source.manifest
-    counts = manifest.get("shard_counts") or [pq.read_metadata(f, filesystem=source.filesystem).num_rows
-                                              for f in source.files]
+    counts = manifest.get("shard_counts") or [_rows_of(source, f) for f in source.files]
     shard_bytes = max(counts) * int(np.prod(shape))
     fits = buffer // (WINDOWS_HELD * shard_bytes)
     window = min(data.stream_window_shards, len(counts), fits)

@@ -88,3 +88,31 @@ def test_an_unreachable_bucket_is_a_one_line_error_not_a_long_wait(monkeypatch):
 def test_builtin_digits_are_image_files():
     source = open_source("builtin:digits")
     assert source.kind == "images" and len(source.files) == 1797 and source.uri == "builtin:digits"
+
+
+@pytest.mark.parametrize(("name", "content"), [("b.parquet", b"PAR1 not Parquet"), ("b.tar", b"not a tar archive")])
+def test_a_file_that_is_not_what_its_name_says_is_a_one_line_error_naming_it(tmp_path, name, content):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raydiff.config import load_config
+    from raydiff.data.image_store import load_images
+    from raydiff.data.labels import plan_labels
+    from raydiff.data.stream import choose_cache
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / name).write_bytes(content)  # the first file: its footer, schema or first members are read
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table({"image": [b"x"], "label": [1]}), tmp_path / "data" / "c.parquet")
+    source = open_source(str(tmp_path / "data"))
+    data = load_config("default", [f"data.source={tmp_path / 'data'}"]).data
+    reads = [lambda: choose_cache(data, source, use_gpu=False)]  # every run counts the samples first
+    if name.endswith(".parquet"):  # labels, and the decode of `raydiff.prepare`, read the first file's schema
+        reads += [lambda: plan_labels(source, "label"), lambda: load_images(source, resolution=8, channels=3)]
+    reason = "Parquet magic bytes not found in footer" if name.endswith(".parquet") else "not a tar archive"
+    for read in reads:
+        with pytest.raises(DataError) as info:
+            read()
+        message = str(info.value)
+        assert message.startswith(f"data.source = {source.uri!r}: cannot read {source.files[0]} ({reason}"), message
+        assert "\n" not in message
