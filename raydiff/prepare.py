@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if source.kind == "prepared":
         raise DataError(f"SOURCE = {args.source!r} is already prepared data")
     labels = plan_labels(source, args.label_column) if args.labels == "auto" else None
+    from raydiff.data.stream import estimated_count
+
+    estimated_count(source)  # reads each Parquet footer: a file that is none is one line here, as in training
     reason = unwritable(args.out, endpoint=args.endpoint)
     if reason:
         raise DataError(f"OUT = {args.out!r}: cannot write there ({reason})")

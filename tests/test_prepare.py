@@ -103,6 +103,26 @@ def test_s3_source_prepare_and_train_against_a_loopback_server(s3_server, tmp_pa
     assert missing.returncode == 2 and "s3://raydiff-data/nothing': no such file or folder" in missing.stderr
 
 
+def test_prepare_refuses_a_parquet_file_without_its_footer_in_one_line_before_ray_starts(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raydiff import cli, prepare
+    from raydiff.data.builtin import write_synthetic
+
+    (tmp_path / "data").mkdir()
+    pngs = write_synthetic(tmp_path / "images", num=2, resolution=8)
+    pq.write_table(pa.table({"image": [p.read_bytes() for p in pngs]}), tmp_path / "data" / "a.parquet")
+    (tmp_path / "data" / "b.parquet").write_bytes(b"PAR1 cut short")  # the second file: not the one schemas come from
+    out = tmp_path / "prepared"
+    assert cli.run(prepare.main, [str(tmp_path / "data"), str(out), "--resolution", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"raydiff: error: data.source = {str(tmp_path / 'data')!r}: cannot read {tmp_path / 'data'}/"
+                   f"b.parquet (Parquet magic bytes not found in footer. Either the file is corrupted or this is not a "
+                   f"parquet file.)\n")
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_a_hub_dataset_trains_on_its_train_split_from_its_hf_uri(hub_server, tmp_path):
     """As `--set data.source=hf://datasets/uoft-cs/cifar10` trains on CIFAR-10's training split: Parquet files as
