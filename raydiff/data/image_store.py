@@ -16,11 +16,16 @@ shared memory (`raydiff.data.loader`); the per-epoch work (flip, scale to [-1, 1
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import sys
+import tarfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
@@ -197,6 +202,37 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
             .map_batches(cast(_BatchFn, _decode_parquet), **kwargs))
 
 
+# Ray Data logs a failed read task's traceback in these two, then raises its error in the driver.
+_RAY_DATA_LOGS = ("ray.data._internal.execution.streaming_executor_state", "ray.data.exceptions")
+_UNREADABLE = (tarfile.TarError, pa.ArrowException)  # a shard or Parquet file cut short, or not what it is named
+
+
+def _not_unreadable(record: logging.LogRecord) -> bool:
+    """A log filter: False for a record of an error `unreadable_files_told_once` tells in one line (its own, or the
+    one being handled where it is logged: Ray Data logs some lines in its except clause without it)."""
+    return not isinstance(record.exc_info[1] if record.exc_info else sys.exc_info()[1], _UNREADABLE)
+
+
+@contextmanager
+def unreadable_files_told_once(source: Source) -> Iterator[None]:
+    """Ray Data's reads of `source`: a file that cannot be read past a point (a WebDataset shard or Parquet file cut
+    short) is one line, not Ray Data's traceback and then the error's own. A Ray task's error is an instance of its
+    cause's class too; which file is not known here (Ray Data's readers do not say)."""
+    logs = [logging.getLogger(name) for name in _RAY_DATA_LOGS]
+    for log in logs:
+        log.addFilter(_not_unreadable)
+    try:
+        yield
+    except _UNREADABLE as exc:
+        cause = getattr(exc, "cause", exc)  # a RayTaskError's original error
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
+        raise DataError(f"data.source = {source.uri!r}: a file of it cannot be read ({reason}); a file cut short, "
+                        f"as by an interrupted download, is the usual cause") from None
+    finally:
+        for log in logs:
+            log.removeFilter(_not_unreadable)
+
+
 def _errors_in(errors: np.ndarray) -> tuple[int, list[tuple[int, str]]]:
     """(rows, [(row, error)]) of one chunk's error column: only the bad rows travel back."""
     return len(errors), [(i, str(e)) for i, e in enumerate(errors) if e]
@@ -227,17 +263,19 @@ def decode_stream(source: Source, *, resolution: int, channels: int, image_colum
     `labels`: yield (usable images, [BadSample], their label texts, every label text seen) instead."""
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     start = 0
-    for batch in _read(source, resolution, channels, image_column, labels).iter_batches(
-            batch_size=DECODE_BATCH * 4, batch_format="numpy", prefetch_batches=4):
-        errors = batch["error"]
-        bad = _bad_of(errors, start)
-        start += len(errors)
-        usable = errors == ""
-        if labels is None:
-            yield batch["image"][usable], bad
-        else:
-            texts = batch["label"]
-            yield batch["image"][usable], bad, texts[usable], {str(t) for t in texts if t}
+    batches = _read(source, resolution, channels, image_column, labels).iter_batches(
+        batch_size=DECODE_BATCH * 4, batch_format="numpy", prefetch_batches=4)
+    with unreadable_files_told_once(source):
+        for batch in batches:
+            errors = batch["error"]
+            bad = _bad_of(errors, start)
+            start += len(errors)
+            usable = errors == ""
+            if labels is None:
+                yield batch["image"][usable], bad
+            else:
+                texts = batch["label"]
+                yield batch["image"][usable], bad, texts[usable], {str(t) for t in texts if t}
 
 
 def rows_per_chunk(resolution: int, channels: int) -> int:
@@ -280,8 +318,9 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
     else:
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # sample i must be the same image in every run
-        ds = _read(source, resolution, channels, image_column, labels).repartition(
-            target_num_rows_per_block=rows_per_chunk(resolution, channels)).materialize()
+        with unreadable_files_told_once(source):
+            ds = _read(source, resolution, channels, image_column, labels).repartition(
+                target_num_rows_per_block=rows_per_chunk(resolution, channels)).materialize()
         chunks = ds.to_numpy_refs(column="image")
         counted = ray.get([_errors_of.remote(e) for e in ds.to_numpy_refs(column="error")])
         per_chunk = None if labels is None else ray.get([_labels_of.remote(t)

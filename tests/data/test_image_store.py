@@ -182,3 +182,35 @@ def test_gcs_source_against_a_loopback_emulator(ray_session, tmp_path, gcs_serve
     assert all(np.array_equal(images[i], decode_resize_crop(p.read_bytes(), 8, 3)) for i, p in enumerate(paths))
     with pytest.raises(DataError, match="no such file or folder"):
         open_source("gs://raydiff-gcs/missing", endpoint=endpoint, anonymous=True)
+
+
+def test_a_shard_cut_short_is_a_one_line_error_without_ray_datas_traceback(ray_session, tmp_path):
+    import logging
+
+    encoded = _encoded(tmp_path)
+    _write("webdataset", encoded, tmp_path / "data")
+    whole = (tmp_path / "data" / "shard-000001.tar").read_bytes()
+    (tmp_path / "data" / "shard-000001.tar").write_bytes(whole[:512 + 100])  # a download cut in its first image
+    source = open_source(str(tmp_path / "data"))
+    for read in (lambda: load_images(source, resolution=8, channels=3),
+                 lambda: list(image_store.decode_stream(source, resolution=8, channels=3))):
+        with pytest.raises(DataError) as info:
+            read()
+        assert str(info.value) == (f"data.source = {source.uri!r}: a file of it cannot be read (ReadError: unexpected "
+                                   f"end of data); a file cut short, as by an interrupted download, is the usual "
+                                   f"cause")
+    # What Ray Data logs of such a task before raising it, with its traceback or in the clause handling it: left out
+    # while decoding, and only then.
+    for name in ("ray.data._internal.execution.streaming_executor_state", "ray.data.exceptions"):
+        log = logging.getLogger(name)
+        other = log.makeRecord(name, logging.ERROR, __file__, 0, "something else", (), None)
+        with image_store.unreadable_files_told_once(source):
+            try:
+                raise tarfile.ReadError("unexpected end of data")
+            except tarfile.ReadError as exc:
+                traced = log.makeRecord(name, logging.ERROR, __file__, 0, "a task failed", (),
+                                        (type(exc), exc, exc.__traceback__))
+                plain = log.makeRecord(name, logging.ERROR, __file__, 0, "an exception in Ray Data", (), None)
+                assert not log.filter(traced) and not log.filter(plain)
+            assert log.filter(other)
+        assert log.filter(traced)
