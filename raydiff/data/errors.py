@@ -28,7 +28,9 @@ def reading(uri: str, path: str) -> Iterator[None]:
     try:
         yield
     except (OSError, pa.ArrowException, tarfile.TarError) as exc:
-        reason = "not a tar archive" if isinstance(exc, tarfile.TarError) else str(exc).splitlines()[0][:200]
+        reason = str(exc).splitlines()[0][:200]
+        if isinstance(exc, tarfile.TarError) and reason.endswith(":"):  # tarfile lists what it tried, line by line
+            reason = "not a tar archive"
         raise DataError(f"data.source = {uri!r}: cannot read {path} ({reason})") from None
 
 

@@ -90,7 +90,21 @@ def test_builtin_digits_are_image_files():
     assert source.kind == "images" and len(source.files) == 1797 and source.uri == "builtin:digits"
 
 
-@pytest.mark.parametrize(("name", "content"), [("b.parquet", b"PAR1 not Parquet"), ("b.tar", b"not a tar archive")])
+def _cut_tar() -> bytes:
+    """A WebDataset shard whose download stopped in its first image."""
+    import io
+    import tarfile
+
+    whole = io.BytesIO()
+    with tarfile.open(fileobj=whole, mode="w") as tar:
+        member = tarfile.TarInfo("0000.png")
+        member.size = 5000
+        tar.addfile(member, io.BytesIO(bytes(5000)))
+    return whole.getvalue()[:1000]
+
+
+@pytest.mark.parametrize(("name", "content"), [("b.parquet", b"PAR1 not Parquet"), ("b.tar", b"not a tar archive"),
+                                               ("cut.tar", _cut_tar())])
 def test_a_file_that_is_not_what_its_name_says_is_a_one_line_error_naming_it(tmp_path, name, content):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -109,7 +123,8 @@ def test_a_file_that_is_not_what_its_name_says_is_a_one_line_error_naming_it(tmp
     reads = [lambda: choose_cache(data, source, use_gpu=False)]  # every run counts the samples first
     if name.endswith(".parquet"):  # labels, and the decode of `raydiff.prepare`, read the first file's schema
         reads += [lambda: plan_labels(source, "label"), lambda: load_images(source, resolution=8, channels=3)]
-    reason = "Parquet magic bytes not found in footer" if name.endswith(".parquet") else "not a tar archive"
+    reason = {"b.parquet": "Parquet magic bytes not found in footer", "b.tar": "not a tar archive",
+              "cut.tar": "unexpected end of data"}[name]
     for read in reads:
         with pytest.raises(DataError) as info:
             read()
