@@ -25,10 +25,17 @@ SPLIT_KEYWORDS = {TRAIN: ("train", "training"), "validation": ("validation", "va
                   "test": ("test", "testing", "eval", "evaluation")}
 _SEPARATORS = r"[-._ 0-9]"
 _SHARDED = re.compile(r"data/(\w+)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
-_FOLDER = {split: re.compile(rf"(.*{_SEPARATORS})?({'|'.join(words)})({_SEPARATORS}.*)?")
-           for split, words in SPLIT_KEYWORDS.items()}
-_FILE = {split: re.compile(rf"(.*{_SEPARATORS})?({'|'.join(words)}){_SEPARATORS}.*")
-         for split, words in SPLIT_KEYWORDS.items()}
+
+
+def _keyword_rule(words: tuple[str, ...], *, file_name: bool = False) -> re.Pattern[str]:
+    """A name (fullmatch) holding one of `words` between separators or the name's ends, the first such; in a file
+    name a separator always follows it (the extension's dot at least). Group 2 is the keyword."""
+    after = f"{_SEPARATORS}.*" if file_name else f"({_SEPARATORS}.*)?"
+    return re.compile(rf"(.*?{_SEPARATORS})??({'|'.join(words)}){after}")
+
+
+_FOLDER = {split: _keyword_rule(words) for split, words in SPLIT_KEYWORDS.items()}
+_FILE = {split: _keyword_rule(words, file_name=True) for split, words in SPLIT_KEYWORDS.items()}
 
 
 def splits_of(paths: list[str]) -> dict[str, list[str]]:
@@ -103,10 +110,10 @@ def _subset_of(path: str, split: str) -> str:
 def glob_of(path: str, split: str) -> str:
     """A glob for the files of `split` shaped like `path`, one of them: the part that names the split cut after
     its keyword (`data/test-en.parquet` -> `data/test*.parquet`), each part below it `*`."""
-    words = "|".join(SPLIT_KEYWORDS.get(split, (re.escape(split),)))
+    rule = _FOLDER.get(split) or _keyword_rule((re.escape(split),))
     parts = PurePosixPath(path).parts
     for i, part in enumerate(parts):
-        if match := re.search(rf"(^|{_SEPARATORS})({words})({_SEPARATORS}|$)", part):
+        if match := rule.fullmatch(part):
             below = ["*"] * (len(parts) - i - 1)
             return "/".join([*parts[:i], part[:match.end(2)] + "*", *below]) + PurePosixPath(path).suffix
     return path
