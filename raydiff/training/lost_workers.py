@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray.train
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.train.v2._internal.exceptions import (
     BroadcastCollectiveTimeoutError,
     WorkerHealthCheckFailedError,
@@ -95,6 +95,8 @@ def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[st
     """(kind, what happened to worker `rank`), from the error Ray Train's controller has for it: kind is `lost`
     (died, hung, preempted), `raised` (an error of its own) or `aftermath` (a collective that failed because
     another worker was lost)."""
+    if isinstance(error, RayTaskError) and isinstance(error.cause, BaseException):
+        error = error.cause  # a task's error as Ray Train may pass it on (the broadcast of a report that timed out)
     if isinstance(error, WorkerHealthCheckTimeoutError):
         return "lost", f"worker {rank} stopped answering for {hang_timeout_s:g} s (scaling.hang_timeout_s)"
     if isinstance(error, WorkerHealthCheckFailedError):

@@ -9,7 +9,7 @@ import logging
 import os
 
 import pytest
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.train.v2._internal.exceptions import (
     BroadcastCollectiveTimeoutError,
     WorkerHealthCheckFailedError,
@@ -52,6 +52,10 @@ def test_a_collective_that_timed_out_alone_says_a_worker_hangs():
         "worker 0 waited 15 s (scaling.hang_timeout_s) for a worker that never joined its collective (a hung "
         "worker)"]
     assert causes({0: BroadcastCollectiveTimeoutError(15.1, [1], 15)}, 15) == causes({0: TIMED_OUT}, 15)
+    # As Ray Train sometimes passes it on: the error of the task that broadcast a report, wrapping the timeout.
+    wrapped = RayTaskError("SynchronizationActor.broadcast_from_rank_zero", "Traceback ...",
+                           BroadcastCollectiveTimeoutError(15.1, [1], 15))
+    assert causes({0: wrapped}, 15) == causes({0: TIMED_OUT}, 15)
     assert causes({0: PEER_CLOSED}, 15) == ["worker 0 lost its connection to another worker"]
 
 
