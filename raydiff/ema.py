@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"raydiff: error: --out {args.out}: cannot write there ({reason})", file=sys.stderr)
         return 2
-    run = checkpoint_location(args.checkpoint, args.endpoint)
+    run = checkpoint_location(args.checkpoint, args.endpoint, runs_only=True)
     try:
         rebuilt = rebuild(run, sigma_rels, args.step)
     except ValueError as exc:

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
     checkpoint, state = read_any(args.checkpoint, args.endpoint)
-    guide_at, guide = read_any(args.guide, args.endpoint) if args.guide is not None else (None, None)
+    guide_at, guide = read_any(args.guide, args.endpoint, flag="--guide") if args.guide is not None else (None, None)
     try:
         if guide is not None:
             check_guide(state["config"], guide["config"], args.guide)

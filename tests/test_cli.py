@@ -112,3 +112,40 @@ def test_a_mistake_found_before_training_imports_neither_torch_nor_ray(command, 
     assert proc.returncode == 2, proc.stderr[-2000:]
     *_, error, imported = proc.stderr.strip().splitlines()
     assert line in error and imported == "[]"
+
+
+@pytest.mark.parametrize("command, args, wanted", [
+    ("sample", ["--out", "grid.png"], "a run folder or a checkpoint folder"),
+    ("export", ["--out", "pipeline"], "a run folder or a checkpoint folder"),
+    ("evaluate", [], "a run folder or a checkpoint folder"),
+    ("ema", ["--out", "averages", "--sigma-rel", "0.1"], "the run folder"),  # its snapshots are the run's
+])
+def test_a_checkpoint_that_is_a_file_or_out_of_reach_is_one_line_in_every_command_that_reads_one(
+        command, args, wanted, tmp_path, monkeypatch, capsys):
+    """--checkpoint naming a file (state.pt itself, a typo) or a bucket behind an endpoint that does not answer was
+    a traceback (pyarrow's NotADirectoryError, its OSError after its retries) in the commands that read a run."""
+    import importlib
+
+    from conftest import free_port
+
+    main = importlib.import_module(f"raydiff.{command}").main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoint_00000010").mkdir()
+    (tmp_path / "checkpoint_00000010" / "state.pt").write_bytes(b"")
+    assert cli.run(main, ["--checkpoint", "checkpoint_00000010/state.pt", *args]) == 2
+    state = tmp_path / "checkpoint_00000010" / "state.pt"
+    hint = "the run folder" if command == "ema" else f"the checkpoint folder that holds it, {state.parent}"
+    assert capsys.readouterr().err == (f"raydiff: error: --checkpoint checkpoint_00000010/state.pt: {state} is a "
+                                       f"file; give {hint}\n")
+    (tmp_path / "notes.txt").write_text("")
+    assert cli.run(main, ["--checkpoint", "notes.txt", *args]) == 2
+    assert capsys.readouterr().err == (f"raydiff: error: --checkpoint notes.txt: {tmp_path / 'notes.txt'} is a file; "
+                                       f"give {wanted}\n")
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert cli.run(main, ["--checkpoint", "s3://runs/cifar", "--endpoint", endpoint, *args]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("raydiff: error: --checkpoint s3://runs/cifar: cannot read it (When getting information "
+                            "for key 'cifar"), error
+    assert error.endswith(f"; check the address, the credentials, the network and the endpoint ({endpoint})\n"), error
+    assert error.count("\n") == 1 and not list(tmp_path.glob("[!cn]*"))  # nothing written

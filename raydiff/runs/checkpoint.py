@@ -25,6 +25,7 @@ import torch
 
 from raydiff.model.unet import build_model, count_parameters
 from raydiff.storage.atomic import new_file, scratch_folder
+from raydiff.storage.errors import StorageFailure, permanent_reason
 from raydiff.storage.rundir import RunDir
 
 STATE_FILE = "state.pt"
@@ -235,10 +236,31 @@ def list_checkpoints(run_dir: Location) -> list[RunDir]:
     return sorted(found, key=checkpoint_order)
 
 
-def checkpoint_location(uri: str, endpoint: str | None) -> RunDir:
-    """The RunDir of a command's --checkpoint (a local path or an s3:// / gs:// URI); FileNotFoundError (a user
-    error, one line) for an unsupported URI scheme."""
+def checkpoint_location(uri: str, endpoint: str | None, *, flag: str = "--checkpoint",
+                        runs_only: bool = False) -> RunDir:
+    """The RunDir of a command's `flag` (a local path or an s3:// / gs:// URI: a run folder, or a checkpoint folder
+    unless `runs_only`), looked at once: a user error in one line (FileNotFoundError, StorageFailure) for an
+    unsupported URI scheme, a file, or storage that cannot be read (a wrong endpoint, no network, refused
+    credentials) where pyarrow's traceback would come at the first listing."""
     try:
-        return RunDir(uri, endpoint=endpoint)
+        location = RunDir(uri, endpoint=endpoint)
     except ValueError as exc:
-        raise FileNotFoundError(f"--checkpoint {uri}: {exc}") from None
+        raise FileNotFoundError(f"{flag} {uri}: {exc}") from None
+    try:
+        is_file = location.is_file("")
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        reason = permanent_reason(exc) or str(exc).splitlines()[0][:200]
+        things = ["the address", "the credentials", "the network"]
+        endpoint = endpoint or (os.environ.get("AWS_ENDPOINT_URL") if uri.startswith("s3://") else None)
+        if endpoint:
+            things.append(f"the endpoint ({endpoint})")
+        check = f"; check {', '.join(things[:-1])} and {things[-1]}" if location.remote else ""
+        raise StorageFailure(f"{flag} {uri}: cannot read it ({reason}){check}") from None
+    if is_file:
+        hint = ("give the run folder" if runs_only else
+                f"give the checkpoint folder that holds it, {location.parent}" if location.name == STATE_FILE else
+                "give a run folder or a checkpoint folder")
+        raise FileNotFoundError(f"{flag} {uri}: {location} is a file; {hint}")
+    return location

@@ -47,10 +47,10 @@ def load_network(state: dict, weights: str, device: torch.device) -> torch.nn.Mo
     return model.float().eval().to(device)
 
 
-def read_any(location: str, endpoint: str | None) -> tuple[str, dict]:
+def read_any(location: str, endpoint: str | None, *, flag: str = "--checkpoint") -> tuple[str, dict]:
     """(where, state) of a run or checkpoint folder (its newest checkpoint that reads) or a diffusers folder."""
     if "://" not in location and diffusers_folder.is_diffusers_folder(location):
         # An exported pipeline: one set of weights, converted back to raydiff's names.
         return location, diffusers_folder.state_from_folder(location)
-    found, state = read_newest(checkpoint_location(location, endpoint))
+    found, state = read_newest(checkpoint_location(location, endpoint, flag=flag))
     return str(found), state
