@@ -32,7 +32,7 @@ from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, set_key
-from raydiff.config.checks import parse_numbers, parse_sigma_rels, validate
+from raydiff.config.checks import check_source_uri, parse_numbers, parse_sigma_rels, validate
 from raydiff.config.schema import SAMPLERS
 
 
@@ -91,10 +91,13 @@ def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str,
             set_key(cfg, f"eval.{key}", value)
     cfg.run.storage, cfg.run.endpoint = storage, args.endpoint
     try:
+        if args.ref is not None:  # the run's data.source need not be here (not checked); a reference given must
+            check_source_uri(args.ref, "eval.ref")
         for w in guidance or (cfg.eval.guidance,):
             validate(cfg.replaced("eval", guidance=w), check_source=False)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("eval.", "--", 1) if str(exc).startswith("eval.") else str(exc)) from None
+    except ConfigError as exc:  # told by the flag the user gave: eval.num is --num, eval.inception_weights --weights
+        message = str(exc).replace("eval.inception_weights", "eval.weights", 1)
+        raise ConfigError(message.replace("eval.", "--", 1) if message.startswith("eval.") else message) from None
     return cfg
 
 

@@ -114,14 +114,26 @@ def test_post_hoc_widths_of_a_run_without_snapshots_are_one_line(smoke_run, caps
     (["--num", "1"], "--num = 1: must be >= 2"),
     (["--metrics", "fid,is"], "--metrics = ['fid', 'is']: must be a list of fid and/or kid"),
     (["--features", "inception", "--weights", "/nonexistent/inception.pth"],
-     "--inception_weights = '/nonexistent/inception.pth': no such file"),
-    (["--ref", "/nonexistent/stats.npz"], "eval.ref = '/nonexistent/stats.npz': no such file"),
+     "--weights = '/nonexistent/inception.pth': no such file"),  # was named --inception_weights
+    (["--ref", "/nonexistent/stats.npz"], "--ref = '/nonexistent/stats.npz': no such file or folder"),
+    (["--ref", "/nonexistent/images"], "--ref = '/nonexistent/images': no such file or folder"),  # was data.source
 ])
 def test_bad_input_is_one_line_exit_2(smoke_run, args, fragment, capsys):
     run_dir, _ = smoke_run
     assert cli.run(evaluate_main, ["--checkpoint", str(run_dir), *args]) == 2
     err = capsys.readouterr().err
     assert fragment in err and len([line for line in err.splitlines() if line.startswith("raydiff:")]) == 1
+
+
+def test_a_reference_folder_without_images_is_named_as_the_reference(smoke_run, ray_session, tmp_path, capsys):
+    """The reference is read as a source is, and its errors named it data.source: the run's own source, which
+    the user did not touch."""
+    run_dir, _ = smoke_run
+    (tmp_path / "empty").mkdir()
+    assert cli.run(evaluate_main, ["--checkpoint", str(run_dir), "--ref", str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"raydiff: error: eval.ref = '{tmp_path / 'empty'}': no image "
+                                                        f"files found (looked for .jpg, .jpeg, .png, .webp, .bmp, "
+                                                        f"recursively)")
 
 
 @pytest.mark.ray

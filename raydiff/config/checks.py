@@ -254,7 +254,9 @@ def _backends() -> list[str]:
 def validate(cfg: Config, *, check_source: bool = True) -> None:
     """Raise a one-line ConfigError at the first rule `cfg` breaks."""
     if check_source:
-        _check_source(cfg.data.source)
+        check_source_uri(cfg.data.source)
+        if cfg.eval.ref:  # read at the run's first measurement: found wrong now, not then
+            check_source_uri(cfg.eval.ref, "eval.ref")
     for rule in RULES:
         rule.check(cfg)
     if not cfg.scaling.auto:  # the driver resolves auto once it sees the cluster, then checks the batch
@@ -263,21 +265,23 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
         rule.check(cfg)
 
 
-def _check_source(source: str | None) -> None:
-    _check(bool(source), "data.source", source, "required: a folder or file of images, Parquet or WebDataset "
+def check_source_uri(source: str | None, key: str = "data.source") -> None:
+    """A source of images (`key`: data.source, or eval.ref, read the same way) as far as can be told without
+    listing it: its form, and that a local one exists."""
+    _check(bool(source), key, source, "required: a folder or file of images, Parquet or WebDataset "
            "shards (local, s3://, gs://), a dataset on the Hugging Face Hub (hf://datasets/uoft-cs/cifar10), or "
            "builtin:digits")
     assert source is not None  # _check raised if it is None or empty
     if source.startswith("builtin:"):
-        _check(source in BUILTIN_SOURCES, "data.source", source, f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
+        _check(source in BUILTIN_SOURCES, key, source, f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
     elif "://" not in source:
         folder, _ = glob_split(source)  # a glob's folder must exist; what matches is listed when the run starts
-        _check(Path(source).exists() or Path(folder).is_dir(), "data.source", source, "no such file or folder")
+        _check(Path(source).exists() or Path(folder).is_dir(), key, source, "no such file or folder")
     else:
-        _check(source.startswith(SCHEMES), "data.source", source,
+        _check(source.startswith(SCHEMES), key, source,
                f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")
         problem = hub_uri_problem(source) if source.startswith(HUB_SCHEME) else None
-        _check(problem is None, "data.source", source, str(problem))
+        _check(problem is None, key, source, str(problem))
 
 
 def check_workers(cfg: Config) -> None:

@@ -14,11 +14,14 @@ import hashlib
 import io
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from raydiff.data.errors import DataError
 from raydiff.quality.errors import QualityError
 from raydiff.quality.features import Features
 from raydiff.quality.measure import parallel_stats, total
@@ -63,6 +66,17 @@ def read_npz(data: bytes, description: str) -> Reference:
     return Reference(mu, sigma, count, features, description)
 
 
+@contextmanager
+def told_as_ref(ref: str | None) -> Iterator[None]:
+    """A reference folder is read as a source is (its errors name data.source): told as the eval.ref it is."""
+    try:
+        yield
+    except DataError as exc:
+        if not ref or not str(exc).startswith("data.source"):
+            raise
+        raise DataError("eval.ref" + str(exc).removeprefix("data.source")) from None
+
+
 def _npz_file(uri: str) -> tuple[RunDir, str]:
     folder, _, name = uri.rstrip("/").rpartition("/")
     return RunDir(folder or "."), name
@@ -84,7 +98,8 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
     data = copy.deepcopy(cfg.data)
     if ref:
         data.source, data.format, images = ref, "auto", None
-    source = source_of(data)
+    with told_as_ref(ref):
+        source = source_of(data)
     key = hashlib.sha256(json.dumps([source.identity(), data.resolution, data.channels, features.key,
                                      keep_features]).encode()).hexdigest()[:24]
     cache = RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / CACHE_FOLDER
@@ -92,7 +107,8 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
     if cache.is_file(f"{key}.npz"):
         return read_npz(cache.read_bytes(f"{key}.npz"), description)
     if images is None:
-        images, _ = open_images(data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
+        with told_as_ref(ref):
+            images, _ = open_images(data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
     host_memory = cfg.train.keep_host_memory
     if isinstance(images, ShardedImages):  # streamed: a few shards at a time
         stats = total([parallel_stats("arrays", a, features, len(a), host_memory=host_memory,

@@ -47,6 +47,10 @@ from raydiff.config.checks import parse_sigma_rels
     ("eval.metrics=[fid,is]", "eval.metrics = ['fid', 'is']: must be a list of fid and/or kid"),
     ("eval.features=clip", "eval.features = 'clip': expected auto | inception | digits"),
     ("eval.inception_weights=/no/such.pth", "eval.inception_weights = '/no/such.pth': no such file"),
+    # Was found only when the run's first measurement read it, and told as data.source.
+    ("eval.ref=/no/such/images", "eval.ref = '/no/such/images': no such file or folder"),
+    ("eval.ref=/no/such/stats.npz", "eval.ref = '/no/such/stats.npz': no such file or folder"),
+    ("eval.ref=ftp://host/images", "eval.ref = 'ftp://host/images': supported URI schemes: "),
     ("eval.sampler=euler", "expected ddim | ddpm"),
     ("train.loss_weighting=huber", "train.loss_weighting = 'huber': expected uniform | min_snr"),
     ("train.min_snr_gamma=0", "train.min_snr_gamma = 0.0: must be > 0"),
