@@ -40,9 +40,11 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
     """Preset or YAML file, then `key=value` overrides, then validation. Raises ConfigError."""
     path = resolve_config_path(name_or_path)
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
     if not isinstance(tree, dict) or not all(isinstance(v, (dict, type(None))) for v in tree.values()):
         raise ConfigError(f"{path}: expected sections of key: value pairs (data:, model:, train:, ...)")
     cfg = Config()

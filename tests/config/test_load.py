@@ -72,6 +72,11 @@ def test_unknown_preset_and_bad_yaml(tmp_path):
     bad.write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(bad))
+    binary = tmp_path / "grid.png"  # a file that is no text at all (was UnicodeDecodeError's traceback)
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\x00")
+    with pytest.raises(ConfigError, match=r"grid.png: not valid YAML \(not UTF-8 text: invalid start byte at byte "
+                                          r"0\)$"):
+        load_config(str(binary))
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("trian:\n  lr: 1\n")
     with pytest.raises(ConfigError, match="unknown section 'trian'"):
