@@ -62,16 +62,16 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.data.order import Share
     from raydiff.data.run_images import open_images, open_tables
     from raydiff.data.sources import source_of
-    from raydiff.model.diffusers_folder import load_init_weights
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
+    from raydiff.runs.init_from import load_init_weights
     from raydiff.training.resolve import resolve_run
     from raydiff.training.step import StepParts, make_optimizer, optimizer_step, resolve_precision
     from raydiff.training.validation import holdout_split
 
     t = cfg.train
     # A fine-tune's range test starts where the fine-tune will: from model.init_from's weights (checked first).
-    init_weights = load_init_weights(cfg) if cfg.model.init_from else None
+    init_weights = load_init_weights(cfg).weights if cfg.model.init_from else None
     device = resolve_device("auto")
     # The test trains in this process, in its main thread: on CPUs, keep what each step frees, as a worker does.
     kept = keep_host_memory(t.keep_host_memory, use_gpu=device.type == "cuda") and keep_host_memory_here()

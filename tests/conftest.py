@@ -296,6 +296,37 @@ def write_messy_folder(folder: Path, good: int = 40) -> dict[str, list[str]]:
     return names
 
 
+def write_checkpoint(run_dir, cfg, *, step: int = 20, classes=None, seed: int = 0):
+    """A checkpoint of `cfg`'s model as training writes it, without Ray: random weights (from `seed`), and an EMA
+    that differs from them (`classes`: a class-conditional run's {"names", "counts"}); returns its folder."""
+    import torch
+
+    from raydiff.model.unet import build_model
+    from raydiff.model.weight_averages import make_ema
+    from raydiff.runs.checkpoint import write_state
+    from raydiff.runs.state import Progress, TrainingState, checkpoint_state
+
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # nothing ~0, so the samples depend on every layer
+    ema = make_ema(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.9)
+    folder = run_dir / f"checkpoint_{step:08d}"
+    folder.mkdir(parents=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    objects = TrainingState(model, ema, optimizer, scaler)
+    state = checkpoint_state(objects, Progress(step=step), cfg.train.global_batch, cfg.to_dict())
+    if classes:
+        state["classes"] = classes
+    write_state(folder, state)
+    return folder
+
+
 def write_posthoc_run(run_dir, *, tracked=(0.05, 0.10), steps: int = 60, every: int = 10):
     """A smoke-preset run of `steps` steps whose weights take a random walk, tracked by `train.ema: posthoc`
     (snapshots every `every` steps) and by one more average of width 0.07, which the run does not store; returns

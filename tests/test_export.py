@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_cli
+from conftest import run_cli, write_checkpoint
 from diffusers import DDIMScheduler, DDPMPipeline
 from PIL import Image
 
@@ -21,10 +21,8 @@ from raydiff.config import ConfigError, load_config
 from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
-from raydiff.model.weight_averages import make_ema
-from raydiff.runs.checkpoint import list_checkpoints, read_state, write_state
+from raydiff.runs.checkpoint import list_checkpoints, read_state
 from raydiff.runs.images import image_labels
-from raydiff.runs.state import Progress, TrainingState, checkpoint_state
 from raydiff.seeds import GRID_NOISE, image_generators
 
 T = 50  # a short chain, so that sampling every step stays fast
@@ -34,30 +32,6 @@ CONDITIONAL = [f"diffusion.timesteps={T}", "data.labels=auto", f"model.num_class
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def write_checkpoint(run_dir, cfg, *, step: int = 20, classes=None, seed: int = 0):
-    """A checkpoint as training writes it, without Ray: random weights (from `seed`), and an EMA that differs from
-    them (`classes`: a class-conditional run's {"names", "counts"})."""
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)  # nothing ~0, so the samples depend on every layer
-    ema = make_ema(model)
-    with torch.no_grad():
-        for p in ema.parameters():
-            p.mul_(0.9)
-    folder = run_dir / f"checkpoint_{step:08d}"
-    folder.mkdir(parents=True)
-    optimizer = torch.optim.AdamW(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    objects = TrainingState(model, ema, optimizer, scaler)
-    state = checkpoint_state(objects, Progress(step=step), cfg.train.global_batch, cfg.to_dict())
-    if classes:
-        state["classes"] = classes
-    write_state(folder, state)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -438,12 +412,12 @@ def test_init_from_a_conditional_export(exported_conditional, tmp_path, capsys):
     checkpoint, folder = exported_conditional
     cfg = load_config("smoke", [*CONDITIONAL, f"model.init_from={folder}"], check_source=False)
     model = build_model(cfg).eval()
-    model.load_state_dict(diffusers_folder.load_init_weights(cfg))
+    model.load_state_dict(diffusers_folder.load_diffusers_weights(cfg))
     assert torch.equal(model.class_embed.weight, read_state(checkpoint)["ema"]["class_embed.weight"])
     # model.num_classes = auto takes it; the driver checks the number once the data has said it.
     auto = load_config("smoke", [f"diffusion.timesteps={T}", "data.labels=auto", "model.num_classes=auto",
                                  f"model.init_from={folder}"], check_source=False)
-    weights = diffusers_folder.load_init_weights(auto)
+    weights = diffusers_folder.load_diffusers_weights(auto)
     diffusers_io.check_classes(weights, 3, init_from=str(folder), auto=True)
     with pytest.raises(ConfigError, match=r"^model\.init_from = .*: model\.num_classes = auto = 5 \(the classes the "
                                           r"data has\) here, but the UNet there has num_class_embeds = 4 \(3 classes "

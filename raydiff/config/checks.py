@@ -64,13 +64,23 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key} = {'null' if value is None else repr(value)}: {allowed}")
 
 
-def _is_diffusers_unet(location: str) -> bool:
-    """A local diffusers pipeline folder (unet/config.json) or UNet2DModel folder (config.json), where such a
-    path exists here. Cheap: a new run reads and checks it before training (a missing folder too, which a
-    continuing run, never reading it, does not need)."""
+def is_raydiff_run(location: str) -> bool:
+    """A raydiff run or checkpoint folder: on an object store (diffusers reads neither), or a local folder holding
+    a checkpoint's state.pt (`raydiff.runs.checkpoint.STATE_FILE`)."""
+    if location.startswith(("s3://", "gs://", "gcs://")):
+        return True
+    path = Path(location).expanduser()
+    return (path / "state.pt").is_file() or any(path.glob("checkpoint_*/state.pt"))
+
+
+def _holds_weights(location: str) -> bool:
+    """A raydiff run or checkpoint folder, a local diffusers pipeline folder (unet/config.json) or UNet2DModel
+    folder (config.json), where such a path exists here. Cheap: a new run reads and checks it before training (a
+    missing folder too, which a continuing run, never reading it, does not need)."""
     path = Path(location).expanduser()
     if path.exists():
-        return (path / "unet" / "config.json").is_file() or (path / "config.json").is_file()
+        diffusers = (path / "unet" / "config.json").is_file() or (path / "config.json").is_file()
+        return diffusers or is_raydiff_run(location)
     return True
 
 
@@ -144,9 +154,10 @@ RULES: tuple[Rule, ...] = (
          "must be 0 (unconditional), a number of classes, or auto"),
     Rule("model.num_classes", lambda c: c.model.num_classes == 0 or c.data.labels == "auto",
          "a class-conditional model learns from labels: set data.labels = auto, or model.num_classes = 0"),
-    Rule("model.init_from", lambda c: c.model.init_from is None or _is_diffusers_unet(c.model.init_from),
-         "must be a diffusers pipeline folder (with unet/config.json), a UNet2DModel folder (with config.json) "
-         "or a Hugging Face hub id such as google/ddpm-cifar10-32"),
+    Rule("model.init_from", lambda c: c.model.init_from is None or _holds_weights(c.model.init_from),
+         "must be a raydiff run or checkpoint folder (local, s3:// or gs://), a diffusers pipeline folder (with "
+         "unet/config.json), a UNet2DModel folder (with config.json) or a Hugging Face hub id such as "
+         "google/ddpm-cifar10-32"),
     # Diffusion. The linear schedule's largest beta is 20/T: T <= 20 gives a beta >= 1 and alpha_bar <= 0 (NaN).
     Rule("diffusion.timesteps", lambda c: 2 <= c.diffusion.timesteps <= 100_000, "must be between 2 and 100000"),
     Rule("diffusion.timesteps", lambda c: c.diffusion.schedule != "linear" or c.diffusion.timesteps >= 21,

@@ -104,9 +104,10 @@ class ModelSection:
     class (classifier-free guidance); `auto` = the number of classes `data.labels: auto` finds (see
     docs/training.md#class-conditional-training)."""
     init_from: str | None = None
-    """A new run starts from these weights: a diffusers pipeline or `UNet2DModel` folder, or a Hugging Face hub id
-    such as `google/ddpm-cifar10-32` (needs diffusers; see docs/sampling-and-diffusers.md#start-from-a-diffusers-model);
-    null: random initialisation."""
+    """A new run starts from these weights: a raydiff run or checkpoint folder (local, s3:// or gs://; its EMA
+    weights, see docs/training.md#fine-tune-a-run-of-your-own), a diffusers pipeline or `UNet2DModel` folder, or a
+    Hugging Face hub id such as `google/ddpm-cifar10-32` (needs diffusers; see
+    docs/sampling-and-diffusers.md#start-from-a-diffusers-model); null: random initialisation."""
 
 
 @dataclass

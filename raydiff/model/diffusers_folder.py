@@ -76,8 +76,9 @@ def read_unet_weights(source: str, subfolder: str | None) -> dict[str, torch.Ten
     return {k: v.detach().float().clone() for k, v in unet.state_dict().items()}
 
 
-def load_init_weights(cfg: Config) -> dict[str, torch.Tensor]:
-    """raydiff UNet weights for `model.init_from`, checked against the run's model first (ConfigError). With
+def load_diffusers_weights(cfg: Config) -> dict[str, torch.Tensor]:
+    """raydiff UNet weights for a `model.init_from` that names a diffusers folder or hub id (a raydiff run's:
+    `raydiff.runs.init_from`), checked against the run's model first (ConfigError). With
     `model.num_classes = auto` any class-conditional UNet passes here: once the data has said how many classes
     there are, the driver calls `check_classes(weights, num_classes, init_from=..., auto=True)`."""
     init_from = cfg.model.init_from

@@ -317,7 +317,9 @@ def diffusion_keys_from_scheduler(scheduler: dict[str, Any], *, where: str) -> d
     return {"diffusion.timesteps": timesteps, "diffusion.schedule": schedule, "diffusion.prediction": prediction}
 
 
-def _run_values(cfg: Config) -> dict[str, Any]:
+def model_values(cfg: Config) -> dict[str, Any]:
+    """The run keys that weights made for another run must share with this one: those that shape a weight, and
+    the norm's epsilon (dropout may differ; the classes are compared apart)."""
     m = cfg.model
     return {"data.resolution": cfg.data.resolution, "data.channels": cfg.data.channels,
             "model.base_channels": m.base_channels, "model.channel_mult": list(m.channel_mult),
@@ -340,7 +342,7 @@ def _classes_there(classes: int) -> str:
 
 def check_classes(weights: dict[str, torch.Tensor], num_classes: int, *, init_from: str, auto: bool = False) -> None:
     """ConfigError (one line naming model.num_classes) when raydiff UNet `weights` (what `load_init_weights`
-    returns) do not have `num_classes` classes. For the driver once `model.num_classes = auto` is resolved
+    gives) do not have `num_classes` classes. For the driver once `model.num_classes = auto` is resolved
     (`auto`: say so in the message); an int model.num_classes is checked against the UNet's config before."""
     weight = weights.get(CLASS_EMBED[0])
     theirs = 0 if weight is None else weight.shape[0] - 1
@@ -364,7 +366,7 @@ def check_matches(cfg: Config, unet: dict[str, Any], *, where: str) -> None:
         kind = " (unconditional)" if not ours_classes else ""
         raise ConfigError(f"{where}: model.num_classes = {ours_classes}{kind} here, but the UNet there "
                           f"{_classes_there(their_classes)}")
-    for key, ours in _run_values(cfg).items():
+    for key, ours in model_values(cfg).items():
         if key == "model.channel_mult" and ours != theirs[key]:
             widths = [cfg.model.base_channels * x for x in ours]
             raise ConfigError(f"{where}: model.base_channels x model.channel_mult = {widths} here, but the UNet there "

@@ -236,16 +236,18 @@ def list_checkpoints(run_dir: Location) -> list[RunDir]:
     return sorted(found, key=checkpoint_order)
 
 
-def checkpoint_location(uri: str, endpoint: str | None, *, flag: str = "--checkpoint",
+def checkpoint_location(uri: str, endpoint: str | None, *, where: str | None = None,
                         runs_only: bool = False) -> RunDir:
-    """The RunDir of a command's `flag` (a local path or an s3:// / gs:// URI: a run folder, or a checkpoint folder
-    unless `runs_only`), looked at once: a user error in one line (FileNotFoundError, StorageFailure) for an
-    unsupported URI scheme, a file, or storage that cannot be read (a wrong endpoint, no network, refused
-    credentials) where pyarrow's traceback would come at the first listing."""
+    """The RunDir of a command's --checkpoint (or of what `where` names, e.g. "--guide URI"): a local path or an
+    s3:// / gs:// URI of a run folder, or of a checkpoint folder unless `runs_only`. Looked at once: a user error
+    in one line (FileNotFoundError, StorageFailure) for an unsupported URI scheme, a file, or storage that cannot
+    be read (a wrong endpoint, no network, refused credentials) where pyarrow's traceback would come at the first
+    listing."""
+    where = where or f"--checkpoint {uri}"
     try:
         location = RunDir(uri, endpoint=endpoint)
     except ValueError as exc:
-        raise FileNotFoundError(f"{flag} {uri}: {exc}") from None
+        raise FileNotFoundError(f"{where}: {exc}") from None
     try:
         is_file = location.is_file("")
     except FileNotFoundError:
@@ -257,10 +259,10 @@ def checkpoint_location(uri: str, endpoint: str | None, *, flag: str = "--checkp
         if endpoint:
             things.append(f"the endpoint ({endpoint})")
         check = f"; check {', '.join(things[:-1])} and {things[-1]}" if location.remote else ""
-        raise StorageFailure(f"{flag} {uri}: cannot read it ({reason}){check}") from None
+        raise StorageFailure(f"{where}: cannot read it ({reason}){check}") from None
     if is_file:
         hint = ("give the run folder" if runs_only else
                 f"give the checkpoint folder that holds it, {location.parent}" if location.name == STATE_FILE else
                 "give a run folder or a checkpoint folder")
-        raise FileNotFoundError(f"{flag} {uri}: {location} is a file; {hint}")
+        raise FileNotFoundError(f"{where}: {location} is a file; {hint}")
     return location

@@ -150,7 +150,7 @@ def read_guide(guide: str, endpoint: str | None, model_config: dict[str, Any]) -
     from raydiff.model.guidance import check_guide
     from raydiff.runs.checkpoint import checkpoint_location
 
-    checkpoint, state = read_newest(checkpoint_location(guide, endpoint, flag="--guide"))
+    checkpoint, state = read_newest(checkpoint_location(guide, endpoint, where=f"--guide {guide}"))
     try:
         check_guide(model_config, state["config"], guide)
     except ValueError as exc:

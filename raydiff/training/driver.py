@@ -25,12 +25,12 @@ from raydiff.config.learning_rate import describe_lr
 from raydiff.data.run_images import RunImages, open_images
 from raydiff.data.sharded import ShardedImages
 from raydiff.data.sources import DataError, source_of
-from raydiff.model.diffusers_folder import load_init_weights
 from raydiff.quality.features import features_for, metric_names, require_metrics_package
 from raydiff.quality.reference_stats import reference_for
 from raydiff.runs.checkpoint import checkpoint_bytes, drop_unusable_ray_checkpoint_list, remove_partial_checkpoints
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.errors import Unresumable
+from raydiff.runs.init_from import InitWeights, load_init_weights
 from raydiff.runs.run_plan import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
 from raydiff.runs.runlog import JsonlLog
 from raydiff.storage.errors import (
@@ -130,7 +130,7 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
     # model.init_from that does not fit) writes nothing at all. model.init_from starts a new run; a continuing
     # run restores its checkpoint and never reads it.
     plan = plan_run(cfg, run_dir, identity)
-    init_weights = load_init_weights(cfg) if cfg.model.init_from and plan.action == "start" else None
+    init = load_init_weights(cfg) if cfg.model.init_from and plan.action == "start" else None
 
     # Hold the run directory where it lives before changing anything in it: from here on this driver alone
     # writes to it, whichever machine or Ray cluster another driver of it runs on. Until training starts, a
@@ -149,20 +149,21 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
             summary = json.loads(run_dir.read_text("summary.json"))
             return {**summary, "already_finished": True, "run_dir": str(run_dir)}
         if plan.action != "start":
-            init_weights = None
-        elif cfg.model.init_from and init_weights is None:
-            init_weights = load_init_weights(cfg)
+            init = None
+        elif cfg.model.init_from and init is None:
+            init = load_init_weights(cfg)
 
         init_ray()
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
         stop_flag = StopFlag.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
         lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
-        return _train(cfg, run_dir, plan, source, identity, init_weights, lease.holder, stop_flag, started,
+        return _train(cfg, run_dir, plan, source, identity, init, lease.holder, stop_flag, started,
                       images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
-def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[str, Any], init_weights,
-           driver: dict[str, Any], stop_flag, started: float, *, images, cpus, callbacks, note_run) -> dict[str, Any]:
+def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[str, Any],
+           init: InitWeights | None, driver: dict[str, Any], stop_flag, started: float, *, images, cpus, callbacks,
+           note_run) -> dict[str, Any]:
     """run_training, once the run directory is held: decode, train, summarise."""
     invocation = driver["invocation"]
     # Decide for the nodes the run will train on: on an autoscaling cluster, the first of them may still be to come.
@@ -172,9 +173,10 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     # Decode the data once with Ray Data.
     check_shared_storage(requested.run.storage)
     init_ref = None
-    if init_weights is not None:
-        init_ref = ray.put(init_weights)
-        print(f"[raydiff] model.init_from: starting from {requested.model.init_from}")
+    if init is not None:
+        init_ref = ray.put(init.weights)
+        print(f"[raydiff] model.init_from: starting from {requested.model.init_from}"
+              + (f" ({init.described})" if init.described else ""))
     elif requested.model.init_from:
         print(f"[raydiff] model.init_from: continuing at step {plan.step}, not read ({requested.model.init_from})")
     decode_start = time.perf_counter()
@@ -194,7 +196,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     images = with_held_out(requested, images)
     # The config the workers get: what the cluster and the data decide, resolved once.
     resolved, classes = resolve_run(requested, gpus=ray.cluster_resources().get("GPU", 0), images=images,
-                                    init_weights=init_weights)
+                                    init_weights=None if init is None else init.weights)
     unusable = images.bad_report()["count"]
     skipped = f", {unusable} skipped as unusable (see summary.json)" if unusable else ""
     scaling, torch_threads = plan_scaling(resolved, cpus)

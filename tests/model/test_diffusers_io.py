@@ -135,7 +135,7 @@ def test_imports_google_ddpm_cifar10_exactly(tmp_path):
     unet.save_pretrained(tmp_path / "unet")
     cfg = load_config("cifar10", [f"model.init_from={tmp_path}"], check_source=False)  # a pipeline-style folder
     model = build_model(cfg).eval()
-    model.load_state_dict(diffusers_folder.load_init_weights(cfg))
+    model.load_state_dict(diffusers_folder.load_diffusers_weights(cfg))
     x, t = torch.randn(2, 3, 32, 32), torch.tensor([3, 700])
     with torch.no_grad():
         ours, theirs = model(x, t), unet(x, t).sample
@@ -144,7 +144,7 @@ def test_imports_google_ddpm_cifar10_exactly(tmp_path):
 
     smoke = load_config("smoke", [f"model.init_from={tmp_path / 'unet'}"], check_source=False)  # a UNet folder
     with pytest.raises(ConfigError, match=r"data\.resolution = 8 here, but the UNet there has sample_size = 32$"):
-        diffusers_folder.load_init_weights(smoke)
+        diffusers_folder.load_diffusers_weights(smoke)
 
 
 def test_the_256_presets_fine_tune_the_published_256_models(tmp_path):
@@ -159,7 +159,7 @@ def test_the_256_presets_fine_tune_the_published_256_models(tmp_path):
     unet.save_pretrained(tmp_path / "unet")
     cfg = load_config(preset, [f"model.init_from={tmp_path}"], check_source=False)
     model = build_model(cfg).eval()
-    model.load_state_dict(diffusers_folder.load_init_weights(cfg))
+    model.load_state_dict(diffusers_folder.load_diffusers_weights(cfg))
     x, t = torch.randn(1, 3, 256, 256), torch.tensor([500])
     with torch.no_grad():
         ours, theirs = model(x, t), unet(x, t).sample
@@ -189,7 +189,7 @@ def test_what_diffusers_cannot_express_is_refused():
 
 def test_init_from_is_checked_cheaply_and_is_not_an_identity_key(tmp_path, capsys):
     (tmp_path / "not-a-unet").mkdir()
-    with pytest.raises(ConfigError, match=r"^model\.init_from = '.*not-a-unet': must be a diffusers pipeline folder"):
+    with pytest.raises(ConfigError, match=r"^model\.init_from = '.*not-a-unet': must be a raydiff run or checkpoint folder"):
         load_config("smoke", [f"model.init_from={tmp_path / 'not-a-unet'}"], check_source=False)
     # A missing folder is refused by a new run, which reads it, before anything is written (a continuing run
     # never reads it: tests/test_export.py).
@@ -244,7 +244,7 @@ def unets(tmp_path_factory):
 def test_init_from_takes_a_conditional_unet2dmodel(unets):
     cfg = load_config("smoke", [*CONDITIONAL, f"model.init_from={unets / 'conditional'}"], check_source=False)
     model = build_model(cfg).eval()
-    model.load_state_dict(diffusers_folder.load_init_weights(cfg))
+    model.load_state_dict(diffusers_folder.load_diffusers_weights(cfg))
     unet = UNet2DModel.from_pretrained(unets / "conditional", low_cpu_mem_usage=False).eval()
     x, t, labels = torch.randn(2, 1, 8, 8), torch.tensor([3, 40]), torch.tensor([1, 3])
     with torch.no_grad():
@@ -263,7 +263,7 @@ def test_init_from_takes_a_conditional_unet2dmodel(unets):
 def test_init_from_refuses_a_unet_with_other_classes_in_one_line(unets, unet, overrides, message):
     cfg = load_config("smoke", [*overrides, f"model.init_from={unets / unet}"], check_source=False)
     with pytest.raises(ConfigError, match=rf"^model\.init_from = '.*{unet}': {message}") as caught:
-        diffusers_folder.load_init_weights(cfg)
+        diffusers_folder.load_diffusers_weights(cfg)
     assert "\n" not in str(caught.value)
 
 
