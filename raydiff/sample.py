@@ -33,6 +33,7 @@ from pathlib import Path
 from raydiff import cli
 from raydiff.config import Config
 from raydiff.config.schema import SAMPLERS
+from raydiff.runs.images import is_grid_file
 from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
 
@@ -47,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "or a diffusers pipeline folder")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--num", type=int, default=64, help="number of images (default 64)")
-    parser.add_argument("--out", required=True, type=Path, help="grid .png, or a folder")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="one grid image (.png; .jpg, .jpeg or .webp at quality 95), or a folder")
     parser.add_argument("--class", dest="classes", default=None, metavar="K[,K...]",
                         help="class-conditional models: the classes to sample, by id (0..classes-1) or name "
                              "(default: every class); image i gets class i * C // N of the C classes")
@@ -84,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"conditional without guidance, more follows the class more closely)")
     if args.sampler != "ddim" and args.eta:
         parser.error("--eta applies to --sampler ddim only")
-    reason = unwritable(args.out.parent if args.out.suffix.lower() == ".png" else args.out)
+    reason = unwritable(args.out.parent if is_grid_file(args.out) else args.out)
     if reason:
         parser.error(f"--out {args.out}: cannot write there ({reason})")
     return args

@@ -1,4 +1,9 @@
-"""Writing generated images: a grid PNG, or a folder of single PNGs plus the grid."""
+"""Writing generated images: one grid (PNG, or JPEG / WebP where the name asks), or a folder of single PNGs plus
+the grid.
+
+torch and torchvision are imported where they are used: `raydiff.sample` checks its --out with `is_grid_file`
+before it loads them (seconds), so that a mistake is answered at once.
+"""
 
 from __future__ import annotations
 
@@ -8,60 +13,76 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from raydiff.storage.atomic import new_file
 
+if TYPE_CHECKING:
+    import torch
+
 MIN_GRID_PX = 512  # grids of small images (digits are 16 px) are enlarged, nearest-neighbour, to at least this width
+# A grid's file name ending -> Pillow's format and options: the lossy ones at a quality that keeps the enlarged
+# pixels' edges (Pillow's defaults blur them).
+GRID_FORMATS = {".png": ("PNG", {}), ".jpg": ("JPEG", {"quality": 95}), ".jpeg": ("JPEG", {"quality": 95}),
+                ".webp": ("WEBP", {"quality": 95})}
 
 
 def _to_unit(images: torch.Tensor) -> torch.Tensor:
     return ((images.detach().float().cpu().clamp(-1, 1) + 1) / 2)
 
 
-def _png(tensor: torch.Tensor) -> bytes:
-    from torchvision.utils import save_image  # imported here: torchvision adds seconds to every start-up
+def is_grid_file(path: Path) -> bool:
+    """Whether `save_samples` writes `path` as one grid image (else: a folder)."""
+    return Path(path).suffix.lower() in GRID_FORMATS
 
+
+def _encode(tensor: torch.Tensor, suffix: str = ".png") -> bytes:
+    """An image in [0, 1], (C, H, W), as the bytes of a file named `*suffix`, rounded as torchvision's save_image."""
+    import torch
+    from PIL import Image
+    from torchvision.utils import make_grid
+
+    image_format, options = GRID_FORMATS[suffix.lower()]
+    pixels = make_grid(tensor).mul(255).add_(0.5).clamp_(0, 255).permute(1, 2, 0).to(torch.uint8).numpy()
     buffer = io.BytesIO()
-    save_image(tensor, buffer, format="png")
+    Image.fromarray(pixels).save(buffer, format=image_format, **options)
     return buffer.getvalue()
 
 
 def _save_atomically(tensor: torch.Tensor, path: Path) -> None:
     with new_file(path) as tmp:
-        tmp.write_bytes(_png(tensor))
+        tmp.write_bytes(_encode(tensor, path.suffix))
 
 
 def _grid(images: torch.Tensor, nrow: int | None = None) -> torch.Tensor:
+    import torch
     from torchvision.utils import make_grid
 
     unit = _to_unit(images)
     nrow = nrow or math.ceil(math.sqrt(len(unit)))
     scale = math.ceil(MIN_GRID_PX / (nrow * unit.shape[-1]))
     if scale > 1:
-        unit = F.interpolate(unit, scale_factor=scale, mode="nearest")
+        unit = torch.nn.functional.interpolate(unit, scale_factor=scale, mode="nearest")
     return make_grid(unit, nrow=nrow, padding=2, pad_value=0.5)
 
 
 def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None) -> Path:
-    """Images in [-1, 1], (N, C, H, W) -> one PNG grid, 2 px padding: `nrow` images per row (a class-conditional
-    grid: one row per class), or as square as possible."""
+    """Images in [-1, 1], (N, C, H, W) -> one grid image in the format `path` names (GRID_FORMATS), 2 px padding:
+    `nrow` images per row (a class-conditional grid: one row per class), or as square as possible."""
     _save_atomically(_grid(images, nrow), Path(path))
     return Path(path)
 
 
 def grid_png(images: torch.Tensor, nrow: int | None = None) -> bytes:
     """The grid of `save_grid` as PNG bytes (for run directories on an object store)."""
-    return _png(_grid(images, nrow))
+    return _encode(_grid(images, nrow))
 
 
 def save_samples(images: torch.Tensor, out: Path, nrow: int | None = None) -> Path:
-    """`out` ending in .png -> one grid; otherwise a folder with sample_00000.png ... plus grid.png (`nrow`: as
-    `save_grid`)."""
+    """`out` ending in .png, .jpg, .jpeg or .webp -> one grid; otherwise a folder with sample_00000.png ... plus
+    grid.png (`nrow`: as `save_grid`)."""
     out = Path(out)
-    if out.suffix.lower() == ".png":
+    if is_grid_file(out):
         return save_grid(images, out, nrow)
     # All of them, or none: written in a hidden folder inside, then moved out of it (renames need no room).
     out.mkdir(parents=True, exist_ok=True)

@@ -189,7 +189,8 @@ def test_what_diffusers_cannot_express_is_refused():
 
 def test_init_from_is_checked_cheaply_and_is_not_an_identity_key(tmp_path, capsys):
     (tmp_path / "not-a-unet").mkdir()
-    with pytest.raises(ConfigError, match=r"^model\.init_from = '.*not-a-unet': must be a raydiff run or checkpoint folder"):
+    with pytest.raises(ConfigError, match=r"^model\.init_from = '.*not-a-unet': must be a raydiff run or checkpoint "
+                                          r"folder"):
         load_config("smoke", [f"model.init_from={tmp_path / 'not-a-unet'}"], check_source=False)
     # A missing folder is refused by a new run, which reads it, before anything is written (a continuing run
     # never reads it: tests/test_export.py).

@@ -39,3 +39,16 @@ def test_samples_go_to_one_png_or_a_folder_of_pngs_with_their_grid(tmp_path):
     expected = ((images[1, 0].clamp(-1, 1) + 1) / 2 * 255).numpy()
     assert np.abs(pixels - expected).max() <= 1
     assert not list(tmp_path.rglob(".*.tmp"))  # written beside and renamed
+
+
+def test_a_grid_named_jpg_or_webp_is_one_image_in_that_format_not_a_folder_of_that_name(tmp_path):
+    """Anything but .png was a folder: `--out grid.jpg` made a folder called grid.jpg."""
+    images = torch.rand(4, 3, 8, 8) * 2 - 1
+    png = np.asarray(Image.open(save_samples(images, tmp_path / "grid.png"))).astype(float)
+    for name, image_format in [("grid.jpg", "JPEG"), ("GRID.JPEG", "JPEG"), ("grid.webp", "WEBP")]:
+        written = save_samples(images, tmp_path / name)
+        assert written == tmp_path / name and written.is_file()
+        with Image.open(written) as grid:
+            assert grid.format == image_format and grid.size == Image.open(tmp_path / "grid.png").size
+            assert np.abs(np.asarray(grid).astype(float) - png).mean() < 3  # high quality, close to the PNG
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["GRID.JPEG", "grid.jpg", "grid.png", "grid.webp"]
