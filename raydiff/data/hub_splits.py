@@ -8,9 +8,9 @@ listing the folder finds them all. The Hub names splits by where files are, in t
 A keyword counts when non-word characters (`-._ 0-9`) or the ends of the name delimit it (`test-file.csv` is
 test, `testfile.csv` is not), and each split has its synonyms (`dev` and `val` are validation, `eval` is test).
 A split whose files lie in several folders is refused: a repository's subsets (`mnist/train-*`,
-`fashion/train-*`) are different datasets, and the Hub's card names them (its YAML `configs:`, which may also
-define other splits). This module reads names only, never the card, so a glob in `data.source` remains the way to
-pick any files.
+`fashion/train-*`) are different datasets. This module reads names only; where a repository's card names its
+configs and their files, the card comes first (`raydiff.data.hub_card`), and a glob in `data.source` picks any
+files.
 """
 
 from __future__ import annotations

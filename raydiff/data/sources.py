@@ -4,7 +4,8 @@ Kinds: a folder (recursive) or a single file of images; Parquet files with an en
 Hugging Face's {bytes, path} struct) or a decoded uint8 tensor column; WebDataset `.tar` shards; a folder written
 by `python -m raydiff.prepare` (its manifest.json says so); `builtin:digits`. Each may be a local path or a
 file://, s3://, gs:// or hf:// (Hugging Face Hub) URI, and its last parts a glob (`train-*.parquet`: one split of
-a Hub dataset). A Hub dataset's folder gives its train split (`raydiff.data.hub_splits`). Files are sorted, so that
+a Hub dataset). A Hub dataset's folder gives its train split: as its card says, at the repository's root
+(`raydiff.data.hub_card`), else as its files' names say (`raydiff.data.hub_splits`). Files are sorted, so that
 sample i is the same image in every run.
 """
 
@@ -17,7 +18,8 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from raydiff.data.errors import DataError
+from raydiff.data.errors import DataError, reading
+from raydiff.data.hub_card import CARD, card_split
 from raydiff.data.hub_splits import train_split
 from raydiff.data.shard_format import PREPARED_VERSION, read_manifest
 from raydiff.storage.fs import HUB_SCHEME, filesystem_for, glob_match, glob_split, is_remote
@@ -26,6 +28,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 FileKind = Literal["images", "parquet", "webdataset"]  # told from the files' extensions (or data.format)
 KIND_EXTENSIONS: dict[FileKind, tuple[str, ...]] = {"images": IMAGE_EXTENSIONS, "parquet": (".parquet",),
                                                     "webdataset": (".tar",)}
+KIND_LABELS: dict[FileKind, str] = {"images": "image", "parquet": "Parquet", "webdataset": "WebDataset"}
 
 Kind = Literal["images", "parquet", "webdataset", "prepared"]
 
@@ -155,16 +158,28 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
     files = sorted(by_kind.get(chosen, []), key=lambda f: f.path)
     split = ""
     if uri.startswith(HUB_SCHEME) and pattern is None and info.type == pafs.FileType.Directory:
-        paths, split, folder = train_split(uri, [f.path for f in files], folder)
+        paths = [f.path for f in files]
+        card = _hub_card(uri, filesystem, folder, found)
+        by_card = card_split(uri, card, paths, folder, KIND_LABELS[chosen]) if card else None
+        paths, split, folder = by_card or train_split(uri, paths, folder)
         wanted = set(paths)
         files = [f for f in files if f.path in wanted]
     if not files:
         looked_for = ", ".join(KIND_EXTENSIONS[chosen])
-        label = {"images": "image", "parquet": "Parquet", "webdataset": "WebDataset"}[chosen]
-        raise DataError(f"data.source = {uri!r}: no {label} files found (looked for {looked_for}"
+        raise DataError(f"data.source = {uri!r}: no {KIND_LABELS[chosen]} files found (looked for {looked_for}"
                         f"{'' if is_remote(uri) else ', recursively'})")
     return Source(uri=uri, kind=chosen, filesystem=filesystem, files=tuple(f.path for f in files),
                   sizes=tuple(int(f.size) for f in files), root=folder, split=split)
+
+
+def _hub_card(uri: str, filesystem: pafs.FileSystem, folder: str, listed: list[pafs.FileInfo]) -> str:
+    """The card (README.md) of the Hub dataset whose repository's root `folder` is (`datasets/OWNER/NAME`), from
+    the files `listed` there; "" for a folder inside a repository, or a repository without a card."""
+    card = f"{folder.rstrip('/')}/{CARD}"
+    if len(PurePosixPath(folder).parts) != 3 or card not in {f.path for f in listed}:
+        return ""
+    with reading(uri, card), filesystem.open_input_stream(card) as stream:
+        return stream.read().decode("utf-8", errors="replace")
 
 
 def _prepared(uri: str, folder: str, filesystem: pafs.FileSystem, manifest: dict[str, Any]) -> Source:

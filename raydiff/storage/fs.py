@@ -104,9 +104,17 @@ def glob_split(path: str) -> tuple[str, str | None]:
 
 
 def glob_match(path: str, pattern: str) -> bool:
-    """Whether `path` matches `pattern` part for part (a `*` never crosses a `/`)."""
-    parts, wanted = PurePosixPath(path).parts, PurePosixPath(pattern).parts
-    return len(parts) == len(wanted) and all(fnmatchcase(p, w) for p, w in zip(parts, wanted, strict=True))
+    """Whether `path` matches `pattern` part for part: a `*` never crosses a `/`, a part `**` is any number of
+    folders (none too)."""
+    return _parts_match(PurePosixPath(path).parts, PurePosixPath(pattern).parts)
+
+
+def _parts_match(parts: tuple[str, ...], wanted: tuple[str, ...]) -> bool:
+    if not wanted:
+        return not parts
+    if wanted[0] == "**":
+        return any(_parts_match(parts[i:], wanted[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatchcase(parts[0], wanted[0]) and _parts_match(parts[1:], wanted[1:])
 
 
 def _hub_filesystem(endpoint: str | None, anonymous: bool) -> pafs.FileSystem:

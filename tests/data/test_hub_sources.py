@@ -100,6 +100,77 @@ def test_a_split_in_several_folders_is_refused_as_several_datasets(hub_server):
     assert one.root == "datasets/raydiff-tests/subsets/fashion"
 
 
+def _card(repo, configs: str) -> None:
+    repo.mkdir(parents=True, exist_ok=True)
+    (repo / "README.md").write_text(f"---\nlicense: mit\n{configs}---\n\n# A dataset card\n")
+
+
+def test_a_datasets_card_names_its_train_files_where_names_alone_would_not(hub_server):
+    """The card's YAML `configs:` first, as `datasets.load_dataset(name)` reads it: here its train files have no
+    split in their names, and a folder named `test` holds files the card does not name at all."""
+    repo = hub_server.root / "raydiff-tests" / "carded"
+    _write_split(repo / "images", "part-a", [0, 1])
+    _write_split(repo / "images", "part-b", [2])
+    _write_split(repo / "held-out", "part-c", [3])
+    _write_split(repo / "test", "unrelated", [4])
+    _card(repo, "configs:\n- config_name: default\n  data_files:\n  - split: train\n    path: images/*.parquet\n"
+                "  - split: test\n    path: [held-out/*.parquet]\n")
+    source = open_source("hf://datasets/raydiff-tests/carded", endpoint=hub_server.endpoint)
+    prefix = "datasets/raydiff-tests/carded/"
+    assert source.files == (f"{prefix}images/part-a.parquet", f"{prefix}images/part-b.parquet")
+    assert source.split == "train" and source.root == "datasets/raydiff-tests/carded"
+    assert source.describe() == "2 Parquet files in hf://datasets/raydiff-tests/carded (its train split)"
+
+
+@pytest.mark.parametrize(("configs", "files"), [
+    ("configs:\n- config_name: default\n  data_files: one/*.parquet\n", ["one/a.parquet"]),  # a string: train
+    ("configs:\n- config_name: default\n  data_files:\n  - one/*.parquet\n  - two/*.parquet\n",
+     ["one/a.parquet", "two/b.parquet"]),
+    ("configs:\n- config_name: small\n  data_files:\n  - split: train\n    path: two/*\n"
+     "- config_name: large\n  default: true\n  data_files:\n  - split: train\n    path: '**/*.parquet'\n",
+     ["one/a.parquet", "three/deep/c.parquet", "two/b.parquet"]),  # the default one; ** crosses folders
+    ("configs:\n- config_name: only\n  data_dir: three\n", ["three/deep/c.parquet"]),  # its folder, by names
+    ("configs:\n- config_name: default\n  data_dir: three\n  data_files: deep/*\n", ["three/deep/c.parquet"]),
+    ("configs:\n- config_name: default\n  data_files:\n  - split: validation\n    path: two/*\n",
+     ["two/b.parquet"]),  # its only split
+    ("dataset_info:\n  features: []\n", ["one/a.parquet", "three/deep/c.parquet", "two/b.parquet"]),  # no configs
+])
+def test_the_card_s_default_config_gives_its_train_split(hub_server, configs, files):
+    name = f"card-{abs(hash(configs)) % 10**8}"  # a repository each: the Hub's listing is cached per process
+    repo = hub_server.root / "raydiff-tests" / name
+    _write_split(repo / "one", "a", [0])
+    _write_split(repo / "two", "b", [1])
+    _write_split(repo / "three" / "deep", "c", [2])
+    _card(repo, configs)
+    source = open_source(f"hf://datasets/raydiff-tests/{name}", endpoint=hub_server.endpoint)
+    assert [f.removeprefix(f"datasets/raydiff-tests/{name}/") for f in source.files] == files
+
+
+@pytest.mark.parametrize(("configs", "error"), [
+    ("configs:\n- config_name: digits\n  data_files: one/*.parquet\n- config_name: fashion\n  data_files: "
+     "[two/*.parquet]\n", "its card names several configs (digits, fashion) and none is the default: name the "
+     "files of one, e.g. hf://datasets/raydiff-tests/{name}/one/*.parquet"),
+    ("configs:\n- config_name: default\n  data_files:\n  - split: test\n    path: one/*\n  - split: dev\n"
+     "    path: two/*\n", "its card's config 'default' has the splits dev, test and no train split: name the files "
+     "of one, e.g. hf://datasets/raydiff-tests/{name}/two/*"),
+    ("configs:\n- config_name: default\n  data_files: nowhere/*.parquet\n", "its card's train split "
+     "(nowhere/*.parquet) matches none of its Parquet files"),
+    ("configs: [unclosed\n", "its card (README.md) has a YAML header that does not parse"),
+    ("configs:\n- data_files: 5\n", "its card's configs are not what the Hub documents"),
+])
+def test_a_card_that_does_not_say_one_train_split_is_a_one_line_error(hub_server, configs, error):
+    name = f"bad-card-{abs(hash(configs)) % 10**8}"
+    repo = hub_server.root / "raydiff-tests" / name
+    _write_split(repo / "one", "a", [0])
+    _write_split(repo / "two", "b", [1])
+    _card(repo, configs)
+    with pytest.raises(DataError) as info:
+        open_source(f"hf://datasets/raydiff-tests/{name}", endpoint=hub_server.endpoint)
+    assert str(info.value).startswith(f"data.source = 'hf://datasets/raydiff-tests/{name}': "
+                                      f"{error.format(name=name)}"), str(info.value)
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize(("files", "found"), [
     (["r/train/a/0.png", "r/train/b/1.png", "r/test/a/2.png"], (["r/train/a/0.png", "r/train/b/1.png"], "r/train")),
     (["r/x/train/0.png", "r/y/train/1.png"], "its train split lies in several folders, subsets of the dataset "
@@ -189,4 +260,4 @@ def test_a_glob_selects_files_part_for_part_in_a_folder_too(tmp_path):
     source = open_source(str(tmp_path / "t*" / "*.png"))  # a `*` never crosses a `/`: not train/deeper/
     assert [f.rsplit("/", 2)[1] for f in source.files] == ["test"] * 2 + ["train"] * 3
     assert source.files == tuple(sorted(source.files)) and source.root == str(tmp_path)
-    assert len(open_source(str(tmp_path / "train" / "**" / "*.png")).files) == 2  # `**` is one part, like `*`
+    assert len(open_source(str(tmp_path / "train" / "**" / "*.png")).files) == 5  # `**`: any number of folders
