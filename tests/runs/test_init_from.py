@@ -104,8 +104,10 @@ def test_a_folder_that_holds_no_model_is_refused_when_the_config_is_read(tmp_pat
 
 
 @pytest.mark.ray
-def test_a_fine_tune_starts_from_a_trained_run(smoke_run, tmp_path):
-    run_dir, _ = smoke_run
+def test_a_fine_tune_starts_from_a_trained_run(tmp_path):
+    run_dir = tmp_path / "trained"  # a run's two checkpoints, as training writes them (no Ray needed for that)
+    write_checkpoint(run_dir, load_config("smoke", check_source=False), step=10, seed=1)
+    write_checkpoint(run_dir, load_config("smoke", check_source=False), step=20, seed=2)
     # lr 1e-12: two steps move no weight measurably, so the run's final weights show where it started.
     proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"model.init_from={run_dir}",
                    "--set", "train.total_steps=2", "--set", "train.lr=1e-12", "--set", "scaling.num_workers=1",
