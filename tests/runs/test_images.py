@@ -43,12 +43,13 @@ def test_samples_go_to_one_png_or_a_folder_of_pngs_with_their_grid(tmp_path):
 
 def test_a_grid_named_jpg_or_webp_is_one_image_in_that_format_not_a_folder_of_that_name(tmp_path):
     """Anything but .png was a folder: `--out grid.jpg` made a folder called grid.jpg."""
-    images = torch.rand(4, 3, 8, 8) * 2 - 1
+    images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1  # noise: lossy's worst case
     png = np.asarray(Image.open(save_samples(images, tmp_path / "grid.png"))).astype(float)
     for name, image_format in [("grid.jpg", "JPEG"), ("GRID.JPEG", "JPEG"), ("grid.webp", "WEBP")]:
         written = save_samples(images, tmp_path / name)
         assert written == tmp_path / name and written.is_file()
         with Image.open(written) as grid:
             assert grid.format == image_format and grid.size == Image.open(tmp_path / "grid.png").size
-            assert np.abs(np.asarray(grid).astype(float) - png).mean() < 3  # high quality, close to the PNG
+            # Quality 95: 2.9 levels from the PNG on average here; Pillow's default quality, 3.8 (WebP) to 4.8 (JPEG).
+            assert np.abs(np.asarray(grid).astype(float) - png).mean() < 3.3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["GRID.JPEG", "grid.jpg", "grid.png", "grid.webp"]
