@@ -67,7 +67,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 def is_raydiff_run(location: str) -> bool:
     """A raydiff run or checkpoint folder: on an object store (diffusers reads neither), or a local folder holding
     a checkpoint's state.pt (`raydiff.runs.checkpoint.STATE_FILE`)."""
-    if location.startswith(("s3://", "gs://", "gcs://")):
+    if is_remote(location) and location.startswith(STORAGE_SCHEMES):  # where a run's storage may be
         return True
     path = Path(location).expanduser()
     return (path / "state.pt").is_file() or any(path.glob("checkpoint_*/state.pt"))
