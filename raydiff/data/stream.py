@@ -30,6 +30,7 @@ import json
 import shutil
 import sys
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from raydiff.storage.rundir import RunDir
 MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
 STREAM_FOLDER = ".raydiff-stream"  # raw sources prepared for streaming, under run.storage
+FOOTER_READS = 16  # Parquet footers read at once: on an object store each read is mostly a wait for the network
 
 
 # The driver's side: which mode, and the shards to stream.
@@ -64,17 +66,22 @@ def estimated_count(source: Source) -> int:
     if source.kind == "images":
         return len(source.files)
     if source.kind == "parquet":
-        return sum(_rows_of(source, f) for f in source.files)
+        return sum(_rows_of(source, source.files))
     with (reading(source.uri, source.files[0]), source.filesystem.open_input_file(source.files[0]) as f,
           tarfile.open(fileobj=f) as tar):
         first = sum(m.name.rsplit(".", 1)[-1].lower() in WEBDATASET_IMAGE_KEYS for m in tar.getmembers())
     return first * len(source.files)
 
 
-def _rows_of(source: Source, path: str) -> int:
-    """The rows of a Parquet file of `source`, from its footer."""
-    with reading(source.uri, path):
-        return pq.read_metadata(path, filesystem=source.filesystem).num_rows
+def _rows_of(source: Source, files: tuple[str, ...]) -> list[int]:
+    """The rows of each Parquet file of `source`, from their footers, read at once (a damaged or unreadable file:
+    one line naming the first such in `files`' order)."""
+    def rows(path: str) -> int:
+        with reading(source.uri, path):
+            return pq.read_metadata(path, filesystem=source.filesystem).num_rows
+
+    with ThreadPoolExecutor(min(FOOTER_READS, max(1, len(files)))) as pool:
+        return list(pool.map(rows, files))
 
 
 def _mb(nbytes: float) -> str:
@@ -118,7 +125,7 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
     check_prepared(source, data.resolution, data.channels)
     plan = plan_labels(source, data.label_column) if labelled else None
     manifest = source.manifest
-    counts = manifest.get("shard_counts") or [_rows_of(source, f) for f in source.files]
+    counts = manifest.get("shard_counts") or _rows_of(source, source.files)
     shard_bytes = max(counts) * int(np.prod(shape))
     fits = buffer // (WINDOWS_HELD * shard_bytes)
     window = min(data.stream_window_shards, len(counts), fits)

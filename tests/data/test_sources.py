@@ -131,3 +131,46 @@ def test_a_file_that_is_not_what_its_name_says_is_a_one_line_error_naming_it(tmp
         message = str(info.value)
         assert message.startswith(f"data.source = {source.uri!r}: cannot read {source.files[0]} ({reason}"), message
         assert "\n" not in message
+
+
+def test_the_footers_of_a_remote_parquet_dataset_are_read_at_once_not_one_after_another(tmp_path):
+    """Counting the samples reads every Parquet file's footer before a run starts (and in `raydiff.prepare`): on
+    an object store each read waits for the network, so the reads overlap."""
+    import threading
+    import time
+
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+    from fsspec.implementations.local import LocalFileSystem
+
+    from raydiff.data.sources import Source
+    from raydiff.data.stream import estimated_count
+
+    class DistantFiles(LocalFileSystem):
+        """Local files, each open waiting as a request to an object store does; counts the opens in flight."""
+        lock, in_flight, most_in_flight = threading.Lock(), 0, 0
+
+        def _open(self, *args, **kwargs):
+            cls = DistantFiles
+            with cls.lock:
+                cls.in_flight += 1
+                cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+            time.sleep(0.05)
+            with cls.lock:
+                cls.in_flight -= 1
+            return super()._open(*args, **kwargs)
+
+    paths = []
+    for i in range(12):
+        paths.append(str(tmp_path / f"train-{i:05d}.parquet"))
+        pq.write_table(pa.table({"image": [b"x"] * (i + 1)}), paths[-1])
+    source = Source(uri="s3://bucket/train", kind="parquet",
+                    filesystem=pafs.PyFileSystem(pafs.FSSpecHandler(DistantFiles(skip_instance_cache=True))),
+                    files=tuple(paths), sizes=(1,) * len(paths))
+    assert estimated_count(source) == sum(range(1, 13))
+    assert DistantFiles.most_in_flight >= 4
+
+    (tmp_path / "train-00003.parquet").write_bytes(b"PAR1 not Parquet")  # a damaged file is still named in one line
+    with pytest.raises(DataError, match=r"cannot read .*train-00003.parquet \(Parquet magic bytes not found"):
+        estimated_count(source)
