@@ -352,20 +352,25 @@ def check_classes(weights: dict[str, torch.Tensor], num_classes: int, *, init_fr
                           f"{_classes_there(theirs)}")
 
 
+def check_class_count(ours: int | str, theirs: int | str, *, where: str, there: str) -> None:
+    """ConfigError when a run of `model.num_classes = ours` cannot start from a model of `theirs` classes (0:
+    unconditional), described in the message as `there` ("the UNet there has ..."). `auto` takes any
+    class-conditional model: `check_classes` compares the numbers once the data has said how many."""
+    if ours == "auto" and not theirs:
+        raise ConfigError(f"{where}: model.num_classes = auto here (a class-conditional run), but {there}")
+    if ours != "auto" and ours != theirs:
+        raise ConfigError(f"{where}: model.num_classes = {ours}{'' if ours else ' (unconditional)'} here, but "
+                          f"{there}")
+
+
 def check_matches(cfg: Config, unet: dict[str, Any], *, where: str) -> None:
     """ConfigError naming the first run key whose value differs from the UNet2DModel config's (dropout may
-    differ: it shapes no weight). `model.num_classes = auto` takes a class-conditional UNet of any number of
-    classes: `check_classes` compares them once the data has said how many."""
+    differ: it shapes no weight; the classes as `check_class_count` says)."""
     unet = _with_defaults(unet)
     theirs = model_keys_from_unet(unet, where=where)
-    ours_classes, their_classes = cfg.model.num_classes, theirs["model.num_classes"]
-    if ours_classes == "auto" and not their_classes:
-        raise ConfigError(f"{where}: model.num_classes = auto here (a class-conditional run), but the UNet there "
-                          f"{_classes_there(0)}")
-    if ours_classes != "auto" and ours_classes != their_classes:
-        kind = " (unconditional)" if not ours_classes else ""
-        raise ConfigError(f"{where}: model.num_classes = {ours_classes}{kind} here, but the UNet there "
-                          f"{_classes_there(their_classes)}")
+    their_classes = theirs["model.num_classes"]
+    check_class_count(cfg.model.num_classes, their_classes, where=where,
+                      there=f"the UNet there {_classes_there(their_classes)}")
     for key, ours in model_values(cfg).items():
         if key == "model.channel_mult" and ours != theirs[key]:
             widths = [cfg.model.base_channels * x for x in ours]

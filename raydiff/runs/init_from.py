@@ -16,7 +16,7 @@ import torch
 from raydiff.config import Config, ConfigError
 from raydiff.config.checks import is_raydiff_run
 from raydiff.model.diffusers_folder import load_diffusers_weights
-from raydiff.model.diffusers_io import model_values
+from raydiff.model.diffusers_io import check_class_count, model_values
 from raydiff.runs.checkpoint import checkpoint_location
 from raydiff.runs.ema_snapshots import weights_of
 from raydiff.runs.state import read_newest
@@ -45,14 +45,10 @@ def load_init_weights(cfg: Config) -> InitWeights:
 
 def check_same_model(cfg: Config, theirs: Config, *, where: str) -> None:
     """ConfigError naming the first key whose value differs between the run's model and the one trained there."""
-    ours_classes, their_classes = cfg.model.num_classes, theirs.model.num_classes
-    there = f"has {their_classes} classes" if their_classes else "is unconditional"
-    if ours_classes == "auto" and not their_classes:
-        raise ConfigError(f"{where}: model.num_classes = auto here (a class-conditional run), but the run there "
-                          f"{there}")
-    if ours_classes != "auto" and ours_classes != their_classes:
-        raise ConfigError(f"{where}: model.num_classes = {ours_classes}{'' if ours_classes else ' (unconditional)'} "
-                          f"here, but the run there {there}")
+    their_classes = theirs.model.num_classes
+    check_class_count(cfg.model.num_classes, their_classes, where=where,
+                      there=f"the run there has {their_classes} classes" if their_classes else
+                      "the run there is unconditional")
     their_values = model_values(theirs)
     for key, ours in model_values(cfg).items():
         if ours != their_values[key]:
