@@ -218,19 +218,21 @@ def test_bad_sweep_arguments_are_one_line_errors(args, fragment, capsys, tmp_pat
     assert not any(tmp_path.iterdir())
 
 
-def test_trials_keep_warmup_and_ema_half_life_in_images(tmp_path):
+def test_trials_keep_warmup_decay_and_ema_half_life_in_images(tmp_path):
     import math
 
     from raydiff.config import load_config
     from raydiff.training.sweep_plan import Sweep, trial_config
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}", "train.warmup_steps=20", "train.ema_warmup_steps=8"])
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "train.warmup_steps=20", "train.ema_warmup_steps=8",
+                                "train.lr_decay=rsqrt", "train.lr_decay_steps=40"])
     sweep = Sweep(name="s", base_lrs=(1e-3,), batches=(16, 64), rules=("linear",), budget_images=640,
                   interval_images=64, max_concurrent=None)
     same = trial_config(cfg, {"batch": 16, "base_lr": 1e-3, "rule": "linear"}, sweep, str(tmp_path))
     big = trial_config(cfg, {"batch": 64, "base_lr": 1e-3, "rule": "linear"}, sweep, str(tmp_path))
     assert (same.train.warmup_steps, same.train.ema_decay) == (20, 0.99)
     assert big.train.warmup_steps * 64 == 20 * 16 and big.train.ema_warmup_steps * 64 == 8 * 16
+    assert same.train.lr_decay_steps == 40 and big.train.lr_decay_steps * 64 == 40 * 16
     half_life_images = [t.global_batch * math.log(0.5) / math.log(t.ema_decay) for t in (same.train, big.train)]
     assert half_life_images[0] == pytest.approx(half_life_images[1])
     assert big.train.total_steps == 10 and big.train.lr == pytest.approx(4e-3)  # linear rule from batch 16

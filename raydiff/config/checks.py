@@ -173,6 +173,12 @@ RULES: tuple[Rule, ...] = (
     Rule("train.val_every", lambda c: c.train.val_every >= 0, "must be >= 0 (0 = only at the end)"),
     Rule("data.val_images", lambda c: c.data.val_images >= 0, "must be >= 0"),
     Rule("train.warmup_steps", lambda c: c.train.warmup_steps >= 0, "must be >= 0"),
+    Rule("train.lr_decay_steps", lambda c: c.train.lr_decay != "rsqrt" or c.train.lr_decay_steps >= 1,
+         "must be >= 1 with train.lr_decay = rsqrt (the step from which the learning rate falls)"),
+    Rule("train.lr_decay_steps", lambda c: c.train.lr_decay == "rsqrt" or c.train.lr_decay_steps == 0,
+         lambda c: f"only train.lr_decay = rsqrt reads it (train.lr_decay = {c.train.lr_decay}"
+                   + (": it falls to 0 at train.total_steps)" if c.train.lr_decay == "cosine" else ")")
+                   + "; leave it 0"),
     Rule("train.total_steps", lambda c: c.train.total_steps >= 1, "must be >= 1"),
     Rule("train.grad_clip", lambda c: c.train.grad_clip >= 0, "must be >= 0 (0 disables clipping)"),
     Rule("train.weight_decay", lambda c: c.train.weight_decay >= 0, "must be >= 0"),

@@ -147,7 +147,14 @@ class TrainSection:
     lr_scaling_knee: int = 512
     """The global batch above which linear scaling turns into square-root scaling."""
     warmup_steps: int = 100
-    """Optimizer steps over which the learning rate rises linearly to `train.lr`, where it then stays."""
+    """Optimizer steps over which the learning rate rises linearly to `train.lr` (then `train.lr_decay` applies)."""
+    lr_decay: Literal["none", "cosine", "rsqrt"] = "none"
+    """How the learning rate falls after warmup: `none` keeps it (DDPM); `cosine` lowers it along a half cosine
+    towards 0 at `train.total_steps` (the diffusers example's); `rsqrt` divides it by sqrt(step /
+    `train.lr_decay_steps`) from that step on (EDM2's: it does not depend on `train.total_steps`, so extending a
+    run leaves its schedule as it was). See docs/training.md#learning-rate-decay."""
+    lr_decay_steps: int = 0
+    """With `train.lr_decay = rsqrt`: the step from which the learning rate falls (0 with any other decay)."""
     total_steps: int = 1400
     """Optimizer steps in the run."""
     grad_clip: float = 1.0

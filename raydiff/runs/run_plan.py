@@ -10,13 +10,15 @@ the run directory's lease (`raydiff.storage.lease`) while it decides and moves.
 from __future__ import annotations
 
 import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import yaml
 
 from raydiff.config import Config, ConfigError
+from raydiff.config.learning_rate import lr_at
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
 from raydiff.storage.rundir import RunDir
 
@@ -28,6 +30,7 @@ IDENTITY_KEYS = ("data.source", "data.format", "data.image_column", "data.resolu
                  "train.ema", "train.ema_sigma_rels")  # the post-hoc profiles are tracked from step 0
 # Keys of identity sections that a continuing run may change: model.init_from only initialises a new run.
 NOT_IDENTITY_KEYS = ("model.init_from",)
+LR_KEYS = ("lr", "warmup_steps", "total_steps", "lr_decay", "lr_decay_steps")  # what lr_at reads of train.*
 DATA_FILE = "data.json"  # the data's identity (and, see `raydiff.data.stream`, its resolved layout)
 DRIVER_FILE = "driver.json"  # the driver of the newest start, and the name its run reserves resources under
 
@@ -82,17 +85,30 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
             f"run.name = {cfg.run.name!r}: {run_dir} holds a run trained with {'; '.join(changes)}; continuing it "
             f"would be meaningless. Use --set run.name=NEW for a new run, or --set run.resume=false to start this "
             f"one over (the old run is moved aside, not deleted)")
-    if previous and checkpoints:
-        notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
     if not checkpoints:
         return RunPlan("start", 0, tuple(notes))
 
     step = checkpoint_step(checkpoints[-1])
+    if previous:
+        notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
+        notes += lr_change(previous, cfg, step)
     summary = json.loads(run_dir.read_text("summary.json")) if run_dir.is_file("summary.json") else {}
     finished = summary.get("status") == "finished"
     if step >= cfg.train.total_steps and finished:
         return RunPlan("finished", step, tuple(notes), layout=layout)
     return RunPlan("continue", step, tuple(notes), layout=layout)
+
+
+def lr_change(previous: dict[str, Any], cfg: Config, step: int) -> list[str]:
+    """The learning rate a continuing run takes at `step`, where a changed key moves it ([] if none does): a
+    cosine decay follows train.total_steps, so extending such a run raises it."""
+    before = {k: v for k, v in (previous.get("train") or {}).items() if k in LR_KEYS}
+    if before.get("lr") is None:
+        return []
+    was, now = lr_at(step, replace(cfg.train, **before)), lr_at(step, cfg.train)
+    if math.isclose(was, now, rel_tol=1e-9):
+        return []
+    return [f"the learning rate continues at {now:.3g} ({was:.3g} before the change, at step {step})"]
 
 
 def layout_changes(data, layout: dict[str, Any]) -> list[str]:

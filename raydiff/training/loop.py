@@ -45,7 +45,7 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
             batches = cadence.next_batches(progress.step + 1)
 
             # One optimizer step.
-            lr = lr_at(progress.step, w.lr, t.warmup_steps)
+            lr = lr_at(progress.step, t)
             ema_decay = ema_decay_at(progress.step + 1, t.ema_decay, t.ema_warmup_steps)
             result = optimizer_step(w.step_parts, batches, lr=lr, ema=w.ema_update, ema_decay=ema_decay,
                                     posthoc=w.posthoc, step=progress.step + 1, fault=w.debug.fault(progress.step + 1))

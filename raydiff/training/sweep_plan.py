@@ -117,11 +117,13 @@ def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: s
     if cfg.scaling.auto:  # a sweep runs trials side by side: one worker each, not every GPU each
         cfg.scaling.num_workers = 1
     t, batch = cfg.train, params["batch"]
-    # Trials are compared at equal images seen: keep the LR warmup, the EMA warmup and the EMA half-life what they
-    # are in images for the base config (EDM's half-life rule), not in steps, which would favour small batches.
+    # Trials are compared at equal images seen: keep the LR warmup and decay, the EMA warmup and the EMA half-life
+    # what they are in images for the base config (EDM's half-life rule), not in steps, which would favour small
+    # batches.
     images_per_base_step = t.global_batch / batch
     t.warmup_steps = round(t.warmup_steps * images_per_base_step)
     t.ema_warmup_steps = round(t.ema_warmup_steps * images_per_base_step)
+    t.lr_decay_steps = max(1, round(t.lr_decay_steps * images_per_base_step)) if t.lr_decay_steps else 0
     t.ema_decay = t.ema_decay ** (1 / images_per_base_step)
     t.global_batch, t.base_lr, t.lr_scaling, t.lr = batch, params["base_lr"], params["rule"], None
     t.total_steps = sweep.budget_images // batch

@@ -54,6 +54,11 @@ from raydiff.config.checks import parse_sigma_rels
     ("eval.sampler=euler", "expected ddim | ddpm"),
     ("train.loss_weighting=huber", "train.loss_weighting = 'huber': expected uniform | min_snr"),
     ("train.min_snr_gamma=0", "train.min_snr_gamma = 0.0: must be > 0"),
+    ("train.lr_decay=linear", "train.lr_decay = 'linear': expected none | cosine | rsqrt"),
+    ("train.lr_decay=rsqrt", "train.lr_decay_steps = 0: must be >= 1 with train.lr_decay = rsqrt (the step from "
+                             "which the learning rate falls)"),
+    ("train.lr_decay_steps=100", "train.lr_decay_steps = 100: only train.lr_decay = rsqrt reads it "
+                                 "(train.lr_decay = none); leave it 0"),
 ])
 def test_bad_values_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as info:

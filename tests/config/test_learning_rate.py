@@ -47,6 +47,28 @@ def test_config_resolves_the_lr_from_the_global_batch(tmp_path):
     assert type(scaled).from_dict(scaled.to_dict()).resolve().train.lr == scaled.train.lr
 
 
+def _train(*overrides: str):
+    return load_config("smoke", ["train.lr=1", *overrides], check_source=False).train
+
+
 def test_warmup_is_linear_then_constant():
-    assert [lr_at(s, 1.0, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    assert lr_at(0, 1.0, 0) == 1.0
+    assert [lr_at(s, _train("train.warmup_steps=4")) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_at(0, _train("train.warmup_steps=0")) == 1.0
+
+
+def test_cosine_decay_follows_warmup_down_a_half_cosine_to_0_at_the_last_step():
+    train = _train("train.warmup_steps=2", "train.lr_decay=cosine", "train.total_steps=6")
+    # Steps 1 and 2 warm up; step 3 starts the decay at the full rate; the last step (6) runs at 3/4 of the way
+    # down the cosine: (1 + cos(3 pi / 4)) / 2.
+    assert [lr_at(s, train) for s in range(6)] == pytest.approx([0.5, 1.0, 1.0, 0.85355339, 0.5, 0.14644661])
+    assert lr_at(6, train) == pytest.approx(0.0, abs=1e-12)  # at total_steps (an extended run goes on from here)
+    assert "cosine decay to 0 at step 6" in describe_lr(train)
+
+
+def test_rsqrt_decay_is_edm2_s_inverse_square_root_from_its_step_and_ignores_the_total():
+    train = _train("train.warmup_steps=0", "train.lr_decay=rsqrt", "train.lr_decay_steps=100")
+    assert [lr_at(s, train) for s in (0, 50, 100, 400, 10_000)] == pytest.approx([1, 1, 1, 0.5, 0.1])
+    longer = _train("train.warmup_steps=0", "train.lr_decay=rsqrt", "train.lr_decay_steps=100",
+                    "train.total_steps=100000")
+    assert [lr_at(s, longer) for s in range(0, 1000, 37)] == [lr_at(s, train) for s in range(0, 1000, 37)]
+    assert "falling as 1/sqrt(step / 100) from step 100" in describe_lr(train)

@@ -35,6 +35,19 @@ def test_a_run_continues_from_its_newest_checkpoint_and_notes_what_changed(tmp_p
     assert plan_run(cfg, RunDir(tmp_path / "empty"), DATA).action == "start"
 
 
+def test_a_cosine_run_extended_says_the_learning_rate_it_continues_at_and_an_rsqrt_one_keeps_it(tmp_path):
+    cosine = ["train.lr=0.01", "train.warmup_steps=0", "train.lr_decay=cosine", "train.total_steps=40"]
+    run = write_run(tmp_path / "cosine", load_config("smoke", cosine), steps=(20,))
+    plan = plan_run(load_config("smoke", [*cosine, "train.total_steps=80"]), run, DATA)
+    assert plan.action == "continue"
+    assert "the learning rate continues at 0.00854 (0.005 before the change, at step 20)" in plan.notes, plan.notes
+
+    rsqrt = ["train.lr=0.01", "train.lr_decay=rsqrt", "train.lr_decay_steps=10", "train.total_steps=40"]
+    run = write_run(tmp_path / "rsqrt", load_config("smoke", rsqrt), steps=(20,))
+    plan = plan_run(load_config("smoke", [*rsqrt, "train.total_steps=80"]), run, DATA)
+    assert plan.notes == ("changed since the last start: train.total_steps 40 -> 80",)
+
+
 def test_a_finished_run_is_not_trained_again(tmp_path):
     cfg = load_config("smoke")
     run = write_run(tmp_path / "run", cfg, steps=(20,), finished=True)

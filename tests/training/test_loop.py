@@ -11,7 +11,6 @@ import torch
 from ray.train.torch import TorchTrainer
 
 from raydiff.config import load_config
-from raydiff.config.learning_rate import lr_at
 from raydiff.data.image_store import ImageStore
 from raydiff.model.weight_averages import ema_decay_at
 from raydiff.storage.rundir import RunDir
@@ -39,13 +38,15 @@ def run_local(ray_session, storage, name, *overrides):
 
 
 def test_accumulation_computes_the_same_steps(ray_session, tmp_path):
-    plain, plain_rows = run_local(ray_session, tmp_path, "plain")
-    accumulated, acc_rows = run_local(ray_session, tmp_path, "accumulated", "train.micro_batch=2")
+    schedule = ("train.warmup_steps=1", "train.lr_decay=cosine")
+    plain, plain_rows = run_local(ray_session, tmp_path, "plain", *schedule)
+    accumulated, acc_rows = run_local(ray_session, tmp_path, "accumulated", *schedule, "train.micro_batch=2")
     assert plain["steps"] == accumulated["steps"] == 4 and plain["images_seen"] == 32
     assert [r["loss"] for r in acc_rows] == pytest.approx([r["loss"] for r in plain_rows], rel=1e-5)
     assert [r["grad_norm"] for r in acc_rows] == pytest.approx([r["grad_norm"] for r in plain_rows], rel=1e-5)
-    # smoke: base_lr 1e-3 at batch 16, scaled linearly to the global batch of 8.
-    assert [r["lr"] for r in plain_rows] == pytest.approx([lr_at(s, 5e-4, 5) for s in range(4)])
+    # smoke: base_lr 1e-3 at batch 16, scaled linearly to the global batch of 8; one warmup step, then down a
+    # half cosine over the 3 steps left.
+    assert [r["lr"] for r in plain_rows] == pytest.approx([5e-4, 5e-4, 0.75 * 5e-4, 0.25 * 5e-4])
     assert [r["ema_decay"] for r in plain_rows] == [ema_decay_at(s, 0.99, 5) for s in range(1, 5)]
 
 
