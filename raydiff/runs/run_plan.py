@@ -70,7 +70,7 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
         return RunPlan("start", 0, replace=True)
 
     checkpoints = list_checkpoints(run_dir)
-    notes = []
+    notes: list[str] = []
     previous = yaml.safe_load(run_dir.read_text("config.yaml")) if run_dir.is_file("config.yaml") else None
     previous_data = json.loads(run_dir.read_text(DATA_FILE)) if run_dir.is_file(DATA_FILE) else None
     changes = identity_changes(previous, cfg.to_dict()) if previous else []
@@ -102,10 +102,12 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
 def lr_change(previous: dict[str, Any], cfg: Config, step: int) -> list[str]:
     """The learning rate a continuing run takes at `step`, where a changed key moves it ([] if none does): a
     cosine decay follows train.total_steps, so extending such a run raises it."""
-    before = {k: v for k, v in (previous.get("train") or {}).items() if k in LR_KEYS}
-    if before.get("lr") is None:
+    # A key missing from an older run's config had its default then (keys are only ever added).
+    recorded = {**Config().to_dict()["train"], **(previous.get("train") or {})}
+    if recorded["lr"] is None:
         return []
-    was, now = lr_at(step, replace(cfg.train, **before)), lr_at(step, cfg.train)
+    was = lr_at(step, replace(cfg.train, **{k: recorded[k] for k in LR_KEYS}))
+    now = lr_at(step, cfg.train)
     if math.isclose(was, now, rel_tol=1e-9):
         return []
     return [f"the learning rate continues at {now:.3g} ({was:.3g} before the change, at step {step})"]

@@ -42,6 +42,14 @@ def test_a_cosine_run_extended_says_the_learning_rate_it_continues_at_and_an_rsq
     assert plan.action == "continue"
     assert "the learning rate continues at 0.00854 (0.005 before the change, at step 20)" in plan.notes, plan.notes
 
+    before = load_config("smoke", ["train.lr=0.01", "train.warmup_steps=0", "train.total_steps=40"])
+    run = write_run(tmp_path / "old", before, steps=(20,))
+    old = before.to_dict()
+    del old["train"]["lr_decay"], old["train"]["lr_decay_steps"]  # a run from before there was a decay
+    run.write_text("config.yaml", yaml.safe_dump(old))
+    plan = plan_run(load_config("smoke", cosine), run, DATA)
+    assert "the learning rate continues at 0.005 (0.01 before the change, at step 20)" in plan.notes, plan.notes
+
     rsqrt = ["train.lr=0.01", "train.lr_decay=rsqrt", "train.lr_decay_steps=10", "train.total_steps=40"]
     run = write_run(tmp_path / "rsqrt", load_config("smoke", rsqrt), steps=(20,))
     plan = plan_run(load_config("smoke", [*rsqrt, "train.total_steps=80"]), run, DATA)
