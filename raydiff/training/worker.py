@@ -90,13 +90,6 @@ class Worker:
         return self.rank == 0
 
     @property
-    def lr(self) -> float:
-        """The run's learning rate after warmup (`Config.resolve` derived it, if the config left it null)."""
-        lr = self.cfg.train.lr
-        assert lr is not None, "a loaded config has its learning rate resolved"
-        return lr
-
-    @property
     def num_classes(self) -> int:
         """The model's classes (0: unconditional); the driver resolved `model.num_classes: auto`."""
         num_classes = self.cfg.model.num_classes
