@@ -35,9 +35,11 @@ pytestmark = pytest.mark.ray
 
 # Class-conditional (the digits' labels, the default label dropout): labels keep every guarantee the images have.
 # Post-hoc EMA, with snapshots between checkpoints: a resumed run writes again the snapshots after its checkpoint.
+# A cosine learning-rate decay: the rate is a function of the step, whatever restarts.
 FAST = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
         "--set", "train.sample_every=0", "--set", "run.keep_checkpoints=20", "--set", "data.labels=auto",
-        "--set", "model.num_classes=auto", "--set", "train.ema=posthoc", "--set", "train.ema_snapshot_every=15"]
+        "--set", "model.num_classes=auto", "--set", "train.ema=posthoc", "--set", "train.ema_snapshot_every=15",
+        "--set", "train.lr_decay=cosine"]
 TOTAL = 120
 
 
@@ -285,7 +287,7 @@ def test_a_persistent_fault_is_rolled_back_past(cluster, tmp_path):
 
 def test_divergence_stops_with_a_diagnostic(cluster, tmp_path):
     proc = train(cluster, tmp_path, "diverge", "--set", "train.lr=1e30", "--set", "train.warmup_steps=0",
-                 "--set", "train.max_bad_steps=3", total=40)
+                 "--set", "train.lr_decay=none", "--set", "train.max_bad_steps=3", total=40)
     assert proc.returncode == 1
     run = summary(tmp_path / "diverge")
     assert run["status"] == "diverged" and run["steps"] < 40
