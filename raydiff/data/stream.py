@@ -66,22 +66,22 @@ def estimated_count(source: Source) -> int:
     if source.kind == "images":
         return len(source.files)
     if source.kind == "parquet":
-        return sum(_rows_of(source, source.files))
+        return sum(_rows_of(source))
     with (reading(source.uri, source.files[0]), source.filesystem.open_input_file(source.files[0]) as f,
           tarfile.open(fileobj=f) as tar):
         first = sum(m.name.rsplit(".", 1)[-1].lower() in WEBDATASET_IMAGE_KEYS for m in tar.getmembers())
     return first * len(source.files)
 
 
-def _rows_of(source: Source, files: tuple[str, ...]) -> list[int]:
+def _rows_of(source: Source) -> list[int]:
     """The rows of each Parquet file of `source`, from their footers, read at once (a damaged or unreadable file:
-    one line naming the first such in `files`' order)."""
+    one line naming the first such in the files' order)."""
     def rows(path: str) -> int:
         with reading(source.uri, path):
             return pq.read_metadata(path, filesystem=source.filesystem).num_rows
 
-    with ThreadPoolExecutor(min(FOOTER_READS, max(1, len(files)))) as pool:
-        return list(pool.map(rows, files))
+    with ThreadPoolExecutor(min(FOOTER_READS, max(1, len(source.files)))) as pool:
+        return list(pool.map(rows, source.files))
 
 
 def _mb(nbytes: float) -> str:
@@ -125,7 +125,7 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
     check_prepared(source, data.resolution, data.channels)
     plan = plan_labels(source, data.label_column) if labelled else None
     manifest = source.manifest
-    counts = manifest.get("shard_counts") or _rows_of(source, source.files)
+    counts = manifest.get("shard_counts") or _rows_of(source)
     shard_bytes = max(counts) * int(np.prod(shape))
     fits = buffer // (WINDOWS_HELD * shard_bytes)
     window = min(data.stream_window_shards, len(counts), fits)

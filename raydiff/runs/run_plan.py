@@ -39,9 +39,14 @@ def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, section in tree.items() for k, v in (section or {}).items()}
 
 
+def _recorded(old: dict[str, Any]) -> dict[str, Any]:
+    """A run's recorded config, flat; a key missing from an older run's had its default then (keys are only ever
+    added)."""
+    return {**_flatten(Config().to_dict()), **_flatten(old)}
+
+
 def identity_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    # A key missing from an older run's config had its default then (keys are only ever added).
-    old_flat, new_flat = {**_flatten(Config().to_dict()), **_flatten(old)}, _flatten(new)
+    old_flat, new_flat = _recorded(old), _flatten(new)
     keys = [k for k in new_flat if (k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS)
             and k not in NOT_IDENTITY_KEYS]
     return [f"{k} = {old_flat.get(k)!r}, now {new_flat[k]!r}" for k in keys if old_flat.get(k) != new_flat[k]]
@@ -102,11 +107,10 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
 def lr_change(previous: dict[str, Any], cfg: Config, step: int) -> list[str]:
     """The learning rate a continuing run takes at `step`, where a changed key moves it ([] if none does): a
     cosine decay follows train.total_steps, so extending such a run raises it."""
-    # A key missing from an older run's config had its default then (keys are only ever added).
-    recorded = {**Config().to_dict()["train"], **(previous.get("train") or {})}
-    if recorded["lr"] is None:
+    recorded = _recorded(previous)
+    if recorded["train.lr"] is None:
         return []
-    was = lr_at(step, replace(cfg.train, **{k: recorded[k] for k in LR_KEYS}))
+    was = lr_at(step, replace(cfg.train, **{k: recorded[f"train.{k}"] for k in LR_KEYS}))
     now = lr_at(step, cfg.train)
     if math.isclose(was, now, rel_tol=1e-9):
         return []
