@@ -86,6 +86,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     stream = BatchStream(table=table, order=order, global_batch=t.global_batch,
                          share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
                          pin_memory=device.type == "cuda", noise=(t.seed, cfg.diffusion.timesteps),
+                         device_noise=device.type == "cuda",
                          labels=(t.label_dropout, num_classes) if num_classes else None)
 
     torch.manual_seed(t.seed)

@@ -267,7 +267,8 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
     stream = BatchStream(table=ImageTable([images]), order=SampleOrder(len(images), seed=0),
                          global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
                          micro_batch=t.global_batch, start_step=0, pin_memory=device.type == "cuda",
-                         noise=(0, cfg.diffusion.timesteps))
+                         noise=(0, cfg.diffusion.timesteps),
+                         device_noise=device.type == "cuda")
     update = EmaUpdater(ema, model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     if device.type != "cuda":  # else the profiler's GPU probe prints "ERROR: ... gpuGetDeviceCount failed" on a CPU

@@ -83,8 +83,11 @@ class MicroBatch:
         return scaled(self.images.to(device, non_blocking=True), self.flips.to(device, non_blocking=True), flip)
 
     def diffusion_inputs(self, seed: int, timesteps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This micro-batch's diffusion timesteps and noise on `device` (see `position_noise`): drawn ahead by
-        the loader thread when it knew the seed, else now."""
+        """This micro-batch's diffusion timesteps and noise on `device` (see `position_noise`): on a CUDA GPU drawn
+        now, by the GPU; else drawn ahead by the loader thread when it knew the seed, or now."""
+        if device.type == "cuda":
+            return position_noise(seed, self.position, len(self), timesteps=timesteps,
+                                  shape=tuple(self.images.shape[1:]), device=device)
         if self.noise is None:
             self.timesteps, self.noise = position_noise(seed, self.position, len(self), timesteps=timesteps,
                                                         shape=tuple(self.images.shape[1:]))
@@ -115,6 +118,8 @@ class BatchStream:
     :param pin_memory: pin host buffers for asynchronous copies to a GPU.
     :param prefetch_steps: how many steps the background thread may run ahead.
     :param noise: (seed, T): also draw each micro-batch's diffusion timesteps and noise ahead, in the thread.
+    :param device_noise: training on a CUDA GPU, where the step draws the timesteps and noise itself
+        (`MicroBatch.diffusion_inputs`): the thread draws neither.
     :param labels: (train.label_dropout, null class id): class-conditional training; each micro-batch gets its
         samples' class ids (`MicroBatch.labels`), the null id where `dropped_labels` (keyed by the seed of
         `noise`, which it needs) says so.
@@ -123,11 +128,12 @@ class BatchStream:
     def __init__(
         self, *, table: Table, order: SampleOrder, global_batch: int, share: Share, micro_batch: int,
         start_step: int, pin_memory: bool, prefetch_steps: int = 4, noise: tuple[int, int] | None = None,
-        labels: tuple[float, int] | None = None,
+        device_noise: bool = False, labels: tuple[float, int] | None = None,
     ) -> None:
         if labels is not None and (noise is None or table.labels is None):
             raise ValueError("BatchStream(labels=...) needs noise=(seed, T) and a table with labels")
         self._table, self._order, self._noise, self._labels = table, order, noise, labels
+        self._device_noise = device_noise
         self._global_batch, self._pin = global_batch, pin_memory
         self._layout = micro_batches(share, micro_batch)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch_steps)
@@ -146,7 +152,7 @@ class BatchStream:
             flips = torch.from_numpy(flip_bits)
             batch = MicroBatch(images=images, flips=flips.pin_memory() if self._pin else flips, position=position,
                                indices=indices)
-            if self._noise is not None:
+            if self._noise is not None and not self._device_noise:
                 seed, timesteps = self._noise
                 t, noise = position_noise(seed, position, size, timesteps=timesteps, shape=tuple(self._table.shape))
                 batch.timesteps, batch.noise = (t.pin_memory(), noise.pin_memory()) if self._pin else (t, noise)

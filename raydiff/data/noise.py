@@ -1,9 +1,13 @@
 """Per-sample diffusion inputs (timestep and Gaussian noise) as pure functions of (seed, stream position).
 
-Training draws them on the CPU from a generator keyed by (seed, position // NOISE_BLOCK): one vectorized draw
-per block of positions, done by the loader thread ahead of the step. A sample therefore gets the same noise
-whatever the world size, micro-batch size, restart history or device. The small, fixed validation set uses a
-numpy Philox stream per position instead, identical on every device.
+Training draws them from a generator keyed by (seed, position // NOISE_BLOCK): one vectorized draw per block of
+positions. A sample therefore gets the same noise whatever the world size, micro-batch size or restart history.
+On a CPU the loader thread draws them ahead of the step; on a CUDA GPU the step draws them with a generator of
+the GPU's own, where they are used. Why: on the host, the draw (the largest part of the loader thread's work)
+competes with the training thread, whose host time per step is what keeps a GPU busy, and the noise would be
+copied to the GPU every step. So a sample's noise is the same on every CPU, and the same on every GPU of one
+model, but not the same on a CPU and a GPU. The small, fixed validation set uses a numpy Philox stream per
+position instead, identical on every device.
 """
 
 from __future__ import annotations
@@ -22,24 +26,28 @@ _LABEL_DROP_TAG = 0x6C61626C  # and from the label dropout draws
 _local = threading.local()  # one CPU generator per thread: the loader thread draws ahead of the training thread
 
 
-def _thread_generator() -> torch.Generator:
-    """This thread's CPU generator (reseeded for every block it draws)."""
-    if not hasattr(_local, "generator"):
-        _local.generator = torch.Generator()
-    return _local.generator
+def _thread_generator(device: torch.device | None = None) -> torch.Generator:
+    """This thread's generator on `device` (the CPU by default), reseeded for every block it draws."""
+    key = "cpu" if device is None else str(device)
+    generators = _local.__dict__.setdefault("generators", {})
+    if key not in generators:
+        generators[key] = torch.Generator() if device is None else torch.Generator(device=device)
+    return generators[key]
 
 
 def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: tuple[int, ...],
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Timesteps (count,) and Gaussian noise (count, *shape) of stream positions [start, start + count): a pure
-    function of (seed, position), drawn on the CPU (so the same on every device) and moved to `device`. The
-    loader thread draws them ahead of time (`BatchStream`), off the training step's path."""
-    generator = _thread_generator()
+    """Timesteps (count,) and Gaussian noise (count, *shape) of stream positions [start, start + count) on
+    `device`: a pure function of (seed, position) and the kind of device. Drawn on a CUDA GPU by its own generator
+    (the step's, at no host cost); else on the CPU and moved to `device` (the loader thread draws them ahead of
+    time: `BatchStream`)."""
+    device = torch.device(device)
+    generator = _thread_generator(device if device.type == "cuda" else None)
     t_parts, noise_parts = [], []
     for block in range(start // NOISE_BLOCK, (start + count - 1) // NOISE_BLOCK + 1):
         generator.manual_seed(derive_seed(seed, _NOISE_TAG, block))
-        block_t = torch.randint(timesteps, (NOISE_BLOCK,), generator=generator)
-        block_noise = torch.randn((NOISE_BLOCK, *shape), generator=generator)
+        block_t = torch.randint(timesteps, (NOISE_BLOCK,), generator=generator, device=generator.device)
+        block_noise = torch.randn((NOISE_BLOCK, *shape), generator=generator, device=generator.device)
         low, high = max(start, block * NOISE_BLOCK), min(start + count, (block + 1) * NOISE_BLOCK)
         t_parts.append(block_t[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])
         noise_parts.append(block_noise[low - block * NOISE_BLOCK:high - block * NOISE_BLOCK])

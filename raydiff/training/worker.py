@@ -107,7 +107,7 @@ class Worker:
         return BatchStream(table=self.table, order=self.order, global_batch=t.global_batch,
                            share=rank_share(t.global_batch, self.world_size, self.rank), micro_batch=self.micro_batch,
                            start_step=progress.stream_step, pin_memory=self.device.type == "cuda",
-                           noise=(t.seed, self.cfg.diffusion.timesteps),
+                           noise=(t.seed, self.cfg.diffusion.timesteps), device_noise=self.device.type == "cuda",
                            labels=(t.label_dropout, self.num_classes) if self.num_classes else None)
 
     def event(self, event: str, **fields: Any) -> None:

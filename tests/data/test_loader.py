@@ -67,3 +67,25 @@ def test_loader_errors_reach_the_consumer():
     finally:
         s.close()
     assert raised
+
+
+def test_a_stream_for_a_gpu_leaves_the_diffusion_inputs_to_the_step():
+    """With `device_noise` (training on a GPU) the loader thread draws no timesteps or noise: the step draws them
+    on its device. Asked for them on a CPU, such a batch gets what the loader would have drawn ahead."""
+    images, table = make_table()
+    order = SampleOrder(len(images), seed=5)
+
+    def first_step(device_noise):
+        s = BatchStream(table=table, order=order, global_batch=8, share=rank_share(8, 1, 0), micro_batch=3,
+                        start_step=0, pin_memory=False, noise=(5, 100), device_noise=device_noise)
+        batches = next(s)
+        s.close()
+        return batches
+
+    ahead, left = first_step(False), first_step(True)
+    assert all(b.noise is not None and b.timesteps is not None for b in ahead)
+    assert all(b.noise is None and b.timesteps is None for b in left)
+    cpu = torch.device("cpu")
+    for a, b in zip(ahead, left, strict=True):
+        (t_a, noise_a), (t_b, noise_b) = a.diffusion_inputs(5, 100, cpu), b.diffusion_inputs(5, 100, cpu)
+        assert torch.equal(t_a, t_b) and torch.equal(noise_a, noise_b)

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from raydiff.config import load_config
 from raydiff.data.loader import BatchStream, ImageTable
+from raydiff.data.noise import position_noise
 from raydiff.data.order import SampleOrder, rank_share
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
@@ -55,7 +56,7 @@ def _stream(cfg, micro_batch: int = 8) -> BatchStream:
     images = np.random.default_rng(0).integers(0, 256, (64, 1, 8, 8), dtype=np.uint8)
     return BatchStream(table=ImageTable([images]), order=SampleOrder(64, seed=0), global_batch=GLOBAL_BATCH,
                        share=rank_share(GLOBAL_BATCH, 1, 0), micro_batch=micro_batch, start_step=0,
-                       pin_memory=True, noise=(0, cfg.diffusion.timesteps))
+                       pin_memory=True, noise=(0, cfg.diffusion.timesteps), device_noise=True)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -215,8 +216,25 @@ def test_loader_buffers_are_pinned_for_asynchronous_copies():
         batches = next(stream)
     finally:
         stream.close()
-    assert all(b.images.is_pinned() and b.flips.is_pinned() and b.noise.is_pinned() and b.timesteps.is_pinned()
-               for b in batches)
+    assert all(b.images.is_pinned() and b.flips.is_pinned() for b in batches)
+    assert all(b.noise is None and b.timesteps is None for b in batches)  # the GPU draws them: nothing to copy
+
+
+def test_the_gpu_draws_the_noise_as_a_function_of_the_stream_position():
+    """On a GPU the step draws timesteps and noise with the GPU's own generator, keyed by (seed, position) as on
+    a CPU: the same for a sample whatever the split, standard normal, and without a host-to-GPU copy."""
+    cuda = torch.device("cuda")
+    t_all, noise_all = position_noise(3, 30, 40, timesteps=1000, shape=(3, 8, 8), device=cuda)
+    assert noise_all.device.type == "cuda" and t_all.device.type == "cuda"
+    with _HostCopies() as copies:
+        for start, count in ((30, 1), (37, 5), (45, 25), (64, 6)):  # inside, across and at block boundaries
+            t, noise = position_noise(3, start, count, timesteps=1000, shape=(3, 8, 8), device=cuda)
+            part = slice(start - 30, start - 30 + count)
+            assert torch.equal(noise, noise_all[part]) and torch.equal(t, t_all[part])
+    assert copies.count == 0
+    assert abs(noise_all.mean().item()) < 0.1 and abs(noise_all.std().item() - 1) < 0.05
+    assert 0 <= t_all.min().item() and t_all.max().item() < 1000
+    assert not torch.equal(position_noise(4, 30, 40, timesteps=1000, shape=(3, 8, 8), device=cuda)[1], noise_all)
 
 
 class _HostCopies(TorchDispatchMode):
