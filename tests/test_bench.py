@@ -134,3 +134,24 @@ def test_memory_bench_reports_the_parts_with_and_without_activation_checkpointin
 
     proc = run_cli("raydiff.bench", "memory", "--micro-batch", "0")
     assert proc.returncode == 2 and "--micro-batch 0: must be >= 1" in proc.stderr
+
+
+def test_step_bench_adds_raydiffs_step_parts_one_at_a_time():
+    """raydiff's step in one process against the bare step on the same compiled loss: the step alone, with the
+    loader thread, with the EMA; each with its chunks and the host's time per step."""
+    proc = run_cli("raydiff.bench", "step", "--config", "smoke", "--steps", "3", "--batch", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["bench"] == "step" and result["device"] == "cpu" and result["global_batch"] == 8
+    assert list(result["rows"]) == ["bare", "step", "loader", "ema"]
+    for row in result["rows"].values():
+        assert row["img_s"] > 0 and row["host_ms"] > 0 and len(row["chunks_img_s"]) == 3
+        assert min(row["chunks_img_s"]) <= row["img_s"] <= max(row["chunks_img_s"])
+    assert set(result["ratio_bare"]) == {"step", "loader", "ema"} and "compile off" in result["described"]
+
+
+def test_step_bench_rejects_bad_arguments():
+    proc = run_cli("raydiff.bench", "step", "--steps", "1")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("error: --steps 1: must be >= 2")
+    proc = run_cli("raydiff.bench", "step", "--batch", "0")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("error: --batch 0: must be >= 1")

@@ -6,6 +6,7 @@
         [--cache memory|stream]
     python -m raydiff.bench throughput [--config cifar10] [--set key=value ...] [--steps 50] [--batch N[,N...]]
         [--peak-tflops F] [--profile FILE] [--rerun]
+    python -m raydiff.bench step [--config cifar10] [--set key=value ...] [--steps 20] [--batch N]
     python -m raydiff.bench memory --config NAME [--set key=value ...] [--micro-batch N]
     python -m raydiff.bench sampling [--config default] [--set key=value ...] [--sampler ddim] [--steps S]
         [--num 256] [--batch 64] [--pairs 3] [--device auto]
@@ -26,6 +27,10 @@ JPEGs first (64x64, or a quarter larger than --resolution above 51).
 `throughput`: img/s of raydiff's training (one Ray Train worker, its defaults for the device) against the
 textbook eager PyTorch loop and the best bare loop on the same device, with FLOPs per image, TFLOP/s, MFU, peak
 memory and warm-up, one JSON line per `--batch` (see `raydiff.bench.throughput`).
+
+`step`: img/s and the host's milliseconds per step of raydiff's optimizer step in this process (no Ray) against
+the bare loop's step on one compiled loss, its parts added one at a time: the step, the loader thread, the EMA
+(see `raydiff.bench.step`).
 
 `memory`: the memory one training step needs at a micro-batch (weights, gradients, AdamW state, EMA,
 activations), with and without `train.activation_checkpointing` (see `raydiff.bench.memory`).
@@ -166,6 +171,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="write the top kernels of raydiff's steady-state step to FILE (FILE-N.txt per batch)")
     speed.add_argument("--rerun", action="store_true",
                        help="continue raydiff's run once more, as a restart does: its warm-up with the compile cache")
+    step = sub.add_parser("step", help="raydiff's optimizer step in one process vs the bare step, its parts one at "
+                                       "a time: img/s and host ms per step")
+    step.add_argument("--config", default="cifar10")
+    step.add_argument("--steps", type=int, default=20, help="warm-up steps per row, then as many measured (default 20)")
+    step.add_argument("--batch", type=int, default=None, help="images per step (default: the config's global batch)")
     memory = sub.add_parser("memory", help="one training step's peak memory, with and without activation "
                                             "checkpointing")
     memory.add_argument("--config", default="default")
@@ -180,7 +190,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sampling.add_argument("--batch", type=int, default=64, help="images per pass (default 64)")
     sampling.add_argument("--pairs", type=int, default=3, help="processes per side, taking turns (default 3)")
     sampling.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda, cuda:N")
-    for p in (ckpt, rec, speed, memory, sampling):
+    for p in (ckpt, rec, speed, step, memory, sampling):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ingest = sub.add_parser("ingest", help="img/s of raydiff's ingest (raw, prepared) vs the torch DataLoader")
     ingest.add_argument("--source", default=None, help="folder of images (default: synthetic JPEGs)")
@@ -197,6 +207,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--micro-batch {args.micro_batch}: must be >= 1")
     if args.bench == "throughput" and args.steps < 2:
         parser.error(f"--steps {args.steps}: must be >= 2")
+    if args.bench == "step" and args.steps < 2:
+        parser.error(f"--steps {args.steps}: must be >= 2")
+    if args.bench == "step" and args.batch is not None and args.batch < 1:
+        parser.error(f"--batch {args.batch}: must be >= 1")
     if args.bench == "throughput" and args.peak_tflops is not None and args.peak_tflops <= 0:
         parser.error(f"--peak-tflops {args.peak_tflops}: must be > 0")
     if args.bench == "throughput" and args.batch is not None:
@@ -243,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
 
         result = bench_sampling(args.config, args.set, sampler=args.sampler, steps=args.steps, num=args.num,
                                 batch=args.batch, pairs=args.pairs, device=args.device)
+    elif args.bench == "step":
+        from raydiff.bench.step import bench_step
+
+        result = bench_step(args.config, args.set, steps=args.steps, batch=args.batch)
     elif args.bench == "throughput":
         from raydiff.bench.throughput import bench_throughput
 

@@ -14,9 +14,9 @@ For each per-device batch (`--batch N[,N...]`, default the config's global batch
   device, on images decoded by its own ingest; `--rerun` continues the run once more, as a restart would (its
   warm-up shows what the compile cache saves).
 
-Each side's img/s is the median over MEASURED_CHUNKS chunks of its measured steps, so that a moment when the
-machine was busy elsewhere does not decide the ratios. Warm-up is split in two: launch to the end of the first
-step (Ray, data, set-up and compilation), and first step to steady state.
+Each side's img/s is the median over `raydiff.bench.step.MEASURED_CHUNKS` chunks of its measured steps, so that a
+moment when the machine was busy elsewhere does not decide the ratios. Warm-up is split in two: launch to the end
+of the first step (Ray, data, set-up and compilation), and first step to steady state.
 
 FLOPs per trained image are counted with torch's FlopCounterMode (forward + backward of the model), so `tflops` =
 FLOPs x img/s, and `mfu` = tflops / the device's peak dense bf16 throughput. `--profile FILE` writes the top
@@ -29,30 +29,23 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from raydiff.bench import load_model_config
+from raydiff.bench.step import bare_step, chunks, device_name, measure, planned_step, profile_step
 from raydiff.config import Config, set_key
-from raydiff.storage.atomic import new_file
-
-MEASURED_CHUNKS = 5
 
 # Peak dense bf16 tensor throughput (TFLOP/s) by device name; --peak-tflops for others.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
                     ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10G", 70.0), ("RTX 4090", 165.0))
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def peak_tflops(name: str) -> float | None:
@@ -72,42 +65,6 @@ def flops_per_image(cfg: Config, device: torch.device) -> float:
     with FlopCounterMode(display=False) as counter:
         model(x, t).square().mean().backward()
     return counter.get_total_flops() / batch
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _chunks(steps: int) -> list[int]:
-    """`steps` split into up to MEASURED_CHUNKS near-equal chunks."""
-    n = min(MEASURED_CHUNKS, steps)
-    return [steps // n + (i < steps % n) for i in range(n)]
-
-
-def _measure(step: Callable[[], None], device: torch.device, *, steps: int, batch: int) -> dict[str, Any]:
-    """Time one loop: its first step (compilation included), `steps` - 1 more warm-up steps, then the median img/s
-    of MEASURED_CHUNKS chunks of `steps` steps, and the peak memory of the measured steps."""
-    start = time.perf_counter()
-    step()
-    _synchronize(device)
-    first_step_s = time.perf_counter() - start
-    for _ in range(steps - 1):
-        step()
-    _synchronize(device)
-    warmup_s = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    rates = []
-    for chunk in _chunks(steps):
-        chunk_start = time.perf_counter()
-        for _ in range(chunk):
-            step()
-        _synchronize(device)
-        rates.append(chunk * batch / (time.perf_counter() - chunk_start))
-    peak = round(torch.cuda.max_memory_allocated(device) / 1e9, 3) if device.type == "cuda" else None
-    return {"img_s": round(statistics.median(rates), 1), "first_step_s": round(first_step_s, 2),
-            "warmup_s": round(warmup_s, 2), "peak_memory_gb": peak}
 
 
 def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:
@@ -136,55 +93,15 @@ def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, An
         scaler.step(optimizer)
         scaler.update()
 
-    return _measure(step, device, steps=steps, batch=t.global_batch)
-
-
-def _planned_model(cfg: Config, device: torch.device):
-    """(speed plan, model, autocast dtype) as one worker of raydiff sets them up on `device` (TF32 switched on or
-    off as planned: the caller switches it off again)."""
-    from raydiff.model.unet import build_model
-    from raydiff.training.speed import plan_speed, set_tf32
-    from raydiff.training.step import resolve_precision
-
-    plan = plan_speed(cfg.train, device, world_size=1)
-    set_tf32(plan.tf32)
-    torch.manual_seed(0)
-    model = build_model(cfg).to(device)
-    if plan.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return plan, model, resolve_precision(cfg.train.precision, device)
+    return measure(step, device, steps=steps, batch=t.global_batch)
 
 
 def bare_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:
     """The best bare loop (see the module's docstring): raydiff's speed plan, nothing else around the step."""
-    from raydiff.model.diffusion import build_diffusion
-    from raydiff.training.speed import for_training, set_tf32
-    from raydiff.training.step import DenoisingLoss, make_optimizer
+    from raydiff.training.speed import set_tf32
 
-    t, d = cfg.train, cfg.data
-    plan, model, dtype = _planned_model(cfg, device)
-    diffusion = build_diffusion(cfg)
-    loss = for_training(DenoisingLoss(model, diffusion, device=device, flip=d.flip, channels_last=plan.channels_last,
-                                      autocast_dtype=dtype), plan, device, world_size=1)
-    optimizer = make_optimizer(model, lr=1e-4, weight_decay=t.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    shape = (t.global_batch, d.channels, d.resolution, d.resolution)
-    images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
-    flips = torch.rand(t.global_batch, device=device) < 0.5
-
-    def step() -> None:
-        timesteps = torch.randint(0, diffusion.timesteps, (t.global_batch,), device=device)
-        if plan.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        losses = loss(images, flips, timesteps, torch.randn(shape, device=device))
-        scaler.scale(losses.mean()).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-    result = _measure(step, device, steps=steps, batch=t.global_batch)
+    plan, parts, model = planned_step(cfg, device)
+    result = measure(bare_step(cfg, plan, parts, model), device, steps=steps, batch=cfg.train.global_batch)
     set_tf32(False)  # back to torch's default for what runs next in this process
     return result
 
@@ -195,7 +112,7 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool) -> dict[
     from raydiff.config.checks import validate
 
     for key, value in (("scaling.num_workers", 1), ("train.total_steps", 2 * steps),
-                       ("train.log_every", _chunks(steps)[-1]),
+                       ("train.log_every", chunks(steps)[-1]),
                        ("train.checkpoint_every", 2 * steps), ("train.sample_every", 0), ("train.sample_num", 1),
                        ("train.sample_steps", 1), ("data.val_images", 0), ("run.storage", str(storage)),
                        ("run.name", f"throughput-{cfg.train.global_batch}"), ("train.micro_batch", None),
@@ -233,71 +150,6 @@ def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> di
             "warmup_s": round(warm["time_s"], 2), "peak_memory_gb": max(peaks) if peaks else None,
             "data_wait_frac": round(statistics.median(row["data_wait_frac"] for row in measured), 4),
             "compile_cache": start.get("compile_cache"), "described": start["speed"]}
-
-
-# What the host calls to start work on a GPU: a kernel (CUDA's runtime, the driver API that Triton uses) or a graph.
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
-
-
-def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) -> dict[str, float | None]:
-    """The top kernels of raydiff's steady-state step (its own `optimizer_step`, loader and speed plan, in this
-    process, no Ray), by device time on a GPU and by CPU time on a CPU, as a table in `out`; returns the device's
-    busy time and the host's launches per step (None and 0 on a CPU)."""
-    import numpy as np
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from raydiff.data.loader import BatchStream, ImageTable
-    from raydiff.data.order import SampleOrder, rank_share
-    from raydiff.model.diffusion import build_diffusion
-    from raydiff.model.weight_averages import EmaUpdater, make_ema
-    from raydiff.training.speed import for_training, set_tf32
-    from raydiff.training.step import StepParts, make_optimizer, optimizer_step
-
-    t, d = cfg.train, cfg.data
-    plan, model, dtype = _planned_model(cfg, device)
-    inputs = StepParts.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-4, weight_decay=0.0),
-                              torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), device=device,
-                              autocast_dtype=dtype, seed=0, flip=d.flip, global_batch=t.global_batch, world_size=1,
-                              grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0, channels_last=plan.channels_last)
-    inputs.loss, inputs.cuda_graphs = for_training(inputs.loss, plan, device, world_size=1), plan.cuda_graphs
-    ema = make_ema(model)
-    images = np.random.default_rng(0).integers(0, 256, (4 * t.global_batch, d.channels, d.resolution, d.resolution),
-                                               dtype=np.uint8)
-    stream = BatchStream(table=ImageTable([images]), order=SampleOrder(len(images), seed=0),
-                         global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
-                         micro_batch=t.global_batch, start_step=0, pin_memory=device.type == "cuda",
-                         noise=(0, cfg.diffusion.timesteps),
-                         device_noise=device.type == "cuda")
-    update = EmaUpdater(ema, model)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type != "cuda":  # else the profiler's GPU probe prints "ERROR: ... gpuGetDeviceCount failed" on a CPU
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
-    try:
-        for _ in range(steps):
-            optimizer_step(inputs, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
-        _synchronize(device)
-        with profile(activities=activities) as profiler:
-            for _ in range(steps):
-                optimizer_step(inputs, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
-            _synchronize(device)
-    finally:
-        stream.close()
-        set_tf32(False)
-    events = profiler.key_averages()
-    cuda = device.type == "cuda"
-    # The kernels' own time, as the table's "Self CUDA time total" counts it (not the operators that launched them).
-    kernel_us = sum(e.self_device_time_total for e in events
-                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
-    device_ms = kernel_us / 1e3 / steps if cuda else None
-    launches = sum(e.count for e in events if e.key in LAUNCHES) / steps
-    busy = f"; per step: {device_ms:.2f} ms of device time, {launches:.0f} launches" if cuda else ""
-    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
-    with new_file(out) as tmp:
-        tmp.write_text(f"# raydiff's step, {cfg.train.global_batch} images per step, {steps} steps profiled on "
-                       f"{device_name(device)}; {plan.describe()}{busy}\n{table}\n")
-    return {"device_ms_per_step": None if device_ms is None else round(device_ms, 3),
-            "launches_per_step": round(launches, 1)}
 
 
 def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: list[int] | None,

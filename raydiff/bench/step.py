@@ -1,0 +1,261 @@
+"""`python -m raydiff.bench step`: raydiff's optimizer step in this process, against the bare step, its parts
+added one at a time.
+
+Why: `bench throughput` compares whole runs (Ray, the loader, the loop's cadence) with the bare loop. When raydiff
+is slower, this says which part of the step costs the difference, in a minute and without Ray. All rows share one
+compiled loss (one compilation), with raydiff's speed plan for the device, and run in this order:
+- `bare`: the bare loop's step (`bench throughput`'s), on images and noise already on the device;
+- `step`: raydiff's `optimizer_step` on one batch, drawn from its loader once and reused: the loader idle;
+- `loader`: the step on a new batch every step from the loader thread, as the training loop gets them;
+- `ema`: that and the EMA update: what a worker runs, less Ray and the loop's cadence.
+
+Each row: the median img/s of MEASURED_CHUNKS chunks, the slowest and the fastest chunk (a wide spread: the step
+shares the host with something), and the host's milliseconds per step (`host_ms`: the time to issue HOST_STEPS
+steps once the device is idle, the least of three tries; on a GPU a step whose host time exceeds the device's
+waits for the host). The module also holds what `bench throughput` shares with it: timing in chunks, the model
+and step under the speed plan, and the profile of the step (`profile_step`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from raydiff.config import Config
+from raydiff.storage.atomic import new_file
+
+if TYPE_CHECKING:
+    from raydiff.training.speed import SpeedPlan
+    from raydiff.training.step import StepParts
+
+MEASURED_CHUNKS = 5
+HOST_STEPS = 3
+# What the host calls to start work on a GPU: a kernel (CUDA's runtime, the driver API that Triton uses) or a graph.
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def chunks(steps: int) -> list[int]:
+    """`steps` split into up to MEASURED_CHUNKS near-equal chunks."""
+    n = min(MEASURED_CHUNKS, steps)
+    return [steps // n + (i < steps % n) for i in range(n)]
+
+
+def measure(step: Callable[[], object], device: torch.device, *, steps: int, batch: int) -> dict[str, Any]:
+    """Time one loop: its first step (compilation included), `steps` - 1 more warm-up steps, then the median img/s
+    of MEASURED_CHUNKS chunks of `steps` steps (and each chunk's), and the peak memory of the measured steps."""
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    first_step_s = time.perf_counter() - start
+    for _ in range(steps - 1):
+        step()
+    synchronize(device)
+    warmup_s = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rates = []
+    for chunk in chunks(steps):
+        chunk_start = time.perf_counter()
+        for _ in range(chunk):
+            step()
+        synchronize(device)
+        rates.append(chunk * batch / (time.perf_counter() - chunk_start))
+    peak = round(torch.cuda.max_memory_allocated(device) / 1e9, 3) if device.type == "cuda" else None
+    return {"img_s": round(statistics.median(rates), 1), "chunks_img_s": [round(r, 1) for r in rates],
+            "first_step_s": round(first_step_s, 2), "warmup_s": round(warmup_s, 2), "peak_memory_gb": peak}
+
+
+def host_ms(step: Callable[[], object], device: torch.device) -> float:
+    """The host's milliseconds per step: HOST_STEPS steps issued on an idle device, the least of three tries."""
+    tries = []
+    for _ in range(3):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(HOST_STEPS):
+            step()
+        tries.append((time.perf_counter() - start) / HOST_STEPS * 1e3)
+    synchronize(device)
+    return round(min(tries), 3)
+
+
+def planned_model(cfg: Config, device: torch.device):
+    """(speed plan, model, autocast dtype) as one worker of raydiff sets them up on `device` (TF32 switched on or
+    off as planned: the caller switches it off again)."""
+    from raydiff.model.unet import build_model
+    from raydiff.training.speed import plan_speed, set_tf32
+    from raydiff.training.step import resolve_precision
+
+    plan = plan_speed(cfg.train, device, world_size=1)
+    set_tf32(plan.tf32)
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device)
+    if plan.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return plan, model, resolve_precision(cfg.train.precision, device)
+
+
+def planned_step(cfg: Config, device: torch.device):
+    """(speed plan, the step's parts, model) as one worker of raydiff trains on `device`: its loss under the
+    speed plan (one worker: no DDP), fused AdamW, the loss scaler; one micro-batch per step."""
+    from raydiff.model.diffusion import build_diffusion
+    from raydiff.training.speed import for_training
+    from raydiff.training.step import StepParts, make_optimizer
+
+    t = cfg.train
+    plan, model, dtype = planned_model(cfg, device)
+    parts = StepParts.build(model, build_diffusion(cfg), make_optimizer(model, lr=1e-4, weight_decay=t.weight_decay),
+                            torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), device=device,
+                            autocast_dtype=dtype, seed=0, flip=cfg.data.flip, global_batch=t.global_batch,
+                            world_size=1, grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0,
+                            channels_last=plan.channels_last)
+    parts.loss, parts.cuda_graphs = for_training(parts.loss, plan, device, world_size=1), plan.cuda_graphs
+    return plan, parts, model
+
+
+def bare_step(cfg: Config, plan: SpeedPlan, parts: StepParts, model: torch.nn.Module) -> Callable[[], None]:
+    """The bare loop's step on `planned_step`'s parts: its loss, fused AdamW, clipping, on uint8 images, flips,
+    timesteps and noise drawn on the device; no loader, no EMA, no bookkeeping."""
+    import math
+
+    t, d = cfg.train, cfg.data
+    device, batch = parts.device, t.global_batch
+    params = list(model.parameters())
+    shape = (batch, d.channels, d.resolution, d.resolution)
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+    flips = torch.rand(batch, device=device) < 0.5
+
+    def step() -> None:
+        timesteps = torch.randint(0, parts.timesteps, (batch,), device=device)
+        if plan.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        losses = parts.loss(images, flips, timesteps, torch.randn(shape, device=device))
+        parts.scaler.scale(losses.mean()).backward()
+        parts.scaler.unscale_(parts.optimizer)
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else math.inf)
+        parts.scaler.step(parts.optimizer)
+        parts.scaler.update()
+        parts.optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def loader_stream(cfg: Config, device: torch.device):
+    """raydiff's loader thread over random uint8 images of the config's shape, as a worker on `device` opens it."""
+    import numpy as np
+
+    from raydiff.data.loader import BatchStream, ImageTable
+    from raydiff.data.order import SampleOrder, rank_share
+
+    t, d = cfg.train, cfg.data
+    images = np.random.default_rng(0).integers(0, 256, (4 * t.global_batch, d.channels, d.resolution, d.resolution),
+                                               dtype=np.uint8)
+    return BatchStream(table=ImageTable([images]), order=SampleOrder(len(images), seed=0),
+                       global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
+                       micro_batch=t.global_batch, start_step=0, pin_memory=device.type == "cuda",
+                       noise=(0, cfg.diffusion.timesteps), device_noise=device.type == "cuda")
+
+
+def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | None) -> dict[str, Any]:
+    """The rows of the module's docstring for a preset, at `batch` images per step (default: its global batch), on
+    the device a worker would train on."""
+    from raydiff.bench import load_model_config
+    from raydiff.cluster.devices import resolve_device
+    from raydiff.config import set_key
+
+    cfg = load_model_config(config, overrides, "step")
+    if batch is not None:
+        set_key(cfg, "train.global_batch", batch)
+    return {"bench": "step", "config": config, **step_rows(cfg, resolve_device("auto"), steps=steps)}
+
+
+def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:
+    """The rows of the module's docstring, at the config's global batch on `device`."""
+    from raydiff.model.weight_averages import EmaUpdater, make_ema
+    from raydiff.training.speed import set_tf32
+    from raydiff.training.step import optimizer_step
+
+    batch = cfg.train.global_batch
+    plan, parts, model = planned_step(cfg, device)
+    update = EmaUpdater(make_ema(model), model)
+    stream = loader_stream(cfg, device)
+    reused = next(stream)
+    steps_of: dict[str, Callable[[], object]] = {
+        "bare": bare_step(cfg, plan, parts, model),
+        "step": lambda: optimizer_step(parts, reused, lr=1e-4),
+        "loader": lambda: optimizer_step(parts, next(stream), lr=1e-4),
+        "ema": lambda: optimizer_step(parts, next(stream), lr=1e-4, ema=update, ema_decay=0.999),
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        for name, step in steps_of.items():
+            measured = measure(step, device, steps=steps, batch=batch)
+            rows[name] = {"img_s": measured["img_s"], "chunks_img_s": measured["chunks_img_s"],
+                          "host_ms": host_ms(step, device)}
+            if name == "bare":  # the first row compiles the loss that every row runs
+                first_step_s = measured["first_step_s"]
+    finally:
+        stream.close()
+        set_tf32(False)
+    return {"device": device_name(device), "torch": torch.__version__, "global_batch": batch, "steps": steps,
+            "described": plan.describe(), "first_step_s": first_step_s, "rows": rows,
+            "ratio_bare": {name: round(row["img_s"] / rows["bare"]["img_s"], 3)
+                           for name, row in rows.items() if name != "bare"}}
+
+
+def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) -> dict[str, float | None]:
+    """The top kernels of raydiff's steady-state step (its own `optimizer_step`, loader and speed plan, in this
+    process, no Ray), by device time on a GPU and by CPU time on a CPU, as a table in `out`; returns the device's
+    busy time and the host's launches per step (None and 0 on a CPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from raydiff.model.weight_averages import EmaUpdater, make_ema
+    from raydiff.training.speed import set_tf32
+    from raydiff.training.step import optimizer_step
+
+    plan, parts, model = planned_step(cfg, device)
+    stream = loader_stream(cfg, device)
+    update = EmaUpdater(make_ema(model), model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type != "cuda":  # else the profiler's GPU probe prints "ERROR: ... gpuGetDeviceCount failed" on a CPU
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    try:
+        for _ in range(steps):
+            optimizer_step(parts, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
+        synchronize(device)
+        with profile(activities=activities) as profiler:
+            for _ in range(steps):
+                optimizer_step(parts, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
+            synchronize(device)
+    finally:
+        stream.close()
+        set_tf32(False)
+    events = profiler.key_averages()
+    cuda = device.type == "cuda"
+    # The kernels' own time, as the table's "Self CUDA time total" counts it (not the operators that launched them).
+    kernel_us = sum(e.self_device_time_total for e in events
+                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    device_ms = kernel_us / 1e3 / steps if cuda else None
+    launches = sum(e.count for e in events if e.key in LAUNCHES) / steps
+    busy = f"; per step: {device_ms:.2f} ms of device time, {launches:.0f} launches" if cuda else ""
+    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    with new_file(out) as tmp:
+        tmp.write_text(f"# raydiff's step, {cfg.train.global_batch} images per step, {steps} steps profiled on "
+                       f"{device_name(device)}; {plan.describe()}{busy}\n{table}\n")
+    return {"device_ms_per_step": None if device_ms is None else round(device_ms, 3),
+            "launches_per_step": round(launches, 1)}
