@@ -23,16 +23,17 @@ NOISE_BLOCK = 16  # positions per noise draw: vectorized, with little waste at u
 _NOISE_TAG = 0x6E6F697365  # keeps the noise streams apart from the dropout seeds (seed, position)
 _LABEL_DROP_TAG = 0x6C61626C  # and from the label dropout draws
 
-_local = threading.local()  # one CPU generator per thread: the loader thread draws ahead of the training thread
+_local = threading.local()  # generators per thread: the loader thread draws ahead of the training thread
 
 
 def _thread_generator(device: torch.device | None = None) -> torch.Generator:
     """This thread's generator on `device` (the CPU by default), reseeded for every block it draws."""
+    if not hasattr(_local, "generators"):
+        _local.generators = {}
     key = "cpu" if device is None else str(device)
-    generators = _local.__dict__.setdefault("generators", {})
-    if key not in generators:
-        generators[key] = torch.Generator() if device is None else torch.Generator(device=device)
-    return generators[key]
+    if key not in _local.generators:
+        _local.generators[key] = torch.Generator() if device is None else torch.Generator(device=device)
+    return _local.generators[key]
 
 
 def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: tuple[int, ...],
