@@ -148,6 +148,8 @@ def test_step_bench_adds_raydiffs_step_parts_one_at_a_time():
         assert row["img_s"] > 0 and row["host_ms"] > 0 and len(row["chunks_img_s"]) == 3
         assert min(row["chunks_img_s"]) <= row["img_s"] <= max(row["chunks_img_s"])
     assert set(result["ratio_bare"]) == {"step", "loader", "ema"} and "compile off" in result["described"]
+    # The loader thread's own CPU time per step it made (on a CPU it draws the noise too): what it takes from the host.
+    assert result["rows"]["loader"]["loader_cpu_ms"] > 0 and result["rows"]["ema"]["loader_cpu_ms"] > 0
 
 
 def test_step_bench_rejects_bad_arguments():

@@ -12,8 +12,10 @@ compiled loss (one compilation), with raydiff's speed plan for the device, and r
 Each row: the median img/s of MEASURED_CHUNKS chunks, the slowest and the fastest chunk (a wide spread: the step
 shares the host with something), and the host's milliseconds per step (`host_ms`: the time to issue HOST_STEPS
 steps once the device is idle, the least of three tries; on a GPU a step whose host time exceeds the device's
-waits for the host). The module also holds what `bench throughput` shares with it: timing in chunks, the model
-and step under the speed plan, and the profile of the step (`profile_step`).
+waits for the host); for `loader` and `ema`, the loader thread's CPU milliseconds per step it made
+(`loader_cpu_ms`: the host time it takes beside the training thread). The module also holds what `bench
+throughput` shares with it: timing in chunks, the model and step under the speed plan, and the profile of the
+step (`profile_step`).
 """
 
 from __future__ import annotations
@@ -203,9 +205,13 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
     rows: dict[str, dict[str, Any]] = {}
     try:
         for name, step in steps_of.items():
+            produced, cpu_s = stream.produced_steps, stream.cpu_s
             measured = measure(step, device, steps=steps, batch=batch)
             rows[name] = {"img_s": measured["img_s"], "chunks_img_s": measured["chunks_img_s"],
                           "host_ms": host_ms(step, device)}
+            if name in ("loader", "ema"):  # the loader thread's CPU time per step it made for this row
+                made = stream.produced_steps - produced
+                rows[name]["loader_cpu_ms"] = round((stream.cpu_s - cpu_s) / max(made, 1) * 1e3, 3)
             if name == "bare":  # the first row compiles the loss that every row runs
                 first_step_s = measured["first_step_s"]
     finally:
