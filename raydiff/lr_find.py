@@ -59,6 +59,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.cluster.host_memory import keep_host_memory, keep_host_memory_here
     from raydiff.cluster.start import init_ray
     from raydiff.data.loader import BatchStream
+    from raydiff.data.noise import drawn_on_device
     from raydiff.data.order import Share
     from raydiff.data.run_images import open_images, open_tables
     from raydiff.data.sources import source_of
@@ -86,7 +87,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     stream = BatchStream(table=table, order=order, global_batch=t.global_batch,
                          share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
                          pin_memory=device.type == "cuda", noise=(t.seed, cfg.diffusion.timesteps),
-                         device_noise=device.type == "cuda",
+                         device_noise=drawn_on_device(device),
                          labels=(t.label_dropout, num_classes) if num_classes else None)
 
     torch.manual_seed(t.seed)

@@ -161,6 +161,7 @@ def loader_stream(cfg: Config, device: torch.device):
     import numpy as np
 
     from raydiff.data.loader import BatchStream, ImageTable
+    from raydiff.data.noise import drawn_on_device
     from raydiff.data.order import SampleOrder, rank_share
 
     t, d = cfg.train, cfg.data
@@ -169,7 +170,7 @@ def loader_stream(cfg: Config, device: torch.device):
     return BatchStream(table=ImageTable([images]), order=SampleOrder(len(images), seed=0),
                        global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
                        micro_batch=t.global_batch, start_step=0, pin_memory=device.type == "cuda",
-                       noise=(0, cfg.diffusion.timesteps), device_noise=device.type == "cuda")
+                       noise=(0, cfg.diffusion.timesteps), device_noise=drawn_on_device(device))
 
 
 def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from raydiff.data.noise import dropped_labels, position_noise
+from raydiff.data.noise import drawn_on_device, dropped_labels, position_noise
 from raydiff.data.order import SampleOrder, Share, micro_batches
 
 
@@ -86,7 +86,7 @@ class MicroBatch:
     def diffusion_inputs(self, seed: int, timesteps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's diffusion timesteps and noise on `device` (see `position_noise`): on a CUDA GPU drawn
         now, by the GPU; else drawn ahead by the loader thread when it knew the seed, or now."""
-        if device.type == "cuda":
+        if drawn_on_device(device):
             return position_noise(seed, self.position, len(self), timesteps=timesteps,
                                   shape=tuple(self.images.shape[1:]), device=device)
         if self.noise is None:
@@ -119,8 +119,8 @@ class BatchStream:
     :param pin_memory: pin host buffers for asynchronous copies to a GPU.
     :param prefetch_steps: how many steps the background thread may run ahead.
     :param noise: (seed, T): also draw each micro-batch's diffusion timesteps and noise ahead, in the thread.
-    :param device_noise: training on a CUDA GPU, where the step draws the timesteps and noise itself
-        (`MicroBatch.diffusion_inputs`): the thread draws neither.
+    :param device_noise: the training device draws the timesteps and noise itself (`drawn_on_device`,
+        `MicroBatch.diffusion_inputs`): the thread draws neither.
     :param labels: (train.label_dropout, null class id): class-conditional training; each micro-batch gets its
         samples' class ids (`MicroBatch.labels`), the null id where `dropped_labels` (keyed by the seed of
         `noise`, which it needs) says so.

@@ -36,6 +36,11 @@ def _thread_generator(device: torch.device | None = None) -> torch.Generator:
     return _local.generators[key]
 
 
+def drawn_on_device(device: torch.device) -> bool:
+    """Whether training on `device` draws its timesteps and noise there (a CUDA GPU), not on the host."""
+    return device.type == "cuda"
+
+
 def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: tuple[int, ...],
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Timesteps (count,) and Gaussian noise (count, *shape) of stream positions [start, start + count) on
@@ -43,7 +48,7 @@ def position_noise(seed: int, start: int, count: int, *, timesteps: int, shape: 
     (the step's, at no host cost); else on the CPU and moved to `device` (the loader thread draws them ahead of
     time: `BatchStream`)."""
     device = torch.device(device)
-    generator = _thread_generator(device if device.type == "cuda" else None)
+    generator = _thread_generator(device if drawn_on_device(device) else None)
     t_parts, noise_parts = [], []
     for block in range(start // NOISE_BLOCK, (start + count - 1) // NOISE_BLOCK + 1):
         generator.manual_seed(derive_seed(seed, _NOISE_TAG, block))

@@ -22,6 +22,7 @@ import torch
 from raydiff.config import Config
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.node_cache import StreamTable
+from raydiff.data.noise import drawn_on_device
 from raydiff.data.order import SampleOrder, micro_batches, rank_share
 from raydiff.data.run_images import open_tables
 from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
@@ -107,7 +108,7 @@ class Worker:
         return BatchStream(table=self.table, order=self.order, global_batch=t.global_batch,
                            share=rank_share(t.global_batch, self.world_size, self.rank), micro_batch=self.micro_batch,
                            start_step=progress.stream_step, pin_memory=self.device.type == "cuda",
-                           noise=(t.seed, self.cfg.diffusion.timesteps), device_noise=self.device.type == "cuda",
+                           noise=(t.seed, self.cfg.diffusion.timesteps), device_noise=drawn_on_device(self.device),
                            labels=(t.label_dropout, self.num_classes) if self.num_classes else None)
 
     def event(self, event: str, **fields: Any) -> None:
