@@ -3,6 +3,7 @@ token authentication on (the client presents the token). Only the processes the 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -98,15 +99,38 @@ def failed(head, proc: subprocess.CompletedProcess) -> str:
                       *(f"--- {log.name}:\n{log.read_text(errors='replace')[-2000:]}" for log in logs)])
 
 
-def ray_job(head, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def ray_job(head, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "ray"), "job", *args], capture_output=True, text=True, timeout=timeout,
                           env=head["env"], cwd=ROOT, stdin=subprocess.DEVNULL)
 
 
-def submit(head, *entrypoint: str, runtime_env: dict | None = None, wait: bool = True) -> subprocess.CompletedProcess:
+@pytest.fixture(autouse=True)
+def _jobs_end_with_their_test(head):
+    """Every job a test submits is stopped when the test ends: a job left running (a test that failed or timed
+    out) would hold the head's CPUs, and the next test's job would wait for them."""
+    yield
+    for job_id in head.setdefault("jobs", []):  # through the REST API: a `ray job stop` per job takes seconds
+        request = urllib.request.Request(f"{head['address']}/api/jobs/{job_id}/stop", method="POST",
+                                         headers={"Authorization": f"Bearer {head['token']}"})
+        with contextlib.suppress(OSError):  # a job that never started is not there to stop
+            urllib.request.urlopen(request, timeout=30).read()
+    head["jobs"].clear()
+
+
+def submit(head, *entrypoint: str, runtime_env: dict | None = None, wait: bool = True,
+           timeout: float = 480) -> subprocess.CompletedProcess:
+    """`ray job submit`; a job that outlives `timeout` (less than pytest's own, so that this, not pytest, says
+    so) fails the test with its log's end."""
+    job_id = f"raydiff-test-{secrets.token_hex(4)}"
+    head.setdefault("jobs", []).append(job_id)
     extra = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
-    return ray_job(head, "submit", "--address", head["address"], "--working-dir", str(ROOT), *extra,
-                   *([] if wait else ["--no-wait"]), "--", *entrypoint)
+    try:
+        return ray_job(head, "submit", "--address", head["address"], "--working-dir", str(ROOT), *extra,
+                       "--submission-id", job_id, *([] if wait else ["--no-wait"]), "--", *entrypoint,
+                       timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log = ray_job(head, "logs", "--address", head["address"], job_id).stdout
+        pytest.fail(f"job {job_id} still ran after {timeout:.0f} s; its log ends:\n{log[-5000:]}")
 
 
 def test_auth_is_on_a_client_without_the_token_is_refused(head):
@@ -182,7 +206,7 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes_to_the_end(head, tmp
     stop_env = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}
     started = submit(head, *command, "--set", "debug.step_delay_s=0.1", runtime_env=stop_env, wait=False)
     assert started.returncode == 0, failed(head, started)
-    job_id = re.search(r"raysubmit_\w+", started.stdout + started.stderr).group(0)
+    job_id = head["jobs"][-1]
     metrics = tmp_path / "smoke" / "metrics.jsonl"
     deadline = time.time() + 180
     while not (metrics.exists() and any(json.loads(r)["step"] >= 30 for r in metrics.read_text().splitlines())):
