@@ -110,20 +110,19 @@ def _jobs_end_with_their_test(head):
     out) would hold the head's CPUs, and the next test's job would wait for them."""
     yield
     for job_id in head.setdefault("jobs", []):  # through the REST API: a `ray job stop` per job takes seconds
-        request = urllib.request.Request(f"{head['address']}/api/jobs/{job_id}/stop", method="POST",
-                                         headers={"Authorization": f"Bearer {head['token']}"})
         with contextlib.suppress(OSError):  # a job that never started is not there to stop
-            urllib.request.urlopen(request, timeout=30).read()
+            job_api(head, f"{job_id}/stop", method="POST")
     head["jobs"].clear()
 
 
-def submit(head, *entrypoint: str, runtime_env: dict | None = None, wait: bool = True,
+def submit(head, *entrypoint: str, runtime_env: dict | None = None, wait: bool = True, entrypoint_cpus: float = 0,
            timeout: float = 480) -> subprocess.CompletedProcess:
     """`ray job submit`; a job that outlives `timeout` (less than pytest's own, so that this, not pytest, says
     so) fails the test with its log's end."""
     job_id = f"raydiff-test-{secrets.token_hex(4)}"
     head.setdefault("jobs", []).append(job_id)
     extra = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
+    extra += ["--entrypoint-num-cpus", str(entrypoint_cpus)] if entrypoint_cpus else []
     try:
         return ray_job(head, "submit", "--address", head["address"], "--working-dir", str(ROOT), *extra,
                        "--submission-id", job_id, *([] if wait else ["--no-wait"]), "--", *entrypoint,
@@ -131,6 +130,13 @@ def submit(head, *entrypoint: str, runtime_env: dict | None = None, wait: bool =
     except subprocess.TimeoutExpired:
         log = ray_job(head, "logs", "--address", head["address"], job_id).stdout
         pytest.fail(f"job {job_id} still ran after {timeout:.0f} s; its log ends:\n{log[-5000:]}")
+
+
+def job_api(head, path: str, method: str = "GET") -> dict:
+    """The job server's REST API (what `ray job` calls, without a process per call)."""
+    request = urllib.request.Request(f"{head['address']}/api/jobs/{path}", method=method,
+                                     headers={"Authorization": f"Bearer {head['token']}"})
+    return json.loads(urllib.request.urlopen(request, timeout=30).read())
 
 
 def test_auth_is_on_a_client_without_the_token_is_refused(head):
@@ -228,3 +234,33 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes_to_the_end(head, tmp
     assert resumed["status"] == "finished" and resumed["steps"] == 150
     assert resumed["resumed_from_step"] == summary["steps"]
     assert (tmp_path / "smoke" / "samples" / "step_00000150.png").exists()  # the end's grid, written by the job
+
+
+def test_a_run_waiting_for_room_on_the_cluster_says_so_in_a_line_and_trains_once_there_is(head, tmp_path):
+    """While another job holds the head's CPUs, the run's workers find no room: Ray Train gives up on them after its
+    start timeout (60 s; 5 s here) and tries again, for as long as it takes, and its controller's traceback of each
+    try is one raydiff line instead. Once the CPUs are free, the run trains to its end."""
+    holder = submit(head, "python", "-c", "import time; time.sleep(600)", entrypoint_cpus=2, wait=False)
+    assert holder.returncode == 0, failed(head, holder)
+    holder_id = head["jobs"][-1]
+    run = submit(head, "python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
+                 "--set", "train.sample_every=0", wait=False,
+                 runtime_env={"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5"}})
+    assert run.returncode == 0, failed(head, run)
+    run_id = head["jobs"][-1]
+    deadline = time.time() + 240
+    still_waiting = "[raydiff] still waiting for room on the cluster for 2 workers: "
+    while still_waiting not in job_api(head, f"{run_id}/logs")["logs"]:
+        assert time.time() < deadline and job_api(head, run_id)["status"] in ("PENDING", "RUNNING"), \
+            job_api(head, f"{run_id}/logs")["logs"][-3000:]
+        time.sleep(1)
+    job_api(head, f"{holder_id}/stop", method="POST")
+    while job_api(head, run_id)["status"] in ("PENDING", "RUNNING"):
+        assert time.time() < deadline + 240, job_api(head, f"{run_id}/logs")["logs"][-3000:]
+        time.sleep(1)
+    logs = job_api(head, f"{run_id}/logs")["logs"]
+    assert job_api(head, run_id)["status"] == "SUCCEEDED", logs[-3000:]
+    assert "[raydiff] waiting for room on the cluster for 2 workers: none for 5 s (its resources are in use, or " \
+           "nodes are still being added); Ray Train tries again until there is" in logs
+    assert "Traceback" not in logs and "Error in control loop iteration" not in logs, logs[-5000:]
+    assert json.loads((tmp_path / "smoke" / "summary.json").read_text())["status"] == "finished"

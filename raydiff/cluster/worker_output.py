@@ -3,9 +3,10 @@ failure, and a traceback as a bug.
 
 Ray prints its workers' and actors' output, and its raylets' error lines, on the driver's terminal. Some of it is
 routine in runs that succeed (`HARMLESS_WORKER_LINES`, and a command's own `drop_worker_lines`); some says, as a
-traceback or a line repeated every few seconds, what raydiff says once in one line (a storage error no retry can
-fix, met by Ray Train's controller; Ray's own temp directory full: `raydiff.cluster.ray_temp_dir`). Each filter
-matches what it leaves out exactly, so every other line, real errors included, still reaches the terminal.
+traceback or a line repeated every few seconds, what raydiff says in one line (a storage error no retry can fix,
+met by Ray Train's controller; the workers waiting for room on a busy or growing cluster; Ray's own temp directory
+full: `raydiff.cluster.ray_temp_dir`). Each filter matches what it leaves out exactly, so every other line, real
+errors included, still reaches the terminal.
 """
 
 from __future__ import annotations
@@ -29,30 +30,51 @@ HARMLESS_WORKER_LINES = (
 )
 _INSTALLED_FILTERS: list[Callable[[dict[str, Any]], None]] = []  # installed once per process, not stacked
 _ROUTINE_HERE: list[re.Pattern] = []  # lines routine in this process's command only (`drop_worker_lines`)
-# Ray Train's controller logs the traceback of any error in its control loop, then fails the run with that error.
-# Where it is a storage error no retry can fix (its own checkpoint list written to a full disk), the driver says it
-# in one line: the block is left out. Any other error keeps its traceback.
+# Ray Train's controller logs the traceback of any error in its control loop. Two it meets are said in one line
+# instead: a storage error no retry can fix (its own checkpoint list written to a full disk), which fails the run and
+# the driver says; and its workers finding no room on the cluster within Ray Train's start timeout (60 s unless
+# RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S), after which Ray Train tries again for as long as it takes: on a cluster
+# busy with other jobs, or whose autoscaler is still adding nodes, a traceback a minute. Any other error keeps its
+# traceback.
 _CONTROLLER_ERROR = re.compile(r"Error in control loop iteration: (.*)")
+_NO_ROOM = re.compile(r"The worker group startup timed out after ([\d.]+) seconds waiting for (\d+) workers")
 
 
-class _StorageTracebacks:
-    """Leaves out, per process, a controller's "Error in control loop iteration" block for a storage error no retry
-    can fix: the line, then its traceback up to and including the exception's own line."""
+class _ControllerTracebacks:
+    """Per process, a controller's "Error in control loop iteration" block (the line, then its traceback up to and
+    including the exception's own line) for what raydiff says in one line: nothing for a storage error no retry can
+    fix, a line saying that the run waits for room for its workers where they found none."""
 
     def __init__(self) -> None:
         self._in_block: set[Any] = set()  # the pids whose block is being left out
+        self._waited_s: dict[Any, float] = {}  # per controller: how long its workers have waited for room
 
-    def keep(self, pid: Any, line: str) -> bool:
+    def shown(self, pid: Any, line: str) -> list[str]:
+        """The lines to show for `line`, the next of process `pid`."""
         if pid in self._in_block:
             in_traceback = line.startswith(("Traceback", " ")) or not line.strip()
             if not in_traceback:
                 self._in_block.discard(pid)  # the exception's line ends the block
-            return False
+            return []
         error = _CONTROLLER_ERROR.search(line)
-        if error and permanent_reason_in(error.group(1)) is not None:
+        if error is None:
+            return [line]
+        no_room = _NO_ROOM.search(error.group(1))
+        if no_room is not None:
             self._in_block.add(pid)
-            return False
-        return True
+            return [self._waiting(pid, float(no_room.group(1)), int(no_room.group(2)))]
+        if permanent_reason_in(error.group(1)) is not None:
+            self._in_block.add(pid)
+            return []
+        return [line]
+
+    def _waiting(self, pid: Any, timeout_s: float, workers: int) -> str:
+        waited_s = self._waited_s[pid] = self._waited_s.get(pid, 0.0) + timeout_s
+        what = f"{workers} worker{'s' if workers != 1 else ''}"
+        if waited_s > timeout_s:
+            return f"[raydiff] still waiting for room on the cluster for {what}: {waited_s:.0f} s so far"
+        return (f"[raydiff] waiting for room on the cluster for {what}: none for {timeout_s:.0f} s (its resources are "
+                f"in use, or nodes are still being added); Ray Train tries again until there is")
 
 
 # Over Ray's capacity threshold, a raylet says its temp directory is full every ten seconds for as long as it lasts:
@@ -146,13 +168,13 @@ def filter_worker_output() -> None:
         return
     print_lines = printers[0][1]
 
-    storage_tracebacks, logging_errors = _StorageTracebacks(), _LoggingErrors()
+    controller_tracebacks, logging_errors = _ControllerTracebacks(), _LoggingErrors()
 
     def filtered(data: dict[str, Any]) -> None:
         harmless, pid = (*HARMLESS_WORKER_LINES, *_ROUTINE_HERE), data.get("pid")
         lines = [shown for line in data.get("lines", []) if not any(p.search(line) for p in harmless)
-                 and storage_tracebacks.keep(pid, line) and not _ray_disk_line(line)
-                 for shown in logging_errors.shown(pid, line)]
+                 for kept in controller_tracebacks.shown(pid, line) if not _ray_disk_line(kept)
+                 for shown in logging_errors.shown(pid, kept)]
         if lines:
             print_lines({**data, "lines": lines})
 

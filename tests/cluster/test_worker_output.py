@@ -6,9 +6,9 @@ from __future__ import annotations
 from raydiff.cluster.worker_output import (
     _RAY_DISK_SAID,
     _RAY_DISK_WATCHED,
+    _ControllerTracebacks,
     _LoggingErrors,
     _ray_disk_line,
-    _StorageTracebacks,
     ray_disk_warned,
     raydiff_watches_ray_disk,
 )
@@ -23,11 +23,36 @@ def test_only_a_controller_traceback_for_a_full_disk_is_left_out_of_the_workers_
             "Detail: [errno 28] No space left on device"]
     bug = ["Error in control loop iteration: division by zero", "Traceback (most recent call last):",
            '  File "controller.py", line 1, in _step', "ZeroDivisionError: division by zero"]
-    lines = _StorageTracebacks()
-    kept = [(pid, line) for pid, line in [(1, full[0]), (1, full[1]), (2, "another process's line"), *[
+    lines = _ControllerTracebacks()
+    kept = [(pid, shown) for pid, line in [(1, full[0]), (1, full[1]), (2, "another process's line"), *[
         (1, line) for line in full[2:]], (1, "[raydiff] the next line"), *[(1, line) for line in bug]]
-        if lines.keep(pid, line)]
+        for shown in lines.shown(pid, line)]
     assert kept == [(2, "another process's line"), (1, "[raydiff] the next line"), *[(1, line) for line in bug]]
+
+
+def test_workers_waiting_for_room_on_the_cluster_are_a_line_per_try_instead_of_a_traceback():
+    """Ray Train gives up on starting the workers after its start timeout and tries again for as long as it takes,
+    its controller logging a traceback each time: each becomes one line, which counts the wait, per controller."""
+    def no_room(seconds: str, workers: int) -> list[str]:
+        message = (f"The worker group startup timed out after {seconds} seconds waiting for {workers} workers. "
+                   f"Potential causes include: (1) temporary insufficient cluster resources")
+        return [f"Error in control loop iteration: {message}", "Traceback (most recent call last):",
+                '  File "worker_group.py", line 303, in _start_impl', "    raise WorkerGroupStartupTimeoutError(",
+                f"ray.train.v2._internal.exceptions.WorkerGroupStartupTimeoutError: {message}"]
+
+    lines = _ControllerTracebacks()
+    shown = [(pid, shown) for pid, line in [*[(1, line) for line in no_room("60.0", 2)],
+                                            (2, "another process's line"), *[(1, line) for line in no_room("60.0", 2)],
+                                            *[(3, line) for line in no_room("5.0", 1)], (1, "[raydiff] starting")]
+             for shown in lines.shown(pid, line)]
+    assert shown == [
+        (1, "[raydiff] waiting for room on the cluster for 2 workers: none for 60 s (its resources are in use, or "
+            "nodes are still being added); Ray Train tries again until there is"),
+        (2, "another process's line"),
+        (1, "[raydiff] still waiting for room on the cluster for 2 workers: 120 s so far"),
+        (3, "[raydiff] waiting for room on the cluster for 1 worker: none for 5 s (its resources are in use, or "
+            "nodes are still being added); Ray Train tries again until there is"),
+        (1, "[raydiff] starting")]
 
 
 def test_only_a_failed_log_write_to_a_full_disk_is_left_out_and_any_other_is_shown_whole():
