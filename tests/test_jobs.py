@@ -244,12 +244,12 @@ def test_a_run_waiting_for_room_on_the_cluster_says_so_in_a_line_and_trains_once
     assert holder.returncode == 0, failed(head, holder)
     holder_id = head["jobs"][-1]
     run = submit(head, "python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
-                 "--set", "train.sample_every=0", wait=False,
+                 "--set", "scaling.num_workers=1", "--set", "train.sample_every=0", wait=False,
                  runtime_env={"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5"}})
     assert run.returncode == 0, failed(head, run)
     run_id = head["jobs"][-1]
     deadline = time.time() + 240
-    still_waiting = "[raydiff] still waiting for room on the cluster for 2 workers: "
+    still_waiting = "[raydiff] still waiting for room on the cluster for 1 worker: "
     while still_waiting not in job_api(head, f"{run_id}/logs")["logs"]:
         assert time.time() < deadline and job_api(head, run_id)["status"] in ("PENDING", "RUNNING"), \
             job_api(head, f"{run_id}/logs")["logs"][-3000:]
@@ -260,7 +260,7 @@ def test_a_run_waiting_for_room_on_the_cluster_says_so_in_a_line_and_trains_once
         time.sleep(1)
     logs = job_api(head, f"{run_id}/logs")["logs"]
     assert job_api(head, run_id)["status"] == "SUCCEEDED", logs[-3000:]
-    assert "[raydiff] waiting for room on the cluster for 2 workers: none for 5 s (its resources are in use, or " \
+    assert "[raydiff] waiting for room on the cluster for 1 worker: none for 5 s (its resources are in use, or " \
            "nodes are still being added); Ray Train tries again until there is" in logs
     assert "Traceback" not in logs and "Error in control loop iteration" not in logs, logs[-5000:]
     assert json.loads((tmp_path / "smoke" / "summary.json").read_text())["status"] == "finished"
