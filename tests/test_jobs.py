@@ -128,8 +128,7 @@ def submit(head, *entrypoint: str, runtime_env: dict | None = None, wait: bool =
                        "--submission-id", job_id, *([] if wait else ["--no-wait"]), "--", *entrypoint,
                        timeout=timeout)
     except subprocess.TimeoutExpired:
-        log = ray_job(head, "logs", "--address", head["address"], job_id).stdout
-        pytest.fail(f"job {job_id} still ran after {timeout:.0f} s; its log ends:\n{log[-5000:]}")
+        pytest.fail(f"job {job_id} still ran after {timeout:.0f} s; its log ends:\n{job_log(head, job_id)[-5000:]}")
 
 
 def job_api(head, path: str, method: str = "GET") -> dict:
@@ -137,6 +136,10 @@ def job_api(head, path: str, method: str = "GET") -> dict:
     request = urllib.request.Request(f"{head['address']}/api/jobs/{path}", method=method,
                                      headers={"Authorization": f"Bearer {head['token']}"})
     return json.loads(urllib.request.urlopen(request, timeout=30).read())
+
+
+def job_log(head, job_id: str) -> str:
+    return job_api(head, f"{job_id}/logs")["logs"]
 
 
 def test_auth_is_on_a_client_without_the_token_is_refused(head):
@@ -216,7 +219,7 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes_to_the_end(head, tmp
     metrics = tmp_path / "smoke" / "metrics.jsonl"
     deadline = time.time() + 180
     while not (metrics.exists() and any(json.loads(r)["step"] >= 30 for r in metrics.read_text().splitlines())):
-        assert time.time() < deadline, ray_job(head, "logs", "--address", head["address"], job_id).stdout[-3000:]
+        assert time.time() < deadline, job_log(head, job_id)[-3000:]
         time.sleep(0.5)
     stopped = ray_job(head, "stop", "--address", head["address"], job_id)
     assert stopped.returncode == 0, failed(head, stopped)
@@ -250,15 +253,15 @@ def test_a_run_waiting_for_room_on_the_cluster_says_so_in_a_line_and_trains_once
     run_id = head["jobs"][-1]
     deadline = time.time() + 240
     still_waiting = "[raydiff] still waiting for room on the cluster for 1 worker: "
-    while still_waiting not in job_api(head, f"{run_id}/logs")["logs"]:
+    while still_waiting not in job_log(head, run_id):
         assert time.time() < deadline and job_api(head, run_id)["status"] in ("PENDING", "RUNNING"), \
-            job_api(head, f"{run_id}/logs")["logs"][-3000:]
+            job_log(head, run_id)[-3000:]
         time.sleep(1)
     job_api(head, f"{holder_id}/stop", method="POST")
     while job_api(head, run_id)["status"] in ("PENDING", "RUNNING"):
-        assert time.time() < deadline + 240, job_api(head, f"{run_id}/logs")["logs"][-3000:]
+        assert time.time() < deadline + 240, job_log(head, run_id)[-3000:]
         time.sleep(1)
-    logs = job_api(head, f"{run_id}/logs")["logs"]
+    logs = job_log(head, run_id)
     assert job_api(head, run_id)["status"] == "SUCCEEDED", logs[-3000:]
     assert "[raydiff] waiting for room on the cluster for 1 worker: none for 5 s (its resources are in use, or " \
            "nodes are still being added); Ray Train tries again until there is" in logs
