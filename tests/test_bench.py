@@ -59,6 +59,7 @@ def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     assert ours["start_s"] > 0 and 0 < ours["first_step_s"] <= ours["warmup_s"]
     assert ours["rerun"]["img_s"] > 0 and ours["rerun"]["start_s"] > 0
     assert ours["compile_cache"] is None  # nothing is compiled on a CPU: no cache
+    assert result["bare"]["graphs_compiled"] == result["bare"]["graphs_cached"] == 0
     # The smoke UNet at 8x8 costs a few MFLOPs per image, forward and backward.
     assert 1e6 < result["flops_per_image"] < 1e9
     assert result["options"]["fused_adamw"] and result["options"]["compile"] is False
@@ -148,8 +149,28 @@ def test_step_bench_adds_raydiffs_step_parts_one_at_a_time():
         assert row["img_s"] > 0 and row["host_ms"] > 0 and len(row["chunks_img_s"]) == 3
         assert min(row["chunks_img_s"]) <= row["img_s"] <= max(row["chunks_img_s"])
     assert set(result["ratio_bare"]) == {"step", "loader", "ema"} and "compile off" in result["described"]
+    assert result["first_step_s"] > 0 and result["graphs_compiled"] == result["graphs_cached"] == 0  # eager
     # The loader thread's own CPU time per step it made (on a CPU it draws the noise too): what it takes from the host.
     assert result["rows"]["loader"]["loader_cpu_ms"] > 0 and result["rows"]["ema"]["loader_cpu_ms"] > 0
+
+
+def test_a_measured_loop_counts_the_graphs_it_compiled_and_those_a_warm_start_found_in_the_cache(tmp_path,
+                                                                                                  monkeypatch):
+    """What `bench step` and the bare loop report with their first step: a start with the compile cache warm (as
+    `.ci/gpu check` prepares for its later benchmarks) compiles nothing."""
+    import torch._dynamo
+
+    from raydiff.bench.step import measure
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8)
+    cold_loop = torch.compile(lambda v: (v.sin() * 2).sum())
+    cold = measure(lambda: cold_loop(x), torch.device("cpu"), steps=2, batch=8)
+    torch._dynamo.reset()  # this process forgets its compiled code; the cache on disk keeps it
+    warm_loop = torch.compile(lambda v: (v.sin() * 2).sum())
+    warm = measure(lambda: warm_loop(x), torch.device("cpu"), steps=2, batch=8)
+    assert (cold["graphs_compiled"], cold["graphs_cached"]) == (1, 0)
+    assert (warm["graphs_compiled"], warm["graphs_cached"]) == (0, 1)
 
 
 def test_step_bench_rejects_bad_arguments():

@@ -57,9 +57,19 @@ def chunks(steps: int) -> list[int]:
     return [steps // n + (i < steps % n) for i in range(n)]
 
 
+def graph_counts() -> tuple[int, int]:
+    """(graphs inductor compiled, graphs it found in its on-disk cache) in this process so far. A process that
+    starts with a warm cache (torch's FX graph cache under TORCHINDUCTOR_CACHE_DIR) compiles none."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
+
+
 def measure(step: Callable[[], object], device: torch.device, *, steps: int, batch: int) -> dict[str, Any]:
     """Time one loop: its first step (compilation included), `steps` - 1 more warm-up steps, then the median img/s
-    of MEASURED_CHUNKS chunks of `steps` steps (and each chunk's), and the peak memory of the measured steps."""
+    of MEASURED_CHUNKS chunks of `steps` steps (and each chunk's), the peak memory of the measured steps, and the
+    graphs compiled and found in the compile cache on the way."""
+    compiled, cached = graph_counts()
     start = time.perf_counter()
     step()
     synchronize(device)
@@ -78,8 +88,10 @@ def measure(step: Callable[[], object], device: torch.device, *, steps: int, bat
         synchronize(device)
         rates.append(chunk * batch / (time.perf_counter() - chunk_start))
     peak = round(torch.cuda.max_memory_allocated(device) / 1e9, 3) if device.type == "cuda" else None
+    compiled_after, cached_after = graph_counts()
     return {"img_s": round(statistics.median(rates), 1), "chunks_img_s": [round(r, 1) for r in rates],
-            "first_step_s": round(first_step_s, 2), "warmup_s": round(warmup_s, 2), "peak_memory_gb": peak}
+            "first_step_s": round(first_step_s, 2), "warmup_s": round(warmup_s, 2), "peak_memory_gb": peak,
+            "graphs_compiled": compiled_after - compiled, "graphs_cached": cached_after - cached}
 
 
 def host_ms(step: Callable[[], object], device: torch.device) -> float:
@@ -214,12 +226,12 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
                 made = stream.produced_steps - produced
                 rows[name]["loader_cpu_ms"] = round((stream.cpu_s - cpu_s) / max(made, 1) * 1e3, 3)
             if name == "bare":  # the first row compiles the loss that every row runs
-                first_step_s = measured["first_step_s"]
+                first_step = {k: measured[k] for k in ("first_step_s", "graphs_compiled", "graphs_cached")}
     finally:
         stream.close()
         set_tf32(False)
     return {"device": device_name(device), "torch": torch.__version__, "global_batch": batch, "steps": steps,
-            "described": plan.describe(), "first_step_s": first_step_s, "rows": rows,
+            "described": plan.describe(), **first_step, "rows": rows,
             "ratio_bare": {name: round(row["img_s"] / rows["bare"]["img_s"], 3)
                            for name, row in rows.items() if name != "bare"}}
 
