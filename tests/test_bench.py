@@ -154,21 +154,21 @@ def test_step_bench_adds_raydiffs_step_parts_one_at_a_time():
     assert result["rows"]["loader"]["loader_cpu_ms"] > 0 and result["rows"]["ema"]["loader_cpu_ms"] > 0
 
 
-def test_a_measured_loop_counts_the_graphs_it_compiled_and_those_a_warm_start_found_in_the_cache(tmp_path,
-                                                                                                  monkeypatch):
+def test_a_measured_loop_counts_the_graphs_it_compiled_and_those_a_warm_start_found_in_the_cache():
     """What `bench step` and the bare loop report with their first step: a start with the compile cache warm (as
     `.ci/gpu check` prepares for its later benchmarks) compiles nothing."""
     import torch._dynamo
+    from torch._inductor.utils import fresh_inductor_cache
 
     from raydiff.bench.step import measure
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     x = torch.randn(8)
-    cold_loop = torch.compile(lambda v: (v.sin() * 2).sum())
-    cold = measure(lambda: cold_loop(x), torch.device("cpu"), steps=2, batch=8)
-    torch._dynamo.reset()  # this process forgets its compiled code; the cache on disk keeps it
-    warm_loop = torch.compile(lambda v: (v.sin() * 2).sum())
-    warm = measure(lambda: warm_loop(x), torch.device("cpu"), steps=2, batch=8)
+    with fresh_inductor_cache():  # an empty cache folder of its own, whatever this process compiled before
+        cold_loop = torch.compile(lambda v: (v.sin() * 2).sum())
+        cold = measure(lambda: cold_loop(x), torch.device("cpu"), steps=2, batch=8)
+        torch._dynamo.reset()  # this process forgets its compiled code; the cache on disk keeps it
+        warm_loop = torch.compile(lambda v: (v.sin() * 2).sum())
+        warm = measure(lambda: warm_loop(x), torch.device("cpu"), steps=2, batch=8)
     assert (cold["graphs_compiled"], cold["graphs_cached"]) == (1, 0)
     assert (warm["graphs_compiled"], warm["graphs_cached"]) == (0, 1)
 
