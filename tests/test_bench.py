@@ -173,6 +173,26 @@ def test_a_measured_loop_counts_the_graphs_it_compiled_and_those_a_warm_start_fo
     assert (warm["graphs_compiled"], warm["graphs_cached"]) == (0, 1)
 
 
+def test_on_a_gpu_the_bench_runs_with_a_gpu_worker_s_intra_op_threads_and_on_a_cpu_with_its_own():
+    import torch
+
+    from raydiff.bench import load_model_config
+    from raydiff.bench.step import take_gpu_worker_threads
+
+    before = torch.get_num_threads()
+    try:
+        take_gpu_worker_threads(load_model_config("cifar10", [], "step"), torch.device("cuda"))
+        assert torch.get_num_threads() == 1  # scaling.cpus_per_worker's default on a GPU
+        take_gpu_worker_threads(load_model_config("cifar10", ["scaling.cpus_per_worker=2.5"], "step"),
+                                torch.device("cuda"))
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(before)
+        take_gpu_worker_threads(load_model_config("cifar10", [], "step"), torch.device("cpu"))
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_step_bench_rejects_bad_arguments():
     proc = run_cli("raydiff.bench", "step", "--steps", "1")
     assert proc.returncode == 2 and proc.stderr.strip().endswith("error: --steps 1: must be >= 2")

@@ -20,6 +20,7 @@ step (`profile_step`).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -107,6 +108,15 @@ def host_ms(step: Callable[[], object], device: torch.device) -> float:
     return round(min(tries), 3)
 
 
+def take_gpu_worker_threads(cfg: Config, device: torch.device) -> None:
+    """On a GPU, this bench process runs with the intra-op threads of a GPU worker (`scaling.cpus_per_worker`, 1 by
+    default there: `raydiff.training.driver.plan_scaling`), for all of its loops alike: the setting raydiff's step
+    runs with, and the same key in torch's compile cache (which counts the threads where a graph has CPU code), so
+    that the bench's loops can find the graphs raydiff's worker compiled. On a CPU the threads stay as they are."""
+    if device.type == "cuda":
+        torch.set_num_threads(max(1, math.floor(cfg.scaling.cpus_per_worker or 1)))
+
+
 def planned_model(cfg: Config, device: torch.device):
     """(speed plan, model, autocast dtype) as one worker of raydiff sets them up on `device` (TF32 switched on or
     off as planned: the caller switches it off again)."""
@@ -144,8 +154,6 @@ def planned_step(cfg: Config, device: torch.device):
 def bare_step(cfg: Config, plan: SpeedPlan, parts: StepParts, model: torch.nn.Module) -> Callable[[], None]:
     """The bare loop's step on `planned_step`'s parts: its loss, fused AdamW, clipping, on uint8 images, flips,
     timesteps and noise drawn on the device; no loader, no EMA, no bookkeeping."""
-    import math
-
     t, d = cfg.train, cfg.data
     device, batch = parts.device, t.global_batch
     params = list(model.parameters())
@@ -195,7 +203,9 @@ def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | No
     cfg = load_model_config(config, overrides, "step")
     if batch is not None:
         set_key(cfg, "train.global_batch", batch)
-    return {"bench": "step", "config": config, **step_rows(cfg, resolve_device("auto"), steps=steps)}
+    device = resolve_device("auto")
+    take_gpu_worker_threads(cfg, device)
+    return {"bench": "step", "config": config, **step_rows(cfg, device, steps=steps)}
 
 
 def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:

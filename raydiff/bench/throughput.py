@@ -40,7 +40,15 @@ from typing import Any
 import torch
 
 from raydiff.bench import load_model_config
-from raydiff.bench.step import bare_step, chunks, device_name, measure, planned_step, profile_step
+from raydiff.bench.step import (
+    bare_step,
+    chunks,
+    device_name,
+    measure,
+    planned_step,
+    profile_step,
+    take_gpu_worker_threads,
+)
 from raydiff.config import Config, set_key
 
 # Peak dense bf16 tensor throughput (TFLOP/s) by device name; --peak-tflops for others.
@@ -160,6 +168,7 @@ def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: 
 
     base = load_model_config(config, overrides, "throughput")
     device = resolve_device("auto")
+    take_gpu_worker_threads(base, device)
     peak = peak or peak_tflops(device_name(device))
     init_ray()  # the baselines run beside the same idle Ray processes as raydiff's worker: same conditions
     batches = batches or [base.train.global_batch]
