@@ -158,12 +158,14 @@ def test_a_measured_loop_counts_the_graphs_it_compiled_and_those_a_warm_start_fo
     """What `bench step` and the bare loop report with their first step: a start with the compile cache warm (as
     `.ci/gpu check` prepares for its later benchmarks) compiles nothing."""
     import torch._dynamo
+    from torch._inductor import config as inductor_config
     from torch._inductor.utils import fresh_inductor_cache
 
     from raydiff.bench.step import measure
 
     x = torch.randn(8)
-    with fresh_inductor_cache():  # an empty cache folder of its own, whatever this process compiled before
+    # An empty cache folder of its own, whatever this process compiled before; the cache on, as torch's default is.
+    with fresh_inductor_cache(), inductor_config.patch(fx_graph_cache=True):
         cold_loop = torch.compile(lambda v: (v.sin() * 2).sum())
         cold = measure(lambda: cold_loop(x), torch.device("cpu"), steps=2, batch=8)
         torch._dynamo.reset()  # this process forgets its compiled code; the cache on disk keeps it
