@@ -58,18 +58,12 @@ def chunks(steps: int) -> list[int]:
     return [steps // n + (i < steps % n) for i in range(n)]
 
 
-def graph_counts() -> tuple[int, int]:
-    """(graphs inductor compiled, graphs it found in its on-disk cache) in this process so far. A process that
-    starts with a warm cache (torch's FX graph cache under TORCHINDUCTOR_CACHE_DIR) compiles none."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
-
-
 def measure(step: Callable[[], object], device: torch.device, *, steps: int, batch: int) -> dict[str, Any]:
     """Time one loop: its first step (compilation included), `steps` - 1 more warm-up steps, then the median img/s
     of MEASURED_CHUNKS chunks of `steps` steps (and each chunk's), the peak memory of the measured steps, and the
     graphs compiled and found in the compile cache on the way."""
+    from raydiff.training.compile_cache import graph_counts
+
     compiled, cached = graph_counts()
     start = time.perf_counter()
     step()
@@ -110,11 +104,13 @@ def host_ms(step: Callable[[], object], device: torch.device) -> float:
 
 def take_gpu_worker_threads(cfg: Config, device: torch.device) -> None:
     """On a GPU, this bench process runs with the intra-op threads of a GPU worker (`scaling.cpus_per_worker`, 1 by
-    default there: `raydiff.training.driver.plan_scaling`), for all of its loops alike: the setting raydiff's step
+    default there: `raydiff.cluster.devices.worker_cpus`), for all of its loops alike: the setting raydiff's step
     runs with, and the same key in torch's compile cache (which counts the threads where a graph has CPU code), so
     that the bench's loops can find the graphs raydiff's worker compiled. On a CPU the threads stay as they are."""
+    from raydiff.cluster.devices import torch_threads, worker_cpus
+
     if device.type == "cuda":
-        torch.set_num_threads(max(1, math.floor(cfg.scaling.cpus_per_worker or 1)))
+        torch.set_num_threads(torch_threads(worker_cpus(cfg.scaling, use_gpu=True, cpus=os.cpu_count() or 1)))
 
 
 def planned_model(cfg: Config, device: torch.device):

@@ -1,9 +1,29 @@
 """Which device a command computes on: `--device auto` (a CUDA GPU where there is one, else the CPU) or a name
-checked against this machine. (Training workers get theirs from Ray Train.)"""
+checked against this machine. (Training workers get theirs from Ray Train; what they get of a node's CPUs, and
+torch's threads from them, is `worker_cpus` and `torch_threads`.)"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from raydiff.config import ScalingSection
+
+
+def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float) -> float:
+    """The CPUs Ray reserves for each training worker: `scaling.cpus_per_worker`, else one beside a GPU, else an
+    even share of `cpus` (the run's part of the cluster's CPUs) over the most workers the run may have."""
+    if scaling.cpus_per_worker is not None:
+        return scaling.cpus_per_worker
+    if use_gpu:
+        return 1.0
+    return max(cpus // scaling.max_workers, min(1.0, cpus / scaling.max_workers))
+
+
+def torch_threads(cpus_per_worker: float) -> int:
+    """torch's intra-op threads in a worker with `cpus_per_worker` CPUs: their whole number, at least one."""
+    return max(1, math.floor(cpus_per_worker))
 
 
 def resolve_device(name: str) -> torch.device:

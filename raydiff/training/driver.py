@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import uuid
@@ -16,6 +15,7 @@ import ray.train
 import yaml
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raydiff.cluster.devices import torch_threads, worker_cpus
 from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.cluster.nodes import wait_for_worker_node
 from raydiff.cluster.start import check_ray_address, init_ray
@@ -87,19 +87,14 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     use_gpu = gpus > 0 if s.use_gpu == "auto" else s.use_gpu
     if use_gpu and gpus == 0:
         print("[raydiff] scaling.use_gpu is true but the cluster has no GPU now: waiting for one to be added")
-    if s.cpus_per_worker is not None:
-        cpus_per_worker = s.cpus_per_worker
-    elif use_gpu:
-        cpus_per_worker = 1.0
-    else:
-        cpus_per_worker = max(cpus // s.max_workers, min(1.0, cpus / s.max_workers))
+    cpus_per_worker = worker_cpus(s, use_gpu=use_gpu, cpus=cpus)
     assert s.num_workers != "auto", "auto_workers resolves it first"
     # ray.train names Train V2's classes at run time; type checkers see V1's, which lack the elastic options.
     options: dict[str, Any] = {"num_workers": s.num_workers, "use_gpu": use_gpu,
                                "resources_per_worker": {"CPU": cpus_per_worker},
                                "elastic_resize_monitor_interval_s": s.resize_check_s}
     scaling = ray.train.ScalingConfig(**options)
-    return scaling, max(1, math.floor(cpus_per_worker))
+    return scaling, torch_threads(cpus_per_worker)
 
 
 def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | None = None,

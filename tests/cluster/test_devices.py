@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydiff.cluster.devices import resolve_device
+from raydiff.cluster.devices import resolve_device, torch_threads, worker_cpus
+from raydiff.config import load_config
 
 
 def test_auto_is_a_gpu_where_there_is_one_else_the_cpu():
@@ -33,3 +34,14 @@ def test_a_cuda_device_this_machine_lacks_is_refused_in_one_line():
                else f"--device cuda:{count}: no CUDA device on this machine")
     with pytest.raises(ValueError, match=message):
         resolve_device(f"cuda:{count}")
+
+
+def test_a_worker_gets_its_set_cpus_else_one_beside_a_gpu_else_an_even_share_and_whole_threads():
+    def scaling(*overrides: str):
+        return load_config("smoke", list(overrides), check_source=False).scaling
+
+    assert worker_cpus(scaling("scaling.cpus_per_worker=2.5"), use_gpu=True, cpus=16) == 2.5
+    assert worker_cpus(scaling(), use_gpu=True, cpus=16) == 1.0
+    assert worker_cpus(scaling("scaling.num_workers=[1,4]"), use_gpu=False, cpus=16) == 4  # over the most workers
+    assert worker_cpus(scaling("scaling.num_workers=4"), use_gpu=False, cpus=2) == 0.5  # several to a CPU
+    assert [torch_threads(c) for c in (0.5, 1.0, 2.5, 4)] == [1, 1, 2, 4]
