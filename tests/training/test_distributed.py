@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_groups import end_process_group
 
 from raydiff.training.distributed import from_rank_zero, from_rank_zero_code, smallest, summed
 
@@ -26,7 +27,7 @@ def _agree(rank: int, world_size: int, rendezvous: str, out: str) -> None:
             "summed": summed([0.1 * (rank + 1), 1e-17], CPU),
         }
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(decided))
 
 

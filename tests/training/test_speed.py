@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_groups import end_process_group
 
 from raydiff.config import load_config
 
@@ -47,7 +48,7 @@ def _worker(rank: int, init_file: str, compression: str, out: str) -> None:
     results["comm_hook"] = logged.get("comm_hook")
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def _smoke_model(cfg):
@@ -144,7 +145,7 @@ def _flat_or_ddp(rank: int, init_file: str, compression: str, channels_last: boo
                               "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 @pytest.mark.parametrize("compression,channels_last", [("none", False), ("bf16", True)])

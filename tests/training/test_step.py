@@ -8,6 +8,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from gloo_groups import end_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from raydiff.config import TrainSection, load_config
@@ -86,7 +87,7 @@ def flat_allreduce(tmp_path):
         return inputs
     yield with_flat
     if dist.is_initialized():
-        dist.destroy_process_group()
+        end_process_group()
 
 
 @pytest.mark.parametrize("fp16,flat", [(False, False), (True, False), (False, True)])
