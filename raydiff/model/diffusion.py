@@ -340,14 +340,18 @@ def _randn(shape: tuple[int, ...], generator: torch.Generator | list[torch.Gener
     return torch.stack([torch.randn(shape[1:], generator=g, device=g.device) for g in generator])
 
 
+def tf32_by_precision() -> bool:
+    """Whether this torch sets TF32 through `fp32_precision` ("tf32" or "ieee"), which torch 2.9 introduced, rather
+    than the allow_tf32 flags of the torch floor; mixing the two raises, so every setter asks this first."""
+    return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
+
+
 @contextlib.contextmanager
 def full_fp32() -> Iterator[None]:
     """Convolutions and matmuls in IEEE fp32 while the block runs. On Ampere and newer GPUs cuDNN convolutions
-    use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32. torch 2.9 replaced the
-    allow_tf32 flags with fp32_precision (mixing the two raises), so use whichever this torch has."""
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
-        matmul = torch.backends.cuda.matmul
+    use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32."""
+    if tf32_by_precision():
+        conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul  # type: ignore[attr-defined]
         saved = conv.fp32_precision, matmul.fp32_precision
         conv.fp32_precision = matmul.fp32_precision = "ieee"
         try:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from raydiff.cluster.host_memory import host_memory_kept
+from raydiff.model.diffusion import tf32_by_precision
 
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
@@ -109,11 +110,10 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
 
 
 def set_tf32(on: bool) -> None:
-    """TF32 tensor cores for fp32 convolutions and matmuls on (training) or off. torch 2.9 replaced the allow_tf32
-    flags with fp32_precision (mixing the two raises), so use whichever this torch has; sampling turns it off for
-    its own block (`raydiff.model.diffusion.full_fp32`)."""
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
+    """TF32 tensor cores for fp32 convolutions and matmuls on (training) or off, through the API this torch has
+    (`tf32_by_precision`); sampling turns it off for its own block (`raydiff.model.diffusion.full_fp32`)."""
+    if tf32_by_precision():
+        conv = torch.backends.cudnn.conv  # type: ignore[attr-defined]
         conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = "tf32" if on else "ieee"
         return
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = on

@@ -264,9 +264,10 @@ def test_image_i_is_a_function_of_seed_and_i_whatever_the_batch():
 def tf32_flags() -> tuple:
     """cuDNN's and cuBLAS's fp32 settings as this torch names them: fp32_precision since torch 2.9 ("ieee" or
     "tf32"), allow_tf32 before (the floor, 2.6)."""
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
-        return conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    from raydiff.model.diffusion import tf32_by_precision
+
+    if tf32_by_precision():
+        return torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
     return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
 
 
