@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -48,7 +49,10 @@ def _result(what: str, future: Future) -> None:
     try:
         future.result()
     except Exception as exc:
-        exc.add_note(WRITING + what)
+        if sys.version_info >= (3, 11):
+            exc.add_note(WRITING + what)
+        else:  # Python 3.10: the list add_note keeps, which failed_write reads
+            exc.__notes__ = [*getattr(exc, "__notes__", ()), WRITING + what]  # type: ignore[attr-defined]
         raise
 
 
