@@ -123,7 +123,8 @@ def test_a_mistake_found_before_training_imports_neither_torch_nor_ray(command, 
 def test_a_checkpoint_that_is_a_file_or_out_of_reach_is_one_line_in_every_command_that_reads_one(
         command, args, wanted, tmp_path, monkeypatch, capsys):
     """--checkpoint naming a file (state.pt itself, a typo) or a bucket behind an endpoint that does not answer was
-    a traceback (pyarrow's NotADirectoryError, its OSError after its retries) in the commands that read a run."""
+    a traceback (pyarrow's NotADirectoryError, its OSError after its retries) in the commands that read a run; an
+    object store URI without a bucket is one line too."""
     import importlib
 
     from conftest import free_port
@@ -149,3 +150,9 @@ def test_a_checkpoint_that_is_a_file_or_out_of_reach_is_one_line_in_every_comman
                             "for key 'cifar"), error
     assert error.endswith(f"; check the address, the credentials, the network and the endpoint ({endpoint})\n"), error
     assert error.count("\n") == 1 and not list(tmp_path.glob("[!cn]*"))  # nothing written
+
+    # A URI without its bucket was read as a local folder named "s3:".
+    assert cli.run(main, ["--checkpoint", "s3://", *args]) == 2
+    assert capsys.readouterr().err == ("raydiff: error: --checkpoint s3://: an object store location is "
+                                       "s3://BUCKET[/PREFIX]\n")
+    assert not list(tmp_path.glob("[!cn]*"))

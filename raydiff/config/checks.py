@@ -19,7 +19,15 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from raydiff.config.schema import Config, ConfigError
-from raydiff.storage.fs import HUB_SCHEME, SCHEMES, STORAGE_SCHEMES, glob_split, hub_uri_problem, is_remote
+from raydiff.storage.fs import (
+    HUB_SCHEME,
+    SCHEMES,
+    STORAGE_SCHEMES,
+    bucket_uri_problem,
+    glob_split,
+    hub_uri_problem,
+    is_remote,
+)
 
 SIGMA_REL_MAX = 0.28  # a post-hoc EMA width: exponent > 0 needs sigma_rel < sqrt(1/12) = 0.2887
 
@@ -154,6 +162,8 @@ RULES: tuple[Rule, ...] = (
          "must be 0 (unconditional), a number of classes, or auto"),
     Rule("model.num_classes", lambda c: c.model.num_classes == 0 or c.data.labels == "auto",
          "a class-conditional model learns from labels: set data.labels = auto, or model.num_classes = 0"),
+    Rule("model.init_from", lambda c: c.model.init_from is None or not bucket_uri_problem(c.model.init_from),
+         lambda c: str(bucket_uri_problem(c.model.init_from or ""))),
     Rule("model.init_from", lambda c: c.model.init_from is None or _holds_weights(c.model.init_from),
          "must be a raydiff run or checkpoint folder (local, s3:// or gs://), a diffusers pipeline folder (with "
          "unet/config.json), a UNet2DModel folder (with config.json) or a Hugging Face hub id such as "
@@ -224,6 +234,8 @@ LATER_RULES: tuple[Rule, ...] = (
     Rule("run.storage", lambda c: bool(c.run.storage), "required: a folder for run directories"),
     Rule("run.storage", lambda c: "://" not in c.run.storage or c.run.storage.startswith(STORAGE_SCHEMES),
          f"supported URI schemes: {', '.join(STORAGE_SCHEMES)} (or a local or NFS path)"),
+    Rule("run.storage", lambda c: not bucket_uri_problem(c.run.storage),
+         lambda c: str(bucket_uri_problem(c.run.storage))),
     Rule("run.endpoint", lambda c: c.run.endpoint is None or "://" in c.run.endpoint,
          "must be a URL such as http://127.0.0.1:9000, or null"),
     Rule("debug.record_order", lambda c: not c.debug.record_order or not is_remote(c.run.storage),
@@ -297,7 +309,7 @@ def check_source_uri(source: str | None, key: str = "data.source") -> None:
     else:
         _check(source.startswith(SCHEMES), key, source,
                f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")
-        problem = hub_uri_problem(source) if source.startswith(HUB_SCHEME) else None
+        problem = hub_uri_problem(source) if source.startswith(HUB_SCHEME) else bucket_uri_problem(source)
         _check(problem is None, key, source, str(problem))
 
 

@@ -296,7 +296,7 @@ class RunSection:
     """The run directory's name under `run.storage`; starting a run of the same name again continues it."""
     storage: str = "runs"
     """The parent of the run directory `<storage>/<name>`: a local folder, an NFS path mounted on every node, or an
-    `s3://` or `gs://` URI (see docs/clusters.md#shared-storage)."""
+    `s3://BUCKET[/PREFIX]` or `gs://BUCKET[/PREFIX]` URI (see docs/clusters.md#shared-storage)."""
     endpoint: str | None = None
     """The S3 or GCS endpoint URL for `run.storage` (MinIO, a test server); null: `AWS_ENDPOINT_URL` or the
     provider's default."""

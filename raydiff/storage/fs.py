@@ -21,8 +21,9 @@ from pathlib import Path, PurePosixPath
 import pyarrow.fs as pafs
 
 HUB_SCHEME = "hf://"  # read-only to raydiff: a data source, never a run's storage
-REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", HUB_SCHEME)
-STORAGE_SCHEMES = ("file://", "s3://", "gs://", "gcs://")
+OBJECT_STORE_SCHEMES = ("s3://", "gs://", "gcs://")
+REMOTE_SCHEMES = (*OBJECT_STORE_SCHEMES, HUB_SCHEME)
+STORAGE_SCHEMES = ("file://", *OBJECT_STORE_SCHEMES)
 SCHEMES = (*STORAGE_SCHEMES, HUB_SCHEME)  # what data.source may name
 GLOB_CHARACTERS = "*?["
 # google-cloud-cpp retries a failing GCS request for 15 minutes by default, so a missing credential or an
@@ -43,7 +44,7 @@ def scheme_of(uri: str) -> str | None:
 def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = False,
                    hub: bool = False) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path within it) for a local path or a file://, s3:// or gs:// URI, and with `hub` an hf://
-    URI. Raises ValueError for other schemes."""
+    URI. Raises ValueError for other schemes, and for an object store URI without a bucket."""
     if uri.startswith(HUB_SCHEME):
         if not hub:
             raise ValueError(f"{HUB_SCHEME} (the Hugging Face Hub) is for data.source only; raydiff writes to a "
@@ -52,6 +53,9 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
         if problem:
             raise ValueError(problem)
         return _hub_filesystem(endpoint, anonymous), uri[len(HUB_SCHEME):].rstrip("/")
+    problem = bucket_uri_problem(uri)
+    if problem:
+        raise ValueError(problem)
     if uri.startswith("s3://"):
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         options: dict = {"anonymous": anonymous}
@@ -79,6 +83,15 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
         schemes = SCHEMES if hub else STORAGE_SCHEMES
         raise ValueError(f"unsupported URI scheme {scheme_of(uri)!r}; supported: {', '.join(schemes)} or a local path")
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+
+
+def bucket_uri_problem(uri: str) -> str | None:
+    """Why an s3:// or gs:// URI names no bucket (`s3://`, `gs:///data`); None when it names one, or is no such
+    URI (whether the bucket exists is the store's to say). Without this check `s3://` became a local folder `s3:`."""
+    scheme = scheme_of(uri)
+    if scheme not in OBJECT_STORE_SCHEMES:
+        return None
+    return None if uri[len(scheme):].split("/", 1)[0] else f"an object store location is {scheme}BUCKET[/PREFIX]"
 
 
 def hub_uri_problem(uri: str) -> str | None:

@@ -49,10 +49,10 @@ class RunDir:
 
     def __init__(self, uri: str | os.PathLike, *, endpoint: str | None = None) -> None:
         uri = str(uri)
+        self.fs, self.path = filesystem_for(uri, endpoint=endpoint)  # before the URI is trimmed: s3:// is no s3:
         self.remote = is_remote(uri)
         self.uri = uri.rstrip("/") if self.remote else str(Path(uri.removeprefix("file://")).expanduser().resolve())
         self.endpoint = endpoint
-        self.fs, self.path = filesystem_for(self.uri, endpoint=endpoint)
 
     def __reduce__(self):  # pickles as (uri, endpoint): each process opens its own filesystem
         return RunDir._open, (self.uri, self.endpoint)

@@ -32,6 +32,13 @@ from raydiff.config.checks import parse_sigma_rels
     ("data.source=hf://", "data.source = 'hf://': a Hugging Face Hub source is hf://datasets/"),
     ("run.storage=hf://datasets/me/runs", "run.storage = 'hf://datasets/me/runs': supported URI schemes: file://, "
                                           "s3://, gs://, gcs:// (or a local or NFS path)"),
+    # An object store URI without its bucket: s3:// became a local folder named "s3:".
+    ("run.storage=s3://", "run.storage = 's3://': an object store location is s3://BUCKET[/PREFIX]"),
+    ("run.storage=gs:///runs", "run.storage = 'gs:///runs': an object store location is gs://BUCKET[/PREFIX]"),
+    ("data.source=s3://", "data.source = 's3://': an object store location is s3://BUCKET[/PREFIX]"),
+    ("eval.ref=gcs://", "eval.ref = 'gcs://': an object store location is gcs://BUCKET[/PREFIX]"),
+    ("model.init_from=s3:///runs/a", "model.init_from = 's3:///runs/a': an object store location is "
+                                     "s3://BUCKET[/PREFIX]"),
     ("data.resolution=10", "must be divisible by"),
     ("model.attention_resolutions=[5]", "each must be one of the model's resolutions [16, 8, 4]"),
     ("model.norm_groups=24", "must divide every channel count"),
