@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -49,10 +48,8 @@ def _result(what: str, future: Future) -> None:
     try:
         future.result()
     except Exception as exc:
-        if sys.version_info >= (3, 11):
-            exc.add_note(WRITING + what)
-        else:  # Python 3.10: the list add_note keeps, which failed_write reads
-            exc.__notes__ = [*getattr(exc, "__notes__", ()), WRITING + what]  # type: ignore[attr-defined]
+        # The list BaseException.add_note keeps (Python 3.11 and later), written so on 3.10 as well.
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), WRITING + what]  # type: ignore[attr-defined]
         raise
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from raydiff.model.diffusion import GaussianDiffusion, make_betas
+from raydiff.model.diffusion import GaussianDiffusion, make_betas, tf32_by_precision
 from raydiff.seeds import GRID_NOISE, image_generators
 
 
@@ -264,8 +264,6 @@ def test_image_i_is_a_function_of_seed_and_i_whatever_the_batch():
 def tf32_flags() -> tuple:
     """cuDNN's and cuBLAS's fp32 settings as this torch names them: fp32_precision since torch 2.9 ("ieee" or
     "tf32"), allow_tf32 before (the floor, 2.6)."""
-    from raydiff.model.diffusion import tf32_by_precision
-
     if tf32_by_precision():
         return torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
     return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
@@ -282,8 +280,6 @@ def test_sampling_runs_in_full_fp32():
     before = tf32_flags()
     d = GaussianDiffusion(schedule="linear", timesteps=50, prediction="eps")
     d.sample(model, (1, 1, 2, 2), sampler="ddim", steps=3, generator=torch.Generator().manual_seed(0))
-    from raydiff.model.diffusion import tf32_by_precision
-
     assert seen and set(seen) == {("ieee", "ieee") if tf32_by_precision() else (False, False)}
     assert tf32_flags() == before
 
