@@ -151,10 +151,12 @@ def _ray_tests_join_the_cluster(request):
 
 @pytest.fixture(scope="session")
 def ray_session(cluster):
-    """This process as a driver of the session's cluster (for tests that call Ray directly)."""
+    """This process as a driver of the session's cluster (for tests that call Ray directly). Its processes' output
+    is not forwarded here: connected for the rest of the session, it would print into whichever later test's captured
+    output is open (a raylet's disk warning once did, failing a test that checks a command's one-line error)."""
     import ray
 
-    ray.init(address=cluster.address, logging_level="ERROR")
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
 
