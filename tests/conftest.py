@@ -27,6 +27,12 @@ TEST_ONLY_RAY_SETTINGS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_enabl
                           "RAY_prestart_worker_first_driver": "0"}
 for _name, _value in TEST_ONLY_RAY_SETTINGS.items():
     os.environ.setdefault(_name, _value)
+# Ray counts a disk over 95% in use as full: its raylets then print a warning every ten seconds, which reaches a
+# test's output (raydiff's commands pass it on once: docs/resume-and-elastic.md#rays-own-temp-directory). The tests'
+# clusters live on this machine's disk, which CI shares with whatever else is there (a CI run failed so once, the
+# disk just over 95%): here a disk is full at 99%. The tests of Ray's temp directory itself give their runs Ray's
+# default, on a small disk of their own (tests/cluster/test_ray_temp_dir.py).
+os.environ.setdefault("RAY_local_fs_capacity_threshold", "0.99")
 # S3 tests talk to a moto server on loopback. Ray processes the tests start inherit these dummy credentials
 # (the standard way to pass them); real credentials and the EC2 metadata service are never consulted.
 os.environ["AWS_ACCESS_KEY_ID"] = "raydiff-tests"

@@ -18,6 +18,12 @@ from disks import fill_leaving, kept_full, tmpfs
 SMOKE = ["--config", "smoke", "--set", "scaling.num_workers=1", "--set", "train.sample_every=0"]
 
 
+def local_instance(temp: Path) -> dict[str, str]:
+    """The environment of a command that starts a local Ray instance with its temp directory in `temp`, and Ray's
+    default capacity threshold (the other tests set their own: tests/conftest.py)."""
+    return {"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp), "RAY_local_fs_capacity_threshold": "0.95"}
+
+
 @pytest.fixture
 def short_path():
     """A folder whose path is short enough for Ray's Unix sockets under it (a test's tmp_path is not)."""
@@ -38,7 +44,7 @@ def test_a_local_ray_instance_without_room_for_its_temp_directory_is_one_line_be
         if state == "full":
             fill_leaving(temp, 0)
         proc = run_cli(*COMMANDS[command], "--set", f"run.storage={tmp_path / 'runs'}",
-                       env={"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp)}, timeout=60)
+                       env=local_instance(temp), timeout=60)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
     expected = "has 0.0 MB free" if state == "full" else "is not writable"
@@ -51,7 +57,7 @@ def test_a_ray_temp_directory_too_long_for_ray_s_sockets_is_one_line(tmp_path):
     """A Unix socket's path holds at most 107 bytes; Ray's are its temp directory and about 60 more."""
     temp = tmp_path / ("long" * 10)
     proc = run_cli("raydiff.train", *SMOKE, "--set", f"run.storage={tmp_path / 'runs'}",
-                   env={"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp)}, timeout=60)
+                   env=local_instance(temp), timeout=60)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
     assert proc.stderr.startswith(f"raydiff: error: cannot start a local Ray instance: its temp directory "
@@ -65,7 +71,7 @@ def test_a_ray_temp_directory_over_ray_s_capacity_threshold_is_one_warning_and_t
     with tmpfs(short_path, "256m") as temp:
         fill_leaving(temp, 12 * 2**20)
         proc = run_cli("raydiff.train", *SMOKE, "--set", "train.total_steps=40", "--set",
-                       f"run.storage={tmp_path / 'runs'}", env={"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp)})
+                       f"run.storage={tmp_path / 'runs'}", env=local_instance(temp))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     [warning] = [line for line in output.splitlines() if "Ray's temp directory" in line]
@@ -83,7 +89,7 @@ def test_a_ray_temp_directory_that_fills_during_a_run_leaves_the_run_going_witho
         code, output = run_cli_acting("raydiff.train", *SMOKE, "--set", "train.total_steps=300", "--set",
                                       f"run.storage={tmp_path / 'runs'}", at="[raydiff] starting",
                                       act=lambda _: filling.enter_context(kept_full(temp)),
-                                      env={"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp)})
+                                      env=local_instance(temp))
     assert code == 0, output[-3000:]
     assert "Traceback" not in output and "Logging error" not in output, output[-5000:]
     [warning] = [line for line in output.splitlines() if "Ray's temp directory" in line]
