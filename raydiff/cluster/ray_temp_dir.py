@@ -27,9 +27,6 @@ SESSION_BYTES = 8 * 2**20
 WATCH_EVERY_S = 5.0
 UNIX_SOCKET_PATH_BYTES = 107  # Linux's limit, which Ray checks its socket paths against
 FIX = "free space there, or set RAY_TMPDIR to a folder on a disk with room"
-# The fraction of a disk in use over which Ray spills no objects to it, and its default (Ray's
-# `local_fs_capacity_threshold`, read from the environment by every Ray process).
-CAPACITY_THRESHOLD_VARIABLE, RAY_CAPACITY_THRESHOLD = "RAY_local_fs_capacity_threshold", 0.95
 
 
 def check_before_start() -> str:
@@ -73,11 +70,11 @@ def watch(temp: str) -> threading.Event:
 
 
 def _capacity_threshold() -> float:
-    """Ray's capacity threshold for this machine's Ray processes (`CAPACITY_THRESHOLD_VARIABLE`, else Ray's)."""
+    """The fraction of a disk in use over which Ray spills no objects to it (Ray's `local_fs_capacity_threshold`)."""
     try:
-        return float(os.environ.get(CAPACITY_THRESHOLD_VARIABLE, RAY_CAPACITY_THRESHOLD))
+        return float(os.environ.get("RAY_local_fs_capacity_threshold", "0.95"))
     except ValueError:
-        return RAY_CAPACITY_THRESHOLD
+        return 0.95
 
 
 def _warn_if_over_threshold(temp: str, usage: shutil._ntuple_diskusage | None) -> None:
