@@ -95,7 +95,8 @@ class FlakyS3:
             request.send_header("Content-Type", "application/xml")
             request.send_header("Content-Length", str(len(SLOW_DOWN)))
             request.end_headers()
-            request.wfile.write(SLOW_DOWN)
+            if request.command != "HEAD":  # a HEAD answer has no body: its bytes would be read as the next answer
+                request.wfile.write(SLOW_DOWN)
             return
         connection = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
         try:
