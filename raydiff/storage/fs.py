@@ -31,6 +31,10 @@ GLOB_CHARACTERS = "*?["
 # pyarrow's 3 attempts do on S3. Then the error surfaces: one line before training, or a failed worker that Ray
 # Train restarts from the last checkpoint.
 GCS_RETRY_LIMIT = datetime.timedelta(seconds=60)
+# pyarrow's default S3 retries (AWS's "standard" strategy, 3 attempts) spend a budget per filesystem that pyarrow
+# never refills, so after about a hundred retried 503s in a worker's life every transient error failed the worker.
+# AWS's "default" strategy has no budget; 10 retries back off from 50 ms, doubling: about 51 s, as on GCS.
+S3_RETRY_ATTEMPTS = 10
 
 
 def is_remote(uri: str) -> bool:
@@ -70,7 +74,7 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
                 options["region"] = pafs.resolve_s3_region(uri[5:].split("/", 1)[0])
             except OSError:
                 pass
-        return pafs.S3FileSystem(**options), uri[5:].rstrip("/")
+        return RetryingS3FileSystem(**options), uri[5:].rstrip("/")
     if uri.startswith(("gs://", "gcs://")):
         options = {"anonymous": anonymous, "retry_time_limit": GCS_RETRY_LIMIT}
         if endpoint:
@@ -83,6 +87,22 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
         schemes = SCHEMES if hub else STORAGE_SCHEMES
         raise ValueError(f"unsupported URI scheme {scheme_of(uri)!r}; supported: {', '.join(schemes)} or a local path")
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+
+
+class RetryingS3FileSystem(pafs.S3FileSystem):
+    """An S3FileSystem with raydiff's retries (S3_RETRY_ATTEMPTS), also once pickled: pyarrow's own pickle drops the
+    retry strategy, and Ray Train's controller and workers get the run's storage filesystem pickled."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_RETRY_ATTEMPTS), **options)
+        self.options = options
+
+    def __reduce__(self):
+        return _retrying_s3, (self.options,)
+
+
+def _retrying_s3(options: dict) -> RetryingS3FileSystem:
+    return RetryingS3FileSystem(**options)
 
 
 def bucket_uri_problem(uri: str) -> str | None:

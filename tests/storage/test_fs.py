@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -31,3 +32,22 @@ def test_buckets_get_their_own_filesystem_and_an_endpoint_override():
 def test_an_unsupported_scheme_is_refused_naming_what_is_supported():
     with pytest.raises(ValueError, match=r"unsupported URI scheme 'hdfs://'; supported: .*s3://.* or a local path"):
         filesystem_for("hdfs://namenode/data")
+
+
+def test_s3_storage_rides_out_a_throttled_bucket_for_a_whole_run_also_where_ray_unpickles_it(s3_server):
+    """503s several times in a row, and more than a hundred retried ones in one filesystem's life (where pyarrow's
+    default retries would have failed the first after 3 attempts and stopped retrying after about a hundred), through
+    the filesystem as Ray Train's controller and workers get it: pickled."""
+    from flaky_s3 import FlakyS3
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="throttled")
+    with FlakyS3(endpoint, rate=0.0) as proxy:
+        fs, path = filesystem_for("s3://throttled/runs/smoke", endpoint=proxy.endpoint)
+        fs = pickle.loads(pickle.dumps(fs))
+        proxy.fail_next("HEAD", 6)
+        assert fs.get_file_info(f"{path}/checkpoint_00000015").type == pafs.FileType.NotFound
+        for _ in range(120):
+            proxy.fail_next("HEAD", 1)
+            assert fs.get_file_info(f"{path}/checkpoint_00000015").type == pafs.FileType.NotFound
+        assert proxy.counts["slow_down"] == 126
