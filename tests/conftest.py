@@ -167,6 +167,17 @@ def ray_session(cluster):
     ray.shutdown()
 
 
+def leftover_placement_groups(ray_session) -> list[str]:
+    """The placement groups of the cluster that still hold resources though the job that made them has ended (none
+    of the tests' groups outlives its job; a group's id ends with its job's)."""
+    from ray._private.state import jobs
+    from ray.util.placement_group import placement_group_table
+
+    ended = [job["JobID"] for job in jobs() if job["IsDead"]]
+    return [group_id for group_id, group in placement_group_table().items()
+            if group["state"] != "REMOVED" and any(group_id.endswith(job) for job in ended)]
+
+
 def reserving(ray_session) -> set[str]:
     """The Ray Train runs that hold a reservation with the cluster's autoscaling coordinator."""
     from raydiff.training.reservations import COORDINATOR

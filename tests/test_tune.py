@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import yaml
-from conftest import reserving, run_cli, run_cli_acting, run_cli_interrupted
+from conftest import leftover_placement_groups, reserving, run_cli, run_cli_acting, run_cli_interrupted
 from disks import fill_leaving, kept_full, tmpfs
 
 from raydiff import cli
@@ -183,6 +183,7 @@ def test_ctrl_c_stops_a_sweep_and_the_same_command_continues_it(ray_session, tmp
         in output
     assert "Tuner.restore" not in output and "Traceback" not in output
     assert not (tmp_path / "s" / "results.csv").exists()
+    assert leftover_placement_groups(ray_session) == []  # the killed trials' groups are gone with the sweep
 
     again = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={tmp_path}")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
@@ -199,6 +200,7 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(ray_session, tmp_path):
     assert code == 128 + signal.SIGTERM, output[-3000:]
     assert "[raydiff] sweep s stopped by SIGTERM, its state saved in" in output
     assert "SIGTERM received at time" not in output and "Traceback" not in output
+    assert leftover_placement_groups(ray_session) == []
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -7,6 +7,11 @@ that actor owns dies with it without cancelling. For three minutes the coordinat
 a run that no longer exists: an elastic run waits on them ("ready resources for 0 workers") and Ray Data gets a
 smaller share. A sweep therefore notes each trial's run and cancels its request once the trial's actor is dead
 (no renewal can follow), and every one at the end.
+
+A killed trial's controller may also be placing a new worker group as it dies (it saw its workers die first). Ray
+removes a job's placement groups when the job ends, but not one whose placement completes just after: a sweep
+stopped by Ctrl-C once left such a group holding the cluster's CPUs until the cluster stopped. So at the end the
+sweep waits for its trials' actors to be gone and removes the placement groups its job still holds.
 """
 
 from __future__ import annotations
@@ -15,15 +20,20 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import ray
+from ray import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
 from raydiff.runs.run_plan import DRIVER_FILE
 from raydiff.storage.rundir import RunDir
 
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's detached actor: (name, namespace)
 CHECK_EVERY_S = 5.0
+TRIALS_GONE_WAIT_S = 30.0  # for the actors of trials Tune has killed to be dead
+LIVE_GROUP_STATES = ("PENDING", "CREATED", "RESCHEDULING")
 logger = logging.getLogger("raydiff")
 
 
@@ -100,6 +110,25 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
         except Exception as exc:  # noqa: BLE001 - the sweep's results stand; Ray expires the requests itself
             print(f"[raydiff] could not release the trials' resource reservations ({type(exc).__name__}: {exc}); "
                   f"Ray frees them within 3 minutes")
+        try:
+            remove_leftover_placement_groups(list(ray.get(runs.all.remote()).values()))
+        except Exception:  # best effort: Ray removes the job's groups when it ends, all but a late one
+            logger.debug("removing the trials' leftover placement groups failed", exc_info=True)
+
+
+def remove_leftover_placement_groups(trial_actor_ids: list[str], wait_s: float = TRIALS_GONE_WAIT_S) -> list[str]:
+    """Once the trials' actors are dead (waiting up to `wait_s`), remove the placement groups this job still holds:
+    none is in use after the sweep. Returns their ids."""
+    deadline = time.monotonic() + wait_s
+    while trial_actor_ids and time.monotonic() < deadline and not all(_dead(a) for a in trial_actor_ids):
+        time.sleep(0.5)
+    job = ray.get_runtime_context().get_job_id()
+    # A placement group's id ends with its creator job's.
+    left = [group_id for group_id, group in placement_group_table().items()
+            if group_id.endswith(job) and group["state"] in LIVE_GROUP_STATES]
+    for group_id in left:
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
+    return left
 
 
 def cancel_previous_reservation(run_dir: RunDir, requester: str) -> None:
