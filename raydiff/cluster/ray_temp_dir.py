@@ -27,6 +27,9 @@ SESSION_BYTES = 8 * 2**20
 WATCH_EVERY_S = 5.0
 UNIX_SOCKET_PATH_BYTES = 107  # Linux's limit, which Ray checks its socket paths against
 FIX = "free space there, or set RAY_TMPDIR to a folder on a disk with room"
+# The fraction of a disk in use over which Ray spills no objects to it, and its default (Ray's
+# `local_fs_capacity_threshold`, read from the environment by every Ray process).
+CAPACITY_THRESHOLD_VARIABLE, RAY_CAPACITY_THRESHOLD = "RAY_local_fs_capacity_threshold", 0.95
 
 
 def check_before_start() -> str:
@@ -70,11 +73,11 @@ def watch(temp: str) -> threading.Event:
 
 
 def _capacity_threshold() -> float:
-    """The fraction of a disk in use over which Ray spills no objects to it (Ray's `local_fs_capacity_threshold`)."""
+    """Ray's capacity threshold for this machine's Ray processes (`CAPACITY_THRESHOLD_VARIABLE`, else Ray's)."""
     try:
-        return float(os.environ.get("RAY_local_fs_capacity_threshold", "0.95"))
+        return float(os.environ.get(CAPACITY_THRESHOLD_VARIABLE, RAY_CAPACITY_THRESHOLD))
     except ValueError:
-        return 0.95
+        return RAY_CAPACITY_THRESHOLD
 
 
 def _warn_if_over_threshold(temp: str, usage: shutil._ntuple_diskusage | None) -> None:

@@ -15,13 +15,15 @@ import pytest
 from conftest import run_cli, run_cli_acting
 from disks import fill_leaving, kept_full, tmpfs
 
+from raydiff.cluster.ray_temp_dir import CAPACITY_THRESHOLD_VARIABLE, RAY_CAPACITY_THRESHOLD
+
 SMOKE = ["--config", "smoke", "--set", "scaling.num_workers=1", "--set", "train.sample_every=0"]
 
 
 def local_instance(temp: Path) -> dict[str, str]:
     """The environment of a command that starts a local Ray instance with its temp directory in `temp`, and Ray's
     default capacity threshold (the other tests set their own: tests/conftest.py)."""
-    return {"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp), "RAY_local_fs_capacity_threshold": "0.95"}
+    return {"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp), CAPACITY_THRESHOLD_VARIABLE: str(RAY_CAPACITY_THRESHOLD)}
 
 
 @pytest.fixture
