@@ -21,7 +21,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import ray
 from ray import PlacementGroupID
@@ -83,6 +83,7 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
     stopped), of all of them. Needs the state API, which sweeps require anyway."""
     released: set[str] = set()
     done = threading.Event()
+    others = set(placement_group_table())  # the process's own, from before the sweep: never the sweep's to remove
 
     def release(everything: bool) -> None:
         gone = [r for r, actor in ray.get(runs.all.remote()).items()
@@ -111,21 +112,22 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
             print(f"[raydiff] could not release the trials' resource reservations ({type(exc).__name__}: {exc}); "
                   f"Ray frees them within 3 minutes")
         try:
-            remove_leftover_placement_groups(list(ray.get(runs.all.remote()).values()))
+            remove_leftover_placement_groups(list(ray.get(runs.all.remote()).values()), keep=others)
         except Exception:  # best effort: Ray removes the job's groups when it ends, all but a late one
             logger.debug("removing the trials' leftover placement groups failed", exc_info=True)
 
 
-def remove_leftover_placement_groups(trial_actor_ids: list[str], wait_s: float = TRIALS_GONE_WAIT_S) -> list[str]:
-    """Once the trials' actors are dead (waiting up to `wait_s`), remove the placement groups this job still holds:
-    none is in use after the sweep. Returns their ids."""
+def remove_leftover_placement_groups(trial_actor_ids: list[str], *, keep: Collection[str] = (),
+                                     wait_s: float = TRIALS_GONE_WAIT_S) -> list[str]:
+    """Once the trials' actors are dead (waiting up to `wait_s`), remove the placement groups this job still holds
+    but those in `keep` (made before the sweep): none of the sweep's is in use after it. Returns their ids."""
     deadline = time.monotonic() + wait_s
     while trial_actor_ids and time.monotonic() < deadline and not all(_dead(a) for a in trial_actor_ids):
         time.sleep(0.5)
     job = ray.get_runtime_context().get_job_id()
     # A placement group's id ends with its creator job's.
     left = [group_id for group_id, group in placement_group_table().items()
-            if group_id.endswith(job) and group["state"] in LIVE_GROUP_STATES]
+            if group_id.endswith(job) and group_id not in keep and group["state"] in LIVE_GROUP_STATES]
     for group_id in left:
         remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
     return left

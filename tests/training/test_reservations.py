@@ -1,5 +1,6 @@
 """What a sweep releases at its end: the placement groups its job still holds (a killed trial's controller may be
-placing one as it dies, and Ray misses a group placed just after the job ends), and nothing of another job's."""
+placing one as it dies, and Ray misses a group placed just after the job ends), and nothing of another job's nor
+what its process held before the sweep."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ def test_a_sweeps_end_removes_the_placement_groups_its_job_still_holds_and_no_ot
 
     other = subprocess.run([sys.executable, "-c", ANOTHER_JOBS_GROUP.format(address=cluster.address)],
                            capture_output=True, text=True, check=True).stdout.split()[-1]
-    ours = placement_group([{"CPU": 0.01}])
-    ray_session.get(ours.ready(), timeout=60)
+    before, ours = placement_group([{"CPU": 0.01}]), placement_group([{"CPU": 0.01}])
+    ray_session.get([before.ready(), ours.ready()], timeout=60)
     try:
-        assert remove_leftover_placement_groups([]) == [ours.id.hex()]
+        assert remove_leftover_placement_groups([], keep={before.id.hex()}) == [ours.id.hex()]
         table = placement_group_table()
-        assert table[ours.id.hex()]["state"] == "REMOVED" and table[other]["state"] == "CREATED"
+        assert table[ours.id.hex()]["state"] == "REMOVED"
+        assert table[before.id.hex()]["state"] == table[other]["state"] == "CREATED"
     finally:
+        remove_placement_group(before)
         remove_placement_group(PlacementGroup(ray_session.PlacementGroupID(bytes.fromhex(other))))
