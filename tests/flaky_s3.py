@@ -26,7 +26,7 @@ class FlakyS3:
         self.counts = {"requests": 0, "slow_down": 0, "dropped": 0}
         self.failed: set[tuple[str, str]] = set()  # requests whose retry goes through
         self.drops: list[str] = []  # methods whose next request is applied and its answer dropped (drop_next)
-        self.refusals: list[str] = []  # one entry per coming request of that method to answer 503 (fail_next)
+        self.refusals: list[tuple[str, str]] = []  # (method, part of the path): one per request to refuse (fail_next)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -58,17 +58,18 @@ class FlakyS3:
         with self.lock:
             self.drops.append(method)
 
-    def fail_next(self, method: str, times: int) -> None:
-        """The next `times` requests of `method` are answered 503 SlowDown, their retries included: more than the
-        client retries, the request fails."""
+    def fail_next(self, method: str, times: int, *, path_part: str = "") -> None:
+        """The next `times` requests of `method` (any, if "") whose path holds `path_part` are answered 503
+        SlowDown, their retries included: more than the client retries, the request fails."""
         with self.lock:
-            self.refusals += [method] * times
+            self.refusals += [(method, path_part)] * times
 
     def _fate(self, key: tuple[str, str]) -> str:
         with self.lock:
             self.counts["requests"] += 1
-            if key[0] in self.refusals:
-                self.refusals.remove(key[0])
+            refusal = next(((m, part) for m, part in self.refusals if m in ("", key[0]) and part in key[1]), None)
+            if refusal is not None:
+                self.refusals.remove(refusal)
                 self.counts["slow_down"] += 1
                 return "slow_down"
             if key in self.failed:

@@ -3,7 +3,8 @@ restarts spent on a full disk.
 
 Why: a full disk, a read-only mount, a refused permission or credential and a missing bucket fail the same way on
 every retry, so Ray Train's restarts (`run.max_failures`) would only multiply the tracebacks; a 503, a timeout or a
-dropped connection passes, and those keep being retried (pyarrow retries each request, Ray restarts the workers).
+dropped connection passes, and those keep being retried (pyarrow retries each request, Ray restarts the workers:
+`retryable_in` tells, from its text, an error that outlasted the retries).
 Both kinds arrive as OSError: pyarrow puts the S3 or GCS error in the message.
 """
 
@@ -32,6 +33,10 @@ PERMANENT_MESSAGES = (
     ("SIGNATURE_DOES_NOT_MATCH", "the credentials were refused"),
     ("UNAUTHENTICATED", "the credentials were refused"),
 )
+# Text in pyarrow's S3 / GCS errors that a retry can fix (as Ray Data's `retried_io_errors`): a server's 5xx or
+# throttling, a dropped connection, a timeout. Met by raydiff, such an error outlasted the filesystem's retries.
+RETRYABLE_MESSAGES = ("HTTP status 5", "SLOW_DOWN", "SlowDown", "INTERNAL_FAILURE", "NETWORK_CONNECTION",
+                      "Timeout was reached", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 ADVICE = {  # {setting}: where the user chose the storage (run.storage, or a command's --out)
     "no space left on device": "free space there or set another {setting}",
     "disk quota exceeded": "raise the quota, free space or set another {setting}",
@@ -66,6 +71,11 @@ def permanent_reason(exc: BaseException) -> str | None:
 def permanent_reason_in(text: str) -> str | None:
     """`permanent_reason` of an error known only by its text (a log line, an error that crossed a process)."""
     return next((reason for needle, reason in PERMANENT_MESSAGES if needle in text), None)
+
+
+def retryable_in(text: str) -> bool:
+    """Whether an object store's error, known by its text, is one a retry can fix (RETRYABLE_MESSAGES)."""
+    return permanent_reason_in(text) is None and any(needle in text for needle in RETRYABLE_MESSAGES)
 
 
 class StorageFailure(RuntimeError):

@@ -17,7 +17,7 @@ from raydiff.config.learning_rate import lr_at
 from raydiff.model.weight_averages import ema_decay_at
 from raydiff.runs.errors import Unresumable
 from raydiff.training.cadence import Cadence
-from raydiff.training.lost_workers import quiet_collective_aftermath
+from raydiff.training.lost_workers import quiet_tracebacks_said_in_a_line
 from raydiff.training.step import optimizer_step
 from raydiff.training.worker import quiet_ray_train_logs, set_up
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -29,7 +29,7 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
     t = cfg.train
     torch.set_num_threads(args.torch_threads)
     quiet_ray_train_logs()
-    quiet_collective_aftermath()  # a lost worker is said once, by the controller
+    quiet_tracebacks_said_in_a_line()  # a lost worker, or storage beyond its retries, is said by the controller
 
     # Set up, and restore the newest checkpoint every worker can: on storage, or the one Ray Train hands us.
     # Until then nothing is written: a start the workers refuse leaves the run directory as it was.

@@ -10,9 +10,10 @@ So: `LostWorkers`, a Ray Train callback in the controller, says each failure in 
 why, then a restart from the newest checkpoint or the end of the run, counted as Ray Train counts it against
 `run.max_failures`), and from then on leaves out the controller's own warnings about the shutdown, which it
 shortens (a hung worker cannot take part in it).
-`quiet_collective_aftermath` leaves out, in a worker, the traceback of a collective that failed only because a
-peer was lost. Every other error, and its traceback, still shows. `scaling.hang_timeout_s` is the one time after
-which a silent worker counts as lost (`hang_timeouts`).
+`quiet_tracebacks_said_in_a_line` leaves out, in a worker, the traceback of a collective that failed only because
+a peer was lost, and that of an object store's error that outlasted the storage's retries (a 503, a timeout: the
+line names it; its traceback shows pyarrow's insides). Every other error, and its traceback, still shows.
+`scaling.hang_timeout_s` is the one time after which a silent worker counts as lost (`hang_timeouts`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ray.train.v2._internal.exceptions import (
 )
 
 from raydiff.cluster.worker_output import EXCEPTION_LINE
+from raydiff.storage.errors import retryable_in
 
 # Ray Train reads these in its controller (propagated from the driver's environment when a run starts).
 HEALTH_CHECK_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"  # a worker process that does not answer
@@ -61,9 +63,21 @@ def hang_timeouts(hang_timeout_s: float) -> tuple[int, dict[str, str]]:
 
 def lost_peer(traceback_text: str) -> bool:
     """Whether a worker's traceback ends in a collective that failed because another worker was lost."""
+    last = _last_exception(traceback_text)
+    return last is not None and (PEER_LOST.match(last) is not None
+                                 or last.split(":")[0].endswith(BroadcastCollectiveTimeoutError.__name__))
+
+
+def storage_outlasted_retries(traceback_text: str) -> bool:
+    """Whether a worker's traceback ends in an object store's error that a retry can fix (pyarrow raises OSError),
+    which outlasted the storage filesystem's retries."""
+    last = _last_exception(traceback_text)
+    return last is not None and last.startswith("OSError: ") and retryable_in(last)
+
+
+def _last_exception(traceback_text: str) -> str | None:
     lines = [line for line in traceback_text.splitlines() if EXCEPTION_LINE.match(line)]
-    return bool(lines) and (PEER_LOST.match(lines[-1]) is not None
-                            or lines[-1].split(":")[0].endswith(BroadcastCollectiveTimeoutError.__name__))
+    return lines[-1] if lines else None
 
 
 class _DropRecords(logging.Filter):
@@ -85,10 +99,12 @@ def _drop_records(logger_name: str, drop) -> None:
         logger.addFilter(_DropRecords(drop))
 
 
-def quiet_collective_aftermath() -> None:
-    """In a worker: Ray Train's record of an exception whose traceback ends in a collective that lost its peer is
-    left out (the controller's line says which worker was lost). Any other exception's record shows."""
-    _drop_records("ray.train.v2._internal.util", lambda m: m.startswith(_TRAINING_ERROR) and lost_peer(m))
+def quiet_tracebacks_said_in_a_line() -> None:
+    """In a worker: Ray Train's record of an exception whose traceback ends in a collective that lost its peer, or
+    in an object store's error that outlasted its retries, is left out (the controller's line says which worker,
+    and why). Any other exception's record shows."""
+    _drop_records("ray.train.v2._internal.util",
+                  lambda m: m.startswith(_TRAINING_ERROR) and (lost_peer(m) or storage_outlasted_retries(m)))
 
 
 def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[str, str]:
@@ -107,6 +123,8 @@ def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[st
         return "lost", f"worker {rank}'s process ended (killed, out of memory, or its node was lost)"
     first = (str(error).strip().splitlines() or [""])[0]
     said = f"{type(error).__name__}: {first}"
+    if storage_outlasted_retries(said):
+        return "raised", f"worker {rank}'s storage kept failing beyond its retries ({said})"
     if not lost_peer(said):
         return "raised", f"worker {rank} raised {said}"
     if isinstance(error, BroadcastCollectiveTimeoutError) or _TIMED_OUT.search(said):

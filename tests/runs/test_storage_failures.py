@@ -2,12 +2,13 @@
 run continues bit-identical once there is room), also where another job takes every byte freed, so that any of the
 run's writers (Ray Train's own, TensorBoard's thread) may meet it first; storage without room for two checkpoints,
 a read-only folder and a missing bucket are refused before anything is written; a flaky object store (503s and
-dropped answers) is survived bit-identically."""
+dropped answers, and a request refused for longer than its retries last) is survived bit-identically."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 
 import pytest
@@ -17,6 +18,7 @@ from disks import kept_full, tmpfs
 from flaky_s3 import FlakyS3
 
 from raydiff.runs.checkpoint import list_checkpoints, read_state
+from raydiff.storage.fs import S3_RETRY_ATTEMPTS
 
 SMOKE_40 = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=5",
             "--set", "run.keep_checkpoints=100"]
@@ -140,14 +142,22 @@ def test_a_missing_bucket_is_refused_before_anything_is_written(s3_server):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_flaky_object_store_is_survived_bit_identically(s3_server, reference):
-    """10% of requests answered with 503 SlowDown, or applied with the answer dropped (a retry goes through)."""
+    """10% of requests answered with 503 SlowDown, or applied with the answer dropped (a retry goes through); and
+    once, the step-15 checkpoint's first request refused beyond the retries: a worker fails, said in one line, and
+    Ray Train restarts the workers from the newest checkpoint."""
     endpoint, client = s3_server
     client.create_bucket(Bucket="flaky")
     with FlakyS3(endpoint, rate=0.1, seed=0) as proxy:
+        proxy.fail_next("", S3_RETRY_ATTEMPTS + 1, path_part="checkpoint_00000015")
         proc = _train("s3://flaky/runs", "--set", f"run.endpoint={proxy.endpoint}")
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert proxy.counts["slow_down"] >= 5 and proxy.counts["dropped"] >= 5, proxy.counts
-    assert "Traceback" not in proc.stdout + proc.stderr
+        assert proxy.counts["slow_down"] >= 5 + S3_RETRY_ATTEMPTS and proxy.counts["dropped"] >= 5, proxy.counts
+    output = proc.stdout + proc.stderr
+    assert "Traceback" not in output, output[-5000:]
+    [said] = [line.split("[raydiff] ", 1)[1] for line in output.splitlines() if "[raydiff] worker " in line]
+    assert re.fullmatch(r"worker 0's storage kept failing beyond its retries \(OSError: .*checkpoint_00000015.*HTTP "
+                        r"status 503.*\): restarting the workers from the newest checkpoint \(failure 1 of at most "
+                        r"\d+, run.max_failures\)", said), said
     from raydiff.storage.rundir import RunDir
 
     assert _same_weights(_final_state(RunDir("s3://flaky/runs/smoke", endpoint=endpoint)), reference)

@@ -1,6 +1,7 @@
 """A lost worker is said in one line: which worker, how (died, hung, preempted, unreachable, or an error of its
 own), and what comes of it, counted as Ray Train counts failures against run.max_failures; the tracebacks a loss
-sets off (the survivors' collectives, the controller's shutdown warnings) are left out, every other error's kept.
+sets off (the survivors' collectives, the controller's shutdown warnings) and those of storage that kept failing
+beyond its retries are left out, every other error's kept.
 Through a real run (a killed and a stopped worker): tests/runs/test_fault_tolerance.py."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from raydiff.training.lost_workers import (
     LostWorkers,
     causes,
     hang_timeouts,
-    quiet_collective_aftermath,
+    quiet_tracebacks_said_in_a_line,
 )
 
 GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/{}]"
@@ -31,6 +32,8 @@ PEER_CLOSED = RuntimeError(GLOO.format("pair.cc:561") + " Connection closed by p
                            "typically caused by a remote worker crashing.")
 TIMED_OUT = RuntimeError(GLOO.format("unbound_buffer.cc:78") + " Timed out waiting 15000ms for recv operation to "
                          "complete")
+THROTTLED = OSError("When getting information for key 'runs/smoke/checkpoint_00000015' in bucket 'flaky': AWS Error "
+                    "UNKNOWN (HTTP status 503) during HeadObject operation: No response body.")
 HUNG = WorkerHealthCheckTimeoutError("A worker health check has been hanging for 15.20 seconds.")
 DIED = WorkerHealthCheckFailedError("poll failed", ActorDiedError())
 
@@ -61,6 +64,15 @@ def test_a_collective_that_timed_out_alone_says_a_worker_hangs():
 
 def test_an_error_of_a_workers_own_is_named_with_its_first_line():
     assert causes({0: ValueError("bad pixel\nmore"), 1: PEER_CLOSED}, 60) == ["worker 0 raised ValueError: bad pixel"]
+
+
+def test_storage_that_kept_failing_beyond_its_retries_is_named_as_such_and_a_permanent_error_as_raised():
+    assert causes({0: THROTTLED, 1: PEER_CLOSED}, 60) == [
+        f"worker 0's storage kept failing beyond its retries (OSError: {THROTTLED})"]
+    denied = OSError("When getting information for key 'runs/smoke' in bucket 'b': AWS Error ACCESS_DENIED during "
+                     "HeadObject operation: HTTP status 503")  # what a retry cannot fix wins
+    assert causes({0: denied}, 60) == [f"worker 0 raised OSError: {denied}"]
+    assert causes({0: ValueError("HTTP status 503")}, 60) == ["worker 0 raised ValueError: HTTP status 503"]
 
 
 def test_each_failure_says_what_comes_next_as_ray_train_counts_them(capsys):
@@ -95,8 +107,8 @@ def _training_error(last_line: str) -> str:
 
 def test_a_workers_traceback_of_a_collective_that_lost_its_peer_is_left_out_and_any_other_shown():
     util = "ray.train.v2._internal.util"
-    quiet_collective_aftermath()
-    quiet_collective_aftermath()  # once per process, however often a worker starts
+    quiet_tracebacks_said_in_a_line()
+    quiet_tracebacks_said_in_a_line()  # once per process, however often a worker starts
     assert len(logging.getLogger(util).filters) == 1
     assert not _shown(util, _training_error(f"RuntimeError: {PEER_CLOSED}"))
     assert not _shown(util, _training_error(f"RuntimeError: {TIMED_OUT}"))
@@ -107,6 +119,13 @@ def test_a_workers_traceback_of_a_collective_that_lost_its_peer_is_left_out_and_
     assert _shown(util, _training_error(f"RuntimeError: {PEER_CLOSED}\n\nDuring handling of the above exception, "
                                         f"another exception occurred:\n\nKeyError: 'loss'"))
     assert _shown(util, "Something else: RuntimeError: Connection closed by peer")
+    # An object store's error that outlasted its retries: the controller's line names it.
+    assert not _shown(util, _training_error(f"OSError: {THROTTLED}"))
+    assert not _shown(util, _training_error("OSError: When reading information for key 'runs/smoke/state.pt' in "
+                                            "bucket 'b': AWS Error NETWORK_CONNECTION during HeadObject operation: "
+                                            "curlCode: 28, Timeout was reached"))
+    assert _shown(util, _training_error("OSError: [Errno 28] No space left on device: '/runs/smoke'"))
+    assert _shown(util, _training_error("ValueError: AWS Error UNKNOWN (HTTP status 503)"))
 
 
 def test_the_controllers_shutdown_warnings_are_left_out_and_its_wait_cut_once_a_failure_is_said(capsys,
