@@ -85,9 +85,8 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
     done = threading.Event()
     others = set(placement_group_table())  # the process's own, from before the sweep: never the sweep's to remove
 
-    def release(everything: bool) -> None:
-        gone = [r for r, actor in ray.get(runs.all.remote()).items()
-                if everything or (r not in released and _dead(actor))]
+    def release(trials: dict[str, str], everything: bool) -> None:  # {requester: its trial's actor id}
+        gone = [r for r, actor in trials.items() if everything or (r not in released and _dead(actor))]
         if gone:
             cancel_requests(gone)
             released.update(gone)
@@ -95,7 +94,7 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
     def watch() -> None:
         while not done.wait(every_s):
             try:
-                release(everything=False)
+                release(ray.get(runs.all.remote()), everything=False)
             except Exception:  # best effort while trials run; the final release retries
                 logger.debug("releasing the reservations of killed trials failed", exc_info=True)
 
@@ -106,13 +105,16 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
     finally:
         done.set()
         watcher.join()
+        trials: dict[str, str] | None = None
         try:
-            release(everything=True)
+            trials = ray.get(runs.all.remote())
+            release(trials, everything=True)
         except Exception as exc:  # noqa: BLE001 - the sweep's results stand; Ray expires the requests itself
             print(f"[raydiff] could not release the trials' resource reservations ({type(exc).__name__}: {exc}); "
                   f"Ray frees them within 3 minutes")
         try:
-            remove_leftover_placement_groups(list(ray.get(runs.all.remote()).values()), keep=others)
+            if trials is not None:
+                remove_leftover_placement_groups(list(trials.values()), keep=others)
         except Exception:  # best effort: Ray removes the job's groups when it ends, all but a late one
             logger.debug("removing the trials' leftover placement groups failed", exc_info=True)
 
