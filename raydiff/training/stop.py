@@ -17,6 +17,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -27,6 +28,9 @@ from raydiff.training.interrupts import in_main_thread, raise_interrupted, signa
 logger = logging.getLogger("raydiff")
 T = TypeVar("T")
 TUNE_INTERRUPTED = "Experiment has been interrupted"  # how Tune's warning after a Ctrl-C begins (ray.tune.tune)
+# `timeout` signals the command, then its process group, which holds the command too: two SIGTERMs within
+# microseconds, one request. A second SIGTERM counts as one only this long after the first.
+SAME_SIGTERM_S = 1.0
 
 
 @ray.remote(num_cpus=0)
@@ -73,7 +77,9 @@ def stop_on_signals(flag) -> Iterator[dict[str, str | None]]:
         name = signal.Signals(signum).name
         if received["signal"] == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        received["signal"] = received["signal"] or name
+        if received["signal"] is not None:  # the stop already asked for: nothing new to say
+            return
+        received["signal"] = name
         print(f"[raydiff] {name}: stopping after a final checkpoint (Ctrl-C again to stop at once)", flush=True)
         wake.set()
 
@@ -116,24 +122,26 @@ def noting_tune_interrupt() -> Iterator[dict[str, str | None]]:
     Tune's SIGINT handler saves its state and ends the sweep, then warns "... Resume experiment with:
     Tuner.restore(...)", a Python call where running the same command again is what continues it: that warning
     is noted and dropped (the command says what to do). Tune has no SIGTERM handler (`ray job stop`, schedulers):
-    SIGTERM is passed on to Tune's as a SIGINT, so that Tune saves its state too; a second SIGTERM stops at once
-    (`Interrupted`), as a second Ctrl-C does. Tune leaves its handler installed after a sweep; the ones before come
-    back."""
+    SIGTERM is passed on to Tune's as a SIGINT, so that Tune saves its state too; a second SIGTERM (after
+    SAME_SIGTERM_S) stops at once (`Interrupted`), as a second Ctrl-C does. Tune leaves its handler installed after
+    a sweep; the ones before come back."""
     received: dict[str, str | None] = {"signal": None}
-    terminated = False
+    terminated_at: float | None = None  # when the first SIGTERM came
     tune_log = logging.getLogger("ray.tune.tune")
 
     def note(record: logging.LogRecord) -> bool:
         if record.getMessage().startswith(TUNE_INTERRUPTED):
-            received["signal"] = "SIGTERM" if terminated else "SIGINT"
+            received["signal"] = "SIGTERM" if terminated_at is not None else "SIGINT"
             return False
         return True
 
     def as_ctrl_c(signum, frame) -> None:
-        nonlocal terminated
-        if terminated:  # a second SIGTERM stops at once, as a second Ctrl-C does, and says which signal it was
-            raise_interrupted(signum, before_training=False)
-        terminated = True
+        nonlocal terminated_at
+        if terminated_at is not None:
+            if time.monotonic() - terminated_at < SAME_SIGTERM_S:  # the same request, to the command and its group
+                return
+            raise_interrupted(signum, before_training=False)  # as a second Ctrl-C does, naming the signal
+        terminated_at = time.monotonic()
         signal.raise_signal(signal.SIGINT)  # Tune's handler
 
     # SIGINT keeps its handler until Tune replaces it, and gets it back after.

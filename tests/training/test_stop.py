@@ -1,7 +1,9 @@
 """Stopping cleanly: before training a signal stops the command at once; during training the first SIGTERM or
-Ctrl-C asks the run for a final checkpoint (once, whatever follows) and a second Ctrl-C stops at once; the
-handlers that were there before come back; Ray Train's fit() runs beside them, where it cannot replace them. The
-whole path, through a real run: tests/test_jobs.py (SIGTERM) and tests/test_train.py (Ctrl-C)."""
+Ctrl-C asks the run for a final checkpoint (once, said once, whatever follows) and a second Ctrl-C stops at once;
+a sweep stops at once on a second SIGTERM, not on the same one sent twice (`timeout`); the handlers that were
+there before come back; Ray Train's fit() runs beside them, where it cannot replace them. The whole path, through
+a real run: tests/test_jobs.py (SIGTERM), tests/test_train.py (Ctrl-C) and tests/cluster/test_start.py (SIGTERM to
+a local run's process group)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 import pytest
 
 from raydiff.training.interrupts import Interrupted, interrupt_on_signals
-from raydiff.training.stop import beside_the_handlers, noting_tune_interrupt, stop_on_signals
+from raydiff.training.stop import SAME_SIGTERM_S, beside_the_handlers, noting_tune_interrupt, stop_on_signals
 
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                                 reason="signal handlers live in the main thread")
@@ -50,7 +52,8 @@ def test_the_first_signal_asks_for_one_final_checkpoint(capsys):
         while not flag.requests and time.monotonic() < deadline:
             time.sleep(0.01)
     assert received["signal"] == "SIGTERM" and flag.requests == ["SIGTERM"]
-    assert "SIGTERM: stopping after a final checkpoint (Ctrl-C again to stop at once)" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines() == [
+        "[raydiff] SIGTERM: stopping after a final checkpoint (Ctrl-C again to stop at once)"]  # said once
     assert _handlers() == before
 
 
@@ -69,6 +72,9 @@ def test_a_sweep_passes_the_first_sigterm_to_tune_as_ctrl_c_and_stops_at_the_sec
         signal.signal(signal.SIGINT, lambda signum, frame: tune_saw.append(signum))  # as Tune's fit() installs it
         signal.raise_signal(signal.SIGTERM)
         assert tune_saw == [signal.SIGINT]  # Tune saves its state and ends the sweep
+        signal.raise_signal(signal.SIGTERM)  # at once: `timeout` signals the command, then its process group
+        assert tune_saw == [signal.SIGINT]
+        time.sleep(SAME_SIGTERM_S)
         signal.raise_signal(signal.SIGTERM)
         time.sleep(5)  # never reached
     assert stopped.value.signal == "SIGTERM" and not stopped.value.before_training  # "stopped by SIGTERM", 143
