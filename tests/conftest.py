@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -254,13 +256,15 @@ def run_cli_interrupted(module: str, *args: str, at: str, sig: int = signal.SIGI
 
 
 def run_cli_acting(module: str, *args: str, at: str, act: Callable[[subprocess.Popen], None],
-                   env: dict[str, str] | None = None, timeout: float = 600) -> tuple[int, str]:
+                   env: dict[str, str] | None = None, timeout: float = 600,
+                   own_process_group: bool = False) -> tuple[int, str]:
     """Run like `run_cli`, and call `act(process)` once, as soon as a line of its output contains `at` (something
     done to the command, or around it, at a known point of its work). Returns the exit code and the output (stdout
-    and stderr together)."""
+    and stderr together). `own_process_group`: the command leads a process group of its own (as under `timeout`),
+    which `act` may signal."""
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "RAY_ADDRESS": _cluster_address or "local", **(env or {})},
-                            cwd=ROOT, stdin=subprocess.DEVNULL)
+                            cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=own_process_group)
     output, acted = [], False
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -271,6 +275,27 @@ def run_cli_acting(module: str, *args: str, at: str, act: Callable[[subprocess.P
         return proc.wait(timeout=timeout), "".join(output)
     finally:
         proc.kill()
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs whose command line mentions `marker` (a temp dir of the test's own): what the test started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture
+def short_path():
+    """A folder whose path is short enough for Ray's Unix sockets under it (a test's tmp_path is not)."""
+    folder = Path(tempfile.mkdtemp(prefix="rd-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 SMOKE_EVAL = ["--set", "eval.every=10", "--set", "eval.at_end=true", "--set", "eval.num=200", "--set", "eval.steps=10"]

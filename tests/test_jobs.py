@@ -19,26 +19,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TEST_ONLY_RAY_SETTINGS, free_port
+from conftest import ROOT, TEST_ONLY_RAY_SETTINGS, free_port, processes_mentioning
 
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
 
 pytestmark = pytest.mark.ray
 
 BIN = Path(sys.executable).parent
-
-
-def _our_processes(marker: str) -> list[int]:
-    """PIDs whose command line mentions `marker` (the head's own temp dir): what this test started."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +68,7 @@ def head():
             os.killpg(proc.pid, signal.SIGKILL)  # anything of its process group still there
         except ProcessLookupError:
             pass
-        for pid in _our_processes(temp_dir):
+        for pid in processes_mentioning(temp_dir):  # the head's own temp dir
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

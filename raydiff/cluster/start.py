@@ -4,7 +4,8 @@ Why one place: every command (train, tune, prepare, evaluate, lr_find, bench) mu
 RAY_ADDRESS or `ray start` names, or else start a local instance, print one line saying which, and quiet what
 Ray prints that a newcomer would read as a failure. A cluster that does not answer, or refuses this client (token
 authentication), is one line too: Ray itself retries for minutes and then raises a traceback. A local instance
-is its own processes' cluster, whatever other Ray instances run on the machine.
+is its own processes' cluster, whatever other Ray instances run on the machine, and outside the command's process
+group, so that a signal to the group stops the command with a final checkpoint, not Ray under it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 
 import ray
 from ray._common.utils import get_ray_address_file
+from ray._private import services
 from ray._private.services import canonicalize_bootstrap_address
+from ray._private.utils import detect_fate_sharing_support
 
 from raydiff.cluster import ray_temp_dir
 from raydiff.cluster.errors import RayUnreachable
@@ -85,7 +89,7 @@ def _start_local_instance() -> None:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
     address = f"{ray.util.get_node_ip_address()}:{port}"
-    with environment_variable(GCS_PORT_VARIABLE, str(port)), _quiet_token_auth_notice():
+    with environment_variable(GCS_PORT_VARIABLE, str(port)), _quiet_token_auth_notice(), _in_sessions_of_their_own():
         try:
             ray.init(address="local", logging_level=logging.WARNING,
                      runtime_env={"env_vars": {"RAY_ADDRESS": address}})
@@ -110,6 +114,33 @@ def environment_variable(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+@contextlib.contextmanager
+def _in_sessions_of_their_own() -> Iterator[None]:
+    """While active, the processes Ray starts (a local instance's GCS, raylet, dashboard; the workers follow their
+    raylet) start in sessions of their own, out of the command's process group.
+
+    Why: `timeout`, `kill -TERM -PGID` and schedulers that signal a command's whole process group stopped the
+    instance with the command, which then could not write its final checkpoint and waited a minute for a GCS that
+    was gone. Ray already keeps the terminal's Ctrl-C from them (they block SIGINT), and they still end with the
+    command: the kernel ends each when its parent does (Ray's fate-sharing, PR_SET_PDEATHSIG), which is why this
+    is done only where Ray uses it (Linux); elsewhere Ray's reaper finds them by their process group.
+    """
+    if not (sys.platform.startswith("linux") and detect_fate_sharing_support()):
+        yield
+        return
+    popen = services.ConsolePopen
+
+    class InASessionOfItsOwn(popen):  # type: ignore[misc, valid-type]  # Ray's Popen, as Ray defines it
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **{**kwargs, "start_new_session": True})
+
+    services.ConsolePopen = InASessionOfItsOwn  # type: ignore[misc]  # what start_ray_process calls
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen  # type: ignore[misc]
 
 
 @contextlib.contextmanager

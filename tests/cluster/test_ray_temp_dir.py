@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,6 @@ def local_instance(temp: Path) -> dict[str, str]:
     """The environment of a command that starts a local Ray instance with its temp directory in `temp`, and Ray's
     default capacity threshold (the other tests set their own: tests/conftest.py)."""
     return {"RAY_ADDRESS": "local", "RAY_TMPDIR": str(temp), CAPACITY_THRESHOLD_VARIABLE: str(RAY_CAPACITY_THRESHOLD)}
-
-
-@pytest.fixture
-def short_path():
-    """A folder whose path is short enough for Ray's Unix sockets under it (a test's tmp_path is not)."""
-    folder = Path(tempfile.mkdtemp(prefix="rd-", dir="/tmp"))
-    yield folder
-    folder.rmdir()
 
 
 COMMANDS = {"train": ["raydiff.train", *SMOKE],

@@ -2,18 +2,20 @@
 seconds (Ray itself retries for minutes, then raises a traceback), before the run directory is touched. The
 refusal of a cluster with token authentication, and the join of one found through `ray start`'s address file, are
 tested against a real one in tests/test_jobs.py. A local Ray instance that a command starts is its processes'
-own, whatever else runs on the machine."""
+own, whatever else runs on the machine, and outside the command's process group: a signal to the group (`timeout`)
+stops the command after its final checkpoint, and the instance with it."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import ROOT, free_port, run_cli
+from conftest import ROOT, free_port, processes_mentioning, run_cli, run_cli_acting
 
 from raydiff import cli
 from raydiff.cluster.start import init_ray
@@ -94,3 +96,27 @@ def test_a_local_run_beside_another_ray_instance_trains_without_a_restart(cluste
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["restarts"] == 0, output[-3000:]
     assert "Found multiple active Ray instances" not in output and "placement group was removed" not in output
+
+
+@pytest.mark.ray
+def test_a_signal_to_a_local_runs_whole_process_group_stops_it_after_a_final_checkpoint(tmp_path, short_path):
+    """`timeout`, `kill -TERM -PGID` and schedulers signal a command's whole process group. The local Ray instance
+    that the command started is not in it: the command gets the signal, writes its final checkpoint, and stops the
+    instance itself. (In the group, the instance stopped at once; the command waited a minute for it and failed.)"""
+    instance: list[int] = []
+
+    def signal_the_group(proc: subprocess.Popen) -> None:
+        instance.extend(processes_mentioning(str(short_path)))  # the local instance's (its temp dir is theirs)
+        os.killpg(proc.pid, signal.SIGTERM)
+
+    code, output = run_cli_acting(
+        "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set", "scaling.num_workers=1",
+        "--set", "train.sample_every=0", "--set", "train.total_steps=2000", at="[raydiff] step 10/",
+        act=signal_the_group, own_process_group=True, env={"RAY_ADDRESS": "local", "RAY_TMPDIR": str(short_path)})
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
+    assert summary["status"] == "stopped", output[-3000:]
+    assert summary["checkpoint"].endswith(f"checkpoint_{summary['steps']:08d}")
+    assert f"[raydiff] stopped at step {summary['steps']} (SIGTERM) after a final checkpoint" in output
+    assert "Traceback" not in output and "Failed to connect to GCS" not in output, output[-3000:]
+    assert len(instance) >= 3 and processes_mentioning(str(short_path)) == []  # they ended with the command
