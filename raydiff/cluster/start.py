@@ -125,18 +125,19 @@ def _in_sessions_of_their_own() -> Iterator[None]:
     instance with the command, which then could not write its final checkpoint and waited a minute for a GCS that
     was gone. Ray already keeps the terminal's Ctrl-C from them (they block SIGINT), and they still end with the
     command: the kernel ends each when its parent does (Ray's fate-sharing, PR_SET_PDEATHSIG), which is why this
-    is done only where Ray uses it (Linux); elsewhere Ray's reaper finds them by their process group.
+    is done only where Ray uses it (Linux); elsewhere Ray's reaper finds them by their process group. A Ray whose
+    process starter has another name starts them as it always did.
     """
-    if not (sys.platform.startswith("linux") and detect_fate_sharing_support()):
+    popen = getattr(services, "ConsolePopen", None)  # what start_ray_process calls
+    if popen is None or not (sys.platform.startswith("linux") and detect_fate_sharing_support()):
         yield
         return
-    popen = services.ConsolePopen
 
     class InASessionOfItsOwn(popen):  # type: ignore[misc, valid-type]  # Ray's Popen, as Ray defines it
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **{**kwargs, "start_new_session": True})
 
-    services.ConsolePopen = InASessionOfItsOwn  # type: ignore[misc]  # what start_ray_process calls
+    services.ConsolePopen = InASessionOfItsOwn  # type: ignore[misc]
     try:
         yield
     finally:
