@@ -80,7 +80,8 @@ def stop_on_signals(flag) -> Iterator[dict[str, str | None]]:
         if received["signal"] is not None:  # the stop already asked for: nothing new to say
             return
         received["signal"] = name
-        print(f"[raydiff] {name}: stopping after a final checkpoint (Ctrl-C again to stop at once)", flush=True)
+        again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""  # a SIGTERM's stop is kept
+        print(f"[raydiff] {name}: stopping after a final checkpoint{again}", flush=True)
         wake.set()
 
     forwarder = threading.Thread(target=forward, daemon=True, name="raydiff-stop")
