@@ -277,6 +277,17 @@ def run_cli_acting(module: str, *args: str, at: str, act: Callable[[subprocess.P
         proc.kill()
 
 
+def wait_for(condition, timeout: float = 180, what: str = "condition"):
+    """`condition()`'s first true value, asked every 50 ms; an AssertionError naming `what` after `timeout` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def processes_mentioning(marker: str) -> list[int]:
     """PIDs whose command line mentions `marker` (a temp dir of the test's own): what the test started."""
     pids = []

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, free_port, processes_mentioning, run_cli, run_cli_acting
+from conftest import ROOT, free_port, processes_mentioning, run_cli, run_cli_acting, wait_for
 
 from raydiff import cli
 from raydiff.cluster.start import init_ray
@@ -119,7 +119,6 @@ def test_a_signal_to_a_local_runs_whole_process_group_stops_it_after_a_final_che
     assert summary["checkpoint"].endswith(f"checkpoint_{summary['steps']:08d}")
     assert f"[raydiff] stopped at step {summary['steps']} (SIGTERM) after a final checkpoint" in output
     assert "Traceback" not in output and "Failed to connect to GCS" not in output, output[-3000:]
-    deadline = time.monotonic() + 10  # the instance's processes end with the command (its agents just after)
-    while processes_mentioning(str(short_path)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(instance) >= 3 and processes_mentioning(str(short_path)) == []
+    assert len(instance) >= 3
+    # The instance's processes end with the command (its agents just after).
+    wait_for(lambda: processes_mentioning(str(short_path)) == [], timeout=10, what="the local instance to end")

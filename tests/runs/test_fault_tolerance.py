@@ -17,13 +17,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, own_head, own_node, run_cli
+from conftest import ROOT, own_head, own_node, run_cli, wait_for
 from sklearn.datasets import load_digits
 
 from raydiff.config.schema import TrainSection
@@ -55,16 +54,6 @@ def start_train(cluster, storage: Path, name: str, *extra: str, total: int = TOT
          "--set", f"train.total_steps={total}", *extra],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
         env=dict(os.environ, RAY_ADDRESS=cluster.address))
-
-
-def wait_for(condition, timeout: float = 180, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def final_state(run_dir: Path) -> dict:

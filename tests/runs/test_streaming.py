@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, own_head
-from test_fault_tolerance import assert_same_weights, final_state, losses, summary, wait_for
+from conftest import ROOT, own_head, wait_for
+from test_fault_tolerance import assert_same_weights, final_state, losses, summary
 
 from raydiff.data.order import SampleOrder
 from raydiff.data.shard_format import write_prepared
