@@ -30,6 +30,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
+from raydiff.cluster.tasks import results_of
 from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
 from raydiff.data.hub_features import image_columns
@@ -322,9 +323,9 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
             ds = _read(source, resolution, channels, image_column, labels).repartition(
                 target_num_rows_per_block=rows_per_chunk(resolution, channels)).materialize()
         chunks = ds.to_numpy_refs(column="image")
-        counted = ray.get([_errors_of.remote(e) for e in ds.to_numpy_refs(column="error")])
-        per_chunk = None if labels is None else ray.get([_labels_of.remote(t)
-                                                         for t in ds.to_numpy_refs(column="label")])
+        counted = results_of([_errors_of.remote(e) for e in ds.to_numpy_refs(column="error")])
+        per_chunk = None if labels is None else results_of([_labels_of.remote(t)
+                                                            for t in ds.to_numpy_refs(column="label")])
     bad, start = [], 0
     for rows, errors in counted:
         for row, error in errors:

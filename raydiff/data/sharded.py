@@ -15,6 +15,7 @@ import pyarrow.fs as pafs
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raydiff.cluster.tasks import results_of
 from raydiff.data.errors import BadSample
 from raydiff.data.labels import LabelledSamples
 from raydiff.data.order import SampleOrder
@@ -90,9 +91,9 @@ class ShardedImages(LabelledSamples):
         # Ray documents placement_group=None as "no group", but annotates the parameter without None.
         no_group = PlacementGroupSchedulingStrategy(placement_group=None)  # type: ignore[arg-type]
         options = {"num_cpus": 1, "scheduling_strategy": no_group}
-        parts = ray.get([_rows.options(**options).remote(self.filesystem, self.files[s], self.shape,
-                                                         indices[shard_of == s] - starts[s])
-                         for s in np.unique(shard_of)])
+        parts = results_of([_rows.options(**options).remote(self.filesystem, self.files[s], self.shape,
+                                                            indices[shard_of == s] - starts[s])
+                            for s in np.unique(shard_of)])
         images = np.concatenate(parts) if parts else np.empty((0, *self.shape), np.uint8)
         return replace(self, holdout=ray.put(images), holdout_indices=tuple(indices.tolist()))
 

@@ -21,6 +21,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
+from raydiff.cluster.tasks import results_of
 from raydiff.model.diffusion import full_fp32
 from raydiff.quality.features import DigitsFeatures, Features, metric_names
 from raydiff.quality.stats import FeatureStats, coverage, frechet_distance, kernel_distance
@@ -176,7 +177,7 @@ def parallel_stats(kind: str, payload: Any, features: Features, num: int, *, hos
     options = task_options(gpus > 0, host_memory)
     futures = [_remote.options(**options).remote(kind, payload_ref, features_ref, [all_chunks[i] for i in part],
                                                  keep_features) for part in parts]
-    return total([s for result in ray.get(futures) for s in result])
+    return total([s for result in results_of(futures) for s in result])
 
 
 def task_options(use_gpu: bool, host_memory: Literal["auto"] | bool) -> dict[str, Any]:
