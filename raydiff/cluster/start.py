@@ -24,34 +24,36 @@ from ray._common.utils import get_ray_address_file
 from ray._private import services
 from ray._private.services import canonicalize_bootstrap_address
 from ray._private.utils import detect_fate_sharing_support
+from ray._private.worker import BaseContext
 
 from raydiff.cluster import ray_temp_dir
 from raydiff.cluster.errors import RayUnreachable
 from raydiff.cluster.nodes import alive_nodes
-from raydiff.cluster.worker_output import filter_worker_output
+from raydiff.cluster.worker_output import NO_STATE_API, drop_worker_lines, filter_worker_output
 
 ANSWER_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
 GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # the GCS port of a head that Ray starts (ray._private.ray_constants)
 
 
 _joined_here = False  # whether init_ray() made this process's Ray connection (so that leave_ray() may end it)
+_dashboard_url: str | None = None  # the joined cluster's dashboard ("" where it runs none; None: not joined here)
 _watching: threading.Event | None = None  # set, it ends the watch on a local instance's temp directory
 
 
 def init_ray() -> None:
     """Join the cluster named by RAY_ADDRESS or started on this machine (`ray start`), else start a local one."""
-    global _joined_here
+    global _joined_here, _dashboard_url
     if ray.is_initialized():
         return
     existing = check_ray_address()
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
         if existing is None:
-            _start_local_instance()
+            context = _start_local_instance()
         else:
             with _quiet_address_lookup():
-                ray.init(logging_level=logging.WARNING)
-        _joined_here = True
+                context = ray.init(logging_level=logging.WARNING)
+        _joined_here, _dashboard_url = True, context.dashboard_url or ""
     except ConnectionError as exc:
         refused = "token" in f"{exc} {exc.__cause__}".lower()
         hint = ("it uses token authentication: set RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN (or "
@@ -73,7 +75,7 @@ def init_ray() -> None:
     filter_worker_output()
 
 
-def _start_local_instance() -> None:
+def _start_local_instance() -> BaseContext:
     """Start a local Ray instance whose processes name it in RAY_ADDRESS.
 
     Ray Train's placement-group cleaner (an actor of every run) asks the state API whether the run's controller is
@@ -91,14 +93,28 @@ def _start_local_instance() -> None:
     address = f"{ray.util.get_node_ip_address()}:{port}"
     with environment_variable(GCS_PORT_VARIABLE, str(port)), _quiet_token_auth_notice(), _in_sessions_of_their_own():
         try:
-            ray.init(address="local", logging_level=logging.WARNING,
-                     runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+            context = ray.init(address="local", logging_level=logging.WARNING,
+                               runtime_env={"env_vars": {"RAY_ADDRESS": address}})
         except OSError as exc:
             if "AF_UNIX path length" not in str(exc):
                 raise
             raise ray_temp_dir.too_long(temp) from None
     global _watching
     _watching = ray_temp_dir.watch(temp)
+    return context
+
+
+def warn_without_dashboard() -> None:
+    """A run on a cluster that init_ray() joined and that runs no dashboard: Ray Train's placement-group cleaner,
+    an actor of every run, asks the dashboard's state API whether the run's controller still lives, fails, and says
+    so every second or two for the whole run. Said once here, with what it costs and the fix; its lines are left
+    out. (A sweep refuses such a cluster: `raydiff.training.sweep`.)"""
+    if _dashboard_url != "":
+        return
+    print("[raydiff] warning: this Ray cluster runs no dashboard, whose state API Ray Train uses to watch the run's "
+          "controller: a driver killed outright can leave the run's CPUs/GPUs reserved until the cluster stops; "
+          "start Ray with the dashboard (the default of `ray start --head`, with 'ray[default]' installed)")
+    drop_worker_lines(NO_STATE_API)
 
 
 @contextlib.contextmanager
@@ -165,11 +181,11 @@ def _quiet_token_auth_notice() -> Iterator[None]:
 def leave_ray() -> None:
     """End the Ray connection that init_ray() made, if any (a command's last step). Ray's own exit hook would do it
     too, after half a second's wait for worker output that a command has printed by then."""
-    global _joined_here
+    global _joined_here, _dashboard_url
     if _watching is not None:
         _watching.set()
     if _joined_here:
-        _joined_here = False
+        _joined_here, _dashboard_url = False, None
         ray.shutdown()
 
 

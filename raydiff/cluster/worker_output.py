@@ -28,6 +28,10 @@ HARMLESS_WORKER_LINES = (
     re.compile(r"class name: 'PreemptionWatcher' .* has constructor arguments in the object store and "
                r"max_restarts > 0"),
 )
+# Ray Train's placement-group cleaner on a cluster without the dashboard, every second or two for a whole run:
+# said once by raydiff (`raydiff.cluster.start.warn_without_dashboard`), which then drops it.
+NO_STATE_API = re.compile(r"Failed to query Ray Train Controller actor state\. State API may be temporarily "
+                          r"unavailable\.")
 _INSTALLED_FILTERS: list[Callable[[dict[str, Any]], None]] = []  # installed once per process, not stacked
 _ROUTINE_HERE: list[re.Pattern] = []  # lines routine in this process's command only (`drop_worker_lines`)
 # Ray Train's controller logs the traceback of any error in its control loop. Two it meets are said in one line

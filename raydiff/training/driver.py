@@ -18,7 +18,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raydiff.cluster.devices import torch_threads, worker_cpus
 from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.cluster.nodes import wait_for_worker_node
-from raydiff.cluster.start import check_ray_address, init_ray
+from raydiff.cluster.start import check_ray_address, init_ray, warn_without_dashboard
 from raydiff.cluster.storage import check_shared_storage
 from raydiff.config import Config, ConfigError
 from raydiff.config.learning_rate import describe_lr
@@ -149,6 +149,7 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
             init = load_init_weights(cfg)
 
         init_ray()
+        warn_without_dashboard()
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
         stop_flag = StopFlag.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
         lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
