@@ -5,7 +5,8 @@ RAY_ADDRESS or `ray start` names, or else start a local instance, print one line
 Ray prints that a newcomer would read as a failure. A cluster that does not answer, or refuses this client (token
 authentication), is one line too: Ray itself retries for minutes and then raises a traceback. A local instance
 is its own processes' cluster, whatever other Ray instances run on the machine, and outside the command's process
-group, so that a signal to the group stops the command with a final checkpoint, not Ray under it.
+group, so that a signal to the group stops the command with a final checkpoint, not Ray under it. A run on a cluster
+without the dashboard says once what Ray Train then repeats every second or two.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from ray._common.utils import get_ray_address_file
 from ray._private import services
 from ray._private.services import canonicalize_bootstrap_address
 from ray._private.utils import detect_fate_sharing_support
-from ray._private.worker import BaseContext
 
 from raydiff.cluster import ray_temp_dir
 from raydiff.cluster.errors import RayUnreachable
@@ -49,11 +49,11 @@ def init_ray() -> None:
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
         if existing is None:
-            context = _start_local_instance()
+            dashboard_url = _start_local_instance()
         else:
             with _quiet_address_lookup():
-                context = ray.init(logging_level=logging.WARNING)
-        _joined_here, _dashboard_url = True, context.dashboard_url or ""
+                dashboard_url = ray.init(logging_level=logging.WARNING).dashboard_url
+        _joined_here, _dashboard_url = True, dashboard_url or ""
     except ConnectionError as exc:
         refused = "token" in f"{exc} {exc.__cause__}".lower()
         hint = ("it uses token authentication: set RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN (or "
@@ -75,8 +75,8 @@ def init_ray() -> None:
     filter_worker_output()
 
 
-def _start_local_instance() -> BaseContext:
-    """Start a local Ray instance whose processes name it in RAY_ADDRESS.
+def _start_local_instance() -> str | None:
+    """Start a local Ray instance whose processes name it in RAY_ADDRESS; its dashboard's address ("" or None: none).
 
     Ray Train's placement-group cleaner (an actor of every run) asks the state API whether the run's controller is
     alive, and the state API, given no address, takes whichever Ray instance it finds on the machine: with a second
@@ -101,7 +101,7 @@ def _start_local_instance() -> BaseContext:
             raise ray_temp_dir.too_long(temp) from None
     global _watching
     _watching = ray_temp_dir.watch(temp)
-    return context
+    return context.dashboard_url
 
 
 def warn_without_dashboard() -> None:

@@ -1,8 +1,8 @@
 """Streamed data through the real CLI. A dataset five times bigger than the object store (a Ray cluster of its
 own, 80 MB of store, no dashboard): auto picks stream mode, trains in the shard-aware order and spills nothing; memory
-mode there is warned about; the missing dashboard is one warning. On the digits: a run over many shuffle windows and
-an epoch boundary, resumed bit for bit in the layout it began with, and a stream preparation that stops cleanly,
-holds its key alone, and cleans up after a kill.
+mode there is warned about; the missing dashboard is one warning for a run, and a sweep's one-line refusal. On the
+digits: a run over many shuffle windows and an epoch boundary, resumed bit for bit in the layout it began with, and
+a stream preparation that stops cleanly, holds its key alone, and cleans up after a kill.
 """
 
 from __future__ import annotations
@@ -107,6 +107,22 @@ def test_auto_streams_a_dataset_bigger_than_the_object_store(small_cluster, big_
     assert stats.returncode == 0, stats.stderr
     assert "Plasma memory usage 0 MiB" in stats.stdout, stats.stdout
     assert "Spilled" not in stats.stdout and "filesystem mmap" not in stats.stdout, stats.stdout
+
+
+def test_a_sweep_on_a_cluster_without_the_dashboard_is_refused_in_one_line(small_cluster, tmp_path):
+    """ASHA's stopped trials free their resources through the state API, which the dashboard serves: without it the
+    next trial would wait for ever."""
+    sweep = subprocess.run([sys.executable, "-m", "raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3",
+                            "--batch", "16", "--samples", "2", "--budget-images", "320", "--name", "s", "--set",
+                            f"run.storage={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                           stdin=subprocess.DEVNULL, env=dict(os.environ, RAY_ADDRESS=small_cluster.address))
+    assert sweep.returncode == 2, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    assert sweep.stderr.strip().splitlines() == [
+        "raydiff: config error: this Ray cluster has no state API (started without the dashboard): sweeps need it to "
+        "free the resources of stopped trials; start Ray with the dashboard (the default of `ray start --head`, or "
+        "pip install 'ray[default]')"], sweep.stderr[-3000:]
+    assert "Traceback" not in sweep.stdout and "warning" not in sweep.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_memory_mode_that_does_not_fit_is_warned_about(small_cluster, big_data, tmp_path):
