@@ -15,7 +15,7 @@ import pytest
 from raydiff import cli
 from raydiff.config import ConfigError
 from raydiff.storage.errors import StorageFailure
-from raydiff.training.interrupts import Interrupted
+from raydiff.training.interrupts import SAME_SIGTERM_S, Interrupted, interrupt_on_signals
 
 
 def failing(exc: BaseException):
@@ -56,6 +56,40 @@ def test_sigterm_stops_any_command_in_one_line_even_where_ray_re_raises_it_as_ct
     assert capsys.readouterr().err == "raydiff: stopped by SIGTERM\n"
     assert cli.run(failing(KeyboardInterrupt()), []) == 130  # a later Ctrl-C is one again
     assert capsys.readouterr().err == "raydiff: interrupted\n"
+
+
+def test_timeouts_second_sigterm_breaks_into_no_cleanup(capsys):
+    """`timeout` sends SIGTERM to the command, then to its process group, which holds the command too: the second
+    one, arriving while the first one's cleanups run, is the same request. A SIGTERM a second or more later stops
+    the cleanups too, as a second Ctrl-C does."""
+    cleaned = []
+
+    def preparing(argv):
+        with interrupt_on_signals():
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            finally:
+                signal.raise_signal(signal.SIGTERM)  # the second, as what was half written is removed
+                cleaned.append("half-written output")
+        return 0
+
+    assert cli.run(preparing, []) == 128 + signal.SIGTERM
+    assert cleaned == ["half-written output"]
+    assert capsys.readouterr().err.endswith("raydiff: stopped by SIGTERM before training began; nothing was trained "
+                                            "(the same command starts again)\n")
+
+    def insisting(argv):
+        with interrupt_on_signals():
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            finally:
+                time.sleep(SAME_SIGTERM_S)
+                signal.raise_signal(signal.SIGTERM)
+                cleaned.append("never")
+        return 0
+
+    assert cli.run(insisting, []) == 128 + signal.SIGTERM
+    assert cleaned == ["half-written output"]
 
 
 def test_a_bug_is_not_hidden_behind_a_one_line_error():

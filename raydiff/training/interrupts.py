@@ -11,8 +11,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
+
+# `timeout` signals the command, then its process group, which holds the command too: two SIGTERMs within
+# microseconds, one request. A second SIGTERM counts as one only this long after the first.
+SAME_SIGTERM_S = 1.0
 
 
 class Interrupted(KeyboardInterrupt):
@@ -25,6 +30,7 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signal_name)
         self.signal = signal_name
         self.before_training = before_training  # False: a command that does not train (evaluate, sample, ...)
+        self.at = time.monotonic()
 
 
 _raised: list[Interrupted] = []  # the newest Interrupted a handler of this module raised, if any
@@ -36,8 +42,13 @@ def last_interrupt() -> Interrupted | None:
 
 
 def raise_interrupted(signum: int, before_training: bool) -> None:
-    """Raise `Interrupted` for signal `signum`, and keep it for `last_interrupt` (a signal handler's call)."""
-    interrupted = Interrupted(signal.Signals(signum).name, before_training)
+    """Raise `Interrupted` for signal `signum`, and keep it for `last_interrupt` (a signal handler's call). A SIGTERM
+    within SAME_SIGTERM_S of the one that raised before is the same request (`timeout` sends two) and raises
+    nothing: it would break into the cleanups that the first one set going (removing what was half written)."""
+    name, last = signal.Signals(signum).name, last_interrupt()
+    if name == "SIGTERM" and last is not None and last.signal == name and time.monotonic() - last.at < SAME_SIGTERM_S:
+        return
+    interrupted = Interrupted(name, before_training)
     _raised[:] = [interrupted]
     raise interrupted
 

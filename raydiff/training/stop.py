@@ -23,14 +23,11 @@ from typing import Any, TypeVar
 
 import ray
 
-from raydiff.training.interrupts import in_main_thread, raise_interrupted, signal_handlers
+from raydiff.training.interrupts import SAME_SIGTERM_S, in_main_thread, raise_interrupted, signal_handlers
 
 logger = logging.getLogger("raydiff")
 T = TypeVar("T")
 TUNE_INTERRUPTED = "Experiment has been interrupted"  # how Tune's warning after a Ctrl-C begins (ray.tune.tune)
-# `timeout` signals the command, then its process group, which holds the command too: two SIGTERMs within
-# microseconds, one request. A second SIGTERM counts as one only this long after the first.
-SAME_SIGTERM_S = 1.0
 
 
 @ray.remote(num_cpus=0)
