@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, own_head, wait_for
+from conftest import ROOT, own_head, run_cli, wait_for
 from test_fault_tolerance import assert_same_weights, final_state, losses, summary
 
 from raydiff.data.order import SampleOrder
@@ -112,10 +112,9 @@ def test_auto_streams_a_dataset_bigger_than_the_object_store(small_cluster, big_
 def test_a_sweep_on_a_cluster_without_the_dashboard_is_refused_in_one_line(small_cluster, tmp_path):
     """ASHA's stopped trials free their resources through the state API, which the dashboard serves: without it the
     next trial would wait for ever."""
-    sweep = subprocess.run([sys.executable, "-m", "raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3",
-                            "--batch", "16", "--samples", "2", "--budget-images", "320", "--name", "s", "--set",
-                            f"run.storage={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                           stdin=subprocess.DEVNULL, env=dict(os.environ, RAY_ADDRESS=small_cluster.address))
+    sweep = run_cli("raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3", "--batch", "16", "--samples", "2",
+                    "--budget-images", "320", "--name", "s", "--set", f"run.storage={tmp_path}",
+                    env={"RAY_ADDRESS": small_cluster.address}, timeout=300)
     assert sweep.returncode == 2, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     assert sweep.stderr.strip().splitlines() == [
         "raydiff: config error: this Ray cluster has no state API (started without the dashboard): sweeps need it to "
