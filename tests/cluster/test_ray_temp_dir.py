@@ -77,9 +77,12 @@ def test_a_ray_temp_directory_over_ray_s_capacity_threshold_is_one_warning_and_t
 def test_a_ray_temp_directory_that_fills_during_a_run_leaves_the_run_going_without_ray_s_tracebacks(tmp_path,
                                                                                                    short_path):
     """Ray's processes then cannot write their logs: Python's logging reports each failed write with a traceback,
-    Ray's C++ logger in a line of its own, and the raylet says the disk is full every ten seconds."""
+    Ray's C++ logger in a line of its own, and the raylet says the disk is full every ten seconds. The run trains
+    for at least 15 s after the disk fills (100 steps of at least 0.15 s) on any host: time, not steps, is what it
+    must outlast, and steps are what a busy host makes slow."""
     with tmpfs(short_path, "256m") as temp, contextlib.ExitStack() as filling:
-        code, output = run_cli_acting("raydiff.train", *SMOKE, "--set", "train.total_steps=300", "--set",
+        code, output = run_cli_acting("raydiff.train", *SMOKE, "--set", "train.total_steps=100", "--set",
+                                      "debug.step_delay_s=0.15", "--set",
                                       f"run.storage={tmp_path / 'runs'}", at="[raydiff] starting",
                                       act=lambda _: filling.enter_context(kept_full(temp)),
                                       env=local_instance(temp))
