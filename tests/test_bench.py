@@ -175,8 +175,10 @@ def test_a_measured_loop_counts_the_graphs_it_compiled_and_those_a_warm_start_fo
     assert (warm["graphs_compiled"], warm["graphs_cached"]) == (0, 1)
 
 
-def test_on_a_gpu_the_bench_runs_with_a_gpu_worker_s_intra_op_threads_and_on_a_cpu_with_its_own():
+def test_on_a_gpu_the_bench_runs_with_a_gpu_worker_s_intra_op_threads_and_on_a_cpu_with_its_own(monkeypatch):
     import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS")  # the suite's cap (conftest.py), which a GPU worker's environment lacks
 
     from raydiff.bench import load_model_config
     from raydiff.bench.step import take_gpu_worker_threads

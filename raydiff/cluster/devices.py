@@ -5,6 +5,8 @@ torch's threads from them, is `worker_cpus` and `torch_threads`.)"""
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 
 import torch
 
@@ -21,9 +23,14 @@ def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float) -> float
     return max(cpus // scaling.max_workers, min(1.0, cpus / scaling.max_workers))
 
 
-def torch_threads(cpus_per_worker: float) -> int:
-    """torch's intra-op threads in a worker with `cpus_per_worker` CPUs: their whole number, at least one."""
-    return max(1, math.floor(cpus_per_worker))
+def torch_threads(cpus_per_worker: float, environ: Mapping[str, str] = os.environ) -> int:
+    """torch's intra-op threads in a worker with `cpus_per_worker` CPUs: their whole number, at least one, and at
+    most the environment's OMP_NUM_THREADS. Ray sets that in a worker to the same whole number unless the worker's
+    environment (the cluster's, the job's runtime env) sets it already: Ray's way to ask for fewer threads, where
+    a node's cores are shared with other work. Oversubscribed threads wait for each other at every operation."""
+    threads = max(1, math.floor(cpus_per_worker))
+    cap = environ.get("OMP_NUM_THREADS", "").strip()
+    return min(threads, int(cap)) if cap.isdigit() and int(cap) > 0 else threads
 
 
 def resolve_device(name: str) -> torch.device:

@@ -15,7 +15,7 @@ import ray.train
 import yaml
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raydiff.cluster.devices import torch_threads, worker_cpus
+from raydiff.cluster.devices import worker_cpus
 from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.cluster.nodes import wait_for_worker_node
 from raydiff.cluster.start import check_ray_address, init_ray, warn_without_dashboard
@@ -73,8 +73,8 @@ def check_room(cfg: Config, run_dir: RunDir) -> None:
                           f"two ({megabytes(2 * needed)}); free space there or set another run.storage")
 
 
-def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, int]:
-    """Workers, devices and CPUs per worker; returns Ray's ScalingConfig and torch threads per worker.
+def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, float]:
+    """Workers, devices and CPUs per worker; returns Ray's ScalingConfig and the CPUs of each worker.
 
     Ray Data decodes (or, for streamed data, prepares) the dataset before training starts (see
     `raydiff.data.image_store`), and streamed shards are read by zero-CPU actors, so training may use every CPU
@@ -94,7 +94,7 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
                                "resources_per_worker": {"CPU": cpus_per_worker},
                                "elastic_resize_monitor_interval_s": s.resize_check_s}
     scaling = ray.train.ScalingConfig(**options)
-    return scaling, torch_threads(cpus_per_worker)
+    return scaling, cpus_per_worker
 
 
 def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | None = None,
@@ -195,7 +195,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
                                     init_weights=None if init is None else init.weights)
     unusable = images.bad_report()["count"]
     skipped = f", {unusable} skipped as unusable (see summary.json)" if unusable else ""
-    scaling, torch_threads = plan_scaling(resolved, cpus)
+    scaling, cpus_per_worker = plan_scaling(resolved, cpus)
     s = resolved.scaling
     elastic_range = s.num_workers if isinstance(s.num_workers, tuple) and not requested.scaling.auto else None
     workers = "-".join(map(str, elastic_range)) if elastic_range else s.max_workers
@@ -212,7 +212,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
 
     quality = _prepare_quality(requested, images, classes)
 
-    args = WorkerArgs(config=resolved, images=images, run_dir=run_dir, torch_threads=torch_threads,
+    args = WorkerArgs(config=resolved, images=images, run_dir=run_dir, cpus_per_worker=cpus_per_worker,
                       invocation=invocation, stop_flag=stop_flag, init_weights=init_ref, quality=quality,
                       classes=classes)
     dropped = drop_unusable_ray_checkpoint_list(run_dir)  # once nothing can refuse the run any more

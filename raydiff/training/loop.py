@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from raydiff.cluster.devices import torch_threads
 from raydiff.config.learning_rate import lr_at
 from raydiff.model.weight_averages import ema_decay_at
 from raydiff.runs.errors import Unresumable
@@ -27,7 +28,7 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
     args: WorkerArgs = loop_config["args"]
     cfg = args.config
     t = cfg.train
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(torch_threads(args.cpus_per_worker))  # read here: the worker's environment may cap it
     quiet_ray_train_logs()
     quiet_tracebacks_said_in_a_line()  # a lost worker, or storage beyond its retries, is said by the controller
 

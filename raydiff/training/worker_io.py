@@ -26,7 +26,7 @@ class WorkerArgs:
     config: Config  # the resolved config (`raydiff.training.resolve`)
     images: RunImages  # decoded once by the driver; the workers read it from the object store
     run_dir: RunDir
-    torch_threads: int  # intra-op threads of each worker: its share of the node's CPUs
+    cpus_per_worker: float  # what Ray reserves for each worker; its torch threads follow on the worker
     invocation: str  # one id per driver invocation: the events log tells restarts within it from later re-runs
     stop_flag: ray.actor.ActorHandle | None = None  # the driver's `StopFlag`: SIGTERM / Ctrl-C / a lost lease
     init_weights: ray.ObjectRef | None = None  # model.init_from's state dict, for a new run only

@@ -36,7 +36,7 @@ def test_a_cuda_device_this_machine_lacks_is_refused_in_one_line():
         resolve_device(f"cuda:{count}")
 
 
-def test_a_worker_gets_its_set_cpus_else_one_beside_a_gpu_else_an_even_share_and_whole_threads():
+def test_a_worker_gets_its_set_cpus_else_one_beside_a_gpu_else_an_even_share_and_whole_threads_up_to_omp_s():
     def scaling(*overrides: str):
         return load_config("smoke", list(overrides), check_source=False).scaling
 
@@ -44,4 +44,6 @@ def test_a_worker_gets_its_set_cpus_else_one_beside_a_gpu_else_an_even_share_and
     assert worker_cpus(scaling(), use_gpu=True, cpus=16) == 1.0
     assert worker_cpus(scaling("scaling.num_workers=[1,4]"), use_gpu=False, cpus=16) == 4  # over the most workers
     assert worker_cpus(scaling("scaling.num_workers=4"), use_gpu=False, cpus=2) == 0.5  # several to a CPU
-    assert [torch_threads(c) for c in (0.5, 1.0, 2.5, 4)] == [1, 1, 2, 4]
+    assert [torch_threads(c, {}) for c in (0.5, 1.0, 2.5, 4)] == [1, 1, 2, 4]
+    # OMP_NUM_THREADS caps them (Ray sets it to the worker's whole CPUs where the environment does not)
+    assert [torch_threads(4, {"OMP_NUM_THREADS": n}) for n in ("1", "3", "8", "0", "", "x")] == [1, 3, 4, 4, 4, 4]

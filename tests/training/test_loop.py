@@ -29,7 +29,7 @@ def run_local(ray_session, storage, name, *overrides):
     result = TorchTrainer(
         train_worker,
         train_loop_config={"args": WorkerArgs(config=cfg, images=store, run_dir=RunDir(storage / name),
-                                              torch_threads=1, invocation="test")},
+                                              cpus_per_worker=1, invocation="test")},
         scaling_config=ray.train.ScalingConfig(num_workers=0),
         run_config=ray.train.RunConfig(name=name, storage_path=str(storage)),
     ).fit()
