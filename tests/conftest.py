@@ -35,6 +35,12 @@ for _name, _value in TEST_ONLY_RAY_SETTINGS.items():
 # disk just over 95%): here a disk is full at 99%. The tests of Ray's temp directory itself give their runs Ray's
 # default, on a small disk of their own (tests/cluster/test_ray_temp_dir.py).
 os.environ.setdefault("RAY_local_fs_capacity_threshold", "0.99")
+# Every process of the tests computes on one torch thread: this pytest process, the commands it runs, and the Ray
+# clusters' workers, which take OMP_NUM_THREADS as their cap (raydiff.cluster.devices.torch_threads). The tests'
+# models are small, and the suite runs two pytest workers with a Ray cluster of 2 CPUs each on a 2-core machine,
+# where an operation on two threads waits for a descheduled one (docs/benchmarks.md#the-test-suite). One thread
+# everywhere also makes every bit-exact comparison compare like with like.
+os.environ["OMP_NUM_THREADS"] = "1"
 # S3 tests talk to a moto server on loopback. Ray processes the tests start inherit these dummy credentials
 # (the standard way to pass them); real credentials and the EC2 metadata service are never consulted.
 os.environ["AWS_ACCESS_KEY_ID"] = "raydiff-tests"
@@ -82,27 +88,6 @@ def pytest_collection_modifyitems(config, items):
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Built-in datasets go to a per-session cache, never the user's ~/.cache."""
     monkeypatch.setenv("RAYDIFF_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-
-
-@pytest.fixture(autouse=True)
-def _one_core_beside_the_ray_tests(request, monkeypatch):
-    """Under pytest-xdist, a test that starts no Ray computes on one thread (its subprocesses too), leaving the
-    other core to the tests that start Ray, which set the suite's pace."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and not request.node.get_closest_marker("ray"):
-        request.getfixturevalue("one_torch_thread")
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture
-def one_torch_thread():
-    """One intra-op thread, for tests of small models: on a busy shared machine two threads wait on each other at
-    every op (a 1 s sampling loop then takes a minute)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def free_port() -> int:

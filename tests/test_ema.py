@@ -15,7 +15,6 @@ from raydiff.runs.checkpoint import read_state
 from raydiff.runs.ema_snapshots import list_snapshots
 from raydiff.storage.rundir import RunDir
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 STEPS = 60  # write_posthoc_run: a snapshot every 10 steps
 
 

@@ -184,11 +184,11 @@ def conditional_checkpoint(tmp_path_factory):
                             classes={"names": [str(d) for d in range(10)], "counts": DIGIT_COUNTS})
 
 
-def test_conditional_one_result_per_guidance_with_the_class_match(conditional_checkpoint, ray_session, capsys,
-                                                                  one_torch_thread):
+def test_conditional_one_result_per_guidance_with_the_class_match(conditional_checkpoint, ray_session, capsys):
     """--guidance 0,2: one line and one eval.jsonl row per W, one file with both; digits_class_match is the share
     of images (asked for classes in the data's frequencies) that the digits classifier reads as their class. One
-    torch thread here, as in evaluate's Ray tasks: the in-run numbers recomputed below then sum in the same order."""
+    torch thread here (the suite's: conftest.py), as in evaluate's Ray tasks: the in-run numbers recomputed below
+    then sum in the same order."""
     import torch
 
     from raydiff.model.diffusion import build_diffusion

@@ -26,12 +26,8 @@ from raydiff.runs.images import image_labels
 from raydiff.seeds import GRID_NOISE, image_generators
 
 T = 50  # a short chain, so that sampling every step stays fast
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # small models: see one_torch_thread in conftest.py
 CLASSES = {"names": ["zero", "one", "two"], "counts": [30, 31, 32]}
 CONDITIONAL = [f"diffusion.timesteps={T}", "data.labels=auto", f"model.num_classes={len(CLASSES['names'])}"]
-
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +103,7 @@ def test_the_model_cards_fast_sampler_is_raydiffs_dpmpp_2m_sde(exported):
 def test_sample_cli_on_the_exported_folder_matches_diffusers_ddim(exported, tmp_path):
     _, folder = exported
     proc = run_cli("raydiff.sample", "--checkpoint", str(folder), "--sampler", "ddim", "--steps", str(T),
-                   "--num", "4", "--seed", "3", "--out", str(tmp_path / "samples"), env=ONE_THREAD)
+                   "--num", "4", "--seed", "3", "--out", str(tmp_path / "samples"))
     assert proc.returncode == 0, proc.stderr
     assert "step 20, EMA weights" in proc.stdout
 
@@ -133,7 +129,7 @@ def test_sample_cli_samples_with_the_fast_samplers(exported, tmp_path, sampler, 
 
     checkpoint, _ = exported
     proc = run_cli("raydiff.sample", "--checkpoint", str(checkpoint), "--sampler", sampler, "--steps", str(steps),
-                   "--num", "3", "--seed", "5", "--out", str(tmp_path / "samples"), env=ONE_THREAD)
+                   "--num", "3", "--seed", "5", "--out", str(tmp_path / "samples"))
     assert proc.returncode == 0, proc.stderr
     assert f"with {sampler}, {steps} steps" in proc.stdout
     state = read_state(checkpoint)
@@ -162,8 +158,7 @@ def test_sample_cli_autoguides_with_a_weaker_model(exported, tmp_path):
     guide = write_checkpoint(tmp_path / "guide-run", cfg, step=10, seed=1)
     out = tmp_path / "guided"
     proc = run_cli("raydiff.sample", "--checkpoint", str(checkpoint), "--guide", str(tmp_path / "guide-run"),
-                   "--guidance", "2.5", "--sampler", "ddim", "--steps", "5", "--num", "3", "--out", str(out),
-                   env=ONE_THREAD)
+                   "--guidance", "2.5", "--sampler", "ddim", "--steps", "5", "--num", "3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert f"autoguidance 2.5 by {guide} (step 10)" in proc.stdout
 

@@ -31,8 +31,7 @@ def run_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("out", ["grid.png", "folder"])
-def test_sample_on_a_full_disk_writes_nothing_then_all_once_there_is_room(run_dir, tmp_path, capsys, out,
-                                                                          one_torch_thread):
+def test_sample_on_a_full_disk_writes_nothing_then_all_once_there_is_room(run_dir, tmp_path, capsys, out):
     with full_disk(tmp_path / "disk") as disk:
         args = ["--checkpoint", str(run_dir), "--num", "16", "--sampler", "ddim", "--steps", "2",
                 "--out", str(disk / out)]

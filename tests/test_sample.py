@@ -10,8 +10,6 @@ from raydiff import cli, sample
 from raydiff.config import load_config
 from raydiff.runs.images import grid_row, image_labels
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

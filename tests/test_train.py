@@ -268,7 +268,8 @@ def test_sample_cli_bad_input(args, fragment, capsys):
 @pytest.mark.ray
 def test_a_256_preset_trains_with_activation_checkpointing_and_samples_in_chunks(tmp_path):
     """The celebahq256 preset end to end at 256x256 on JPEGs larger than that, with a narrow model to stay fast:
-    activation checkpointing on, the sample grid generated two images at a time."""
+    activation checkpointing on, the sample grid generated two images at a time. Its one worker has the cluster's
+    2 CPUs, and computes on the one torch thread that the suite's OMP_NUM_THREADS allows (conftest.py)."""
     from raydiff.data.builtin import write_synthetic
 
     write_synthetic(tmp_path / "faces", num=8, resolution=300, fmt="jpg", seed=0)
@@ -282,6 +283,9 @@ def test_a_256_preset_trains_with_activation_checkpointing_and_samples_in_chunks
     output = proc.stdout + proc.stderr
     assert "8 images" in output and "at 256px" in output
     assert "micro-batches of up to 2" in output and "activation checkpointing on" in output
+    assert "device cpu, 1 torch thread;" in output
+    events = [json.loads(line) for line in (tmp_path / "hq" / "events.jsonl").read_text().splitlines()]
+    assert [e["torch_threads"] for e in events if e["event"] == "start"] == [1]
     rows = [json.loads(line) for line in (tmp_path / "hq" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
     grid = Image.open(tmp_path / "hq" / "samples" / "step_00000002.png")

@@ -31,9 +31,6 @@ GOOGLE_DDPM_256 = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
 def randomised(cfg, seed: int = 0) -> UNet:
     """The config's UNet with every weight random and non-zero: the layers initialised at ~0 (each residual
     branch's last layer, conv_out) get a real scale (0.1 for the branches, as in a trained model's small residual

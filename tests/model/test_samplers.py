@@ -39,7 +39,7 @@ def _diffusers_loop(scheduler, model, x: torch.Tensor, generator: torch.Generato
 
 @pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
 @pytest.mark.parametrize("steps", [5, 20])
-def test_dpm_solver_pp_2m_is_diffusers_multistep_dpm_solver(prediction, steps, one_torch_thread):
+def test_dpm_solver_pp_2m_is_diffusers_multistep_dpm_solver(prediction, steps):
     from diffusers import DPMSolverMultistepScheduler
 
     model, diffusion, cfg = _model(prediction)
@@ -56,7 +56,7 @@ def test_dpm_solver_pp_2m_is_diffusers_multistep_dpm_solver(prediction, steps, o
 
 @pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
 @pytest.mark.parametrize("steps", [5, 20])
-def test_dpm_solver_pp_2m_sde_is_diffusers_sde_dpm_solver_with_the_same_noise(prediction, steps, one_torch_thread):
+def test_dpm_solver_pp_2m_sde_is_diffusers_sde_dpm_solver_with_the_same_noise(prediction, steps):
     """Fresh noise at every step but the last, drawn in order from the image's generator after its initial noise
     (diffusers draws one more at the last step and multiplies it by zero)."""
     from diffusers import DPMSolverMultistepScheduler
@@ -78,7 +78,7 @@ def test_dpm_solver_pp_2m_sde_is_diffusers_sde_dpm_solver_with_the_same_noise(pr
 
 
 @pytest.mark.parametrize("prediction", ["eps", "v", "x0"])
-def test_heun_is_diffusers_heun_discrete(prediction, one_torch_thread):
+def test_heun_is_diffusers_heun_discrete(prediction):
     from diffusers import HeunDiscreteScheduler
 
     model, diffusion, cfg = _model(prediction)
@@ -93,7 +93,7 @@ def test_heun_is_diffusers_heun_discrete(prediction, one_torch_thread):
 
 
 @pytest.mark.parametrize("sampler", ["dpmpp_2m", "dpmpp_2m_sde", "heun"])
-def test_fast_samplers_draw_each_image_from_its_own_generator_and_guide(sampler, one_torch_thread):
+def test_fast_samplers_draw_each_image_from_its_own_generator_and_guide(sampler):
     """Image i is the same in a batch of 3 and alone; a class-conditional model samples guided (both branches in
     one pass) and its guidance moves the images."""
     model, diffusion, _ = _model("eps", "data.labels=auto", "model.num_classes=10")
@@ -112,7 +112,7 @@ def test_fast_samplers_draw_each_image_from_its_own_generator_and_guide(sampler,
 
 
 @pytest.mark.parametrize("sampler", ["dpmpp_2m", "dpmpp_2m_sde", "ddim"])
-def test_more_steps_than_the_schedule_has_are_capped_not_a_step_of_zero_length(sampler, one_torch_thread):
+def test_more_steps_than_the_schedule_has_are_capped_not_a_step_of_zero_length(sampler):
     # T = 30: DPM-Solver++ takes at most T - 1 steps (T would repeat a timestep, and its images were NaN); DDIM T.
     model, diffusion, _ = _model("eps", "diffusion.timesteps=30")
     most = 29 if sampler.startswith("dpmpp") else 30

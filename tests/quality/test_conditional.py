@@ -70,7 +70,7 @@ def test_class_targets_only_where_the_classifier_reads_the_classes():
     assert class_targets(other, DIGITS) is None
 
 
-def test_a_conditional_job_asks_each_image_for_its_class(one_torch_thread):
+def test_a_conditional_job_asks_each_image_for_its_class():
     cfg = load_config("smoke", ["data.labels=auto", "model.num_classes=3"], check_source=False)
     torch.manual_seed(0)
     model = build_model(cfg).eval()

@@ -22,7 +22,7 @@ DIGITS_KEY = "digits-classifier-v2-47347c7366896c46"
 DIGITS_HALVES_FD = 91.56574170996737  # the first 900 digits against the other 897
 
 
-def test_the_digits_classifier_ships_with_raydiff_and_measures_the_same_everywhere(one_torch_thread):
+def test_the_digits_classifier_ships_with_raydiff_and_measures_the_same_everywhere():
     from raydiff.quality.stats import FeatureStats, frechet_distance
 
     net, accuracy = shipped_classifier()

@@ -55,7 +55,7 @@ def test_measuring_tasks_on_cpus_start_with_their_freed_host_memory_kept(ray_ses
     assert "runtime_env" not in task_options(True, "auto")  # on a GPU, the activations are not in host memory
 
 
-def test_image_i_depends_on_seed_and_i_only(one_torch_thread):
+def test_image_i_depends_on_seed_and_i_only():
     cfg = Config.from_dict({"data": {"resolution": 8}, "model": {"base_channels": 16, "channel_mult": [1, 2],
                                                                  "attention_resolutions": [4], "norm_groups": 8}})
     torch.manual_seed(0)
