@@ -37,9 +37,9 @@ for _name, _value in TEST_ONLY_RAY_SETTINGS.items():
 os.environ.setdefault("RAY_local_fs_capacity_threshold", "0.99")
 # Every process of the tests computes on one torch thread: this pytest process, the commands it runs, and the Ray
 # clusters' workers, which take OMP_NUM_THREADS as their cap (raydiff.cluster.devices.torch_threads). The tests'
-# models are small, and the suite runs two pytest workers with a Ray cluster of 2 CPUs each on a 2-core machine,
-# where an operation on two threads waits for a descheduled one (docs/benchmarks.md#the-test-suite). One thread
-# everywhere also makes every bit-exact comparison compare like with like.
+# models are small, and every bit-exact comparison then compares runs on the same number of threads, whatever
+# their workers' CPUs. (Measured against two threads: the one-worker runs end sooner beside the other group's,
+# and the suite takes as long, docs/benchmarks.md#the-test-suite.)
 os.environ["OMP_NUM_THREADS"] = "1"
 # S3 tests talk to a moto server on loopback. Ray processes the tests start inherit these dummy credentials
 # (the standard way to pass them); real credentials and the EC2 metadata service are never consulted.
