@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from raydiff.model.flat import views_of
+
 
 def ema_decay_at(step: int, decay: float, warmup_steps: int) -> float:
     """Decay for the update after `step` optimizer steps.
@@ -47,30 +49,66 @@ def make_ema(model: nn.Module) -> nn.Module:
 class EmaUpdater:
     """Updates `ema` towards `model` once per optimizer step. The parameter lists are built once (they are views
     of the live tensors, so restores and DDP wrapping keep them valid), and a step's weight can be a device
-    tensor: an update weighted by `finite` (0 or 1) is skipped on the device, without a host sync."""
+    tensor: an update weighted by `finite` (0 or 1) is skipped on the device, without a host sync.
 
-    def __init__(self, ema: nn.Module, model: nn.Module) -> None:
+    On a CPU, where an operation's launch is cheap, a model of the EMA's dtype is averaged one lerp per tensor,
+    which reads and writes the averages once. Anywhere else the EMA's parameters become views of one buffer, and
+    each step copies the model's weights into a second buffer of the same layout (one multi-tensor copy, which
+    also converts another dtype; updaters of one model can share it, `staged_by`) and lerps the first towards it
+    (one kernel): nothing is allocated per step, and the host launches two operations where one per tensor, or
+    three multi-tensor ones with a temporary per tensor, would cost it more (`bench step`'s `ema` row)."""
+
+    def __init__(self, ema: nn.Module, model: nn.Module, *, staged_by: EmaUpdater | None = None) -> None:
         self._ema: list[torch.Tensor] = list(ema.parameters())
         self._model = [p.detach() for p in model.parameters()]
         self._ema_buffers, self._model_buffers = list(ema.buffers()), list(model.buffers())
-        # On a CPU, where an operation's launch is cheap, one lerp per tensor reads and writes the averages once;
-        # on an accelerator three multi-tensor operations launch fewer kernels (lerp's multi-tensor form takes a
-        # tensor weight only of each tensor's shape), and they also average a model of another dtype.
         self._lerp_each = all(e.device.type == "cpu" and e.dtype == m.dtype and e.device == m.device
                               for e, m in zip(self._ema, self._model, strict=True))
+        self._flat = self._staged = self._weight = torch.empty(0)
+        self._staged_views: list[torch.Tensor] = []
+        self._stages = True  # copies the model into `_staged` itself (else `staged_by`, called before it, does)
+        self._staged_by = staged_by
+        if not self._lerp_each:
+            self._flatten(staged_by)
+
+    def _flatten(self, staged_by: EmaUpdater | None = None) -> None:
+        """Move the EMA's parameters into one buffer (their values and layouts unchanged), and make the staging
+        buffer (or take `staged_by`'s, an updater of the same model whose averages have this layout) and the
+        weight's tensor beside it."""
+        first = self._ema[0]
+        self._flat = torch.empty(sum(e.numel() for e in self._ema), dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for e, view in zip(self._ema, views_of(self._flat, self._ema), strict=True):
+                view.copy_(e)
+                e.data = view
+        self._weight = torch.zeros((), dtype=first.dtype, device=first.device)
+        if staged_by is not None and staged_by._staged_views and all(
+                v.dtype == e.dtype and v.device == e.device and v.stride() == e.stride() and v.shape == e.shape
+                for v, e in zip(staged_by._staged_views, self._ema, strict=True)):
+            self._staged, self._staged_views, self._stages = staged_by._staged, staged_by._staged_views, False
+        else:
+            self._staged = torch.empty_like(self._flat)
+            self._staged_views, self._stages = views_of(self._staged, self._ema), True
 
     @torch.no_grad()
     def __call__(self, decay: float, finite: torch.Tensor | None = None) -> None:
         # ema += weight * (model - ema), with `finite` a tensor on the model's device (a number made of it would be
         # read back to the host: a sync every step). A weight of 0 leaves the EMA exactly as it was.
-        weight = 1.0 - decay if finite is None else finite.to(self._ema[0].dtype) * (1.0 - decay)
         if self._lerp_each:
+            weight = 1.0 - decay if finite is None else finite.to(self._ema[0].dtype) * (1.0 - decay)
             for e, m in zip(self._ema, self._model, strict=True):
                 e.lerp_(m, weight)
         else:
-            increments = torch._foreach_sub(self._model, self._ema)
-            torch._foreach_mul_(increments, weight)
-            torch._foreach_add_(self._ema, increments)
+            if self._ema[0].data_ptr() != self._flat.data_ptr() or (  # something gave the EMA new tensors (`.to()`)
+                    not self._stages and self._staged_by is not None and self._staged_by._staged is not self._staged):
+                self._flatten()
+            if self._stages:
+                torch._foreach_copy_(self._staged_views, self._model)
+            if finite is None:
+                self._flat.lerp_(self._staged, 1.0 - decay)
+            else:
+                self._weight.fill_(1.0 - decay).mul_(finite)
+                self._flat.lerp_(self._staged, self._weight)
         for e, b in zip(self._ema_buffers, self._model_buffers, strict=True):
             e.copy_(b)
 
@@ -125,7 +163,9 @@ class PowerEma:
         self.sigma_rels = tuple(float(s) for s in sigma_rels)
         self.exponents = tuple(exponent_of(s) for s in self.sigma_rels)
         self.profiles = [make_ema(model) for _ in self.sigma_rels]
-        self._updates = [EmaUpdater(profile, model) for profile in self.profiles]
+        # One copy of the model's weights per step serves every average (the first update makes it).
+        first = EmaUpdater(self.profiles[0], model)
+        self._updates = [first] + [EmaUpdater(profile, model, staged_by=first) for profile in self.profiles[1:]]
 
     def __call__(self, step: int, finite: torch.Tensor | None = None) -> None:
         """The update of optimizer step `step` (counted from 1)."""

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raydiff.model.flat import views_of
+
 
 class FlatGradients:
     """The `.grad` of every parameter as a view of one buffer, laid out like the parameter (NCHW or NHWC), so
@@ -30,10 +32,7 @@ class FlatGradients:
     def __init__(self, params: list[nn.Parameter], *, world_size: int, compression: str) -> None:
         self.params, self.world_size, self.compression = params, world_size, compression
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.views, offset = [], 0
-        for p in params:  # a parameter is dense (NCHW or NHWC): its strides span exactly numel elements
-            self.views.append(self.buffer.as_strided(p.shape, p.stride(), offset))
-            offset += p.numel()
+        self.views = views_of(self.buffer, params)
 
     def broadcast_weights(self) -> None:
         """Every worker takes rank 0's weights, as DDP makes sure when it wraps a module (they agree already: the

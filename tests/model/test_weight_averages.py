@@ -66,6 +66,42 @@ def test_the_ema_is_the_same_average_for_a_model_of_its_own_dtype_and_of_another
     assert not torch.equal(averages[0], ema.w.new_zeros(6))
 
 
+def test_the_multi_tensor_ema_keeps_its_weights_in_one_buffer_and_allocates_nothing_per_step(monkeypatch):
+    """Off the CPU's one-lerp-per-tensor path (on an accelerator; here a model of another dtype) the EMA's
+    parameters become views of one buffer, with their values and layouts (NHWC too), and an update allocates
+    nothing of the weights' size: they are copied into a buffer kept for it, and the average is one lerp."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "5")  # no "gpuGetDeviceCount failed" from the profiler on a CPU
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.Linear(4, 4)).double()
+    model[0].to(memory_format=torch.channels_last)
+    ema = make_ema(model)
+    before = {name: t.clone() for name, t in ema.state_dict().items()}
+    update = EmaUpdater(ema, model)
+    weights = list(ema.parameters())
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
+    assert weights[0].is_contiguous(memory_format=torch.channels_last) and weights[0].dim() == 4
+    for name, t in ema.state_dict().items():
+        assert torch.equal(t, before[name])
+
+    finite = torch.tensor(True)
+    update(0.9, finite)  # anything made once is made by now
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        for _ in range(3):
+            update(0.9, finite)
+            update(0.9)
+    allocated = [e.self_cpu_memory_usage for e in profiled.events() if e.self_cpu_memory_usage > 0]
+    assert max(allocated, default=0) <= 8  # at most a number: a CPU's cast of the step's 0-dim weight
+
+    expected = {name: t.double() for name, t in before.items()}
+    for weight in [0.1] * 7:  # the seven updates above, in float64 one tensor at a time
+        for name, p in model.state_dict().items():
+            expected[name] += weight * (p - expected[name])
+    for name, t in ema.state_dict().items():
+        torch.testing.assert_close(t.double(), expected[name], rtol=1e-6, atol=1e-6)
+
+
 # Post-hoc EMA.
 def test_the_papers_widths_have_the_papers_exponents():
     # EDM2, section 3.1: sigma_rel 0.05 and 0.10 are gamma = 16.97 and 6.94.
@@ -127,6 +163,28 @@ def test_the_first_update_copies_the_weights_and_a_skipped_step_changes_nothing(
         model.w.fill_(9.0)
     tracker(2, finite=torch.tensor(False))
     assert torch.equal(tracker.profiles[0].w, torch.full((6,), 2.0, dtype=torch.float32))
+
+
+def test_the_tracked_averages_share_one_copy_of_the_weights_per_step(monkeypatch):
+    """Off the CPU's one-lerp-per-tensor path the post-hoc averages' updates copy the model's weights once per step
+    for all of them, and each is the average it would be on its own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "5")
+    walk = trajectory(20, seed=5)
+    model, alone = Weights(), Weights().float()  # float64: the multi-tensor path; float32: one lerp per tensor
+    tracker, references = PowerEma(model, [0.05, 0.10]), [PowerEma(alone, [s]) for s in (0.05, 0.10)]
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        for step in range(1, len(walk) + 1):
+            with torch.no_grad():
+                model.w.copy_(walk[step - 1])
+                alone.w.copy_(walk[step - 1])
+            tracker(step, finite=torch.tensor(step != 9))
+            for reference in references:
+                reference(step, finite=torch.tensor(step != 9))
+    assert sum(e.name == "aten::_foreach_copy_" for e in profiled.events()) == len(walk)
+    for profile_, reference in zip(tracker.profiles, references, strict=True):
+        torch.testing.assert_close(profile_.w, reference.profiles[0].w, rtol=1e-6, atol=1e-6)
 
 
 def test_rebuilding_a_tracked_width_gives_back_its_weights():

@@ -209,6 +209,34 @@ def test_micro_batch_auto_measures_what_fits():
     assert chosen == 64  # the smoke model at 8x8 fits whole shares on any GPU
 
 
+def test_the_ema_update_on_the_gpu_allocates_nothing_and_averages_as_on_a_cpu():
+    """On a GPU the EMA is one buffer, lerped towards a copy of the weights kept for it: no allocation per update,
+    and the average a CPU's one lerp per tensor gives."""
+    inputs, ema, ema_update, _ = _setup("bf16", channels_last=True)
+    model = unwrap(inputs.loss).model
+    with torch.no_grad():
+        for e in ema.parameters():  # an average that lags the weights
+            e.mul_(0.5)
+    cpu_model = [p.detach().cpu() for p in model.parameters()]
+    cpu_ema = [e.detach().cpu() for e in ema.parameters()]
+    finite = torch.tensor(True, device="cuda")
+    skipped = ~finite
+    ema_update(0.9, finite)
+    for e, m in zip(cpu_ema, cpu_model, strict=True):
+        e.lerp_(m, 0.1)
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(5):
+        ema_update(0.9, finite)
+        ema_update(0.9, skipped)  # unchanged
+        for e, m in zip(cpu_ema, cpu_model, strict=True):
+            e.lerp_(m, 0.1)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+    for e, expected in zip(ema.parameters(), cpu_ema, strict=True):
+        torch.testing.assert_close(e.cpu(), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_loader_buffers_are_pinned_for_asynchronous_copies():
     _, _, _, cfg = _setup()
     stream = _stream(cfg)
