@@ -1,12 +1,13 @@
 """`python -m raydiff.bench memory`: the memory one training step needs at a micro-batch, with and without
 activation checkpointing, so that a run's micro-batch and GPU can be planned before it starts.
 
-A step holds the weights, their gradients, AdamW's two moment buffers, the EMA copy and the activations the
-backward pass needs. On CUDA the figure is torch's peak allocated memory over a training step (forward, backward,
-AdamW, EMA) under the preset's precision, measured after a first step has allocated the optimizer state. On a CPU,
-which has no allocator statistics, the same parts are counted: the tensors' bytes for the weights, gradients,
-optimizer state and EMA, and for the activations the bytes the autograd graph keeps for the backward pass (seen
-through `torch.autograd.graph.saved_tensors_hooks`, each storage once). With checkpointing the graph keeps each
+A step holds the weights, their gradients, AdamW's two moment buffers, the EMA copy (on a GPU with the copy of
+the weights its update keeps, `EmaUpdater`) and the activations the backward pass needs. On CUDA the figure is
+torch's peak allocated memory over a training step (forward, backward, AdamW, EMA) under the preset's precision,
+measured after a first step has allocated the optimizer state. On a CPU, which has no allocator statistics, the
+same parts are counted: the tensors' bytes for the weights, gradients, optimizer state and EMA, and for the
+activations the bytes the autograd graph keeps for the backward pass (seen through
+`torch.autograd.graph.saved_tensors_hooks`, each storage once). With checkpointing the graph keeps each
 block's input only, and the backward pass recomputes one block at a time, so the largest block's own activations
 are added to it. The CPU figure is the sum of the parts, an upper bound of the peak (gradients grow as
 activations are freed).
@@ -85,11 +86,12 @@ def _step(model: UNet, ema_update: EmaUpdater, optimizer: torch.optim.Optimizer,
     ema_update(0.999)
 
 
-def _fixed_parts(model: nn.Module, ema: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def _fixed_parts(model: nn.Module, ema: nn.Module, ema_update: EmaUpdater,
+                 optimizer: torch.optim.Optimizer) -> dict[str, int]:
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {"weights": _bytes(iter(params)), "gradients": _bytes(iter(params)), "optimizer": _bytes(iter(state)),
-            "ema": _bytes(ema.parameters())}
+            "ema": _bytes(ema.parameters()) + ema_update.staging_bytes}  # on a GPU, the copy its update lerps to
 
 
 def measure_step_memory(cfg: Config, micro_batch: int, device: torch.device) -> dict[str, Any]:
@@ -103,7 +105,7 @@ def measure_step_memory(cfg: Config, micro_batch: int, device: torch.device) -> 
     shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
     ema_update = EmaUpdater(ema, model)
     _step(model, ema_update, optimizer, diffusion, 1, shape, device, autocast_dtype)  # allocates AdamW's state
-    fixed = _fixed_parts(model, ema, optimizer)
+    fixed = _fixed_parts(model, ema, ema_update, optimizer)
 
     result: dict[str, Any] = {"micro_batch": micro_batch, "device": str(device),
                               "parameters": count_parameters(model), "resolution": cfg.data.resolution,

@@ -90,6 +90,12 @@ class EmaUpdater:
             self._staged = torch.empty_like(self._flat)
             self._staged_views, self._stages = views_of(self._staged, self._ema), True
 
+    @property
+    def staging_bytes(self) -> int:
+        """The bytes of the copy of the weights this updater keeps (0 on a CPU's one lerp per tensor, or where
+        it shares another updater's)."""
+        return self._staged.numel() * self._staged.element_size() if self._stages else 0
+
     @torch.no_grad()
     def __call__(self, decay: float, finite: torch.Tensor | None = None) -> None:
         # ema += weight * (model - ema), with `finite` a tensor on the model's device (a number made of it would be

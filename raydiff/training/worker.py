@@ -146,6 +146,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     if speed.channels_last:  # before the EMA and the optimizer's moments copy its layout
         model = model.to(memory_format=torch.channels_last)
     ema = make_ema(model)
+    ema_update = EmaUpdater(ema, model)  # before the memory plan: on a GPU it keeps a copy of the weights
     posthoc = PowerEma(model, t.ema_sigma_rels) if t.ema == "posthoc" else None
     assert t.lr is not None, "a loaded config has its learning rate resolved"
     optimizer = make_optimizer(model, lr=t.lr, weight_decay=t.weight_decay)
@@ -200,7 +201,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     writes = BackgroundWrites() if is_chief else None
     worker = Worker(
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
-        ema_update=EmaUpdater(ema, model), posthoc=posthoc, diffusion=diffusion, speed=speed, memory_plan=memory_plan,
+        ema_update=ema_update, posthoc=posthoc, diffusion=diffusion, speed=speed, memory_plan=memory_plan,
         step_parts=step_parts, table=table, order=order, validation=validation,
         quality=ray.get(args.quality) if args.quality is not None else None,
         micro_batch=micro_batch,

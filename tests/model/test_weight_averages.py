@@ -54,6 +54,7 @@ def test_the_ema_is_the_same_average_for_a_model_of_its_own_dtype_and_of_another
         model = Weights().to(dtype)
         ema = make_ema(model)
         update = EmaUpdater(ema, model)
+        assert (update.staging_bytes == 0) == (dtype == torch.float32)  # one lerp per tensor keeps no copy
         for step, weights in enumerate(walk):
             with torch.no_grad():
                 model.w.copy_(weights)
@@ -82,6 +83,7 @@ def test_the_multi_tensor_ema_keeps_its_weights_in_one_buffer_and_allocates_noth
     weights = list(ema.parameters())
     assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
     assert weights[0].is_contiguous(memory_format=torch.channels_last) and weights[0].dim() == 4
+    assert update.staging_bytes == sum(w.numel() * w.element_size() for w in weights)  # what `bench memory` counts
     for name, t in ema.state_dict().items():
         assert torch.equal(t, before[name])
 
