@@ -54,9 +54,10 @@ class EmaUpdater:
     On a CPU, where an operation's launch is cheap, a model of the EMA's dtype is averaged one lerp per tensor,
     which reads and writes the averages once. Anywhere else the EMA's parameters become views of one buffer, and
     each step copies the model's weights into a second buffer of the same layout (one multi-tensor copy, which
-    also converts another dtype; updaters of one model can share it, `staged_by`) and lerps the first towards it
-    (one kernel): nothing is allocated per step, and the host launches two operations where one per tensor, or
-    three multi-tensor ones with a temporary per tensor, would cost it more (`bench step`'s `ema` row)."""
+    also converts another dtype; another updater of the same model can read it, `staged_by`) and lerps the first
+    towards it (one kernel): nothing is allocated per step, and the host launches two operations where one per
+    tensor, or three multi-tensor ones with a temporary per tensor, would cost it more (`bench step`'s `ema`
+    row)."""
 
     def __init__(self, ema: nn.Module, model: nn.Module, *, staged_by: EmaUpdater | None = None) -> None:
         self._ema: list[torch.Tensor] = list(ema.parameters())
@@ -66,15 +67,14 @@ class EmaUpdater:
                               for e, m in zip(self._ema, self._model, strict=True))
         self._flat = self._staged = self._weight = torch.empty(0)
         self._staged_views: list[torch.Tensor] = []
-        self._stages = True  # copies the model into `_staged` itself (else `staged_by`, called before it, does)
-        self._staged_by = staged_by
+        self._staged_by: EmaUpdater | None = None  # whose copy of the weights this one reads (made before its update)
         if not self._lerp_each:
             self._flatten(staged_by)
 
     def _flatten(self, staged_by: EmaUpdater | None = None) -> None:
-        """Move the EMA's parameters into one buffer (their values and layouts unchanged), and make the staging
-        buffer (or take `staged_by`'s, an updater of the same model whose averages have this layout) and the
-        weight's tensor beside it."""
+        """Move the EMA's parameters into one buffer (their values and layouts unchanged), and make the buffer the
+        weights are copied into (or read `staged_by`'s, an updater of the same model called before this one) and
+        the weight's tensor beside it."""
         first = self._ema[0]
         self._flat = torch.empty(sum(e.numel() for e in self._ema), dtype=first.dtype, device=first.device)
         with torch.no_grad():
@@ -82,19 +82,18 @@ class EmaUpdater:
                 view.copy_(e)
                 e.data = view
         self._weight = torch.zeros((), dtype=first.dtype, device=first.device)
-        if staged_by is not None and staged_by._staged_views and all(
-                v.dtype == e.dtype and v.device == e.device and v.stride() == e.stride() and v.shape == e.shape
-                for v, e in zip(staged_by._staged_views, self._ema, strict=True)):
-            self._staged, self._staged_views, self._stages = staged_by._staged, staged_by._staged_views, False
+        self._staged_by = staged_by
+        if staged_by is not None:
+            self._staged, self._staged_views = staged_by._staged, []
         else:
             self._staged = torch.empty_like(self._flat)
-            self._staged_views, self._stages = views_of(self._staged, self._ema), True
+            self._staged_views = views_of(self._staged, self._ema)
 
     @property
     def staging_bytes(self) -> int:
         """The bytes of the copy of the weights this updater keeps (0 on a CPU's one lerp per tensor, or where
-        it shares another updater's)."""
-        return self._staged.numel() * self._staged.element_size() if self._stages else 0
+        it reads another updater's)."""
+        return self._staged.numel() * self._staged.element_size() if self._staged_by is None else 0
 
     @torch.no_grad()
     def __call__(self, decay: float, finite: torch.Tensor | None = None) -> None:
@@ -105,10 +104,11 @@ class EmaUpdater:
             for e, m in zip(self._ema, self._model, strict=True):
                 e.lerp_(m, weight)
         else:
-            if self._ema[0].data_ptr() != self._flat.data_ptr() or (  # something gave the EMA new tensors (`.to()`)
-                    not self._stages and self._staged_by is not None and self._staged_by._staged is not self._staged):
+            # Something gave the EMA (or the updater whose copy it reads) new tensors (`.to()`): anew, on its own.
+            if self._ema[0].data_ptr() != self._flat.data_ptr() or (
+                    self._staged_by is not None and self._staged_by._staged is not self._staged):
                 self._flatten()
-            if self._stages:
+            if self._staged_by is None:
                 torch._foreach_copy_(self._staged_views, self._model)
             if finite is None:
                 self._flat.lerp_(self._staged, 1.0 - decay)
