@@ -65,6 +65,7 @@ def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     assert result["options"]["fused_adamw"] and result["options"]["compile"] is False
     described = result["options"]["described"]  # raydiff's worker's own start line
     assert "compile off" in described
+    assert result["options"]["data"] == "data on the host (data.on_device auto: not CUDA)"  # where it gathered
     assert "host memory kept" in described or platform.libc_ver()[0] != "glibc"  # CPU workers: glibc keeps it
     table = top.read_text()
     assert "raydiff's step, 16 images per step" in table and "aten::convolution" in table
@@ -139,19 +140,21 @@ def test_memory_bench_reports_the_parts_with_and_without_activation_checkpointin
 
 def test_step_bench_adds_raydiffs_step_parts_one_at_a_time():
     """raydiff's step in one process against the bare step on the same compiled loss: the step alone, with the
-    loader thread, with the EMA; each with its chunks and the host's time per step."""
+    loader thread, with the EMA, and with the EMA on batches gathered on the device (no loader thread); each with
+    its chunks and the host's time per step."""
     proc = run_cli("raydiff.bench", "step", "--config", "smoke", "--steps", "3", "--batch", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["bench"] == "step" and result["device"] == "cpu" and result["global_batch"] == 8
-    assert list(result["rows"]) == ["bare", "step", "loader", "ema"]
+    assert list(result["rows"]) == ["bare", "step", "loader", "ema", "on_device"]
     for row in result["rows"].values():
         assert row["img_s"] > 0 and row["host_ms"] > 0 and len(row["chunks_img_s"]) == 3
         assert min(row["chunks_img_s"]) <= row["img_s"] <= max(row["chunks_img_s"])
-    assert set(result["ratio_bare"]) == {"step", "loader", "ema"} and "compile off" in result["described"]
+    assert set(result["ratio_bare"]) == {"step", "loader", "ema", "on_device"} and "compile off" in result["described"]
     assert result["first_step_s"] > 0 and result["graphs_compiled"] == result["graphs_cached"] == 0  # eager
     # The loader thread's own CPU time per step it made (on a CPU it draws the noise too): what it takes from the host.
     assert result["rows"]["loader"]["loader_cpu_ms"] > 0 and result["rows"]["ema"]["loader_cpu_ms"] > 0
+    assert "loader_cpu_ms" not in result["rows"]["on_device"]  # no thread beside the training thread
 
 
 def test_a_measured_loop_counts_the_graphs_it_compiled_and_those_a_warm_start_found_in_the_cache():

@@ -7,7 +7,9 @@ compiled loss (one compilation), with raydiff's speed plan for the device, and r
 - `bare`: the bare loop's step (`bench throughput`'s), on images and noise already on the device;
 - `step`: raydiff's `optimizer_step` on one batch, drawn from its loader once and reused: the loader idle;
 - `loader`: the step on a new batch every step from the loader thread, as the training loop gets them;
-- `ema`: that and the EMA update: what a worker runs, less Ray and the loop's cadence.
+- `ema`: that and the EMA update: what a worker runs with `data.on_device: false`, less Ray and the loop's cadence;
+- `on_device`: the step and the EMA on a new batch every step gathered on the device from the images kept there
+  (`data.on_device`, `raydiff.data.on_device`), no loader thread: what a GPU worker runs where the data fits.
 
 Each row: the median img/s of MEASURED_CHUNKS chunks, the slowest and the fastest chunk (a wide spread: the step
 shares the host with something), and the host's milliseconds per step (`host_ms`: the time to issue HOST_STEPS
@@ -172,21 +174,39 @@ def bare_step(cfg: Config, plan: SpeedPlan, parts: StepParts, model: torch.nn.Mo
     return step
 
 
-def loader_stream(cfg: Config, device: torch.device):
-    """raydiff's loader thread over random uint8 images of the config's shape, as a worker on `device` opens it."""
+def bench_table(cfg: Config):
+    """Random uint8 images of the config's shape, four global batches of them, as a worker's in-memory table."""
     import numpy as np
 
-    from raydiff.data.loader import BatchStream, ImageTable
+    from raydiff.data.loader import ImageTable
+
+    t, d = cfg.train, cfg.data
+    return ImageTable([np.random.default_rng(0).integers(
+        0, 256, (4 * t.global_batch, d.channels, d.resolution, d.resolution), dtype=np.uint8)])
+
+
+def loader_stream(cfg: Config, device: torch.device):
+    """raydiff's loader thread over `bench_table`'s images, as a worker on `device` opens it."""
+    from raydiff.data.loader import BatchStream
     from raydiff.data.noise import drawn_on_device
     from raydiff.data.order import SampleOrder, rank_share
 
-    t, d = cfg.train, cfg.data
-    images = np.random.default_rng(0).integers(0, 256, (4 * t.global_batch, d.channels, d.resolution, d.resolution),
-                                               dtype=np.uint8)
-    return BatchStream(table=ImageTable([images]), order=SampleOrder(len(images), seed=0),
+    t, table = cfg.train, bench_table(cfg)
+    return BatchStream(table=table, order=SampleOrder(len(table), seed=0),
                        global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
                        micro_batch=t.global_batch, start_step=0, pin_memory=device.type == "cuda",
                        noise=(0, cfg.diffusion.timesteps), device_noise=drawn_on_device(device))
+
+
+def device_stream(cfg: Config, device: torch.device):
+    """`bench_table`'s images kept on `device`, each step's batch gathered there (`data.on_device`)."""
+    from raydiff.data.on_device import DeviceBatchStream, DeviceImages
+    from raydiff.data.order import SampleOrder, rank_share
+
+    t, table = cfg.train, bench_table(cfg)
+    return DeviceBatchStream(images=DeviceImages(table, device), order=SampleOrder(len(table), seed=0),
+                             global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
+                             micro_batch=t.global_batch, start_step=0, seed=0)
 
 
 def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | None) -> dict[str, Any]:
@@ -213,13 +233,14 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
     batch = cfg.train.global_batch
     plan, parts, model = planned_step(cfg, device)
     update = EmaUpdater(make_ema(model), model)
-    stream = loader_stream(cfg, device)
+    stream, gathered = loader_stream(cfg, device), device_stream(cfg, device)
     reused = next(stream)
     steps_of: dict[str, Callable[[], object]] = {
         "bare": bare_step(cfg, plan, parts, model),
         "step": lambda: optimizer_step(parts, reused, lr=1e-4),
         "loader": lambda: optimizer_step(parts, next(stream), lr=1e-4),
         "ema": lambda: optimizer_step(parts, next(stream), lr=1e-4, ema=update, ema_decay=0.999),
+        "on_device": lambda: optimizer_step(parts, next(gathered), lr=1e-4, ema=update, ema_decay=0.999),
     }
     rows: dict[str, dict[str, Any]] = {}
     try:

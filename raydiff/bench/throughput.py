@@ -157,7 +157,7 @@ def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> di
             "start_s": round(start["time"] - launched, 2), "first_step_s": round(first["seconds"], 2),
             "warmup_s": round(warm["time_s"], 2), "peak_memory_gb": max(peaks) if peaks else None,
             "data_wait_frac": round(statistics.median(row["data_wait_frac"] for row in measured), 4),
-            "compile_cache": start.get("compile_cache"), "described": start["speed"]}
+            "compile_cache": start.get("compile_cache"), "described": start["speed"], "data": start.get("data")}
 
 
 def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: list[int] | None,
@@ -199,7 +199,7 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
     # raydiff before the bare loop: its first start compiles with the node's compile cache as it was, not as the
     # bare loop's compilation would leave it (the bare loop's warm-up is not a figure this bench judges).
     ours = raydiff_run(copy.deepcopy(cfg), steps=steps, storage=tmp / "runs", rerun=rerun)
-    described = ours.pop("described")  # the worker's own start line: what its process got
+    described, data = ours.pop("described"), ours.pop("data")  # the worker's own start line: what its process got
     bare = bare_loop(cfg, device, steps=steps)
     plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows
     profiled = None
@@ -225,7 +225,8 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
         "ratio": round(ours["img_s"] / plain_img_s, 3), "ratio_bare": round(ours["img_s"] / bare["img_s"], 3),
         "options": {"compile": plan.compile, "channels_last": plan.channels_last, "cuda_graphs": plan.cuda_graphs,
                     "tf32": plan.tf32, "fused_adamw": True, "cudnn_benchmark": device.type == "cuda",
-                    "ema": cfg.train.ema, "loss_weighting": cfg.train.loss_weighting, "described": described},
+                    "ema": cfg.train.ema, "loss_weighting": cfg.train.loss_weighting, "described": described,
+                    "data": data},
     }
 
 

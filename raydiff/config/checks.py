@@ -142,6 +142,8 @@ RULES: tuple[Rule, ...] = (
     Rule("data.stream_buffer_gb", lambda c: c.data.stream_buffer_gb > 0, "must be > 0"),
     Rule("data.label_column", lambda c: bool(c.data.label_column), "must name a column"),
     Rule("data.stream_window_shards", lambda c: c.data.stream_window_shards >= 1, "must be >= 1"),
+    Rule("data.on_device", lambda c: not (c.data.on_device is True and c.data.cache == "stream"),
+         "true needs the images in memory, and data.cache is stream: use auto or false"),
     # Model.
     Rule("model.channel_mult", lambda c: len(c.model.channel_mult) >= 1 and all(x >= 1 for x in c.model.channel_mult),
          "must be a non-empty list of positive integers"),

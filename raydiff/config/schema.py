@@ -67,6 +67,11 @@ class DataSection:
     """Where the decoded images live: `memory` (every node holds the whole decoded dataset), `stream` (prepared
     shards, a window at a time), or `auto` (memory if it takes at most half the smallest node's object store);
     see docs/data.md#datasets-bigger-than-memory."""
+    on_device: Literal["auto"] | bool = "auto"
+    """Keep a copy of the decoded images on each worker's training device and gather every micro-batch there (the
+    host copies only sample indices, flip bits and class ids), instead of a loader thread gathering them on the host
+    and copying them over; needs `data.cache` memory. `auto`: on CUDA GPUs where the images take at most 1/8 of
+    the GPU's memory (see docs/training.md#performance)."""
     stream_buffer_gb: float = 4.0
     """Stream mode: the most shard data one node's cache holds, in GB (capped at half its object store; see
     docs/data.md#throughput-and-memory)."""

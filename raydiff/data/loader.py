@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,7 +69,7 @@ class Table(Protocol):
 
 @dataclass
 class MicroBatch:
-    images: torch.Tensor  # uint8 (n, C, H, W), on the host
+    images: torch.Tensor  # uint8 (n, C, H, W), on the host (on the device where gathered there: data.on_device)
     flips: torch.Tensor  # bool (n,)
     position: int  # stream position of the first sample
     indices: np.ndarray  # dataset indices of the samples (for the order audit)
@@ -105,6 +106,29 @@ def scaled(images: torch.Tensor, flips: torch.Tensor, flip: bool) -> torch.Tenso
     flip bit is set; on the images' device (the training step compiles it into its forward pass)."""
     x = images.float() / 127.5 - 1.0
     return torch.where(flips[:, None, None, None], x.flip(-1), x) if flip else x
+
+
+def class_ids(table_labels: np.ndarray, indices: np.ndarray, position: int, *, seed: int,
+              labels: tuple[float, int]) -> torch.Tensor:
+    """int64 class ids (on the host) of the samples `indices` at stream positions [position, ...), the null id where
+    label dropout (`labels` = (train.label_dropout, null class id), keyed by `seed`) drops them."""
+    probability, null = labels
+    ids = torch.from_numpy(table_labels[indices].astype(np.int64))
+    if (ids < 0).any():  # bad samples are never in the order: a table that does not match it
+        raise ValueError(f"samples without a label in the training stream: {indices[(ids < 0).numpy()][:5]}")
+    ids[dropped_labels(seed, position, len(indices), probability)] = null
+    return ids
+
+
+class Batches(Protocol):
+    """This worker's micro-batches of every optimizer step in turn: a `BatchStream`, or a
+    `raydiff.data.on_device.DeviceBatchStream`."""
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]: ...
+
+    def __next__(self) -> list[MicroBatch]: ...
+
+    def close(self) -> None: ...
 
 
 class BatchStream:
@@ -161,19 +185,11 @@ class BatchStream:
                 t, noise = position_noise(seed, position, size, timesteps=timesteps, shape=tuple(self._table.shape))
                 batch.timesteps, batch.noise = (t.pin_memory(), noise.pin_memory()) if self._pin else (t, noise)
             if self._labels is not None:
-                batch.labels = self._class_ids(indices, position)
+                assert self._noise is not None and self._table.labels is not None  # checked at construction
+                ids = class_ids(self._table.labels, indices, position, seed=self._noise[0], labels=self._labels)
+                batch.labels = ids.pin_memory() if self._pin else ids
             batches.append(batch)
         return batches
-
-    def _class_ids(self, indices: np.ndarray, position: int) -> torch.Tensor:
-        """int64 class ids of the samples at stream positions [position, ...), the null id where dropped."""
-        assert self._labels is not None and self._noise is not None and self._table.labels is not None
-        probability, null = self._labels
-        ids = torch.from_numpy(self._table.labels[indices].astype(np.int64))
-        if (ids < 0).any():  # bad samples are never in the order: a table that does not match it
-            raise ValueError(f"samples without a label in the training stream: {indices[(ids < 0).numpy()][:5]}")
-        ids[dropped_labels(self._noise[0], position, len(indices), probability)] = null
-        return ids.pin_memory() if self._pin else ids
 
     def _produce(self, step: int) -> None:
         try:

@@ -28,7 +28,7 @@ import ray
 import ray.train
 import torch
 
-from raydiff.data.loader import BatchStream, MicroBatch
+from raydiff.data.loader import Batches, MicroBatch
 from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name, checkpoint_step
 from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.state import Progress, checkpoint_state
@@ -53,7 +53,7 @@ class _Live:
     """What a rollback reopens: the sample stream, the logging window, the non-finite counter and rank 0's
     dashboards (reopened so that the rolled-back steps' points disappear)."""
 
-    stream: BatchStream
+    stream: Batches
     window: MetricsWindow
     nonfinite: NonFiniteSteps
     dashboards: Dashboards | None

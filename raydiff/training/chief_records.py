@@ -43,7 +43,7 @@ def record_start(w: Worker, args: WorkerArgs, progress: Progress) -> None:
         w.metrics_log.truncate_after(progress.step)
     threads = torch.get_num_threads()  # what the worker's CPUs and environment gave (`torch_threads`)
     w.event("start", invocation=args.invocation, step=progress.step, world_size=w.world_size, pid=os.getpid(),
-            torch_threads=threads, speed=w.speed.describe(), compile_cache=w.compile_cache_note)
+            torch_threads=threads, speed=w.speed.describe(), data=w.data_placement, compile_cache=w.compile_cache_note)
     for note in w.restore_notes:
         logger.warning(f"[raydiff] note: {note}")
     share = rank_share(t.global_batch, w.world_size, 0)
@@ -53,7 +53,7 @@ def record_start(w: Worker, args: WorkerArgs, progress: Progress) -> None:
     logger.info(f"[raydiff] {'resuming at step ' + str(progress.step) if progress.step else 'starting'}: "
                 f"{w.world_size} worker(s), global batch {t.global_batch} = {share.size} on worker 0 in "
                 f"micro-batches of up to {w.micro_batch}, device {device}; {describe_lr(t)}; "
-                f"{w.speed.describe()}; {w.memory_plan}{extra}")
+                f"{w.data_placement}; {w.speed.describe()}; {w.memory_plan}{extra}")
 
 
 def log_row(w: Worker, row: dict[str, Any], dashboards: Dashboards | None, *, start_step: int,

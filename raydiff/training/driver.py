@@ -189,6 +189,9 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     if requested.data.val_images >= images.num_good:
         raise DataError(f"data.val_images = {requested.data.val_images}: must be below the number of usable images in "
                         f"data.source ({images.num_good})")
+    if requested.data.on_device is True and isinstance(images, ShardedImages):
+        raise DataError(f"data.on_device = true: needs the images in memory, and this run streams them "
+                        f"(data.cache {requested.data.cache}: stream): use data.on_device=auto or data.cache=memory")
     images = with_held_out(requested, images)
     # The config the workers get: what the cluster and the data decide, resolved once.
     resolved, classes = resolve_run(requested, gpus=ray.cluster_resources().get("GPU", 0), images=images,

@@ -20,9 +20,10 @@ import ray.train.torch
 import torch
 
 from raydiff.config import Config
-from raydiff.data.loader import BatchStream, ImageTable
+from raydiff.data.loader import Batches, BatchStream, ImageTable
 from raydiff.data.node_cache import StreamTable
 from raydiff.data.noise import drawn_on_device
+from raydiff.data.on_device import DeviceBatchStream, DeviceImages, place_images
 from raydiff.data.order import SampleOrder, micro_batches, rank_share
 from raydiff.data.run_images import open_tables
 from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
@@ -73,6 +74,8 @@ class Worker:
     memory_plan: str  # the micro-batch and activation checkpointing, and why (`plan_memory`)
     step_parts: StepParts
     table: ImageTable | StreamTable
+    device_images: DeviceImages | None  # data.on_device: the images on the training device, gathered there
+    data_placement: str  # where the images are gathered, and why, for the start line (`place_images`)
     order: SampleOrder
     validation: Validation | None
     quality: InRunQuality | None  # eval.every / eval.at_end: the feature network and the reference
@@ -103,13 +106,18 @@ class Worker:
         s = self.step_parts
         return TrainingState(self.model, self.ema, s.optimizer, s.scaler, self.posthoc)
 
-    def open_stream(self, progress: Progress) -> BatchStream:
+    def open_stream(self, progress: Progress) -> Batches:
         t = self.cfg.train
-        return BatchStream(table=self.table, order=self.order, global_batch=t.global_batch,
-                           share=rank_share(t.global_batch, self.world_size, self.rank), micro_batch=self.micro_batch,
-                           start_step=progress.stream_step, pin_memory=self.device.type == "cuda",
-                           noise=(t.seed, self.cfg.diffusion.timesteps), device_noise=drawn_on_device(self.device),
-                           labels=(t.label_dropout, self.num_classes) if self.num_classes else None)
+        share = rank_share(t.global_batch, self.world_size, self.rank)
+        labels = (t.label_dropout, self.num_classes) if self.num_classes else None
+        if self.device_images is not None:
+            return DeviceBatchStream(images=self.device_images, order=self.order, global_batch=t.global_batch,
+                                     share=share, micro_batch=self.micro_batch, start_step=progress.stream_step,
+                                     seed=t.seed, labels=labels)
+        return BatchStream(table=self.table, order=self.order, global_batch=t.global_batch, share=share,
+                           micro_batch=self.micro_batch, start_step=progress.stream_step,
+                           pin_memory=self.device.type == "cuda", noise=(t.seed, self.cfg.diffusion.timesteps),
+                           device_noise=drawn_on_device(self.device), labels=labels)
 
     def event(self, event: str, **fields: Any) -> None:
         if self.events is not None:
@@ -164,6 +172,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
                                                       group=from_rank_zero(uuid.uuid4().hex))
     validation = Validation(table=val_table, val_indices=val_indices, seed=t.seed, timesteps=diffusion.timesteps,
                             rank=rank, world_size=world_size, labels=val_labels) if len(val_indices) else None
+    device_images, data_placement = place_images(cfg.data.on_device, table, device)  # before the memory plan
 
     # The micro-batch and activation checkpointing, measured with the setting the worker will train with.
     share = rank_share(t.global_batch, world_size, rank)
@@ -202,7 +211,8 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     worker = Worker(
         cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, ema=ema,
         ema_update=ema_update, posthoc=posthoc, diffusion=diffusion, speed=speed, memory_plan=memory_plan,
-        step_parts=step_parts, table=table, order=order, validation=validation,
+        step_parts=step_parts, table=table, device_images=device_images, data_placement=data_placement, order=order,
+        validation=validation,
         quality=ray.get(args.quality) if args.quality is not None else None,
         micro_batch=micro_batch,
         metrics_log=JsonlLog(run_dir, "metrics.jsonl", flush_every_s=REMOTE_METRICS_FLUSH_S,

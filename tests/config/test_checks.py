@@ -47,6 +47,7 @@ from raydiff.config.checks import parse_sigma_rels
     ("train.compile=turbo", "train.compile = 'turbo': auto, true, false, or a torch.compile backend: "),
     ("train.channels_last=maybe", "train.channels_last"),
     ("train.keep_host_memory=maybe", "train.keep_host_memory = 'maybe': expected auto | true | false"),
+    ("data.on_device=maybe", "data.on_device = 'maybe': expected auto | true | false"),
     ("train.ema_decay=1", "must be in [0, 1)"),
     ("run.name=a/b", "use letters, digits"),
     ("train.lr", "expected key=value"),
@@ -83,6 +84,15 @@ def test_guidance_needs_a_model_that_learned_the_unconditional_prediction():
                                       "from dropped labels, and train.label_dropout = 0: set train.label_dropout > 0")
     load_config("default", [*conditional, "eval.guidance=1"], check_source=False)  # conditional only: no null class
     load_config("default", ["train.label_dropout=0"], check_source=False)  # unconditional: no labels to drop
+
+
+def test_images_kept_on_the_device_need_them_in_memory():
+    with pytest.raises(ConfigError) as info:
+        load_config("default", ["data.cache=stream", "data.on_device=true"], check_source=False)
+    assert str(info.value) == ("data.on_device = True: true needs the images in memory, and data.cache is stream: "
+                               "use auto or false")
+    for allowed in (["data.cache=stream"], ["data.cache=memory", "data.on_device=true"]):
+        load_config("default", allowed, check_source=False)
 
 
 def test_a_hung_worker_needs_a_second_worker_and_local_storage():

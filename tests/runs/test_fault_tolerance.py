@@ -396,6 +396,19 @@ def test_the_flat_all_reduce_continues_a_ddp_run_bit_identically(cluster, refere
     assert losses(run_dir) == losses(reference)
 
 
+def test_images_gathered_on_the_device_continue_a_run_bit_identically(cluster, reference, tmp_path):
+    """`data.on_device: true` (on a CPU: the images in one tensor of the worker's, gathered by the training thread,
+    no loader thread) trains as the loader thread does: the reference run's last 20 steps, continued so, class ids
+    and label dropout included, end bit-identical to the reference's."""
+    run_dir = reference_until(reference, 100, tmp_path / "on-device")
+    proc = train(cluster, tmp_path, "on-device", "--set", "data.on_device=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"; data on the cpu \([0-9.]+ MB\); compile off", proc.stdout + proc.stderr)
+    assert summary(run_dir)["resumed_from_step"] == 100
+    assert_same_weights(final_state(run_dir), final_state(reference))
+    assert losses(run_dir) == losses(reference)
+
+
 @pytest.mark.slow
 def test_no_restorable_checkpoint_is_refused_and_nothing_is_lost(cluster, reference, tmp_path):
     run_dir = reference_until(reference, 20, tmp_path / "broken")

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from raydiff.config import load_config
 from raydiff.data.loader import BatchStream, ImageTable
 from raydiff.data.noise import position_noise
+from raydiff.data.on_device import DeviceBatchStream, DeviceImages, place_images
 from raydiff.data.order import SampleOrder, rank_share
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
@@ -246,6 +247,49 @@ def test_loader_buffers_are_pinned_for_asynchronous_copies():
         stream.close()
     assert all(b.images.is_pinned() and b.flips.is_pinned() for b in batches)
     assert all(b.noise is None and b.timesteps is None for b in batches)  # the GPU draws them: nothing to copy
+
+
+def test_batches_gathered_on_the_gpu_are_the_loader_threads_with_one_small_copy_each_and_no_sync():
+    """`data.on_device` (`auto` on a GPU for data this small): the images kept on the GPU and each micro-batch
+    gathered there are the loader thread's images, flips and class ids, with one copy from the host per
+    micro-batch (its indices, flip bits and class ids); the steps on them never synchronise."""
+    cuda = torch.device("cuda")
+    inputs, _, ema_update, cfg = _setup("bf16", dropout=0.1)
+    images = np.random.default_rng(0).integers(0, 256, (64, 1, 8, 8), dtype=np.uint8)
+    table = ImageTable([images[:40], images[40:]], labels=(np.arange(64) % 5).astype(np.int32))
+    on_gpu, phrase = place_images("auto", table, cuda)
+    assert isinstance(on_gpu, DeviceImages) and phrase == "data on the GPU (0.0 MB)"
+    share, order = rank_share(GLOBAL_BATCH, 1, 0), SampleOrder(64, seed=0)
+    thread = BatchStream(table=table, order=order, global_batch=GLOBAL_BATCH, share=share, micro_batch=8,
+                         start_step=2, pin_memory=True, noise=(0, cfg.diffusion.timesteps), device_noise=True,
+                         labels=(0.5, 5))
+    gathered = DeviceBatchStream(images=on_gpu, order=order, global_batch=GLOBAL_BATCH, share=share, micro_batch=8,
+                                 start_step=2, seed=0, labels=(0.5, 5))
+    try:
+        with _HostCopies() as copies:
+            steps = [next(gathered) for _ in range(3)]
+        expected = [next(thread) for _ in range(3)]
+    finally:
+        thread.close()
+    assert copies.count == 3 * 2  # two micro-batches a step
+    for got, want in zip(steps, expected, strict=True):
+        for g, e in zip(got, want, strict=True):
+            assert g.images.device.type == g.flips.device.type == g.labels.device.type == "cuda"
+            assert torch.equal(g.images.cpu(), e.images) and torch.equal(g.flips.cpu(), e.flips)
+            assert torch.equal(g.labels.cpu(), e.labels) and g.position == e.position
+
+    unconditional = DeviceBatchStream(images=on_gpu, order=order, global_batch=GLOBAL_BATCH, share=share,
+                                      micro_batch=8, start_step=0, seed=0)
+    for _ in range(2):  # the optimizer's lazy state, cuDNN's first calls
+        optimizer_step(inputs, next(unconditional), lr=1e-3, ema=ema_update, ema_decay=0.9)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = [optimizer_step(inputs, next(unconditional), lr=1e-3, ema=ema_update, ema_decay=0.9)
+                   for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(bool(r.finite) for r in results)
 
 
 def test_the_gpu_draws_the_noise_as_a_function_of_the_stream_position():

@@ -44,7 +44,8 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
     w = Worker(cfg=cfg, run_dir=RunDir(run_dir), rank=rank, world_size=2, device=torch.device("cpu"), model=model,
                ema=make_ema(model), ema_update=None, posthoc=None, diffusion=None, speed=None, memory_plan="",
                step_parts=SimpleNamespace(optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False)),
-               table=None, order=None, validation=None, quality=None, micro_batch=8,
+               table=None, device_images=None, data_placement="", order=None, validation=None, quality=None,
+               micro_batch=8,
                metrics_log=None, events=None,
                writes=None, debug=DebugHooks(cfg, RunDir(run_dir), rank), compile_cache=None, restore_notes=[],
                compile_cache_note=None)
