@@ -101,6 +101,14 @@ def test_auto_streams_a_dataset_bigger_than_the_object_store(small_cluster, big_
     assert sorted(positions) == list(range(TOTAL * 16))
     assert [positions[p] for p in range(TOTAL * 16)] == order.take(0, TOTAL * 16)[0].tolist()
 
+    # Images kept on the device need them in memory: asked for where `auto` streams, one line before training.
+    refused = _train(small_cluster, tmp_path, "on-device", big_data, "--set", "data.on_device=true")
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("raydiff:")]
+    assert errors == ["raydiff: error: data.on_device = true: needs the images in memory, and this run streams them "
+                      "(data.cache auto: stream): use data.on_device=auto or data.cache=memory"], refused.stderr[-3000:]
+    assert "Traceback" not in refused.stdout + refused.stderr and "[raydiff] starting" not in refused.stdout
+
     # Nothing spilled to disk, allocated outside the object store, or left in it.
     stats = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "memory", "--stats-only", "--address",
                             small_cluster.address], capture_output=True, text=True, timeout=120)
