@@ -27,7 +27,7 @@ class DeviceImages:
     stay on the host, where label dropout is drawn."""
 
     def __init__(self, table: ImageTable, device: torch.device) -> None:
-        self.shape, self.labels, self.device = table.shape, table.labels, device
+        self.labels, self.device = table.labels, device
         self.images = torch.empty((len(table), *table.shape), dtype=torch.uint8, device=device)
         rows = max(1, COPY_BYTES // max(1, int(np.prod(table.shape))))
         for chunk, start in zip(table.chunks, table.starts[:-1], strict=True):
