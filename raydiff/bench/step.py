@@ -36,6 +36,7 @@ from raydiff.config import Config
 from raydiff.storage.atomic import new_file
 
 if TYPE_CHECKING:
+    from raydiff.data.on_device import DeviceImages
     from raydiff.training.speed import SpeedPlan
     from raydiff.training.step import StepParts
 
@@ -198,15 +199,27 @@ def loader_stream(cfg: Config, device: torch.device):
                        noise=(0, cfg.diffusion.timesteps), device_noise=drawn_on_device(device))
 
 
-def device_stream(cfg: Config, device: torch.device):
-    """`bench_table`'s images kept on `device`, each step's batch gathered there (`data.on_device`)."""
+def device_stream(cfg: Config, device: torch.device, images: DeviceImages | None = None):
+    """`bench_table`'s images kept on `device` (or `images`, a `DeviceImages` of them), each step's batch gathered
+    there (`data.on_device`)."""
     from raydiff.data.on_device import DeviceBatchStream, DeviceImages
     from raydiff.data.order import SampleOrder, rank_share
 
-    t, table = cfg.train, bench_table(cfg)
-    return DeviceBatchStream(images=DeviceImages(table, device), order=SampleOrder(len(table), seed=0),
+    t = cfg.train
+    if images is None:
+        images = DeviceImages(bench_table(cfg), device)
+    return DeviceBatchStream(images=images, order=SampleOrder(len(images.images), seed=0),
                              global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
                              micro_batch=t.global_batch, start_step=0, seed=0)
+
+
+def worker_stream(cfg: Config, device: torch.device):
+    """The batches as a worker on `device` gets them: gathered on the device or by the loader thread, as
+    `data.on_device` decides there."""
+    from raydiff.data.on_device import place_images
+
+    images, _ = place_images(cfg.data.on_device, bench_table(cfg), device)
+    return loader_stream(cfg, device) if images is None else device_stream(cfg, device, images)
 
 
 def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | None) -> dict[str, Any]:
@@ -264,9 +277,9 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
 
 
 def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) -> dict[str, float | None]:
-    """The top kernels of raydiff's steady-state step (its own `optimizer_step`, loader and speed plan, in this
-    process, no Ray), by device time on a GPU and by CPU time on a CPU, as a table in `out`; returns the device's
-    busy time and the host's launches per step (None and 0 on a CPU)."""
+    """The top kernels of raydiff's steady-state step (its own `optimizer_step`, batches as `data.on_device` gets
+    them, its speed plan; in this process, no Ray), by device time on a GPU and by CPU time on a CPU, as a table in
+    `out`; returns the device's busy time and the host's launches per step (None and 0 on a CPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -275,7 +288,7 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
     from raydiff.training.step import optimizer_step
 
     plan, parts, model = planned_step(cfg, device)
-    stream = loader_stream(cfg, device)
+    stream = worker_stream(cfg, device)
     update = EmaUpdater(make_ema(model), model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     if device.type != "cuda":  # else the profiler's GPU probe prints "ERROR: ... gpuGetDeviceCount failed" on a CPU
