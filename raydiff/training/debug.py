@@ -72,7 +72,7 @@ def _labels_of(batches) -> dict[str, list[int]]:
     """A class-conditional step's class ids as trained (the null class where dropped), for the order audit."""
     if batches[0].labels is None:
         return {}
-    return {"labels": [int(c) for b in batches for c in b.labels]}
+    return {"labels": [c for b in batches for c in b.labels.tolist()]}  # one read each (on the device: data.on_device)
 
 
 def _first_time(run_dir: RunDir, name: str) -> bool:
