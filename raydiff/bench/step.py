@@ -36,6 +36,7 @@ from raydiff.config import Config
 from raydiff.storage.atomic import new_file
 
 if TYPE_CHECKING:
+    from raydiff.data.loader import ImageTable
     from raydiff.data.on_device import DeviceImages
     from raydiff.training.speed import SpeedPlan
     from raydiff.training.step import StepParts
@@ -175,7 +176,7 @@ def bare_step(cfg: Config, plan: SpeedPlan, parts: StepParts, model: torch.nn.Mo
     return step
 
 
-def bench_table(cfg: Config):
+def bench_table(cfg: Config) -> ImageTable:
     """Random uint8 images of the config's shape, four global batches of them, as a worker's in-memory table."""
     import numpy as np
 
@@ -186,28 +187,25 @@ def bench_table(cfg: Config):
         0, 256, (4 * t.global_batch, d.channels, d.resolution, d.resolution), dtype=np.uint8)])
 
 
-def loader_stream(cfg: Config, device: torch.device):
-    """raydiff's loader thread over `bench_table`'s images, as a worker on `device` opens it."""
+def loader_stream(cfg: Config, device: torch.device, table: ImageTable):
+    """raydiff's loader thread over `table` (`bench_table`'s images), as a worker on `device` opens it."""
     from raydiff.data.loader import BatchStream
     from raydiff.data.noise import drawn_on_device
     from raydiff.data.order import SampleOrder, rank_share
 
-    t, table = cfg.train, bench_table(cfg)
+    t = cfg.train
     return BatchStream(table=table, order=SampleOrder(len(table), seed=0),
                        global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
                        micro_batch=t.global_batch, start_step=0, pin_memory=device.type == "cuda",
                        noise=(0, cfg.diffusion.timesteps), device_noise=drawn_on_device(device))
 
 
-def device_stream(cfg: Config, device: torch.device, images: DeviceImages | None = None):
-    """`bench_table`'s images kept on `device` (or `images`, a `DeviceImages` of them), each step's batch gathered
-    there (`data.on_device`)."""
-    from raydiff.data.on_device import DeviceBatchStream, DeviceImages
+def device_stream(cfg: Config, images: DeviceImages):
+    """Each step's batch gathered on the device from `images` (`bench_table`'s, kept there: `data.on_device`)."""
+    from raydiff.data.on_device import DeviceBatchStream
     from raydiff.data.order import SampleOrder, rank_share
 
     t = cfg.train
-    if images is None:
-        images = DeviceImages(bench_table(cfg), device)
     return DeviceBatchStream(images=images, order=SampleOrder(len(images.images), seed=0),
                              global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
                              micro_batch=t.global_batch, start_step=0, seed=0)
@@ -218,8 +216,9 @@ def worker_stream(cfg: Config, device: torch.device):
     `data.on_device` decides there."""
     from raydiff.data.on_device import place_images
 
-    images, _ = place_images(cfg.data.on_device, bench_table(cfg), device)
-    return loader_stream(cfg, device) if images is None else device_stream(cfg, device, images)
+    table = bench_table(cfg)
+    images, _ = place_images(cfg.data.on_device, table, device)
+    return loader_stream(cfg, device, table) if images is None else device_stream(cfg, images)
 
 
 def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | None) -> dict[str, Any]:
@@ -246,7 +245,10 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
     batch = cfg.train.global_batch
     plan, parts, model = planned_step(cfg, device)
     update = EmaUpdater(make_ema(model), model)
-    stream, gathered = loader_stream(cfg, device), device_stream(cfg, device)
+    from raydiff.data.on_device import DeviceImages
+
+    table = bench_table(cfg)
+    stream, gathered = loader_stream(cfg, device, table), device_stream(cfg, DeviceImages(table, device))
     reused = next(stream)
     steps_of: dict[str, Callable[[], object]] = {
         "bare": bare_step(cfg, plan, parts, model),
