@@ -15,8 +15,10 @@ from disks import fill_leaving, kept_full, tmpfs
 from raydiff import cli
 from raydiff.tune import main as tune_main
 
+# One worker of both CPUs a trial: a trial's share of the cluster whole, as a trial's waiting actor holds no CPU
+# (once it held 0.001, and such a sweep waited forever); one worker process fewer per trial than the preset's two.
 SWEEP = ["--config", "smoke", "--lr", "1e-6:3e-3", "--batch", "16", "--samples", "2", "--budget-images", "640",
-         "--name", "s"]
+         "--name", "s", "--set", "scaling.num_workers=1", "--set", "scaling.cpus_per_worker=2"]
 
 
 @pytest.fixture(scope="module")

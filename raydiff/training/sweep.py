@@ -34,11 +34,13 @@ from raydiff.storage.errors import (
 from raydiff.storage.rundir import RunInUse
 from raydiff.training.sweep_plan import Sweep, concurrent_trials, trial_config
 
-# A trial only waits on its TorchTrainer (Tune refuses 0); its workers hold the real CPUs. Every trial's waiting
-# actor may be up at once (a re-run resumes the failed trials all together: Tune's max_concurrent_trials applies
-# only when it creates trials), so the workers' share leaves room for all of them: a running trial's workers always
-# fit, and the others' wait for them to finish.
-TRIAL_CPU = 0.001
+# A trial only waits on its TorchTrainer, so it asks Ray for no CPU: one byte of memory, as Tune refuses a trial that
+# asks for nothing. Its workers hold the real CPUs and take the trial's share whole: a fraction of a CPU held by each
+# waiting trial (as before) left a share of 1.998 of 2 CPUs, where an explicit scaling.cpus_per_worker = 2 never
+# fit and the sweep waited forever. Every trial's waiting actor may be up at once (a re-run resumes the failed
+# trials all together: Tune's max_concurrent_trials applies only when it creates trials); they hold nothing the
+# workers need, so a running trial's workers always fit, and the others' wait for them to finish.
+TRIAL_RESOURCES: dict[str, float] = {"CPU": 0, "memory": 1}
 LAYOUT_FILE = "data.json"  # the sweep's data layout, kept by a re-run
 # Each trial's Ray Train controller ends with the trial (finished, or stopped by ASHA) and the run's placement-group
 # cleaner warns that it found it dead: routine in a sweep (in a single run it would signal a fault, and shows).
@@ -140,9 +142,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     trial_runs = TrialRuns.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
     trainable = tune.with_resources(
         tune.with_parameters(_run_trial, base=cfg, sweep=sweep, runs_dir=str(sweep_dir / "runs"),
-                             images=images, cpus_per_trial=(cpus - TRIAL_CPU * sweep.trials) / concurrent,
-                             trial_runs=trial_runs),
-        {"CPU": TRIAL_CPU},
+                             images=images, cpus_per_trial=cpus / concurrent, trial_runs=trial_runs),
+        TRIAL_RESOURCES,
     )
     experiment = str(sweep_dir / "tune")
     set_aside = set_aside_unusable_tune_state(Path(experiment))
