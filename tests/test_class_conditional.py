@@ -16,12 +16,13 @@ from raydiff.runs.checkpoint import list_checkpoints, read_state
 pytestmark = pytest.mark.ray
 
 CONDITIONAL = ["--config", "smoke", "--set", "data.labels=auto", "--set", "model.num_classes=auto",
-               "--set", "data.val_images=32", "--set", "train.val_every=10", "--set", "train.sample_num=20"]
+               "--set", "data.val_images=32", "--set", "train.val_every=10", "--set", "train.sample_num=20",
+               "--set", "scaling.num_workers=1"]
 
 
 @pytest.fixture(scope="module")
 def conditional_run(tmp_path_factory, cluster):
-    """The smoke preset (2 workers, 20 steps) on the digits' labels: (run directory, the CLI's output)."""
+    """The smoke preset (on 1 worker, 20 steps) on the digits' labels: (run directory, the CLI's output)."""
     storage = tmp_path_factory.mktemp("conditional")
     proc = run_cli("raydiff.train", *CONDITIONAL, *SMOKE_EVAL, "--set", f"run.storage={storage}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -163,7 +163,8 @@ def test_a_command_joins_the_cluster_that_ray_start_left_its_address_and_token_f
     env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "RAY_ADDRESS")}
     env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp))
     proc = subprocess.run([sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set",
-                           f"run.storage={tmp_path / 'runs'}", "--set", "train.sample_every=0"], capture_output=True,
+                           f"run.storage={tmp_path / 'runs'}", "--set", "train.sample_every=0",
+                           "--set", "scaling.num_workers=1"], capture_output=True,
                           text=True, timeout=600, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     port = head["gcs"].rpartition(":")[2]  # Ray names the head by the machine's address, not loopback
@@ -178,7 +179,8 @@ def test_tune_job_succeeds(head, tmp_path):
     proc = submit(head, "python", "-m", "raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3", "--batch", "16",
                   "--samples", "2", "--budget-images", "320", "--name", "jobsweep", "--metric", "fid",
                   "--set", "eval.num=100", "--set", "eval.steps=5", "--set", f"run.storage={tmp_path}",
-                  "--set", "data.labels=auto", "--set", "model.num_classes=auto")
+                  "--set", "data.labels=auto", "--set", "model.num_classes=auto",
+                  "--set", "scaling.num_workers=1", "--set", "scaling.cpus_per_worker=2")
     assert proc.returncode == 0, failed(head, proc)
     rows = list(csv.DictReader((tmp_path / "jobsweep" / "results.csv").open()))
     assert len(rows) == 2 and all(float(r["digits_fd"]) > 0 for r in rows if r["status"] == "finished")
@@ -197,7 +199,7 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes_to_the_end(head, tmp
     and succeeds, in the head's cluster, with everything in the run's storage."""
     command = ["python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
                "--set", "train.total_steps=150", "--set", "train.checkpoint_every=100", "--set", "train.log_every=10",
-               "--set", "train.sample_every=0"]
+               "--set", "train.sample_every=0", "--set", "scaling.num_workers=1"]
     # Ray gives a stopped job 3 s before SIGKILL by default; raydiff needs a little longer for its last checkpoint.
     stop_env = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}
     started = submit(head, *command, "--set", "debug.step_delay_s=0.1", runtime_env=stop_env, wait=False)

@@ -157,7 +157,8 @@ def test_ctrl_c_during_training_stops_after_a_final_checkpoint(cluster, tmp_path
     handler would abort the run without one and exit 1 with nothing printed."""
     code, output = run_cli_interrupted(
         "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set", "train.total_steps=1000",
-        "--set", "train.sample_every=0", "--set", "debug.step_delay_s=0.05", at="[raydiff] step 20/")
+        "--set", "train.sample_every=0", "--set", "debug.step_delay_s=0.05", "--set", "scaling.num_workers=1",
+        at="[raydiff] step 20/")
     assert code == 128 + signal.SIGINT, output[-3000:]
     assert "SIGINT: stopping after a final checkpoint (Ctrl-C again to stop at once)" in output
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())

@@ -21,7 +21,7 @@ from raydiff.runs.checkpoint import list_checkpoints, read_state
 from raydiff.storage.fs import S3_RETRY_ATTEMPTS
 
 SMOKE_40 = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=5",
-            "--set", "run.keep_checkpoints=100"]
+            "--set", "run.keep_checkpoints=100", "--set", "scaling.num_workers=1"]
 
 
 def _train(storage: str, *extra: str):

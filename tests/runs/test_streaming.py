@@ -34,7 +34,7 @@ ROWS_PER_SHARD = 64 * 1024  # 4 MB shards: 100 of them
 TOTAL = 40
 FAST = ["--config", "smoke", "--set", "train.checkpoint_every=10", "--set", "train.log_every=10",
         "--set", "train.sample_every=0", "--set", "run.keep_checkpoints=10", "--set", "log.tensorboard=false",
-        "--set", f"train.total_steps={TOTAL}"]
+        "--set", f"train.total_steps={TOTAL}", "--set", "scaling.num_workers=1"]
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,8 @@ def test_preparation_is_stoppable_exclusive_and_cleans_up_after_a_kill(cluster, 
     write_synthetic(tmp_path / "raw", num=8000, resolution=16, fmt="png", seed=0)
     args = [sys.executable, "-m", "raydiff.train", *DIGITS, "--set", f"data.source={tmp_path / 'raw'}",
             "--set", "data.resolution=8", "--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001",
-            "--set", "data.stream_window_shards=2", "--set", "train.total_steps=10", "--set", f"run.storage={tmp_path}"]
+            "--set", "data.stream_window_shards=2", "--set", "train.total_steps=10", "--set", f"run.storage={tmp_path}",
+            "--set", "scaling.num_workers=1"]
     env = dict(os.environ, RAY_ADDRESS=cluster.address)
     stream = tmp_path / ".raydiff-stream"
 

@@ -78,8 +78,9 @@ def test_check_writable_says_why_and_leaves_nothing(tmp_path, s3_server):
         RunDir("s3://rundir-missing/runs/one", endpoint=endpoint).check_writable()
 
 
-STEPS = ["--config", "smoke", "--set", "train.total_steps=40", "--set", "train.checkpoint_every=10",
-         "--set", "train.sample_every=20", "--set", "train.log_every=10", "--set", "run.keep_checkpoints=10",
+STEPS = ["--config", "smoke", "--set", "scaling.num_workers=1", "--set", "train.total_steps=40",
+         "--set", "train.checkpoint_every=10", "--set", "train.sample_every=20", "--set", "train.log_every=10",
+         "--set", "run.keep_checkpoints=10",
          # Streamed: the digits are prepared once into the run storage (S3 here), in 9 shards, and read from there.
          "--set", "data.cache=stream", "--set", "data.stream_buffer_gb=0.0001", "--set", "data.stream_window_shards=2"]
 
