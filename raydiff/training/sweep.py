@@ -36,8 +36,8 @@ from raydiff.training.sweep_plan import Sweep, concurrent_trials, trial_config
 
 # A trial only waits on its TorchTrainer, so it asks Ray for no CPU: one byte of memory, as Tune refuses a trial that
 # asks for nothing. Its workers hold the real CPUs and take the trial's share whole: a fraction of a CPU held by each
-# waiting trial (as before) left a share of 1.998 of 2 CPUs, where an explicit scaling.cpus_per_worker = 2 never
-# fit and the sweep waited forever. Every trial's waiting actor may be up at once (a re-run resumes the failed
+# waiting trial would leave a share of 1.998 of 2 CPUs, where an explicit scaling.cpus_per_worker = 2 never fits
+# and the sweep waits forever. Every trial's waiting actor may be up at once (a re-run resumes the failed
 # trials all together: Tune's max_concurrent_trials applies only when it creates trials); they hold nothing the
 # workers need, so a running trial's workers always fit, and the others' wait for them to finish.
 TRIAL_RESOURCES: dict[str, float] = {"CPU": 0, "memory": 1}
