@@ -187,28 +187,17 @@ def bench_table(cfg: Config) -> ImageTable:
         0, 256, (4 * t.global_batch, d.channels, d.resolution, d.resolution), dtype=np.uint8)])
 
 
-def loader_stream(cfg: Config, device: torch.device, table: ImageTable):
-    """raydiff's loader thread over `table` (`bench_table`'s images), as a worker on `device` opens it."""
-    from raydiff.data.loader import BatchStream
-    from raydiff.data.noise import drawn_on_device
+def bench_stream(cfg: Config, device: torch.device, table: ImageTable, images: DeviceImages | None = None):
+    """One worker's batches of `table` (`bench_table`'s images), as a worker on `device` opens them: by the loader
+    thread, or gathered on the device from `images` (the same images kept there: `data.on_device`)."""
+    from raydiff.data.on_device import open_batches
     from raydiff.data.order import SampleOrder, rank_share
 
     t = cfg.train
-    return BatchStream(table=table, order=SampleOrder(len(table), seed=0),
-                       global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
-                       micro_batch=t.global_batch, start_step=0, pin_memory=device.type == "cuda",
-                       noise=(0, cfg.diffusion.timesteps), device_noise=drawn_on_device(device))
-
-
-def device_stream(cfg: Config, images: DeviceImages):
-    """Each step's batch gathered on the device from `images` (`bench_table`'s, kept there: `data.on_device`)."""
-    from raydiff.data.on_device import DeviceBatchStream
-    from raydiff.data.order import SampleOrder, rank_share
-
-    t = cfg.train
-    return DeviceBatchStream(images=images, order=SampleOrder(len(images.images), seed=0),
-                             global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
-                             micro_batch=t.global_batch, start_step=0, seed=0)
+    return open_batches(table=table, images=images, order=SampleOrder(len(table), seed=0),
+                        global_batch=t.global_batch, share=rank_share(t.global_batch, 1, 0),
+                        micro_batch=t.global_batch, start_step=0, seed=0, timesteps=cfg.diffusion.timesteps,
+                        device=device)
 
 
 def worker_stream(cfg: Config, device: torch.device):
@@ -218,7 +207,7 @@ def worker_stream(cfg: Config, device: torch.device):
 
     table = bench_table(cfg)
     images, _ = place_images(cfg.data.on_device, table, device)
-    return loader_stream(cfg, device, table) if images is None else device_stream(cfg, images)
+    return bench_stream(cfg, device, table, images)
 
 
 def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | None) -> dict[str, Any]:
@@ -238,6 +227,7 @@ def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | No
 
 def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:
     """The rows of the module's docstring, at the config's global batch on `device`."""
+    from raydiff.data.on_device import DeviceImages
     from raydiff.model.weight_averages import EmaUpdater, make_ema
     from raydiff.training.speed import set_tf32
     from raydiff.training.step import optimizer_step
@@ -245,10 +235,8 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
     batch = cfg.train.global_batch
     plan, parts, model = planned_step(cfg, device)
     update = EmaUpdater(make_ema(model), model)
-    from raydiff.data.on_device import DeviceImages
-
     table = bench_table(cfg)
-    stream, gathered = loader_stream(cfg, device, table), device_stream(cfg, DeviceImages(table, device))
+    stream, gathered = bench_stream(cfg, device, table), bench_stream(cfg, device, table, DeviceImages(table, device))
     reused = next(stream)
     steps_of: dict[str, Callable[[], object]] = {
         "bare": bare_step(cfg, plan, parts, model),

@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raydiff.data.loader import ImageTable, MicroBatch, class_ids
+from raydiff.data.loader import Batches, BatchStream, ImageTable, MicroBatch, class_ids
 from raydiff.data.node_cache import StreamTable
+from raydiff.data.noise import drawn_on_device
 from raydiff.data.order import SampleOrder, Share, micro_batches
 
 DEVICE_SHARE = 1 / 8  # `auto` keeps the images on a GPU when they take at most this share of its memory
@@ -109,3 +110,17 @@ class DeviceBatchStream:
 
     def close(self) -> None:
         """Nothing runs beside the training thread."""
+
+
+def open_batches(*, table: ImageTable | StreamTable, images: DeviceImages | None, order: SampleOrder,
+                 global_batch: int, share: Share, micro_batch: int, start_step: int, seed: int, timesteps: int,
+                 device: torch.device, labels: tuple[float, int] | None = None) -> Batches:
+    """A worker's micro-batches from `start_step` on: gathered on the device from `images` where `place_images`
+    put them there, else by the loader thread from `table` (with each position's noise, drawn on `device` where
+    that is a GPU). `seed` keys the noise and label dropout alike on both paths."""
+    if images is not None:
+        return DeviceBatchStream(images=images, order=order, global_batch=global_batch, share=share,
+                                 micro_batch=micro_batch, start_step=start_step, seed=seed, labels=labels)
+    return BatchStream(table=table, order=order, global_batch=global_batch, share=share, micro_batch=micro_batch,
+                       start_step=start_step, pin_memory=device.type == "cuda", noise=(seed, timesteps),
+                       device_noise=drawn_on_device(device), labels=labels)

@@ -20,10 +20,9 @@ import ray.train.torch
 import torch
 
 from raydiff.config import Config
-from raydiff.data.loader import Batches, BatchStream, ImageTable
+from raydiff.data.loader import Batches, ImageTable
 from raydiff.data.node_cache import StreamTable
-from raydiff.data.noise import drawn_on_device
-from raydiff.data.on_device import DeviceBatchStream, DeviceImages, place_images
+from raydiff.data.on_device import DeviceImages, open_batches, place_images
 from raydiff.data.order import SampleOrder, micro_batches, rank_share
 from raydiff.data.run_images import open_tables
 from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
@@ -110,14 +109,10 @@ class Worker:
         t = self.cfg.train
         share = rank_share(t.global_batch, self.world_size, self.rank)
         labels = (t.label_dropout, self.num_classes) if self.num_classes else None
-        if self.device_images is not None:
-            return DeviceBatchStream(images=self.device_images, order=self.order, global_batch=t.global_batch,
-                                     share=share, micro_batch=self.micro_batch, start_step=progress.stream_step,
-                                     seed=t.seed, labels=labels)
-        return BatchStream(table=self.table, order=self.order, global_batch=t.global_batch, share=share,
-                           micro_batch=self.micro_batch, start_step=progress.stream_step,
-                           pin_memory=self.device.type == "cuda", noise=(t.seed, self.cfg.diffusion.timesteps),
-                           device_noise=drawn_on_device(self.device), labels=labels)
+        return open_batches(table=self.table, images=self.device_images, order=self.order,
+                            global_batch=t.global_batch, share=share, micro_batch=self.micro_batch,
+                            start_step=progress.stream_step, seed=t.seed, timesteps=self.cfg.diffusion.timesteps,
+                            device=self.device, labels=labels)
 
     def event(self, event: str, **fields: Any) -> None:
         if self.events is not None:
