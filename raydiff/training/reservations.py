@@ -8,10 +8,13 @@ a run that no longer exists: an elastic run waits on them ("ready resources for 
 smaller share. A sweep therefore notes each trial's run and cancels its request once the trial's actor is dead
 (no renewal can follow), and every one at the end.
 
-A killed trial's controller may also be placing a new worker group as it dies (it saw its workers die first). Ray
-removes a job's placement groups when the job ends, but not one whose placement completes just after: a sweep
-stopped by Ctrl-C once left such a group holding the cluster's CPUs until the cluster stopped. So at the end the
-sweep waits for its trials' actors to be gone and removes the placement groups its job still holds.
+A killed trial's controller may also be placing a new worker group as it dies: Tune removes the trial's own group
+first, which kills the trial's workers, and the controller, marked dead but still running for a moment, starts a
+new group. Ray keeps a group whose creator actor has died until the job ends, and one placed after its creator was
+marked dead for ever (it misses that creator's death): such a group held the 2 CPUs of a test cluster, and the
+sweep's next trial waited on them until the test timed out. So while a sweep runs it removes every placement group
+of its job whose creator actor is dead (what Ray Train's own cleaner does for a group it was told of); and at its
+end it waits until every actor it made is dead and its process gone, then removes the groups its job still holds.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from raydiff.storage.rundir import RunDir
 
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's detached actor: (name, namespace)
 CHECK_EVERY_S = 5.0
-TRIALS_GONE_WAIT_S = 30.0  # for the actors of trials Tune has killed to be dead
+ACTORS_GONE_WAIT_S = 30.0  # for the processes of the actors a sweep made to end, once Tune has stopped its trials
+STATE_LIMIT = 10_000  # the most rows the state API lists (its default, 100, is a few sweeps' actors)
 LIVE_GROUP_STATES = ("PENDING", "CREATED", "RESCHEDULING")
 logger = logging.getLogger("raydiff")
 
@@ -79,11 +83,18 @@ def _dead(actor_id: str) -> bool:
 
 @contextlib.contextmanager
 def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[None]:
-    """While a sweep runs, cancel the reservation of each trial whose actor has died; at the end (every trial
-    stopped), of all of them. Needs the state API, which sweeps require anyway."""
+    """While a sweep runs, cancel the reservation of each trial whose actor has died and remove the placement groups
+    whose creator actor has; at the end (every trial stopped), cancel all of them and remove the groups the sweep's
+    job still holds. Needs the state API, which sweeps require anyway."""
     released: set[str] = set()
     done = threading.Event()
-    others = set(placement_group_table())  # the process's own, from before the sweep: never the sweep's to remove
+    # The process's own, from before the sweep: never the sweep's to remove, nor to wait for.
+    groups_before = set(placement_group_table())
+    actors_before: set[str] | None = None
+    try:
+        actors_before = job_actor_ids()
+    except Exception:  # without it the end cannot tell the sweep's actors: Ray removes the groups, all but a late one
+        logger.debug("listing the job's actors failed", exc_info=True)
 
     def release(trials: dict[str, str], everything: bool) -> None:  # {requester: its trial's actor id}
         gone = [r for r, actor in trials.items() if everything or (r not in released and _dead(actor))]
@@ -97,6 +108,10 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
                 release(ray.get(runs.all.remote()), everything=False)
             except Exception:  # best effort while trials run; the final release retries
                 logger.debug("releasing the reservations of killed trials failed", exc_info=True)
+            try:
+                remove_orphaned_placement_groups(keep=groups_before)
+            except Exception:  # best effort: the next check asks again, and the end removes every group
+                logger.debug("removing the groups of killed trials' controllers failed", exc_info=True)
 
     watcher = threading.Thread(target=watch, name="raydiff-release-reservations", daemon=True)
     watcher.start()
@@ -105,31 +120,92 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
     finally:
         done.set()
         watcher.join()
-        trials: dict[str, str] | None = None
         try:
-            trials = ray.get(runs.all.remote())
-            release(trials, everything=True)
+            release(ray.get(runs.all.remote()), everything=True)
         except Exception as exc:  # noqa: BLE001 - the sweep's results stand; Ray expires the requests itself
             print(f"[raydiff] could not release the trials' resource reservations ({type(exc).__name__}: {exc}); "
                   f"Ray frees them within 3 minutes")
         try:
-            if trials is not None:
-                remove_leftover_placement_groups(list(trials.values()), keep=others)
+            if actors_before is not None:
+                remove_leftover_placement_groups(keep_groups=groups_before, keep_actors=actors_before)
         except Exception:  # best effort: Ray removes the job's groups when it ends, all but a late one
             logger.debug("removing the trials' leftover placement groups failed", exc_info=True)
 
 
-def remove_leftover_placement_groups(trial_actor_ids: list[str], *, keep: Collection[str] = (),
-                                     wait_s: float = TRIALS_GONE_WAIT_S) -> list[str]:
-    """Once the trials' actors are dead (waiting up to `wait_s`), remove the placement groups this job still holds
-    but those in `keep` (made before the sweep): none of the sweep's is in use after it. Returns their ids."""
+def orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
+    """The ids of this job's live placement groups (but those in `keep`) whose creator actor is dead. In a sweep
+    these are killed trials' Train controllers' worker groups: nothing else uses one, as its workers die with the
+    controller. Which actor created a group is in the GCS's placement group table, but in no public API."""
+    from ray._private.state import state as gcs_state
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData  # type: ignore[attr-defined]  # generated, no stubs
+
+    job = ray.get_runtime_context().get_job_id()
+    live = (PlacementGroupTableData.PENDING, PlacementGroupTableData.PREPARED, PlacementGroupTableData.CREATED,
+            PlacementGroupTableData.RESCHEDULING)
+    creators: dict[str, str] = {}  # group id -> its creator actor's id
+    for row in map(PlacementGroupTableData.FromString,
+                   gcs_state._connect_and_get_accessor().get_placement_group_table()):
+        group, creator = row.placement_group_id.hex(), row.creator_actor_id
+        # A group a driver or a task made has the nil actor id (all ones) or none.
+        made_by_actor = creator.strip(b"\xff") != b""
+        if row.creator_job_id.hex() == job and row.state in live and not row.is_detached and made_by_actor \
+                and group not in keep:
+            creators[group] = creator.hex()
+    dead = {actor for actor in set(creators.values()) if _dead(actor)}
+    return [group for group, actor in creators.items() if actor in dead]
+
+
+def remove_orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
+    """Remove `orphaned_placement_groups(keep)`; returns their ids."""
+    orphans = orphaned_placement_groups(keep)
+    for group_id in orphans:
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
+    return orphans
+
+
+def job_actor_ids() -> set[str]:
+    """The ids of every actor this job has made, in any state."""
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    return {a.actor_id for a in list_actors(filters=[("job_id", "=", job)], limit=STATE_LIMIT, timeout=30,
+                                            raise_on_missing_output=False)}
+
+
+def _actors_gone(keep: Collection[str]) -> bool:
+    """Whether every actor of this job but those in `keep` and the detached (which outlive it by design, such as
+    Ray Train's placement-group cleaners) is dead and its process has ended. (Ray's listings count a filter's
+    misses as missing output: hence raise_on_missing_output=False, with a limit no cluster reaches.)"""
+    from ray.util.state import list_actors, list_workers
+
+    job = ray.get_runtime_context().get_job_id()
+    actors = [a for a in list_actors(filters=[("job_id", "=", job)], detail=True, limit=STATE_LIMIT, timeout=10,
+                                     raise_on_missing_output=False)
+              if a.actor_id not in keep and not a.is_detached]
+    if any(a.state != "DEAD" for a in actors):
+        return False
+    running = {(w.node_id, w.pid) for w in list_workers(filters=[("is_alive", "=", "True")], limit=STATE_LIMIT,
+                                                         timeout=10, raise_on_missing_output=False)}
+    return not any((a.node_id, a.pid) in running for a in actors)
+
+
+def remove_leftover_placement_groups(*, keep_groups: Collection[str] = (), keep_actors: Collection[str] = (),
+                                     wait_s: float = ACTORS_GONE_WAIT_S) -> list[str]:
+    """Once every actor this job made but those in `keep_actors` (alive before the sweep) is dead and its process
+    ended (waiting up to `wait_s`), remove the placement groups the job still holds but those in `keep_groups`: none
+    of the sweep's is in use after it, and no process is left to place another. Returns their ids."""
     deadline = time.monotonic() + wait_s
-    while trial_actor_ids and time.monotonic() < deadline and not all(_dead(a) for a in trial_actor_ids):
+    while time.monotonic() < deadline:
+        try:
+            if _actors_gone(keep_actors):
+                break
+        except Exception:  # a slow state API on a busy cluster: ask again until the deadline
+            logger.debug("listing the sweep's actors failed", exc_info=True)
         time.sleep(0.5)
     job = ray.get_runtime_context().get_job_id()
     # A placement group's id ends with its creator job's.
     left = [group_id for group_id, group in placement_group_table().items()
-            if group_id.endswith(job) and group_id not in keep and group["state"] in LIVE_GROUP_STATES]
+            if group_id.endswith(job) and group_id not in keep_groups and group["state"] in LIVE_GROUP_STATES]
     for group_id in left:
         remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
     return left
