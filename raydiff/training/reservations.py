@@ -74,10 +74,16 @@ def cancel_requests(requesters: list[str]) -> None:
     ray.get([coordinator.cancel_request.remote(requester_id=r) for r in requesters], timeout=30)
 
 
+def cluster_address() -> str:
+    """The address of the cluster this process is connected to, for the state API, which otherwise looks a cluster
+    up and refuses where it finds two on one machine."""
+    return ray.get_runtime_context().gcs_address
+
+
 def _dead(actor_id: str) -> bool:
     from ray.util.state import get_actor
 
-    state = get_actor(actor_id, timeout=10)
+    state = get_actor(actor_id, address=cluster_address(), timeout=10)
     return state is not None and state.state == "DEAD"  # unknown: leave it to the release at the end
 
 
@@ -168,8 +174,9 @@ def job_actor_ids() -> set[str]:
     from ray.util.state import list_actors
 
     job = ray.get_runtime_context().get_job_id()
-    return {a.actor_id for a in list_actors(filters=[("job_id", "=", job)], limit=STATE_LIMIT, timeout=30,
-                                            raise_on_missing_output=False)}
+    actors = list_actors(address=cluster_address(), filters=[("job_id", "=", job)], limit=STATE_LIMIT, timeout=30,
+                         raise_on_missing_output=False)
+    return {a.actor_id for a in actors}
 
 
 def _actors_gone(keep: Collection[str]) -> bool:
@@ -179,13 +186,14 @@ def _actors_gone(keep: Collection[str]) -> bool:
     from ray.util.state import list_actors, list_workers
 
     job = ray.get_runtime_context().get_job_id()
-    actors = [a for a in list_actors(filters=[("job_id", "=", job)], detail=True, limit=STATE_LIMIT, timeout=10,
-                                     raise_on_missing_output=False)
+    actors = [a for a in list_actors(address=cluster_address(), filters=[("job_id", "=", job)], detail=True,
+                                     limit=STATE_LIMIT, timeout=10, raise_on_missing_output=False)
               if a.actor_id not in keep and not a.is_detached]
     if any(a.state != "DEAD" for a in actors):
         return False
-    running = {(w.node_id, w.pid) for w in list_workers(filters=[("is_alive", "=", "True")], limit=STATE_LIMIT,
-                                                         timeout=10, raise_on_missing_output=False)}
+    workers = list_workers(address=cluster_address(), filters=[("is_alive", "=", "True")], limit=STATE_LIMIT,
+                           timeout=10, raise_on_missing_output=False)
+    running = {(w.node_id, w.pid) for w in workers}
     return not any((a.node_id, a.pid) in running for a in actors)
 
 

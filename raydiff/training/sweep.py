@@ -85,8 +85,10 @@ def _require_state_api() -> None:
     reserved and the next trial waits forever, so refuse up front."""
     from ray.util.state import list_actors
 
+    from raydiff.training.reservations import cluster_address
+
     try:
-        list_actors(limit=1, timeout=10, raise_on_missing_output=False)
+        list_actors(address=cluster_address(), limit=1, timeout=10, raise_on_missing_output=False)
     except Exception:
         raise ConfigError("this Ray cluster has no state API (started without the dashboard): sweeps need it to "
                           "free the resources of stopped trials; start Ray with the dashboard (the default of "

@@ -53,7 +53,9 @@ def test_a_group_whose_creator_actor_died_is_removed_while_the_sweep_runs_and_no
     try:
         assert remove_orphaned_placement_groups(keep={before.id.hex(), kept}) == []  # every creator alive
         ray_session.kill(controller)
-        wait_for(lambda: get_actor(controller._actor_id.hex()).state == "DEAD", what="the controller's death")
+        address = ray_session.get_runtime_context().gcs_address  # the state API finds two clusters here
+        wait_for(lambda: get_actor(controller._actor_id.hex(), address=address).state == "DEAD",
+                 what="the controller's death")
         assert placement_group_table()[orphan]["state"] == "CREATED"  # Ray keeps it
         assert remove_orphaned_placement_groups(keep={before.id.hex(), kept}) == [orphan]
         table = placement_group_table()
