@@ -37,7 +37,6 @@ COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray's deta
 CHECK_EVERY_S = 5.0
 ACTORS_GONE_WAIT_S = 30.0  # for the processes of the actors a sweep made to end, once Tune has stopped its trials
 STATE_LIMIT = 10_000  # the most rows the state API lists (its default, 100, is a few sweeps' actors)
-LIVE_GROUP_STATES = ("PENDING", "CREATED", "RESCHEDULING")
 logger = logging.getLogger("raydiff")
 
 
@@ -138,57 +137,65 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
             logger.debug("removing the trials' leftover placement groups failed", exc_info=True)
 
 
-def orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
-    """The ids of this job's live placement groups (but those in `keep`) whose creator actor is dead. In a sweep
-    these are killed trials' Train controllers' worker groups: nothing else uses one, as its workers die with the
-    controller. Which actor created a group is in the GCS's placement group table, but in no public API."""
+def _live_groups() -> dict[str, str | None]:
+    """This job's live placement groups, but detached ones: id -> the id of the actor that created it (None: the
+    driver or a task did). Which actor created a group is in the GCS's placement group table, but in no public
+    API."""
     from ray._private.state import state as gcs_state
     from ray.core.generated.gcs_pb2 import PlacementGroupTableData  # type: ignore[attr-defined]  # generated, no stubs
 
     job = ray.get_runtime_context().get_job_id()
     live = (PlacementGroupTableData.PENDING, PlacementGroupTableData.PREPARED, PlacementGroupTableData.CREATED,
             PlacementGroupTableData.RESCHEDULING)
-    creators: dict[str, str] = {}  # group id -> its creator actor's id
+    groups: dict[str, str | None] = {}
     for row in map(PlacementGroupTableData.FromString,
                    gcs_state._connect_and_get_accessor().get_placement_group_table()):
-        group, creator = row.placement_group_id.hex(), row.creator_actor_id
-        # A group a driver or a task made has the nil actor id (all ones) or none.
-        made_by_actor = creator.strip(b"\xff") != b""
-        if row.creator_job_id.hex() == job and row.state in live and not row.is_detached and made_by_actor \
-                and group not in keep:
-            creators[group] = creator.hex()
+        if row.creator_job_id.hex() == job and row.state in live and not row.is_detached:
+            creator = row.creator_actor_id  # the nil actor id (all ones), or none, where no actor made it
+            groups[row.placement_group_id.hex()] = creator.hex() if creator.strip(b"\xff") else None
+    return groups
+
+
+def _remove(group_ids: list[str]) -> list[str]:
+    for group_id in group_ids:
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
+    return group_ids
+
+
+def orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
+    """The ids of this job's live placement groups (but those in `keep`) whose creator actor is dead. In a sweep
+    these are killed trials' Train controllers' worker groups: nothing else uses one, as its workers die with the
+    controller."""
+    creators = {group: actor for group, actor in _live_groups().items() if actor and group not in keep}
     dead = {actor for actor in set(creators.values()) if _dead(actor)}
     return [group for group, actor in creators.items() if actor in dead]
 
 
 def remove_orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
     """Remove `orphaned_placement_groups(keep)`; returns their ids."""
-    orphans = orphaned_placement_groups(keep)
-    for group_id in orphans:
-        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
-    return orphans
+    return _remove(orphaned_placement_groups(keep))
+
+
+def _job_actors(*, detail: bool = False, timeout_s: int = 10) -> list:
+    """Every actor this job has made, in any state. (Ray's listings count a filter's misses as missing output:
+    hence raise_on_missing_output=False, with a limit no cluster reaches.)"""
+    from ray.util.state import list_actors
+
+    return list_actors(address=cluster_address(), filters=[("job_id", "=", ray.get_runtime_context().get_job_id())],
+                       detail=detail, limit=STATE_LIMIT, timeout=timeout_s, raise_on_missing_output=False)
 
 
 def job_actor_ids() -> set[str]:
     """The ids of every actor this job has made, in any state."""
-    from ray.util.state import list_actors
-
-    job = ray.get_runtime_context().get_job_id()
-    actors = list_actors(address=cluster_address(), filters=[("job_id", "=", job)], limit=STATE_LIMIT, timeout=30,
-                         raise_on_missing_output=False)
-    return {a.actor_id for a in actors}
+    return {a.actor_id for a in _job_actors(timeout_s=30)}
 
 
 def _actors_gone(keep: Collection[str]) -> bool:
     """Whether every actor of this job but those in `keep` and the detached (which outlive it by design, such as
-    Ray Train's placement-group cleaners) is dead and its process has ended. (Ray's listings count a filter's
-    misses as missing output: hence raise_on_missing_output=False, with a limit no cluster reaches.)"""
-    from ray.util.state import list_actors, list_workers
+    Ray Train's placement-group cleaners) is dead and its process has ended."""
+    from ray.util.state import list_workers
 
-    job = ray.get_runtime_context().get_job_id()
-    actors = [a for a in list_actors(address=cluster_address(), filters=[("job_id", "=", job)], detail=True,
-                                     limit=STATE_LIMIT, timeout=10, raise_on_missing_output=False)
-              if a.actor_id not in keep and not a.is_detached]
+    actors = [a for a in _job_actors(detail=True) if a.actor_id not in keep and not a.is_detached]
     if any(a.state != "DEAD" for a in actors):
         return False
     workers = list_workers(address=cluster_address(), filters=[("is_alive", "=", "True")], limit=STATE_LIMIT,
@@ -200,8 +207,9 @@ def _actors_gone(keep: Collection[str]) -> bool:
 def remove_leftover_placement_groups(*, keep_groups: Collection[str] = (), keep_actors: Collection[str] = (),
                                      wait_s: float = ACTORS_GONE_WAIT_S) -> list[str]:
     """Once every actor this job made but those in `keep_actors` (alive before the sweep) is dead and its process
-    ended (waiting up to `wait_s`), remove the placement groups the job still holds but those in `keep_groups`: none
-    of the sweep's is in use after it, and no process is left to place another. Returns their ids."""
+    ended (waiting up to `wait_s`), remove the groups the job still holds (not detached) but those in
+    `keep_groups`: none of the sweep's is in use after it, and no process is left to place another. Returns their
+    ids."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
@@ -210,13 +218,7 @@ def remove_leftover_placement_groups(*, keep_groups: Collection[str] = (), keep_
         except Exception:  # a slow state API on a busy cluster: ask again until the deadline
             logger.debug("listing the sweep's actors failed", exc_info=True)
         time.sleep(0.5)
-    job = ray.get_runtime_context().get_job_id()
-    # A placement group's id ends with its creator job's.
-    left = [group_id for group_id, group in placement_group_table().items()
-            if group_id.endswith(job) and group_id not in keep_groups and group["state"] in LIVE_GROUP_STATES]
-    for group_id in left:
-        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
-    return left
+    return _remove([group_id for group_id in _live_groups() if group_id not in keep_groups])
 
 
 def cancel_previous_reservation(run_dir: RunDir, requester: str) -> None:
