@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -150,25 +151,49 @@ def test_a_client_without_the_token_is_told_so_in_one_line_and_nothing_is_writte
     assert not (tmp_path / "runs" / "smoke").exists()
 
 
-def test_a_command_joins_the_cluster_that_ray_start_left_its_address_and_token_for(head, tmp_path):
+def test_a_command_joins_the_cluster_that_ray_start_left_its_address_for_and_waits_there_for_room_in_a_line(
+        head, tmp_path):
     """After `ray start --head` on a machine, a command with no RAY_ADDRESS and no auth settings joins that head:
     Ray reads its address from RAY_TMPDIR/ray/ray_current_cluster (written by hand here, as `ray start` writes it
     under /tmp) and, for a cluster found that way, the token from ~/.ray/auth_token (an address passed on to
-    ray.init would not load it and be refused)."""
+    ray.init would not load it and be refused). While another job holds the head's CPUs, the run's workers find no
+    room: Ray Train gives up on them after its start timeout (60 s; 5 s here) and tries again, for as long as it
+    takes, and its controller's traceback of each try is one raydiff line instead. Once the CPUs are free, the run
+    trains to its end."""
+    holder = submit(head, "python", "-c", "import time; time.sleep(600)", entrypoint_cpus=2, wait=False)
+    assert holder.returncode == 0, failed(head, holder)
+    holder_id = head["jobs"][-1]
     home, ray_tmp = tmp_path / "home", tmp_path / "tmp"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text(head["token"])
     (ray_tmp / "ray").mkdir(parents=True)
     (ray_tmp / "ray" / "ray_current_cluster").write_text(head["gcs"])
     env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "RAY_ADDRESS")}
-    env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp))
-    proc = subprocess.run([sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set",
-                           f"run.storage={tmp_path / 'runs'}", "--set", "train.sample_every=0",
-                           "--set", "scaling.num_workers=1"], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env.update(HOME=str(home), RAY_TMPDIR=str(ray_tmp), RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="5")
+    proc = subprocess.Popen([sys.executable, "-m", "raydiff.train", "--config", "smoke", "--set",
+                             f"run.storage={tmp_path / 'runs'}", "--set", "train.sample_every=0",
+                             "--set", "scaling.num_workers=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+    too_long = threading.Timer(480, proc.kill)  # the holder sleeps 600 s: a run that never waits fails here
+    too_long.start()
+    lines = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "[raydiff] still waiting for room on the cluster for 1 worker: " in line and holder_id:
+                job_api(head, f"{holder_id}/stop", method="POST")  # the CPUs come free
+                holder_id = ""
+        code = proc.wait()
+    finally:
+        too_long.cancel()
+        proc.kill()
+    output = "".join(lines)
+    assert code == 0 and not holder_id, output[-3000:]
     port = head["gcs"].rpartition(":")[2]  # Ray names the head by the machine's address, not loopback
-    assert re.search(rf"\[raydiff\] joined the Ray cluster at [\d.]+:{port}: ", proc.stdout), proc.stdout[-3000:]
+    assert re.search(rf"\[raydiff\] joined the Ray cluster at [\d.]+:{port}: ", output), output[-3000:]
+    assert "[raydiff] waiting for room on the cluster for 1 worker: none for 5 s (its resources are in use, or " \
+           "nodes are still being added); Ray Train tries again until there is" in output
+    assert "Traceback" not in output and "Error in control loop iteration" not in output, output[-5000:]
     assert json.loads((tmp_path / "runs" / "smoke" / "summary.json").read_text())["status"] == "finished"
 
 
@@ -226,33 +251,3 @@ def test_job_stop_checkpoints_and_a_resubmitted_job_resumes_to_the_end(head, tmp
     assert resumed["status"] == "finished" and resumed["steps"] == 150
     assert resumed["resumed_from_step"] == summary["steps"]
     assert (tmp_path / "smoke" / "samples" / "step_00000150.png").exists()  # the end's grid, written by the job
-
-
-def test_a_run_waiting_for_room_on_the_cluster_says_so_in_a_line_and_trains_once_there_is(head, tmp_path):
-    """While another job holds the head's CPUs, the run's workers find no room: Ray Train gives up on them after its
-    start timeout (60 s; 5 s here) and tries again, for as long as it takes, and its controller's traceback of each
-    try is one raydiff line instead. Once the CPUs are free, the run trains to its end."""
-    holder = submit(head, "python", "-c", "import time; time.sleep(600)", entrypoint_cpus=2, wait=False)
-    assert holder.returncode == 0, failed(head, holder)
-    holder_id = head["jobs"][-1]
-    run = submit(head, "python", "-m", "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}",
-                 "--set", "scaling.num_workers=1", "--set", "train.sample_every=0", wait=False,
-                 runtime_env={"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5"}})
-    assert run.returncode == 0, failed(head, run)
-    run_id = head["jobs"][-1]
-    deadline = time.time() + 240
-    still_waiting = "[raydiff] still waiting for room on the cluster for 1 worker: "
-    while still_waiting not in job_log(head, run_id):
-        assert time.time() < deadline and job_api(head, run_id)["status"] in ("PENDING", "RUNNING"), \
-            job_log(head, run_id)[-3000:]
-        time.sleep(1)
-    job_api(head, f"{holder_id}/stop", method="POST")
-    while job_api(head, run_id)["status"] in ("PENDING", "RUNNING"):
-        assert time.time() < deadline + 240, job_log(head, run_id)[-3000:]
-        time.sleep(1)
-    logs = job_log(head, run_id)
-    assert job_api(head, run_id)["status"] == "SUCCEEDED", logs[-3000:]
-    assert "[raydiff] waiting for room on the cluster for 1 worker: none for 5 s (its resources are in use, or " \
-           "nodes are still being added); Ray Train tries again until there is" in logs
-    assert "Traceback" not in logs and "Error in control loop iteration" not in logs, logs[-5000:]
-    assert json.loads((tmp_path / "smoke" / "summary.json").read_text())["status"] == "finished"

@@ -82,25 +82,14 @@ def test_a_command_leaves_its_caller_s_ray_connection_open(ray_session):
 
 
 @pytest.mark.ray
-def test_a_local_run_beside_another_ray_instance_trains_without_a_restart(cluster, tmp_path):
+def test_a_local_run_beside_another_ray_instance_trains_and_a_signal_to_its_process_group_stops_it_cleanly(
+        cluster, tmp_path, short_path):
     """A command with RAY_ADDRESS=local starts a Ray instance of its own while another runs on this machine (the
-    test group's cluster). Ray Train's placement-group cleaner looks its cluster up without an address: it must
-    still find its own, not fail on finding two, nor take the run's controller for dead and remove the workers
-    (docs/training.md#which-ray)."""
-    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set",
-                   "scaling.num_workers=1", "--set", "train.sample_every=0", env={"RAY_ADDRESS": "local"})
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-3000:]
-    assert "started a local Ray instance" in output
-    assert "Token authentication is enabled" not in output  # Ray's notice, which says how to turn it off
-    summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["restarts"] == 0, output[-3000:]
-    assert "Found multiple active Ray instances" not in output and "placement group was removed" not in output
+    test group's cluster). Ray Train's placement-group cleaner (which looks every second) looks its cluster up
+    without an address: it must still find its own, not fail on finding two, nor take the run's controller for
+    dead and remove the workers (docs/training.md#which-ray).
 
-
-@pytest.mark.ray
-def test_a_signal_to_a_local_runs_whole_process_group_stops_it_after_a_final_checkpoint(tmp_path, short_path):
-    """`timeout`, `kill -TERM -PGID` and schedulers signal a command's whole process group. The local Ray instance
+    `timeout`, `kill -TERM -PGID` and schedulers signal a command's whole process group. The local Ray instance
     that the command started is not in it: the command gets the signal, writes its final checkpoint, and stops the
     instance itself. (In the group, the instance stopped at once; the command waited a minute for it and failed.)"""
     instance: list[int] = []
@@ -115,7 +104,10 @@ def test_a_signal_to_a_local_runs_whole_process_group_stops_it_after_a_final_che
         act=signal_the_group, own_process_group=True, env={"RAY_ADDRESS": "local", "RAY_TMPDIR": str(short_path)})
     assert code == 128 + signal.SIGTERM, output[-3000:]
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
-    assert summary["status"] == "stopped", output[-3000:]
+    assert summary["status"] == "stopped" and summary["restarts"] == 0, output[-3000:]
+    assert "started a local Ray instance" in output
+    assert "Token authentication is enabled" not in output  # Ray's notice, which says how to turn it off
+    assert "Found multiple active Ray instances" not in output and "placement group was removed" not in output
     assert summary["checkpoint"].endswith(f"checkpoint_{summary['steps']:08d}")
     assert f"[raydiff] stopped at step {summary['steps']} (SIGTERM) after a final checkpoint" in output
     assert "Traceback" not in output and "Failed to connect to GCS" not in output, output[-3000:]

@@ -384,25 +384,17 @@ def test_precision_and_weight_decay_may_change_between_runs(cluster, reference, 
     assert [r["step"] for r in rows] == [10, 20, 30] and all(math.isfinite(r["loss"]) for r in rows)
 
 
-def test_the_flat_all_reduce_continues_a_ddp_run_bit_identically(cluster, reference, tmp_path):
-    """`train.allreduce: flat` (the all-reduce that lets CUDA graphs replay several workers' steps) averages as DDP
-    does: the reference run's last 20 steps, continued with it, end bit-identical to the reference's."""
-    run_dir = reference_until(reference, 100, tmp_path / "flat")
-    proc = train(cluster, tmp_path, "flat", "--set", "train.allreduce=flat")
+def test_the_flat_all_reduce_and_images_gathered_on_the_device_continue_a_ddp_run_bit_identically(cluster, reference,
+                                                                                                   tmp_path):
+    """Two other ways through a DDP step, taken together in one run (each changes nothing the other touches):
+    `train.allreduce: flat` (the all-reduce that lets CUDA graphs replay several workers' steps) averages as DDP
+    does, and `data.on_device: true` (on a CPU: the images in one tensor of the worker's, gathered by the training
+    thread, no loader thread) trains as the loader thread does, class ids and label dropout included. The
+    reference run's last 20 steps, continued so, end bit-identical to the reference's."""
+    run_dir = reference_until(reference, 100, tmp_path / "other-step")
+    proc = train(cluster, tmp_path, "other-step", "--set", "train.allreduce=flat", "--set", "data.on_device=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all-reduce flat" in proc.stdout + proc.stderr
-    assert summary(run_dir)["resumed_from_step"] == 100
-    assert_same_weights(final_state(run_dir), final_state(reference))
-    assert losses(run_dir) == losses(reference)
-
-
-def test_images_gathered_on_the_device_continue_a_run_bit_identically(cluster, reference, tmp_path):
-    """`data.on_device: true` (on a CPU: the images in one tensor of the worker's, gathered by the training thread,
-    no loader thread) trains as the loader thread does: the reference run's last 20 steps, continued so, class ids
-    and label dropout included, end bit-identical to the reference's."""
-    run_dir = reference_until(reference, 100, tmp_path / "on-device")
-    proc = train(cluster, tmp_path, "on-device", "--set", "data.on_device=true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"; data on the cpu \([0-9.]+ MB\); compile off", proc.stdout + proc.stderr)
     assert summary(run_dir)["resumed_from_step"] == 100
     assert_same_weights(final_state(run_dir), final_state(reference))
