@@ -33,6 +33,12 @@ def torch_threads(cpus_per_worker: float, environ: Mapping[str, str] = os.enviro
     return min(threads, int(cap)) if cap.isdigit() and int(cap) > 0 else threads
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until `device` has done all the work issued to it (a GPU runs behind the host; a CPU never does)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto`, `cpu`, `cuda` or `cuda:N` as a device of this machine; ValueError (one line) for others."""
     if name == "auto":

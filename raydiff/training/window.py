@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from raydiff.cluster.devices import synchronize
 from raydiff.training.distributed import summed
 from raydiff.training.step import StepResult
 
@@ -59,6 +60,9 @@ class MetricsWindow:
     def close(self, *, step: int, global_batch: int, lr: float, ema_decay: float, world_size: int,
               skipped_steps: int) -> dict[str, Any]:
         """One metrics row, averaged over all workers (a collective); the window starts afresh."""
+        # The window's time ends when its steps are done on the device, not when the host has issued them: a GPU
+        # runs several steps behind, and those would otherwise count in no window.
+        synchronize(self.device)
         elapsed = time.perf_counter() - self.start - self.paused_s
         loss_sum, samples, wait_frac_sum, *quarters = summed(
             [float(self.loss_sum), float(self.samples), self.data_wait_s / max(elapsed, 1e-9),

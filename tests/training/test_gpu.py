@@ -20,7 +20,7 @@ from raydiff.model.weight_averages import EmaUpdater, make_ema
 from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.microbatch import measure_micro_batch
 from raydiff.training.speed import SpeedPlan, for_training, unwrap
-from raydiff.training.step import StepParts, make_optimizer, optimizer_step
+from raydiff.training.step import StepParts, StepResult, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -200,6 +200,27 @@ def test_the_flat_all_reduce_under_cuda_graphs_trains_as_eager(tmp_path):
     finally:
         dist.destroy_process_group()
     _assert_same_steps(*flat, *eager, "flat all-reduce, CUDA graphs, NHWC")
+
+
+def test_a_windows_rate_counts_the_gpus_time_to_finish_its_steps():
+    """The host issues a window's steps long before the GPU has done them: the row's img/s is that of work done
+    on the device (here a step followed by about half a second of GPU work, issued in microseconds)."""
+    cuda = torch.device("cuda")
+    losses = torch.ones(8, device=cuda)
+    step = StepResult(finite=torch.tensor(True, device=cuda), grad_norm=torch.tensor(1.0, device=cuda),
+                      loss_sum=losses.sum(), samples=8, quarter_sums=torch.ones((2, 4), device=cuda),
+                      images=torch.zeros(1, dtype=torch.uint8, device=cuda), timesteps=torch.zeros(1, device=cuda),
+                      losses=losses)
+    torch.cuda.synchronize()
+    window = MetricsWindow(cuda)
+    window.add(step, 0.0)
+    started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    started.record()
+    torch.cuda._sleep(1_000_000_000)  # GPU clock cycles
+    ended.record()
+    row = window.close(step=1, global_batch=8, lr=1e-3, ema_decay=0.9, world_size=1, skipped_steps=0)
+    device_s = started.elapsed_time(ended) / 1e3
+    assert device_s > 0.1 and row["images_per_s"] <= 8 / device_s
 
 
 def test_micro_batch_auto_measures_what_fits():

@@ -1,10 +1,14 @@
 """The logging window: a window split by a checkpoint makes the row an unsplit one makes, the other workers of a
-resumed run start from zero, and the non-finite counter reports the longest streak since it was last asked."""
+resumed run start from zero, a window's img/s counts the device's time to finish its steps, and the non-finite
+counter reports the longest streak since it was last asked."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+import raydiff.training.window
 from raydiff.training.step import StepResult
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
@@ -47,6 +51,16 @@ def test_only_rank_0_takes_the_saved_sums_and_a_closed_window_starts_from_zero()
     assert float(other.loss_sum) == 0.0 and other.samples == 0
     saved.close(step=1, global_batch=8, lr=1e-3, ema_decay=0.9, world_size=1, skipped_steps=0)
     assert float(saved.loss_sum) == 0.0 and saved.samples == 0 and saved.steps == 0
+
+
+def test_a_windows_rate_counts_the_time_the_device_takes_to_finish_its_steps(monkeypatch):
+    """A GPU runs behind the host: the row's img/s is that of the steps done, not issued. The device's wait is
+    simulated here (a CPU never runs behind); tests/training/test_gpu.py checks it on a GPU."""
+    window = MetricsWindow(CPU)
+    window.add(_result(0), data_wait_s=0.0)
+    monkeypatch.setattr(raydiff.training.window, "synchronize", lambda device: time.sleep(0.5))
+    row = window.close(step=1, global_batch=8, lr=1e-3, ema_decay=0.9, world_size=1, skipped_steps=0)
+    assert row["images_per_s"] < 8 / 0.5
 
 
 def test_non_finite_steps_count_and_the_longest_streak_is_since_the_last_question():
