@@ -35,7 +35,7 @@ from raydiff.runs.state import Progress, checkpoint_state
 from raydiff.storage.errors import StorageFailure, storage_failure
 from raydiff.storage.writes import failed_write
 from raydiff.training.chief_records import log_row, record_rollback, record_start, save_sample_grid, save_snapshot
-from raydiff.training.distributed import from_rank_zero_code, interrupt_requested
+from raydiff.training.distributed import agreed_interrupt, from_rank_zero_code, interrupt_asked
 from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
 from raydiff.training.recovery import divergence_report, roll_back
 from raydiff.training.step import StepResult
@@ -120,6 +120,10 @@ class Cadence:
         step = progress.step
         done = step == t.total_steps
         check = step % CHECK_EVERY_STEPS == 0 or done  # the device's counters are read only here
+        # Ray is asked about a stop or preemption first, while a GPU still works through the steps queued before
+        # it: reading the counters waits for them, and the GPU would idle through Ray's round trips after that.
+        asked = interrupt_asked(self._stop_flag, w.is_chief, w.debug.preemption_notice(step)) if check and not done \
+            else None
         if step == self.start_step + 1:
             self._after_first_step(step)
         live.window.add(result, self._data_wait_s)
@@ -156,7 +160,7 @@ class Cadence:
             if w.is_chief and w.posthoc is not None and (step % self._snapshot_every == 0 or done):
                 self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step)
             # Stop or preemption, agreed by every worker.
-            interrupt = self._poll_interrupts(step) if check and not done else None
+            interrupt = self._agree_on_interrupts(asked) if asked is not None else None
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
             # (Tune stops trials on them); other rows go to metrics.jsonl only.
             report = ray_report(step, t.global_batch, self.quality, self.val_loss, row)
@@ -255,11 +259,10 @@ class Cadence:
             extra.update(quality)
         return extra
 
-    def _poll_interrupts(self, step: int) -> str | None:
-        """"stop", "preemption" or None, alike on every worker (a collective); one checkpoint per preemption
-        notice, not one per check while the notice lasts."""
-        w = self.w
-        interrupt = interrupt_requested(self._stop_flag, w.is_chief, w.device, w.debug.preemption_notice(step))
+    def _agree_on_interrupts(self, asked: int) -> str | None:
+        """"stop", "preemption" or None, alike on every worker (a collective of what each was `asked`); one
+        checkpoint per preemption notice, not one per check while the notice lasts."""
+        interrupt = agreed_interrupt(asked, self.w.device)
         notice = interrupt == "preemption"
         if notice and self._notice_handled:
             interrupt = None  # this notice has its checkpoint already

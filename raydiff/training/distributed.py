@@ -51,15 +51,16 @@ def summed(values: list[float], device: torch.device) -> list[float]:
     return box.tolist()
 
 
-def interrupt_requested(stop_flag, is_chief: bool, device: torch.device,
-                        simulated_preemption: bool = False) -> str | None:
-    """Whether to checkpoint now, decided alike on every worker: "stop" when the driver was asked to stop (rank 0
-    asks it), "preemption" when any worker's node is about to be reclaimed, else None."""
+def interrupt_asked(stop_flag, is_chief: bool, simulated_preemption: bool = False) -> int:
+    """This worker's answer to whether to checkpoint now, from Ray alone (round trips on the host, nothing on the
+    device): 2 when the driver was asked to stop (rank 0 asks it), 1 when a node is about to be reclaimed, else 0.
+    Every worker calls it at the same steps, then `agreed_interrupt`."""
     preempted = ray.train.get_preemption_info() is not None  # a collective itself: every rank must call it
     preempted = preempted or simulated_preemption
-    local = 2 if is_chief and stop_reason(stop_flag) else 1 if preempted else 0
-    if in_a_group():
-        box = torch.tensor(local, device=device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        local = int(box)
-    return {0: None, 1: "preemption", 2: "stop"}[local]
+    return 2 if is_chief and stop_reason(stop_flag) else 1 if preempted else 0
+
+
+def agreed_interrupt(asked: int, device: torch.device) -> str | None:
+    """Every worker's `interrupt_asked` answer as one decision, alike on every worker: "stop", "preemption" or
+    None."""
+    return {0: None, 1: "preemption", 2: "stop"}[_reduced(asked, device, dist.ReduceOp.MAX)]
