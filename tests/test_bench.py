@@ -73,6 +73,16 @@ def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     assert ours["profile"] == {"device_ms_per_step": None, "launches_per_step": 0}
 
 
+def test_the_throughput_bench_s_raydiff_rows_fall_on_the_loop_s_checks_where_the_steps_allow():
+    """A row waits for the device, as a check does: on the checks, the bench's run waits as often as a user's."""
+    from raydiff.bench.throughput import rows_every
+    from raydiff.training.cadence import CHECK_EVERY_STEPS
+
+    assert CHECK_EVERY_STEPS == 10
+    assert [rows_every(steps) for steps in (20, 30, 40, 60, 100, 200)] == [10, 10, 10, 10, 20, 40]
+    assert [rows_every(steps) for steps in (3, 25, 42)] == [1, 5, 8]  # the chunks, where no multiple of 10 fits
+
+
 def test_throughput_bench_rejects_bad_arguments():
     proc = run_cli("raydiff.bench", "throughput", "--steps", "1")
     assert proc.returncode == 2 and "--steps 1: must be >= 2" in proc.stderr
