@@ -120,10 +120,11 @@ class Cadence:
         step = progress.step
         done = step == t.total_steps
         check = step % CHECK_EVERY_STEPS == 0 or done  # the device's counters are read only here
-        # Ray is asked about a stop or preemption first, while a GPU still works through the steps queued before
-        # it: reading the counters waits for them, and the GPU would idle through Ray's round trips after that.
-        asked = interrupt_asked(self._stop_flag, w.is_chief, w.debug.preemption_notice(step)) if check and not done \
-            else None
+        asked = None
+        if check and not done:
+            # Ray is asked about a stop or preemption first, while a GPU still works through the steps queued
+            # before: reading the counters waits for them, and the GPU would idle through Ray's round trips after.
+            asked = interrupt_asked(self._stop_flag, w.is_chief, w.debug.preemption_notice(step))
         if step == self.start_step + 1:
             self._after_first_step(step)
         live.window.add(result, self._data_wait_s)
