@@ -121,8 +121,9 @@ def rows_every(steps: int) -> int:
     the checks add no wait a user's run does not have (its rows come every 100 steps in the presets)."""
     from raydiff.training.cadence import CHECK_EVERY_STEPS
 
-    every = CHECK_EVERY_STEPS * max(1, chunks(steps)[-1] // CHECK_EVERY_STEPS)
-    return every if steps % every == 0 else chunks(steps)[-1]
+    chunk = chunks(steps)[-1]
+    every = CHECK_EVERY_STEPS * max(1, chunk // CHECK_EVERY_STEPS)
+    return every if steps % every == 0 else chunk
 
 
 def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool) -> dict[str, Any]:

@@ -51,16 +51,19 @@ def summed(values: list[float], device: torch.device) -> list[float]:
     return box.tolist()
 
 
+INTERRUPTS = (None, "preemption", "stop")  # by code: the workers agree on the largest code any of them asked
+
+
 def interrupt_asked(stop_flag, is_chief: bool, simulated_preemption: bool = False) -> int:
     """This worker's answer to whether to checkpoint now, from Ray alone (round trips on the host, nothing on the
-    device): 2 when the driver was asked to stop (rank 0 asks it), 1 when a node is about to be reclaimed, else 0.
-    Every worker calls it at the same steps, then `agreed_interrupt`."""
+    device), as a code of INTERRUPTS: "stop" when the driver was asked to stop (rank 0 asks it), "preemption" when
+    a node is about to be reclaimed. Every worker calls it at the same steps, then `agreed_interrupt`."""
     preempted = ray.train.get_preemption_info() is not None  # a collective itself: every rank must call it
     preempted = preempted or simulated_preemption
-    return 2 if is_chief and stop_reason(stop_flag) else 1 if preempted else 0
+    return INTERRUPTS.index("stop" if is_chief and stop_reason(stop_flag) else "preemption" if preempted else None)
 
 
 def agreed_interrupt(asked: int, device: torch.device) -> str | None:
-    """Every worker's `interrupt_asked` answer as one decision, alike on every worker: "stop", "preemption" or
+    """Every worker's `interrupt_asked` code as one decision, alike on every worker: "stop", "preemption" or
     None."""
-    return {0: None, 1: "preemption", 2: "stop"}[_reduced(asked, device, dist.ReduceOp.MAX)]
+    return INTERRUPTS[_reduced(asked, device, dist.ReduceOp.MAX)]
