@@ -299,10 +299,11 @@ SMOKE_EVAL = ["--set", "eval.every=10", "--set", "eval.at_end=true", "--set", "e
 
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory, cluster):
-    """One run of the smoke preset (2 workers, 20 steps), with the digits' quality measured at steps 10 and 20;
-    yields (run directory, the CLI's output). Tests only read it."""
+    """One run of the smoke preset (2 workers, 20 steps), with the digits' quality measured at steps 10 and 20 and
+    steps 3-7 profiled; yields (run directory, the CLI's output). Tests only read it."""
     storage = tmp_path_factory.mktemp("runs")
-    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={storage}", *SMOKE_EVAL)
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={storage}", *SMOKE_EVAL,
+                   "--set", "log.profile_steps=[3,7]")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return storage / "smoke", proc.stdout + proc.stderr
 

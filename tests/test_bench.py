@@ -45,7 +45,8 @@ def test_ingest_bench_measures_raydiff_against_the_dataloader(tmp_path):
 @pytest.mark.slow
 def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     """raydiff against the textbook loop and the bare loop with raydiff's own speed plan, warm-up split at the first
-    step, the restart's warm-up (--rerun), and the top operators of raydiff's step (--profile)."""
+    step, the restart's warm-up (--rerun), and the top operators of raydiff's step (--profile), alone and inside
+    the run's worker."""
     top = tmp_path / "top.txt"
     proc = run_cli("raydiff.bench", "throughput", "--config", "smoke", "--steps", "3", "--batch", "16",
                    "--peak-tflops", "1.0", "--rerun", "--profile", str(top))
@@ -71,6 +72,10 @@ def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     assert "raydiff's step, 16 images per step" in table and "aten::convolution" in table
     # On a GPU: its busy time per step, the host's launches, and the share of raydiff's step the GPU works.
     assert ours["profile"] == {"device_ms_per_step": None, "launches_per_step": 0}
+    # The run's own profile, inside its worker, over its last warm-up steps after the first (here steps 2-3).
+    assert (tmp_path / "top-worker.txt").read_text().startswith("# raydiff's training loop on rank 0, steps 2-3 on cpu")
+    assert ours["worker_profile"]["steps"] == [2, 3] and ours["worker_profile"]["wall_ms_per_step"] > 0
+    assert ours["worker_profile"]["device_busy"] is None  # no GPU
 
 
 def test_the_throughput_bench_s_raydiff_rows_fall_on_the_loop_s_checks_where_the_steps_allow():

@@ -53,6 +53,15 @@ def test_run_directory_has_every_output(smoke_run):
 
     assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_00000010.png", "step_00000020.png"]
 
+    # log.profile_steps: rank 0's trace and table of steps 3-7, its figures in events.jsonl, one line.
+    assert sorted(p.name for p in (run_dir / "profile").iterdir()) == ["steps_3-7.pt.trace.json.gz", "steps_3-7.txt"]
+    assert (run_dir / "profile" / "steps_3-7.txt").read_text().startswith(
+        "# raydiff's training loop on rank 0, steps 3-7 on cpu: ")
+    profiles = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                if e["event"] == "profile"]
+    assert len(profiles) == 1 and profiles[0]["steps"] == [3, 7] and profiles[0]["wall_ms_per_step"] > 0
+    assert "[raydiff] profiled steps 3-7: " in output
+
     summary = json.loads((run_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["status"] == "finished" and summary["steps"] == 20 and summary["images_seen"] == 320

@@ -69,7 +69,7 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from raydiff.bench import load_model_config
-    from raydiff.cluster.devices import resolve_device
+    from raydiff.cluster.devices import device_name, resolve_device
     from raydiff.model.unet import build_model
     from raydiff.runs.generate import generate
 
@@ -89,8 +89,7 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         sample(job["num"], seed=0)
         seconds = time.perf_counter() - started
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"seconds": seconds, "faults": faults, "kept": kept, "device": name}
+    return {"seconds": seconds, "faults": faults, "kept": kept, "device": device_name(device)}
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raydiff.cluster.devices import synchronize
+from raydiff.cluster.devices import device_name, synchronize
 from raydiff.config import Config
 from raydiff.storage.atomic import new_file
 
@@ -44,14 +44,6 @@ if TYPE_CHECKING:
 
 MEASURED_CHUNKS = 5
 HOST_STEPS = 3
-# What the host calls to start work on a GPU: a kernel (CUDA's runtime, the driver API that Triton uses) or a graph.
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
 def chunks(steps: int) -> list[int]:
     """`steps` split into up to MEASURED_CHUNKS near-equal chunks."""
     n = min(MEASURED_CHUNKS, steps)
@@ -266,41 +258,32 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
     """The top kernels of raydiff's steady-state step (its own `optimizer_step`, batches as `data.on_device` gets
     them, its speed plan; in this process, no Ray), by device time on a GPU and by CPU time on a CPU, as a table in
     `out`; returns the device's busy time and the host's launches per step (None and 0 on a CPU)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     from raydiff.model.weight_averages import EmaUpdater, make_ema
+    from raydiff.training.profiling import activities, summarize
     from raydiff.training.speed import set_tf32
     from raydiff.training.step import optimizer_step
 
     plan, parts, model = planned_step(cfg, device)
     stream = worker_stream(cfg, device)
     update = EmaUpdater(make_ema(model), model)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type != "cuda":  # else the profiler's GPU probe prints "ERROR: ... gpuGetDeviceCount failed" on a CPU
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     try:
         for _ in range(steps):
             optimizer_step(parts, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
         synchronize(device)
-        with profile(activities=activities) as profiler:
+        with profile(activities=activities(device)) as profiler:
             for _ in range(steps):
                 optimizer_step(parts, next(stream), lr=1e-4, ema=update, ema_decay=0.999)
             synchronize(device)
     finally:
         stream.close()
         set_tf32(False)
-    events = profiler.key_averages()
-    cuda = device.type == "cuda"
-    # The kernels' own time, as the table's "Self CUDA time total" counts it (not the operators that launched them).
-    kernel_us = sum(e.self_device_time_total for e in events
-                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
-    device_ms = kernel_us / 1e3 / steps if cuda else None
-    launches = sum(e.count for e in events if e.key in LAUNCHES) / steps
-    busy = f"; per step: {device_ms:.2f} ms of device time, {launches:.0f} launches" if cuda else ""
-    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    summary = summarize(profiler, steps, device)
+    busy = ("" if summary.device_ms is None else
+            f"; per step: {summary.device_ms:.2f} ms of device time, {summary.launches:.0f} launches")
     with new_file(out) as tmp:
         tmp.write_text(f"# raydiff's step, {cfg.train.global_batch} images per step, {steps} steps profiled on "
-                       f"{device_name(device)}; {plan.describe()}{busy}\n{table}\n")
-    return {"device_ms_per_step": None if device_ms is None else round(device_ms, 3),
-            "launches_per_step": round(launches, 1)}
+                       f"{device_name(device)}; {plan.describe()}{busy}\n{summary.table}\n")
+    return {"device_ms_per_step": None if summary.device_ms is None else round(summary.device_ms, 3),
+            "launches_per_step": round(summary.launches, 1)}

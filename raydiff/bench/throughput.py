@@ -21,7 +21,10 @@ of the first step (Ray, data, set-up and compilation), and first step to steady 
 FLOPs per trained image are counted with torch's FlopCounterMode (forward + backward of the model), so `tflops` =
 FLOPs x img/s, and `mfu` = tflops / the device's peak dense bf16 throughput. `--profile FILE` writes the top
 kernels of raydiff's steady-state step (CUDA kernels on a GPU, operators on a CPU), profiled in this process, and
-on a GPU how busy the device is during raydiff's step (`device_busy`: well below 1, the host is the bottleneck).
+on a GPU how busy the device is during raydiff's step (`device_busy`: well below 1, the host is the bottleneck);
+and `FILE-worker` (same suffix) the profile of raydiff's run itself, taken inside its worker over its last warm-up
+steps (`log.profile_steps`), whose figures are `raydiff.worker_profile` (its `device_busy` measured in the run,
+the loop's checks, rows and Ray's calls included).
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ from raydiff.bench import load_model_config
 from raydiff.bench.step import (
     bare_step,
     chunks,
-    device_name,
     measure,
     planned_step,
     profile_step,
     take_gpu_worker_threads,
 )
+from raydiff.cluster.devices import device_name
 from raydiff.config import Config, set_key
 
 # Peak dense bf16 tensor throughput (TFLOP/s) by device name; --peak-tflops for others.
@@ -126,9 +129,12 @@ def rows_every(steps: int) -> int:
     return every if steps % every == 0 else chunk
 
 
-def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool) -> dict[str, Any]:
+def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool,
+                profile: Path | None = None) -> dict[str, Any]:
     """raydiff's own training, one worker, `steps` warm-up steps then `steps` measured ones; with `rerun`, the
-    run continued for as many again (a restart of the same run)."""
+    run continued for as many again (a restart of the same run). With `profile`, the worker profiles the last
+    warm-up steps, after the first (`log.profile_steps`: the measured steps run without the profiler), and
+    their table is copied to `profile`."""
     from raydiff.config.checks import validate
 
     for key, value in (("scaling.num_workers", 1), ("train.total_steps", 2 * steps),
@@ -138,8 +144,18 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool) -> dict[
                        ("run.name", f"throughput-{cfg.train.global_batch}"), ("train.micro_batch", None),
                        ("eval.every", 0), ("eval.at_end", False)):
         set_key(cfg, key, value)
+    profiled_steps = [max(2, steps - 9), steps] if profile is not None and steps >= 2 else []
+    set_key(cfg, "log.profile_steps", profiled_steps)
     validate(cfg)
     result = _one_start(cfg, steps, storage, first_step=1)
+    if profiled_steps:
+        run_dir = storage / cfg.run.name
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        figures = [e for e in events if e["event"] == "profile"][-1]
+        assert profile is not None  # profiled_steps is empty without it
+        profile.write_text((run_dir / "profile" / f"steps_{profiled_steps[0]}-{profiled_steps[1]}.txt").read_text())
+        result["worker_profile"] = {k: figures[k] for k in ("steps", "wall_ms_per_step", "device_ms_per_step",
+                                                            "device_busy", "launches_per_step")}
     if rerun:
         set_key(cfg, "train.total_steps", 4 * steps)
         again = _one_start(cfg, steps, storage, first_step=2 * steps + 1)
@@ -210,7 +226,8 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
     plain = [plain_loop(cfg, device, steps=steps)]
     # raydiff before the bare loop: its first start compiles with the node's compile cache as it was, not as the
     # bare loop's compilation would leave it (the bare loop's warm-up is not a figure this bench judges).
-    ours = raydiff_run(copy.deepcopy(cfg), steps=steps, storage=tmp / "runs", rerun=rerun)
+    worker_profile = None if profile is None else profile.with_name(f"{profile.stem}-worker{profile.suffix}")
+    ours = raydiff_run(copy.deepcopy(cfg), steps=steps, storage=tmp / "runs", rerun=rerun, profile=worker_profile)
     described, data = ours.pop("described"), ours.pop("data")  # the worker's own start line: what its process got
     bare = bare_loop(cfg, device, steps=steps)
     plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows

@@ -33,6 +33,11 @@ def torch_threads(cpus_per_worker: float, environ: Mapping[str, str] = os.enviro
     return min(threads, int(cap)) if cap.isdigit() and int(cap) > 0 else threads
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's model name, or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait until `device` has done all the work issued to it (a GPU runs behind the host; a CPU never does)."""
     if device.type == "cuda":

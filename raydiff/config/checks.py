@@ -29,6 +29,7 @@ from raydiff.storage.fs import (
     is_remote,
 )
 
+MAX_PROFILED_STEPS = 50  # log.profile_steps: a trace holds every kernel and operator, a few MB per GPU step
 SIGMA_REL_MAX = 0.28  # a post-hoc EMA width: exponent > 0 needs sigma_rel < sqrt(1/12) = 0.2887
 
 BUILTIN_SOURCES = ("builtin:digits",)
@@ -265,6 +266,9 @@ LATER_RULES: tuple[Rule, ...] = (
     Rule("log.mlflow_experiment", lambda c: bool(c.log.mlflow_experiment), "must name one"),
     *_package_rules("mlflow_uri", "mlflow"),
     *_package_rules("wandb_project", "wandb"),
+    Rule("log.profile_steps", lambda c: _profile_steps_ok(c.log.profile_steps, c.train.total_steps),
+         lambda c: f"two optimizer steps [first, last], 1 <= first <= last <= train.total_steps "
+                   f"({c.train.total_steps}), at most {MAX_PROFILED_STEPS} steps in all; or [] for none"),
     Rule("debug.nan_at_steps", lambda c: all(step >= 1 for step in c.debug.nan_at_steps), "steps are counted from 1"),
     Rule("debug.nan_at_samples", lambda c: all(i >= 0 for i in c.debug.nan_at_samples), "sample indices are >= 0"),
     Rule("debug.preemption_from_step", lambda c: c.debug.preemption_from_step >= 0, "must be >= 0 (0 = never)"),
@@ -274,6 +278,12 @@ LATER_RULES: tuple[Rule, ...] = (
                                                                       and not is_remote(c.run.storage)),
          "needs scaling.num_workers >= 2 and a local run.storage"),
 )
+
+
+def _profile_steps_ok(steps: tuple[int, ...], total_steps: int) -> bool:
+    if not steps:
+        return True
+    return len(steps) == 2 and 1 <= steps[0] <= steps[1] <= total_steps and steps[1] - steps[0] < MAX_PROFILED_STEPS
 
 
 def _backends() -> list[str]:

@@ -371,6 +371,12 @@ class LogSection:
     off."""
     wandb_entity: str | None = None
     """The Weights & Biases entity (user or team) that owns the project; null: the account's default."""
+    profile_steps: tuple[int, ...] = ()
+    """Two optimizer steps, `[first, last]` (50 steps at most): rank 0 records them with torch.profiler, all its
+    training thread does (the data, the step, checks, rows, Ray's calls, writes), and writes
+    `<run>/profile/steps_<first>-<last>.pt.trace.json.gz` (a trace for Perfetto or TensorBoard) and `.txt` (the
+    top kernels on a GPU, operators on a CPU; the wall time per step and the GPU's busy share of it); empty = off.
+    See docs/training.md#profiling-a-run."""
 
 
 @dataclass

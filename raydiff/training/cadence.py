@@ -37,6 +37,7 @@ from raydiff.storage.writes import failed_write
 from raydiff.training.chief_records import log_row, record_rollback, record_start, save_sample_grid, save_snapshot
 from raydiff.training.distributed import agreed_interrupt, from_rank_zero_code, interrupt_asked
 from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
+from raydiff.training.profiling import StepProfile
 from raydiff.training.recovery import divergence_report, roll_back
 from raydiff.training.step import StepResult
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
@@ -94,6 +95,8 @@ class Cadence:
         self._writer = CheckpointWriter(w.run_dir) if w.is_chief else None
         self._stop_flag, self._notice_handled = args.stop_flag, False
         self._data_wait_s = 0.0
+        self._profile = StepProfile.planned(w.cfg.log.profile_steps, resumed_at=progress.step, device=w.device,
+                                            is_chief=w.is_chief)  # rank 0's, if log.profile_steps asks for one
         snapshot_every = w.cfg.train.ema_snapshot_every
         assert isinstance(snapshot_every, int), "Config.resolve sets train.ema_snapshot_every"
         self._snapshot_every = snapshot_every
@@ -106,6 +109,8 @@ class Cadence:
     # The step's data.
     def next_batches(self, step: int) -> list[MicroBatch]:
         """This worker's micro-batches of optimizer step `step` (counted from 1)."""
+        if self._profile is not None:
+            self._profile.before_step(step)
         wait_start = time.perf_counter()
         batches = next(self.live.stream)
         self._data_wait_s = time.perf_counter() - wait_start
@@ -116,6 +121,15 @@ class Cadence:
     def end_of_step(self, progress: Progress, result: StepResult, *, lr: float, ema_decay: float) -> Progress:
         """Everything step `progress.step` calls for, in order; returns where training continues (another progress
         after a rollback). Sets `status` when training ends early (diverged, stopped, storage failed)."""
+        step = progress.step
+        progress = self._step_end(progress, result, lr=lr, ema_decay=ema_decay)
+        # The profile ends after its last step's end, or where training ends or rolls back before it.
+        if self._profile is not None and self._profile.recording and (
+                step >= self._profile.last or progress.step != step or self.status is not None):
+            self._write_profile(step)
+        return progress
+
+    def _step_end(self, progress: Progress, result: StepResult, *, lr: float, ema_decay: float) -> Progress:
         w, t, live = self.w, self.w.cfg.train, self.live
         step = progress.step
         done = step == t.total_steps
@@ -198,6 +212,8 @@ class Cadence:
 
     def close(self) -> None:
         """At the end of training: rank 0's metrics rows and writes reach storage (unless storage failed)."""
+        if self._profile is not None:  # still recording: the loop ends on an error
+            self._profile.discard()
         try:
             if self.w.is_chief and self.failure is None:
                 self._write("writing metrics.jsonl", self.w.close)
@@ -346,6 +362,27 @@ class Cadence:
         data = w.compile_cache.artifacts()
         if data is not None and self.failure is None:
             w.writes.submit("the compile cache", w.compile_cache.save, data)
+
+    def _write_profile(self, step: int) -> None:
+        """Rank 0's profile, ended after step `step`: its trace and table to `profile/`, its figures to events.jsonl
+        and one line (not training time)."""
+        assert self._profile is not None
+        w, profile, self._profile = self.w, self._profile, None
+        with self._paused():
+            try:
+                profiled = profile.end(step)
+            except Exception as exc:  # noqa: BLE001 - a diagnostic that failed stops nothing: the run goes on
+                profile.discard()  # where it failed before stopping the profiler
+                logger.warning(f"[raydiff] the profile of steps {profile.first}-{step} failed "
+                               f"({type(exc).__name__}: {exc}); training goes on")
+                return
+            if w.writes is not None and self.failure is None:
+                for name, data in ((f"{profiled.name}.pt.trace.json.gz", profiled.trace_gz),
+                                   (f"{profiled.name}.txt", profiled.table.encode())):
+                    w.writes.submit(name, w.run_dir.write_bytes, name, data)
+            self._event("profile", **profiled.figures)
+        logger.info(f"[raydiff] profiled steps {profiled.first}-{profiled.last}: {profiled.headline}; "
+                    f"{profiled.name}.txt and .pt.trace.json.gz")
 
     def _event(self, event: str, **fields: Any) -> None:
         self._write(f"writing events.jsonl ({event})", self.w.event, event, *(), **fields)

@@ -50,6 +50,34 @@ def test_accumulation_computes_the_same_steps(ray_session, tmp_path):
     assert [r["ema_decay"] for r in plain_rows] == [ema_decay_at(s, 0.99, 5) for s in range(1, 5)]
 
 
+def test_a_profiled_run_trains_bit_for_bit_as_without_and_writes_its_profile(ray_session, tmp_path):
+    from raydiff.runs.checkpoint import list_checkpoints, read_state
+
+    plain, plain_rows = run_local(ray_session, tmp_path, "plain")
+    profiled, profiled_rows = run_local(ray_session, tmp_path, "profiled", "log.profile_steps=[2,3]")
+    assert profiled["steps"] == plain["steps"] == 4
+    assert [r["loss"] for r in profiled_rows] == [r["loss"] for r in plain_rows]
+    weights = [read_state(list_checkpoints(tmp_path / name)[-1])["model"] for name in ("plain", "profiled")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert sorted(p.name for p in (tmp_path / "profiled" / "profile").iterdir()) == [
+        "steps_2-3.pt.trace.json.gz", "steps_2-3.txt"]
+    assert not (tmp_path / "plain" / "profile").exists()
+
+
+def test_a_profile_that_fails_leaves_the_run_training(ray_session, tmp_path, monkeypatch, caplog):
+    from raydiff.training.profiling import StepProfile
+
+    def no_room(self, step):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StepProfile, "end", no_room)  # Ray Train's local mode trains in this process
+    result, rows = run_local(ray_session, tmp_path, "profiled", "log.profile_steps=[2,3]")
+    assert result["steps"] == 4 and [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert not (tmp_path / "profiled" / "profile").exists()
+    assert "the profile of steps 2-3 failed (OSError: [Errno 28] No space left on device); training goes on" in (
+        caplog.text)
+
+
 def _cli_run(storage, name, *overrides):
     from conftest import run_cli
 
