@@ -223,6 +223,32 @@ def test_a_windows_rate_counts_the_gpus_time_to_finish_its_steps():
     assert device_s > 0.1 and row["images_per_s"] <= 8 / device_s
 
 
+def test_a_profile_of_compiled_steps_replayed_as_cuda_graphs_counts_their_kernels():
+    """`log.profile_steps` on a GPU: steps replayed as CUDA graphs (after the first, which compiles and records
+    them) profiled as the worker profiles them, with the GPU's kernels' time and its busy share of the wall time."""
+    import gzip
+    import json
+
+    from raydiff.training.profiling import StepProfile
+
+    inputs, _, ema_update, cfg = _setup("bf16", channels_last=True)
+    _apply(inputs, compile_model=True, cuda_graphs=True, channels_last=True)
+    stream, profile = _stream(cfg, micro_batch=GLOBAL_BATCH), StepProfile(4, 6, torch.device("cuda"))
+    try:
+        for step in range(1, 7):
+            profile.before_step(step)
+            optimizer_step(inputs, next(stream), lr=1e-3, ema=ema_update, ema_decay=0.9)
+        profiled = profile.end(6)
+    finally:
+        stream.close()
+    figures = profiled.figures
+    assert figures["steps"] == [4, 6] and figures["device_ms_per_step"] > 0 and figures["launches_per_step"] > 0
+    assert 0 < figures["device_busy"] <= 1.05  # kernels' time against the wall time (streams may overlap a little)
+    assert profiled.table.startswith("# raydiff's training loop on rank 0, steps 4-6 on ")
+    names = {e.get("name") for e in json.loads(gzip.decompress(profiled.trace_gz))["traceEvents"]}
+    assert {"ProfilerStep#4", "ProfilerStep#6", "cudaGraphLaunch"} <= names
+
+
 def test_micro_batch_auto_measures_what_fits():
     inputs, *_ = _setup("bf16")
     loss = unwrap(inputs.loss)
