@@ -28,7 +28,7 @@ from raydiff.cluster.devices import device_name, synchronize
 
 # Kineto's own lines ("USDT:2026-12-06 02:44:34 25082:25214 SyncActivityProfilerHandler.cpp:39] profiler_start",
 # and, where the profiler starts in a thread other than torch's first, "ERROR: External init callback must run in
-# the same thread as registerClient (...)", harmless: the events are recorded).
+# same thread as registerClient (...)", harmless: the events are recorded).
 KINETO_LINE = re.compile(r"[A-Z]+:\d{4}-\d\d-\d\d \S+ \d+:\d+ \S+\.cpp:\d+\] |ERROR: External init callback ")
 # What the host calls to start work on a GPU: a kernel (CUDA's runtime, the driver API that Triton uses) or a graph.
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
