@@ -168,7 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     speed.add_argument("--peak-tflops", type=float, default=None,
                        help="the device's peak dense bf16 TFLOP/s, for MFU (known GPUs are looked up)")
     speed.add_argument("--profile", default=None, metavar="FILE",
-                       help="write the top kernels of raydiff's steady-state step to FILE (FILE-N.txt per batch)")
+                       help="write the top kernels of raydiff's steady-state step to FILE, and of its run, profiled "
+                            "in its worker, to FILE-worker (FILE-N and FILE-N-worker per batch)")
     speed.add_argument("--rerun", action="store_true",
                        help="continue raydiff's run once more, as a restart does: its warm-up with the compile cache")
     step = sub.add_parser("step", help="raydiff's optimizer step in one process vs the bare step, its parts one at "
