@@ -78,6 +78,25 @@ def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     assert ours["worker_profile"]["device_busy"] is None  # no GPU
 
 
+def test_a_run_whose_profile_was_not_made_leaves_the_throughput_figures_standing(tmp_path, capsys):
+    """The worker makes no profile where it cannot (a warning in its log): the bench says so and goes on."""
+    from raydiff.bench.throughput import _worker_profile
+
+    run_dir = tmp_path / "run"
+    (run_dir / "profile").mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text(json.dumps({"event": "start", "step": 0}) + "\n")
+    assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") is None
+    assert "the run's profile of steps 21-30 was not made" in capsys.readouterr().err
+    assert not (tmp_path / "top-worker.txt").exists()
+    figures = {"steps": [21, 30], "wall_ms_per_step": 25.0, "device_ms_per_step": 22.0, "device_busy": 0.88,
+               "launches_per_step": 80.0}
+    with (run_dir / "events.jsonl").open("a") as events:
+        events.write(json.dumps({"event": "profile", **figures, "time": 1.0}) + "\n")
+    (run_dir / "profile" / "steps_21-30.txt").write_text("# table\n")
+    assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") == figures
+    assert (tmp_path / "top-worker.txt").read_text() == "# table\n"
+
+
 def test_the_throughput_bench_s_raydiff_rows_fall_on_the_loop_s_checks_where_the_steps_allow():
     """A row waits for the device, as a check does: on the checks, the bench's run waits as often as a user's."""
     from raydiff.bench.throughput import rows_every

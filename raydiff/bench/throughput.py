@@ -149,18 +149,27 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool,
     validate(cfg)
     result = _one_start(cfg, steps, storage, first_step=1)
     if profiled_steps:
-        run_dir = storage / cfg.run.name
-        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-        figures = [e for e in events if e["event"] == "profile"][-1]
         assert profile is not None  # profiled_steps is empty without it
-        profile.write_text((run_dir / "profile" / f"steps_{profiled_steps[0]}-{profiled_steps[1]}.txt").read_text())
-        result["worker_profile"] = {k: figures[k] for k in ("steps", "wall_ms_per_step", "device_ms_per_step",
-                                                            "device_busy", "launches_per_step")}
+        result["worker_profile"] = _worker_profile(storage / cfg.run.name, profiled_steps, profile)
     if rerun:
         set_key(cfg, "train.total_steps", 4 * steps)
         again = _one_start(cfg, steps, storage, first_step=2 * steps + 1)
         result["rerun"] = {k: again[k] for k in ("img_s", "start_s", "first_step_s", "warmup_s", "compile_cache")}
     return result
+
+
+def _worker_profile(run_dir: Path, steps: list[int], out: Path) -> dict[str, Any] | None:
+    """The figures of the run's own profile (its events.jsonl row), its table copied to `out`; None, said on
+    stderr, where the worker could not make one (the run itself, and the bench's figures, stand without it)."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    figures = [e for e in events if e["event"] == "profile"]
+    if not figures:
+        print(f"bench throughput: the run's profile of steps {steps[0]}-{steps[1]} was not made (its log says why)",
+              file=sys.stderr)
+        return None
+    out.write_text((run_dir / "profile" / f"steps_{steps[0]}-{steps[1]}.txt").read_text())
+    return {k: figures[-1][k] for k in ("steps", "wall_ms_per_step", "device_ms_per_step", "device_busy",
+                                        "launches_per_step")}
 
 
 def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> dict[str, Any]:
