@@ -36,10 +36,9 @@ LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaun
 
 @dataclass(frozen=True)
 class ProfileSummary:
-    """What a profile of `steps` steps says per step: the device's kernels' time (None on a CPU), the host's
-    launches, and the table of the top kernels (GPU) or operators (CPU)."""
+    """What a profile says per step: the device's kernels' time (None on a CPU), the host's launches, and the
+    table of the top kernels (GPU) or operators (CPU)."""
 
-    steps: int
     device_ms: float | None
     launches: float
     table: str
@@ -56,7 +55,7 @@ def summarize(profiler: torch.profiler.profile, steps: int, device: torch.device
                     if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
     launches = sum(e.count for e in events if e.key in LAUNCHES) / steps
     table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
-    return ProfileSummary(steps, kernel_us / 1e3 / steps if cuda else None, launches, table)
+    return ProfileSummary(kernel_us / 1e3 / steps if cuda else None, launches, table)
 
 
 def activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
@@ -102,11 +101,23 @@ class ProfiledSteps:
     trace_gz: bytes  # Chrome's trace format, gzipped: Perfetto (ui.perfetto.dev) and TensorBoard read it
     table: str
     figures: dict[str, Any]
-    headline: str  # the figures in words
 
     @property
     def name(self) -> str:
         return f"profile/steps_{self.first}-{self.last}"
+
+    @property
+    def headline(self) -> str:
+        return in_words(self.figures)
+
+
+def in_words(figures: dict[str, Any]) -> str:
+    """A profile's figures (`ProfiledSteps.figures`) as the phrase its table and log line begin with."""
+    words = f"{figures['wall_ms_per_step']:.2f} ms a step of wall time"
+    if figures["device_ms_per_step"] is not None:
+        words += (f", the GPU's kernels {figures['device_ms_per_step']:.2f} ms of it (busy "
+                  f"{figures['device_busy']:.3f}), {figures['launches_per_step']:.0f} launches a step")
+    return words
 
 
 class StepProfile:
@@ -176,17 +187,14 @@ class StepProfile:
         figures: dict[str, Any] = {"steps": [self.first, step], "wall_ms_per_step": round(wall_ms / steps, 3),
                                    "device_ms_per_step": None, "device_busy": None,
                                    "launches_per_step": round(summary.launches, 1)}
-        headline = f"{wall_ms / steps:.2f} ms a step of wall time"
         if summary.device_ms is not None:
             figures["device_ms_per_step"] = round(summary.device_ms, 3)
             figures["device_busy"] = round(summary.device_ms / (wall_ms / steps), 3)
-            headline += (f", the GPU's kernels {summary.device_ms:.2f} ms of it (busy {figures['device_busy']:.3f}), "
-                         f"{summary.launches:.0f} launches a step")
-        header = f"# raydiff's training loop on rank 0, steps {self.first}-{step} on {device_name(self.device)}: "
-        table = f"{header}{headline}\n{summary.table}\n"
+        table = (f"# raydiff's training loop on rank 0, steps {self.first}-{step} on {device_name(self.device)}: "
+                 f"{in_words(figures)}\n{summary.table}\n")
         if self._kineto_lines:
             table += "\n# The profiler's own messages:\n" + "".join(f"# {line}" for line in self._kineto_lines)
-        return ProfiledSteps(self.first, step, trace_gz, table, figures, headline)
+        return ProfiledSteps(self.first, step, trace_gz, table, figures)
 
     def discard(self) -> None:
         """Stop recording without files (the worker is ending on an error)."""
