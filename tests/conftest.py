@@ -337,11 +337,13 @@ def write_messy_folder(folder: Path, good: int = 40) -> dict[str, list[str]]:
     return names
 
 
-def write_checkpoint(run_dir, cfg, *, step: int = 20, classes=None, seed: int = 0):
+def write_checkpoint(run_dir, cfg, *, step: int = 20, classes=None, seed: int = 0, flat_ema: bool = False):
     """A checkpoint of `cfg`'s model as training writes it, without Ray: random weights (from `seed`), and an EMA
-    that differs from them (`classes`: a class-conditional run's {"names", "counts"}); returns its folder."""
+    that differs from them (`classes`: a class-conditional run's {"names", "counts"}; `flat_ema`: the EMA's
+    tensors views of one buffer, as a GPU worker's `EmaUpdater` keeps and saves them); returns its folder."""
     import torch
 
+    from raydiff.model.flat import views_of
     from raydiff.model.unet import build_model
     from raydiff.model.weight_averages import make_ema
     from raydiff.runs.checkpoint import write_state
@@ -356,6 +358,12 @@ def write_checkpoint(run_dir, cfg, *, step: int = 20, classes=None, seed: int = 
     with torch.no_grad():
         for p in ema.parameters():
             p.mul_(0.9)
+        if flat_ema:
+            averaged = list(ema.parameters())
+            flat = torch.empty(sum(p.numel() for p in averaged))
+            for p, view in zip(averaged, views_of(flat, averaged), strict=True):
+                view.copy_(p)
+                p.data = view
     folder = run_dir / f"checkpoint_{step:08d}"
     folder.mkdir(parents=True)
     optimizer = torch.optim.AdamW(model.parameters())

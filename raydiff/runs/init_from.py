@@ -40,7 +40,10 @@ def load_init_weights(cfg: Config) -> InitWeights:
     check_same_model(cfg, Config.from_dict(state["config"]), where=where)
     weights = weights_of(state, checkpoint, use_ema=True)
     step = f", step {state['step']}" if "step" in state else ""
-    return InitWeights({k: v.float() for k, v in state["ema"].items()}, f"{checkpoint.name}{step}, {weights} weights")
+    # Each weight a tensor of its own: a GPU run's EMA is saved as views of one buffer, and the driver sends these
+    # through Ray's object store, whose pickling would carry the whole buffer with every view (300 copies).
+    own = {k: v.to(torch.float32, copy=True) for k, v in state["ema"].items()}
+    return InitWeights(own, f"{checkpoint.name}{step}, {weights} weights")
 
 
 def check_same_model(cfg: Config, theirs: Config, *, where: str) -> None:

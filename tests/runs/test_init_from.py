@@ -4,6 +4,7 @@ the run's model before anything starts, without diffusers."""
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import pytest
@@ -48,6 +49,19 @@ def test_a_post_hoc_ema_average_is_a_checkpoint_to_start_from(tmp_path):
     write_state(tmp_path / "sigma_rel-0.070", average.state)
     run = cfg.replaced("model", init_from=str(tmp_path / "sigma_rel-0.070"))
     assert same(load_init_weights(run).weights, average.state["ema"])
+
+
+def test_a_gpu_run_s_ema_saved_as_one_buffer_gives_weights_that_pickle_alone(tmp_path):
+    """The driver sends the weights to its workers through Ray's object store, which pickles each tensor with all
+    of its storage: weights that were views of a GPU run's one EMA buffer would carry it whole, each of them."""
+    cfg = load_config("smoke", SMOKE, check_source=False)
+    folder = write_checkpoint(tmp_path / "run", cfg, flat_ema=True)
+    saved = read_state(folder)["ema"]
+    assert len({v.untyped_storage().data_ptr() for v in saved.values() if v.is_floating_point()}) == 1  # as saved
+    weights = load_init_weights(cfg.replaced("model", init_from=str(tmp_path / "run"))).weights
+    assert same(weights, saved)
+    nbytes = sum(v.numel() * v.element_size() for v in weights.values())
+    assert len(pickle.dumps(weights)) < 1.1 * nbytes + 100_000
 
 
 @pytest.mark.parametrize("overrides, line", [
