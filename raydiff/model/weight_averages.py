@@ -82,9 +82,13 @@ class EmaUpdater:
                 view.copy_(e)
                 e.data = view
         self._weight = torch.zeros((), dtype=first.dtype, device=first.device)
-        self._staged_by = staged_by
-        if staged_by is not None:
-            self._staged, self._staged_views = staged_by._staged, []
+        # Another updater's copy serves only where it is one of the same weights in the same layout (it may keep none:
+        # one lerp per tensor).
+        shares = staged_by is not None and all(getattr(staged_by._staged, a) == getattr(self._flat, a)
+                                               for a in ("shape", "dtype", "device"))
+        self._staged_by = staged_by if shares else None
+        if self._staged_by is not None:
+            self._staged, self._staged_views = self._staged_by._staged, []
         else:
             self._staged = torch.empty_like(self._flat)
             self._staged_views = views_of(self._staged, self._ema)
@@ -165,12 +169,13 @@ class PowerEma:
     """The power-function averages that training tracks, one fp32 copy of the model per sigma_rel, updated once
     per optimizer step (skipped steps leave them as they were, as the classic EMA)."""
 
-    def __init__(self, model: nn.Module, sigma_rels: Sequence[float]) -> None:
+    def __init__(self, model: nn.Module, sigma_rels: Sequence[float], *, staged_by: EmaUpdater | None = None) -> None:
         self.sigma_rels = tuple(float(s) for s in sigma_rels)
         self.exponents = tuple(exponent_of(s) for s in self.sigma_rels)
         self.profiles = [make_ema(model) for _ in self.sigma_rels]
-        # One copy of the model's weights per step serves every average (the first update makes it).
-        first = EmaUpdater(self.profiles[0], model)
+        # One copy of the model's weights per step serves every average: the first update makes it, or reads
+        # `staged_by`'s (the classic EMA's updater of the same model, called before this one each step).
+        first = EmaUpdater(self.profiles[0], model, staged_by=staged_by)
         self._updates = [first] + [EmaUpdater(profile, model, staged_by=first) for profile in self.profiles[1:]]
 
     def __call__(self, step: int, finite: torch.Tensor | None = None) -> None:

@@ -150,7 +150,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
         model = model.to(memory_format=torch.channels_last)
     ema = make_ema(model)
     ema_update = EmaUpdater(ema, model)  # before the memory plan: on a GPU it keeps a copy of the weights
-    posthoc = PowerEma(model, t.ema_sigma_rels) if t.ema == "posthoc" else None
+    posthoc = PowerEma(model, t.ema_sigma_rels, staged_by=ema_update) if t.ema == "posthoc" else None
     assert t.lr is not None, "a loaded config has its learning rate resolved"
     optimizer = make_optimizer(model, lr=t.lr, weight_decay=t.weight_decay)
     autocast_dtype = resolve_precision(t.precision, device)

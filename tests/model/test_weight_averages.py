@@ -167,26 +167,34 @@ def test_the_first_update_copies_the_weights_and_a_skipped_step_changes_nothing(
     assert torch.equal(tracker.profiles[0].w, torch.full((6,), 2.0, dtype=torch.float32))
 
 
-def test_the_tracked_averages_share_one_copy_of_the_weights_per_step(monkeypatch):
-    """Off the CPU's one-lerp-per-tensor path the post-hoc averages' updates copy the model's weights once per step
-    for all of them, and each is the average it would be on its own."""
+def test_the_tracked_averages_and_the_ema_share_one_copy_of_the_weights_per_step(monkeypatch):
+    """Off the CPU's one-lerp-per-tensor path the post-hoc averages' updates and the classic EMA's (called first,
+    as a step calls them) copy the model's weights once per step for all of them, and each is the average it would
+    be on its own."""
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("KINETO_LOG_LEVEL", "5")
     walk = trajectory(20, seed=5)
     model, alone = Weights(), Weights().float()  # float64: the multi-tensor path; float32: one lerp per tensor
-    tracker, references = PowerEma(model, [0.05, 0.10]), [PowerEma(alone, [s]) for s in (0.05, 0.10)]
+    ema, ema_alone = make_ema(model), make_ema(alone)
+    update, update_alone = EmaUpdater(ema, model), EmaUpdater(ema_alone, alone)
+    tracker = PowerEma(model, [0.05, 0.10], staged_by=update)
+    references = [PowerEma(alone, [s], staged_by=update_alone) for s in (0.05, 0.10)]  # it keeps no copy to share
     with profile(activities=[ProfilerActivity.CPU]) as profiled:
         for step in range(1, len(walk) + 1):
             with torch.no_grad():
                 model.w.copy_(walk[step - 1])
                 alone.w.copy_(walk[step - 1])
-            tracker(step, finite=torch.tensor(step != 9))
+            finite = torch.tensor(step != 9)
+            update(0.8, finite)
+            tracker(step, finite=finite)
+            update_alone(0.8, finite)
             for reference in references:
-                reference(step, finite=torch.tensor(step != 9))
+                reference(step, finite=finite)
     assert sum(e.name == "aten::_foreach_copy_" for e in profiled.events()) == len(walk)
     for profile_, reference in zip(tracker.profiles, references, strict=True):
         torch.testing.assert_close(profile_.w, reference.profiles[0].w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ema.w.float(), ema_alone.w, rtol=1e-6, atol=1e-6)
 
 
 def test_rebuilding_a_tracked_width_gives_back_its_weights():
