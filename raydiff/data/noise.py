@@ -5,9 +5,11 @@ positions. A sample therefore gets the same noise whatever the world size, micro
 On a CPU the loader thread draws them ahead of the step; on a CUDA GPU the step draws them with a generator of
 the GPU's own, where they are used. Why: on the host, the draw (the largest part of the loader thread's work)
 competes with the training thread, whose host time per step is what keeps a GPU busy, and the noise would be
-copied to the GPU every step. So a sample's noise is the same on every CPU, and the same on every GPU of one
-model, but not the same on a CPU and a GPU. The small, fixed validation set uses a numpy Philox stream per
-position instead, identical on every device.
+copied to the GPU every step. So a sample's noise is the same on every CPU, and the same on every GPU with as many
+multiprocessors, but not the same on a CPU and a GPU: torch spreads a draw of more values than the GPU runs threads
+at once (16 positions of 3x75x75 on a 132-multiprocessor H100 or H200) over a grid the size of the GPU, so another
+model of GPU, or a MIG slice of one, draws other noise for large images (on a small slice, for small ones too). The
+small, fixed validation set uses a numpy Philox stream per position instead, identical on every device.
 """
 
 from __future__ import annotations
