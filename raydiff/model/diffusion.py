@@ -341,30 +341,42 @@ def _randn(shape: tuple[int, ...], generator: torch.Generator | list[torch.Gener
 
 
 def tf32_by_precision() -> bool:
-    """Whether this torch sets TF32 through `fp32_precision` ("tf32" or "ieee"), which torch 2.9 introduced, rather
-    than the allow_tf32 flags of the torch floor; mixing the two raises, so every setter asks this first."""
+    """Whether this torch sets cuDNN's TF32 through `fp32_precision` ("tf32" or "ieee"), which torch 2.9 introduced,
+    rather than the allow_tf32 flag of the torch floor; mixing the two raises, so every setter asks this first.
+    Matmuls are set through `torch.set_float32_matmul_precision` on every torch: it sets the old and the new flags
+    alike, and torch's own autotuning (inductor's, under TORCHINDUCTOR_MAX_AUTOTUNE) reads the old getter, which
+    raises once `matmul.fp32_precision` was set directly."""
     return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
+
+
+def matmul_precision() -> str:
+    """fp32 matmuls' precision as `torch.set_float32_matmul_precision` takes it ("highest": IEEE, "high": TF32), also
+    where something set the new flag directly and torch's own getter refuses to answer."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return {"tf32": "high", "bf16": "medium"}.get(torch.backends.cuda.matmul.fp32_precision, "highest")
 
 
 @contextlib.contextmanager
 def full_fp32() -> Iterator[None]:
     """Convolutions and matmuls in IEEE fp32 while the block runs. On Ampere and newer GPUs cuDNN convolutions
     use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32."""
+    saved_matmul = matmul_precision()
+    torch.set_float32_matmul_precision("highest")
     if tf32_by_precision():
-        conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul  # type: ignore[attr-defined]
-        saved = conv.fp32_precision, matmul.fp32_precision
-        conv.fp32_precision = matmul.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            conv.fp32_precision, matmul.fp32_precision = saved
-        return
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        conv = torch.backends.cudnn.conv  # type: ignore[attr-defined]
+        saved_conv, conv.fp32_precision = conv.fp32_precision, "ieee"
+    else:
+        saved_conv, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
     try:
         yield
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        if tf32_by_precision():
+            conv.fp32_precision = saved_conv
+        else:
+            torch.backends.cudnn.allow_tf32 = saved_conv
+        torch.set_float32_matmul_precision(saved_matmul)
 
 
 def build_diffusion(cfg) -> GaussianDiffusion:

@@ -113,10 +113,10 @@ def set_tf32(on: bool) -> None:
     """TF32 tensor cores for fp32 convolutions and matmuls on (training) or off, through the API this torch has
     (`tf32_by_precision`); sampling turns it off for its own block (`raydiff.model.diffusion.full_fp32`)."""
     if tf32_by_precision():
-        conv = torch.backends.cudnn.conv  # type: ignore[attr-defined]
-        conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = "tf32" if on else "ieee"
-        return
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.conv.fp32_precision = "tf32" if on else "ieee"  # type: ignore[attr-defined]
+    else:
+        torch.backends.cudnn.allow_tf32 = on
+    torch.set_float32_matmul_precision("high" if on else "highest")
 
 
 def for_training(module: nn.Module, plan: SpeedPlan, device: torch.device, world_size: int) -> nn.Module:
