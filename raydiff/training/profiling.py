@@ -176,10 +176,11 @@ class StepProfile:
         synchronize(self.device)
         self._close_step_span()
         wall_ms = (time.perf_counter() - self._started_s) * 1e3
-        profiler, self._profiler = self._profiler, None
-        steps = step - self.first + 1
-        with kineto_lines_kept(self._kineto_lines), tempfile.TemporaryDirectory(prefix="raydiff-profile-") as tmp:
+        profiler, steps = self._profiler, step - self.first + 1
+        with kineto_lines_kept(self._kineto_lines):
             profiler.stop()
+        self._profiler = None  # stopped: what follows may fail (no room for the trace) without leaving it recording
+        with kineto_lines_kept(self._kineto_lines), tempfile.TemporaryDirectory(prefix="raydiff-profile-") as tmp:
             summary = summarize(profiler, steps, self.device)
             trace = Path(tmp) / "trace.json"
             profiler.export_chrome_trace(str(trace))

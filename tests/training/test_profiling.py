@@ -9,6 +9,7 @@ import json
 import os
 import threading
 
+import pytest
 import torch
 
 from raydiff.training.profiling import StepProfile, kineto_lines_kept
@@ -63,6 +64,24 @@ def test_a_profile_ended_by_an_error_is_discarded_without_files():
     profile.discard()
     assert not profile.recording
     profile.discard()  # twice is harmless
+
+
+def test_a_profile_whose_files_cannot_be_made_has_stopped_recording(monkeypatch):
+    """The trace is written through a temporary folder: where that fails (a full disk), the error reaches the
+    caller, who goes on training, with the profiler stopped, not recording every step that follows."""
+    import tempfile
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    profile = StepProfile(1, 2, CPU)
+    for step in (1, 2):
+        profile.before_step(step)
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", no_room)
+    with pytest.raises(OSError):
+        profile.end(2)
+    profile.discard()  # what the training loop does next
+    assert not profile.recording and not torch.autograd.profiler._is_profiler_enabled
 
 
 def test_kineto_s_lines_are_kept_out_of_the_log_and_every_other_line_passes(capfd):
