@@ -28,6 +28,14 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GLOBAL_BATCH = 16
 
 
+@pytest.fixture(autouse=True)
+def _compiled_afresh():
+    """Each test compiles `DenoisingLoss.forward` in a setting of its own (dtype, layout, dropout, CUDA graphs), and
+    torch keeps every compiled version on the function's code: past `recompile_limit` (8) it runs the function
+    eagerly, so in one process (`pytest -m gpu` without -n) the last compiled tests would test the eager step."""
+    torch._dynamo.reset()
+
+
 def _setup(precision: str = "fp32", *, channels_last: bool = False, dropout: float = 0.0):
     cfg = load_config("smoke", [f"model.dropout={dropout}"])
     device = torch.device("cuda")
