@@ -353,15 +353,20 @@ class Cadence:
 
     def _after_first_step(self, step: int) -> None:
         """After the first step of a start everything the step runs is compiled: rank 0 records how long the step
-        took (compilation included) and keeps what was newly compiled in the run directory (train.compile_cache),
-        off the training thread."""
+        took (compilation included), and the worker that keeps the compiled code of its key (rank 0, and with
+        several GPUs in a node the first worker on each other GPU index) writes what it newly compiled to the run
+        directory (train.compile_cache): rank 0 off the training thread, with the run's other writes."""
         w = self.w
         self._event("first_step", step=step, seconds=round(time.perf_counter() - self.run_start, 3))
-        if w.compile_cache is None or w.writes is None:
+        if w.compile_cache is None or not w.compile_cache.keeps or self.failure is not None:
             return
         data = w.compile_cache.artifacts()
-        if data is not None and self.failure is None:
+        if data is None:
+            return
+        if w.writes is not None:
             w.writes.submit("the compile cache", w.compile_cache.save, data)
+        else:
+            w.compile_cache.save_or_warn(data, w.rank)
 
     def _write_profile(self, step: int) -> None:
         """Rank 0's profile, ended after step `step`: its trace and table to `profile/`, its figures to events.jsonl

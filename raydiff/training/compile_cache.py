@@ -8,6 +8,10 @@ instead, in `<run>/compile_cache/<key>.bin`. The key covers what compiled code d
 and Python versions, the device, the model, the micro-batch shapes, precision and the compile options), and torch
 checks its own content keys again when it looks code up, so a change of any of them never runs wrong code: the
 step is simply compiled afresh, and its artifacts saved under the new key.
+
+The device includes a GPU's index: compiled code names the GPU it runs on, and torch's own cache keys hold the
+index, so the code rank 0 compiled on cuda:0 is of no use to a worker on cuda:3. With several GPUs in a node each
+index has its file, kept by the first worker on it (`keeps`); workers on other nodes with the same index load it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from raydiff.storage.rundir import RunDir
 
+logger = logging.getLogger("raydiff")
 CACHE_FOLDER = "compile_cache"
 
 
@@ -40,8 +45,8 @@ def cache_key(parts: dict[str, Any], device: torch.device) -> str:
         triton_version = None
     environment = {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
                    "python": platform.python_version(), "machine": platform.machine(),
-                   "device": (torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device)))
-                   if device.type == "cuda" else device.type}
+                   "device": (torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device)),
+                              device.index) if device.type == "cuda" else device.type}
     text = json.dumps({"environment": environment, **parts}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -51,10 +56,11 @@ class CompileCache:
 
     :param run_dir: the run's directory (local, NFS or a bucket).
     :param key: `cache_key(...)` of what the code was compiled for.
+    :param keeps: this worker keeps what it compiles anew: the first worker of the run with this key.
     """
 
-    def __init__(self, run_dir: RunDir, key: str) -> None:
-        self.run_dir, self.key = run_dir, key
+    def __init__(self, run_dir: RunDir, key: str, *, keeps: bool = True) -> None:
+        self.run_dir, self.key, self.keeps = run_dir, key, keeps
         self.name = f"{CACHE_FOLDER}/{key}.bin"
         self.loaded = False
 
@@ -92,6 +98,15 @@ class CompileCache:
     def save(self, data: bytes) -> None:
         """Write `artifacts()` to the run directory (whole-file and atomic: see RunDir.write_bytes)."""
         self.run_dir.write_bytes(self.name, data)
+
+    def save_or_warn(self, data: bytes, rank: int) -> None:
+        """`save`, on a worker other than rank 0, whose writes are not the run's (rank 0's storage failures end the
+        run): a failure here costs only the next start on this GPU index its compilation, said in one line."""
+        try:
+            self.save(data)
+        except OSError as exc:
+            logger.warning(f"[raydiff] rank {rank}: its compiled step not kept in {self.name} ({exc}); "
+                           f"training goes on")
 
 
 def compiled_anything_new() -> bool:

@@ -51,6 +51,16 @@ def summed(values: list[float], device: torch.device) -> list[float]:
     return box.tolist()
 
 
+def first_to_hold(value: Any) -> bool:
+    """Whether no lower rank holds a value equal to this worker's: one worker per distinct value decides (the first
+    worker on each GPU index keeps that index's compiled code)."""
+    if not in_a_group():
+        return True
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return value not in values[:dist.get_rank()]
+
+
 INTERRUPTS = (None, "preemption", "stop")  # by code: the workers agree on the largest code any of them asked
 
 

@@ -34,7 +34,7 @@ from raydiff.storage.rundir import RunDir
 from raydiff.storage.writes import BackgroundWrites
 from raydiff.training.compile_cache import CompileCache, cache_key
 from raydiff.training.debug import DebugHooks
-from raydiff.training.distributed import from_rank_zero, smallest
+from raydiff.training.distributed import first_to_hold, from_rank_zero, smallest
 from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.microbatch import plan_memory
@@ -190,9 +190,9 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
                                    channels_last=speed.channels_last)
     compile_cache, compile_cache_note = None, None
     if speed.compile is not False and t.compile_cache:
-        compile_cache = CompileCache(run_dir, compiled_step_key(
-            cfg, speed, device, layout=micro_batches(share, micro_batch),
-            autocast_dtype=autocast_dtype, checkpointing=model.activation_checkpointing))
+        key = compiled_step_key(cfg, speed, device, layout=micro_batches(share, micro_batch),
+                                autocast_dtype=autocast_dtype, checkpointing=model.activation_checkpointing)
+        compile_cache = CompileCache(run_dir, key, keeps=first_to_hold(key))  # a collective
         compile_cache_note = compile_cache.load()
     step_parts.loss = for_training(step_parts.loss, speed, device, world_size)
     step_parts.cuda_graphs = speed.cuda_graphs

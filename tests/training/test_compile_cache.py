@@ -70,6 +70,26 @@ def test_the_key_follows_what_the_compiled_code_depends_on():
         assert cache_key({**parts, **change}, cpu) != cache_key(parts, cpu)
 
 
+def test_each_gpu_index_has_its_key_and_a_failed_save_off_rank_0_is_one_warning(monkeypatch, tmp_path, caplog):
+    """Compiled code names its GPU: cuda:0's is no use on cuda:3, so the key holds the index (the first worker on
+    each index keeps its file). Such a worker's save that fails costs a later start its compilation, not the run."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    parts = {"model": {"base_channels": 32}}
+    keys = [cache_key(parts, torch.device("cuda", i)) for i in (0, 3, 3)]
+    assert keys[0] != keys[1] == keys[2]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / compile_cache.CACHE_FOLDER).write_text("a file where the folder would be")  # every write fails
+    cache = compile_cache.CompileCache(RunDir(run), keys[1], keeps=True)
+    with caplog.at_level("WARNING", logger="raydiff"):
+        cache.save_or_warn(b"compiled", rank=3)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"[raydiff] rank 3: its compiled step not kept in compile_cache/{keys[1]}.bin (")
+    assert warning.endswith("training goes on")
+
+
 def test_an_unreadable_cache_file_compiles_afresh(tmp_path):
     run_dir = RunDir(tmp_path)
     run_dir.write_bytes("compile_cache/k.bin", b"not a cache")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gloo_groups import end_process_group
 
-from raydiff.training.distributed import from_rank_zero, from_rank_zero_code, smallest, summed
+from raydiff.training.distributed import first_to_hold, from_rank_zero, from_rank_zero_code, smallest, summed
 
 CPU = torch.device("cpu")
 
@@ -25,6 +25,9 @@ def _agree(rank: int, world_size: int, rendezvous: str, out: str) -> None:
             "code": from_rank_zero_code(7 if rank == 0 else 0, CPU),
             "smallest": smallest(100 - 30 * rank, CPU),
             "summed": summed([0.1 * (rank + 1), 1e-17], CPU),
+            # One worker per distinct value: a value both hold is rank 0's; a value of its own is each worker's.
+            "first_of_shared": first_to_hold(("cuda", 0)),
+            "first_of_own": first_to_hold(("cuda", rank)),
         }
     finally:
         end_process_group()
@@ -34,6 +37,8 @@ def _agree(rank: int, world_size: int, rendezvous: str, out: str) -> None:
 def test_every_rank_takes_the_same_decision(tmp_path):
     mp.spawn(_agree, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
     decided = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [d.pop("first_of_shared") for d in decided] == [True, False]
+    assert [d.pop("first_of_own") for d in decided] == [True, True]
     assert decided[0] == decided[1]
     assert decided[0]["from_rank_zero"] == {"plan": "rank 0", "steps": [0, 1]}
     assert decided[0]["code"] == 7 and decided[0]["smallest"] == 70
@@ -43,4 +48,4 @@ def test_every_rank_takes_the_same_decision(tmp_path):
 def test_one_process_keeps_its_own_values():
     assert from_rank_zero(["mine"]) == ["mine"]
     assert from_rank_zero_code(3, CPU) == 3 and smallest(5, CPU) == 5
-    assert summed([0.5, 1e-17], CPU) == [0.5, 1e-17]
+    assert summed([0.5, 1e-17], CPU) == [0.5, 1e-17] and first_to_hold("anything")
