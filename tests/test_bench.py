@@ -72,9 +72,10 @@ def test_throughput_bench_shows_where_the_time_goes(tmp_path):
     assert "raydiff's step, 16 images per step" in table and "aten::convolution" in table
     # On a GPU: its busy time per step, the host's launches, and the share of raydiff's step the GPU works.
     assert ours["profile"] == {"device_ms_per_step": None, "launches_per_step": 0}
-    # The run's own profile, inside its worker, over its last warm-up steps after the first (here steps 2-3).
-    assert (tmp_path / "top-worker.txt").read_text().startswith("# raydiff's training loop on rank 0, steps 2-3 on cpu")
-    assert ours["worker_profile"]["steps"] == [2, 3] and ours["worker_profile"]["wall_ms_per_step"] > 0
+    # The run's own profile, inside its worker, over ten steps after the measured ones (here steps 7-16).
+    worker_table = (tmp_path / "top-worker.txt").read_text()
+    assert worker_table.startswith("# raydiff's training loop on rank 0, steps 7-16 on cpu")
+    assert ours["worker_profile"]["steps"] == [7, 16] and ours["worker_profile"]["wall_ms_per_step"] > 0
     assert ours["worker_profile"]["device_busy"] is None  # no GPU
 
 
@@ -92,9 +93,18 @@ def test_a_run_whose_profile_was_not_made_leaves_the_throughput_figures_standing
                "launches_per_step": 80.0}
     with (run_dir / "events.jsonl").open("a") as events:
         events.write(json.dumps({"event": "profile", **figures, "time": 1.0}) + "\n")
+    assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") == figures  # the figures, no table
+    assert "the run's profile of steps 21-30 has figures but no table" in capsys.readouterr().err
     (run_dir / "profile" / "steps_21-30.txt").write_text("# table\n")
     assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") == figures
     assert (tmp_path / "top-worker.txt").read_text() == "# table\n"
+    # A profile a stop ended early is named by the steps it recorded.
+    early = {**figures, "steps": [21, 25]}
+    with (run_dir / "events.jsonl").open("a") as events:
+        events.write(json.dumps({"event": "profile", **early, "time": 2.0}) + "\n")
+    (run_dir / "profile" / "steps_21-25.txt").write_text("# early\n")
+    assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") == early
+    assert (tmp_path / "top-worker.txt").read_text() == "# early\n"
 
 
 def test_the_throughput_bench_s_raydiff_rows_fall_on_the_loop_s_checks_where_the_steps_allow():

@@ -22,9 +22,10 @@ FLOPs per trained image are counted with torch's FlopCounterMode (forward + back
 FLOPs x img/s, and `mfu` = tflops / the device's peak dense bf16 throughput. `--profile FILE` writes the top
 kernels of raydiff's steady-state step (CUDA kernels on a GPU, operators on a CPU), profiled in this process, and
 on a GPU how busy the device is during raydiff's step (`device_busy`: well below 1, the host is the bottleneck);
-and `FILE-worker` (same suffix) the profile of raydiff's run itself, taken inside its worker over its last warm-up
-steps (`log.profile_steps`), whose figures are `raydiff.worker_profile` (its `device_busy` measured in the run,
-the loop's checks, rows and Ray's calls included).
+and `FILE-worker` (same suffix) the profile of raydiff's run itself, taken inside its worker over ten steps after
+the measured ones (`log.profile_steps`; a profiler may slow the host's launches even after it stops, so it comes
+last), whose figures are `raydiff.worker_profile` (its `device_busy` measured in the run, the loop's checks, rows
+and Ray's calls included).
 """
 
 from __future__ import annotations
@@ -129,52 +130,64 @@ def rows_every(steps: int) -> int:
     return every if steps % every == 0 else chunk
 
 
+PROFILED_STEPS = 10  # the worker's profile with --profile: this many steps after the measured ones
+
+
 def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool,
                 profile: Path | None = None) -> dict[str, Any]:
     """raydiff's own training, one worker, `steps` warm-up steps then `steps` measured ones; with `rerun`, the
-    run continued for as many again (a restart of the same run). With `profile`, the worker profiles the last
-    warm-up steps, after the first (`log.profile_steps`: the measured steps run without the profiler), and
-    their table is copied to `profile`."""
+    run continued for as many again (a restart of the same run). With `profile`, the worker profiles
+    PROFILED_STEPS more steps after the measured ones (`log.profile_steps`: neither the warm-up nor the measured
+    steps run beside the profiler, whose traces cost the host, nor after it), and their table is copied to
+    `profile`."""
     from raydiff.config.checks import validate
 
-    for key, value in (("scaling.num_workers", 1), ("train.total_steps", 2 * steps),
+    profiled_steps = [2 * steps + 1, 2 * steps + PROFILED_STEPS] if profile is not None else []
+    end = 2 * steps + (PROFILED_STEPS if profiled_steps else 0)
+    for key, value in (("scaling.num_workers", 1), ("train.total_steps", end),
                        ("train.log_every", rows_every(steps)),
-                       ("train.checkpoint_every", 2 * steps), ("train.sample_every", 0), ("train.sample_num", 1),
+                       ("train.checkpoint_every", end), ("train.sample_every", 0), ("train.sample_num", 1),
                        ("train.sample_steps", 1), ("data.val_images", 0), ("run.storage", str(storage)),
                        ("run.name", f"throughput-{cfg.train.global_batch}"), ("train.micro_batch", None),
-                       ("eval.every", 0), ("eval.at_end", False)):
+                       ("eval.every", 0), ("eval.at_end", False), ("log.profile_steps", profiled_steps)):
         set_key(cfg, key, value)
-    profiled_steps = [max(2, steps - 9), steps] if profile is not None and steps >= 2 else []
-    set_key(cfg, "log.profile_steps", profiled_steps)
     validate(cfg)
     result = _one_start(cfg, steps, storage, first_step=1)
     if profiled_steps:
         assert profile is not None  # profiled_steps is empty without it
         result["worker_profile"] = _worker_profile(storage / cfg.run.name, profiled_steps, profile)
     if rerun:
-        set_key(cfg, "train.total_steps", 4 * steps)
-        again = _one_start(cfg, steps, storage, first_step=2 * steps + 1)
+        set_key(cfg, "train.total_steps", end + 2 * steps)
+        again = _one_start(cfg, steps, storage, first_step=end + 1)
         result["rerun"] = {k: again[k] for k in ("img_s", "start_s", "first_step_s", "warmup_s", "compile_cache")}
     return result
 
 
 def _worker_profile(run_dir: Path, steps: list[int], out: Path) -> dict[str, Any] | None:
     """The figures of the run's own profile (its events.jsonl row), its table copied to `out`; None, said on
-    stderr, where the worker could not make one (the run itself, and the bench's figures, stand without it)."""
+    stderr, where the worker could not make one (the run itself, and the bench's figures, stand without it). A
+    profile ended early (a stop) is named by the steps it recorded."""
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     figures = [e for e in events if e["event"] == "profile"]
     if not figures:
         print(f"bench throughput: the run's profile of steps {steps[0]}-{steps[1]} was not made (its log says why)",
               file=sys.stderr)
         return None
-    out.write_text((run_dir / "profile" / f"steps_{steps[0]}-{steps[1]}.txt").read_text())
+    first, last = figures[-1]["steps"]
+    table = run_dir / "profile" / f"steps_{first}-{last}.txt"
+    if table.is_file():
+        out.write_text(table.read_text())
+    else:
+        print(f"bench throughput: the run's profile of steps {first}-{last} has figures but no table (its log "
+              f"says why)", file=sys.stderr)
     return {k: figures[-1][k] for k in ("steps", "wall_ms_per_step", "device_ms_per_step", "device_busy",
                                         "launches_per_step")}
 
 
 def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> dict[str, Any]:
     """One start of the bench's run, from `first_step` to train.total_steps: its numbers from metrics.jsonl and
-    events.jsonl (the start event, the first step's seconds)."""
+    events.jsonl (the start event, the first step's seconds); measured over its steps `steps` after `first_step`
+    (steps after those, profiled, are not measured)."""
     from raydiff.training.driver import run_training
 
     launched = time.time()
@@ -186,7 +199,7 @@ def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> di
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     start = [e for e in events if e["event"] == "start"][-1]
     first = [e for e in events if e["event"] == "first_step"][-1]
-    mine = [row for row in rows if row["step"] >= first_step]
+    mine = [row for row in rows if first_step <= row["step"] < first_step + 2 * steps]
     warm = [row for row in mine if row["step"] < first_step + steps][-1]
     measured = [row for row in mine if row["step"] >= first_step + steps]
     peaks = [row["peak_memory_gb"] for row in measured if row.get("peak_memory_gb") is not None]
