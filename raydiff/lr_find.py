@@ -66,6 +66,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.model.diffusion import build_diffusion
     from raydiff.model.unet import build_model
     from raydiff.runs.init_from import load_init_weights
+    from raydiff.training.microbatch import plan_memory
     from raydiff.training.resolve import resolve_run
     from raydiff.training.step import StepParts, make_optimizer, optimizer_step, resolve_precision
     from raydiff.training.validation import holdout_split
@@ -83,12 +84,6 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     num_classes = int(cfg.model.num_classes)
     train_indices, _ = holdout_split(images.usable_indices(), cfg.data.val_images, t.seed)
     table, order, _, _ = open_tables(images, train_indices, np.empty(0, np.int64), t.seed, group="lr-find")
-    micro_batch = t.micro_batch if isinstance(t.micro_batch, int) else t.global_batch
-    stream = BatchStream(table=table, order=order, global_batch=t.global_batch,
-                         share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
-                         pin_memory=device.type == "cuda", noise=(t.seed, cfg.diffusion.timesteps),
-                         device_noise=drawn_on_device(device),
-                         labels=(t.label_dropout, num_classes) if num_classes else None)
 
     torch.manual_seed(t.seed)
     model = build_model(cfg)
@@ -96,11 +91,24 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
         model.load_state_dict(init_weights)
     model = model.to(device)
     autocast_dtype = resolve_precision(t.precision, device)
+    diffusion, optimizer = build_diffusion(cfg), make_optimizer(model, lr=start, weight_decay=t.weight_decay)
+    # The micro-batch and activation checkpointing as a one-worker run plans them: on a GPU `auto` measures what
+    # fits (a 256x256 preset's whole batch in one pass does not).
+    micro_batch, _, memory_plan = plan_memory(
+        model, diffusion, optimizer, micro_batch=t.micro_batch, checkpointing=t.activation_checkpointing,
+        share=t.global_batch, shape=images.shape, device=device, autocast_dtype=autocast_dtype,
+        default_micro_batch=cfg.micro_batch_for(1) if t.micro_batch != "auto" else t.global_batch,
+        agree=lambda n: n)
+    stream = BatchStream(table=table, order=order, global_batch=t.global_batch,
+                         share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
+                         pin_memory=device.type == "cuda", noise=(t.seed, cfg.diffusion.timesteps),
+                         device_noise=drawn_on_device(device),
+                         labels=(t.label_dropout, num_classes) if num_classes else None)
+
     step_parts = StepParts.build(
-        model, build_diffusion(cfg), make_optimizer(model, lr=start, weight_decay=t.weight_decay),
-        torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), device=device,
-        autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip, global_batch=t.global_batch, world_size=1,
-        grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0)
+        model, diffusion, optimizer, torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
+        device=device, autocast_dtype=autocast_dtype, seed=t.seed, flip=cfg.data.flip, global_batch=t.global_batch,
+        world_size=1, grad_clip=t.grad_clip, dropout=cfg.model.dropout > 0)
     lrs, losses, stop_reason = lr_range(start, end, steps), [], None
     try:
         for lr in lrs:
@@ -118,7 +126,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     return {"lrs": lrs.tolist(), "losses": losses, "smoothed": smoothed, "suggested_lr": float(suggested),
             "minimum_lr": float(at_minimum), "steepest_lr": float(steepest), "steps_run": len(losses),
             "stop_reason": stop_reason, "device": str(device), "host_memory_kept": kept, "classes": num_classes,
-            "init_from": cfg.model.init_from}
+            "init_from": cfg.model.init_from, "micro_batch": micro_batch, "memory_plan": memory_plan}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -171,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     conditional = f", class-conditional on {found['classes']} classes" if found["classes"] else ""
     init_from = f", from model.init_from = {found['init_from']}" if found["init_from"] else ""
     kept = ", host memory kept" if found["host_memory_kept"] else ""
-    print(f"[raydiff] {ended} on {found['device']}{conditional}{init_from}{kept}")
+    print(f"[raydiff] {ended} on {found['device']}{conditional}{init_from}{kept}; micro-batches of up to "
+          f"{found['micro_batch']}, {found['memory_plan']}")
     print(f"[raydiff] smoothed loss minimum at lr {found['minimum_lr']:.3g}; steepest descent at lr "
           f"{found['steepest_lr']:.3g}")
     print(f"[raydiff] suggested lr {suggested:.3g} (a tenth of the minimum): --set train.lr={suggested:.3g}, or "

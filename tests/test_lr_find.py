@@ -41,6 +41,17 @@ def test_lr_find_trains_a_class_conditional_config_on_the_classes_its_data_has(t
 
 
 @pytest.mark.ray
+def test_lr_find_trains_in_the_micro_batches_and_with_the_checkpointing_a_run_would(tmp_path):
+    """The memory plan of a one-worker run: a 256x256 preset's `auto` measures what fits on a GPU instead of
+    passing the whole batch at once; here a fixed micro-batch and activation checkpointing on, as configured."""
+    proc = run_cli("raydiff.lr_find", "--config", "smoke", "--set", "train.micro_batch=4", "--set",
+                   "train.activation_checkpointing=true", "--steps", "10", "--out", str(tmp_path / "lr_find.png"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "; micro-batches of up to 4, activation checkpointing on\n" in proc.stdout, proc.stdout
+    assert len(list(csv.DictReader((tmp_path / "lr_find.csv").open()))) == 10
+
+
+@pytest.mark.ray
 def test_lr_find_refuses_fewer_classes_than_the_data_has_in_one_line(tmp_path):
     proc = run_cli("raydiff.lr_find", "--config", "smoke", "--set", "data.labels=auto", "--set",
                    "model.num_classes=4", "--steps", "10", "--out", str(tmp_path / "lr_find.png"))
