@@ -250,7 +250,7 @@ class Cadence:
         w, t = self.w, self.w.cfg.train
         if w.validation is None or not ((t.val_every and step % t.val_every == 0) or done):
             return None
-        return w.validation.loss(w.ema, w.diffusion, w.device)
+        return w.validation.loss(w.ema, w.diffusion, w.device, batch=w.images_per_pass)
 
     def _evaluate(self, step: int, done: bool) -> dict[str, Any] | None:
         """Sample quality, at eval.every and (eval.at_end) at the end."""
@@ -259,7 +259,7 @@ class Cadence:
             return None
         eval_start = time.perf_counter()
         quality = evaluate_in_run(w.quality, w.ema, w.diffusion, w.cfg, w.rank, w.world_size, w.device,
-                                  batch=w.micro_batch)
+                                  batch=w.images_per_pass)
         quality["eval_s"] = round(time.perf_counter() - eval_start, 2)
         return quality
 

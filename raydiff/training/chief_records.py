@@ -68,14 +68,14 @@ def log_row(w: Worker, row: dict[str, Any], dashboards: Dashboards | None, *, st
 
 @torch.no_grad()
 def save_sample_grid(w: Worker, step: int, dashboards: Dashboards | None, *, storage_ok: bool) -> None:
-    """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards. Generated a
-    micro-batch at a time: what fits a training step fits sampling (image i depends on (seed, i) only). A
-    class-conditional run's grid has one row per class (the first GRID_CLASSES), at eval.guidance."""
+    """A fixed-seed DDIM grid from the EMA weights in fp32, in samples/ and on the dashboards. Generated
+    `Worker.images_per_pass` images at a time (image i depends on (seed, i) only). A class-conditional run's grid
+    has one row per class (the first GRID_CLASSES), at eval.guidance."""
     t, d = w.cfg.train, w.cfg.data
     labels, per_row = grid_labels(w.num_classes, t.sample_num)
     chunks = w.diffusion.sample_in_chunks(
         w.ema, range(len(labels) if labels else t.sample_num), (d.channels, d.resolution, d.resolution),
-        batch=w.micro_batch, seed=t.seed, tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps,
+        batch=w.images_per_pass, seed=t.seed, tag=GRID_NOISE, device=w.device, sampler="ddim", steps=t.sample_steps,
         labels=labels, guidance=w.cfg.eval.guidance)
     png = grid_png(torch.cat(list(chunks)), nrow=per_row)
     if w.writes is not None and storage_ok:

@@ -25,7 +25,7 @@ from raydiff.data.node_cache import StreamTable
 from raydiff.data.on_device import DeviceImages, open_batches, place_images
 from raydiff.data.order import SampleOrder, micro_batches, rank_share
 from raydiff.data.run_images import open_tables
-from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
+from raydiff.model.diffusion import GaussianDiffusion, build_diffusion, images_per_pass
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import EmaUpdater, PowerEma, make_ema
 from raydiff.runs.runlog import JsonlLog
@@ -98,6 +98,14 @@ class Worker:
         num_classes = self.cfg.model.num_classes
         assert num_classes != "auto", "the driver resolves model.num_classes"
         return num_classes
+
+    @property
+    def images_per_pass(self) -> int:
+        """Images per forward pass of what the run generates or scores besides training (validation, sample
+        grids, in-run quality): at most the micro-batch (a training step's forward and backward pass fits it) and
+        at most `images_per_pass` of the resolution, as the commands sample: under CUDA graphs the step's
+        activations stay in the graphs' memory pool, which these passes cannot reuse (4 images at 256x256)."""
+        return min(self.micro_batch, images_per_pass(self.cfg.data.resolution))
 
     @property
     def training_state(self) -> TrainingState:

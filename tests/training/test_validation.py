@@ -69,3 +69,19 @@ def test_loss_depends_only_on_the_weights():
 def test_workers_split_the_items_without_overlap():
     parts = [_validation(rank, 4)._items for rank in range(4)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(6 * TIMESTEPS_PER_IMAGE))
+
+
+def test_validation_grids_and_in_run_quality_pass_as_few_images_as_sampling_commands_do():
+    """Under CUDA graphs a training step's activations stay in the graphs' memory pool: the run's other forward
+    passes take at most the micro-batch and at most the images per pass the commands sample with (4 at 256x256;
+    256 at once, validation's old pass, was over 100 GB there)."""
+    from types import SimpleNamespace
+
+    from raydiff.training.worker import Worker
+
+    def per_pass(micro_batch: int, resolution: int) -> int:
+        data = SimpleNamespace(resolution=resolution)
+        worker = SimpleNamespace(micro_batch=micro_batch, cfg=SimpleNamespace(data=data))
+        return Worker.images_per_pass.fget(worker)  # type: ignore[attr-defined]
+
+    assert per_pass(64, 256) == 4 and per_pass(128, 32) == 64 and per_pass(8, 32) == 8 and per_pass(2, 256) == 2
