@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from raydiff.data.loader import ImageTable
 from raydiff.data.noise import sample_noise
+from raydiff.model.diffusion import full_fp32
 from raydiff.seeds import keyed_rng
 
 TIMESTEPS_PER_IMAGE = 4
@@ -72,18 +73,19 @@ class Validation:
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)
         shape = tuple(self._table.shape)
-        for start in range(0, len(self._items), batch):
-            items = self._items[start:start + batch]
-            images = self._table.gather(self._val_indices[items // TIMESTEPS_PER_IMAGE],
-                                        np.empty((len(items), *shape), np.uint8))
-            noise = np.empty((len(items), *shape), np.float32)
-            sample_noise(self._seed, _NOISE_POSITIONS + items, 1, shape, noise)
-            x0 = torch.from_numpy(images).to(device).float().div_(127.5).sub_(1.0)
-            t = torch.from_numpy(self._timesteps[items]).to(device)
-            labels = None if self._labels is None else self._labels[items // TIMESTEPS_PER_IMAGE].to(device)
-            losses = diffusion.loss_per_sample(model, x0, t, torch.from_numpy(noise).to(device), labels)
-            total += torch.stack([losses.double().sum(), torch.tensor(float(len(items)), device=device,
-                                                                      dtype=torch.float64)])
+        with full_fp32():  # TF32 off, as sampling runs: validation losses are fp32 on every device
+            for start in range(0, len(self._items), batch):
+                items = self._items[start:start + batch]
+                images = self._table.gather(self._val_indices[items // TIMESTEPS_PER_IMAGE],
+                                            np.empty((len(items), *shape), np.uint8))
+                noise = np.empty((len(items), *shape), np.float32)
+                sample_noise(self._seed, _NOISE_POSITIONS + items, 1, shape, noise)
+                x0 = torch.from_numpy(images).to(device).float().div_(127.5).sub_(1.0)
+                t = torch.from_numpy(self._timesteps[items]).to(device)
+                labels = None if self._labels is None else self._labels[items // TIMESTEPS_PER_IMAGE].to(device)
+                losses = diffusion.loss_per_sample(model, x0, t, torch.from_numpy(noise).to(device), labels)
+                total += torch.stack([losses.double().sum(), torch.tensor(float(len(items)), device=device,
+                                                                          dtype=torch.float64)])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
         model.train(was_training)

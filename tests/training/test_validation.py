@@ -66,6 +66,28 @@ def test_loss_depends_only_on_the_weights():
     assert validation.loss(_model(cfg, 1), diffusion, torch.device("cpu")) != pytest.approx(first, rel=1e-3)
 
 
+def test_the_loss_is_computed_in_fp32_while_training_runs_with_tf32():
+    """A GPU trains with TF32 (`train.tf32`); the validation loss, like sampling, turns it off for its passes."""
+    from raydiff.model.diffusion import tf32_by_precision
+    from raydiff.training.speed import set_tf32
+
+    seen = []
+
+    class Recording(torch.nn.Module):
+        def forward(self, x, t, *labels):
+            conv = torch.backends.cudnn.conv.fp32_precision if tf32_by_precision() else torch.backends.cudnn.allow_tf32
+            seen.append((conv, torch.get_float32_matmul_precision()))
+            return 0.1 * x
+
+    diffusion = build_diffusion(Config())
+    try:
+        set_tf32(True)
+        assert np.isfinite(_validation().loss(Recording(), diffusion, torch.device("cpu"), batch=7))
+    finally:
+        set_tf32(False)
+    assert seen and set(seen) == {("ieee" if tf32_by_precision() else False, "highest")}
+
+
 def test_workers_split_the_items_without_overlap():
     parts = [_validation(rank, 4)._items for rank in range(4)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(6 * TIMESTEPS_PER_IMAGE))
