@@ -349,7 +349,7 @@ def tf32_by_precision() -> bool:
     return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
 
 
-def matmul_precision() -> str:
+def _matmul_precision() -> str:
     """fp32 matmuls' precision as `torch.set_float32_matmul_precision` takes it ("highest": IEEE, "high": TF32), also
     where something set the new flag directly and torch's own getter refuses to answer."""
     try:
@@ -362,9 +362,10 @@ def matmul_precision() -> str:
 def full_fp32() -> Iterator[None]:
     """Convolutions and matmuls in IEEE fp32 while the block runs. On Ampere and newer GPUs cuDNN convolutions
     use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32."""
-    saved_matmul = matmul_precision()
+    saved_matmul = _matmul_precision()
     torch.set_float32_matmul_precision("highest")
-    if tf32_by_precision():
+    by_precision = tf32_by_precision()
+    if by_precision:
         conv = torch.backends.cudnn.conv  # type: ignore[attr-defined]
         saved_conv, conv.fp32_precision = conv.fp32_precision, "ieee"
     else:
@@ -372,7 +373,7 @@ def full_fp32() -> Iterator[None]:
     try:
         yield
     finally:
-        if tf32_by_precision():
+        if by_precision:
             conv.fp32_precision = saved_conv
         else:
             torch.backends.cudnn.allow_tf32 = saved_conv
