@@ -85,25 +85,22 @@ def test_a_run_whose_profile_was_not_made_leaves_the_throughput_figures_standing
 
     run_dir = tmp_path / "run"
     (run_dir / "profile").mkdir(parents=True)
-    (run_dir / "events.jsonl").write_text(json.dumps({"event": "start", "step": 0}) + "\n")
-    assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") is None
+    assert _worker_profile(run_dir, None, [21, 30], tmp_path / "top-worker.txt") is None  # no profile row
     assert "the run's profile of steps 21-30 was not made" in capsys.readouterr().err
     assert not (tmp_path / "top-worker.txt").exists()
     figures = {"steps": [21, 30], "wall_ms_per_step": 25.0, "device_ms_per_step": 22.0, "device_busy": 0.88,
                "launches_per_step": 80.0}
-    with (run_dir / "events.jsonl").open("a") as events:
-        events.write(json.dumps({"event": "profile", **figures, "time": 1.0}) + "\n")
-    assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") == figures  # the figures, no table
+    row = {"event": "profile", **figures, "time": 1.0}  # the run's events.jsonl row
+    assert _worker_profile(run_dir, row, [21, 30], tmp_path / "top-worker.txt") == figures  # the figures, no table
     assert "the run's profile of steps 21-30 has figures but no table" in capsys.readouterr().err
     (run_dir / "profile" / "steps_21-30.txt").write_text("# table\n")
-    assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") == figures
+    assert _worker_profile(run_dir, row, [21, 30], tmp_path / "top-worker.txt") == figures
     assert (tmp_path / "top-worker.txt").read_text() == "# table\n"
     # A profile a stop ended early is named by the steps it recorded.
     early = {**figures, "steps": [21, 25]}
-    with (run_dir / "events.jsonl").open("a") as events:
-        events.write(json.dumps({"event": "profile", **early, "time": 2.0}) + "\n")
     (run_dir / "profile" / "steps_21-25.txt").write_text("# early\n")
-    assert _worker_profile(run_dir, [21, 30], tmp_path / "top-worker.txt") == early
+    assert _worker_profile(run_dir, {"event": "profile", **early, "time": 2.0}, [21, 30],
+                           tmp_path / "top-worker.txt") == early
     assert (tmp_path / "top-worker.txt").read_text() == "# early\n"
 
 

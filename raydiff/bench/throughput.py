@@ -153,9 +153,10 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool,
         set_key(cfg, key, value)
     validate(cfg)
     result = _one_start(cfg, steps, storage, first_step=1)
+    profile_event = result.pop("profile_event")
     if profiled_steps:
         assert profile is not None  # profiled_steps is empty without it
-        result["worker_profile"] = _worker_profile(storage / cfg.run.name, profiled_steps, profile)
+        result["worker_profile"] = _worker_profile(storage / cfg.run.name, profile_event, profiled_steps, profile)
     if rerun:
         set_key(cfg, "train.total_steps", end + 2 * steps)
         again = _one_start(cfg, steps, storage, first_step=end + 1)
@@ -163,31 +164,30 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool,
     return result
 
 
-def _worker_profile(run_dir: Path, steps: list[int], out: Path) -> dict[str, Any] | None:
-    """The figures of the run's own profile (its events.jsonl row), its table copied to `out`; None, said on
-    stderr, where the worker could not make one (the run itself, and the bench's figures, stand without it). A
-    profile ended early (a stop) is named by the steps it recorded."""
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    figures = [e for e in events if e["event"] == "profile"]
-    if not figures:
+def _worker_profile(run_dir: Path, event: dict[str, Any] | None, steps: list[int],
+                    out: Path) -> dict[str, Any] | None:
+    """The figures of the run's own profile (`event`, its events.jsonl row, or None), its table copied to `out`;
+    None, said on stderr, where the worker could not make one (the run itself, and the bench's figures, stand
+    without it). A profile ended early (a stop) is named by the steps it recorded."""
+    if event is None:
         print(f"bench throughput: the run's profile of steps {steps[0]}-{steps[1]} was not made (its log says why)",
               file=sys.stderr)
         return None
-    first, last = figures[-1]["steps"]
+    first, last = event["steps"]
     table = run_dir / "profile" / f"steps_{first}-{last}.txt"
     if table.is_file():
         out.write_text(table.read_text())
     else:
         print(f"bench throughput: the run's profile of steps {first}-{last} has figures but no table (its log "
               f"says why)", file=sys.stderr)
-    return {k: figures[-1][k] for k in ("steps", "wall_ms_per_step", "device_ms_per_step", "device_busy",
-                                        "launches_per_step")}
+    return {k: event[k] for k in ("steps", "wall_ms_per_step", "device_ms_per_step", "device_busy",
+                                  "launches_per_step")}
 
 
 def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> dict[str, Any]:
     """One start of the bench's run, from `first_step` to train.total_steps: its numbers from metrics.jsonl and
-    events.jsonl (the start event, the first step's seconds); measured over its steps `steps` after `first_step`
-    (steps after those, profiled, are not measured)."""
+    events.jsonl (the start event, the first step's seconds, the newest profile's row or None); measured over its
+    steps `steps` after `first_step` (steps after those, profiled, are not measured)."""
     from raydiff.training.driver import run_training
 
     launched = time.time()
@@ -199,6 +199,7 @@ def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> di
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     start = [e for e in events if e["event"] == "start"][-1]
     first = [e for e in events if e["event"] == "first_step"][-1]
+    profiles = [e for e in events if e["event"] == "profile"]
     mine = [row for row in rows if first_step <= row["step"] < first_step + 2 * steps]
     warm = [row for row in mine if row["step"] < first_step + steps][-1]
     measured = [row for row in mine if row["step"] >= first_step + steps]
@@ -207,7 +208,8 @@ def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> di
             "start_s": round(start["time"] - launched, 2), "first_step_s": round(first["seconds"], 2),
             "warmup_s": round(warm["time_s"], 2), "peak_memory_gb": max(peaks) if peaks else None,
             "data_wait_frac": round(statistics.median(row["data_wait_frac"] for row in measured), 4),
-            "compile_cache": start.get("compile_cache"), "described": start["speed"], "data": start.get("data")}
+            "compile_cache": start.get("compile_cache"), "described": start["speed"], "data": start.get("data"),
+            "profile_event": profiles[-1] if profiles else None}
 
 
 def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: list[int] | None,
