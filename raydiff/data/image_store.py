@@ -36,7 +36,7 @@ from raydiff.data.errors import BadSample, DataError, check_bad_fraction, readin
 from raydiff.data.hub_features import image_columns
 from raydiff.data.labels import LabelledSamples, LabelPlan, class_ids, missing_labels, plan_labels, resolve_classes
 from raydiff.data.shard_format import check_prepared
-from raydiff.data.sources import Source, source_of
+from raydiff.data.sources import Source, check_on_every_node, source_of
 
 CHUNK_BYTES = 64 * 1024 * 1024  # object-store chunk size: few chunks, cheap gathers
 # A local folder of images up to this size (and one chunk decoded) decodes in the driver in less time than Ray Data
@@ -171,7 +171,8 @@ _BatchFn = Callable[..., dict[str, np.ndarray]]
 def _read(source: Source, resolution: int, channels: int, image_column: str,
           labels: LabelPlan | None = None) -> ray.data.Dataset:
     """The source as a Ray Data dataset of {image: uint8 (C, R, R), error: str}, plus {label: str} with
-    `labels`, in sample order."""
+    `labels`, in sample order. Its tasks run on any node: a local source must be on every node."""
+    check_on_every_node(source)
     files, fs = list(source.files), source.filesystem
     kwargs: dict[str, Any] = {"fn_kwargs": {"resolution": resolution, "channels": channels},
                               "batch_size": DECODE_BATCH, "batch_format": "numpy"}

@@ -114,6 +114,15 @@ def open_source(source: str | None, *, format: FileKind | Literal["auto"] = "aut
     return _list(source, path, filesystem, format)
 
 
+def check_on_every_node(source: Source) -> None:
+    """A source on this machine's disk that tasks on the cluster's nodes read (Ray Data's, the stream's node
+    caches) must be on every node: on a multi-node cluster, refused up front in one line where it is not."""
+    if isinstance(source.filesystem, pafs.LocalFileSystem) and source.files:
+        from raydiff.cluster.storage import check_source_on_every_node
+
+        check_source_on_every_node(source.uri, source.files[0])
+
+
 def source_of(data) -> Source:
     """The source a config's `data` section names (see `open_source`)."""
     return open_source(data.source, format=data.format, endpoint=data.endpoint, anonymous=data.anonymous)

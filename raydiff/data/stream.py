@@ -46,7 +46,7 @@ from raydiff.data.labels import LabelPlan, plan_labels, read_labels
 from raydiff.data.node_cache import WINDOWS_HELD
 from raydiff.data.shard_format import SHARD_BYTES, check_prepared, rows_per_shard_for, write_prepared
 from raydiff.data.sharded import GB, ShardedImages
-from raydiff.data.sources import Source, open_source
+from raydiff.data.sources import Source, check_on_every_node, open_source
 from raydiff.storage.fs import filesystem_for
 from raydiff.storage.lease import hold, this_process
 from raydiff.storage.rundir import RunDir
@@ -117,7 +117,9 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
     buffer = min(int(data.stream_buffer_gb * GB), int(STORE_SHARE * smallest_object_store(use_gpu)) or 2 ** 62)
     buffer = int(buffer * buffer_share)
     labelled = data.labels == "auto"
-    if source.kind != "prepared":
+    if source.kind == "prepared":
+        check_on_every_node(source)  # each node's cache reads its shards
+    else:
         rows = keep["rows_per_shard"] if keep else None
         plan = plan_labels(source, data.label_column) if labelled else None
         source = _prepared_copy(data, source, shape, buffer, storage, endpoint, rows=rows,
@@ -186,6 +188,7 @@ def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpo
     found = _prepared_at(out, endpoint)
     if found is not None:
         return found
+    check_on_every_node(source)  # before anything is written (Ray Data's reads would find it again)
     with hold(RunDir(out, endpoint=endpoint), this_process(), stale_s=lease_stale_s, what="the stream preparation",
               wait=True):
         found = _prepared_at(out, endpoint)  # another run may have prepared it while this one waited
