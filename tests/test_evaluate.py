@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 
 import pytest
-from conftest import run_cli_interrupted, write_posthoc_run
+from conftest import run_cli_acting, run_cli_interrupted, write_posthoc_run
 
 from raydiff import cli
 from raydiff.evaluate import main as evaluate_main
@@ -146,6 +147,32 @@ def test_sigterm_stops_an_evaluation_in_one_line(smoke_run, ray_session):
     assert code == 128 + signal.SIGTERM, output[-3000:]
     assert output.strip().splitlines()[-1] == "raydiff: stopped by SIGTERM", output[-3000:]
     assert "SIGTERM received at time" not in output and "Traceback" not in output
+
+
+def test_an_evaluation_beside_a_run_that_holds_every_cpu_says_it_waits_then_measures(ray_session, tmp_path):
+    """The cluster's CPUs all held by another job's actor (a training run's workers): the measuring tasks cannot
+    start, and the command says so in one line, where it waited in silence; once the actor is gone, it measures."""
+    ray = ray_session
+    folder, _ = write_checkpoint(tmp_path, classes=None)
+
+    @ray.remote(num_cpus=2)
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()  # type: ignore[attr-defined]
+    silent_wait = threading.Timer(90, ray.kill, args=(holder,))  # a command that waits without a word fails, not hangs
+    try:
+        ray.get(holder.ready.remote(), timeout=120)
+        silent_wait.start()
+        code, output = run_cli_acting("raydiff.evaluate", "--checkpoint", str(folder), "--num", "200", "--steps", "5",
+                                      at="wait until one is free", act=lambda proc: ray.kill(holder))
+    finally:
+        silent_wait.cancel()
+        ray.kill(holder)
+    assert code == 0, output[-3000:]
+    assert output.count("[raydiff] every CPU of the cluster (2) in use (by a training run?): ") == 1, output[-3000:]
+    assert "step 7, 200 images (ddim, 5 steps, seed 0): digits_fd" in output
 
 
 def test_missing_run_is_one_line(tmp_path, capsys):

@@ -21,7 +21,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
-from raydiff.cluster.tasks import results_of
+from raydiff.cluster.tasks import free_now, results_of, waiting_note
 from raydiff.model.diffusion import full_fp32
 from raydiff.quality.features import DigitsFeatures, Features, metric_names
 from raydiff.quality.stats import FeatureStats, coverage, frechet_distance, kernel_distance
@@ -166,15 +166,23 @@ def _remote(kind: str, payload: Any, features: Features, ranges: list[range], ke
 def parallel_stats(kind: str, payload: Any, features: Features, num: int, *, host_memory: Literal["auto"] | bool,
                    workers: int | None = None, keep_features: bool = False) -> FeatureStats:
     """Statistics of `num` images (kind "sample": a SampleJob; "arrays": a uint8 array) over `workers` Ray tasks
-    (default: one per GPU of the cluster, else one per CPU), each taking an equal run of chunks. `host_memory`:
-    the run's `train.keep_host_memory`, for the tasks' processes."""
+    (default: one per free GPU of the cluster, else one per free CPU; one per GPU or CPU, all waiting, where none
+    is free, said in one line), each taking an equal run of chunks. `host_memory`: the run's
+    `train.keep_host_memory`, for the tasks' processes."""
     resources = ray.cluster_resources()
-    gpus = int(resources.get("GPU", 0))
+    unit = "GPU" if resources.get("GPU", 0) >= 1 else "CPU"  # what each task takes one of
+    units = int(resources.get(unit, 1))
     all_chunks = chunks(num)
-    workers = max(1, min(workers or gpus or int(resources.get("CPU", 1)), len(all_chunks)))
+    tasks = max(1, min(workers or units, len(all_chunks)))
+    free = free_now(unit, min(tasks, units))
+    if workers is None and free:
+        tasks = min(tasks, free)  # no part queued behind what another job holds
+    note = waiting_note(unit, units, free, tasks)
+    if note:
+        print(f"[raydiff] {note}", flush=True)
     payload_ref, features_ref = ray.put(payload), ray.put(features)  # once, not once per task (Inception: 92 MB)
-    parts = np.array_split(np.arange(len(all_chunks)), workers)
-    options = task_options(gpus > 0, host_memory)
+    parts = np.array_split(np.arange(len(all_chunks)), tasks)
+    options = task_options(unit == "GPU", host_memory)
     futures = [_remote.options(**options).remote(kind, payload_ref, features_ref, [all_chunks[i] for i in part],
                                                  keep_features) for part in parts]
     return total([s for result in results_of(futures) for s in result])
