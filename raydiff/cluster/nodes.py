@@ -25,6 +25,12 @@ def alive_nodes() -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n["Alive"]]
 
 
+def this_node_cpus() -> float:
+    """The CPUs Ray counts on the node this process runs on (a container's CPU limit, not the host's cores)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return float(next(n["Resources"].get("CPU", 0) for n in alive_nodes() if n["NodeID"] == node_id))
+
+
 def _runs_workers(node: dict[str, Any], use_gpu: bool | str) -> bool:
     resources = node["Resources"]
     if use_gpu is True:

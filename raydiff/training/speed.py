@@ -1,7 +1,7 @@
-"""What makes the training step fast on this device, decided once per worker start: torch.compile, the memory
-format, CUDA graphs, TF32, how the workers all-reduce their gradients (DDP or one flat all-reduce) and in what
-precision, whether the worker's process keeps its freed host memory; and wrapping the step's forward module
-accordingly.
+"""What makes the training step fast on this device, decided once per worker start: torch.compile (and how many
+processes compile), the memory format, CUDA graphs, TF32, how the workers all-reduce their gradients (DDP or one
+flat all-reduce) and in what precision, whether the worker's process keeps its freed host memory; and wrapping the
+step's forward module accordingly.
 
 Why a module of its own: each choice is a trade-off that differs by device and was settled by measurement
 (docs/benchmarks.md#gpu-throughput), not by the step's arithmetic: the step (`raydiff.training.step`) computes the
@@ -11,6 +11,8 @@ else, and the start line prints what was chosen and why (`SpeedPlan.describe`).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,6 +39,7 @@ class SpeedPlan:
     grad_compression: str  # "none" or "bf16": the all-reduce in bf16 (only where there is one: world size > 1)
     allreduce: str = "none"  # "ddp", "flat" (`raydiff.training.flat_allreduce`), or "none" with one worker
     host_memory_kept: bool = False  # this process's allocator keeps freed memory for reuse (HOST_MEMORY_ENV)
+    compile_threads: int | None = None  # inductor's compile processes, where fewer than torch's own choice
     reasons: tuple[str, ...] = ()  # why each `auto` came out as it did, for the start line
 
     @property
@@ -57,12 +60,16 @@ class SpeedPlan:
                  f"CUDA graphs {'on' if self.cuda_graphs else 'off'}", f"TF32 {'on' if self.tf32 else 'off'}",
                  f"all-reduce {self.allreduce}", f"gradient compression {self.grad_compression}",
                  f"host memory {'kept' if self.host_memory_kept else 'returned'}"]
+        if self.compile_threads is not None:
+            parts.insert(1, f"{self.compile_threads} compile process(es)")
         return ", ".join(parts) + (f" ({'; '.join(self.reasons)})" if self.reasons else "")
 
 
-def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_node: bool = True) -> SpeedPlan:
+def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_node: bool = True,
+               node_cpus: float | None = None, workers_on_node: int = 1) -> SpeedPlan:
     """`train.compile`, `train.channels_last`, `train.cuda_graphs`, `train.tf32`, `train.allreduce` and
-    `train.grad_compression` made concrete for this device and world size (`one_node`: all workers on this node).
+    `train.grad_compression` made concrete for this device and world size (`one_node`: all workers on this node;
+    `node_cpus`: the CPUs Ray counts on it, which `workers_on_node` training workers share while compiling).
 
     The rules for `auto` follow the GPU measurements in docs/benchmarks.md: compiled, this UNet trains fastest in
     NHWC on CUDA (cuDNN's NHWC convolutions, with GroupNorm and SiLU fused around them by inductor), while in eager
@@ -103,10 +110,37 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
         cuda_graphs = bool(t.cuda_graphs) and graphs_possible
         if t.cuda_graphs and not cuda_graphs:
             reasons.append(f"CUDA graphs off ({why_not})")
+    threads = None
+    if chosen_compile is True and node_cpus is not None:
+        threads = compile_threads(node_cpus, workers_on_node)
+        if threads is not None:
+            reasons.append(f"{threads} compile process(es): the node's {node_cpus:g} CPUs over its "
+                           f"{workers_on_node} worker(s)")
     return SpeedPlan(compile=chosen_compile, compile_fallback=t.compile == "auto", channels_last=channels_last,
                      cuda_graphs=cuda_graphs, tf32=t.tf32 and cuda,
                      grad_compression=t.grad_compression if world_size > 1 else "none", allreduce=allreduce,
-                     host_memory_kept=host_memory_kept(), reasons=tuple(reasons))
+                     host_memory_kept=host_memory_kept(), compile_threads=threads, reasons=tuple(reasons))
+
+
+def compile_threads(node_cpus: float, workers_on_node: int, environ: Mapping[str, str] = os.environ) -> int | None:
+    """How many processes inductor compiles with in one worker, where torch's own choice is too many: each
+    worker's even share of its node's CPUs as Ray counts them (a container's CPU limit included). torch starts
+    one per CPU the process may run on, at most 32, in every process that compiles: 8 workers on a node each
+    start up to 32, and a Kubernetes pod limited to a few of a large node's CPUs sees them all. None: torch's
+    own choice (at most the share, or set by TORCHINDUCTOR_COMPILE_THREADS, which torch reads)."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in environ:
+        return None
+    share = max(1, int(node_cpus // max(1, workers_on_node)))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return share if share < min(32, cpus) else None
+
+
+def set_compile_threads(threads: int | None) -> None:
+    """Inductor's compile processes for this process's compilations to come (None: as torch decided)."""
+    if threads is not None:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.compile_threads = threads
 
 
 def set_tf32(on: bool) -> None:

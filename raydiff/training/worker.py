@@ -19,6 +19,7 @@ import ray.train
 import ray.train.torch
 import torch
 
+from raydiff.cluster.nodes import this_node_cpus
 from raydiff.config import Config
 from raydiff.data.loader import Batches, ImageTable
 from raydiff.data.node_cache import StreamTable
@@ -39,7 +40,7 @@ from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.microbatch import plan_memory
 from raydiff.training.recovery import restore_agreed
-from raydiff.training.speed import SpeedPlan, for_training, plan_speed, set_tf32
+from raydiff.training.speed import SpeedPlan, for_training, plan_speed, set_compile_threads, set_tf32
 from raydiff.training.step import StepParts, make_optimizer, resolve_precision
 from raydiff.training.validation import Validation, holdout_split
 from raydiff.training.worker_io import WorkerArgs
@@ -145,8 +146,10 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
-    speed = plan_speed(t, device, world_size, one_node=context.get_local_world_size() == world_size)
+    speed = plan_speed(t, device, world_size, one_node=context.get_local_world_size() == world_size,
+                       node_cpus=this_node_cpus(), workers_on_node=context.get_local_world_size())
     set_tf32(speed.tf32)
+    set_compile_threads(speed.compile_threads)
     torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: autotune the convolutions once
 
     # The model, its EMA and optimizer: the same initial weights on every worker.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import traceback
 
 import numpy as np
@@ -18,7 +19,7 @@ from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import EmaUpdater, make_ema
 from raydiff.training.flat_allreduce import FlatGradients
-from raydiff.training.speed import compiled, for_training, plan_speed, unwrap
+from raydiff.training.speed import compiled, for_training, plan_speed, set_compile_threads, unwrap
 from raydiff.training.step import DenoisingLoss, StepParts, make_optimizer, optimizer_step
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 
@@ -238,6 +239,33 @@ def test_the_speed_plan_per_device_and_world_size():
     assert plan_speed(compressed, gpu, 1).grad_compression == "none"  # no DDP at world size 1
     assert plan_speed(compressed, gpu, 4).grad_compression == "bf16"
     assert not plan_speed(TrainSection(tf32=False), gpu, 1).tf32
+
+
+def test_workers_sharing_a_node_compile_with_their_share_of_its_cpus(monkeypatch):
+    """torch starts a compile process per CPU it may run on (at most 32) in every worker: the plan caps that at
+    each worker's share of the node's CPUs as Ray counts them, and says so on the start line."""
+    from torch._inductor import config as inductor_config
+
+    gpu = torch.device("cuda")
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)  # a large node's cores
+    eight = plan_speed(TrainSection(), gpu, 8, node_cpus=96, workers_on_node=8)
+    assert eight.compile_threads == 12
+    assert "12 compile process(es): the node's 96 CPUs over its 8 worker(s)" in eight.describe()
+    pod = plan_speed(TrainSection(), gpu, 2, one_node=False, node_cpus=7, workers_on_node=1)  # a pod limited to 7
+    assert pod.compile_threads == 7 and "7 compile process(es)" in pod.describe()
+    assert plan_speed(TrainSection(), gpu, 1, node_cpus=96, workers_on_node=1).compile_threads is None  # torch: 32
+    assert plan_speed(TrainSection(), gpu, 8, node_cpus=3, workers_on_node=8).compile_threads == 1  # none in parallel
+    assert plan_speed(TrainSection(compile=False), gpu, 8, node_cpus=96, workers_on_node=8).compile_threads is None
+    assert plan_speed(TrainSection(), gpu, 8).compile_threads is None  # the node's CPUs unknown (the benchmarks)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")  # the user's choice, which torch reads
+    assert plan_speed(TrainSection(), gpu, 8, node_cpus=96, workers_on_node=8).compile_threads is None
+
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)  # restored after
+    set_compile_threads(12)
+    assert inductor_config.compile_threads == 12
+    set_compile_threads(None)
+    assert inductor_config.compile_threads == 12
 
 
 @pytest.mark.parametrize("options", [
