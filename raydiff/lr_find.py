@@ -95,10 +95,9 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     # The micro-batch and activation checkpointing as a one-worker run plans them: on a GPU `auto` measures what
     # fits (a 256x256 preset's whole batch in one pass does not).
     micro_batch, _, memory_plan = plan_memory(
-        model, diffusion, optimizer, micro_batch=t.micro_batch, checkpointing=t.activation_checkpointing,
-        share=t.global_batch, shape=images.shape, device=device, autocast_dtype=autocast_dtype,
-        default_micro_batch=cfg.micro_batch_for(1) if t.micro_batch != "auto" else t.global_batch,
-        agree=lambda n: n)
+        model, diffusion, optimizer, fixed_micro_batch=cfg.micro_batch_for(1),
+        checkpointing=t.activation_checkpointing, share=t.global_batch, shape=images.shape, device=device,
+        autocast_dtype=autocast_dtype, agree=lambda n: n)
     stream = BatchStream(table=table, order=order, global_batch=t.global_batch,
                          share=Share(0, t.global_batch), micro_batch=micro_batch, start_step=0,
                          pin_memory=device.type == "cuda", noise=(t.seed, cfg.diffusion.timesteps),

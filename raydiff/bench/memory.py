@@ -141,6 +141,6 @@ def measure_step_memory(cfg: Config, micro_batch: int, device: torch.device) -> 
 def bench_memory(config: str, overrides: list[str], micro_batch: int | None) -> dict[str, Any]:
     cfg = load_model_config(config, overrides, "memory")
     if micro_batch is None:  # the preset's own, else one image (micro_batch auto: what a small GPU runs)
-        micro_batch = cfg.micro_batch_for(1) if cfg.train.micro_batch != "auto" else 1
+        micro_batch = cfg.micro_batch_for(1) or 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {"bench": "memory", "config": config, **measure_step_memory(cfg, micro_batch, device)}

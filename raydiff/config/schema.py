@@ -440,11 +440,11 @@ class Config:
             self.train.ema_snapshot_every = self.train.checkpoint_every
         return self
 
-    def micro_batch_for(self, world_size: int) -> int:
-        """Per-worker forward-pass size; null means one pass per step (the largest share). Not for `auto`,
+    def micro_batch_for(self, world_size: int) -> int | None:
+        """Per-worker forward-pass size; null means one pass per step (the largest share). None for `auto`,
         which the workers measure."""
         if self.train.micro_batch == "auto":
-            raise ValueError("micro_batch=auto is measured on the workers")
+            return None
         return self.train.micro_batch or -(-self.train.global_batch // world_size)
 
 

@@ -73,12 +73,14 @@ def measure_micro_batch(model: torch.nn.Module, diffusion, optimizer: torch.opti
 
 
 def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,
-                micro_batch: int | str | None, checkpointing: bool | str, share: int, shape: tuple[int, int, int],
-                device: torch.device, autocast_dtype: torch.dtype | None, default_micro_batch: int,
+                fixed_micro_batch: int | None, checkpointing: bool | str, share: int, shape: tuple[int, int, int],
+                device: torch.device, autocast_dtype: torch.dtype | None,
                 agree: Callable[[int], int]) -> tuple[int, bool, str]:
     """The micro-batch and whether to checkpoint activations (`train.micro_batch`, `train.activation_checkpointing`),
-    with a phrase for the start line saying why. Measures with the setting it will train with. `agree` turns a
-    number into the smallest over all workers (a collective), so every worker decides alike.
+    with a phrase for the start line saying why. `fixed_micro_batch`: the config's micro-batch for this world size
+    (`Config.micro_batch_for`), None where `train.micro_batch: auto` has it measured. Measures with the setting it
+    will train with. `agree` turns a number into the smallest over all workers (a collective), so every worker
+    decides alike.
 
     `auto` checkpointing is on when, without it, the measured micro-batch is smaller than the share: recomputing
     activations then saves accumulation passes. With a fixed micro-batch there is nothing measured and it is off.
@@ -91,11 +93,11 @@ def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,
     if checkpointing != "auto":
         on = bool(checkpointing)
         model.activation_checkpointing = on
-        chosen = measured(on) if micro_batch == "auto" else default_micro_batch
+        chosen = measured(on) if fixed_micro_batch is None else fixed_micro_batch
         return chosen, on, f"activation checkpointing {'on' if on else 'off'}"
-    if micro_batch != "auto":
+    if fixed_micro_batch is not None:
         model.activation_checkpointing = False
-        return default_micro_batch, False, "activation checkpointing off (auto: train.micro_batch is fixed)"
+        return fixed_micro_batch, False, "activation checkpointing off (auto: train.micro_batch is fixed)"
     full = agree(share)
     without = measured(False)
     if without >= full:

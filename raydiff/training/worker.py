@@ -183,10 +183,9 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     # The micro-batch and activation checkpointing, measured with the setting the worker will train with.
     share = rank_share(t.global_batch, world_size, rank)
     micro_batch, _, memory_plan = plan_memory(  # the model holds whether it checkpoints
-        model, diffusion, optimizer, micro_batch=t.micro_batch, checkpointing=t.activation_checkpointing,
-        share=share.size, shape=images.shape, device=device, autocast_dtype=autocast_dtype,
-        default_micro_batch=cfg.micro_batch_for(world_size) if t.micro_batch != "auto" else share.size,
-        agree=lambda n: smallest(n, device))
+        model, diffusion, optimizer, fixed_micro_batch=cfg.micro_batch_for(world_size),
+        checkpointing=t.activation_checkpointing, share=share.size, shape=images.shape, device=device,
+        autocast_dtype=autocast_dtype, agree=lambda n: smallest(n, device))
 
     # The newest checkpoint every worker restores alike; then the settings a re-run may change.
     training_state = TrainingState(model, ema, optimizer, scaler, posthoc)

@@ -48,8 +48,9 @@ def test_auto_checkpointing_is_on_where_the_share_does_not_fit_without_it(monkey
     monkeypatch.setattr(microbatch, "measure_micro_batch", lambda model, *a, share, **k: min(
         share, fits_checkpointed if model.activation_checkpointing else fits_plain))
     agreed = []
-    chosen, on, why = plan_memory(model, None, None, micro_batch=micro_batch, checkpointing=checkpointing, share=48,
-                                  shape=(3, 256, 256), device=torch.device("cuda"), autocast_dtype=None,
-                                  default_micro_batch=8, agree=lambda n: agreed.append(n) or n)
+    chosen, on, why = plan_memory(model, None, None, fixed_micro_batch=None if micro_batch == "auto" else micro_batch,
+                                  checkpointing=checkpointing, share=48, shape=(3, 256, 256),
+                                  device=torch.device("cuda"), autocast_dtype=None,
+                                  agree=lambda n: agreed.append(n) or n)
     assert (chosen, on) == expected[:2] and expected[2] in why and model.activation_checkpointing is on
     assert micro_batch != "auto" or agreed  # every measured number goes through the collective
