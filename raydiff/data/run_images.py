@@ -18,6 +18,7 @@ from raydiff.data.image_store import ImageStore, load_data
 from raydiff.data.loader import ImageTable
 from raydiff.data.node_cache import StreamTable, node_shards
 from raydiff.data.order import SampleOrder
+from raydiff.data.placement import on_training_nodes
 from raydiff.data.sharded import ShardedImages
 from raydiff.data.sources import Source
 from raydiff.data.stream import choose_cache, stream_images
@@ -44,8 +45,9 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
         images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
                                buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
         return images, f"{why}; {images.describe()}"
-    store = load_data(data, source)
-    return store, f"{why}; decoded by {store.decoded_by}"
+    store, moved = on_training_nodes(load_data(data, source), use_gpu)
+    kept = f", {moved} chunk(s) moved to the training nodes" if moved else ""
+    return store, f"{why}; decoded by {store.decoded_by}{kept}"
 
 
 def open_tables(images: RunImages, train_indices: np.ndarray, val_indices: np.ndarray, seed: int, group: str):
