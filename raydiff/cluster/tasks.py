@@ -21,11 +21,13 @@ SETTLE_S = 2.0  # how long the cluster may take to count what tasks that just fi
 
 def results_of(futures: list[ray.ObjectRef]) -> list[Any]:
     """`ray.get(futures)`; if the wait ends in an exception (an interruption, or a task's error), the tasks still
-    running are cancelled before it goes on up."""
+    running are cancelled before it goes on up. Only those: Ray 2.60 aborts the whole process ("Check failed ...
+    Tried to complete task that was not pending") where a task is cancelled as its failure comes in."""
     try:
         return ray.get(futures)
     except BaseException:
-        for future in futures:
+        _, running = ray.wait(futures, num_returns=len(futures), timeout=0, fetch_local=False)
+        for future in running:
             ray.cancel(future)
         raise
 
