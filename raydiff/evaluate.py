@@ -6,8 +6,8 @@ of a digits classifier's features and the class coverage).
         [--features auto|inception|digits] [--weights PATH]
         [--guidance W[,W...]] [--guide GUIDE] [--sigma-rel S[,S...]] [--workers N] [--endpoint URL]
 
-Images are generated from the EMA weights in fp32 and measured in parallel on Ray tasks (one per GPU, else one
-per CPU); image i is a pure function of (seed, i), so the result does not depend on the number of workers. The
+Images are generated from the EMA weights in fp32 and measured in parallel on Ray tasks (one per free GPU, else one
+per free CPU); image i is a pure function of (seed, i), so the result does not depend on the number of workers. The
 result is printed as one line and written to <run>/eval/<step>-<sampler>-<steps>-<num>.json (never over
 another evaluation) and as a row of <run>/eval.jsonl. Defaults come from the run's `eval` section.
 
@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sigma-rel", default=None, help="a run trained with train.ema=posthoc: one result per "
                                                           "comma-separated width of the EMA rebuilt from its "
                                                           "snapshots (raydiff.ema), and the best of them")
-    parser.add_argument("--workers", type=int, default=None, help="Ray tasks (default: every GPU, else every CPU)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="Ray tasks (default: every free GPU, else every free CPU)")
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 1:
         parser.error(f"--workers {args.workers}: must be >= 1")

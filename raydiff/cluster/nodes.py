@@ -25,10 +25,11 @@ def alive_nodes() -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n["Alive"]]
 
 
-def this_node_cpus() -> float:
-    """The CPUs Ray counts on the node this process runs on (a container's CPU limit, not the host's cores)."""
+def this_node() -> dict[str, float]:
+    """The resources Ray counts on the node this process runs on (its CPUs: a container's CPU limit, not the
+    host's cores); empty where the node is not found."""
     node_id = ray.get_runtime_context().get_node_id()
-    return float(next(n["Resources"].get("CPU", 0) for n in alive_nodes() if n["NodeID"] == node_id))
+    return next((n["Resources"] for n in alive_nodes() if n["NodeID"] == node_id), {})
 
 
 def _runs_workers(node: dict[str, Any], use_gpu: bool | str) -> bool:

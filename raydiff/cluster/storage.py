@@ -18,8 +18,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raydiff.cluster.nodes import alive_nodes
 from raydiff.config import ConfigError
 
-PROBE_TIMEOUT_S = 60
-SHARED_INSTEAD = ("an s3:// or gs:// URI, or an NFS path mounted at the same place on every node")
+PROBE_TIMEOUT_S = 60  # a node's first task may wait for the job's runtime_env to be installed there
+SHARED_INSTEAD = "an s3:// or gs:// URI, or an NFS path mounted at the same place on every node"
 
 
 @ray.remote(num_cpus=0)
@@ -27,19 +27,41 @@ def _sees(path: str) -> bool:
     return os.path.exists(path)
 
 
-def nodes_seeing(path: str, node_ids: list[str]) -> list[bool]:
-    """Whether `path` exists on each of the nodes, asked of a task on each (all at once)."""
+def several_nodes() -> bool:
+    """Whether the cluster has more than one live node: then a local folder must be on all of them. (Not joined
+    yet, this process would start a local instance of one node.)"""
+    return ray.is_initialized() and len(alive_nodes()) >= 2
+
+
+def nodes_seeing(path: str, node_ids: list[str]) -> list[bool | None]:
+    """Whether `path` exists on each of the nodes, asked of a task on each (all at once); None for a node that
+    did not answer within PROBE_TIMEOUT_S (or died, or drained, in the meantime)."""
     futures = [_sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(path)
                for n in node_ids]
-    return ray.get(futures, timeout=PROBE_TIMEOUT_S)
+    ready, _ = ray.wait(futures, num_returns=len(futures), timeout=PROBE_TIMEOUT_S)
+    answers: list[bool | None] = []
+    for future in futures:
+        if future not in ready:
+            ray.cancel(future)
+            answers.append(None)
+            continue
+        try:
+            answers.append(bool(ray.get(future)))
+        except ray.exceptions.RayError:  # the node went away: not one the run will use
+            answers.append(None)
+    return answers
 
 
 def nodes_without(path: str, probe=None) -> list[str]:
-    """Addresses of the cluster's live nodes on which `path` does not exist. `probe(path, node_ids)` -> one bool
-    per node is for tests (default `nodes_seeing`)."""
+    """Addresses of the cluster's live nodes on which `path` does not exist. A node that does not answer is not
+    judged (one line says so). `probe(path, node_ids)` -> one answer per node is for tests (`nodes_seeing`)."""
     nodes = alive_nodes()
-    seen = (probe or nodes_seeing)(path, [n["NodeID"] for n in nodes])
-    return sorted({n["NodeManagerAddress"] for n, sees in zip(nodes, seen, strict=True) if not sees})
+    answers = (probe or nodes_seeing)(path, [n["NodeID"] for n in nodes])
+    silent = sorted({n["NodeManagerAddress"] for n, sees in zip(nodes, answers, strict=True) if sees is None})
+    if silent:
+        print(f"[raydiff] node(s) {', '.join(silent)} did not answer within {PROBE_TIMEOUT_S} s whether they see "
+              f"{path}: not checked there", flush=True)
+    return sorted({n["NodeManagerAddress"] for n, sees in zip(nodes, answers, strict=True) if sees is False})
 
 
 def unreachable_nodes(folder: str, probe=None) -> list[str]:
@@ -57,21 +79,9 @@ def unreachable_nodes(folder: str, probe=None) -> list[str]:
 def check_shared_storage(storage: str, probe=None) -> None:
     """On a multi-node cluster a local run.storage must be a shared (NFS) mount: refuse it up front, with what to
     use instead, rather than fail at the first checkpoint of a remote worker."""
-    if "://" in storage or len(alive_nodes()) < 2:
+    if "://" in storage or not several_nodes():
         return
     missing = unreachable_nodes(storage, probe)
     if missing:
         raise ConfigError(f"run.storage = {storage!r} is not shared: node(s) {', '.join(missing)} cannot see it. A "
                           f"multi-node cluster needs storage every node reaches: {SHARED_INSTEAD}")
-
-
-def check_source_on_every_node(source: str, file: str, probe=None) -> None:
-    """On a multi-node cluster a local data.source that the cluster's tasks read (`file`: one of its files) must be
-    on every node: refuse it up front, with what to use instead."""
-    if len(alive_nodes()) < 2:
-        return
-    missing = nodes_without(file, probe)
-    if missing:
-        raise ConfigError(f"data.source = {source!r} is not on every node: node(s) {', '.join(missing)} cannot see "
-                          f"{file}. On a multi-node cluster Ray Data reads it from every node: use {SHARED_INSTEAD} "
-                          f"(`python -m raydiff.prepare` copies a folder to a bucket)")

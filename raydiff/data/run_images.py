@@ -27,12 +27,15 @@ RunImages = ImageStore | ShardedImages  # a run's decoded images: in every node'
 
 
 def open_images(data, source: Source, *, storage: str, endpoint: str | None, keep: dict[str, Any] | None = None,
-                buffer_share: float = 1.0, lease_stale_s: float = 60.0, use_gpu: bool | str = "auto"):
+                buffer_share: float = 1.0, lease_stale_s: float = 60.0, use_gpu: bool | str = "auto",
+                for_training: bool = False):
     """The run's images as `data.cache` says: an `ImageStore` (memory) or `ShardedImages` (stream), and a phrase
     for the start line saying which and why. `keep`: the layout a continuing run began with (data.json), which
     fixes its sample order: the mode, and for streamed data the shards and the shuffle windows. `buffer_share`:
     this run's part of a node's stream buffer (a sweep's trials that run at once share it). `use_gpu`
-    (scaling.use_gpu) names the nodes the run trains on, whose object stores decide (`raydiff.cluster.nodes`)."""
+    (scaling.use_gpu) names the nodes the run trains on, whose object stores decide (`raydiff.cluster.nodes`).
+    `for_training`: a run's workers will read them on those nodes, where memory mode keeps its decoded chunks
+    (`raydiff.data.placement`)."""
     if keep is None:
         mode, why = choose_cache(data, source, use_gpu)
     else:
@@ -45,7 +48,9 @@ def open_images(data, source: Source, *, storage: str, endpoint: str | None, kee
         images = stream_images(data, source, storage=storage, endpoint=endpoint, keep=keep,
                                buffer_share=buffer_share, lease_stale_s=lease_stale_s, use_gpu=use_gpu)
         return images, f"{why}; {images.describe()}"
-    store, moved = on_training_nodes(load_data(data, source), use_gpu)
+    store, moved = load_data(data, source), 0
+    if for_training:
+        store, moved = on_training_nodes(store, use_gpu)
     kept = f", {moved} chunk(s) moved to the training nodes" if moved else ""
     return store, f"{why}; decoded by {store.decoded_by}{kept}"
 

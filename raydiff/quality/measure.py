@@ -177,7 +177,7 @@ def parallel_stats(kind: str, payload: Any, features: Features, num: int, *, hos
     free = free_now(unit, min(tasks, units))
     if workers is None and free:
         tasks = min(tasks, free)  # no part queued behind what another job holds
-    note = waiting_note(unit, units, free, tasks)
+    note = waiting_note(unit, units, free, min(tasks, units))  # beyond the cluster's units, tasks wait for each other
     if note:
         print(f"[raydiff] {note}", flush=True)
     payload_ref, features_ref = ray.put(payload), ray.put(features)  # once, not once per task (Inception: 92 MB)

@@ -181,7 +181,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         images, cache = open_images(requested.data, source, storage=requested.run.storage,
                                     endpoint=requested.run.endpoint,
                                     keep=plan.layout, lease_stale_s=requested.run.lease_stale_s,
-                                    use_gpu=requested.scaling.use_gpu)
+                                    use_gpu=requested.scaling.use_gpu, for_training=True)
         decoded = f"{cache}; ready in {time.perf_counter() - decode_start:.1f} s"
     elif plan.layout is not None and plan.layout != images.layout():
         raise DataError(f"run {requested.run.name!r} was trained on data laid out as {plan.layout} (data.json), now "

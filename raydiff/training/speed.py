@@ -60,8 +60,6 @@ class SpeedPlan:
                  f"CUDA graphs {'on' if self.cuda_graphs else 'off'}", f"TF32 {'on' if self.tf32 else 'off'}",
                  f"all-reduce {self.allreduce}", f"gradient compression {self.grad_compression}",
                  f"host memory {'kept' if self.host_memory_kept else 'returned'}"]
-        if self.compile_threads is not None:
-            parts.insert(1, f"{self.compile_threads} compile process(es)")
         return ", ".join(parts) + (f" ({'; '.join(self.reasons)})" if self.reasons else "")
 
 
@@ -111,7 +109,7 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
         if t.cuda_graphs and not cuda_graphs:
             reasons.append(f"CUDA graphs off ({why_not})")
     threads = None
-    if chosen_compile is True and node_cpus is not None:
+    if chosen_compile is True and node_cpus:
         threads = compile_threads(node_cpus, workers_on_node)
         if threads is not None:
             reasons.append(f"{threads} compile process(es): the node's {node_cpus:g} CPUs over its "
@@ -131,8 +129,12 @@ def compile_threads(node_cpus: float, workers_on_node: int, environ: Mapping[str
     if "TORCHINDUCTOR_COMPILE_THREADS" in environ:
         return None
     share = max(1, int(node_cpus // max(1, workers_on_node)))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return share if share < min(32, cpus) else None
+    return share if share < min(32, visible_cpus()) else None
+
+
+def visible_cpus() -> int:
+    """The CPUs this process may run on, as torch counts them for its compile processes."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def set_compile_threads(threads: int | None) -> None:

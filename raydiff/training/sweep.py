@@ -275,7 +275,7 @@ def sweep_images(cfg: Config, sweep_dir: Path, concurrent: int):
     keep = json.loads(layout_file.read_text())["layout"] if layout_file.is_file() else None
     images, cache = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint,
                                 keep=keep, buffer_share=1 / concurrent, lease_stale_s=cfg.run.lease_stale_s,
-                                use_gpu=cfg.scaling.use_gpu)
+                                use_gpu=cfg.scaling.use_gpu, for_training=True)
     if images.layout()["cache"] == "stream" and concurrent > 1:
         cache += f" (each trial's node cache holds 1/{concurrent} of data.stream_buffer_gb: {concurrent} at a time)"
     return images, cache

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import traceback
 
 import numpy as np
@@ -18,6 +17,7 @@ from raydiff.data.noise import position_noise
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import EmaUpdater, make_ema
+from raydiff.training import speed
 from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.speed import compiled, for_training, plan_speed, set_compile_threads, unwrap
 from raydiff.training.step import DenoisingLoss, StepParts, make_optimizer, optimizer_step
@@ -248,7 +248,7 @@ def test_workers_sharing_a_node_compile_with_their_share_of_its_cpus(monkeypatch
 
     gpu = torch.device("cuda")
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)  # a large node's cores
+    monkeypatch.setattr(speed, "visible_cpus", lambda: 96)  # a large node's cores
     eight = plan_speed(TrainSection(), gpu, 8, node_cpus=96, workers_on_node=8)
     assert eight.compile_threads == 12
     assert "12 compile process(es): the node's 96 CPUs over its 8 worker(s)" in eight.describe()
