@@ -140,6 +140,12 @@ def _ray_tests_join_the_cluster(request):
             pytest.fail("pytest-xdist did not group the tests that start Ray on one worker: use pytest < 9.2 "
                         "(pytest-dev/pytest-xdist#1386) or run with -n 0", pytrace=False)
         request.getfixturevalue("cluster")
+        import ray
+
+        if ray.is_initialized():  # this process is a driver of the cluster: what a command does as it joins
+            from raydiff.cluster.leftovers import remove_groups_of_ended_jobs
+
+            remove_groups_of_ended_jobs()
 
 
 @pytest.fixture(scope="session")
@@ -410,3 +416,68 @@ def write_posthoc_run(run_dir, *, tracked=(0.05, 0.10), steps: int = 60, every: 
     folder.mkdir(parents=True)
     write_state(folder, checkpoint_state(objects, Progress(step=steps), 16, cfg.to_dict()))
     return cfg, tracker, between
+
+
+ENDED_JOBS_ACTORS = """
+import ray
+ray.init(address="{address}", logging_level="ERROR")
+
+@ray.remote(num_cpus=0)
+class Actor:
+    def id(self):
+        return ray.get_runtime_context().get_actor_id()
+
+dies = Actor.remote()
+lives = Actor.options(name="{detached}", namespace="{namespace}", lifetime="detached").remote()
+print(ray.get_runtime_context().get_job_id(), ray.get(dies.id.remote()), ray.get(lives.id.remote()))
+"""
+
+
+TESTS_NAMESPACE = "raydiff-tests"
+
+
+def ended_jobs_actors(ray_session, detached_name: str) -> tuple[str, str, str]:
+    """A job that ran and ended on the session's cluster: (its id, its actor that died with it, its detached actor
+    named `detached_name` in TESTS_NAMESPACE, alive: `kill_named(ray_session, detached_name)` when done)."""
+    from ray._private.state import state as gcs_state
+
+    address = ray_session.get_runtime_context().gcs_address
+    job, dead, alive = subprocess.run(
+        [sys.executable, "-c", ENDED_JOBS_ACTORS.format(address=address, detached=detached_name,
+                                                         namespace=TESTS_NAMESPACE)],
+        capture_output=True, text=True, check=True, env={**os.environ, "RAY_ADDRESS": address}).stdout.split()[-3:]
+    wait_for(lambda: any(j["JobID"] == job and j["IsDead"] for j in gcs_state.job_table()), what="the job's end")
+    wait_for(lambda: gcs_state.actor_table(dead).get("State") == "DEAD", what="its actor's death")
+    return job, dead, alive
+
+
+def kill_named(ray_session, name: str) -> None:
+    """Kill the detached actor `name` of TESTS_NAMESPACE (`ended_jobs_actors`)."""
+    ray_session.kill(ray_session.get_actor(name, namespace=TESTS_NAMESPACE))
+
+
+def plant_late_group(ray_session, *, job: str, creator_actor: str, cpus: float) -> str:
+    """Register a placement group as a dying actor's request reaches Ray after its creators ended: its creator job
+    and actor are those given, and Ray's flags for their ends unset (Ray sets them only on the groups registered
+    when each ends). Waits until it is placed; returns its id. Through the GCS's own request, as a core worker
+    sends it: Ray has no other way to make one at will."""
+    import grpc
+    from ray._private.authentication.grpc_authentication_client_interceptor import (
+        _get_authentication_metadata_tuple,
+    )
+    from ray.core.generated import common_pb2, gcs_service_pb2, gcs_service_pb2_grpc
+    from ray.util.placement_group import placement_group_table
+
+    group = os.urandom(14) + bytes.fromhex(job)  # a group's id ends with its job's
+    spec = common_pb2.PlacementGroupSpec(
+        placement_group_id=group, strategy=common_pb2.PACK, creator_job_id=bytes.fromhex(job),
+        creator_actor_id=bytes.fromhex(creator_actor),
+        bundles=[common_pb2.Bundle(bundle_id=common_pb2.Bundle.BundleIdentifier(placement_group_id=group),
+                                   unit_resources={"CPU": cpus})])
+    address = ray_session.get_runtime_context().gcs_address
+    with grpc.insecure_channel(address) as channel:
+        gcs_service_pb2_grpc.PlacementGroupInfoGcsServiceStub(channel).CreatePlacementGroup(
+            gcs_service_pb2.CreatePlacementGroupRequest(placement_group_spec=spec),
+            metadata=_get_authentication_metadata_tuple(), timeout=30)
+    wait_for(lambda: placement_group_table().get(group.hex(), {}).get("state") == "CREATED", what="its placement")
+    return group.hex()

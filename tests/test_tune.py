@@ -9,7 +9,16 @@ import signal
 
 import pytest
 import yaml
-from conftest import leftover_placement_groups, reserving, run_cli, run_cli_acting, run_cli_interrupted
+from conftest import (
+    ended_jobs_actors,
+    kill_named,
+    leftover_placement_groups,
+    plant_late_group,
+    reserving,
+    run_cli,
+    run_cli_acting,
+    run_cli_interrupted,
+)
 from disks import fill_leaving, kept_full, tmpfs
 
 from raydiff import cli
@@ -23,9 +32,17 @@ SWEEP = ["--config", "smoke", "--lr", "1e-6:3e-3", "--batch", "16", "--samples",
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, ray_session):
+    """The sweep, on a cluster where an ended job left a placement group holding every CPU: one Ray never removes
+    (a dying Train controller's request placed after its job ended), which the sweep's decoding and trials would
+    wait on for ever."""
     storage = tmp_path_factory.mktemp("sweeps")
     reserving_before = reserving(ray_session)
-    proc = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
+    job, dead, _ = ended_jobs_actors(ray_session, "test-tune-ended-job")
+    plant_late_group(ray_session, job=job, creator_actor=dead, cpus=2)
+    try:
+        proc = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
+    finally:
+        kill_named(ray_session, "test-tune-ended-job")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return storage, proc.stdout + proc.stderr, reserving(ray_session) - reserving_before
 
@@ -46,6 +63,7 @@ def test_two_trial_sweep_stops_the_worse_trial_and_writes_its_outputs(sweep):
     summary = json.loads((sweep_dir / "summary.json").read_text())
     assert summary["best"]["trial"] == "linear-b16-lr0.003" and summary["stopped"] == 1
     assert "1 finished, 1 stopped early by ASHA" in output
+    assert "[raydiff] removed 1 placement group(s) that ended jobs had left holding 2 CPU" in output
     # Only raydiff's lines and the trials': not Tune's banner, nor its TensorBoard command for a Ray session folder,
     # nor each trial's placement-group cleaner finding its controller gone.
     assert "Configuration for experiment" not in output and "tensorboard --logdir" not in output

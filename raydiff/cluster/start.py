@@ -28,6 +28,7 @@ from ray._private.utils import detect_fate_sharing_support
 
 from raydiff.cluster import ray_temp_dir
 from raydiff.cluster.errors import RayUnreachable
+from raydiff.cluster.leftovers import remove_groups_of_ended_jobs
 from raydiff.cluster.nodes import alive_nodes
 from raydiff.cluster.worker_output import NO_STATE_API, drop_worker_lines, filter_worker_output
 
@@ -35,6 +36,7 @@ ANSWER_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a con
 GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # the GCS port of a head that Ray starts (ray._private.ray_constants)
 
 
+logger = logging.getLogger("raydiff")
 _joined_here = False  # whether init_ray() made this process's Ray connection (so that leave_ray() may end it)
 _dashboard_url: str | None = None  # the joined cluster's dashboard ("" where it runs none; None: not joined here)
 _watching: threading.Event | None = None  # set, it ends the watch on a local instance's temp directory
@@ -73,6 +75,11 @@ def init_ray() -> None:
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # raydiff prints its own one-line data summary
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     filter_worker_output()
+    if existing:
+        try:
+            remove_groups_of_ended_jobs()
+        except Exception:  # best effort: Ray's own, unchanged, and a sweep asks again while it runs
+            logger.debug("removing the placement groups of ended jobs failed", exc_info=True)
 
 
 def _start_local_instance() -> str | None:

@@ -15,10 +15,8 @@ marked dead for ever (it misses that creator's death): such a group held the 2 C
 sweep's next trial waited on them until the test timed out. So while a sweep runs it removes every placement group
 of its job whose creator actor is dead (what Ray Train's own cleaner does for a group it was told of); and at its
 end it waits until every actor it made is dead and its process gone, then removes the groups its job still holds.
-A group placed still later (a dying controller's request the cluster granted after that) outlives its sweep: on
-2026-12-06 one held a test cluster's 2 CPUs after its job had ended, and the next sweep waited on it. So a sweep
-also removes, as it starts and while it runs, the live groups whose creator job has ended and whose creator actor,
-if any, is dead: nothing can use them.
+A group placed still later (a dying controller's request the cluster granted after that) outlives its sweep: every
+command that joins a cluster removes those, and a sweep looks again while it runs (`raydiff.cluster.leftovers`).
 """
 
 from __future__ import annotations
@@ -31,9 +29,9 @@ import time
 from collections.abc import Collection, Iterator
 
 import ray
-from ray import PlacementGroupID
-from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+from ray.util.placement_group import placement_group_table
 
+from raydiff.cluster.leftovers import creator_actor, live_rows, remove_groups, remove_groups_of_ended_jobs
 from raydiff.runs.run_plan import DRIVER_FILE
 from raydiff.storage.rundir import RunDir
 
@@ -123,10 +121,6 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
             except Exception:  # best effort: the next check asks again, and the end removes every group
                 logger.debug("removing the groups of killed trials' controllers failed", exc_info=True)
 
-    try:
-        remove_groups_of_ended_jobs()
-    except Exception:  # best effort: the checks while the sweep runs ask again
-        logger.debug("removing the groups of ended jobs failed", exc_info=True)
     watcher = threading.Thread(target=watch, name="raydiff-release-reservations", daemon=True)
     watcher.start()
     try:
@@ -146,53 +140,12 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
             logger.debug("removing the trials' leftover placement groups failed", exc_info=True)
 
 
-def _live_rows() -> list:
-    """The cluster's live placement groups, but detached ones, as rows of the GCS's placement group table (which
-    actor and job created a group, and whether they have ended, are there, in no public API)."""
-    from ray._private.state import state as gcs_state
-    from ray.core.generated.gcs_pb2 import PlacementGroupTableData  # type: ignore[attr-defined]  # generated, no stubs
-
-    live = (PlacementGroupTableData.PENDING, PlacementGroupTableData.PREPARED, PlacementGroupTableData.CREATED,
-            PlacementGroupTableData.RESCHEDULING)
-    return [row for row in map(PlacementGroupTableData.FromString,
-                               gcs_state._connect_and_get_accessor().get_placement_group_table())
-            if row.state in live and not row.is_detached]
-
-
-def _creator_actor(row) -> str | None:
-    creator = row.creator_actor_id  # the nil actor id (all ones), or none, where no actor made it
-    return creator.hex() if creator.strip(b"\xff") else None
-
-
 def _live_groups() -> dict[str, str | None]:
     """This job's live placement groups, but detached ones: id -> the id of the actor that created it (None: the
     driver or a task did)."""
     job = ray.get_runtime_context().get_job_id()
-    return {row.placement_group_id.hex(): _creator_actor(row) for row in _live_rows()
+    return {row.placement_group_id.hex(): creator_actor(row) for row in live_rows()
             if row.creator_job_id.hex() == job}
-
-
-def groups_of_ended_jobs(rows=None) -> list[str]:
-    """The ids of the live groups (not detached) whose creator job has ended and whose creator actor, where an
-    actor made one, is dead too: Ray removes a group as the last of its creators ends, but not one it placed
-    after that. `rows`: the table's live rows (`_live_rows`), for tests."""
-    rows = _live_rows() if rows is None else rows
-    return [row.placement_group_id.hex() for row in rows
-            if row.creator_job_dead and (row.creator_actor_dead or _creator_actor(row) is None)]
-
-
-def remove_groups_of_ended_jobs() -> None:
-    """Remove `groups_of_ended_jobs()`, saying so in one line (they held another job's resources)."""
-    removed = _remove(groups_of_ended_jobs())
-    if removed:
-        print(f"[raydiff] removed {len(removed)} placement group(s) that ended jobs had left holding resources "
-              f"(Ray keeps one placed after its creator ended)", flush=True)
-
-
-def _remove(group_ids: list[str]) -> list[str]:
-    for group_id in group_ids:
-        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
-    return group_ids
 
 
 def orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
@@ -206,7 +159,7 @@ def orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
 
 def remove_orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
     """Remove `orphaned_placement_groups(keep)`; returns their ids."""
-    return _remove(orphaned_placement_groups(keep))
+    return remove_groups(orphaned_placement_groups(keep))
 
 
 def _job_actors(*, detail: bool = False, timeout_s: int = 10) -> list:
@@ -251,7 +204,7 @@ def remove_leftover_placement_groups(*, keep_groups: Collection[str] = (), keep_
         except Exception:  # a slow state API on a busy cluster: ask again until the deadline
             logger.debug("listing the sweep's actors failed", exc_info=True)
         time.sleep(0.5)
-    return _remove([group_id for group_id in _live_groups() if group_id not in keep_groups])
+    return remove_groups([group_id for group_id in _live_groups() if group_id not in keep_groups])
 
 
 def cancel_previous_reservation(run_dir: RunDir, requester: str) -> None:

@@ -124,23 +124,3 @@ def test_a_sweeps_end_waits_for_the_processes_of_its_dead_actors_before_removing
     end.join(60)
     assert not end.is_alive() and result["left"] == [group], (time.monotonic() - started, result)
     assert placement_group_table()[group]["state"] == "REMOVED"
-
-
-def test_the_live_groups_of_ended_jobs_are_found_and_no_other():
-    """A group Ray placed after its creators ended (it held a test cluster's 2 CPUs on 2026-12-06, and the next
-    sweep waited on it) is found; a group of a running job, or one that a live (detached) actor created, is not."""
-    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
-
-    from raydiff.training.reservations import groups_of_ended_jobs
-
-    nil_actor = b"\xff" * 16
-
-    def row(group: int, *, job_dead: bool, actor: bytes = nil_actor, actor_dead: bool = False):
-        return PlacementGroupTableData(placement_group_id=bytes([group]) * 18, creator_actor_id=actor,
-                                       creator_job_dead=job_dead, creator_actor_dead=actor_dead)
-
-    rows = [row(1, job_dead=True, actor=b"\x01" * 16, actor_dead=True),  # a dead controller's late group
-            row(2, job_dead=True),  # the ended driver's own
-            row(3, job_dead=False, actor=b"\x02" * 16, actor_dead=True),  # a running job's: its own sweep removes it
-            row(4, job_dead=True, actor=b"\x03" * 16, actor_dead=False)]  # a detached actor's, alive
-    assert groups_of_ended_jobs(rows) == [(bytes([1]) * 18).hex(), (bytes([2]) * 18).hex()]
