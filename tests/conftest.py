@@ -84,6 +84,29 @@ def pytest_collection_modifyitems(config, items):
     items[:] = groups["ray-a"] + groups["ray-b"] + others
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that uses a Ray cluster and fails: what the cluster held then (tests/cluster_snapshot.py), kept with
+    the report for the run's end."""
+    report = yield
+    if report.failed and _cluster_address and item.get_closest_marker("ray"):
+        from cluster_snapshot import snapshot
+
+        report.user_properties.append(("ray_cluster", snapshot(_cluster_address)))
+    return report
+
+
+@pytest.hookimpl(trylast=True)  # after the durations, just above the short summary: the end CI shows
+def pytest_terminal_summary(terminalreporter):
+    """At the end of the output, which is what CI shows: what the Ray cluster held as each of the first two failed
+    tests failed (read in the process that ran them, where the cluster is)."""
+    failed = [r for r in terminalreporter.stats.get("failed", []) if dict(r.user_properties).get("ray_cluster")]
+    for report in failed[:2]:
+        terminalreporter.write_line(f"Ray cluster as {report.nodeid} failed ({report.when}):")
+        for line in dict(report.user_properties)["ray_cluster"].splitlines()[:6]:
+            terminalreporter.write_line(f"  {line}")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Built-in datasets go to a per-session cache, never the user's ~/.cache."""
