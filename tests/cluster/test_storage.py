@@ -62,7 +62,18 @@ def test_a_local_source_is_checked_on_every_node(ray_session, tmp_path, monkeypa
                                          rf"cannot see {source.files[0]}\. .*s3:// or gs:// URI, or an NFS path.*"
                                          r"`RAY_ADDRESS=local python -m raydiff.prepare FOLDER s3://BUCKET/PREFIX")):
         check_on_every_node(source, probe=seen_on_node_a_only())
-    check_on_every_node(source, probe=lambda path, ids: [True] * len(ids))
+    asked: list[list[str]] = []
+
+    def everywhere(path: str, ids: list[str]) -> list[bool]:
+        asked.append(ids)
+        return [True] * len(ids)
+
+    check_on_every_node(source, probe=everywhere)
+    check_on_every_node(source, probe=everywhere)  # a stream's preparation, then Ray Data's read: asked once
+    assert asked == [["a", "b"]]
+    monkeypatch.setattr(storage, "alive_nodes", lambda: [*TWO_NODES, {"NodeID": "c", "NodeManagerAddress": "10.0.0.3"}])
+    check_on_every_node(source, probe=everywhere)  # a node joined: asked again
+    assert asked == [["a", "b"], ["a", "b", "c"]]
     monkeypatch.setattr(storage, "alive_nodes", lambda: TWO_NODES[:1])
     check_on_every_node(source, probe=seen_on_node_a_only())  # one node: nothing to ask
 
