@@ -5,7 +5,8 @@ request reach the cluster after its job has ended. Ray removes a group once it h
 its creator actor ended, and it marks only the groups registered when each ends: a group registered after is never
 marked, so never removed. On 2026-12-06 one held a test cluster's 2 CPUs after its job had ended, and every later
 sweep and run waited on them. The row's own flags say nothing of such a group (the first version of this check read
-them, and could never find one); the GCS's job and actor tables say whether its creators ended. Every raydiff command
+them, and could never find one); the GCS's job and actor tables say whether its creators ended. Only groups that an
+actor created are judged: a detached actor's task may create one after its job ended, and use it. Every raydiff command
 that joins a cluster removes these groups, saying so in a line (they held resources another job may wait on), and a
 sweep looks again while it runs.
 """
@@ -55,19 +56,19 @@ def _actor_ended(actor_id: str) -> bool:
 
 def groups_of_ended_jobs(rows=None, *, ended_jobs: Collection[str] | None = None,
                          actor_ended: Callable[[str], bool] = _actor_ended) -> list[str]:
-    """The ids of the live groups (not detached) whose creator job has ended and whose creator actor, where an
-    actor made one, is dead too. The row's own flags are not enough: Ray sets them only on the groups registered
-    when a job or actor ends, and removes a group as soon as both are set. `rows`, `ended_jobs`, `actor_ended`:
-    the table's live rows (`live_rows`), the ended jobs' ids and an actor's fate, for tests."""
-    rows = live_rows() if rows is None else rows
+    """The ids of the live groups (not detached) that an actor created, whose job has ended and which is dead
+    itself. The row's own flags are not enough: Ray sets them only on the groups registered when a job or actor
+    ends, and removes a group as soon as both are set. (A group a task created is left alone: a detached actor's
+    task may make one after its job ended, and use it.) `rows`, `ended_jobs`, `actor_ended`: the table's live rows
+    (`live_rows`), the ended jobs' ids and an actor's fate, for tests."""
+    made_by = {row.placement_group_id.hex(): (row, actor) for row in (live_rows() if rows is None else rows)
+               if (actor := creator_actor(row))}
+    if not made_by:
+        return []
     ended = _ended_jobs() if ended_jobs is None else set(ended_jobs)
-    found = []
-    for row in rows:
-        creator = creator_actor(row)
-        job_ended = row.creator_job_dead or row.creator_job_id.hex() in ended
-        if job_ended and (creator is None or row.creator_actor_dead or actor_ended(creator)):
-            found.append(row.placement_group_id.hex())
-    return found
+    return [group for group, (row, actor) in made_by.items()
+            if (row.creator_job_dead or row.creator_job_id.hex() in ended)
+            and (row.creator_actor_dead or actor_ended(actor))]
 
 
 def remove_groups_of_ended_jobs() -> list[str]:

@@ -52,15 +52,18 @@ def nodes_seeing(path: str, node_ids: list[str]) -> list[bool | None]:
     return answers
 
 
-def nodes_without(path: str, probe=None) -> list[str]:
+def nodes_without(path: str, probe=None, *, seen_by: set[str] | None = None) -> list[str]:
     """Addresses of the cluster's live nodes on which `path` does not exist. A node that does not answer is not
-    judged (one line says so). `probe(path, node_ids)` -> one answer per node is for tests (`nodes_seeing`)."""
+    judged (one line says so). `seen_by`: gets the ids of the nodes that answered that it does. `probe(path,
+    node_ids)` -> one answer per node is for tests (`nodes_seeing`)."""
     nodes = alive_nodes()
     answers = (probe or nodes_seeing)(path, [n["NodeID"] for n in nodes])
     silent = sorted({n["NodeManagerAddress"] for n, sees in zip(nodes, answers, strict=True) if sees is None})
     if silent:
         print(f"[raydiff] node(s) {', '.join(silent)} did not answer within {PROBE_TIMEOUT_S} s whether they see "
               f"{path}: not checked there", flush=True)
+    if seen_by is not None:
+        seen_by.update(n["NodeID"] for n, sees in zip(nodes, answers, strict=True) if sees)
     return sorted({n["NodeManagerAddress"] for n, sees in zip(nodes, answers, strict=True) if sees is False})
 
 

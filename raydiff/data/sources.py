@@ -114,30 +114,30 @@ def open_source(source: str | None, *, format: FileKind | Literal["auto"] = "aut
     return _list(source, path, filesystem, format)
 
 
-_SEEN_EVERYWHERE: set[tuple[str, frozenset[str]]] = set()  # (a file, the ids of nodes that all saw it)
+_SEEN_BY: dict[str, set[str]] = {}  # a local file -> the ids of the nodes that answered that they see it
 
 
 def check_on_every_node(source: Source, probe=None) -> None:
     """A source on this machine's disk that tasks on the cluster's nodes read (Ray Data's, the stream's node
     caches) must be on every node: on a multi-node cluster, refused up front in one line where it is not (a task
-    on each node looks for one of its files). Asked once per file and set of nodes: a streamed run checks as it
-    prepares its copy and again as Ray Data reads. `probe`: for tests (`raydiff.cluster.storage.nodes_without`)."""
+    on each node looks for one of its files). A node that said it sees the file is not asked again: a streamed
+    run checks as it prepares its copy and again as Ray Data reads. `probe`: for tests
+    (`raydiff.cluster.storage.nodes_without`)."""
     if not isinstance(source.filesystem, pafs.LocalFileSystem) or not source.files:
         return
     from raydiff.cluster import storage
 
     if not storage.several_nodes():
         return
-    asked = (source.files[0], frozenset(n["NodeID"] for n in storage.alive_nodes()))
-    if asked in _SEEN_EVERYWHERE:
+    seen_by = _SEEN_BY.setdefault(source.files[0], set())
+    if {n["NodeID"] for n in storage.alive_nodes()} <= seen_by:
         return
-    missing = storage.nodes_without(source.files[0], probe)
+    missing = storage.nodes_without(source.files[0], probe, seen_by=seen_by)
     if missing:
         raise DataError(f"data.source = {source.uri!r} is not on every node: node(s) {', '.join(missing)} cannot see "
                         f"{source.files[0]}. On a multi-node cluster Ray Data reads it from every node: use "
                         f"{storage.SHARED_INSTEAD}; to copy a folder to a bucket, run `RAY_ADDRESS=local python -m "
                         f"raydiff.prepare FOLDER s3://BUCKET/PREFIX --resolution R` where the folder is")
-    _SEEN_EVERYWHERE.add(asked)
 
 
 def source_of(data) -> Source:

@@ -71,8 +71,11 @@ def test_a_local_source_is_checked_on_every_node(ray_session, tmp_path, monkeypa
     check_on_every_node(source, probe=everywhere)
     check_on_every_node(source, probe=everywhere)  # a stream's preparation, then Ray Data's read: asked once
     assert asked == [["a", "b"]]
-    monkeypatch.setattr(storage, "alive_nodes", lambda: [*TWO_NODES, {"NodeID": "c", "NodeManagerAddress": "10.0.0.3"}])
-    check_on_every_node(source, probe=everywhere)  # a node joined: asked again
+    three = [*TWO_NODES, {"NodeID": "c", "NodeManagerAddress": "10.0.0.3"}]
+    monkeypatch.setattr(storage, "alive_nodes", lambda: three)
+    check_on_every_node(source, probe=lambda path, ids: [True, True, None])  # c joined, and did not answer
+    check_on_every_node(source, probe=everywhere)  # so c is asked again
+    check_on_every_node(source, probe=everywhere)
     assert asked == [["a", "b"], ["a", "b", "c"]]
     monkeypatch.setattr(storage, "alive_nodes", lambda: TWO_NODES[:1])
     check_on_every_node(source, probe=seen_on_node_a_only())  # one node: nothing to ask
