@@ -6,7 +6,8 @@ Ray prints that a newcomer would read as a failure. A cluster that does not answ
 authentication), is one line too: Ray itself retries for minutes and then raises a traceback. A local instance
 is its own processes' cluster, whatever other Ray instances run on the machine, and outside the command's process
 group, so that a signal to the group stops the command with a final checkpoint, not Ray under it. A run on a cluster
-without the dashboard says once what Ray Train then repeats every second or two.
+without the dashboard says once what Ray Train then repeats every second or two. Joining a cluster frees what ended
+jobs left holding resources that nothing can use (`raydiff.cluster.leftovers`).
 """
 
 from __future__ import annotations
