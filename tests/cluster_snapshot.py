@@ -5,11 +5,22 @@ the end of the output, so conftest prints these lines at the end of the run."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import grpc
 from ray._private.authentication.grpc_authentication_client_interceptor import _get_authentication_metadata_tuple
 from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
 
 TIMEOUT_S = 10
+
+
+@contextlib.contextmanager
+def gcs(address: str) -> Iterator[tuple[grpc.Channel, dict]]:
+    """A channel to the GCS at `address`, and the keyword arguments of a request on it (this process's token, a
+    timeout): for what the tests read or ask of the GCS that Ray's Python API does not offer."""
+    with grpc.insecure_channel(address) as channel:
+        yield channel, {"metadata": _get_authentication_metadata_tuple(), "timeout": TIMEOUT_S}
 
 
 def _cpus(resources_list, field: str) -> float:
@@ -30,24 +41,19 @@ def snapshot(address: str) -> str:
 
 
 def _snapshot(address: str) -> str:
-    auth = _get_authentication_metadata_tuple()
-    try:
-        with grpc.insecure_channel(address) as channel:
-            call = {"metadata": auth, "timeout": TIMEOUT_S}
-            resources = gcs_service_pb2_grpc.NodeResourceInfoGcsServiceStub(channel)
-            free = _cpus(resources.GetAllAvailableResources(gcs_service_pb2.GetAllAvailableResourcesRequest(),
-                                                            **call).resources_list, "resources_available")
-            total = _cpus(resources.GetAllTotalResources(gcs_service_pb2.GetAllTotalResourcesRequest(),
-                                                         **call).resources_list, "resources_total")
-            jobs = gcs_service_pb2_grpc.JobInfoGcsServiceStub(channel).GetAllJobInfo(
-                gcs_service_pb2.GetAllJobInfoRequest(skip_submission_job_info_field=True,
-                                                     skip_is_running_tasks_field=True), **call).job_info_list
-            groups = gcs_service_pb2_grpc.PlacementGroupInfoGcsServiceStub(channel).GetAllPlacementGroup(
-                gcs_service_pb2.GetAllPlacementGroupRequest(), **call).placement_group_table_data
-            actors = gcs_service_pb2_grpc.ActorInfoGcsServiceStub(channel).GetAllActorInfo(
-                gcs_service_pb2.GetAllActorInfoRequest(), **call).actor_table_data
-    except grpc.RpcError as exc:
-        return f"could not read the cluster at {address}: {exc.code().name}"
+    with gcs(address) as (channel, call):
+        resources = gcs_service_pb2_grpc.NodeResourceInfoGcsServiceStub(channel)
+        free = _cpus(resources.GetAllAvailableResources(gcs_service_pb2.GetAllAvailableResourcesRequest(),
+                                                        **call).resources_list, "resources_available")
+        total = _cpus(resources.GetAllTotalResources(gcs_service_pb2.GetAllTotalResourcesRequest(),
+                                                     **call).resources_list, "resources_total")
+        jobs = gcs_service_pb2_grpc.JobInfoGcsServiceStub(channel).GetAllJobInfo(
+            gcs_service_pb2.GetAllJobInfoRequest(skip_submission_job_info_field=True,
+                                                 skip_is_running_tasks_field=True), **call).job_info_list
+        groups = gcs_service_pb2_grpc.PlacementGroupInfoGcsServiceStub(channel).GetAllPlacementGroup(
+            gcs_service_pb2.GetAllPlacementGroupRequest(), **call).placement_group_table_data
+        actors = gcs_service_pb2_grpc.ActorInfoGcsServiceStub(channel).GetAllActorInfo(
+            gcs_service_pb2.GetAllActorInfoRequest(), **call).actor_table_data
     ended = {job.job_id for job in jobs if job.is_dead}
     actor_state = {a.actor_id: gcs_pb2.ActorTableData.ActorState.Name(a.state) for a in actors}
     lines = [f"CPU {free:g}/{total:g} free; jobs ended {len(ended)} of {len(jobs)}"]

@@ -494,10 +494,7 @@ def plant_late_group(ray_session, *, job: str, creator_actor: str, cpus: float) 
     and actor are those given, and Ray's flags for their ends unset (Ray sets them only on the groups registered
     when each ends). Waits until it is placed; returns its id. Through the GCS's own request, as a core worker
     sends it: Ray has no other way to make one at will."""
-    import grpc
-    from ray._private.authentication.grpc_authentication_client_interceptor import (
-        _get_authentication_metadata_tuple,
-    )
+    from cluster_snapshot import gcs
     from ray.core.generated import common_pb2, gcs_service_pb2, gcs_service_pb2_grpc
     from ray.util.placement_group import placement_group_table
 
@@ -508,9 +505,8 @@ def plant_late_group(ray_session, *, job: str, creator_actor: str, cpus: float) 
         bundles=[common_pb2.Bundle(bundle_id=common_pb2.Bundle.BundleIdentifier(placement_group_id=group),
                                    unit_resources={"CPU": cpus})])
     address = ray_session.get_runtime_context().gcs_address
-    with grpc.insecure_channel(address) as channel:
+    with gcs(address) as (channel, call):
         gcs_service_pb2_grpc.PlacementGroupInfoGcsServiceStub(channel).CreatePlacementGroup(
-            gcs_service_pb2.CreatePlacementGroupRequest(placement_group_spec=spec),
-            metadata=_get_authentication_metadata_tuple(), timeout=30)
+            gcs_service_pb2.CreatePlacementGroupRequest(placement_group_spec=spec), **call)
     wait_for(lambda: placement_group_table().get(group.hex(), {}).get("state") == "CREATED", what="its placement")
     return group.hex()

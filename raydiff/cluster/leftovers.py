@@ -14,6 +14,7 @@ sweep looks again while it runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import Any
 
 from ray import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -45,7 +46,7 @@ def _ended_jobs() -> set[str]:
     return {job["JobID"] for job in gcs_state.job_table() if job["IsDead"]}
 
 
-def _actor_ended(actor_id: str) -> bool:
+def actor_ended(actor_id: str) -> bool:
     """Whether the actor is dead, from the GCS's actor table (an actor missing from it is dead: the table forgets
     only dead ones)."""
     from ray._private.state import state as gcs_state
@@ -54,27 +55,33 @@ def _actor_ended(actor_id: str) -> bool:
     return not info or info["State"] == "DEAD"
 
 
+def groups_made_by_dead_actors(rows, which: Callable[[Any], bool],
+                               dead: Callable[[str], bool] = actor_ended) -> list[str]:
+    """The ids of the groups of `rows` (`live_rows`) that an actor created, that `which(row)` accepts and whose
+    actor is dead: nothing can use them, as their workers die with that actor."""
+    return [row.placement_group_id.hex() for row in rows
+            if (actor := creator_actor(row)) and which(row) and (row.creator_actor_dead or dead(actor))]
+
+
 def groups_of_ended_jobs(rows=None, *, ended_jobs: Collection[str] | None = None,
-                         actor_ended: Callable[[str], bool] = _actor_ended) -> list[str]:
+                         actor_ended: Callable[[str], bool] = actor_ended) -> list[str]:
     """The ids of the live groups (not detached) that an actor created, whose job has ended and which is dead
     itself. The row's own flags are not enough: Ray sets them only on the groups registered when a job or actor
     ends, and removes a group as soon as both are set. (A group a task created is left alone: a detached actor's
     task may make one after its job ended, and use it.) `rows`, `ended_jobs`, `actor_ended`: the table's live rows
     (`live_rows`), the ended jobs' ids and an actor's fate, for tests."""
-    made_by = {row.placement_group_id.hex(): (row, actor) for row in (live_rows() if rows is None else rows)
-               if (actor := creator_actor(row))}
-    if not made_by:
+    rows = live_rows() if rows is None else rows
+    if not any(creator_actor(row) for row in rows):
         return []
     ended = _ended_jobs() if ended_jobs is None else set(ended_jobs)
-    return [group for group, (row, actor) in made_by.items()
-            if (row.creator_job_dead or row.creator_job_id.hex() in ended)
-            and (row.creator_actor_dead or actor_ended(actor))]
+    return groups_made_by_dead_actors(rows, lambda row: row.creator_job_dead or row.creator_job_id.hex() in ended,
+                                      actor_ended)
 
 
-def remove_groups_of_ended_jobs() -> list[str]:
-    """Remove `groups_of_ended_jobs()`, saying so in one line with what they held (another job may have waited on
-    it); returns their ids."""
-    rows = live_rows()
+def remove_groups_of_ended_jobs(rows=None) -> list[str]:
+    """Remove `groups_of_ended_jobs(rows)`, saying so in one line with what they held (another job may have waited
+    on it); returns their ids."""
+    rows = live_rows() if rows is None else rows
     found = set(groups_of_ended_jobs(rows))
     held: dict[str, float] = {}
     for row in rows:

@@ -31,7 +31,14 @@ from collections.abc import Collection, Iterator
 import ray
 from ray.util.placement_group import placement_group_table
 
-from raydiff.cluster.leftovers import creator_actor, live_rows, remove_groups, remove_groups_of_ended_jobs
+from raydiff.cluster.leftovers import (
+    actor_ended,
+    creator_actor,
+    groups_made_by_dead_actors,
+    live_rows,
+    remove_groups,
+    remove_groups_of_ended_jobs,
+)
 from raydiff.runs.run_plan import DRIVER_FILE
 from raydiff.storage.rundir import RunDir
 
@@ -81,13 +88,6 @@ def cluster_address() -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def _dead(actor_id: str) -> bool:
-    from ray.util.state import get_actor
-
-    state = get_actor(actor_id, address=cluster_address(), timeout=10)
-    return state is not None and state.state == "DEAD"  # unknown: leave it to the release at the end
-
-
 @contextlib.contextmanager
 def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[None]:
     """While a sweep runs, cancel the reservation of each trial whose actor has died and remove the placement groups
@@ -104,7 +104,7 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
         logger.debug("listing the job's actors failed", exc_info=True)
 
     def release(trials: dict[str, str], everything: bool) -> None:  # {requester: its trial's actor id}
-        gone = [r for r, actor in trials.items() if everything or (r not in released and _dead(actor))]
+        gone = [r for r, actor in trials.items() if everything or (r not in released and actor_ended(actor))]
         if gone:
             cancel_requests(gone)
             released.update(gone)
@@ -116,8 +116,9 @@ def releasing_killed_trials(runs, every_s: float = CHECK_EVERY_S) -> Iterator[No
             except Exception:  # best effort while trials run; the final release retries
                 logger.debug("releasing the reservations of killed trials failed", exc_info=True)
             try:
-                remove_orphaned_placement_groups(keep=groups_before)
-                remove_groups_of_ended_jobs()
+                rows = live_rows()  # one read of the table for both
+                remove_orphaned_placement_groups(keep=groups_before, rows=rows)
+                remove_groups_of_ended_jobs(rows)
             except Exception:  # best effort: the next check asks again, and the end removes every group
                 logger.debug("removing the groups of killed trials' controllers failed", exc_info=True)
 
@@ -148,18 +149,19 @@ def _live_groups() -> dict[str, str | None]:
             if row.creator_job_id.hex() == job}
 
 
-def orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
+def orphaned_placement_groups(keep: Collection[str] = (), rows=None) -> list[str]:
     """The ids of this job's live placement groups (but those in `keep`) whose creator actor is dead. In a sweep
     these are killed trials' Train controllers' worker groups: nothing else uses one, as its workers die with the
-    controller."""
-    creators = {group: actor for group, actor in _live_groups().items() if actor and group not in keep}
-    dead = {actor for actor in set(creators.values()) if _dead(actor)}
-    return [group for group, actor in creators.items() if actor in dead]
+    controller. `rows`: the table's live rows, if just read (`live_rows`)."""
+    job = ray.get_runtime_context().get_job_id()
+    return groups_made_by_dead_actors(live_rows() if rows is None else rows,
+                                      lambda row: row.creator_job_id.hex() == job
+                                      and row.placement_group_id.hex() not in keep)
 
 
-def remove_orphaned_placement_groups(keep: Collection[str] = ()) -> list[str]:
-    """Remove `orphaned_placement_groups(keep)`; returns their ids."""
-    return remove_groups(orphaned_placement_groups(keep))
+def remove_orphaned_placement_groups(keep: Collection[str] = (), rows=None) -> list[str]:
+    """Remove `orphaned_placement_groups(keep, rows)`; returns their ids."""
+    return remove_groups(orphaned_placement_groups(keep, rows))
 
 
 def _job_actors(*, detail: bool = False, timeout_s: int = 10) -> list:
