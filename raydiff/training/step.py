@@ -171,10 +171,12 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
     s.scaler.unscale_(s.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else math.inf)
     finite = torch.isfinite(grad_norm)
-    # The scaler sets its own in fp16; the fused AdamW reads these attributes (not in torch's type stubs).
+    # The fused AdamW skips the step where `found_inf` is set (attributes not in torch's type stubs). Not through
+    # `scaler.step`: in fp16 it would replace this flag with its own, which sees only non-finite gradient elements,
+    # and finite gradients whose norm overflows would step (their clipping multiplies them by 0 or NaN).
     s.optimizer.grad_scale, s.optimizer.found_inf = None, (~finite).float()  # type: ignore[attr-defined]
-    s.scaler.step(s.optimizer)
-    s.scaler.update()
+    s.optimizer.step()
+    s.scaler.update()  # fp16: the scale follows the non-finite gradients `unscale_` found
     if flat is not None:
         flat.zero()
     else:

@@ -148,6 +148,34 @@ def test_a_non_finite_step_changes_nothing_and_is_counted(flat_allreduce, fp16, 
     assert nonfinite.longest_streak() == 0  # and ended since
 
 
+class _HugeGradients(torch.nn.Module):
+    """A loss whose gradients are finite, element by element, and whose norm is not (beyond float32's range)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, images, flips, timesteps, noise, labels=None):
+        return self.w.sum() * 5e17 * images.float().mean(dim=(1, 2, 3)) + 0 * noise.sum()
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+@pytest.mark.parametrize("grad_clip", [0.0, 1.0])
+def test_a_step_whose_gradient_norm_overflows_changes_nothing_in_fp16_too(fp16, grad_clip):
+    """fp16's scaler checks the gradients' elements only: the step's own verdict (the norm) must decide."""
+    model = _HugeGradients()
+    optimizer = make_optimizer(model, lr=0.1, weight_decay=0.1)
+    inputs = StepParts(loss=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=fp16),
+                       device=torch.device("cpu"), seed=0, global_batch=4, world_size=1, grad_clip=grad_clip,
+                       timesteps=1000, dropout=False)
+    batch = MicroBatch(images=torch.full((4, 1, 2, 2), 200, dtype=torch.uint8), flips=torch.zeros(4, dtype=torch.bool),
+                       position=0, indices=np.arange(4))
+    result = optimizer_step(inputs, [batch], lr=0.1)
+    assert not bool(result.finite)
+    assert torch.equal(model.w.detach(), torch.ones(4))  # neither NaN (no clipping) nor decayed (clipped to zero)
+    assert all(float(state["step"]) == 0 for state in optimizer.state.values())
+
+
 def test_a_step_is_a_function_of_its_stream_positions():
     """The same micro-batches give the same update, whatever else ran before (noise and dropout keyed by position)."""
     a, _, _ = _setup()
