@@ -276,6 +276,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         error = "; ".join(causes(lost, s.hang_timeout_s))
     if outcome is not None and outcome.status == WorkerStatus.UNRESUMABLE:  # nothing was trained or written:
         raise Unresumable(outcome.diagnostic)  # refuse, as for a bad config
+    if outcome is not None and outcome.status == WorkerStatus.REFUSED:
+        raise ConfigError(outcome.diagnostic)
     failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"

@@ -19,6 +19,7 @@ from raydiff.model.weight_averages import ema_decay_at
 from raydiff.runs.errors import Unresumable
 from raydiff.training.cadence import Cadence
 from raydiff.training.lost_workers import quiet_tracebacks_said_in_a_line
+from raydiff.training.microbatch import NothingFits
 from raydiff.training.step import optimizer_step
 from raydiff.training.worker import quiet_ray_train_logs, set_up
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -38,6 +39,8 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
         w, progress = set_up(cfg, args)
     except Unresumable as exc:
         return WorkerResult(WorkerStatus.UNRESUMABLE, steps=0, diagnostic=str(exc))
+    except NothingFits as exc:
+        return WorkerResult(WorkerStatus.REFUSED, steps=0, diagnostic=str(exc))
     cadence = Cadence(w, progress, args)  # rank 0's records of this start, then the logs, grids and checkpoints
 
     try:

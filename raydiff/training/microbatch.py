@@ -13,10 +13,16 @@ from collections.abc import Callable
 
 import torch
 
+from raydiff.data.order import rank_share
 from raydiff.model.unet import UNet
 
 logger = logging.getLogger("raydiff")
 SAFETY_MARGIN = 0.9  # use 90% of the largest batch that fit: the allocator fragments over a long run
+
+
+class NothingFits(RuntimeError):
+    """`train.micro_batch: auto` found that not even one image fits a worker's device: the run cannot train as
+    configured (every worker raises it alike, after agreeing; nothing has been trained or written)."""
 
 
 def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
@@ -34,9 +40,16 @@ def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
     return good
 
 
+def probe_share(global_batch: int, world_size: int) -> int:
+    """The share every worker measures up to: the largest (rank 0's). Where shares differ by one image, the larger
+    ones are then one pass, not two, when everything fits (the workers agree on the smallest measurement)."""
+    return rank_share(global_batch, world_size, 0).size
+
+
 def measure_micro_batch(model: torch.nn.Module, diffusion, optimizer: torch.optim.Optimizer, *, share: int,
                         shape: tuple[int, int, int], device: torch.device, autocast_dtype: torch.dtype | None) -> int:
-    """Largest micro-batch (<= share) whose forward + backward fits next to the weights, EMA and optimizer."""
+    """Largest micro-batch (<= share) whose forward + backward fits next to the weights, EMA and optimizer; 0 if
+    not even one image does."""
     if device.type != "cuda":
         logger.info(f"[raydiff] train.micro_batch=auto on {device.type}: no memory to probe, one pass per step "
                     f"(micro-batch {share})")
@@ -65,8 +78,8 @@ def measure_micro_batch(model: torch.nn.Module, diffusion, optimizer: torch.opti
     finally:
         del reserve
         torch.cuda.empty_cache()
-    if largest == 0:
-        raise RuntimeError(f"train.micro_batch=auto: not even one image fits on {device}; use a smaller model")
+    if largest == 0:  # said by `plan_memory`, once every worker agrees (a raise here would hang the others)
+        return 0
     chosen = max(1, int(largest * SAFETY_MARGIN)) if largest < share else share
     logger.info(f"[raydiff] train.micro_batch=auto: up to {largest} images fit on {device}; using {chosen}")
     return chosen
@@ -78,7 +91,8 @@ def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,
                 agree: Callable[[int], int]) -> tuple[int, bool, str]:
     """The micro-batch and whether to checkpoint activations (`train.micro_batch`, `train.activation_checkpointing`),
     with a phrase for the start line saying why. `fixed_micro_batch`: the config's micro-batch for this world size
-    (`Config.micro_batch_for`), None where `train.micro_batch: auto` has it measured. Measures with the setting it
+    (`Config.micro_batch_for`), None where `train.micro_batch: auto` has it measured up to `share` (`probe_share`).
+    Measures with the setting it
     will train with. `agree` turns a number into the smallest over all workers (a collective), so every worker
     decides alike.
 
@@ -90,10 +104,18 @@ def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,
         return agree(measure_micro_batch(model, diffusion, optimizer, share=share, shape=shape, device=device,
                                          autocast_dtype=autocast_dtype))
 
+    def some(n: int, on: bool) -> int:
+        if n == 0:
+            raise NothingFits(f"train.micro_batch=auto: not even one {'x'.join(map(str, shape))} image fits "
+                              f"on {device.type} beside the model, its EMA and the optimizer (activation "
+                              f"checkpointing {'on' if on else 'off'}); use a smaller model (model.base_channels, "
+                              f"model.channel_mult) or a device with more memory")
+        return n
+
     if checkpointing != "auto":
         on = bool(checkpointing)
         model.activation_checkpointing = on
-        chosen = measured(on) if fixed_micro_batch is None else fixed_micro_batch
+        chosen = some(measured(on), on) if fixed_micro_batch is None else fixed_micro_batch
         return chosen, on, f"activation checkpointing {'on' if on else 'off'}"
     if fixed_micro_batch is not None:
         model.activation_checkpointing = False
@@ -105,7 +127,7 @@ def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,
     with_it = measured(True)
     if with_it <= without:
         model.activation_checkpointing = False
-        return without, False, (f"activation checkpointing off (auto: {without} images fit without it and no more "
-                                 f"with it)")
+        return some(without, True), False, (f"activation checkpointing off (auto: {without} images fit without it "
+                                              f"and no more with it)")
     return with_it, True, (f"activation checkpointing on (auto: {without} of the share of {full} fit without it, "
                            f"{with_it} with it)")

@@ -30,7 +30,7 @@ from raydiff.model.diffusion import GaussianDiffusion, build_diffusion, images_p
 from raydiff.model.unet import build_model
 from raydiff.model.weight_averages import EmaUpdater, PowerEma, make_ema
 from raydiff.runs.runlog import JsonlLog
-from raydiff.runs.state import Progress, TrainingState, apply_config
+from raydiff.runs.state import Progress, TrainingState
 from raydiff.storage.rundir import RunDir
 from raydiff.storage.writes import BackgroundWrites
 from raydiff.training.compile_cache import CompileCache, cache_key
@@ -38,7 +38,7 @@ from raydiff.training.debug import DebugHooks
 from raydiff.training.distributed import first_to_hold, from_rank_zero, smallest
 from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.in_run_quality import InRunQuality
-from raydiff.training.microbatch import plan_memory
+from raydiff.training.microbatch import plan_memory, probe_share
 from raydiff.training.recovery import restore_agreed
 from raydiff.training.speed import SpeedPlan, for_training, plan_speed, set_compile_threads, set_tf32
 from raydiff.training.step import StepParts, make_optimizer, resolve_precision
@@ -186,13 +186,14 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     share = rank_share(t.global_batch, world_size, rank)
     micro_batch, _, memory_plan = plan_memory(  # the model holds whether it checkpoints
         model, diffusion, optimizer, fixed_micro_batch=cfg.micro_batch_for(world_size),
-        checkpointing=t.activation_checkpointing, share=share.size, shape=images.shape, device=device,
+        checkpointing=t.activation_checkpointing, share=probe_share(t.global_batch, world_size),
+        shape=images.shape, device=device,
         autocast_dtype=autocast_dtype, agree=lambda n: smallest(n, device))
 
     # The newest checkpoint every worker restores alike; then the settings a re-run may change.
     training_state = TrainingState(model, ema, optimizer, scaler, posthoc)
-    restored = restore_agreed(training_state, run_dir, is_chief=rank == 0, latest=ray.train.get_checkpoint())
-    apply_config(optimizer, weight_decay=t.weight_decay)
+    restored = restore_agreed(training_state, run_dir, is_chief=rank == 0, weight_decay=t.weight_decay,
+                              latest=ray.train.get_checkpoint())
 
     # The step's forward module as it runs here: under DDP (or beside the flat all-reduce) with several workers,
     # compiled (with its cache).

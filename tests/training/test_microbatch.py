@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raydiff.data.order import micro_batches, rank_share
 from raydiff.training import microbatch
-from raydiff.training.microbatch import largest_fitting, measure_micro_batch, plan_memory
+from raydiff.training.microbatch import largest_fitting, measure_micro_batch, plan_memory, probe_share
 
 
 @pytest.mark.parametrize("limit, upper, expected", [(37, 128, 37), (1, 64, 1), (0, 64, 0), (500, 64, 64),
@@ -29,6 +30,19 @@ def test_cpu_uses_the_whole_share_without_probing():
     assert chosen == 48
 
 
+@pytest.mark.parametrize("global_batch, world_size", [(10, 3), (15, 2), (64, 5), (16, 2)])
+def test_on_a_cpu_every_worker_trains_its_share_in_one_pass_where_shares_differ(global_batch, world_size):
+    """Each worker measures up to the largest share, and the workers agree on the smallest measurement: a worker
+    whose share is one image larger than another's is not left with a second pass of one image."""
+    model = torch.nn.Linear(2, 2)
+    measured = [measure_micro_batch(model, None, torch.optim.AdamW(model.parameters()),
+                                    share=probe_share(global_batch, world_size), shape=(1, 8, 8),
+                                    device=torch.device("cpu"), autocast_dtype=None) for _ in range(world_size)]
+    agreed = min(measured)
+    assert all(len(micro_batches(rank_share(global_batch, world_size, rank), agreed)) == 1
+               for rank in range(world_size))
+
+
 class _Model(torch.nn.Linear):
     activation_checkpointing = False
 
@@ -37,6 +51,7 @@ class _Model(torch.nn.Linear):
     (48, 48, "auto", "auto", (48, False, "the whole share of 48 fits without it")),
     (10, 30, "auto", "auto", (30, True, "10 of the share of 48 fit without it, 30 with it")),
     (10, 10, "auto", "auto", (10, False, "10 images fit without it and no more with it")),
+    (0, 5, "auto", "auto", (5, True, "0 of the share of 48 fit without it, 5 with it")),
     (10, 30, 8, "auto", (8, False, "train.micro_batch is fixed")),
     (10, 30, "auto", True, (30, True, "activation checkpointing on")),
     (10, 30, "auto", False, (10, False, "activation checkpointing off")),
@@ -54,3 +69,15 @@ def test_auto_checkpointing_is_on_where_the_share_does_not_fit_without_it(monkey
                                   agree=lambda n: agreed.append(n) or n)
     assert (chosen, on) == expected[:2] and expected[2] in why and model.activation_checkpointing is on
     assert micro_batch != "auto" or agreed  # every measured number goes through the collective
+
+
+@pytest.mark.parametrize("checkpointing", ["auto", True, False])
+def test_a_device_where_not_one_image_fits_refuses_the_run_in_one_line_on_every_worker(monkeypatch, checkpointing):
+    """Decided after the collective (every worker alike: a worker raising before it would leave the others
+    waiting), and said in a line the driver prints (exit 2), not a worker's traceback that Ray retries."""
+    model = _Model(2, 2)
+    monkeypatch.setattr(microbatch, "measure_micro_batch", lambda *a, **k: 0)
+    with pytest.raises(microbatch.NothingFits, match=r"^train.micro_batch=auto: not even one 3x256x256 image fits"):
+        plan_memory(model, None, None, fixed_micro_batch=None, checkpointing=checkpointing, share=48,
+                    shape=(3, 256, 256), device=torch.device("cuda"), autocast_dtype=None, agree=lambda n: n)
+
