@@ -62,7 +62,7 @@ class _Live:
     @classmethod
     def open(cls, w: Worker, progress: Progress) -> _Live:
         return cls(stream=w.open_stream(progress), window=MetricsWindow(w.device, progress.window, w.is_chief),
-                   nonfinite=NonFiniteSteps(w.device, progress.counters["skipped_steps"]),
+                   nonfinite=NonFiniteSteps(w.device, progress.counters),
                    # TensorBoard / MLflow / W&B; points past the checkpoint (lost work) are hidden on TensorBoard.
                    dashboards=dashboards_for(w.cfg, w.run_dir, resume_step=progress.step) if w.is_chief else None)
 
@@ -231,7 +231,8 @@ class Cadence:
         if progress.counters["rollbacks"] == 0:
             if self._unreported is not None:
                 self._settle(wait=True)  # the checkpoint being written is the one to roll back to
-            rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief)
+            rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief,
+                                 weight_decay=t.weight_decay)
             if rollback is not None:
                 back = rollback.progress
                 self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback)
@@ -290,6 +291,7 @@ class Cadence:
         """Every worker: the window's sums into the progress (a collective); rank 0: the rows up to this step on
         storage, then the full state written as a checkpoint. Ray hears of it once it is on storage (`_settle`)."""
         progress.window = self.live.window.checkpoint_state()
+        progress.counters.update(self.live.nonfinite.counters())  # as of this step, not the last check's
         progress.measured = {"val_loss": self.val_loss, "quality": self.quality, "loss": self._final_loss()}
         self.last_checkpoint_step = progress.step
         self._unreported = report

@@ -16,7 +16,14 @@ import torch
 
 from raydiff.data.loader import scaled
 from raydiff.runs.errors import Unresumable
-from raydiff.runs.state import Progress, Restored, TrainingState, checkpoint_candidates, restore_newest
+from raydiff.runs.state import (
+    Progress,
+    Restored,
+    TrainingState,
+    apply_config,
+    checkpoint_candidates,
+    restore_newest,
+)
 from raydiff.storage.rundir import RunDir
 from raydiff.training.distributed import from_rank_zero
 from raydiff.training.step import StepResult
@@ -25,12 +32,14 @@ if TYPE_CHECKING:
     from raydiff.config import TrainSection
 
 
-def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool,
+def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool, weight_decay: float,
                    latest: ray.train.Checkpoint | None = None) -> Restored | None:
     """Restore the newest checkpoint that loads on every worker alike. Rank 0 chooses: it lists storage (and Ray
     Train's `latest`) and tries the candidates; every other worker then restores exactly the one rank 0 restored
     (a newer one that another worker could read, say one still being written, would leave replicas that differ).
-    None when there are no checkpoints; raises `Unresumable` on every worker when there are and none restores."""
+    None when there are no checkpoints; raises `Unresumable` on every worker when there are and none restores.
+    Then the settings a re-run may change (`weight_decay`) replace the checkpoint's, at a start as after a
+    rollback."""
     restored, refusal = None, None
     if is_chief:
         try:
@@ -45,6 +54,7 @@ def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool,
             restored = restore_newest([found], state)
         except Unresumable as exc:  # rank 0 could restore it: a failure here is this worker's (Ray restarts)
             raise RuntimeError(str(exc)) from exc
+    apply_config(state.optimizer, weight_decay=weight_decay)
     return restored
 
 
@@ -57,12 +67,13 @@ class Rollback:
     failed_from: int  # the first stream step of the steps that failed (they end at progress.stream_step)
 
 
-def roll_back(state: TrainingState, run_dir: RunDir, progress: Progress, *, is_chief: bool) -> Rollback | None:
+def roll_back(state: TrainingState, run_dir: RunDir, progress: Progress, *, is_chief: bool,
+              weight_decay: float) -> Rollback | None:
     """Back to the newest checkpoint, then on past the stream positions of the failed steps (as PaLM does): a
     replay of the same data from the same weights would fail again. None when no checkpoint restores. Every
     worker calls it (a collective); rank 0 records it (`raydiff.training.cadence`)."""
     try:
-        restored = restore_agreed(state, run_dir, is_chief=is_chief)
+        restored = restore_agreed(state, run_dir, is_chief=is_chief, weight_decay=weight_decay)
     except Unresumable:
         return None
     if restored is None:
@@ -72,6 +83,7 @@ def roll_back(state: TrainingState, run_dir: RunDir, progress: Progress, *, is_c
     back.counters["rollbacks"] = progress.counters["rollbacks"] + 1
     back.counters["stream_offset"] += progress.step - back.step
     back.counters["skipped_steps"] = progress.counters["skipped_steps"]
+    back.counters.update(bad_streak=0, longest_bad_streak=0)  # the failed steps are behind it
     return Rollback(back, restored.checkpoint, failed_from)
 
 

@@ -90,13 +90,22 @@ class NonFiniteSteps:
     """Counts skipped (non-finite) steps and the longest run of them in a row, on the device; read only at the
     periodic checks, so that the step itself never waits for the device.
 
-    :param skipped_steps: the count so far (from the checkpoint).
+    :param counters: the checkpoint's (`Progress.counters`): the count so far, and the run of non-finite steps
+        going on at the checkpoint and the longest since the last check, so that a resumed run rolls back where
+        an uninterrupted one does.
     """
 
-    def __init__(self, device: torch.device, skipped_steps: int = 0) -> None:
-        self.skipped = torch.tensor(skipped_steps, device=device)
-        self.streak = torch.zeros((), dtype=torch.long, device=device)
-        self.longest = torch.zeros((), dtype=torch.long, device=device)  # since the last `longest_streak()`
+    def __init__(self, device: torch.device, counters: dict[str, int] | None = None) -> None:
+        counters = counters or {}
+        self.skipped = torch.tensor(counters.get("skipped_steps", 0), device=device)
+        self.streak = torch.tensor(counters.get("bad_streak", 0), dtype=torch.long, device=device)
+        # Since the last `longest_streak()`.
+        self.longest = torch.tensor(counters.get("longest_bad_streak", 0), dtype=torch.long, device=device)
+
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint keeps of the counter (reads the device)."""
+        return {"skipped_steps": int(self.skipped), "bad_streak": int(self.streak),
+                "longest_bad_streak": int(self.longest)}
 
     def add(self, finite: torch.Tensor) -> None:
         bad = (~finite).long()

@@ -49,15 +49,17 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
                metrics_log=None, events=None,
                writes=None, debug=DebugHooks(cfg, RunDir(run_dir), rank), compile_cache=None, restore_notes=[],
                compile_cache_note=None)
-    back = roll_back(w.training_state, w.run_dir, Progress(step=25), is_chief=rank == 0).progress
+    back = roll_back(w.training_state, w.run_dir, Progress(step=25), is_chief=rank == 0, weight_decay=0.05).progress
     checksum = float(sum(p.double().sum() for p in model.parameters()))
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"step": back.step, "weights": checksum}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"step": back.step, "weights": checksum,
+                                                         "weight_decay": optimizer.param_groups[0]["weight_decay"]}))
     end_process_group()
 
 
 def test_a_rollback_restores_the_checkpoint_rank_0_chose_on_every_worker(tmp_path):
     """Rank 0 chooses the checkpoint (falling back past one it cannot read); the other workers restore that one,
-    not a newer one they could read: replicas that differ would train apart, or hang a collective."""
+    not a newer one they could read: replicas that differ would train apart, or hang a collective. The run's own
+    settings (weight decay) replace the checkpoint's, as at a start."""
     from raydiff.model.unet import build_model
     from raydiff.model.weight_averages import make_ema
     from raydiff.runs.checkpoint import write_state
@@ -78,3 +80,4 @@ def test_a_rollback_restores_the_checkpoint_rank_0_chose_on_every_worker(tmp_pat
     torch.multiprocessing.spawn(_roll_back_on, args=(str(tmp_path / "init"), str(tmp_path), str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1] and ranks[0]["step"] == 10
+    assert ranks[0]["weight_decay"] == 0.05  # the checkpoints were written with 0.0

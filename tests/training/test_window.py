@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import raydiff.training.window
@@ -64,7 +65,7 @@ def test_a_windows_rate_counts_the_time_the_device_takes_to_finish_its_steps(mon
 
 
 def test_non_finite_steps_count_and_the_longest_streak_is_since_the_last_question():
-    counter = NonFiniteSteps(CPU, skipped_steps=2)
+    counter = NonFiniteSteps(CPU, {"skipped_steps": 2})
     for finite in (False, False, True, False, False, False):
         counter.add(torch.tensor(finite))
     assert counter.skipped_steps() == 7 and counter.longest_streak() == 3
@@ -73,3 +74,21 @@ def test_non_finite_steps_count_and_the_longest_streak_is_since_the_last_questio
     counter.add(torch.tensor(True))
     assert counter.longest_streak() == 4  # the streak that was going on at the question ended after it
     assert counter.longest_streak() == 0 and counter.skipped_steps() == 8
+
+
+@pytest.mark.parametrize("cut", range(1, 7))
+def test_the_non_finite_counter_resumes_from_a_checkpoint_where_it_was(cut):
+    """A checkpoint between two checks keeps the count, the run of bad steps going on and the longest since the
+    last check: a resumed run rolls back where (and counts what) an uninterrupted one does."""
+    steps = (True, False, False, True, False, False)
+    whole = NonFiniteSteps(CPU)
+    for finite in steps:
+        whole.add(torch.tensor(finite))
+    first = NonFiniteSteps(CPU)
+    for finite in steps[:cut]:
+        first.add(torch.tensor(finite))
+    resumed = NonFiniteSteps(CPU, {"rollbacks": 0, **first.counters()})
+    for finite in steps[cut:]:
+        resumed.add(torch.tensor(finite))
+    assert resumed.counters() == whole.counters()
+    assert resumed.longest_streak() == whole.longest_streak() == 2
