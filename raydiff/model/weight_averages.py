@@ -28,11 +28,11 @@ from raydiff.model.flat import views_of
 
 
 def ema_decay_at(step: int, decay: float, warmup_steps: int) -> float:
-    """Decay for the update after `step` optimizer steps.
+    """Decay for the update of the optimizer step that follows `step` steps (0: the first).
 
     The EMA averages over a window of about 1 / (1 - decay) steps. During warmup that window grows
-    linearly from 1 step (a copy of the online weights) to its full length at `warmup_steps`, so the
-    average never holds on to the random initialisation for long.
+    linearly from 1 step (the first update copies the online weights) to its full length at `warmup_steps`,
+    so the average holds nothing of the random initialisation.
     """
     if warmup_steps <= 0:
         return decay

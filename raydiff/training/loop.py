@@ -50,7 +50,7 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
 
             # One optimizer step.
             lr = lr_at(progress.step, t)
-            ema_decay = ema_decay_at(progress.step + 1, t.ema_decay, t.ema_warmup_steps)
+            ema_decay = ema_decay_at(progress.step, t.ema_decay, t.ema_warmup_steps)
             result = optimizer_step(w.step_parts, batches, lr=lr, ema=w.ema_update, ema_decay=ema_decay,
                                     posthoc=w.posthoc, step=progress.step + 1, fault=w.debug.fault(progress.step + 1))
             progress.step += 1
