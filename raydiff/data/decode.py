@@ -1,10 +1,12 @@
 """One encoded image -> uint8 (C, R, R): decode, convert the mode, scale to cover R x R, center-crop.
 
 Pure PIL/numpy, no Ray: `raydiff.data.image_store` runs it inside Ray Data tasks. Images in awkward modes are converted
-rather than dropped: CMYK and YCbCr become RGB, palette images are expanded, 16- and 32-bit integer images
-are scaled to 8 bits (not clipped), float images are clipped to [0, 255], transparent pixels are composited
-over white, and EXIF orientation is applied. What cannot be decoded (truncated, corrupt, empty, not an image)
-raises `BadImage` with a short reason, so that the caller can skip and count it.
+rather than dropped: CMYK and YCbCr become RGB, palette images are expanded, 16-bit images are scaled to 8 bits
+(not clipped), float images are clipped to [0, 255], transparent pixels are composited over white, and EXIF
+orientation is applied. The scale comes from the file's bit depth, never from its pixels, so that a value decodes
+alike in every image; integer images of other depths (32-bit, signed) have no standard scale and are refused.
+Whatever cannot be decoded (truncated, corrupt, empty, not an image, too big: see `Image.MAX_IMAGE_PIXELS`),
+whichever error PIL raises for it, raises `BadImage` with a short reason, so that the caller can skip and count it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import io
 import warnings
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 BACKGROUND = 255  # transparent pixels become white, the usual background of images with an alpha channel
 
@@ -22,11 +24,30 @@ class BadImage(ValueError):
     """This input is not a usable image; the message is a short reason (for reports, not a traceback)."""
 
 
+# The formats whose "I" images hold 16-bit pixels, 0..65535: PNG's 16-bit grayscale in older Pillow (I;16 in newer
+# ones), and PGM's whatever its maxval (Pillow scales it to 65535).
+_SIXTEEN_BIT_FORMATS = ("PNG", "PPM")
+_SIXTEEN_BIT_RAWMODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def _check_integer_depth(opened: ImageFile.ImageFile) -> None:
+    """An image PIL holds as 32-bit ints ("I"), before it is loaded: pass when its file's pixels are unsigned 16-bit
+    (then scaled like I;16), else BadImage, as its depth, not its pixels, must choose the scale."""
+    if opened.mode != "I" or opened.format in _SIXTEEN_BIT_FORMATS:
+        return
+    args = opened.tile[0].args if opened.tile else None
+    rawmode = str(args if isinstance(args, str) or not args else args[0])
+    if rawmode not in _SIXTEEN_BIT_RAWMODES:
+        raise BadImage(f"a {opened.format} of 32-bit or signed integer pixels ({rawmode or opened.mode}): only 8- and "
+                       f"16-bit unsigned ones have a standard 8-bit scale")
+
+
 def _to_8bit(image: Image.Image) -> Image.Image:
-    """High-bit-depth and float modes -> 8-bit L, keeping the full range (PIL's convert would clip)."""
+    """16-bit ("I;16*", or "I" that `_check_integer_depth` passed) and float modes -> 8-bit L, keeping the full range
+    (PIL's convert would clip)."""
     array = np.asarray(image)
-    if image.mode.startswith("I;16") or (image.mode == "I" and array.max(initial=0) > 255):
-        array = np.clip(array.astype(np.float64) / 257.0, 0, 255)  # 0..65535 -> 0..255
+    if image.mode != "F":
+        array = array.astype(np.float64) / 257.0  # 0..65535 -> 0..255, whatever the image's other pixels
     return Image.fromarray(np.clip(np.rint(array), 0, 255).astype(np.uint8), mode="L")
 
 
@@ -54,6 +75,7 @@ def decode_resize_crop(data: bytes, resolution: int, channels: int) -> np.ndarra
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as opened:
+                _check_integer_depth(opened)
                 opened.draft(mode, (resolution, resolution))  # JPEG: decode at a reduced scale when it can
                 image = ImageOps.exif_transpose(opened)
                 image.load()  # decode now: a truncated file fails here
@@ -61,8 +83,11 @@ def decode_resize_crop(data: bytes, resolution: int, channels: int) -> np.ndarra
                 array = np.asarray(image, dtype=np.uint8)
     except UnidentifiedImageError:
         raise BadImage("not an image (unrecognised format)") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise BadImage(f"cannot decode: {str(exc).splitlines()[0][:120] or type(exc).__name__}") from None
+    except (BadImage, MemoryError):
+        raise
+    except Exception as exc:  # a corrupt file makes PIL's plugins raise anything (a TIFF's text offset: TypeError)
+        reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise BadImage(f"cannot decode: {reason}") from None
     return array[None] if channels == 1 else array.transpose(2, 0, 1)
 
 

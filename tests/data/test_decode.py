@@ -36,6 +36,47 @@ def test_16_bit_grayscale_is_scaled_not_clipped():
     assert out.shape == (1, 8, 8) and abs(int(out.mean()) - 127) <= 1
 
 
+def _pgm16(array: np.ndarray) -> bytes:
+    """A 16-bit PGM (maxval 65535), which Pillow opens in mode "I" as it did 16-bit PNGs before 10.3."""
+    return b"P5\n%d %d\n65535\n" % (array.shape[1], array.shape[0]) + array.astype(">u2").tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["PGM", "PNG"])
+def test_a_16_bit_value_decodes_alike_whatever_the_images_other_pixels(fmt):
+    def decoded(array: np.ndarray) -> np.ndarray:
+        data = _pgm16(array) if fmt == "PGM" else encode(Image.fromarray(array))
+        return decode_resize_crop(data, 16, 1)[0, 4:12, 4:12]  # away from the bright corner's blur
+
+    dim = np.full((16, 16), 200, np.uint16)  # all at most 255, which does not make it an 8-bit image
+    with_a_bright_corner = dim.copy()
+    with_a_bright_corner[0, 0] = 65535
+    assert np.all(decoded(dim) == round(200 / 257)) and np.all(decoded(with_a_bright_corner) == round(200 / 257))
+    assert np.all(decoded(np.full((16, 16), 40000, np.uint16)) == round(40000 / 257))
+
+
+def test_integer_images_of_other_depths_are_refused_naming_the_depth():
+    thirty_two_bit = encode(Image.fromarray(np.full((16, 16), 70000, np.int32)), "TIFF")
+    with pytest.raises(BadImage, match=r"^a TIFF of 32-bit or signed integer pixels \(I;32S\): only 8- and 16-bit "
+                                       r"unsigned ones have a standard 8-bit scale$"):
+        decode_resize_crop(thirty_two_bit, 8, 1)
+
+
+def _tiff_with_text_strip_offsets() -> bytes:
+    """A TIFF whose StripOffsets tag says its type is ASCII, not LONG: PIL reads the offset as a str and its
+    ImageFile.load raises TypeError, no error PIL documents for a bad file."""
+    data = bytearray(encode(Image.new("L", (4, 4), 7), "TIFF"))
+    entry = data.find(b"\x11\x01\x04\x00")  # tag 273 (StripOffsets), type 4 (LONG), little-endian
+    data[entry + 2] = 2  # type 2: ASCII
+    with pytest.raises(TypeError), Image.open(io.BytesIO(bytes(data))) as opened:
+        opened.load()
+    return bytes(data)
+
+
+def test_a_file_pil_fails_on_in_any_way_is_a_bad_image_with_its_reason():
+    with pytest.raises(BadImage, match=r"^cannot decode: 'str' object cannot be interpreted as an integer$"):
+        decode_resize_crop(_tiff_with_text_strip_offsets(), 8, 1)
+
+
 def test_transparency_is_composited_over_white():
     rgba = Image.new("RGBA", (16, 16), (0, 0, 0, 0))
     rgba.paste((0, 0, 255, 255), (0, 0, 8, 16))  # left half opaque blue, right half transparent black
