@@ -206,7 +206,10 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
 
 # Ray Data logs a failed read task's traceback in these two, then raises its error in the driver.
 _RAY_DATA_LOGS = ("ray.data._internal.execution.streaming_executor_state", "ray.data.exceptions")
-_UNREADABLE = (tarfile.TarError, pa.ArrowException)  # a shard or Parquet file cut short, or not what it is named
+_CUT_SHORT = (tarfile.TarError, pa.ArrowException)  # a shard or Parquet file cut short, or not what it is named
+# ... or a file the workers may not read: pyarrow's and fsspec's read errors are OSErrors (gone, permissions, a
+# node without the bucket's credentials or HF_TOKEN)
+_UNREADABLE = (*_CUT_SHORT, OSError)
 
 
 def _not_unreadable(record: logging.LogRecord) -> bool:
@@ -218,8 +221,9 @@ def _not_unreadable(record: logging.LogRecord) -> bool:
 @contextmanager
 def unreadable_files_told_once(source: Source) -> Iterator[None]:
     """Ray Data's reads of `source`: a file that cannot be read past a point (a WebDataset shard or Parquet file cut
-    short) is one line, not Ray Data's traceback and then the error's own. A Ray task's error is an instance of its
-    cause's class too; which file is not known here (Ray Data's readers do not say)."""
+    short) or at all (gone since it was listed, or not readable by a node's workers) is one line, not Ray Data's
+    traceback and then the error's own. A Ray task's error is an instance of its cause's class too; which file is
+    known here only where the cause names it (pyarrow's read errors do; Ray Data's readers do not say)."""
     logs = [logging.getLogger(name) for name in _RAY_DATA_LOGS]
     for log in logs:
         log.addFilter(_not_unreadable)
@@ -227,9 +231,13 @@ def unreadable_files_told_once(source: Source) -> Iterator[None]:
         yield
     except _UNREADABLE as exc:
         cause = getattr(exc, "cause", exc)  # a RayTaskError's original error
-        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
-        raise DataError(f"data.source = {source.uri!r}: a file of it cannot be read ({reason}); a file cut short, "
-                        f"as by an interrupted download, is the usual cause") from None
+        first = (str(cause).splitlines() or [""])[0][:200]
+        reason = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+        usual = ("a file cut short, as by an interrupted download" if isinstance(cause, _CUT_SHORT) else
+                 "a file removed since it was listed, or one that Ray Data's workers may not read (permissions; on "
+                 "a cluster, every node needs the bucket's credentials or HF_TOKEN)")
+        raise DataError(f"data.source = {source.uri!r}: a file of it cannot be read ({reason}); {usual}, is the "
+                        f"usual cause") from None
     finally:
         for log in logs:
             log.removeFilter(_not_unreadable)

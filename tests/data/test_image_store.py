@@ -1,11 +1,13 @@
 """Ray Data ingest through the real pipeline: every kind of source, bad samples, the bad-fraction limit, and the
-small local folders the driver decodes itself, exactly as Ray Data would."""
+small local folders the driver decodes itself, exactly as Ray Data would; and, without Ray, the one line a file
+Ray Data cannot read becomes."""
 
 from __future__ import annotations
 
 import io
 import json
 import tarfile
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -22,9 +24,8 @@ from raydiff.data.image_store import decodes_in_driver, load_images
 from raydiff.data.labels import plan_labels
 from raydiff.data.sources import DataError, open_source
 
-pytestmark = pytest.mark.ray
 
-
+@pytest.mark.ray
 def test_folder_is_decoded_resized_and_cropped_in_order(ray_session, tmp_path):
     write_synthetic(tmp_path / "b", num=7, resolution=40, fmt="jpg", seed=1)
     write_synthetic(tmp_path / "a" / "nested", num=5, resolution=20, fmt="png", seed=2)
@@ -39,6 +40,7 @@ def test_folder_is_decoded_resized_and_cropped_in_order(ray_session, tmp_path):
     assert np.all(images[-1][0] == 200) and np.all(images[-1][1] == 10)
 
 
+@pytest.mark.ray
 def test_grayscale_digits(ray_session):
     store = load_images(open_source("builtin:digits"), resolution=16, channels=1)
     assert store.num_images == 1797 and store.shape == (1, 16, 16)
@@ -75,6 +77,7 @@ def _write(kind: str, encoded: list[bytes], folder) -> dict:
     return {}
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("kind", ["parquet-bytes", "parquet-hf", "parquet-tensor", "webdataset"])
 def test_every_kind_of_source_gives_the_same_images_in_order(ray_session, tmp_path, kind):
     encoded = _encoded(tmp_path)
@@ -90,6 +93,7 @@ def test_every_kind_of_source_gives_the_same_images_in_order(ray_session, tmp_pa
         assert np.array_equal(images[i], expected), i
 
 
+@pytest.mark.ray
 def test_bad_samples_are_skipped_and_reported_awkward_modes_converted(ray_session, tmp_path):
     names = write_messy_folder(tmp_path)
     source = open_source(str(tmp_path))
@@ -113,6 +117,7 @@ def test_bad_samples_are_skipped_and_reported_awkward_modes_converted(ray_sessio
         check_bad_fraction(store, 0.05)
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("what", ["messy folder", "labelled digits"])
 def test_a_small_local_folder_decodes_in_the_driver_exactly_as_ray_data_decodes_it(ray_session, tmp_path,
                                                                                     monkeypatch, what):
@@ -136,12 +141,14 @@ def test_a_small_local_folder_decodes_in_the_driver_exactly_as_ray_data_decodes_
         assert np.array_equal(here.labels, by_ray_data.labels)
 
 
+@pytest.mark.ray
 def test_a_missing_parquet_column_is_a_one_line_error_that_names_the_files_image_column(ray_session, tmp_path):
     _write("parquet-bytes", _encoded(tmp_path), tmp_path / "data")
     with pytest.raises(DataError, match="data.image_column = 'nope': not a column of .*a.parquet; its columns: png$"):
         load_images(open_source(str(tmp_path / "data")), resolution=8, channels=3, image_column="nope")
 
 
+@pytest.mark.ray
 def test_a_hugging_face_file_is_read_from_its_image_feature_where_the_default_column_is_not(ray_session, tmp_path,
                                                                                           capsys):
     encoded = _encoded(tmp_path)
@@ -169,6 +176,7 @@ def test_a_hugging_face_file_is_read_from_its_image_feature_where_the_default_co
         load_images(open_source(two), resolution=8, channels=3)  # which of two: the user says
 
 
+@pytest.mark.ray
 def test_gcs_source_against_a_loopback_emulator(ray_session, tmp_path, gcs_server):
     endpoint, fs = gcs_server
     paths = write_synthetic(tmp_path / "images", num=6, resolution=16, fmt="png", seed=5)
@@ -184,6 +192,7 @@ def test_gcs_source_against_a_loopback_emulator(ray_session, tmp_path, gcs_serve
         open_source("gs://raydiff-gcs/missing", endpoint=endpoint, anonymous=True)
 
 
+@pytest.mark.ray
 def test_a_shard_cut_short_is_a_one_line_error_without_ray_datas_traceback(ray_session, tmp_path):
     import logging
 
@@ -214,3 +223,28 @@ def test_a_shard_cut_short_is_a_one_line_error_without_ray_datas_traceback(ray_s
                 assert not log.filter(traced) and not log.filter(plain)
             assert log.filter(other)
         assert log.filter(traced)
+
+
+def test_a_file_the_workers_cannot_read_at_all_is_one_line_naming_it_and_why():
+    """No Ray: the error as Ray Data raises it in the driver, the worker's own or a Ray task's error built on it."""
+    import logging
+
+    from ray.exceptions import RayTaskError
+
+    source = SimpleNamespace(uri="s3://bucket/images")
+    gone = FileNotFoundError(2, "Failed to open local file '/data/images/0001.png'. Detail: [errno 2] No such file")
+    denied = RayTaskError("ReadBinary", "Traceback (most recent call last):\n  File ...\nPermissionError",
+                          PermissionError(13, "Permission denied", "bucket/images/0002.png")).as_instanceof_cause()
+    for error, reason in ((gone, "FileNotFoundError: [Errno 2] Failed to open local file '/data/images/0001.png'. "
+                                 "Detail: [errno 2] No such file"),
+                          (denied, "PermissionError: [Errno 13] Permission denied: 'bucket/images/0002.png'")):
+        with pytest.raises(DataError) as info, image_store.unreadable_files_told_once(source):
+            raise error
+        assert str(info.value) == (
+            f"data.source = 's3://bucket/images': a file of it cannot be read ({reason}); a file removed since it "
+            f"was listed, or one that Ray Data's workers may not read (permissions; on a cluster, every node needs "
+            f"the bucket's credentials or HF_TOKEN), is the usual cause")
+    log = logging.getLogger("ray.data.exceptions")  # Ray Data's own traceback of it: left out
+    with image_store.unreadable_files_told_once(source):
+        assert not log.filter(log.makeRecord(log.name, logging.ERROR, __file__, 0, "a task failed", (),
+                                             (type(denied), denied, None)))
