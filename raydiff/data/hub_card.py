@@ -13,6 +13,7 @@ repository, `*` within a folder, `**` across them.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +87,9 @@ def default_config(uri: str, configs: list[CardConfig]) -> CardConfig:
 
 
 def card_split(uri: str, card: str, files: list[str], root: str, kind: str) -> tuple[list[str], str, str] | None:
-    """(the files to train on, their split, the folder of their class subfolders) of `files` (full paths: the
-    repository's files of the run's `kind`, e.g. "Parquet", listed under its `root`) as its card says; None when
-    the card names no configs. DataError (one line) when it does not say one train split."""
+    """(the files to train on, their split, the folder of their class subfolders: the one that holds them all) of
+    `files` (full paths: the repository's files of the run's `kind`, e.g. "Parquet", listed under its `root`) as its
+    card says; None when the card names no configs. DataError (one line) when it does not say one train split."""
     configs = card_configs(uri, card)
     if not configs:
         return None
@@ -104,8 +105,11 @@ def card_split(uri: str, card: str, files: list[str], root: str, kind: str) -> t
                         f"{uri.rstrip('/')}/{config.splits[first][0]}")
     split = TRAIN if TRAIN in config.splits else next(iter(config.splits))
     patterns = config.splits[split]
-    chosen = [f for rel, f in relative.items() if any(glob_match(rel, pattern) for pattern in patterns)]
+    chosen = {rel: f for rel, f in relative.items() if any(glob_match(rel, pattern) for pattern in patterns)}
     if not chosen:
         raise DataError(f"data.source = {uri!r}: its card's {split} split ({', '.join(patterns)}) matches none of "
                         f"its {kind} files")
-    return chosen, split, root
+    # Their class subfolders are in the folder that holds them all (`train/cat/0.png`, `train/dog/1.png`: `train`),
+    # as `datasets` labels images by their parent folders; the repository's root would label them all `train`.
+    folder = posixpath.commonpath([posixpath.dirname(rel) for rel in chosen])
+    return list(chosen.values()), split, f"{root.rstrip('/')}/{folder}" if folder else root

@@ -118,8 +118,21 @@ def test_a_datasets_card_names_its_train_files_where_names_alone_would_not(hub_s
     source = open_source("hf://datasets/raydiff-tests/carded", endpoint=hub_server.endpoint)
     prefix = "datasets/raydiff-tests/carded/"
     assert source.files == (f"{prefix}images/part-a.parquet", f"{prefix}images/part-b.parquet")
-    assert source.split == "train" and source.root == "datasets/raydiff-tests/carded"
+    assert source.split == "train" and source.root == "datasets/raydiff-tests/carded/images"
     assert source.describe() == "2 Parquet files in hf://datasets/raydiff-tests/carded (its train split)"
+
+
+def test_images_in_the_split_folder_a_card_names_keep_their_classes(hub_server):
+    repo = hub_server.root / "raydiff-tests" / "carded-pets"
+    for split, kind, num in (("train", "cat", 2), ("train", "dog", 1), ("test", "cat", 1)):
+        write_synthetic(repo / split / kind, num=num, resolution=8)
+    _card(repo, "configs:\n- config_name: default\n  data_files:\n  - split: train\n    path: train/**\n"
+                "  - split: test\n    path: test/**\n")
+    source = open_source("hf://datasets/raydiff-tests/carded-pets", endpoint=hub_server.endpoint)
+    assert source.split == "train" and len(source.files) == 3
+    assert source.root == "datasets/raydiff-tests/carded-pets/train"
+    plan = plan_labels(source, "label")
+    assert [plan.of_path(f)[0] for f in source.files] == ["cat", "cat", "dog"]  # not "train", as without a card
 
 
 @pytest.mark.parametrize(("configs", "files"), [
