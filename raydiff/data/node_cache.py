@@ -134,14 +134,21 @@ class StreamTable:
 
     def _fetch(self, shards: list[int]) -> None:
         """Map `shards` (zero-copy from the node's object store); one call to the node for those not asked for
-        ahead."""
-        asked = [self._upcoming.pop(s) for s in shards if s in self._upcoming]
-        now = [s for s in shards if all(s not in names for _, names in asked)]
-        if now:
-            asked.append((self._shards.get.remote(now), now))
+        ahead, and one more for those whose read-ahead failed."""
+        ahead = [self._upcoming.pop(s) for s in shards if s in self._upcoming]
+        now = [s for s in shards if all(s not in names for _, names in ahead)]
+        asked_now = self._shards.get.remote(now) if now else None
         refs: dict[int, ray.ObjectRef] = {}
-        for answer, names in {id(answer): (answer, names) for answer, names in asked}.values():
-            refs.update(zip(names, (wrapped[0] for wrapped in ray.get(answer)), strict=True))
+        for answer, names in {id(answer): (answer, names) for answer, names in ahead}.values():
+            try:
+                wrapped = ray.get(answer)
+            except Exception:  # a read ahead failed (a transient error, maybe a window ago): the node reads again
+                self._upcoming = {s: a for s, a in self._upcoming.items() if a[0] is not answer}  # its others too
+                names = [s for s in names if s in shards]
+                wrapped = ray.get(self._shards.get.remote(names))  # failing again: raised, the step's error
+            refs.update(zip(names, (w[0] for w in wrapped), strict=True))
+        if asked_now is not None:
+            refs.update(zip(now, (w[0] for w in ray.get(asked_now)), strict=True))
         for s, array in zip(shards, ray.get([refs[s] for s in shards]), strict=True):
             self._arrays[s] = array
 

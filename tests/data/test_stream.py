@@ -1,4 +1,5 @@
-"""Streamed data: the shard-aware order, the node cache that reads each shard once, and the mode choice."""
+"""Streamed data: the shard-aware order, the node cache that reads each shard once (and again after a failed
+read-ahead), and the mode choice."""
 
 from __future__ import annotations
 
@@ -67,6 +68,63 @@ def test_shard_aware_order_is_a_per_epoch_permutation_in_windows():
     again = SampleOrder(train, seed=1, shard_starts=starts, window_shards=3)
     assert np.array_equal(again.take(130, 40)[0], order.take(130, 40)[0])
     assert not np.array_equal(order.take(0, n)[0], order.take(n, n)[0])
+
+
+class _NodeWithFailedReads:
+    """A node cache (`NodeShards`) without Ray: an answer is a callable (`ray.get` calls it), each shard's rows hold
+    its number, and the first `failures` reads of `flaky` fail, as a transient storage error would."""
+
+    def __init__(self, flaky: int, failures: int = 1) -> None:
+        self.flaky, self.failures = flaky, failures
+        self.asked: list[list[int]] = []
+        self.get = SimpleNamespace(remote=self._answer)
+
+    def _answer(self, shards: list[int]):
+        fails = self.flaky in shards and sum(self.flaky in asked for asked in self.asked) < self.failures
+        self.asked.append(list(shards))
+
+        def answer() -> list:
+            if fails:
+                raise OSError(f"transient error reading shard {self.flaky}")
+            return [[lambda s=s: np.full((10, *SHAPE), s, np.uint8)] for s in shards]
+
+        return answer
+
+
+def test_a_failed_read_ahead_is_read_again_when_its_shards_are_needed(monkeypatch):
+    from raydiff.data import node_cache
+
+    def get(answer):
+        return [get(a) for a in answer] if isinstance(answer, list) else answer()
+
+    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=get))
+    starts = np.arange(0, 81, 10)  # 8 shards of 10 samples
+    order = SampleOrder(80, seed=0, shard_starts=starts, window_shards=2)
+    first, _ = order.window_shards_at(0)
+    second_start = order.next_window(first)
+    second, second_shards = order.window_shards_at(second_start)
+    node = _NodeWithFailedReads(flaky=second_shards[-1])
+    images = SimpleNamespace(shard_starts=starts, shape=SHAPE, labels=None, window_shards=2)
+    table = node_cache.StreamTable(images, order, node)
+    table.prepare(0)  # reads the next windows ahead: the read of `flaky` fails, and with it this whole answer
+    [read_ahead] = node.asked
+    assert set(second_shards) < set(read_ahead)
+    indices, _ = order.take(second_start, order.next_window(second) - second_start)
+    out = table.gather(indices, np.empty((len(indices), *SHAPE), np.uint8))
+    assert np.array_equal(out[:, 0, 0, 0], indices // 10)
+    assert sorted(node.asked[1]) == sorted(second_shards)  # asked again, once, for what the step needs
+    third = sorted(s for s in read_ahead if s not in second_shards)  # the rest of the failed answer: asked afresh
+    indices = np.array([starts[s] for s in third])
+    assert third and np.array_equal(table.gather(indices, np.empty((len(indices), *SHAPE), np.uint8))[:, 0, 0, 0],
+                                    third)
+    assert node.asked[2:] == [third]
+
+    node = _NodeWithFailedReads(flaky=second_shards[-1], failures=2)  # failing again: the step's error
+    table = node_cache.StreamTable(images, order, node)
+    table.prepare(0)
+    with pytest.raises(OSError, match="transient error reading shard"):
+        table.gather(np.array([starts[second_shards[-1]]]), np.empty((1, *SHAPE), np.uint8))
+    assert len(node.asked) == 2
 
 
 def _own_store_bytes() -> int:
