@@ -30,6 +30,7 @@ import json
 import shutil
 import sys
 import tarfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -48,8 +49,8 @@ from raydiff.data.shard_format import SHARD_BYTES, check_prepared, rows_per_shar
 from raydiff.data.sharded import GB, ShardedImages
 from raydiff.data.sources import Source, check_on_every_node, open_source
 from raydiff.storage.fs import filesystem_for
-from raydiff.storage.lease import hold, this_process
-from raydiff.storage.rundir import RunDir
+from raydiff.storage.lease import Lease, hold, this_process
+from raydiff.storage.rundir import RunDir, RunInUse
 
 MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most this share of a node's object store
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
@@ -190,18 +191,33 @@ def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpo
         return found
     check_on_every_node(source)  # before anything is written (Ray Data's reads would find it again)
     with hold(RunDir(out, endpoint=endpoint), this_process(), stale_s=lease_stale_s, what="the stream preparation",
-              wait=True):
+              wait=True) as lease:
         found = _prepared_at(out, endpoint)  # another run may have prepared it while this one waited
         if found is not None:
             return found
         print(f"[raydiff] data.cache stream: preparing {source.describe()} once into {out} ({rows} images per "
               f"shard)")
         _clear_partial(out, endpoint)
-        decoded = decode_stream(source, resolution=data.resolution, channels=data.channels,
-                                image_column=data.image_column, labels=labels)
+        decoded = while_held(lease, out, decode_stream(source, resolution=data.resolution, channels=data.channels,
+                                                       image_column=data.image_column, labels=labels))
         write_prepared(decoded, source, out, shape=shape, rows_per_shard=rows,
                        max_bad_fraction=data.max_bad_fraction, endpoint=endpoint, labels=labels)
     return open_source(out, endpoint=endpoint)
+
+
+def while_held(lease: Lease, out: str, batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches`, as long as this run holds the lease of the preparation `out`, and once more after the last (the
+    manifest comes next): a run that took the lease over prepares the copy anew, and shards of both would mix."""
+    for batch in batches:
+        _check_held(lease, out)
+        yield batch
+    _check_held(lease, out)
+
+
+def _check_held(lease: Lease, out: str) -> None:
+    if lease.lost:
+        raise RunInUse(f"another raydiff run took over the stream preparation {out} (this one's lease was not renewed "
+                       f"within run.lease_stale_s): stopped; run the command again to use the copy it prepares")
 
 
 def _prepared_at(out: str, endpoint: str | None) -> Source | None:

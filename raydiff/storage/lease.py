@@ -15,8 +15,9 @@ pid, Ray job, since) for the one-line refusal:
   `stale_s` since its last renewal (by the store's clock), and for at least half of `stale_s` itself, takes it
   over with an overwrite conditional on the version it watched, so that of two claimants only one wins. A holder
   whose renewal fails that condition reads the object back: a body with its own lease id is its own write, whose
-  answer was lost; another's means it has lost the lease, and is told (`on_lost`). A network error is never a
-  loss: the next renewal tries again.
+  answer was lost; another's means it has lost the lease, and is told (`on_lost`, at once where it was lost
+  before the holder asked to be told): it must write nothing more there. A network error is never a loss: the
+  next renewal tries again.
 """
 
 from __future__ import annotations
@@ -62,12 +63,37 @@ def describe(holder: dict[str, Any] | None) -> str:
 
 
 class Lease:
-    """A held lease. `update(**fields)` adds to what it says of its holder; `on_lost` is called (from the
-    heartbeat thread) if an object-store lease is taken over."""
+    """A held lease. `update(**fields)` adds to what it says of its holder; `on_lost` is called once if an
+    object-store lease is taken over: from the heartbeat thread, or where that happened before it was set, as it
+    is set. `lost` says whether it was."""
 
     def __init__(self, store: _LocalLock | _ObjectLease, holder: dict[str, Any]) -> None:
         self._store, self.holder = store, dict(holder)
-        self.on_lost: Callable[[], None] | None = None
+        self._on_lost: Callable[[], None] | None = None
+        self._lost = False
+        self._guard = threading.Lock()  # `lose` and the setter: the callback runs exactly once
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    @property
+    def on_lost(self) -> Callable[[], None] | None:
+        return self._on_lost
+
+    @on_lost.setter
+    def on_lost(self, callback: Callable[[], None] | None) -> None:
+        with self._guard:
+            self._on_lost, lost = callback, self._lost
+        if lost and callback is not None:
+            callback()
+
+    def lose(self) -> None:
+        """Another holder has it now (the heartbeat's call)."""
+        with self._guard:
+            self._lost, callback = True, self._on_lost
+        if callback is not None:
+            callback()
 
     def update(self, **fields: Any) -> None:
         self.holder.update(fields)
@@ -236,8 +262,8 @@ class _ObjectLease:
             self.version = None
             logger.error("[raydiff] ERROR: this run's lease was taken over by another raydiff run (it was not "
                          "renewed in time)")
-            if self.lease is not None and self.lease.on_lost is not None:
-                self.lease.on_lost()
+            if self.lease is not None:
+                self.lease.lose()
             return
         self.version = version
 

@@ -176,6 +176,9 @@ class Cadence:
                 self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step)
             # Stop or preemption, agreed by every worker.
             interrupt = self._agree_on_interrupts(asked) if asked is not None else None
+            if interrupt == "lease_lost":  # another driver writes to the run now: no checkpoint, no rows
+                self.status, self.diagnostic = WorkerStatus.LEASE_LOST, _lease_lost(w.run_dir, step)
+                return progress
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
             # (Tune stops trials on them); other rows go to metrics.jsonl only.
             report = ray_report(step, t.global_batch, self.quality, self.val_loss, row)
@@ -214,10 +217,11 @@ class Cadence:
         """At the end of training: rank 0's metrics rows and writes reach storage (unless storage failed)."""
         if self._profile is not None:  # still recording: the loop ends on an error
             self._profile.discard()
+        writes = self.failure is None and self.status != WorkerStatus.LEASE_LOST
         try:
-            if self.w.is_chief and self.failure is None:
+            if self.w.is_chief and writes:
                 self._write("writing metrics.jsonl", self.w.close)
-            if self.failure is not None or not self.w.is_chief:
+            if not writes or not self.w.is_chief:
                 self.w.close(flush=False)
         finally:
             if self._writer is not None:
@@ -436,3 +440,8 @@ def ray_report(step: int, global_batch: int, quality: dict[str, Any] | None, val
 
 def _raise(error: BaseException) -> None:
     raise error
+
+
+def _lease_lost(run_dir, step: int) -> str:
+    return (f"another raydiff run took over the run directory {run_dir} (this one's lease was not renewed within "
+            f"run.lease_stale_s): stopped at step {step} without writing more; the other run continues it")

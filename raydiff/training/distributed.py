@@ -8,7 +8,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from raydiff.training.stop import stop_reason
+from raydiff.training.stop import LEASE_LOST, stop_reason
 
 
 def in_a_group() -> bool:
@@ -61,19 +61,23 @@ def first_to_hold(value: Any) -> bool:
     return value not in values[:dist.get_rank()]
 
 
-INTERRUPTS = (None, "preemption", "stop")  # by code: the workers agree on the largest code any of them asked
+# By code: the workers agree on the largest code any of them asked.
+INTERRUPTS = (None, "preemption", "stop", "lease_lost")
 
 
 def interrupt_asked(stop_flag, is_chief: bool, simulated_preemption: bool = False) -> int:
     """This worker's answer to whether to checkpoint now, from Ray alone (round trips on the host, nothing on the
-    device), as a code of INTERRUPTS: "stop" when the driver was asked to stop (rank 0 asks it), "preemption" when
-    a node is about to be reclaimed. Every worker calls it at the same steps, then `agreed_interrupt`."""
+    device), as a code of INTERRUPTS: "stop" when the driver was asked to stop (rank 0 asks it), "lease_lost" when
+    another driver has taken the run over, "preemption" when a node is about to be reclaimed. Every worker calls it
+    at the same steps, then `agreed_interrupt`."""
     preempted = ray.train.get_preemption_info() is not None  # a collective itself: every rank must call it
     preempted = preempted or simulated_preemption
-    return INTERRUPTS.index("stop" if is_chief and stop_reason(stop_flag) else "preemption" if preempted else None)
+    reason = stop_reason(stop_flag) if is_chief else None
+    return INTERRUPTS.index("lease_lost" if reason == LEASE_LOST else "stop" if reason else
+                            "preemption" if preempted else None)
 
 
 def agreed_interrupt(asked: int, device: torch.device) -> str | None:
-    """Every worker's `interrupt_asked` code as one decision, alike on every worker: "stop", "preemption" or
-    None."""
+    """Every worker's `interrupt_asked` code as one decision, alike on every worker: "lease_lost", "stop",
+    "preemption" or None."""
     return INTERRUPTS[_reduced(asked, device, dist.ReduceOp.MAX)]

@@ -42,14 +42,14 @@ from raydiff.storage.errors import (
     storage_failure,
 )
 from raydiff.storage.lease import hold, this_process
-from raydiff.storage.rundir import RunDir, unwritable
+from raydiff.storage.rundir import RunDir, RunInUse, unwritable
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.interrupts import interrupt_on_signals
 from raydiff.training.loop import train_worker
 from raydiff.training.lost_workers import LostWorkers, causes, hang_timeouts
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.resolve import resolve_run
-from raydiff.training.stop import StopFlag, beside_the_handlers, stop_on_signals
+from raydiff.training.stop import LEASE_LOST, StopFlag, beside_the_handlers, stop_on_signals
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
@@ -152,7 +152,7 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
         warn_without_dashboard()
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
         stop_flag = StopFlag.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
-        lease.on_lost = lambda: stop_flag.request.remote("the run's lease was taken over")
+        lease.on_lost = lambda: stop_flag.request.remote(LEASE_LOST)  # at once, if it was lost already
         return _train(cfg, run_dir, plan, source, identity, init, lease.holder, stop_flag, started,
                       images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
@@ -278,6 +278,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         raise Unresumable(outcome.diagnostic)  # refuse, as for a bad config
     if outcome is not None and outcome.status == WorkerStatus.REFUSED:
         raise ConfigError(outcome.diagnostic)
+    if outcome is not None and outcome.status == WorkerStatus.LEASE_LOST:  # the run is another driver's: no summary
+        raise RunInUse(outcome.diagnostic)
     failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"

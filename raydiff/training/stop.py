@@ -30,15 +30,19 @@ T = TypeVar("T")
 TUNE_INTERRUPTED = "Experiment has been interrupted"  # how Tune's warning after a Ctrl-C begins (ray.tune.tune)
 
 
+LEASE_LOST = "the run's lease was taken over"  # a stop that writes nothing more: another driver holds the run
+
+
 @ray.remote(num_cpus=0)
 class StopFlag:
-    """Holds the reason the driver was asked to stop, if it was."""
+    """Holds the reason the driver was asked to stop, if it was (a lost lease over any other)."""
 
     def __init__(self) -> None:
         self._reason: str | None = None
 
     def request(self, reason: str) -> None:
-        self._reason = self._reason or reason
+        if self._reason is None or reason == LEASE_LOST:
+            self._reason = reason
 
     def reason(self) -> str | None:
         return self._reason

@@ -42,6 +42,7 @@ class WorkerStatus(str, enum.Enum):
     STOPPED = "stopped"  # asked to stop (a signal, a lost lease), after a checkpoint
     DIVERGED = "diverged"  # too many non-finite steps in a row, after at most one rollback
     UNRESUMABLE = "unresumable"  # checkpoints exist and none restores: nothing was trained or written
+    LEASE_LOST = "lease_lost"  # another driver took the run over: stopped without writing more
     REFUSED = "refused"  # the workers cannot train as configured (not one image fits): nothing trained or written
     STORAGE_FAILED = "storage_failed"  # rank 0 could not write to storage, and no retry can fix it
 

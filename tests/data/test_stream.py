@@ -18,7 +18,8 @@ from raydiff.data.order import SampleOrder, rank_share
 from raydiff.data.run_images import open_tables
 from raydiff.data.shard_format import write_prepared
 from raydiff.data.sources import DataError, open_source
-from raydiff.data.stream import choose_cache, stream_images
+from raydiff.data.stream import choose_cache, stream_images, while_held
+from raydiff.storage.rundir import RunInUse
 
 SHAPE = (3, 4, 4)
 
@@ -163,6 +164,31 @@ def _two_workers_for_an_epoch(sharded, images: np.ndarray, group: str) -> dict:
         stream.close()
     return {"mismatches": mismatches, "store_peak": store_peak,
             "cache": ray.get(node_shards(sharded, group).stats.remote())}
+
+
+def test_a_preparation_whose_lease_another_run_took_over_stops_before_its_next_shard():
+    """Both would write the same copy: the run that lost the lease stops at its next batch, and after its last one
+    (before the manifest), in one line, leaving the copy to the run that holds the lease now."""
+    lease = SimpleNamespace(lost=False)
+
+    def batches():
+        yield "first"
+        lease.lost = True
+        yield "second"
+
+    written = []
+    with pytest.raises(RunInUse, match=r"^another raydiff run took over the stream preparation OUT \(this one's"):
+        for batch in while_held(lease, "OUT", batches()):
+            written.append(batch)
+    assert written == ["first"]
+    late = SimpleNamespace(lost=False)
+
+    def one_batch():
+        yield "only"
+        late.lost = True
+
+    with pytest.raises(RunInUse):
+        list(while_held(late, "OUT", one_batch()))
 
 
 @pytest.mark.ray

@@ -161,3 +161,34 @@ def test_a_flaky_object_store_is_survived_bit_identically(s3_server, reference):
     from raydiff.storage.rundir import RunDir
 
     assert _same_weights(_final_state(RunDir("s3://flaky/runs/smoke", endpoint=endpoint)), reference)
+
+
+@pytest.mark.ray
+def test_a_run_whose_lease_another_run_took_over_stops_without_writing_more(cluster, s3_server):
+    """Another driver took the run's lease over (this one's renewals did not get through in time): at its next
+    10-step check the run stops in one line, exit 2, with no final checkpoint, metrics rows or summary of its own
+    written into the run directory the other driver now holds."""
+    from raydiff.storage.lease import lease_of
+    from raydiff.storage.rundir import RunDir
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="taken")
+    run_dir = RunDir("s3://taken/runs/smoke", endpoint=endpoint)
+    key = lease_of(run_dir).uri.removeprefix("s3://taken/")
+
+    def take_over(proc) -> None:
+        client.put_object(Bucket="taken", Key=key, Body=json.dumps({"holder": {"host": "elsewhere", "pid": 1},
+                                                                     "lease": "another run's"}))
+
+    code, output = run_cli_acting(
+        "raydiff.train", "--config", "smoke", "--set", "train.total_steps=100000", "--set",
+        "train.checkpoint_every=100000", "--set", "scaling.num_workers=1", "--set", "run.storage=s3://taken/runs",
+        "--set", f"run.endpoint={endpoint}", "--set", "run.lease_stale_s=4", at="[raydiff] starting:", act=take_over)
+    assert code == 2, output[-3000:]
+    [line] = [line for line in output.splitlines() if line.startswith("raydiff:")]
+    assert re.fullmatch(r"raydiff: error: another raydiff run took over the run directory s3://taken/runs/smoke "
+                        r"\(this one's lease was not renewed within run.lease_stale_s\): stopped at step \d+ without "
+                        r"writing more; the other run continues it", line), line
+    written = {entry["Key"] for entry in client.list_objects_v2(Bucket="taken").get("Contents", [])}
+    assert not any("checkpoint_" in k or k.endswith(("summary.json", "metrics.jsonl")) for k in written), written
+    assert "Traceback" not in output, output[-3000:]

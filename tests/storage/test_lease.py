@@ -126,6 +126,26 @@ def test_an_s3_lease_write_whose_answer_was_lost_is_still_the_holders(s3_server)
     assert "Contents" not in client.list_objects_v2(Bucket="lost-answers")  # released: deleted
 
 
+def test_a_holder_whose_s3_lease_was_taken_over_is_told_once_even_before_it_asked_to_be(s3_server):
+    """Another run's write replaced the lease (a takeover after renewals that did not get through): the holder's
+    next renewal finds it and the lease is lost for good. A callback set after that is called at once, as the
+    driver sets its own only once Ray is up: the run must stop writing however early the loss came."""
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="taken-over")
+    run_dir = RunDir("s3://taken-over/runs/smoke", endpoint=endpoint)
+    lease = take(run_dir, {"name": "a"}, stale_s=600, what="run directory")  # no heartbeat in the test
+    key = lease_of(run_dir).uri.removeprefix("s3://taken-over/")
+    client.put_object(Bucket="taken-over", Key=key, Body=json.dumps({"holder": {"name": "b"}, "lease": "b"}))
+    lease.update(step=1)  # the renewal is refused: another's write is there
+    assert lease.lost
+    lost: list[bool] = []
+    lease.on_lost = lambda: lost.append(True)
+    lease.update(step=2)  # nothing more written, nor told again
+    assert lost == [True]
+    lease.release()  # leaves the other run's lease alone
+    assert json.loads(client.get_object(Bucket="taken-over", Key=key)["Body"].read())["lease"] == "b"
+
+
 def test_an_s3_lease_renewal_lost_and_unreadable_is_still_the_holders_at_the_next_renewal(s3_server):
     """A renewal applied whose answer was lost, and whose read-back then failed too (the store unreachable for a
     moment): the holder does not know its version. At the next renewal, refused, it reads its own earlier write
