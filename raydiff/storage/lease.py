@@ -12,7 +12,8 @@ pid, Ray job, since) for the one-line refusal:
 - S3 and GCS: the object is created only if absent (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`), renewed
   every quarter of `stale_s` by an overwrite conditional on the version the holder wrote, and deleted on release.
   A lease that is not renewed belongs to a holder that is gone: a claimant that has watched it unchanged for
-  `stale_s` since its last renewal (by the store's clock), and for at least half of `stale_s` itself, takes it
+  `stale_s` since its last renewal (by the store's clock on S3; on GCS, whose answers carry no time, by this
+  machine's), and for at least half of `stale_s` itself, takes it
   over with an overwrite conditional on the version it watched, so that of two claimants only one wins. A holder
   whose renewal fails that condition reads the object back: a body with its own lease id is its own write, whose
   answer was lost; another's means it has lost the lease, and is told (`on_lost`, at once where it was lost
@@ -41,6 +42,7 @@ from raydiff.storage.rundir import RunDir, RunInUse
 
 FOLDER = ".raydiff-leases"
 POLL_S = 0.5  # how often a claimant looks at a lease it waits for
+TAKE_ATTEMPTS = 5  # a claimant's requests to an object store that fail in a row before the error is the command's
 logger = logging.getLogger("raydiff")
 
 
@@ -120,8 +122,19 @@ def take(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str, w
     place = lease_of(folder)
     store: _LocalLock | _ObjectLease = _LocalLock(place) if place.local else _ObjectLease(place, stale_s)
     said: set[str] = set()
+    failed = 0
     while True:
-        state, found = store.take(holder)
+        try:
+            state, found = store.take(holder)
+        except Exception:
+            failed += 1
+            if place.local or failed >= TAKE_ATTEMPTS:
+                raise
+            # A moment of a busy or unreachable store (a claimant may poll for as long as another run prepares).
+            logger.debug("asking for the lease failed; asking again", exc_info=True)
+            time.sleep(POLL_S * 2**failed)
+            continue
+        failed = 0
         if state == "held":
             return found
         if state == "live" and not wait:
@@ -370,17 +383,24 @@ class _GcsObject:
         return str(blob.generation)
 
     def read(self) -> tuple[dict[str, Any], str, float] | None:
-        from google.api_core.exceptions import NotFound
+        from google.api_core.exceptions import NotFound, PreconditionFailed
 
-        blob = self.bucket.get_blob(self.name)
-        if blob is None:
-            return None
-        generation, updated = blob.generation, blob.updated  # (a download may reset the blob's properties)
-        try:
-            body = json.loads(blob.download_as_bytes(if_generation_match=generation) or b"{}")
-        except NotFound:
-            return None
-        return body, str(generation), (datetime.now(timezone.utc) - updated).total_seconds()
+        renewed = 0
+        while True:
+            blob = self.bucket.get_blob(self.name)
+            if blob is None:
+                return None
+            generation, updated = blob.generation, blob.updated  # (a download may reset the blob's properties)
+            try:
+                body = json.loads(blob.download_as_bytes(if_generation_match=generation) or b"{}")
+            except NotFound:
+                return None
+            except PreconditionFailed:  # renewed between the two requests: read the new one
+                renewed += 1
+                if renewed == 3:
+                    raise
+                continue
+            return body, str(generation), (datetime.now(timezone.utc) - updated).total_seconds()
 
     def replace(self, body: bytes, version: str) -> str | None:
         from google.api_core.exceptions import NotFound, PreconditionFailed

@@ -126,6 +126,21 @@ def test_an_s3_lease_write_whose_answer_was_lost_is_still_the_holders(s3_server)
     assert "Contents" not in client.list_objects_v2(Bucket="lost-answers")  # released: deleted
 
 
+def test_a_claimant_rides_out_a_store_that_fails_beyond_its_retries_for_a_moment(s3_server):
+    """A run waiting for another's stream preparation asks every half second for as long as that takes: one
+    moment of a store failing (503s beyond boto3's own retries) is asked again, not the command's traceback."""
+    from flaky_s3 import FlakyS3
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="busy-store")
+    with FlakyS3(endpoint, rate=0.0) as proxy:
+        proxy.fail_next("PUT", 4)  # boto3 makes 3 attempts: the first request fails, the next goes through
+        lease = take(RunDir("s3://busy-store/runs/smoke", endpoint=proxy.endpoint), {"name": "a"}, stale_s=600,
+                     what="run directory")
+        assert proxy.counts["slow_down"] == 4 and not lease.lost
+        lease.release()
+
+
 def test_a_holder_whose_s3_lease_was_taken_over_is_told_once_even_before_it_asked_to_be(s3_server):
     """Another run's write replaced the lease (a takeover after renewals that did not get through): the holder's
     next renewal finds it and the lease is lost for good. A callback set after that is called at once, as the
