@@ -9,6 +9,14 @@ them to diffusers' results in float32. The step coefficients are computed in flo
 itself never reads a value back from the device. The ODE solvers are deterministic (an image depends only on its
 initial noise); the SDE solver draws its fresh noise through the caller's `draw_noise`, from the image's own
 generator too.
+
+Heun departs from diffusers in one place: a first step that lowers sigma more than tenfold is an Euler step
+(`EULER_FIRST_RATIO`). Why: the cosine schedule's last beta is clipped at 0.999, which puts its largest sigma near
+20,000 while the next of 18 steps is near 11; over so long a step the trapezoid's second evaluation multiplies the
+network's error at sigma 11 by half the ratio of the two sigmas, over 900, and even an exact denoiser of Gaussian
+data gave images far wider than the data (diffusers' `HeunDiscreteScheduler` does the same with
+`squaredcos_cap_v2`). The linear schedule's first step (T = 1000) falls less than tenfold from 5 steps on, where
+Heun is diffusers' step for step.
 """
 
 from __future__ import annotations
@@ -77,20 +85,39 @@ def dpmpp_2m(denoise: Denoise, x: torch.Tensor, alpha_bar: torch.Tensor, steps: 
     return x
 
 
+# A first step that lowers sigma by more than this factor is taken by Euler (see the module's docstring).
+EULER_FIRST_RATIO = 10.0
+
+
 def heun_timesteps(timesteps: int, steps: int) -> np.ndarray:
     """Heun's noise levels are taken at `steps` timesteps evenly spaced from T-1 to 0 (fractional ones between the
-    schedule's: diffusers' "linspace")."""
+    schedule's: diffusers' "linspace"). One step is taken at T-1: it still has to start from pure noise."""
+    if steps == 1:
+        return np.array([timesteps - 1.0])
     return np.linspace(0, timesteps - 1, steps, dtype=np.float64)[::-1].copy()
+
+
+def heun_sigmas(alpha_bar: torch.Tensor, steps: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(Heun's timesteps, its float64 noise levels at them followed by sigma 0)."""
+    T = len(alpha_bar)
+    ts = heun_timesteps(T, steps)
+    train_sigmas = ((1 - alpha_bar) / alpha_bar).sqrt().numpy()
+    return ts, torch.from_numpy(np.append(np.interp(ts, np.arange(T), train_sigmas), 0.0))
+
+
+def euler_first(sigmas: torch.Tensor) -> bool:
+    """Whether Heun's first step is Euler's: it lowers sigma more than `EULER_FIRST_RATIO`-fold (and does not end
+    at sigma 0, which the last step's Euler covers)."""
+    return len(sigmas) > 2 and bool(sigmas[0] > EULER_FIRST_RATIO * sigmas[1])
 
 
 def heun(denoise: Denoise, noise: torch.Tensor, alpha_bar: torch.Tensor, steps: int) -> torch.Tensor:
     """Heun's second-order method on the probability-flow ODE in sigma (Karras et al. 2022, Algorithm 1 without
     churn), sigma interpolated linearly between the schedule's timesteps as diffusers does; Euler at the last
-    step, to sigma 0. `noise`: standard normal; 2 `steps` - 1 network evaluations."""
-    T = len(alpha_bar)
-    ts = heun_timesteps(T, steps)
-    train_sigmas = ((1 - alpha_bar) / alpha_bar).sqrt().numpy()
-    sigmas = torch.from_numpy(np.append(np.interp(ts, np.arange(T), train_sigmas), 0.0))
+    step, to sigma 0, and at a first step that lowers sigma more than tenfold (`euler_first`). `noise`: standard
+    normal; 2 `steps` - 1 network evaluations, one fewer with an Euler first step."""
+    ts, sigmas = heun_sigmas(alpha_bar, steps)
+    first_euler = euler_first(sigmas)
     vp_alpha = 1 / (sigmas**2 + 1).sqrt()  # the network sees x * vp_alpha = vp_alpha x0 + vp_sigma eps
     on = {k: v.float().to(noise.device) for k, v in {
         "sigma": sigmas, "alpha": vp_alpha, "vp_sigma": sigmas * vp_alpha,
@@ -105,13 +132,16 @@ def heun(denoise: Denoise, noise: torch.Tensor, alpha_bar: torch.Tensor, steps: 
     for i in range(steps):
         dt = on["sigma"][i + 1] - on["sigma"][i]
         d = derivative(x, i)
-        if i == steps - 1:  # to sigma 0: Euler
+        if i == steps - 1 or (i == 0 and first_euler):  # to sigma 0, or a first step too long for the trapezoid
             x = x + d * dt
         else:
             x = x + (d + derivative(x + d * dt, i + 1)) / 2 * dt
     return x
 
 
-def evaluations(sampler: str, steps: int) -> int:
-    """Network evaluations per image (each one two passes under classifier-free guidance)."""
-    return 2 * steps - 1 if sampler == "heun" else steps
+def evaluations(sampler: str, steps: int, alpha_bar: torch.Tensor | None = None) -> int:
+    """Network evaluations per image (each one two passes under classifier-free guidance); for Heun, on the
+    schedule `alpha_bar` (None: at most)."""
+    if sampler != "heun":
+        return steps
+    return 2 * steps - 1 - (alpha_bar is not None and euler_first(heun_sigmas(alpha_bar, steps)[1]))

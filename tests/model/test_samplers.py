@@ -3,11 +3,13 @@ every prediction target; guided and per image."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from raydiff.config import load_config
-from raydiff.model.diffusion import build_diffusion
+from raydiff.model.diffusion import GaussianDiffusion, build_diffusion
+from raydiff.model.samplers import euler_first, evaluations, heun_sigmas
 from raydiff.model.unet import build_model
 from raydiff.seeds import GRID_NOISE, image_generators
 
@@ -125,3 +127,59 @@ def test_more_steps_than_the_schedule_has_are_capped_not_a_step_of_zero_length(s
     capped = sample(1000)
     assert torch.isfinite(capped).all()
     assert torch.equal(capped, sample(most))
+
+
+MU, S = 0.3, 0.5  # the Gaussian data N(MU, S^2) of `gaussian_model`
+
+
+def gaussian_model(diffusion: GaussianDiffusion, seen: list[float] | None = None):
+    """The exact eps predictor of N(MU, S^2) data: the posterior mean of x0, at the noise level of any (fractional)
+    timestep, sigma interpolated between the schedule's as Heun does. `seen`: the timesteps it was asked at."""
+    T = diffusion.timesteps
+    sigmas = ((1 - diffusion.alpha_bar) / diffusion.alpha_bar).sqrt().numpy()
+
+    def model(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if seen is not None:
+            seen.append(float(t[0]))
+        sigma = torch.from_numpy(np.interp(t.double().numpy(), np.arange(T), sigmas)).view(-1, 1, 1, 1)
+        alpha = 1 / (sigma**2 + 1).sqrt()  # x = alpha x0 + vp_sigma eps
+        vp_sigma, x = sigma * alpha, x.double()
+        x0 = MU + alpha * S**2 / (alpha**2 * S**2 + vp_sigma**2) * (x - alpha * MU)
+        return ((x - alpha * x0) / vp_sigma).float()
+
+    return model
+
+
+def _heun_images(schedule: str, steps: int, seen: list[float] | None = None) -> torch.Tensor:
+    diffusion = GaussianDiffusion(schedule=schedule, timesteps=1000, prediction="eps")
+    return diffusion.sample(gaussian_model(diffusion, seen), (512, 1, 4, 4), sampler="heun", steps=steps,
+                            clip=False, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("steps", [10, 18])
+def test_heun_on_the_cosine_schedule_gives_the_spread_of_the_data(steps):
+    """The cosine schedule's first step falls from sigma 20,291 to 11 at 18 steps: Heun's trapezoid there
+    multiplied the denoiser's error by the ratio, and even an exact one gave three times the data's spread."""
+    images = _heun_images("cosine", steps)
+    assert images.std().item() == pytest.approx(S, rel=0.05)
+    assert images.mean().item() == pytest.approx(MU, abs=0.02)
+
+
+def test_heun_takes_a_first_step_that_lowers_sigma_tenfold_by_euler():
+    # Linear, 2 steps: from sigma 157 to 0.01 in one step (the trapezoid gave images of spread 79), then to 0.
+    assert euler_first(heun_sigmas(GaussianDiffusion(schedule="linear", timesteps=1000, prediction="eps").alpha_bar,
+                                   2)[1])
+    images = _heun_images("linear", 2)
+    assert images.mean().item() == pytest.approx(MU, abs=0.02) and images.std().item() < S
+    assert evaluations("heun", 2) == 3  # at most
+    assert evaluations("heun", 18, GaussianDiffusion(schedule="cosine", timesteps=1000,
+                                                     prediction="eps").alpha_bar) == 34
+
+
+def test_heun_starts_from_pure_noise_with_one_step():
+    """One step is Euler's from the largest sigma to 0: the denoiser's x0 from pure noise (it started at sigma(0),
+    0.01, and gave back the noise's grey)."""
+    seen: list[float] = []
+    images = _heun_images("linear", 1, seen)
+    assert seen == [999.0]
+    assert images.mean().item() == pytest.approx(MU, abs=0.01)  # the posterior mean from pure noise: nearly MU
