@@ -146,7 +146,9 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     for w in values:  # None: an unconditional model
         job.guidance, w_started = 1.0 if w is None else w, time.perf_counter()
         if guide_model is not None:  # autoguidance, the model conditioned on the classes asked (no CFG)
-            job.model, job.guidance = AutoGuided(model.float(), guide_model.float(), float(w or 1.0)), 1.0
+            # A weight of 0 is the guide alone, as raydiff.sample takes it (not the model alone: `w or 1.0` was).
+            weight = 1.0 if w is None else float(w)
+            job.model, job.guidance = AutoGuided(model.float(), guide_model.float(), weight), 1.0
         with torch.inference_mode():
             samples = parallel_stats("sample", job, features, e.num, host_memory=cfg.train.keep_host_memory,
                                      workers=workers, keep_features=keep)
@@ -264,7 +266,11 @@ def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float]) -> l
     if steps[-1] != state["step"]:
         print(f"[raydiff] note: the newest snapshot at or before step {state['step']} is step {steps[-1]}; "
               f"rebuilding there", file=sys.stderr)
-    return [average.state for average in rebuild(run_dir, sigma_rels, steps[-1], steps=snapshots)]
+    try:
+        rebuilt = rebuild(run_dir, sigma_rels, steps[-1], steps=snapshots)
+    except ValueError as exc:  # snapshots of different widths, which cannot be combined
+        raise ConfigError(f"--sigma-rel: {exc}") from None
+    return [average.state for average in rebuilt]
 
 
 def best_line(measured: list[dict[str, Any]]) -> str:

@@ -66,8 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "approach or pass ddpm's quality in far fewer network evaluations")
     parser.add_argument("--steps", type=int, default=None,
                         help="sampling steps (default: all T for ddpm, 50 for ddim, 20 for the dpmpp_2m samplers, "
-                             "18 for heun: 2 x 18 - 1 = 35 network evaluations)")
-    parser.add_argument("--eta", type=float, default=0.0, help="DDIM noise: 0 deterministic, 1 = DDPM posterior")
+                             "18 for heun: 2 x 18 - 1 = 35 network evaluations, 34 on the cosine schedule)")
+    parser.add_argument("--eta", type=float, default=0.0,
+                        help="DDIM noise in [0, 1]: 0 deterministic, 1 = DDPM posterior")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-ema", action="store_true", help="use the online weights instead of the EMA")
     parser.add_argument("--batch", type=int, default=None,
@@ -79,8 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name} {getattr(args, name)}: must be >= {low}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps {args.steps}: must be >= 1")
-    if args.eta < 0:
-        parser.error(f"--eta {args.eta}: must be >= 0")
+    if not 0 <= args.eta <= 1:  # above 1, DDIM's steps would clamp their noise and silently misshape the images
+        parser.error(f"--eta {args.eta:g}: must be in [0, 1] (0: deterministic DDIM, 1: DDPM's posterior)")
     if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
         parser.error(f"--guidance {args.guidance:g}: must be >= 0 (diffusers' convention: 0 unconditional, 1 "
                      f"conditional without guidance, more follows the class more closely)")

@@ -85,3 +85,51 @@ def test_a_run_trained_without_keeping_host_memory_samples_without_it_too(tmp_pa
     assert cli.run(sample.main, [*args, "--out", str(tmp_path / "x.png")]) == 0
     out = capsys.readouterr().out
     assert "with ddim, 2 steps, on cpu\n" in out and "host memory" not in out
+
+
+def test_evaluate_takes_autoguidance_weight_0_as_the_guide_alone_as_sample_does(monkeypatch):
+    """`--guide G --guidance 0`: raydiff.sample samples the guide alone (weight 0), and so must raydiff.evaluate's
+    row labelled guidance 0 (it measured the model alone, weight 1). Its Ray tasks and metrics are stood in for:
+    what is checked is the model each value hands them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from raydiff import evaluate
+    from raydiff.cluster import start
+    from raydiff.model.unet import build_model
+    from raydiff.quality import measure, reference_stats
+
+    cfg = load_config("smoke", ["diffusion.timesteps=50"], check_source=False)
+    state = {"step": 7, "config": cfg.to_dict(), "ema": build_model(cfg).state_dict()}
+    weights: list[float] = []
+
+    def parallel_stats(kind, job, *args, **kwargs):
+        weights.append(job.model.weight)
+        return None
+
+    monkeypatch.setattr(start, "init_ray", lambda: None)
+    monkeypatch.setattr(reference_stats, "reference_for",
+                        lambda *args, **kwargs: SimpleNamespace(description="stand-in", count=1))
+    monkeypatch.setattr(measure, "parallel_stats", parallel_stats)
+    monkeypatch.setattr(measure, "scores", lambda *args, **kwargs: {"fid": 1.0})
+    with torch.no_grad():
+        result = evaluate.evaluate(state, cfg, features=SimpleNamespace(name="stand-in"), guidance=(0.0, 2.0),
+                                   guide=state)
+    assert [row["guidance"] for row in evaluate.rows(result)] == [0.0, 2.0]
+    assert weights == [0.0, 2.0]
+    conditional = {"config": load_config("smoke", CONDITIONAL, check_source=False).to_dict(), "classes": CLASSES}
+    assert sample.class_request(conditional, None, 0.0, autoguided=True)[1] == 0.0
+
+
+@pytest.mark.parametrize("eta", ["1.5", "-0.5", "nan"])
+def test_an_eta_outside_0_to_1_is_refused_before_reading_the_checkpoint(tmp_path, capsys, eta):
+    # Above 1, DDIM's steps clamped their noise and gave images of the wrong spread without a word.
+    with pytest.raises(SystemExit) as caught:
+        sample.main(["--checkpoint", str(tmp_path / "missing"), "--sampler", "ddim", "--eta", eta,
+                     "--out", str(tmp_path / "x")])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"python -m raydiff.sample: error: --eta {float(eta):g}: must be in "
+                                            f"[0, 1] (0: deterministic DDIM, 1: DDPM's posterior)")
+    assert list(tmp_path.iterdir()) == []

@@ -46,6 +46,14 @@ def steps_taken(sampler: str, steps: int | None, timesteps: int) -> int:
     return asked if most is None else min(asked, most)
 
 
+def check_eta(eta: float) -> None:
+    """ValueError unless DDIM's `eta` is in [0, 1]. Why: above 1 a step's noise, eta^2 times the posterior's
+    variance, can exceed the 1 - alpha_bar_prev the next image may hold, and the step's eps coefficient, the square
+    root of the difference, would be clamped to 0: images of the wrong spread, silently."""
+    if not 0 <= eta <= 1:
+        raise ValueError(f"eta {eta:g}: must be in [0, 1] (0: deterministic DDIM, 1: DDPM's posterior)")
+
+
 def make_betas(schedule: Schedule, timesteps: int) -> torch.Tensor:
     """Betas in float64. Linear: Ho et al.'s 1e-4..0.02 at T=1000, rescaled by 1000/T for other T
     (as in improved-diffusion). Cosine: Nichol & Dhariwal's alpha_bar, betas clipped at 0.999."""
@@ -224,6 +232,7 @@ class GaussianDiffusion:
         noise: torch.Tensor,
     ) -> torch.Tensor:
         """DDIM update (Song et al. 2021, eq. 12). eta=0 is deterministic; eta=1 equals the DDPM posterior."""
+        check_eta(eta)
         return self._ddim(self._on(self._step_coefs(t.cpu(), t_prev.cpu(), eta), x0), x0, eps, noise)
 
     def sample_in_chunks(self, model: Denoiser, indices: range, shape: tuple[int, ...], *, batch: int, seed: int,
@@ -272,9 +281,12 @@ class GaussianDiffusion:
         without guidance, w = 0 unconditional (so are labels None). Both branches run in one batched forward.
 
         `sampler`: "ddpm" (ancestral), "ddim" (`eta`), or the fast "dpmpp_2m" and "heun" (deterministic) and
-        "dpmpp_2m_sde" (`raydiff.model.samplers`; `steps` of them, 2 `steps` - 1 network evaluations for Heun).
+        "dpmpp_2m_sde" (`raydiff.model.samplers`; `steps` of them, at most 2 `steps` - 1 network evaluations for
+        Heun).
         `clip` clamps each predicted x0 to [-1, 1] (as DDPM's reference does; diffusers' DPM-Solver++ and Heun do
-        not by default). More `steps` than a sampler can take are capped (`steps_taken`)."""
+        not by default). More `steps` than a sampler can take are capped (`steps_taken`). ValueError for an `eta`
+        outside [0, 1] (`check_eta`)."""
+        check_eta(eta)
         if sampler in ("dpmpp_2m", "dpmpp_2m_sde", "heun"):
             return self._sample_with_solver(model, shape, sampler, steps_taken(sampler, steps, self.timesteps),
                                             generator, device, labels, guidance, clip)

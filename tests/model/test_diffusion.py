@@ -370,3 +370,17 @@ def test_min_snr_weighs_each_sample_of_the_training_loss():
     assert torch.allclose(weighted.loss_per_sample(model, x0, t, noise), plain * weighted.loss_weight[t].float())
     # eps: min(SNR, 2) / SNR, small at t = 0 (SNR about 1e4) and 1 where SNR < 2
     assert weighted.loss_weight[0] < 1e-3 and weighted.loss_weight[999] == 1.0
+
+
+@pytest.mark.parametrize("eta", [1.5, -0.1, math.nan])
+def test_ddim_refuses_an_eta_outside_0_to_1(eta):
+    """Above 1 a step's noise could exceed what the next image may hold, and its eps coefficient was clamped to 0:
+    images of the wrong spread, without a word."""
+    d = GaussianDiffusion(schedule="linear", timesteps=100, prediction="eps")
+    message = rf"eta {eta:g}: must be in \[0, 1\] \(0: deterministic DDIM, 1: DDPM's posterior\)"
+    with pytest.raises(ValueError, match=message):
+        d.sample(lambda x, t: 0.1 * x, (2, 1, 2, 2), sampler="ddim", steps=5, eta=eta,
+                 generator=torch.Generator().manual_seed(0))
+    x, t = torch.zeros(2, 1, 2, 2), torch.tensor([50, 50])
+    with pytest.raises(ValueError, match=message):
+        d.ddim_step(x, x, t, t - 10, eta, x)
