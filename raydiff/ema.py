@@ -5,10 +5,11 @@
 RUN is a run trained with `train.ema: posthoc` (a path or s3:// / gs:// URI). For each relative width S (the
 average's standard deviation over its length; the run tracked `train.ema_sigma_rels`, EDM2's 0.05 and 0.10), the
 average at snapshot step N (default: the newest) is the least-squares combination of the run's snapshots up to N,
-computed in float64, and written as DIR/sigma_rel-S/state.pt: a checkpoint folder that `raydiff.sample`,
-`raydiff.evaluate` and `raydiff.export` take as --checkpoint (its EMA weights are the rebuilt average; it holds
-no online weights). DIR is a local folder; each folder appears complete or not at all. To choose S by measured
-quality, `raydiff.evaluate --checkpoint RUN --sigma-rel S[,S...]` measures each without writing weights.
+computed in float64, and written as DIR/sigma_rel-S/state.pt (S to 3 decimals: widths that agree to 3 decimals
+are refused before anything is written): a checkpoint folder that `raydiff.sample`, `raydiff.evaluate` and
+`raydiff.export` take as --checkpoint (its EMA weights are the rebuilt average; it holds no online weights). DIR
+is a local folder; each folder appears complete or not at all. To choose S by measured quality,
+`raydiff.evaluate --checkpoint RUN --sigma-rel S[,S...]` measures each without writing weights.
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ def folder_name(sigma_rel: float) -> str:
     return f"sigma_rel-{sigma_rel:.3f}"
 
 
+def shared_folder(sigma_rels: list[float]) -> str | None:
+    """What is wrong where two widths would be written to one folder (they agree to 3 decimals: the second would
+    fail once the first was written); None where each has its own."""
+    first: dict[str, float] = {}
+    for s in sigma_rels:
+        name = folder_name(s)
+        if name in first:
+            return (f"{first[name]:g} and {s:g} would both be written to {name}; give widths that differ in their "
+                    f"first 3 decimals")
+        first[name] = s
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sigma_rels = parse_sigma_rels(args.sigma_rel)
@@ -46,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     from raydiff.storage.errors import output_errors
     from raydiff.storage.rundir import unwritable
 
+    shared = shared_folder(sigma_rels)
+    if shared:
+        raise ConfigError(f"--sigma-rel = {args.sigma_rel!r}: {shared}")
     out = args.out.expanduser().resolve()
     taken = [folder_name(s) for s in sigma_rels if (out / folder_name(s)).exists()]
     if taken:
@@ -59,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     run = checkpoint_location(args.checkpoint, args.endpoint, runs_only=True)
     try:
         rebuilt = rebuild(run, sigma_rels, args.step)
-    except ValueError as exc:
-        raise ConfigError(f"--step {args.step}: {exc}") from None
+    except ValueError as exc:  # a --step that is no snapshot's (or snapshots of different widths)
+        raise ConfigError(f"--step {args.step}: {exc}" if args.step is not None else str(exc)) from None
     for average in rebuilt:
         folder = out / folder_name(average.sigma_rel)
         with output_errors("--out", args.out), new_folder(folder) as tmp:  # a checkpoint folder once it is there

@@ -96,3 +96,70 @@ def test_a_run_without_snapshots_and_a_taken_folder_are_refused(posthoc_run, tmp
                                       "--out", str(tmp_path / "taken")]) == 2
     assert "sigma_rel-0.050 exists already" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["sigma_rel-0.050"]
+
+
+def test_a_rebuild_holds_one_snapshot_at_a_time_and_gives_what_combining_them_all_gives(posthoc_run, monkeypatch):
+    """The rebuild held every snapshot's averages until it combined them: a long run's hundreds of snapshots of
+    hundreds of MB each. Now none is alive when the next is read, and the result is the same to the bit."""
+    import weakref
+
+    from raydiff.model.weight_averages import solve_coefficients
+    from raydiff.runs import ema_snapshots
+
+    run_dir = posthoc_run[0]
+    read = ema_snapshots.read_snapshot
+    loaded: list[list[weakref.ref]] = []  # per snapshot read: its tensors
+    alive_at_each_read: list[int] = []
+
+    def read_counted(run, step):
+        alive_at_each_read.append(sum(any(t() is not None for t in tensors) for tensors in loaded))
+        snapshot = read(run, step)
+        loaded.append([weakref.ref(t) for profile in snapshot["profiles"] for t in profile.values()])
+        return snapshot
+
+    monkeypatch.setattr(ema_snapshots, "read_snapshot", read_counted)
+    rebuilt = ema_snapshots.rebuild(RunDir(run_dir), [0.05, 0.07], step=50)
+    assert max(alive_at_each_read) == 0
+    assert len(alive_at_each_read) == 6  # the snapshot at step 50 for the widths it tracked, then steps 10 to 50
+    monkeypatch.undo()
+    snapshots = [torch.load(run_dir / "ema_snapshots" / f"step_{s:08d}.pt", weights_only=True)
+                 for s in (10, 20, 30, 40, 50)]
+    inputs = [(s["step"], sigma, profile) for s in snapshots
+              for sigma, profile in zip(s["sigma_rels"], s["profiles"], strict=True)]
+    coefficients = solve_coefficients([i[0] for i in inputs], [i[1] for i in inputs], 50, [0.05, 0.07])
+    for j, average in enumerate(rebuilt):  # every snapshot at once, summed in float64 as the rebuild always did
+        assert average.state["step"] == 50 and average.state["posthoc"]["snapshots"] == len(inputs) == 10
+        assert list(average.state["ema"]) == list(inputs[-1][2])
+        for name, last in inputs[-1][2].items():
+            total = torch.zeros(last.shape, dtype=torch.float64)
+            for i, (_, _, profile) in enumerate(inputs):
+                total += float(coefficients[i, j]) * profile[name].double()
+            assert torch.equal(average.state["ema"][name], total.to(last.dtype)), name
+
+
+def test_widths_that_share_a_folder_are_refused_before_anything_is_written(posthoc_run, tmp_path, capsys):
+    # Both were sigma_rel-0.070: the first was written, then the second failed on the folder it had just made.
+    out = tmp_path / "out"
+    assert cli.run(ema_command.main, ["--checkpoint", str(posthoc_run[0]), "--sigma-rel", "0.05,0.0701,0.0704",
+                                      "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("raydiff: config error: --sigma-rel = '0.05,0.0701,0.0704': 0.0701 and 0.0704 would both be "
+                   "written to sigma_rel-0.070; give widths that differ in their first 3 decimals\n")
+    assert not out.exists()
+
+
+def test_a_snapshot_of_other_widths_is_refused_in_one_line(posthoc_run, tmp_path, capsys):
+    # The coefficients are solved before the snapshots are read, for the widths the newest one tracks.
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(posthoc_run[0] / "ema_snapshots", run_dir / "ema_snapshots")
+    path = run_dir / "ema_snapshots" / "step_00000020.pt"
+    snapshot = torch.load(path, weights_only=True)
+    torch.save({**snapshot, "sigma_rels": [0.05], "profiles": snapshot["profiles"][:1]}, path)
+    assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.07",
+                                      "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"raydiff: config error: {run_dir}: ema_snapshots/step_00000020.pt tracks sigma_rel [0.05], "
+                   f"ema_snapshots/step_00000060.pt [0.05, 0.1]: snapshots of different widths cannot be combined\n")
+    assert not (tmp_path / "out").exists()

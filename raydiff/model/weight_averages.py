@@ -7,8 +7,8 @@ Post-hoc EMA (Karras et al., EDM2, 2024) chooses the EMA's length after training
 length changes sample quality several-fold and is usually guessed before the run. Training tracks a few
 power-function averages (`PowerEma`), whose profile over past steps is t^gamma, and stores them as snapshots
 every few steps; the average of any other relative width sigma_rel at a snapshot's step is then the
-least-squares combination of the stored snapshots (`solve_coefficients`, `reconstruct`), which is exact for the
-tracked widths themselves. Widths are relative to the training time (sigma_rel = the profile's standard
+least-squares combination of the stored snapshots (`solve_coefficients`, `combine`, `reconstruct`), which is
+exact for the tracked widths themselves. Widths are relative to the training time (sigma_rel = the profile's standard
 deviation / its length), so one sigma_rel means the same at any batch size or run length. The formulas are
 EDM2's (its `training/phema.py`, equations 121-151 and algorithms 2-3 of the paper), in float64; time is counted
 in optimizer steps (EDM2 counts images; with a fixed global batch the two differ by a scale the coefficients do
@@ -18,7 +18,7 @@ not depend on).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -197,23 +197,48 @@ class PowerEma:
 def reconstruct(snapshots: Sequence[tuple[int, float, dict[str, torch.Tensor]]], out_sigma_rels: Sequence[float],
                 out_step: int) -> list[dict[str, torch.Tensor]]:
     """The averages of widths `out_sigma_rels` at `out_step`, as state dicts, from `snapshots` of (step,
-    sigma_rel, state dict) up to `out_step`. Floating-point tensors are combined in float64 and returned in their
-    own dtype; others (integer buffers) are taken from the last snapshot."""
+    sigma_rel, state dict) up to `out_step` (`combine`)."""
     used = [s for s in snapshots if 0 < s[0] <= out_step]
     if not used:
         raise ValueError(f"no snapshot at or before step {out_step}")
     coefficients = solve_coefficients([s[0] for s in used], [s[1] for s in used], out_step, out_sigma_rels)
-    outputs: list[dict[str, torch.Tensor]] = []
-    for j in range(len(out_sigma_rels)):
-        last = used[-1][2]
-        out = {}
-        for name, value in last.items():
-            if not value.is_floating_point():
-                out[name] = value.clone()
-                continue
-            total = torch.zeros(value.shape, dtype=torch.float64)
-            for i, (_, _, state) in enumerate(used):
-                total += float(coefficients[i, j]) * state[name].double()
-            out[name] = total.to(value.dtype)
-        outputs.append(out)
-    return outputs
+    return combine((s[2] for s in used), coefficients)
+
+
+def combine(states: Iterable[dict[str, torch.Tensor]], coefficients: np.ndarray) -> list[dict[str, torch.Tensor]]:
+    """Output j = sum_i coefficients[i, j] * state i (`solve_coefficients`' [len(in), len(out)] weights), as state
+    dicts. Floating-point tensors are summed in float64 and returned in their own dtype; others (integer buffers)
+    are taken from the last state. The states are taken one at a time and none is kept once the next is asked for:
+    a caller that loads each only when asked holds one snapshot at a time (EDM2's reconstruction does the same),
+    not every one of a long run."""
+    totals: list[dict[str, torch.Tensor]] = [{} for _ in range(coefficients.shape[1])]
+    last: dict[str, torch.Tensor] = {}  # the last state's names in order: its dtype's empty tensor, or its copy
+    rows = 0
+    for state in states:  # not enumerate(): its reused tuple would hold on to this state while the next loads
+        if rows >= len(coefficients):
+            raise ValueError(f"more states than the {len(coefficients)} rows of coefficients")
+        last = _add(totals, state, coefficients[rows])
+        rows += 1
+        del state  # not held while the next is loaded
+    if rows != len(coefficients):
+        raise ValueError(f"{rows} states for {len(coefficients)} rows of coefficients")
+    return [{name: total[name].to(like.dtype) if like.is_floating_point() else like.clone()
+             for name, like in last.items()} for total in totals]
+
+
+def _add(totals: list[dict[str, torch.Tensor]], state: dict[str, torch.Tensor],
+         weights: np.ndarray) -> dict[str, torch.Tensor]:
+    """Add `weights[j]` times `state`'s floating-point tensors to output j (float64 sums); returns, in `state`'s
+    order, an empty tensor of each floating-point one's dtype and a copy of each other one."""
+    like = {}
+    for name, value in state.items():
+        if not value.is_floating_point():
+            like[name] = value.clone()
+            continue
+        like[name] = torch.empty(0, dtype=value.dtype)
+        wide = value.double()
+        for j, total in enumerate(totals):
+            if name not in total:
+                total[name] = torch.zeros(value.shape, dtype=torch.float64)
+            total[name] += float(weights[j]) * wide
+    return like

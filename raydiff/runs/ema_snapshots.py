@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 
 from raydiff.config import Config
 from raydiff.model.unet import build_model, count_parameters
-from raydiff.model.weight_averages import PowerEma, reconstruct
+from raydiff.model.weight_averages import PowerEma, combine, solve_coefficients
 from raydiff.storage.rundir import RunDir
 
 SNAPSHOT_DIR = "ema_snapshots"
@@ -93,7 +94,12 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
             steps: list[int] | None = None) -> list[Rebuilt]:
     """The averages of widths `sigma_rels` at snapshot step `step` (default: the newest), from every snapshot of
     the run up to it (`steps`: the run's snapshot steps, if the caller listed them already). Raises
-    FileNotFoundError (one line) when the run has no snapshots, ValueError when `step` is not a snapshot's."""
+    FileNotFoundError (one line) when the run has no snapshots, ValueError when `step` is not a snapshot's.
+
+    The coefficients come first, from the snapshots' steps and the widths the run tracked (the snapshot at `step`
+    names them; every snapshot of a run tracks the same, which each is checked for as it is read); then the
+    snapshots are read and added in one at a time. Why: a long run has hundreds of snapshots of hundreds of MB
+    each, more than a host's memory held at once."""
     steps = list_snapshots(run_dir) if steps is None else steps
     if not steps:
         raise FileNotFoundError(f"{run_dir}: no post-hoc EMA snapshots ({SNAPSHOT_DIR}/); train with "
@@ -101,18 +107,35 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
     step = steps[-1] if step is None else step
     if step not in steps:
         raise ValueError(f"no snapshot of {run_dir} at that step (snapshots: {_span(steps)})")
-    inputs, last = [], None
-    for s in steps:
-        if s > step:
-            break
-        last = read_snapshot(run_dir, s)
-        inputs += [(s, sigma, profile) for sigma, profile in zip(last["sigma_rels"], last["profiles"], strict=True)]
-    assert last is not None
-    averages = reconstruct(inputs, sigma_rels, step)
+    used = [s for s in steps if 0 < s <= step]
+    if not used:
+        raise ValueError(f"no snapshot at or before step {step}")
+    last = read_snapshot(run_dir, step)
+    tracked = [float(s) for s in last["sigma_rels"]]
     common = {k: v for k, v in last.items() if k not in ("profiles", "sigma_rels")}
-    return [Rebuilt(sigma, {**common, "ema": average, "posthoc": {"sigma_rel": sigma, "snapshots": len(inputs),
+    del last  # its weights are read again in turn: one snapshot in memory at a time
+    coefficients = solve_coefficients([s for s in used for _ in tracked], tracked * len(used), step, sigma_rels)
+    averages = combine(_profiles(run_dir, used, tracked, step), coefficients)
+    count = len(coefficients)
+    return [Rebuilt(sigma, {**common, "ema": average, "posthoc": {"sigma_rel": sigma, "snapshots": count,
                                                                   "run": str(run_dir)}})
             for sigma, average in zip(sigma_rels, averages, strict=True)]
+
+
+def _profiles(run_dir: RunDir, steps: list[int], tracked: list[float],
+              out_step: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The averages of the snapshots at `steps`, in order, each snapshot read only once the previous one's were
+    all taken (and let go of); each must track the widths `tracked`, as the snapshot at `out_step` does."""
+    for step in steps:
+        snapshot = read_snapshot(run_dir, step)
+        if [float(s) for s in snapshot["sigma_rels"]] != tracked:
+            raise ValueError(f"{run_dir}: {snapshot_name(step)} tracks sigma_rel {snapshot['sigma_rels']}, "
+                             f"{snapshot_name(out_step)} {tracked}: snapshots of different widths cannot be "
+                             f"combined")
+        profiles = snapshot.pop("profiles")
+        del snapshot
+        while profiles:
+            yield profiles.pop(0)
 
 
 def _span(steps: list[int]) -> str:
