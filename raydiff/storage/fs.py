@@ -72,8 +72,8 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
             options["region"] = region
         elif not endpoint:
             try:  # a bucket outside the default region answers only in its own region
-                options["region"] = pafs.resolve_s3_region(uri[5:].split("/", 1)[0])
-            except OSError:
+                options["region"] = bucket_region(uri[5:].split("/", 1)[0])
+            except OSError:  # not known now (offline, no such bucket): the default, and the next call asks again
                 pass
         return RetryingS3FileSystem(**options), uri[5:].rstrip("/")
     if uri.startswith(("gs://", "gcs://")):
@@ -88,6 +88,17 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
         schemes = SCHEMES if hub else STORAGE_SCHEMES
         raise ValueError(f"unsupported URI scheme {scheme_of(uri)!r}; supported: {', '.join(schemes)} or a local path")
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+
+
+_REGIONS: dict[str, str] = {}  # bucket -> its region, as S3 answered
+
+
+def bucket_region(bucket: str) -> str:
+    """The region of an S3 bucket, asked once per process (a run builds a file system per path it touches, and
+    each question is a request to S3); OSError where S3 does not say, asked again the next time."""
+    if bucket not in _REGIONS:
+        _REGIONS[bucket] = pafs.resolve_s3_region(bucket)
+    return _REGIONS[bucket]
 
 
 class RetryingS3FileSystem(pafs.S3FileSystem):

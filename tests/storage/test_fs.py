@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
+import raydiff.storage.fs
 from raydiff.storage.fs import filesystem_for, is_remote, join_uri, scheme_of
 
 
@@ -27,6 +28,26 @@ def test_buckets_get_their_own_filesystem_and_an_endpoint_override():
     assert isinstance(fs, pafs.GcsFileSystem) and path == "bucket/data"
     assert is_remote("s3://bucket") and is_remote("gs://bucket") and scheme_of("s3://bucket/x") == "s3://"
     assert join_uri("s3://bucket/runs/", "a", "b.json") == "s3://bucket/runs/a/b.json"
+
+
+def test_an_s3_buckets_region_is_asked_once_per_process_and_again_where_s3_did_not_say(monkeypatch):
+    """A run builds a file system for every path it touches: without AWS_REGION, each asked S3 for the bucket's
+    region. Asked once; a question S3 did not answer (offline for a moment) is not remembered."""
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    asked: list[str] = []
+
+    def resolve(bucket: str) -> str:
+        asked.append(bucket)
+        if len(asked) == 1:
+            raise OSError("no answer")
+        return "eu-west-3"
+
+    monkeypatch.setattr(pafs, "resolve_s3_region", resolve)
+    monkeypatch.setattr(raydiff.storage.fs, "_REGIONS", {})
+    assert filesystem_for("s3://far-bucket/runs/a")[0].region != "eu-west-3"  # not known: the default, for now
+    assert [filesystem_for(f"s3://far-bucket/runs/{n}")[0].region for n in "bcd"] == ["eu-west-3"] * 3
+    assert asked == ["far-bucket", "far-bucket"]
 
 
 def test_an_unsupported_scheme_is_refused_naming_what_is_supported():
