@@ -41,7 +41,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydiff.cluster.nodes import smallest_object_store
-from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
+from raydiff.data.errors import BadSample, DataError, reading
 from raydiff.data.image_store import WEBDATASET_IMAGE_KEYS, decode_stream
 from raydiff.data.labels import LabelPlan, plan_labels, read_labels
 from raydiff.data.node_cache import WINDOWS_HELD
@@ -152,11 +152,23 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
                            counts=tuple(int(c) for c in counts), rows_per_shard=int(manifest.get("rows_per_shard", 0)),
                            shape=shape, window_shards=window,
                            buffer_bytes=buffer, skipped=tuple(manifest.get("bad", ())))
-    if plan is None:
-        return images
-    images = _with_labels(images, plan)
-    check_bad_fraction(images, data.max_bad_fraction)
+    if plan is not None:
+        images = _with_labels(images, plan)
+    check_unusable(images, data.max_bad_fraction)
     return images
+
+
+def check_unusable(images: ShardedImages, max_bad_fraction: float) -> None:
+    """Stop before training where more than `max_bad_fraction` of the source cannot be used: the samples its
+    prepared copy left out (a copy another run prepared under a looser limit is reused as it is) and the rows
+    without a label, together, out of all the source's samples (the first few reasons say why)."""
+    unusable = [*images.skipped, *(b.to_dict() for b in images.bad)]
+    total = images.num_images + len(images.skipped)
+    if unusable and len(unusable) > max_bad_fraction * total:
+        examples = "; ".join(f"{e.get('where', '?')}: {e.get('reason', '?')}" for e in unusable[:3])
+        raise DataError(f"{len(unusable)} of {total} samples in {images.source} cannot be used "
+                        f"({len(unusable) / total:.1%} > data.max_bad_fraction = {max_bad_fraction:g}), e.g. "
+                        f"{examples}")
 
 
 def _with_labels(images: ShardedImages, plan: LabelPlan) -> ShardedImages:

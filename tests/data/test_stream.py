@@ -3,6 +3,7 @@ read-ahead), and the mode choice."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -164,6 +165,25 @@ def _two_workers_for_an_epoch(sharded, images: np.ndarray, group: str) -> dict:
         stream.close()
     return {"mismatches": mismatches, "store_peak": store_peak,
             "cache": ray.get(node_shards(sharded, group).stats.remote())}
+
+
+def test_a_reused_copy_is_held_to_this_runs_max_bad_fraction_with_its_left_out_samples():
+    """A prepared copy keeps the samples it left out (undecodable) in its manifest, and another run may have
+    prepared it under a looser data.max_bad_fraction: this run's limit counts them, with rows without a label."""
+    from raydiff.data.errors import BadSample
+    from raydiff.data.sharded import ShardedImages
+    from raydiff.data.stream import check_unusable
+
+    skipped = tuple({"index": i, "where": f"img{i}.png", "reason": "cannot decode"} for i in range(2))
+    images = ShardedImages(uri="prepared", source="raw", filesystem=None, files=("a",), counts=(18,), shape=SHAPE,
+                           window_shards=1, buffer_bytes=1, skipped=skipped)
+    check_unusable(images, max_bad_fraction=0.1)  # 2 of 20
+    with pytest.raises(DataError, match=r"^2 of 20 samples in raw cannot be used \(10.0% > data.max_bad_fraction "
+                                        r"= 0.05\), e.g. img0.png: cannot decode; img1.png: cannot decode$"):
+        check_unusable(images, max_bad_fraction=0.05)
+    unlabelled = (BadSample(index=3, where="a:row 3", reason="no label"),)
+    with pytest.raises(DataError, match=r"^3 of 20 samples"):
+        check_unusable(dataclasses.replace(images, bad=unlabelled), max_bad_fraction=0.1)
 
 
 def test_a_preparation_whose_lease_another_run_took_over_stops_before_its_next_shard():
