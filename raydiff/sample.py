@@ -11,7 +11,9 @@ diffusers pipeline folder (what raydiff.export writes; needs the diffusers extra
 Sampling runs in full fp32 (no TF32) from the EMA weights (unless --no-ema). Image i draws its noise on the
 sampling device from its own generator, seeded by (--seed, i): the same command gives the same images on the same
 kind of device (CPU, or a CUDA GPU), whatever --batch. With --sampler ddim --steps <train.sample_steps> --seed
-<train.seed> --num <train.sample_num> it reproduces the run's own sample grid.
+<train.seed> --num <train.sample_num> it reproduces the run's own sample grid (a class-conditional run's grid has
+a row of sample_num // C images for each of its first C classes, C at most 16: --num C x (sample_num // C), and
+--class 0,...,C-1 where the model has more than 16 classes).
 
 A class-conditional model samples the classes of --class (ids or names; default every class) with classifier-free
 guidance W in diffusers' convention, eps = eps_uncond + W (eps_cond - eps_uncond): W = 1 is conditional sampling
