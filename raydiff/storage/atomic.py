@@ -8,10 +8,17 @@ beside its target under a hidden name and renamed into place (atomic within one 
 fails is cut back to where it began. A process killed outright (the OOM killer, SIGKILL) cannot remove its
 scratch folder, and a checkpoint staged there is the size of the whole training state: the next one of its kind
 removes it.
+
+A rename is atomic, not durable: ext4 (delayed allocation) and XFS may write the new name to disk before the
+bytes, so a power loss would leave an empty file under the final name, after the old copies were pruned. What is
+renamed into place is fsynced first, and its folder after; nothing else is (a scratch copy needs no fsync). A
+folder is made as any new folder is (0o777 less the umask), not mkdtemp's 0o700, which the rename would keep and
+which would shut other users and pods of a shared mount out of an exported pipeline or prepared data.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -26,33 +33,97 @@ STALE_SCRATCH_S = 600  # a scratch folder of a process that is gone is removed o
 
 
 @contextmanager
-def new_file(path: str | os.PathLike) -> Iterator[Path]:
+def new_file(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Path]:
     """A hidden path beside `path` to write: renamed onto `path` when the block ends, removed if the block fails.
-    The parent folder is made if missing."""
+    The parent folder is made if missing. `durable`: the bytes are on disk before the rename and the name after,
+    so that a power loss leaves the old file or the new one (False for a scratch copy, or a file inside a folder
+    whose own publication syncs it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         yield tmp
+        if durable:
+            sync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if durable:
+        sync_folder(path.parent)
 
 
 @contextmanager
 def new_folder(path: str | os.PathLike) -> Iterator[Path]:
     """A hidden empty folder beside `path` to fill: renamed onto `path` (absent, or an empty folder) when the block
-    ends, removed with all it holds if the block fails."""
+    ends, on disk with all it holds before the rename (`publish_folder`); removed with all it holds if the block
+    fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp = hidden_folder(path, ".")
     try:
         yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_folder(tmp, path)
+
+
+def hidden_folder(path: Path, separator: str) -> Path:
+    """A new empty folder `.<name><separator><random>` beside `path` (whose parent exists), with the mode of any
+    new folder (0o777 less the umask; mkdtemp's 0o700 would stay on it after the rename)."""
+    for _ in range(100):
+        folder = path.with_name(f".{path.name}{separator}{uuid.uuid4().hex[:8]}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(errno.EEXIST, "no free hidden name for a new folder", str(path))
+
+
+def publish_folder(tmp: Path, path: Path) -> None:
+    """Rename the filled folder `tmp` onto `path` (absent, or an empty folder), durably: its files and folders are
+    on disk before the rename, the new name after. `tmp` is removed if that fails."""
+    try:
+        sync_tree(tmp)
         os.replace(tmp, path)  # onto an empty folder too (rename(2))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    sync_folder(path.parent)
+
+
+def sync_file(path: str | os.PathLike) -> None:
+    """The bytes of a local file on disk (fsync)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(folder: str | os.PathLike) -> None:
+    """A local folder's entries (a name just renamed into it) on disk; a no-op on a file system that cannot
+    fsync a folder (some FUSE and SMB mounts)."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: str | os.PathLike) -> None:
+    """Every file and folder in a local folder, and the folder itself, on disk: what a rename will publish."""
+    for root, _, files in os.walk(os.fspath(folder), topdown=False):  # the folder itself last
+        for name in files:
+            file = os.path.join(root, name)
+            if not os.path.islink(file):
+                sync_file(file)
+        sync_folder(root)
 
 
 def append_lines(path: str | os.PathLike, text: str) -> None:

@@ -1,12 +1,14 @@
 """Local files and folders appear whole or not at all, and a log gains whole rows or none: a write that fails
 (a full disk, a stop) leaves neither a partial file in sight nor a hidden one taking room, and a log cut mid-row by
-a crash still reads."""
+a crash still reads; what is renamed into place is on disk first (a power loss leaves no empty file), and a new
+folder is as readable by others as any new folder."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -96,3 +98,65 @@ def test_the_scratch_folder_of_a_killed_process_is_removed_by_the_next_of_its_ki
     new = scratch_folder("ckpt")
     assert new.parent == tmp_path and new.name.startswith(f"raydiff-ckpt-{os.getpid()}-") and new.is_dir()
     assert not killed.exists() and just_made.exists() and alive.exists() and other_kind.exists()
+
+
+def _syncs_and_renames(monkeypatch) -> list[tuple[str, str]]:
+    """What reaches the disk, in order: ("fsync", the real path of the file or folder) and ("rename", the new
+    path), for every fsync and rename the process makes from now on."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def recorded(move):
+        def renamed(src, dst, **kwargs):
+            move(src, dst, **kwargs)
+            events.append(("rename", os.path.realpath(dst)))
+        return renamed
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", recorded(real_replace))
+    monkeypatch.setattr(os, "rename", recorded(real_rename))
+    return events
+
+
+def test_a_new_file_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp_path, monkeypatch):
+    """ext4 (delayed allocation) and XFS may write a rename before the bytes: a power loss would leave an empty
+    file under the final name."""
+    events = _syncs_and_renames(monkeypatch)
+    target = tmp_path / "state.pt"
+    with new_file(target) as tmp:
+        tmp.write_bytes(b"state")
+    folder = os.path.realpath(tmp_path)
+    assert events == [("fsync", os.path.realpath(tmp)), ("rename", os.path.realpath(target)), ("fsync", folder)]
+    events.clear()
+    with new_file(tmp_path / "scratch.pt", durable=False) as tmp:
+        tmp.write_bytes(b"scratch")
+    assert [kind for kind, _ in events] == ["rename"]  # a scratch copy: no fsync
+
+
+def test_a_new_folder_and_all_it_holds_are_on_disk_before_it_takes_its_name(tmp_path, monkeypatch):
+    events = _syncs_and_renames(monkeypatch)
+    with new_folder(tmp_path / "pipeline") as tmp:
+        (tmp / "unet").mkdir()
+        (tmp / "unet" / "weights").write_bytes(b"weights")
+        (tmp / "model_index.json").write_text("{}")
+    renamed = events.index(("rename", os.path.realpath(tmp_path / "pipeline")))
+    synced = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert synced == {os.path.realpath(p) for p in (tmp, tmp / "unet", tmp / "unet" / "weights",
+                                                     tmp / "model_index.json")}
+    assert events[renamed + 1:] == [("fsync", os.path.realpath(tmp_path))]  # its name, and nothing else
+
+
+def test_a_new_folder_is_as_readable_by_others_as_any_new_folder(tmp_path):
+    """mkdtemp's 0o700 would stay on the folder after the rename and shut other users and pods of a shared mount
+    out of an exported pipeline or the built-in data."""
+    umask = os.umask(0o022)
+    try:
+        with new_folder(tmp_path / "pipeline") as tmp:
+            (tmp / "model_index.json").write_text("{}")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "pipeline").stat().st_mode) == 0o755
