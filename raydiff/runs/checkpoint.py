@@ -3,7 +3,9 @@
 A checkpoint is the folder `<run.storage>/<run.name>/checkpoint_<step>` (on a local or NFS folder, or an object
 store) holding that one file. This module writes checkpoints so that none is ever visible before it is complete
 (`CheckpointWriter`), reads them back from any storage, finds a run's checkpoints, and removes what an
-interrupted write left behind, raydiff's or Ray Train's.
+interrupted write left behind, raydiff's or Ray Train's. On a local or mounted folder a checkpoint is on disk
+before it takes its name (fsync): with `run.keep_checkpoints` 1 (sweeps) a power loss after the older one was
+pruned must not leave an empty `state.pt` as the only one.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any
 import torch
 
 from raydiff.model.unet import build_model, count_parameters
-from raydiff.storage.atomic import new_file, scratch_folder
-from raydiff.storage.errors import StorageFailure, permanent_reason
+from raydiff.storage.atomic import new_file, scratch_folder, sync_folder, sync_tree
+from raydiff.storage.errors import StorageFailure, elsewhere, permanent_reason
 from raydiff.storage.rundir import RunDir
 
 STATE_FILE = "state.pt"
@@ -67,12 +69,12 @@ def checkpoint_order(location: Location) -> tuple[int, int]:
     return int(step), int(repeat or 0)
 
 
-def write_state(directory: Path, state: dict[str, Any]) -> Path:
+def write_state(directory: Path, state: dict[str, Any], *, durable: bool = True) -> Path:
     """Save `state` (tensors, numbers, strings, lists, dicts only) into a local folder so that a reader sees all
-    of it or none. Written through a Python file, so that a full disk raises OSError(ENOSPC) rather than torch's
-    errno-less "file write failed"."""
+    of it or none, and with `durable` a power loss too (`atomic.new_file`). Written through a Python file, so that
+    a full disk raises OSError(ENOSPC) rather than torch's errno-less "file write failed"."""
     path = Path(directory) / STATE_FILE
-    with new_file(path) as tmp, open(tmp, "wb") as f:
+    with new_file(path, durable=durable) as tmp, open(tmp, "wb") as f:
         torch.save(state, f)
     return path
 
@@ -116,20 +118,32 @@ class CheckpointWriter:
         assert self._pending is None, f"checkpoint {self._pending and self._pending[0]} is still being written"
         future: Future = Future()
         if self._in_place:
-            try:
-                self._into_place(name, lambda folder: write_state(folder, state))
+            try:  # `_into_place` syncs the folder
+                self._into_place(name, lambda folder: write_state(folder, state, durable=False))
                 future.set_result(None)
             except OSError as exc:
                 future.set_exception(exc)
         else:
-            staging = scratch_folder("ckpt")
-            try:
-                write_state(staging, state)  # the state of this step, before training changes it
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-            future = self._pool.submit(self._move, staging, name)
+            future = self._pool.submit(self._move, self._stage(state), name)
         self._pending = (name, future)
+
+    @staticmethod
+    def _stage(state: dict[str, Any]) -> Path:
+        """`state` (this step's, before training changes it) in a scratch folder of the temporary folder. Its
+        errors are the temporary folder's, not the run storage's: a full one is named as such (`elsewhere`)."""
+        staging = None
+        try:
+            staging = scratch_folder("ckpt")
+            write_state(staging, state, durable=False)  # a scratch copy: no fsync
+            return staging
+        except BaseException as exc:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, OSError):
+                temp = tempfile.gettempdir()
+                raise elsewhere(exc, temp, f"temporary folder {temp} (where checkpoints are staged on their way to "
+                                           f"run.storage)", "TMPDIR") from exc
+            raise
 
     def outcome(self, *, wait: bool) -> tuple[str, BaseException | None] | None:
         """(name, the error or None) of the pending write once it has finished, waiting for it with `wait`; None
@@ -144,16 +158,19 @@ class CheckpointWriter:
         self._pool.shutdown(wait=True)
 
     def _into_place(self, name: str, fill: Callable[[Path], Any]) -> None:
-        """A local or mounted folder: `fill` a hidden folder beside the checkpoint's, then rename it into place."""
+        """A local or mounted folder: `fill` a hidden folder beside the checkpoint's, then rename it into place,
+        its files on disk before the rename and its name after (not the rest of the run folder)."""
         final = Path(self.run_dir.path) / name
         partial = final.with_name(f".{name}{PARTIAL}{uuid.uuid4().hex[:8]}")
         try:
             partial.mkdir(parents=True)
             fill(partial)
+            sync_tree(partial)
             os.rename(partial, final)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
+        sync_folder(final.parent)
 
     def _move(self, staging: Path, name: str) -> None:
         """The staged state onto storage (on the writer's thread)."""

@@ -5,7 +5,10 @@ Why: a full disk, a read-only mount, a refused permission or credential and a mi
 every retry, so Ray Train's restarts (`run.max_failures`) would only multiply the tracebacks; a 503, a timeout or a
 dropped connection passes, and those keep being retried (pyarrow retries each request, Ray restarts the workers:
 `retryable_in` tells, from its text, an error that outlasted the retries).
-Both kinds arrive as OSError: pyarrow puts the S3 or GCS error in the message.
+Both kinds arrive as OSError: pyarrow puts the S3 or GCS error in the message. A write may fail in a local folder
+other than the storage it is for (a checkpoint staged in the temporary folder on its way to a mount or a bucket):
+`ElsewhereError` carries that folder, so that the line names it, its free space and the setting that chose it,
+not the run's storage.
 """
 
 from __future__ import annotations
@@ -82,17 +85,37 @@ class StorageFailure(RuntimeError):
     """A storage error no retry can fix; the message is the one line the user reads (`failure_message`)."""
 
 
-def failure_message(storage: str, operation: str, reason: str, detail: str = "") -> str:
+class ElsewhereError(OSError):
+    """An OSError met in a local folder other than the storage a write is for; made by `elsewhere`."""
+
+    folder: str = ""  # the local folder, whose free space a full disk's line tells
+    where: str = ""  # how the line names it, e.g. "temporary folder /tmp (where checkpoints are staged ...)"
+    setting: str = ""  # what chose it, in the advice: "set another TMPDIR"
+
+
+def elsewhere(error: OSError, folder: str, where: str, setting: str) -> ElsewhereError:
+    """`error`, met in the local `folder` rather than in the storage the write was for, as `storage_failure` should
+    name it: `where` (how the line names the folder) and `setting` (what chose it). Same errno and text."""
+    moved = ElsewhereError(*error.args)  # (errno, strerror) or the message: pickles as OSError does
+    moved.filename = error.filename
+    moved.folder, moved.where, moved.setting = folder, where, setting
+    return moved
+
+
+def failure_message(storage: str, operation: str, reason: str, detail: str = "", *, where: str = "",
+                    setting: str = "run.storage") -> str:
     """What failed where, why, and what to do, in one line.
 
     :param storage: the run's storage (the run directory).
     :param operation: what was being written, e.g. "writing the checkpoint of step 80".
     :param reason: what went wrong, from `permanent_reason`.
     :param detail: more about it (the free space and what the write needed), or "".
+    :param where: how to name the folder that failed, when it is not the run's storage.
+    :param setting: what chose that folder, for the advice.
     """
-    return (f"storage {storage}: {operation} failed: {reason}{'; ' + detail if detail else ''}. Nothing already "
-            f"saved was lost; {advice(reason)}, then run the same command again to continue from the newest "
-            f"checkpoint")
+    return (f"{where or 'storage ' + storage}: {operation} failed: {reason}{'; ' + detail if detail else ''}. "
+            f"Nothing already saved was lost; {advice(reason, setting)}, then run the same command again to continue "
+            f"from the newest checkpoint")
 
 
 def advice(reason: str, setting: str = "run.storage") -> str:
@@ -103,16 +126,33 @@ def advice(reason: str, setting: str = "run.storage") -> str:
 def storage_failure(exc: BaseException, storage: str, operation: str, *,
                     needed_bytes: int | None = None) -> StorageFailure | None:
     """`exc` as a StorageFailure when no retry can fix it (None otherwise). A full local disk says how much is
-    free and, given `needed_bytes`, what the write needed."""
+    free and, given `needed_bytes`, what the write needed. An error met in another local folder (`elsewhere`) is
+    told of that folder instead of `storage`."""
     reason = permanent_reason(exc)
     if reason is None:
         return None
+    where, setting = "", "run.storage"
+    other = _elsewhere(exc)
+    if other is not None:
+        storage, where, setting = other.folder, other.where, other.setting
     detail = ""
     if reason in FULL and "://" not in storage:
         free = free_bytes(storage)
         if free is not None:
             detail = f"{megabytes(free)} free" + (f", {megabytes(needed_bytes)} needed" if needed_bytes else "")
-    return StorageFailure(failure_message(storage, operation, reason, detail))
+    return StorageFailure(failure_message(storage, operation, reason, detail, where=where, setting=setting))
+
+
+def _elsewhere(exc: BaseException) -> ElsewhereError | None:
+    """The ElsewhereError that `exc` is or was raised from, if any."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ElsewhereError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 @contextmanager

@@ -1,6 +1,12 @@
+"""Checkpoint files: written so that none is visible before it is complete, nor left empty by a power loss; read
+back from any storage; a damaged one passed over in one line; a full temporary folder told apart from full
+storage."""
+
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from importlib.metadata import version
 
 import numpy as np
@@ -68,6 +74,29 @@ def test_the_newest_checkpoint_that_reads_is_used(tmp_path, capsys):
         read_newest(tmp_path / "checkpoint_00000020")  # one checkpoint named: no fallback
 
 
+def test_a_small_checkpoint_cut_short_is_named_in_words_and_not_read_again(tmp_path, monkeypatch, capsys):
+    """torch seeks before the start of a small state file cut short (OSError EINVAL): the file's fault, not the
+    storage's, so it is neither retried nor named in torch's words."""
+    import raydiff.runs.state as state_module
+
+    for step in (10, 20):
+        directory = tmp_path / checkpoint_name(step)
+        directory.mkdir()
+        write_state(directory, {"step": step, "w": torch.arange(1000.0)})
+    newest = tmp_path / "checkpoint_00000020" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:-1])
+    with pytest.raises(OSError):  # what torch says
+        torch.load(newest, weights_only=True)
+    reads = []
+    monkeypatch.setattr(state_module, "read_state", lambda path: reads.append(path.name) or read_state(path))
+    monkeypatch.setattr(state_module, "READ_RETRY_S", 0.0)
+    checkpoint, state = read_newest(tmp_path)
+    assert state["step"] == 10 and reads == ["checkpoint_00000020", "checkpoint_00000010"]
+    assert capsys.readouterr().err.strip().endswith(
+        "checkpoint_00000020 cannot be read (not a readable checkpoint (truncated, empty, or not a torch file)); "
+        "using checkpoint_00000010")
+
+
 class Evil:
     pass
 
@@ -76,6 +105,9 @@ def test_checkpoints_refuse_pickled_code(tmp_path):
     torch.save({"x": Evil()}, tmp_path / "state.pt")
     with pytest.raises(Exception, match="[Ww]eights only"):
         read_state(tmp_path)
+    refused = r"\(it holds a Python object \(.*Evil\), which raydiff does not load: only tensors and plain data\)$"
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint can be read: {tmp_path.name} {refused}"):
+        read_newest(tmp_path)
 
 
 def test_a_checkpoint_write_is_never_visible_before_it_is_complete(tmp_path, monkeypatch):
@@ -176,3 +208,84 @@ def test_a_ray_checkpoint_list_that_ray_can_use_is_kept(tmp_path):
     assert drop_unusable_ray_checkpoint_list(tmp_path) is None
     assert drop_unusable_ray_checkpoint_list(tmp_path / "no-run-yet") is None
     assert (tmp_path / RAY_CHECKPOINT_LIST).read_text() == usable
+
+
+def _syncs_and_renames(monkeypatch) -> list[tuple[str, str]]:
+    """What reaches the disk, in order: ("fsync", the real path of the file or folder) and ("rename", the new
+    path), from any thread."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def recorded(move):
+        def renamed(src, dst, **kwargs):
+            move(src, dst, **kwargs)
+            events.append(("rename", os.path.realpath(dst)))
+        return renamed
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", recorded(real_replace))
+    monkeypatch.setattr(os, "rename", recorded(real_rename))
+    return events
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "mounted"])
+def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp_path, monkeypatch, in_place):
+    """A sweep keeps one checkpoint: a power loss after the older one was pruned must not leave an empty state.pt
+    (ext4's delayed allocation, XFS). Only what is renamed into place is synced, not the staged copy."""
+    from raydiff.runs.checkpoint import CheckpointWriter
+    from raydiff.storage.rundir import RunDir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    writer = CheckpointWriter(RunDir(tmp_path / "run"))
+    writer._in_place = in_place
+    (tmp_path / "run").mkdir()
+    events = _syncs_and_renames(monkeypatch)
+    writer.start("checkpoint_00000010", {"step": 10, "weights": torch.ones(3)})
+    assert writer.outcome(wait=True) == ("checkpoint_00000010", None)
+    writer.close()
+    final = os.path.realpath(tmp_path / "run" / "checkpoint_00000010")
+    renamed = events.index(("rename", final))
+    synced = [path for kind, path in events[:renamed] if kind == "fsync"]
+    assert synced, "nothing was fsynced before the rename"
+    partial = os.path.dirname(synced[0])
+    assert os.path.basename(partial).startswith(".checkpoint_00000010.partial-")
+    assert synced == [f"{partial}/state.pt", partial]
+    assert events[renamed + 1:] == [("fsync", os.path.realpath(tmp_path / "run"))]
+    assert torch.equal(read_state(tmp_path / "run" / "checkpoint_00000010")["weights"], torch.ones(3))
+
+
+def test_a_full_temporary_folder_is_named_as_such_not_as_the_run_storage(tmp_path, monkeypatch):
+    """A run folder on another file system or a bucket stages the state in the temporary folder first: a full one
+    there names that folder, its free space and TMPDIR, and leaves nothing there."""
+    from raydiff.runs import checkpoint as module
+    from raydiff.runs.checkpoint import CheckpointWriter
+    from raydiff.storage.errors import storage_failure
+    from raydiff.storage.rundir import RunDir
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    writer = CheckpointWriter(RunDir(tmp_path / "run"))
+    writer._in_place = False  # what a mount on another device or a bucket gets
+
+    def full_disk(state, f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module.torch, "save", full_disk)
+    with pytest.raises(OSError) as failed:
+        writer.start("checkpoint_00000020", {"step": 20})
+    writer.close()
+    # What rank 0's cadence makes of it (raydiff.training.cadence: `_write`).
+    line = str(storage_failure(failed.value, str(tmp_path / "run"), "writing the checkpoint of step 20",
+                               needed_bytes=3_000_000))
+    assert line.startswith(f"temporary folder {temp} (where checkpoints are staged on their way to run.storage): "
+                           f"writing the checkpoint of step 20 failed: no space left on device; "), line
+    assert " MB free, 3.0 MB needed. " in line and "free space there or set another TMPDIR, then " in line
+    assert f"storage {tmp_path / 'run'}" not in line and "set another run.storage" not in line
+    assert list(temp.iterdir()) == []
