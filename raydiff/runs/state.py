@@ -7,11 +7,17 @@ order and every random draw are functions of (seed, step, stream offset), so res
 Restoring is all or nothing: a checkpoint is first loaded into copies of the model, EMA and optimizer, and only
 applied when every part fits. If checkpoints exist and none of them loads, the run refuses to start rather than
 train from scratch on top of them (`Unresumable`).
+
+Only a checkpoint that is itself bad (cut short, empty, not a torch file, or a state that does not fit) is passed
+over for an older one. A read that fails this time (storage beyond its retries, the network, memory) raises: the
+worker fails and Ray Train restarts it (`run.max_failures`) from the same checkpoint, where falling back would
+silently throw away the newest progress, or refuse a run whose checkpoints are fine.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import sys
 import time
@@ -25,6 +31,7 @@ import torch
 from raydiff.model.weight_averages import PowerEma
 from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
 from raydiff.runs.errors import Unresumable
+from raydiff.storage.errors import StorageFailure, permanent_reason
 from raydiff.storage.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -32,8 +39,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("raydiff")
 REQUIRED_KEYS = ("model", "ema", "optimizer", "scaler", "step", "images_seen", "counters", "window", "config")
-READ_ATTEMPTS = 3  # a storage error (OSError) is retried this often, with a growing pause, before giving up
+READ_ATTEMPTS = 3  # attempts at a read that meets a storage error (OSError), with a growing pause between them
 READ_RETRY_S = 1.0
+NOT_A_CHECKPOINT = "not a readable checkpoint (truncated, empty, or not a torch file)"
+# OSErrors that torch.load raises for the file's content: a seek before the start of a zip cut short.
+CONTENT_ERRNOS = {errno.EINVAL}
 
 
 @dataclass
@@ -100,28 +110,71 @@ def _plain_numbers(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+class DamagedCheckpoint(ValueError):
+    """A state file torch cannot read: cut short, empty, or not a torch file; the message says so in words (torch's
+    own would tell the user to switch the safe loader off)."""
+
+
 def read_with_retries(path: RunDir) -> dict[str, Any]:
-    """`read_state`, retrying storage errors (a flaky network, a throttled bucket) before giving up."""
+    """`read_state`, retrying storage errors (a flaky network, a throttled bucket) before giving up. A file that is
+    not a checkpoint raises DamagedCheckpoint at once; a missing one FileNotFoundError; running out of memory
+    its own error."""
     for attempt in range(READ_ATTEMPTS):
         try:
             return read_state(path)
         except FileNotFoundError:
             raise
-        except OSError:
-            if attempt == READ_ATTEMPTS - 1:
+        except OSError as exc:
+            if exc.errno in CONTENT_ERRNOS:
+                raise DamagedCheckpoint(NOT_A_CHECKPOINT) from exc
+            if attempt == READ_ATTEMPTS - 1 or permanent_reason(exc) is not None:  # refused permission: no retry
                 raise
             time.sleep(READ_RETRY_S * 2**attempt)
+        except Exception as exc:
+            if _out_of_memory(exc):
+                raise
+            raise DamagedCheckpoint(_unreadable(exc)) from exc
     raise AssertionError("unreachable")
 
 
+def _unreadable(exc: BaseException) -> str:
+    """Why torch.load refused a file, in words: the Python class a checkpoint holds that the safe loader does not
+    load, or NOT_A_CHECKPOINT (unpickling errors, EOFError, a zip torch cannot read, and the like)."""
+    text = str(exc)
+    if "Unsupported global: GLOBAL " in text:
+        name = text.split("Unsupported global: GLOBAL ", 1)[1].split()[0]
+        return f"it holds a Python object ({name}), which raydiff does not load: only tensors and plain data"
+    return NOT_A_CHECKPOINT
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is memory running out (host or GPU), which another attempt may not meet."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "DefaultCPUAllocator" in text)
+
+
+def _unusable(exc: BaseException) -> bool:
+    """Whether `exc`, met restoring a checkpoint, says that the checkpoint itself cannot be used (cut short, gone,
+    or a state that does not fit: a missing key, another shape), so that an older one is tried; False for what
+    failed this time only (storage, network, memory)."""
+    if isinstance(exc, OSError):
+        return isinstance(exc, FileNotFoundError)
+    return not _out_of_memory(exc)
+
+
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, DamagedCheckpoint):
+        return str(exc)
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
 def read_newest(location: Location) -> tuple[RunDir, dict[str, Any]]:
     """(checkpoint, state) of a checkpoint folder, or of a run folder's newest checkpoint that reads: a damaged one
     (or one an older raydiff was still uploading file by file) is named in one line on stderr and the previous
-    one is used, as training does. Raises FileNotFoundError (one line) when none reads."""
+    one is used, as training does. Raises FileNotFoundError (one line) when none reads, and StorageFailure (one
+    line) when storage fails beyond its retries: an older checkpoint is used only in place of a bad one."""
     run = as_rundir(location)
     if run.is_file(STATE_FILE):
         candidates = [run]
@@ -135,11 +188,17 @@ def read_newest(location: Location) -> tuple[RunDir, dict[str, Any]]:
     for i, checkpoint in enumerate(candidates):
         try:
             return checkpoint, read_with_retries(checkpoint)
-        except Exception as exc:  # noqa: BLE001 - a partial or damaged file: try the previous checkpoint
-            failures.append(f"{checkpoint.name} ({_reason(exc)})")
-            if i + 1 < len(candidates):
-                print(f"[raydiff] warning: checkpoint {checkpoint} cannot be read ({_reason(exc)}); using "
-                      f"{candidates[i + 1].name}", file=sys.stderr)
+        except (DamagedCheckpoint, FileNotFoundError) as exc:  # a partial, damaged or gone file: try the previous one
+            reason = _reason(exc)
+        except OSError as exc:  # storage beyond its retries: an older checkpoint would be the wrong answer
+            why = permanent_reason(exc) or _reason(exc)
+            raise StorageFailure(f"checkpoint {checkpoint}: reading it failed ({why}); no older checkpoint was used "
+                                 f"in its place: check the storage and the network, then run the same command "
+                                 f"again") from None
+        failures.append(f"{checkpoint.name} ({reason})")
+        if i + 1 < len(candidates):
+            print(f"[raydiff] warning: checkpoint {checkpoint} cannot be read ({reason}); using "
+                  f"{candidates[i + 1].name}", file=sys.stderr)
     raise FileNotFoundError(f"{run}: no checkpoint can be read: {'; '.join(failures)}")
 
 
@@ -216,14 +275,21 @@ def match_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
 
 def restore_newest(candidates: list[RunDir], objects: TrainingState) -> Restored | None:
     """Restore the newest candidate that reads and fits, warning about each one skipped. None when there are no
-    candidates; raises `Unresumable` when there are some and none can be restored."""
+    candidates; raises `Unresumable` when there are some and none can be restored. A failure that is not the
+    checkpoint's own (storage beyond its retries, the network, memory) raises as it is: the worker fails, and Ray
+    Train restarts it from this same checkpoint (`run.max_failures`)."""
     failures = []
     for path in candidates:
         try:
             progress, notes = restore(read_with_retries(path), objects)
             return Restored(progress, path, notes)
-        except Exception as exc:  # noqa: BLE001 - a truncated file, a missing key, a misfit: try the previous one
-            reason = _reason(exc)
+        except Exception as exc:
+            if not _unusable(exc):
+                logger.warning(f"[raydiff] WARNING: checkpoint {path} could not be read this time ({_reason(exc)}); "
+                               f"not falling back to an older one: the worker fails and is restarted "
+                               f"(run.max_failures)")
+                raise
+            reason = _reason(exc)  # a truncated file, a missing key, a misfit: try the previous one
             failures.append(f"{path.name} ({reason})")
             logger.warning(f"[raydiff] WARNING: checkpoint {path} is unreadable ({reason}); falling back to the "
                            f"previous one")

@@ -1,7 +1,9 @@
-"""Training state: which checkpoint a (re)start restores, and falling back past unreadable ones."""
+"""Training state: which checkpoint a (re)start restores, falling back past bad ones (and only those: a read that
+fails this time raises, for Ray to restart the worker), and a bad one named in words."""
 
 from __future__ import annotations
 
+import errno
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,9 +21,11 @@ from raydiff.runs.state import (
     apply_config,
     checkpoint_candidates,
     checkpoint_state,
+    read_newest,
     restore,
     restore_newest,
 )
+from raydiff.storage.errors import StorageFailure
 from raydiff.storage.rundir import RunDir
 
 
@@ -198,3 +202,89 @@ def test_a_checkpoint_keeps_the_newest_measurements_and_older_ones_restore_witho
     assert restore(state, _objects(1))[0].measured == measured
     del state["measured"]
     assert restore(state, _objects(1))[0].measured == {}
+
+
+def _unreachable_newest(monkeypatch, error: OSError) -> list:
+    """Reads of the newest checkpoint (step 20) fail with `error` every time; the others read. Returns the reads."""
+    import raydiff.runs.state as state_module
+
+    reads = []
+
+    def read(path):
+        reads.append(path.name)
+        if path.name == checkpoint_name(20):
+            raise error
+        return read_state(path)
+
+    monkeypatch.setattr(state_module, "read_state", read)
+    monkeypatch.setattr(state_module, "READ_RETRY_S", 0.0)
+    return reads
+
+
+@pytest.mark.parametrize("error, attempts", [
+    (ConnectionError("connection reset by peer"), 3), (OSError(errno.EIO, "I/O error"), 3),
+    (OSError("AWS Error NETWORK_CONNECTION during GetObject operation"), 3),
+    (OSError(errno.EACCES, "Permission denied"), 1),  # no retry can fix it
+], ids=["ConnectionError", "EIO", "a bucket's network error", "EACCES"])
+def test_a_checkpoint_that_cannot_be_read_this_time_is_not_passed_over_for_an_older_one(tmp_path, monkeypatch,
+                                                                                         error, attempts):
+    """Storage that fails is no fault of the checkpoint: the worker fails and Ray restarts it from the same
+    checkpoint, where falling back would throw the newest steps away (or refuse a run that is fine)."""
+    objects = _objects(0)
+    _write(tmp_path, 10, objects)
+    _write(tmp_path, 20, objects)
+    reads = _unreachable_newest(monkeypatch, error)
+    fresh = _objects(1)
+    before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
+    with pytest.raises(type(error)):
+        restore_newest(checkpoint_candidates(tmp_path), fresh)
+    assert reads == [checkpoint_name(20)] * attempts  # and never the older one
+    assert all(torch.equal(before[k], v) for k, v in fresh[0].state_dict().items())
+    # A command that reads a checkpoint (sample, evaluate, export) stops in one line rather than use an older one.
+    reads.clear()
+    with pytest.raises(StorageFailure, match=r"checkpoint .*checkpoint_00000020: reading it failed \(.*\); no "
+                                             r"older checkpoint was used in its place: check the storage"):
+        read_newest(tmp_path)
+    assert reads == [checkpoint_name(20)] * attempts
+
+
+def test_memory_running_out_while_restoring_is_not_taken_for_a_bad_checkpoint(tmp_path, monkeypatch):
+    import raydiff.runs.state as state_module
+
+    _write(tmp_path, 10, _objects(0))
+    _write(tmp_path, 20, _objects(0))
+
+    def out_of_memory(value):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(state_module, "copy", SimpleNamespace(deepcopy=out_of_memory))
+    with pytest.raises(torch.OutOfMemoryError):
+        restore_newest(checkpoint_candidates(tmp_path), _objects(1))
+
+
+@pytest.mark.parametrize("damage", ["empty", "garbage", "cut in half", "cut by one byte"])
+def test_a_damaged_checkpoint_is_named_in_words_and_passed_over_at_once(tmp_path, monkeypatch, damage):
+    """torch's own message would be cut at 200 characters, empty ("EOFError: "), or tell the user to switch the
+    safe loader off (weights_only=False). A damaged file is not read again."""
+    import raydiff.runs.state as state_module
+
+    objects = _objects(0)
+    _write(tmp_path, 10, objects)
+    state_file = _write(tmp_path, 20, objects) / "state.pt"
+    whole = state_file.read_bytes()
+    state_file.write_bytes({"empty": b"", "garbage": b"not a checkpoint", "cut in half": whole[:len(whole) // 2],
+                            "cut by one byte": whole[:-1]}[damage])
+    reads = []
+    monkeypatch.setattr(state_module, "read_state", lambda path: reads.append(path.name) or read_state(path))
+    monkeypatch.setattr(state_module, "READ_RETRY_S", 0.0)
+
+    restored = restore_newest(checkpoint_candidates(tmp_path), _objects(1))
+    assert restored.checkpoint.name == checkpoint_name(10)
+    assert reads == [checkpoint_name(20), checkpoint_name(10)]
+    with pytest.raises(Unresumable) as refused:
+        restore_newest([RunDir(state_file.parent)], _objects(1))
+    with pytest.raises(FileNotFoundError) as unread:
+        read_newest(state_file.parent)
+    for message in (str(refused.value), str(unread.value)):
+        assert "checkpoint_00000020 (not a readable checkpoint (truncated, empty, or not a torch file))" in message
+        assert "weights_only" not in message and "Error" not in message
