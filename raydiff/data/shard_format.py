@@ -8,16 +8,16 @@ resolution, channels, source and its identity, the shards with their row counts 
 sample that could not be used and why. Version 3 adds labels, where the data was prepared with them: a `label`
 column of class names and the manifest's `classes` (id = position; `raydiff.data.labels`); without labels it is
 version 2's layout. The manifest is written last: a folder without it is not prepared data (a local folder appears
-all at once, by a rename).
+all at once, by a rename, on disk and readable by others as any new folder: `raydiff.storage.atomic`). A
+`manifest.json` of anything else (not a JSON object saying `format: raydiff-prepared`) is another tool's: such a
+folder is read as raw data.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
 from raydiff.data.labels import LABEL_COLUMN, LabelPlan, missing_labels, resolve_classes
+from raydiff.storage.atomic import hidden_folder, publish_folder
 from raydiff.storage.fs import filesystem_for
 
 MANIFEST = "manifest.json"
@@ -101,7 +102,7 @@ def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, i
     target = root
     if local:  # build beside the target and rename it into place: complete or absent
         Path(root).parent.mkdir(parents=True, exist_ok=True)
-        target = tempfile.mkdtemp(prefix=f".{Path(root).name}-", dir=Path(root).parent)
+        target = str(hidden_folder(Path(root), "-"))
     else:
         filesystem.create_dir(root, recursive=True)
 
@@ -145,7 +146,7 @@ def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, i
         with filesystem.open_output_stream(f"{target}/{MANIFEST}") as f:
             f.write((json.dumps(manifest, indent=1) + "\n").encode())
         if local:
-            os.replace(target, root)
+            publish_folder(Path(target), Path(root))
     except BaseException:  # a bad source, or a stop (SIGTERM, Ctrl-C): leave nothing half-written
         if local:
             shutil.rmtree(target, ignore_errors=True)
@@ -165,14 +166,37 @@ class BadCount:
     bad: tuple[BadSample, ...]
 
 
+# What the readers of a prepared folder take from its manifest, and what it must be.
+REQUIRED = {"shards": "a list of file names", "count": "a number", "resolution": "a number", "channels": "a number"}
+
+
 def read_manifest(filesystem: pafs.FileSystem, folder: str) -> dict[str, Any] | None:
-    """The manifest of a prepared folder, or None where `folder` holds no prepared data."""
+    """The manifest of a prepared folder, or None where `folder` holds no prepared data (no manifest, or another
+    tool's `manifest.json`). A raydiff manifest that lacks what the readers need is a DataError, in one line."""
     path = f"{folder.rstrip('/')}/{MANIFEST}"
     if filesystem.get_file_info(path).type != pafs.FileType.File:
         return None
     with filesystem.open_input_stream(path) as f:
-        manifest = json.loads(f.read().decode())
-    return manifest if manifest.get("format") == PREPARED_FORMAT else None
+        text = f.read()
+    try:
+        manifest = json.loads(text)
+    except ValueError:  # not JSON (or not UTF-8): written by something else
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != PREPARED_FORMAT:
+        return None
+    wrong = [f"{key!r} is not {what}" for key, what in REQUIRED.items() if not _fits(key, manifest.get(key))]
+    if not isinstance(manifest.get("version", 1), int):
+        wrong.append("'version' is not a number")
+    if wrong:
+        raise DataError(f"{path}: a {PREPARED_FORMAT} manifest, but {', '.join(wrong)}: it was not written by "
+                        f"raydiff.prepare, or was changed since; prepare the data again (python -m raydiff.prepare)")
+    return manifest
+
+
+def _fits(key: str, value: Any) -> bool:
+    if key == "shards":
+        return isinstance(value, list) and all(isinstance(name, str) for name in value)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_shard(filesystem: pafs.FileSystem, path: str, shape: tuple[int, int, int]) -> np.ndarray:

@@ -1,10 +1,12 @@
 """The prepared-shard format: what is written reads back bit for bit, in order and with its labels; a folder is
-prepared whole or not at all; the older version's tensor column is still read; a mismatched or foreign folder is
-told apart."""
+prepared whole or not at all, and readable by others as any new folder; the older version's tensor column is still
+read; a mismatched or foreign folder is told apart, and a broken raydiff manifest is one line."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import numpy as np
 import pyarrow as pa
@@ -102,6 +104,41 @@ def test_only_a_raydiff_manifest_makes_a_prepared_folder(tmp_path):
     assert read_manifest(LOCAL, str(tmp_path)) is None
     (tmp_path / MANIFEST).write_text(json.dumps({"format": "someone-else", "count": 3}))
     assert read_manifest(LOCAL, str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("foreign", [b'[{"file": "0.png"}]', b'{"images": [', b'"raydiff-prepared"', b"\xff\xfe"],
+                         ids=["a JSON list", "not JSON", "a JSON string", "not text"])
+def test_another_tool_s_manifest_leaves_a_folder_raw_data(source, tmp_path, foreign):
+    """A folder of images with a manifest.json of its own (a labelling tool's, a dataset export's) is read as the
+    images it holds, not refused with a traceback."""
+    (tmp_path / "raw" / MANIFEST).write_bytes(foreign)
+    assert read_manifest(LOCAL, str(tmp_path / "raw")) is None
+    assert open_source(str(tmp_path / "raw")).kind == "images"
+
+
+@pytest.mark.parametrize("manifest, wrong", [
+    ({"count": 3, "resolution": 4, "channels": 3}, "'shards' is not a list of file names"),
+    ({"shards": "part-00000.parquet", "count": 3, "resolution": 4, "channels": 3},
+     "'shards' is not a list of file names"),
+    ({"shards": [], "count": "3", "resolution": 4}, "'count' is not a number, 'channels' is not a number"),
+], ids=["no shards", "shards not a list", "count and channels"])
+def test_a_raydiff_manifest_without_what_it_needs_is_one_line(tmp_path, manifest, wrong):
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": "raydiff-prepared", **manifest}))
+    with pytest.raises(DataError) as refused:
+        open_source(str(tmp_path))
+    assert str(refused.value) == (f"{tmp_path}/{MANIFEST}: a raydiff-prepared manifest, but {wrong}: it was not "
+                                  f"written by raydiff.prepare, or was changed since; prepare the data again "
+                                  f"(python -m raydiff.prepare)")
+
+
+def test_a_prepared_folder_is_as_readable_by_others_as_any_new_folder(source, tmp_path):
+    """mkdtemp's 0o700 would stay on it after the rename, shutting other users and pods of a shared mount out."""
+    umask = os.umask(0o022)
+    try:
+        write_prepared(iter([(_images(3), [])]), source, str(tmp_path / "out"), shape=SHAPE)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
 
 
 def test_prepared_data_must_match_the_run_s_resolution_and_channels(source, tmp_path):
