@@ -31,6 +31,7 @@ from raydiff.storage.errors import StorageFailure, elsewhere, permanent_reason
 from raydiff.storage.rundir import RunDir
 
 STATE_FILE = "state.pt"
+NEW_FILE_TMP = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")  # `atomic.new_file`'s hidden name for a file being written
 PARTIAL = ".partial-"  # a checkpoint folder being written: `.checkpoint_<step>.partial-<id>`, never listed
 _NAME = re.compile(r"checkpoint_(\d{8})(?:-(\d+))?$")
 UPLOAD_CHUNK = 8 * 2**20
@@ -195,9 +196,12 @@ def _same_file_system(folder: Path, other: Path) -> bool:
         return False
 
 
-def remove_partial_checkpoints(run_dir: Location) -> list[str]:
-    """Remove what interrupted checkpoint writes left in a local run folder (`.checkpoint_*.partial-*`); returns
-    their names. (An object store never shows a partial upload.)"""
+def remove_partial_writes(run_dir: Location) -> list[str]:
+    """Remove what interrupted writes left in a local run folder: checkpoints (`.checkpoint_*.partial-*`) and the
+    hidden files of any other write renamed into place (`atomic.new_file`: post-hoc EMA snapshots, sample grids,
+    records), which a process killed outright cannot remove and which can be the size of the model; returns their
+    paths in the run folder. Only the run's driver, holding its lease, calls it. (An object store never shows a
+    partial upload.)"""
     run = as_rundir(run_dir)
     if run.local is None or not run.local.is_dir():
         return []
@@ -205,6 +209,11 @@ def remove_partial_checkpoints(run_dir: Location) -> list[str]:
     for partial in sorted(run.local.glob(f".checkpoint_*{PARTIAL}*")):
         shutil.rmtree(partial, ignore_errors=True)
         removed.append(partial.name)
+    for folder in (run.local, *(p for p in sorted(run.local.iterdir()) if p.is_dir() and not p.name.startswith("."))):
+        for hidden in sorted(folder.glob(".*.tmp")):
+            if NEW_FILE_TMP.fullmatch(hidden.name) and hidden.is_file():
+                hidden.unlink(missing_ok=True)
+                removed.append(str(hidden.relative_to(run.local)))
     return removed
 
 

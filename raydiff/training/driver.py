@@ -27,7 +27,7 @@ from raydiff.data.sharded import ShardedImages
 from raydiff.data.sources import DataError, source_of
 from raydiff.quality.features import features_for, metric_names, require_metrics_package
 from raydiff.quality.reference_stats import reference_for
-from raydiff.runs.checkpoint import checkpoint_bytes, drop_unusable_ray_checkpoint_list, remove_partial_checkpoints
+from raydiff.runs.checkpoint import checkpoint_bytes, drop_unusable_ray_checkpoint_list, remove_partial_writes
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.errors import Unresumable
 from raydiff.runs.init_from import InitWeights, load_init_weights
@@ -134,9 +134,9 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
     with interrupt_on_signals(), hold(run_dir, driver, stale_s=cfg.run.lease_stale_s, what="run directory") as lease:
         plan = plan_run(cfg, run_dir, identity)  # again: another driver may have run in between
         notes = [*plan.notes, move_aside(run_dir)] if plan.replace else list(plan.notes)
-        removed = remove_partial_checkpoints(run_dir)
+        removed = remove_partial_writes(run_dir)
         if removed:
-            notes.append(f"removed {len(removed)} incomplete checkpoint(s) that an interrupted write left: "
+            notes.append(f"removed {len(removed)} incomplete checkpoint(s) or file(s) that interrupted writes left: "
                          f"{', '.join(removed)}")
         for note in notes:
             print(f"[raydiff] {note}")

@@ -171,13 +171,22 @@ def test_a_checkpoint_on_an_object_store_is_uploaded_in_the_background(s3_server
 
 
 def test_what_an_interrupted_write_left_is_removed(tmp_path):
-    from raydiff.runs.checkpoint import remove_partial_checkpoints
+    """A half-written checkpoint, and the hidden file of a post-hoc EMA snapshot or grid whose process was killed
+    outright; a user's own hidden files, and the finished ones, stay."""
+    from raydiff.runs.checkpoint import remove_partial_writes
 
     (tmp_path / ".checkpoint_00000030.partial-1a2b3c4d").mkdir()
     (tmp_path / ".checkpoint_00000030.partial-1a2b3c4d" / ".state.pt.tmp").write_bytes(b"half")
     (tmp_path / "checkpoint_00000020").mkdir()
-    assert remove_partial_checkpoints(tmp_path) == [".checkpoint_00000030.partial-1a2b3c4d"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000020"]
+    (tmp_path / "ema_snapshots").mkdir()
+    (tmp_path / "ema_snapshots" / ".step_00000030.pt.0a1b2c3d.tmp").write_bytes(b"half")
+    (tmp_path / "ema_snapshots" / "step_00000020.pt").write_bytes(b"whole")
+    (tmp_path / ".summary.json.99aa00ff.tmp").write_bytes(b"half")
+    (tmp_path / ".notes.tmp").write_bytes(b"the user's")
+    assert remove_partial_writes(tmp_path) == [".checkpoint_00000030.partial-1a2b3c4d", ".summary.json.99aa00ff.tmp",
+                                               "ema_snapshots/.step_00000030.pt.0a1b2c3d.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.tmp", "checkpoint_00000020", "ema_snapshots"]
+    assert [p.name for p in (tmp_path / "ema_snapshots").iterdir()] == ["step_00000020.pt"]
 
 
 @pytest.mark.parametrize("written, why", [
