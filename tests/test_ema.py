@@ -163,3 +163,18 @@ def test_a_snapshot_of_other_widths_is_refused_in_one_line(posthoc_run, tmp_path
     assert err == (f"raydiff: config error: {run_dir}: ema_snapshots/step_00000020.pt tracks sigma_rel [0.05], "
                    f"ema_snapshots/step_00000060.pt [0.05, 0.1]: snapshots of different widths cannot be combined\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_snapshot_is_named_in_one_line_without_torchs_advice(posthoc_run, tmp_path, capsys):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(posthoc_run[0] / "ema_snapshots", run_dir / "ema_snapshots")
+    path = run_dir / "ema_snapshots" / "step_00000030.pt"
+    path.write_bytes(path.read_bytes()[:1000])  # cut short
+    assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.07",
+                                      "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"raydiff: config error: {run_dir}/ema_snapshots/step_00000030.pt: not a readable "
+                          f"snapshot (truncated, empty, or not a torch file") and err.count("\n") == 1, err
+    assert "weights_only" not in err and not (tmp_path / "out").exists()

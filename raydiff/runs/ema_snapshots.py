@@ -78,7 +78,15 @@ def list_snapshots(run_dir: RunDir) -> list[int]:
 
 
 def read_snapshot(run_dir: RunDir, step: int) -> dict[str, Any]:
-    return torch.load(run_dir.open_binary(snapshot_name(step)), map_location="cpu", weights_only=True)
+    """The snapshot of `step`; ValueError (one line) for a file that is not one (cut short, empty, not a torch
+    file), rather than torch's advice to switch its safe loader off."""
+    try:
+        return torch.load(run_dir.open_binary(snapshot_name(step)), map_location="cpu", weights_only=True)
+    except (OSError, MemoryError, torch.OutOfMemoryError):  # storage or memory, not the file: as they are
+        raise
+    except Exception as exc:
+        raise ValueError(f"{run_dir / snapshot_name(step)}: not a readable snapshot (truncated, empty, or not a "
+                         f"torch file: {type(exc).__name__})") from None
 
 
 @dataclass(frozen=True)
