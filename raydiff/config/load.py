@@ -12,6 +12,7 @@ import yaml
 
 from raydiff.config.checks import validate
 from raydiff.config.schema import Config, ConfigError, fields_of, parse_override, set_key
+from raydiff.config.values import YAML_ERRORS
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
@@ -42,9 +43,11 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
     try:
         tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: not valid YAML{_where_and_what(exc)}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
+    except YAML_ERRORS as exc:  # a tagged value PyYAML cannot build (`lr: !!float x`)
+        raise ConfigError(f"{path}: not valid YAML (a tagged value it cannot build: {exc})") from None
     if not isinstance(tree, dict) or not all(isinstance(v, (dict, type(None))) for v in tree.values()):
         raise ConfigError(f"{path}: expected sections of key: value pairs (data:, model:, train:, ...)")
     cfg = Config()
@@ -58,6 +61,19 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
     _resolve_paths(cfg)
     validate(cfg, check_source=check_source)
     return cfg.resolve()
+
+
+def _where_and_what(exc: yaml.YAMLError) -> str:
+    """`at line L, column C: <problem>` of a syntax error (where the user fixes it), else its first line."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None)
+    if mark is None or not problem:
+        return f" ({str(exc).splitlines()[0]})"
+    where = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and opened is not None and context != problem:  # an unclosed bracket or quote: where it opened
+        where += f" ({context} at line {opened.line + 1}, column {opened.column + 1})"
+    return where
 
 
 def _resolve_paths(cfg: Config) -> None:

@@ -14,10 +14,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
-import yaml
-
 from raydiff.config.learning_rate import rule_lr
-from raydiff.config.values import coerce, describe_type
+from raydiff.config.values import coerce, describe_type, read_yaml
 
 
 class ConfigError(ValueError):
@@ -477,7 +475,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r}: expected key=value, for example train.lr=1e-4")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+        value = read_yaml(raw) if raw.strip() else None
+    except ValueError:  # not YAML (`5,*`, `!!float x`): as written, which the key's type takes or set_key refuses
         value = raw
     return key.strip(), value

@@ -1,5 +1,5 @@
-"""How a value from YAML or the command line becomes a config key's type (`coerce`), and how a type is named in
-an error and in docs/configuration.md (`describe_type`).
+"""How a value from YAML or the command line becomes a config key's type (`coerce`, with `read_yaml` for `--set`
+text and list items), and how a type is named in an error and in docs/configuration.md (`describe_type`).
 
 Why apart from the schema: the schema says what each key is; this says what a typed key accepts, the same for
 every key (numbers finite, integers whole, literals exact, a single value for a one-item list).
@@ -52,7 +52,7 @@ def coerce(value: Any, hint: Any) -> Any:
             value = [value]  # a single value is a one-item list
         if not isinstance(value, (list, tuple)):
             raise ValueError
-        return tuple(coerce(yaml.safe_load(v) if isinstance(v, str) else v, args[0]) for v in value)
+        return tuple(coerce(read_yaml(v) if isinstance(v, str) else v, args[0]) for v in value)
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -79,3 +79,17 @@ def coerce(value: Any, hint: Any) -> Any:
             return str(value)
         raise ValueError
     raise TypeError(f"unsupported config type {hint}")
+
+
+# What yaml.safe_load raises on text it cannot read: YAMLError for syntax, and for a malformed tagged scalar
+# whatever PyYAML's constructor meets (`!!float x` ValueError, `!!bool x` KeyError, `!!int _` IndexError,
+# `!!timestamp x` AttributeError).
+YAML_ERRORS = (yaml.YAMLError, ValueError, LookupError, AttributeError, TypeError)
+
+
+def read_yaml(text: str) -> Any:
+    """`text` read as YAML; ValueError where it cannot be (`*`, `'4`, `[3`, `!!float x`)."""
+    try:
+        return yaml.safe_load(text)
+    except YAML_ERRORS:
+        raise ValueError(text) from None

@@ -81,3 +81,19 @@ def test_unknown_preset_and_bad_yaml(tmp_path):
     wrong.write_text("trian:\n  lr: 1\n")
     with pytest.raises(ConfigError, match="unknown section 'trian'"):
         load_config(str(wrong))
+
+
+@pytest.mark.parametrize("text, where", [
+    ("train:\n  ema_sigma_rels: [0.05, 0.1\n  seed: 3\n", "at line 3, column 7: expected ',' or ']', but got ':' "
+                                                         "(while parsing a flow sequence at line 2, column 19)"),
+    ("train:\n  seed: 1\n lr: 2\n", "at line 3, column 2: expected <block end>, but found '<block mapping start>' "
+                                    "(while parsing a block mapping at line 1, column 1)"),
+    ("train:\n\tlr: 1\n", "at line 2, column 1: found character '\\t' that cannot start any token"),
+    ("train:\n  lr: !!float x\n", "(a tagged value it cannot build: could not convert string to float: 'x')"),
+])
+def test_a_yaml_mistake_is_one_line_saying_where_it_is_and_what(tmp_path, text, where):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(bad))
+    assert str(info.value) == f"{bad}: not valid YAML {where}"

@@ -47,3 +47,20 @@ def test_non_finite_numbers_are_refused_for_every_numeric_key(key, value):
         load_config("default", [f"{key}={value}"])
     assert str(info.value).startswith(f"{key} = ")
     assert "expected a finite number" in str(info.value) or "expected list of finite numbers" in str(info.value)
+
+
+@pytest.mark.parametrize("override, line", [
+    # A list item that is not YAML: a scanner error, a quote or a bracket left open (were YAML tracebacks).
+    ("debug.nan_at_steps=5,*", "debug.nan_at_steps = '5,*': expected list of integer"),
+    ("model.attention_resolutions=8,'4", "model.attention_resolutions = \"8,'4\": expected list of integer"),
+    ("model.channel_mult=1,2,[3]", "model.channel_mult = '1,2,[3]': expected list of integer"),
+    ("debug.nan_at_steps=1,!!int x", "debug.nan_at_steps = '1,!!int x': expected list of integer"),
+    # A YAML tag PyYAML cannot build (were ValueError's and KeyError's tracebacks).
+    ("train.lr=!!float x", "train.lr = '!!float x': expected a finite number | null"),
+    ("train.seed=!!bool x", "train.seed = '!!bool x': expected integer"),
+])
+def test_an_override_that_is_not_yaml_is_refused_in_one_line_naming_the_key_and_value(override, line):
+    with pytest.raises(ConfigError) as info:
+        load_config("default", [override])
+    assert str(info.value) == line
+
