@@ -21,15 +21,18 @@ from packaging.version import InvalidVersion, Version
 from raydiff.config.schema import Config, ConfigError
 from raydiff.storage.fs import (
     HUB_SCHEME,
+    OBJECT_STORE_SCHEMES,
     SCHEMES,
     STORAGE_SCHEMES,
     bucket_uri_problem,
     glob_split,
     hub_uri_problem,
     is_remote,
+    scheme_of,
 )
 
 MAX_PROFILED_STEPS = 50  # log.profile_steps: a trace holds every kernel and operator, a few MB per GPU step
+SEED_LIMIT = 2**64  # train.seed: torch.manual_seed takes a 64-bit unsigned seed, and a worker calls it
 SIGMA_REL_MAX = 0.28  # a post-hoc EMA width: exponent > 0 needs sigma_rel < sqrt(1/12) = 0.2887
 
 BUILTIN_SOURCES = ("builtin:digits",)
@@ -208,7 +211,7 @@ RULES: tuple[Rule, ...] = (
     Rule("train.sample_num", lambda c: c.train.sample_num >= 1, "must be >= 1"),
     Rule("train.sample_steps", lambda c: c.train.sample_steps >= 1, "must be >= 1"),
     Rule("train.log_every", lambda c: c.train.log_every >= 1, "must be >= 1"),
-    Rule("train.seed", lambda c: c.train.seed >= 0, "must be >= 0"),
+    Rule("train.seed", lambda c: 0 <= c.train.seed < SEED_LIMIT, "must be in [0, 2^64) (torch.manual_seed's range)"),
     Rule("train.min_snr_gamma", lambda c: c.train.min_snr_gamma > 0, "must be > 0"),
     Rule("train.label_dropout", lambda c: 0 <= c.train.label_dropout < 1, "must be in [0, 1)"),
     Rule("train.max_bad_steps", lambda c: c.train.max_bad_steps >= 1, "must be >= 1"),
@@ -298,6 +301,8 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
         check_source_uri(cfg.data.source)
         if cfg.eval.ref:  # read at the run's first measurement: found wrong now, not then
             check_source_uri(cfg.eval.ref, "eval.ref")
+        storage_problem = bucket_case_problem(cfg.run.storage)
+        _check(storage_problem is None, "run.storage", cfg.run.storage, str(storage_problem))
     for rule in RULES:
         rule.check(cfg)
     if not cfg.scaling.auto:  # the driver resolves auto once it sees the cluster, then checks the batch
@@ -321,8 +326,25 @@ def check_source_uri(source: str | None, key: str = "data.source") -> None:
     else:
         _check(source.startswith(SCHEMES), key, source,
                f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")
-        problem = hub_uri_problem(source) if source.startswith(HUB_SCHEME) else bucket_uri_problem(source)
+        problem = hub_uri_problem(source) if source.startswith(HUB_SCHEME) else (bucket_uri_problem(source)
+                                                                                 or bucket_case_problem(source))
         _check(problem is None, key, source, str(problem))
+
+
+def bucket_case_problem(uri: str) -> str | None:
+    """Why an s3:// or gs:// URI cannot name a bucket: a preset's YOUR-BUCKET left in place, or capitals on GCS,
+    which the store's client would otherwise retry for a while before failing (S3 kept a few buckets of before 2018
+    with capitals: allowed there). Checked only where the run opens the location (`validate(check_source=True)`):
+    cluster_check reads the presets as they ship."""
+    scheme = scheme_of(uri)
+    if scheme not in OBJECT_STORE_SCHEMES:
+        return None
+    bucket = uri[len(scheme):].split("/", 1)[0]
+    if bucket == "YOUR-BUCKET":
+        return "bucket names are lowercase; replace YOUR-BUCKET with your bucket"
+    if scheme != "s3://" and bucket != bucket.lower():
+        return f"bucket names are lowercase ({bucket!r} has capitals)"
+    return None
 
 
 def check_workers(cfg: Config) -> None:

@@ -191,3 +191,33 @@ def test_a_source_may_be_a_glob_in_an_existing_folder(tmp_path):
     with pytest.raises(ConfigError, match="no such file or folder"):
         load_config("default", [f"data.source={tmp_path}/missing/train-*.parquet"])
     load_config("default", ["data.source=hf://datasets/owner/name/train-*.parquet"])  # listed when the run starts
+
+
+def test_a_seed_is_one_that_torch_can_take():
+    """torch.manual_seed takes a 64-bit unsigned seed: a larger one passed --dry-run and failed in every worker."""
+    assert load_config("default", [f"train.seed={2**64 - 1}"]).train.seed == 2**64 - 1
+    for seed in (2**64, 99999999999999999999999, -1):
+        with pytest.raises(ConfigError) as info:
+            load_config("default", [f"train.seed={seed}"])
+        assert str(info.value) == f"train.seed = {seed}: must be in [0, 2^64) (torch.manual_seed's range)"
+
+
+@pytest.mark.parametrize("preset, overrides, line", [
+    ("cifar10-aws", [], "data.source = 's3://YOUR-BUCKET/cifar10/train/': bucket names are lowercase; replace "
+                        "YOUR-BUCKET with your bucket"),
+    ("cifar10-aws", ["data.source=s3://mine/cifar10"], "run.storage = 's3://YOUR-BUCKET/raydiff-runs': bucket names "
+                                                       "are lowercase; replace YOUR-BUCKET with your bucket"),
+    ("cifar10-gcp", [], "data.source = 'gs://YOUR-BUCKET/cifar10/train/': bucket names are lowercase; replace "
+                        "YOUR-BUCKET with your bucket"),
+    ("default", ["eval.ref=gs://Refs/cifar10.npz"], "eval.ref = 'gs://Refs/cifar10.npz': bucket names are lowercase "
+                                                    "('Refs' has capitals)"),
+])
+def test_a_bucket_placeholder_left_in_a_preset_is_refused_before_the_store_is_asked(preset, overrides, line):
+    """It passed, and the run failed only after the store's client had retried for a while. (S3 keeps a few old
+    buckets with capitals: only its placeholder is refused.)"""
+    with pytest.raises(ConfigError) as info:
+        load_config(preset, overrides)
+    assert str(info.value) == line
+    load_config(preset, overrides, check_source=False)  # as cluster_check reads the presets: they ship so
+    load_config(preset, [*overrides, "data.source=s3://mine/cifar10", "run.storage=s3://mine/runs", "eval.ref=null"])
+    load_config(preset, [*overrides, "data.source=s3://Legacy/cifar10", "run.storage=s3://mine/runs", "eval.ref=null"])
