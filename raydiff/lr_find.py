@@ -138,6 +138,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     parser.add_argument("--out", type=Path, default=Path("lr_find.png"), help="plot path (default lr_find.png)")
     args = parser.parse_args(argv)
+    for flag, value in (("--start", args.start), ("--end", args.end)):
+        if not math.isfinite(value):  # inf (or 1e400) would train at an infinite learning rate
+            parser.error(f"{flag} {value}: must be a finite learning rate, such as 1e-2")
     if not 0 < args.start < args.end:
         parser.error(f"--start {args.start} --end {args.end}: need 0 < start < end")
     if args.steps < 10:

@@ -9,6 +9,8 @@ import re
 import pytest
 from conftest import run_cli
 
+from raydiff import lr_find
+
 
 @pytest.mark.ray
 def test_lr_find_writes_plot_and_numbers_and_suggests_a_finite_lr(tmp_path):
@@ -28,6 +30,15 @@ def test_lr_find_writes_plot_and_numbers_and_suggests_a_finite_lr(tmp_path):
 def test_lr_find_rejects_a_backwards_range(tmp_path):
     proc = run_cli("raydiff.lr_find", "--start", "1e-2", "--end", "1e-5", "--out", str(tmp_path / "x.png"))
     assert proc.returncode == 2 and "need 0 < start < end" in proc.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--end", "inf"), ("--end", "1e400"), ("--start", "nan")])
+def test_lr_find_refuses_a_learning_rate_that_is_not_finite(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as info:
+        lr_find.parse_args([flag, value, "--out", str(tmp_path / "x.png")])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {flag} {float(value)}: must be a finite "
+                                                             f"learning rate, such as 1e-2")
 
 
 @pytest.mark.ray

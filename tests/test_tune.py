@@ -228,6 +228,8 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(ray_session, tmp_path):
 @pytest.mark.parametrize("args, fragment", [
     (["--lr", "fast", "--batch", "16"], "--lr 'fast': expected LOW:HIGH"),
     (["--lr", "1e-3:1e-5", "--batch", "16"], "0 < LOW <= HIGH"),
+    (["--lr", "1e-5:inf", "--batch", "16"], "--lr '1e-5:inf': expected finite learning rates LOW:HIGH"),
+    (["--lr", "1e-5:1e400", "--batch", "16"], "--lr '1e-5:1e400': expected finite learning rates LOW:HIGH"),
     (["--lr", "1e-3", "--batch", "16", "--samples", "2"], "needs a range"),
     (["--lr", "1e-5:1e-3", "--batch", "16,0"], "expected distinct positive integers"),
     (["--lr", "1e-5:1e-3", "--batch", "15"], "--batch 15: train.global_batch = 15: not reachable"),

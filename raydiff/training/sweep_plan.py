@@ -48,6 +48,8 @@ def _parse_lrs(text: str, samples: int) -> tuple[float, ...]:
         parts = [float(p) for p in text.split(":")]
     except ValueError:
         raise ConfigError(f"--lr {text!r}: expected LOW:HIGH, for example 1e-5:1e-3") from None
+    if not all(math.isfinite(p) for p in parts):  # inf would sweep to an infinite learning rate
+        raise ConfigError(f"--lr {text!r}: expected finite learning rates LOW:HIGH, for example 1e-5:1e-3")
     if len(parts) == 1:
         parts *= 2
     low, high = parts if len(parts) == 2 else (0.0, 0.0)
