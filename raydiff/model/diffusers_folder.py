@@ -67,12 +67,19 @@ def read_unet_config(location: str, *, where: str) -> tuple[dict[str, Any], str,
     return config, source, subfolder
 
 
-def read_unet_weights(source: str, subfolder: str | None) -> dict[str, torch.Tensor]:
-    """A UNet2DModel's weights in modern names (diffusers converts old checkpoints' attention names on load)."""
+def read_unet_weights(source: str, subfolder: str | None, *, where: str) -> dict[str, torch.Tensor]:
+    """A UNet2DModel's weights in modern names (diffusers converts old checkpoints' attention names on load); a
+    weights file that is missing, truncated or of other shapes than its config is a ConfigError naming `where`."""
     from diffusers import UNet2DModel
+    from safetensors import SafetensorError
 
-    # low_cpu_mem_usage=False: the default asks for `accelerate` (a notice on every load) and saves nothing here.
-    unet = UNet2DModel.from_pretrained(source, subfolder=subfolder, low_cpu_mem_usage=False)
+    try:
+        # low_cpu_mem_usage=False: the default asks for `accelerate` (a notice on every load) and saves nothing here.
+        unet = UNet2DModel.from_pretrained(source, subfolder=subfolder, low_cpu_mem_usage=False)
+    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
+        # RuntimeError: torch's "Error(s) in loading state_dict", whose second line names the tensor.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        raise ConfigError(f"{where}: cannot read the UNet's weights ({' '.join(lines[:2])})") from None
     return {k: v.detach().float().clone() for k, v in unet.state_dict().items()}
 
 
@@ -91,7 +98,7 @@ def load_diffusers_weights(cfg: Config) -> dict[str, torch.Tensor]:
     require_diffusers("model.init_from")
     config, source, subfolder = read_unet_config(init_from, where=where)
     check_matches(cfg, config, where=where)
-    return from_diffusers(read_unet_weights(source, subfolder), cfg)
+    return from_diffusers(read_unet_weights(source, subfolder, where=where), cfg)
 
 
 def state_from_folder(location: str | Path) -> dict[str, Any]:
@@ -118,7 +125,7 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     num_classes = keys["model.num_classes"]
     if num_classes:
         cfg.data.labels = "auto"  # what a class-conditional config has (a foreign folder has no raydiff config)
-    weights = from_diffusers(read_unet_weights(source, subfolder), cfg)
+    weights = from_diffusers(read_unet_weights(source, subfolder, where=where), cfg)
     info_file = path / EXPORT_INFO_FILE
     info: dict[str, Any] = json.loads(info_file.read_text()) if info_file.is_file() else {}
     exported = {"ema": "EMA", "online": "online", "posthoc": "post-hoc EMA"}.get(info.get("weights", ""), "exported")

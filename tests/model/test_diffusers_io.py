@@ -7,7 +7,7 @@ import torch
 from diffusers import DDIMScheduler, DDPMScheduler, UNet2DModel
 from torch import nn
 
-from raydiff import cli, train
+from raydiff import cli, sample, train
 from raydiff.config import ConfigError, load_config
 from raydiff.model import diffusers_folder, diffusers_io
 from raydiff.model.diffusion import build_diffusion
@@ -202,6 +202,29 @@ def test_init_from_is_checked_cheaply_and_is_not_an_identity_key(tmp_path, capsy
     old = load_config("smoke", check_source=False).to_dict()
     new = load_config("smoke", ["model.init_from=google/ddpm-cifar10-32"], check_source=False).to_dict()
     assert identity_changes(old, new) == []  # a continuing run is not refused over it
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_diffusers_folder_whose_weights_cannot_be_read_is_refused_in_one_line(tmp_path, capsys, damage):
+    """--checkpoint DIR and model.init_from=DIR (--guide DIR reads it as --checkpoint does): a weights file cut
+    short by a failed copy, or not there, is named in one config error, not a traceback."""
+    cfg = load_config("smoke", check_source=False)
+    folder = tmp_path / "pipeline"
+    UNet2DModel(**diffusers_io.unet_config(cfg)).save_pretrained(folder / "unet")
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        weights.unlink()
+    storage = tmp_path / "runs"
+    for main, argv, where in (
+            (train.main, ["--config", "smoke", "--set", f"model.init_from={folder}", "--set", f"run.storage={storage}"],
+             f"model.init_from = '{folder}'"),
+            (sample.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "samples")], f"--checkpoint {folder}")):
+        assert cli.run(main, argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # diffusers may log a notice before it
+        assert err.startswith(f"raydiff: config error: {where}: cannot read the UNet's weights (") and err.endswith(")")
+    assert not storage.exists() and not (tmp_path / "samples").exists()
 
 
 # Class-conditional models.
