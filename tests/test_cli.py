@@ -124,6 +124,10 @@ def test_a_command_s_own_exit_status_passes_through():
 
 @pytest.mark.parametrize("command, args, line", [
     ("raydiff.train", ["--set", "train.lr=x"], "raydiff: config error: train.lr = 'x': expected a finite number"),
+    ("raydiff.train", ["--set", "debug.nan_at_steps=5,*"],  # was a YAML traceback
+     "raydiff: config error: debug.nan_at_steps = '5,*': expected list of integer"),
+    ("raydiff.tune", ["--batch", "16", "--lr", "1e-5:inf"], "raydiff: config error: --lr '1e-5:inf': expected finite"),
+    ("raydiff.lr_find", ["--end", "inf"], "--end inf: must be a finite learning rate"),
     ("raydiff.tune", ["--batch", "16", "--lr", "1e-3", "--set", "train.nope=1"],
      "raydiff: config error: unknown key 'train.nope'"),
     ("raydiff.bench", ["throughput", "--steps", "1"], "--steps 1: must be >= 2"),
@@ -190,3 +194,23 @@ def test_a_checkpoint_that_is_a_file_or_out_of_reach_is_one_line_in_every_comman
     assert capsys.readouterr().err == ("raydiff: error: --checkpoint s3://: an object store location is "
                                        "s3://BUCKET[/PREFIX]\n")
     assert not list(tmp_path.glob("[!cn]*"))
+
+
+def test_the_digits_classifier_command_overwrites_the_shipped_weights_only_when_told_to(monkeypatch, capsys):
+    """It took no arguments (--help neither) and retrained over the tracked digits_classifier.pt."""
+    from raydiff.quality import digits_classifier
+
+    with pytest.raises(SystemExit) as helped:
+        digits_classifier.main(["--help"])
+    assert helped.value.code == 0 and "--write" in capsys.readouterr().out
+
+    def train_and_write(path=digits_classifier.WEIGHTS_FILE):
+        pytest.fail(f"trained and wrote {path}")
+
+    monkeypatch.setattr(digits_classifier, "write_weights", train_and_write)
+    shipped = digits_classifier.WEIGHTS_FILE.read_bytes()
+    assert digits_classifier.main([]) == 2
+    assert capsys.readouterr().err == (
+        f"raydiff: error: retraining the digits classifier overwrites the weights that ship with raydiff "
+        f"({digits_classifier.WEIGHTS_FILE}): pass --write to do so, or --out PATH to write them elsewhere\n")
+    assert digits_classifier.WEIGHTS_FILE.read_bytes() == shipped

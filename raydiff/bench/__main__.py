@@ -7,7 +7,7 @@
     python -m raydiff.bench throughput [--config cifar10] [--set key=value ...] [--steps 50] [--batch N[,N...]]
         [--peak-tflops F] [--profile FILE] [--rerun]
     python -m raydiff.bench step [--config cifar10] [--set key=value ...] [--steps 20] [--batch N]
-    python -m raydiff.bench memory --config NAME [--set key=value ...] [--micro-batch N]
+    python -m raydiff.bench memory [--config default] [--set key=value ...] [--micro-batch N]
     python -m raydiff.bench sampling [--config default] [--set key=value ...] [--sampler ddim] [--steps S]
         [--num 256] [--batch 64] [--pairs 3] [--device auto]
 

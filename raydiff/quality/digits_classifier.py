@@ -4,7 +4,8 @@ Inception-v3 knows nothing of 16-pixel handwritten digits (and needs a download)
 penultimate layer gives the features of the digits' Frechet distance, its predictions the class coverage of a
 set of samples. Its weights ship in `digits_classifier.pt` beside this module: trained once, by
 
-    python -m raydiff.quality.digits_classifier      # rewrites digits_classifier.pt (and bump VERSION)
+    python -m raydiff.quality.digits_classifier --write      # rewrites digits_classifier.pt (and bump VERSION)
+    python -m raydiff.quality.digits_classifier --out PATH   # trains and writes them elsewhere, to compare
 
 so every machine measures with the same network. (Trained on each machine, as before, CPU kernels that differ by
 machine gave networks, and so distances, that differ too.)
@@ -12,7 +13,9 @@ machine gave networks, and so distances, that differ too.)
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -103,7 +106,7 @@ def shipped_classifier() -> tuple[DigitsNet, float]:
     """The network with the weights that ship with raydiff, and its held-out accuracy."""
     if not WEIGHTS_FILE.is_file():
         raise FileNotFoundError(f"{WEIGHTS_FILE} is missing: reinstall raydiff, or write it with "
-                                f"python -m raydiff.quality.digits_classifier")
+                                f"python -m raydiff.quality.digits_classifier --write")
     saved = torch.load(WEIGHTS_FILE, map_location="cpu", weights_only=True)
     net = DigitsNet()
     net.load_state_dict({k: v.float() for k, v in saved["state"].items()})
@@ -126,5 +129,30 @@ def write_weights(path: Path = WEIGHTS_FILE) -> float:
     return accuracy
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m raydiff.quality.digits_classifier",
+                                     description="Train the built-in digits' classifier and write its weights.")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--write", action="store_true",
+                       help=f"overwrite the weights that ship with raydiff ({WEIGHTS_FILE.name}; bump VERSION)")
+    where.add_argument("--out", type=Path, default=None, metavar="PATH", help="write the weights here instead")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # The shipped weights define every digits measurement: replaced only when asked by name.
+    if not args.write and args.out is None:
+        print(f"raydiff: error: retraining the digits classifier overwrites the weights that ship with raydiff "
+              f"({WEIGHTS_FILE}): pass --write to do so, or --out PATH to write them elsewhere", file=sys.stderr)
+        return 2
+    path = WEIGHTS_FILE if args.write else args.out
+    if not path.parent.is_dir():
+        print(f"raydiff: error: --out {path}: no such folder {path.parent}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: held-out accuracy {write_weights(path):.4f}")
+    return 0
+
+
 if __name__ == "__main__":
-    print(f"wrote {WEIGHTS_FILE}: held-out accuracy {write_weights():.4f}")
+    sys.exit(main())
