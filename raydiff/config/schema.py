@@ -328,7 +328,7 @@ class EvalSection:
     """Images generated per evaluation (the DDPM paper's FID uses 50,000)."""
     sampler: Sampler = "ddim"
     """The sampler that generates the evaluated images: `ddim`, `ddpm`, or the fast `dpmpp_2m` (DPM-Solver++ 2M),
-    `dpmpp_2m_sde` (its SDE variant, fresh noise at each step) and `heun` (2 `eval.steps` - 1 network
+    `dpmpp_2m_sde` (its SDE variant, fresh noise at each step) and `heun` (at most 2 `eval.steps` - 1 network
     evaluations); see docs/sampling-and-diffusers.md#samplers."""
     steps: int = 50
     """Sampling steps per generated image."""
