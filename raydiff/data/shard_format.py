@@ -32,6 +32,7 @@ from raydiff.data.errors import BadSample, DataError, check_bad_fraction
 from raydiff.data.labels import LABEL_COLUMN, LabelPlan, missing_labels, resolve_classes
 from raydiff.storage.atomic import hidden_folder, publish_folder
 from raydiff.storage.fs import filesystem_for
+from raydiff.storage.rundir import RunInUse
 
 MANIFEST = "manifest.json"
 PREPARED_FORMAT = "raydiff-prepared"
@@ -147,10 +148,10 @@ def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, i
             f.write((json.dumps(manifest, indent=1) + "\n").encode())
         if local:
             publish_folder(Path(target), Path(root))
-    except BaseException:  # a bad source, or a stop (SIGTERM, Ctrl-C): leave nothing half-written
+    except BaseException as exc:  # a bad source, or a stop (SIGTERM, Ctrl-C): leave nothing half-written
         if local:
             shutil.rmtree(target, ignore_errors=True)
-        else:
+        elif not isinstance(exc, RunInUse):  # a run that took the preparation over writes there now: its copy
             with contextlib.suppress(Exception):
                 filesystem.delete_dir(root)
         raise

@@ -25,6 +25,7 @@ from raydiff.data.shard_format import (
     write_prepared,
 )
 from raydiff.data.sources import open_source
+from raydiff.storage.rundir import RunInUse
 
 SHAPE = (3, 4, 4)
 LOCAL = pafs.LocalFileSystem()
@@ -73,6 +74,25 @@ def test_a_stopped_preparation_leaves_nothing_behind(source, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_prepared(stopped(), source, str(tmp_path / "out"), shape=SHAPE, rows_per_shard=64)
     assert list(tmp_path.iterdir()) == [tmp_path / "raw"]  # neither the folder nor the copy it was built in
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RunInUse])
+def test_a_stopped_bucket_preparation_removes_its_copy_unless_another_run_took_it_over(s3_server, source, stop):
+    """On a bucket the shards go straight under the copy's name: a stop removes them; a preparation that lost its
+    lease leaves them, as they are the shards of the run that holds it now."""
+    endpoint, client = s3_server
+    bucket = f"prep-{stop.__name__.lower()}"
+    client.create_bucket(Bucket=bucket)
+
+    def stopped():
+        yield _images(100), []
+        client.put_object(Bucket=bucket, Key="copy/shard_00009.parquet", Body=b"the other run's")
+        raise stop("stopped")
+
+    with pytest.raises(stop):
+        write_prepared(stopped(), source, f"s3://{bucket}/copy", shape=SHAPE, rows_per_shard=64, endpoint=endpoint)
+    keys = {entry["Key"] for entry in client.list_objects_v2(Bucket=bucket).get("Contents", [])}
+    assert ("copy/shard_00009.parquet" in keys) == (stop is RunInUse)
 
 
 def test_too_many_bad_samples_stop_it_before_the_manifest(source, tmp_path):
