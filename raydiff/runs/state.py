@@ -158,10 +158,11 @@ def _out_of_memory(exc: BaseException) -> bool:
 def _unusable(exc: BaseException) -> bool:
     """Whether `exc`, met restoring a checkpoint, says that the checkpoint itself cannot be used (cut short, gone,
     or a state that does not fit: a missing key, another shape), so that an older one is tried; False for what
-    failed this time only (storage, network, memory)."""
-    if isinstance(exc, OSError):
-        return isinstance(exc, FileNotFoundError)
-    return not _out_of_memory(exc)
+    failed this time only (storage, network, memory, a device error: anything else)."""
+    if isinstance(exc, DamagedCheckpoint | FileNotFoundError | KeyError | ValueError | TypeError):
+        return True  # unreadable, gone, a part missing, or an optimizer's groups or a value of another kind
+    # Module.load_state_dict's misfit (another shape, keys missing or unexpected)
+    return isinstance(exc, RuntimeError) and str(exc).startswith("Error(s) in loading state_dict")
 
 
 def _reason(exc: BaseException) -> str:

@@ -248,17 +248,19 @@ def test_a_checkpoint_that_cannot_be_read_this_time_is_not_passed_over_for_an_ol
     assert reads == [checkpoint_name(20)] * attempts
 
 
-def test_memory_running_out_while_restoring_is_not_taken_for_a_bad_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("CUDA error: an illegal memory access was encountered")])
+def test_memory_or_the_device_failing_while_restoring_is_not_taken_for_a_bad_checkpoint(tmp_path, monkeypatch, error):
     import raydiff.runs.state as state_module
 
     _write(tmp_path, 10, _objects(0))
     _write(tmp_path, 20, _objects(0))
 
-    def out_of_memory(value):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    def failing(value):
+        raise error
 
-    monkeypatch.setattr(state_module, "copy", SimpleNamespace(deepcopy=out_of_memory))
-    with pytest.raises(torch.OutOfMemoryError):
+    monkeypatch.setattr(state_module, "copy", SimpleNamespace(deepcopy=failing))
+    with pytest.raises(type(error)):
         restore_newest(checkpoint_candidates(tmp_path), _objects(1))
 
 
