@@ -49,7 +49,7 @@ from raydiff.training.loop import train_worker
 from raydiff.training.lost_workers import LostWorkers, causes, hang_timeouts
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.resolve import resolve_run
-from raydiff.training.stop import LEASE_LOST, StopFlag, beside_the_handlers, stop_on_signals
+from raydiff.training.stop import LEASE_LOST, StopFlag, beside_the_handlers, stop_on_signals, stop_reason
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
@@ -280,6 +280,10 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         raise ConfigError(outcome.diagnostic)
     if outcome is not None and outcome.status == WorkerStatus.LEASE_LOST:  # the run is another driver's: no summary
         raise RunInUse(outcome.diagnostic)
+    if stop_reason(stop_flag) == LEASE_LOST:  # lost after the workers' last check: no summary either
+        raise RunInUse(f"another raydiff run took over the run directory {run_dir} (this one's lease was not "
+                       f"renewed within run.lease_stale_s) as this one ended: its summary was not written; the "
+                       f"other run continues it")
     failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"
