@@ -118,10 +118,10 @@ class CheckpointWriter:
         """Write `state` as checkpoint `name`; the previous write must have been collected (`outcome`)."""
         assert self._pending is None, f"checkpoint {self._pending and self._pending[0]} is still being written"
         future: Future = Future()
-        if self._in_place:
-            try:  # `_into_place` syncs the folder
-                self._into_place(name, lambda folder: write_state(folder, state, durable=False))
-                future.set_result(None)
+        if self._in_place:  # written here (a full disk is known at once), on disk and named on the writer's thread
+            try:
+                partial = self._filled(name, lambda folder: write_state(folder, state, durable=False))
+                future = self._pool.submit(self._publish, partial, name)
             except OSError as exc:
                 future.set_exception(exc)
         else:
@@ -158,14 +158,22 @@ class CheckpointWriter:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _into_place(self, name: str, fill: Callable[[Path], Any]) -> None:
-        """A local or mounted folder: `fill` a hidden folder beside the checkpoint's, then rename it into place,
-        its files on disk before the rename and its name after (not the rest of the run folder)."""
-        final = Path(self.run_dir.path) / name
-        partial = final.with_name(f".{name}{PARTIAL}{uuid.uuid4().hex[:8]}")
+    def _filled(self, name: str, fill: Callable[[Path], Any]) -> Path:
+        """A local or mounted folder: a hidden folder beside checkpoint `name`'s, filled by `fill`."""
+        partial = Path(self.run_dir.path) / f".{name}{PARTIAL}{uuid.uuid4().hex[:8]}"
         try:
             partial.mkdir(parents=True)
             fill(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        return partial
+
+    def _publish(self, partial: Path, name: str) -> None:
+        """Rename the `_filled` folder into place as checkpoint `name`: its files on disk before the rename (fsync,
+        which can take seconds for a large state: off the training thread) and its name after."""
+        final = partial.with_name(name)
+        try:
             sync_tree(partial)
             os.rename(partial, final)
         except BaseException:
@@ -181,7 +189,7 @@ class CheckpointWriter:
                 with open(staging / STATE_FILE, "rb") as source, self.run_dir.fs.open_output_stream(target) as sink:
                     shutil.copyfileobj(source, sink, UPLOAD_CHUNK)
             else:
-                self._into_place(name, lambda folder: shutil.copyfile(staging / STATE_FILE, folder / STATE_FILE))
+                self._publish(self._filled(name, lambda f: shutil.copyfile(staging / STATE_FILE, f / STATE_FILE)), name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from importlib.metadata import version
 
 import numpy as np
@@ -119,7 +120,7 @@ def test_a_checkpoint_write_is_never_visible_before_it_is_complete(tmp_path, mon
 
     writer = CheckpointWriter(RunDir(tmp_path))
     writer.start("checkpoint_00000010", {"step": 10, "weights": torch.ones(4)})
-    assert writer.outcome(wait=False) == ("checkpoint_00000010", None)
+    assert writer.outcome(wait=True) == ("checkpoint_00000010", None)
     assert writer.outcome(wait=False) is None  # collected once
 
     def full_disk(state, f):
@@ -254,9 +255,16 @@ def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp
     writer._in_place = in_place
     (tmp_path / "run").mkdir()
     events = _syncs_and_renames(monkeypatch)
+    from raydiff.runs import checkpoint as module
+
+    synced_on: list[str] = []
+    sync_tree = module.sync_tree
+    monkeypatch.setattr(module, "sync_tree", lambda folder: synced_on.append(threading.current_thread().name)
+                        or sync_tree(folder))
     writer.start("checkpoint_00000010", {"step": 10, "weights": torch.ones(3)})
     assert writer.outcome(wait=True) == ("checkpoint_00000010", None)
     writer.close()
+    assert [name.startswith("raydiff-checkpoint") for name in synced_on] == [True]  # not the training thread
     final = os.path.realpath(tmp_path / "run" / "checkpoint_00000010")
     renamed = events.index(("rename", final))
     synced = [path for kind, path in events[:renamed] if kind == "fsync"]
