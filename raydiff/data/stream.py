@@ -41,11 +41,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raydiff.cluster.nodes import smallest_object_store
-from raydiff.data.errors import BadSample, DataError, reading
+from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
 from raydiff.data.image_store import WEBDATASET_IMAGE_KEYS, decode_stream
 from raydiff.data.labels import LabelPlan, plan_labels, read_labels
 from raydiff.data.node_cache import WINDOWS_HELD
-from raydiff.data.shard_format import SHARD_BYTES, check_prepared, rows_per_shard_for, write_prepared
+from raydiff.data.shard_format import SHARD_BYTES, BadCount, check_prepared, rows_per_shard_for, write_prepared
 from raydiff.data.sharded import GB, ShardedImages
 from raydiff.data.sources import Source, check_on_every_node, open_source
 from raydiff.storage.fs import filesystem_for
@@ -118,7 +118,8 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
     buffer = min(int(data.stream_buffer_gb * GB), int(STORE_SHARE * smallest_object_store(use_gpu)) or 2 ** 62)
     buffer = int(buffer * buffer_share)
     labelled = data.labels == "auto"
-    if source.kind == "prepared":
+    copied = source.kind != "prepared"  # raydiff's own copy of a raw source
+    if not copied:
         check_on_every_node(source)  # each node's cache reads its shards
     else:
         rows = keep["rows_per_shard"] if keep else None
@@ -154,21 +155,19 @@ def stream_images(data, source: Source, *, storage: str, endpoint: str | None,
                            buffer_bytes=buffer, skipped=tuple(manifest.get("bad", ())))
     if plan is not None:
         images = _with_labels(images, plan)
-    check_unusable(images, data.max_bad_fraction)
+    check_unusable(images, data.max_bad_fraction, left_out=copied)
     return images
 
 
-def check_unusable(images: ShardedImages, max_bad_fraction: float) -> None:
-    """Stop before training where more than `max_bad_fraction` of the source cannot be used: the samples its
-    prepared copy left out (a copy another run prepared under a looser limit is reused as it is) and the rows
-    without a label, together, out of all the source's samples (the first few reasons say why)."""
-    unusable = [*images.skipped, *(b.to_dict() for b in images.bad)]
-    total = images.num_images + len(images.skipped)
-    if unusable and len(unusable) > max_bad_fraction * total:
-        examples = "; ".join(f"{e.get('where', '?')}: {e.get('reason', '?')}" for e in unusable[:3])
-        raise DataError(f"{len(unusable)} of {total} samples in {images.source} cannot be used "
-                        f"({len(unusable) / total:.1%} > data.max_bad_fraction = {max_bad_fraction:g}), e.g. "
-                        f"{examples}")
+def check_unusable(images: ShardedImages, max_bad_fraction: float, *, left_out: bool = True) -> None:
+    """`check_bad_fraction` of the rows without a label and, with `left_out` (raydiff's own copy of a raw source,
+    which another run may have prepared under a looser limit and is reused as it is), the samples the copy left
+    out, out of all the source's samples. A source the user prepared was held to a limit as it was prepared, and
+    is read as memory mode reads it."""
+    left = tuple(BadSample(index=int(d.get("index", -1)), where=str(d.get("where", "?")),
+                           reason=str(d.get("reason", "?"))) for d in images.skipped) if left_out else ()
+    check_bad_fraction(BadCount(images.source, images.num_images + len(left), (*left, *images.bad)),
+                       max_bad_fraction)
 
 
 def _with_labels(images: ShardedImages, plan: LabelPlan) -> ShardedImages:

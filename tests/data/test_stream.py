@@ -184,6 +184,7 @@ def test_a_reused_copy_is_held_to_this_runs_max_bad_fraction_with_its_left_out_s
     unlabelled = (BadSample(index=3, where="a:row 3", reason="no label"),)
     with pytest.raises(DataError, match=r"^3 of 20 samples"):
         check_unusable(dataclasses.replace(images, bad=unlabelled), max_bad_fraction=0.1)
+    check_unusable(images, max_bad_fraction=0.05, left_out=False)  # a source the user prepared: as memory mode
 
 
 def test_a_preparation_whose_lease_another_run_took_over_stops_before_its_next_shard():
