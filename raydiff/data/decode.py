@@ -35,8 +35,8 @@ def _check_integer_depth(opened: ImageFile.ImageFile) -> None:
     (then scaled like I;16), else BadImage, as its depth, not its pixels, must choose the scale."""
     if opened.mode != "I" or opened.format in _SIXTEEN_BIT_FORMATS:
         return
-    args = opened.tile[0].args if opened.tile else None
-    rawmode = str(args if isinstance(args, str) or not args else args[0])
+    args = opened.tile[0][3] if opened.tile else None  # (codec, extents, offset, args): a tuple before Pillow 11
+    rawmode = args if isinstance(args, str) else str(args[0]) if args else None
     if rawmode not in _SIXTEEN_BIT_RAWMODES:
         raise BadImage(f"a {opened.format} of 32-bit or signed integer pixels ({rawmode or opened.mode}): only 8- and "
                        f"16-bit unsigned ones have a standard 8-bit scale")
