@@ -38,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from raydiff.storage.errors import permanent_reason
 from raydiff.storage.rundir import RunDir, RunInUse
 
 FOLDER = ".raydiff-leases"
@@ -126,9 +127,9 @@ def take(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str, w
     while True:
         try:
             state, found = store.take(holder)
-        except Exception:
+        except Exception as exc:
             failed += 1
-            if place.local or failed >= TAKE_ATTEMPTS:
+            if place.local or failed >= TAKE_ATTEMPTS or permanent_reason(exc) is not None:
                 raise
             # A moment of a busy or unreachable store (a claimant may poll for as long as another run prepares).
             logger.debug("asking for the lease failed; asking again", exc_info=True)

@@ -141,6 +141,23 @@ def test_a_claimant_rides_out_a_store_that_fails_beyond_its_retries_for_a_moment
         lease.release()
 
 
+def test_a_claimant_refused_by_the_store_stops_at_once(s3_server, monkeypatch):
+    """Refused credentials or a missing bucket are no moment of a busy store: said at once, not after retries."""
+    from raydiff.storage import lease as lease_module
+
+    endpoint, _ = s3_server
+    asked: list[int] = []
+
+    def refused(self, holder):
+        asked.append(1)
+        raise OSError("An error occurred (AccessDenied) when calling the PutObject operation: Access Denied")
+
+    monkeypatch.setattr(lease_module._ObjectLease, "take", refused)
+    with pytest.raises(OSError, match="AccessDenied"):
+        take(RunDir("s3://refused/runs/smoke", endpoint=endpoint), {"name": "a"}, stale_s=600, what="run directory")
+    assert len(asked) == 1
+
+
 def test_a_holder_whose_s3_lease_was_taken_over_is_told_once_even_before_it_asked_to_be(s3_server):
     """Another run's write replaced the lease (a takeover after renewals that did not get through): the holder's
     next renewal finds it and the lease is lost for good. A callback set after that is called at once, as the
