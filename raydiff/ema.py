@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     sigma_rels = parse_sigma_rels(args.sigma_rel)
     from raydiff.config import ConfigError
     from raydiff.runs.checkpoint import checkpoint_location, write_state
-    from raydiff.runs.ema_snapshots import rebuild
+    from raydiff.runs.ema_snapshots import NoSuchSnapshot, rebuild
     from raydiff.storage.atomic import new_folder
     from raydiff.storage.errors import output_errors
     from raydiff.storage.rundir import unwritable
@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     run = checkpoint_location(args.checkpoint, args.endpoint, runs_only=True)
     try:
         rebuilt = rebuild(run, sigma_rels, args.step)
-    except ValueError as exc:  # a --step that is no snapshot's (or snapshots of different widths)
-        raise ConfigError(f"--step {args.step}: {exc}" if args.step is not None else str(exc)) from None
+    except NoSuchSnapshot as exc:
+        raise ConfigError(f"--step {args.step}: {exc}") from None
+    except ValueError as exc:  # a damaged snapshot, or snapshots of different widths: the line names them
+        raise ConfigError(str(exc)) from None
     for average in rebuilt:
         folder = out / folder_name(average.sigma_rel)
         with output_errors("--out", args.out), new_folder(folder) as tmp:  # a checkpoint folder once it is there

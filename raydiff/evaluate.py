@@ -268,8 +268,8 @@ def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float]) -> l
               f"rebuilding there", file=sys.stderr)
     try:
         rebuilt = rebuild(run_dir, sigma_rels, steps[-1], steps=snapshots)
-    except ValueError as exc:  # snapshots of different widths, which cannot be combined
-        raise ConfigError(f"--sigma-rel: {exc}") from None
+    except ValueError as exc:  # a damaged snapshot, or snapshots of different widths: the line names them
+        raise ConfigError(str(exc)) from None
     return [average.state for average in rebuilt]
 
 

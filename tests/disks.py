@@ -1,5 +1,6 @@
 """Small file systems of their own for the storage-failure tests: a tmpfs (needs root: the tests skip without it),
-one that is full but for a few kilobytes, and another job that fills one while a command writes there."""
+one that is full but for a few kilobytes, and another job that fills one while a command writes there; and what
+reaches the disk, in order (`syncs_and_renames`), for the durability tests."""
 
 from __future__ import annotations
 
@@ -103,3 +104,25 @@ def _take_the_room(path: Path) -> None:
 def left_on(disk: Path) -> list[str]:
     """What a command left on a full disk: every file and folder but the fillers, hidden ones included."""
     return sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if not p.name.startswith(FILLER))
+
+
+def syncs_and_renames(monkeypatch) -> list[tuple[str, str]]:
+    """What reaches the disk, in order: ("fsync", the real path of the file or folder) and ("rename", the new
+    path), for every fsync and rename the process makes from now on, from any thread."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def recorded(move):
+        def renamed(src, dst, **kwargs):
+            move(src, dst, **kwargs)
+            events.append(("rename", os.path.realpath(dst)))
+        return renamed
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", recorded(real_replace))
+    monkeypatch.setattr(os, "rename", recorded(real_rename))
+    return events

@@ -89,6 +89,10 @@ def read_snapshot(run_dir: RunDir, step: int) -> dict[str, Any]:
                          f"torch file: {type(exc).__name__})") from None
 
 
+class NoSuchSnapshot(ValueError):
+    """The step asked for is none of the run's snapshots'."""
+
+
 @dataclass(frozen=True)
 class Rebuilt:
     """An average rebuilt from a run's snapshots, as a training state (`state`: what a checkpoint's state.pt holds
@@ -114,7 +118,7 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
                                 f"--set train.ema=posthoc to record them")
     step = steps[-1] if step is None else step
     if step not in steps:
-        raise ValueError(f"no snapshot of {run_dir} at that step (snapshots: {_span(steps)})")
+        raise NoSuchSnapshot(f"no snapshot of {run_dir} at that step (snapshots: {_span(steps)})")
     used = [s for s in steps if 0 < s <= step]
     if not used:
         raise ValueError(f"no snapshot at or before step {step}")

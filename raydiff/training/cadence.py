@@ -282,8 +282,8 @@ class Cadence:
         return extra
 
     def _agree_on_interrupts(self, asked: int) -> str | None:
-        """"stop", "preemption" or None, alike on every worker (a collective of what each was `asked`); one
-        checkpoint per preemption notice, not one per check while the notice lasts."""
+        """"lease_lost", "stop", "preemption" or None, alike on every worker (a collective of what each was
+        `asked`); one checkpoint per preemption notice, not one per check while the notice lasts."""
         interrupt = agreed_interrupt(asked, self.w.device)
         notice = interrupt == "preemption"
         if notice and self._notice_handled:

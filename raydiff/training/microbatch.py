@@ -104,18 +104,18 @@ def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,
         return agree(measure_micro_batch(model, diffusion, optimizer, share=share, shape=shape, device=device,
                                          autocast_dtype=autocast_dtype))
 
-    def some(n: int, on: bool) -> int:
+    def some(n: int, tried: str) -> int:
         if n == 0:
             raise NothingFits(f"train.micro_batch=auto: not even one {'x'.join(map(str, shape))} image fits "
-                              f"on {device.type} beside the model, its EMA and the optimizer (activation "
-                              f"checkpointing {'on' if on else 'off'}); use a smaller model (model.base_channels, "
-                              f"model.channel_mult) or a device with more memory")
+                              f"on {device.type} beside the model, its EMA and the optimizer ({tried}); use a "
+                              f"smaller model (model.base_channels, model.channel_mult) or a device with more memory")
         return n
 
     if checkpointing != "auto":
         on = bool(checkpointing)
         model.activation_checkpointing = on
-        chosen = some(measured(on), on) if fixed_micro_batch is None else fixed_micro_batch
+        tried = f"activation checkpointing {'on' if on else 'off'}"
+        chosen = some(measured(on), tried) if fixed_micro_batch is None else fixed_micro_batch
         return chosen, on, f"activation checkpointing {'on' if on else 'off'}"
     if fixed_micro_batch is not None:
         model.activation_checkpointing = False
@@ -127,7 +127,7 @@ def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,
     with_it = measured(True)
     if with_it <= without:
         model.activation_checkpointing = False
-        return some(without, True), False, (f"activation checkpointing off (auto: {without} images fit without it "
-                                              f"and no more with it)")
+        why = f"activation checkpointing off (auto: {without} images fit without it and no more with it)"
+        return some(without, "with activation checkpointing and without"), False, why
     return with_it, True, (f"activation checkpointing on (auto: {without} of the share of {full} fit without it, "
                            f"{with_it} with it)")

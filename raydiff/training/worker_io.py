@@ -39,7 +39,7 @@ class WorkerStatus(str, enum.Enum):
     """How a worker's training ended."""
 
     FINISHED = "finished"  # train.total_steps reached
-    STOPPED = "stopped"  # asked to stop (a signal, a lost lease), after a checkpoint
+    STOPPED = "stopped"  # asked to stop (a signal), after a checkpoint
     DIVERGED = "diverged"  # too many non-finite steps in a row, after at most one rollback
     UNRESUMABLE = "unresumable"  # checkpoints exist and none restores: nothing was trained or written
     LEASE_LOST = "lease_lost"  # another driver took the run over: stopped without writing more

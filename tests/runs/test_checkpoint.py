@@ -13,6 +13,7 @@ from importlib.metadata import version
 import numpy as np
 import pytest
 import torch
+from disks import syncs_and_renames
 from PIL import Image
 
 from raydiff.runs.checkpoint import (
@@ -220,28 +221,6 @@ def test_a_ray_checkpoint_list_that_ray_can_use_is_kept(tmp_path):
     assert (tmp_path / RAY_CHECKPOINT_LIST).read_text() == usable
 
 
-def _syncs_and_renames(monkeypatch) -> list[tuple[str, str]]:
-    """What reaches the disk, in order: ("fsync", the real path of the file or folder) and ("rename", the new
-    path), from any thread."""
-    events: list[tuple[str, str]] = []
-    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def recorded(move):
-        def renamed(src, dst, **kwargs):
-            move(src, dst, **kwargs)
-            events.append(("rename", os.path.realpath(dst)))
-        return renamed
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", recorded(real_replace))
-    monkeypatch.setattr(os, "rename", recorded(real_rename))
-    return events
-
-
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "mounted"])
 def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp_path, monkeypatch, in_place):
     """A sweep keeps one checkpoint: a power loss after the older one was pruned must not leave an empty state.pt
@@ -254,7 +233,7 @@ def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp
     writer = CheckpointWriter(RunDir(tmp_path / "run"))
     writer._in_place = in_place
     (tmp_path / "run").mkdir()
-    events = _syncs_and_renames(monkeypatch)
+    events = syncs_and_renames(monkeypatch)
     from raydiff.runs import checkpoint as module
 
     synced_on: list[str] = []

@@ -15,7 +15,7 @@ import tempfile
 import time
 
 import pytest
-from disks import full_disk, left_on
+from disks import full_disk, left_on, syncs_and_renames
 
 from raydiff.runs.runlog import JsonlLog
 from raydiff.storage.atomic import append_lines, new_file, new_folder, scratch_folder
@@ -100,32 +100,10 @@ def test_the_scratch_folder_of_a_killed_process_is_removed_by_the_next_of_its_ki
     assert not killed.exists() and just_made.exists() and alive.exists() and other_kind.exists()
 
 
-def _syncs_and_renames(monkeypatch) -> list[tuple[str, str]]:
-    """What reaches the disk, in order: ("fsync", the real path of the file or folder) and ("rename", the new
-    path), for every fsync and rename the process makes from now on."""
-    events: list[tuple[str, str]] = []
-    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def recorded(move):
-        def renamed(src, dst, **kwargs):
-            move(src, dst, **kwargs)
-            events.append(("rename", os.path.realpath(dst)))
-        return renamed
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", recorded(real_replace))
-    monkeypatch.setattr(os, "rename", recorded(real_rename))
-    return events
-
-
 def test_a_new_file_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp_path, monkeypatch):
     """ext4 (delayed allocation) and XFS may write a rename before the bytes: a power loss would leave an empty
     file under the final name."""
-    events = _syncs_and_renames(monkeypatch)
+    events = syncs_and_renames(monkeypatch)
     target = tmp_path / "state.pt"
     with new_file(target) as tmp:
         tmp.write_bytes(b"state")
@@ -138,7 +116,7 @@ def test_a_new_file_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp_p
 
 
 def test_a_new_folder_and_all_it_holds_are_on_disk_before_it_takes_its_name(tmp_path, monkeypatch):
-    events = _syncs_and_renames(monkeypatch)
+    events = syncs_and_renames(monkeypatch)
     with new_folder(tmp_path / "pipeline") as tmp:
         (tmp / "unet").mkdir()
         (tmp / "unet" / "weights").write_bytes(b"weights")
