@@ -137,11 +137,3 @@ def heun(denoise: Denoise, noise: torch.Tensor, alpha_bar: torch.Tensor, steps: 
         else:
             x = x + (d + derivative(x + d * dt, i + 1)) / 2 * dt
     return x
-
-
-def evaluations(sampler: str, steps: int, alpha_bar: torch.Tensor | None = None) -> int:
-    """Network evaluations per image (each one two passes under classifier-free guidance); for Heun, on the
-    schedule `alpha_bar` (None: at most)."""
-    if sampler != "heun":
-        return steps
-    return 2 * steps - 1 - (alpha_bar is not None and euler_first(heun_sigmas(alpha_bar, steps)[1]))
