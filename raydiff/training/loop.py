@@ -17,6 +17,7 @@ from raydiff.cluster.devices import torch_threads
 from raydiff.config.learning_rate import lr_at
 from raydiff.model.weight_averages import ema_decay_at
 from raydiff.runs.errors import Unresumable
+from raydiff.storage.errors import StorageFailure
 from raydiff.training.cadence import Cadence
 from raydiff.training.lost_workers import quiet_tracebacks_said_in_a_line
 from raydiff.training.microbatch import NothingFits
@@ -41,6 +42,8 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
         return WorkerResult(WorkerStatus.UNRESUMABLE, steps=0, diagnostic=str(exc))
     except NothingFits as exc:
         return WorkerResult(WorkerStatus.REFUSED, steps=0, diagnostic=str(exc))
+    except StorageFailure as exc:  # the newest checkpoint cannot be read, for good: no restart would help
+        return WorkerResult(WorkerStatus.STORAGE_FAILED, steps=0, diagnostic=str(exc))
     cadence = Cadence(w, progress, args)  # rank 0's records of this start, then the logs, grids and checkpoints
 
     try:

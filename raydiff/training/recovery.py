@@ -24,6 +24,7 @@ from raydiff.runs.state import (
     checkpoint_candidates,
     restore_newest,
 )
+from raydiff.storage.errors import StorageFailure, failure_message, permanent_reason
 from raydiff.storage.rundir import RunDir
 from raydiff.training.distributed import from_rank_zero
 from raydiff.training.step import StepResult
@@ -37,18 +38,27 @@ def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool, wei
     """Restore the newest checkpoint that loads on every worker alike. Rank 0 chooses: it lists storage (and Ray
     Train's `latest`) and tries the candidates; every other worker then restores exactly the one rank 0 restored
     (a newer one that another worker could read, say one still being written, would leave replicas that differ).
-    None when there are no checkpoints; raises `Unresumable` on every worker when there are and none restores.
+    None when there are no checkpoints; raises `Unresumable` on every worker when there are and none restores, and
+    `StorageFailure` (one line) where rank 0's read met a storage error no retry can fix (permission denied): a
+    restart would meet it again.
     Then the settings a re-run may change (`weight_decay`) replace the checkpoint's, at a start as after a
     rollback."""
-    restored, refusal = None, None
+    restored, refusal, failure = None, None, None
     if is_chief:
         try:
             restored = restore_newest(checkpoint_candidates(run_dir, latest), state)
         except Unresumable as exc:
             refusal = str(exc)
-    refusal, found = from_rank_zero((refusal, restored and restored.checkpoint))
+        except OSError as exc:  # a moment of the network raises on (Ray restarts the workers); this does not pass
+            reason = permanent_reason(exc)
+            if reason is None:
+                raise
+            failure = failure_message(str(run_dir), "reading the newest checkpoint", reason)
+    refusal, failure, found = from_rank_zero((refusal, failure, restored and restored.checkpoint))
     if refusal:
         raise Unresumable(refusal)
+    if failure:
+        raise StorageFailure(failure)
     if found is not None and not is_chief:
         try:
             restored = restore_newest([found], state)

@@ -81,3 +81,60 @@ def test_a_rollback_restores_the_checkpoint_rank_0_chose_on_every_worker(tmp_pat
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1] and ranks[0]["step"] == 10
     assert ranks[0]["weight_decay"] == 0.05  # the checkpoints were written with 0.0
+
+
+def _restore_refused_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
+    """One of two gloo processes restoring while rank 0 is refused the newest checkpoint (permission denied)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from raydiff.model.unet import build_model
+    from raydiff.model.weight_averages import make_ema
+    from raydiff.runs import state as state_module
+    from raydiff.runs.state import TrainingState
+    from raydiff.storage.errors import StorageFailure
+    from raydiff.training.recovery import restore_agreed
+    from raydiff.training.step import make_optimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    if rank == 0:
+        def read_state(path):
+            raise PermissionError(13, "Permission denied", str(path))
+
+        state_module.read_state = read_state
+    cfg = load_config("smoke", check_source=False)
+    model = build_model(cfg)
+    objects = TrainingState(model, make_ema(model), make_optimizer(model, lr=1e-3, weight_decay=0.0),
+                            torch.amp.GradScaler("cpu", enabled=False))
+    try:
+        restore_agreed(objects, RunDir(run_dir), is_chief=rank == 0, weight_decay=0.0)
+        said = "restored"
+    except StorageFailure as exc:
+        said = str(exc)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"said": said}))
+    end_process_group()
+
+
+def test_a_checkpoint_refused_for_good_stops_every_worker_in_one_line_without_restarts(tmp_path):
+    """Permission denied is no moment of the network: a restart would meet it again (each one spending
+    run.max_failures), so every worker stops with the same line, which the driver prints."""
+    from raydiff.model.unet import build_model
+    from raydiff.model.weight_averages import make_ema
+    from raydiff.runs.checkpoint import write_state
+    from raydiff.runs.state import Progress, TrainingState, checkpoint_state
+    from raydiff.training.step import make_optimizer
+
+    cfg = load_config("smoke", check_source=False)
+    model = build_model(cfg)
+    objects = TrainingState(model, make_ema(model), make_optimizer(model, lr=1e-3, weight_decay=0.0),
+                            torch.amp.GradScaler("cpu", enabled=False))
+    (tmp_path / "checkpoint_00000010").mkdir()
+    write_state(tmp_path / "checkpoint_00000010", checkpoint_state(objects, Progress(step=10), 16, cfg.to_dict()))
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.multiprocessing.spawn(_restore_refused_on, args=(str(tmp_path / "init"), str(tmp_path), str(out)),
+                                nprocs=2)
+    said = [json.loads((out / f"rank{r}.json").read_text())["said"] for r in range(2)]
+    assert said[0] == said[1] and said[0].startswith(f"storage {tmp_path}: reading the newest checkpoint failed: "
+                                                     f"permission denied"), said
