@@ -80,7 +80,8 @@ def grid_png(images: torch.Tensor, nrow: int | None = None) -> bytes:
 
 def save_samples(images: torch.Tensor, out: Path, nrow: int | None = None) -> Path:
     """`out` ending in .png, .jpg, .jpeg or .webp -> one grid; otherwise a folder with sample_00000.png ... plus
-    grid.png (`nrow`: as `save_grid`)."""
+    grid.png (`nrow`: as `save_grid`), whose sample_NNNNN.png of an earlier, larger call are removed: the folder
+    holds this call's samples, not a mix. Other files in it stay."""
     out = Path(out)
     if is_grid_file(out):
         return save_grid(images, out, nrow)
@@ -92,6 +93,10 @@ def save_samples(images: torch.Tensor, out: Path, nrow: int | None = None) -> Pa
         save_grid(images, Path(staging) / "grid.png", nrow)
         for written in sorted(Path(staging).iterdir()):
             os.replace(written, out / written.name)
+    for earlier in out.glob("sample_*.png"):
+        number = earlier.name[len("sample_"):-len(".png")]
+        if number.isdigit() and int(number) >= len(images):
+            earlier.unlink(missing_ok=True)
     return out
 
 

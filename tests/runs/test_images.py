@@ -39,6 +39,10 @@ def test_samples_go_to_one_png_or_a_folder_of_pngs_with_their_grid(tmp_path):
     expected = ((images[1, 0].clamp(-1, 1) + 1) / 2 * 255).numpy()
     assert np.abs(pixels - expected).max() <= 1
     assert not list(tmp_path.rglob(".*.tmp"))  # written beside and renamed
+    (folder / "notes.txt").write_text("mine")
+    save_samples(images[:2], folder)  # again, fewer: this call's samples only, the user's file kept
+    assert sorted(p.name for p in folder.iterdir()) == ["grid.png", "notes.txt", "sample_00000.png",
+                                                         "sample_00001.png"]
 
 
 def test_a_grid_named_jpg_or_webp_is_one_image_in_that_format_not_a_folder_of_that_name(tmp_path):
