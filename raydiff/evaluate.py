@@ -274,8 +274,11 @@ def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float]) -> l
 
 
 def best_line(measured: list[dict[str, Any]]) -> str:
-    """The row with the lowest Frechet distance (FID, or the digits' digits_fd), in one line."""
-    key = next(k for k in ("fid", "digits_fd") if k in measured[0])
+    """The row with the lowest Frechet distance (fid, digits_fd, features_fd; the KID where only it was measured),
+    in one line."""
+    names = list(measured[0])
+    key = next((k for k in names if k == "fid" or k.endswith("_fd")), None) or next(
+        k for k in names if k == "kid" or k.endswith("_kid"))
     best = min(measured, key=lambda row: row[key])
     where = ", ".join(f"{k} {best[k]:g}" for k in ("sigma_rel", "guidance") if best.get(k) is not None)
     return f"{where}: {key} {best[key]:.4g}"

@@ -26,6 +26,10 @@ class Features(Protocol):
     key: str  # the network and a digest of its weights: the reference statistics' cache key
     classes: int  # > 0 for a classifier, whose logits give the class coverage
 
+    @property
+    def dim(self) -> int | None:  # the features' length, where known: a reference's statistics must be of as many
+        ...
+
     def __call__(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
@@ -74,7 +78,7 @@ class InceptionFeatures:
     The weights are read here, on the driver, and travel with the object: the file need not exist on the nodes
     that compute the features."""
 
-    name, classes = "inception-2015-12-05-pool3", 0
+    name, classes, dim = "inception-2015-12-05-pool3", 0, 2048
 
     def __init__(self, weights_path: str) -> None:
         try:
@@ -108,7 +112,7 @@ class DigitsFeatures:
     """The built-in digits' classifier (`raydiff.quality.digits_classifier`): 128-d features and 10 classes, with
     the weights that ship with raydiff."""
 
-    name, classes = "digits-classifier", 10
+    name, classes, dim = "digits-classifier", 10, 128
 
     def __init__(self) -> None:
         from raydiff.quality.digits_classifier import VERSION, shipped_classifier
@@ -136,6 +140,8 @@ class ModuleFeatures:
     tests. `name` keys the cached reference statistics."""
 
     classes = 0
+
+    dim = None
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module, self.name = module.eval(), name

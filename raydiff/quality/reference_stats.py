@@ -94,6 +94,10 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
         if not folder.is_file(name):
             raise QualityError(f"eval.ref = {ref!r}: no such file")
         reference = read_npz(folder.read_bytes(name), f"eval.ref {ref}")
+        if features.dim is not None and len(reference.mu) != features.dim:  # found now, not after the sampling
+            raise QualityError(f"eval.ref = {ref!r}: statistics of {len(reference.mu)}-d features, and this run "
+                               f"measures with {features.name}, whose features are {features.dim}-d: give a "
+                               f"reference of that network's features")
         return reference
     data = copy.deepcopy(cfg.data)
     if ref:

@@ -70,3 +70,27 @@ def test_image_i_depends_on_seed_and_i_only():
     assert not torch.equal(other_seed, alone)
     # At most 2 images per forward pass (a 256x256 model on a small GPU): the same images.
     assert torch.equal(SampleJob(**{**job.__dict__, "batch": 2}).images(range(5), torch.device("cpu")), batch)
+
+
+def test_a_reference_of_another_networks_features_is_refused_before_any_sampling(tmp_path):
+    """An Inception .npz (2048-d) given to a run measured with the digits classifier (128-d) failed in the
+    metrics package's assertion, after every image had been sampled."""
+    from raydiff.config import load_config
+    from raydiff.quality.errors import QualityError
+    from raydiff.quality.features import DigitsFeatures
+    from raydiff.quality.reference_stats import reference_for
+
+    np.savez(tmp_path / "inception.npz", mu=np.zeros(2048), sigma=np.eye(2048))
+    cfg = load_config("default", [f"eval.ref={tmp_path / 'inception.npz'}"], check_source=False)
+    with pytest.raises(QualityError, match=r"^eval.ref = .*inception.npz': statistics of 2048-d features, and this "
+                                           r"run measures with digits-classifier-v\d+, whose features are 128-d"):
+        reference_for(cfg, DigitsFeatures(), keep_features=False)
+
+
+def test_the_best_row_of_an_evaluation_is_chosen_by_whichever_distance_it_measured():
+    from raydiff.evaluate import best_line
+
+    rows = [{"sigma_rel": 0.05, "kid": 0.2}, {"sigma_rel": 0.1, "kid": 0.1}]  # --metrics kid
+    assert best_line(rows) == "sigma_rel 0.1: kid 0.1"
+    rows = [{"guidance": 1.0, "features_fd": 3.0, "features_kid": 0.1}, {"guidance": 2.0, "features_fd": 2.0}]
+    assert best_line(rows) == "guidance 2: features_fd 2"
