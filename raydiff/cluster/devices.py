@@ -12,6 +12,8 @@ import torch
 
 from raydiff.config import ScalingSection
 
+RAY_RESOURCE_UNITS = 10_000  # Ray counts a resource in 1/10,000ths (ray_option_utils' MIN_RESOURCE_GRANULARITY)
+
 
 def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float) -> float:
     """The CPUs Ray reserves for each training worker: `scaling.cpus_per_worker`, else one beside a GPU, else an
@@ -20,7 +22,10 @@ def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float) -> float
         return scaling.cpus_per_worker
     if use_gpu:
         return 1.0
-    return max(cpus // scaling.max_workers, min(1.0, cpus / scaling.max_workers))
+    share = max(cpus // scaling.max_workers, min(1.0, cpus / scaling.max_workers))
+    # Ray counts resources in 1/RAY_RESOURCE_UNITS, rounding to the nearest: 2 CPUs over 3 workers would ask
+    # 0.6667 each, 2.0001 together, more than there are, and the third would never be placed. Rounded down.
+    return math.floor(share * RAY_RESOURCE_UNITS + 1e-6) / RAY_RESOURCE_UNITS  # (the 1e-6: 0.5 stays 0.5)
 
 
 def torch_threads(cpus_per_worker: float, environ: Mapping[str, str] = os.environ) -> int:

@@ -44,6 +44,9 @@ def test_a_worker_gets_its_set_cpus_else_one_beside_a_gpu_else_an_even_share_and
     assert worker_cpus(scaling(), use_gpu=True, cpus=16) == 1.0
     assert worker_cpus(scaling("scaling.num_workers=[1,4]"), use_gpu=False, cpus=16) == 4  # over the most workers
     assert worker_cpus(scaling("scaling.num_workers=4"), use_gpu=False, cpus=2) == 0.5  # several to a CPU
+    # Ray rounds amounts to 1e-4: three workers of 0.6667 would ask for 2.0001 of 2 CPUs, and one never start
+    thirds = worker_cpus(scaling("scaling.num_workers=[1,3]"), use_gpu=False, cpus=2)
+    assert thirds == pytest.approx(0.6666) and round(thirds * 1e4) * 3 <= 2e4
     assert [torch_threads(c, {}) for c in (0.5, 1.0, 2.5, 4)] == [1, 1, 2, 4]
     # OMP_NUM_THREADS caps them (Ray sets it to the worker's whole CPUs where the environment does not)
     assert [torch_threads(4, {"OMP_NUM_THREADS": n}) for n in ("1", "3", "8", "0", "", "x")] == [1, 3, 4, 4, 4, 4]
