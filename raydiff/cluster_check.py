@@ -267,7 +267,7 @@ def _check_kuberay_rules(where: str, spec: dict[str, Any]) -> None:
     if head.get("serviceType", "ClusterIP") != "ClusterIP" or head.get("enableIngress"):
         raise ClusterFileError(f"{where}.headGroupSpec: serviceType {head.get('serviceType')} / enableIngress expose "
                                f"the dashboard; keep serviceType ClusterIP and use kubectl port-forward")
-    if spec.get("authOptions", {"mode": "disabled"}).get("mode", "token") != "token":
+    if (spec.get("authOptions") or {}).get("mode") != "token":  # said, not left to KubeRay's default
         raise ClusterFileError(f"{where}.authOptions.mode: Ray token auth is off; set authOptions: {{mode: token}} "
                                f"(KubeRay v1.5.1+ generates the token into a Secret)")
     for template in [head["template"], *(g["template"] for g in groups)]:

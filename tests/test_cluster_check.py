@@ -200,6 +200,8 @@ KUBERAY_BROKEN = {
                           "serviceType LoadBalancer / enableIngress expose the dashboard"),
     "auth disabled": (lambda p, o: o["spec"]["authOptions"].update(mode="disabled"),
                       "spec.authOptions.mode: Ray token auth is off"),
+    "auth mode left to KubeRay": (lambda p, o: o["spec"]["authOptions"].pop("mode"),
+                                  "spec.authOptions.mode: Ray token auth is off"),
     "literal token": (lambda p, o: _group(o, 0)["template"]["spec"]["containers"][0].update(
                           env=[{"name": "RAY_AUTH_TOKEN", "value": "not-a-secret"}]),
                       "RAY_AUTH_TOKEN has a literal value"),
