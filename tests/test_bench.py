@@ -246,3 +246,28 @@ def test_step_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and proc.stderr.strip().endswith("error: --steps 1: must be >= 2")
     proc = run_cli("raydiff.bench", "step", "--batch", "0")
     assert proc.returncode == 2 and proc.stderr.strip().endswith("error: --batch 0: must be >= 1")
+
+
+def test_the_bare_loop_runs_with_a_workers_backend_settings_and_puts_back_those_before(monkeypatch):
+    """The bare loop is measured as a worker trains (TF32 as planned, cuDNN's autotuning on CUDA: the worker's
+    own had it, the bench's loops had not); the plain loop after it runs with the settings from before, not TF32
+    switched off (which is not torch's default)."""
+    import torch
+
+    from raydiff.bench.throughput import bare_loop
+    from raydiff.config import load_config
+    from raydiff.training import speed
+    from raydiff.training.speed import backend_flags, restore_backend_flags
+
+    applied: list[tuple] = []
+    apply = speed.apply_training_flags
+    monkeypatch.setattr(speed, "apply_training_flags", lambda plan, device: applied.append((plan.tf32, device.type))
+                        or apply(plan, device))
+    before = backend_flags()
+    torch.set_float32_matmul_precision("high")  # not what a CPU's plan sets
+    try:
+        bare_loop(load_config("smoke", ["train.global_batch=4"], check_source=False), torch.device("cpu"), steps=2)
+        assert applied == [(False, "cpu")]
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        restore_backend_flags(before)

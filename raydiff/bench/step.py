@@ -106,14 +106,14 @@ def take_gpu_worker_threads(cfg: Config, device: torch.device) -> None:
 
 
 def planned_model(cfg: Config, device: torch.device):
-    """(speed plan, model, autocast dtype) as one worker of raydiff sets them up on `device` (TF32 switched on or
-    off as planned: the caller switches it off again)."""
+    """(speed plan, model, autocast dtype) as one worker of raydiff sets them up on `device`, with its backend
+    settings (TF32 as planned, cuDNN's autotuning: the caller puts back what was set before, `backend_flags`)."""
     from raydiff.model.unet import build_model
-    from raydiff.training.speed import plan_speed, set_tf32
+    from raydiff.training.speed import apply_training_flags, plan_speed
     from raydiff.training.step import resolve_precision
 
     plan = plan_speed(cfg.train, device, world_size=1)
-    set_tf32(plan.tf32)
+    apply_training_flags(plan, device)
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
     if plan.channels_last:
@@ -217,10 +217,11 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
     """The rows of the module's docstring, at the config's global batch on `device`."""
     from raydiff.data.on_device import DeviceImages
     from raydiff.model.weight_averages import EmaUpdater, make_ema
-    from raydiff.training.speed import set_tf32
+    from raydiff.training.speed import backend_flags, restore_backend_flags
     from raydiff.training.step import optimizer_step
 
     batch = cfg.train.global_batch
+    saved = backend_flags()
     plan, parts, model = planned_step(cfg, device)
     update = EmaUpdater(make_ema(model), model)
     table = bench_table(cfg)
@@ -247,7 +248,7 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
                 first_step = {k: measured[k] for k in ("first_step_s", "graphs_compiled", "graphs_cached")}
     finally:
         stream.close()
-        set_tf32(False)
+        restore_backend_flags(saved)
     return {"device": device_name(device), "torch": torch.__version__, "global_batch": batch, "steps": steps,
             "described": plan.describe(), **first_step, "rows": rows,
             "ratio_bare": {name: round(row["img_s"] / rows["bare"]["img_s"], 3)
@@ -262,9 +263,10 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
 
     from raydiff.model.weight_averages import EmaUpdater, make_ema
     from raydiff.training.profiling import activities, summarize
-    from raydiff.training.speed import set_tf32
+    from raydiff.training.speed import backend_flags, restore_backend_flags
     from raydiff.training.step import optimizer_step
 
+    saved = backend_flags()
     plan, parts, model = planned_step(cfg, device)
     stream = worker_stream(cfg, device)
     update = EmaUpdater(make_ema(model), model)
@@ -278,7 +280,7 @@ def profile_step(cfg: Config, device: torch.device, *, steps: int, out: Path) ->
             synchronize(device)
     finally:
         stream.close()
-        set_tf32(False)
+        restore_backend_flags(saved)
     summary = summarize(profiler, steps, device)
     busy = ("" if summary.device_ms is None else
             f"; per step: {summary.device_ms:.2f} ms of device time, {summary.launches:.0f} launches")

@@ -110,12 +110,14 @@ def plain_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, An
 
 def bare_loop(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:
     """The best bare loop (see the module's docstring): raydiff's speed plan, nothing else around the step."""
-    from raydiff.training.speed import set_tf32
+    from raydiff.training.speed import backend_flags, restore_backend_flags
 
-    plan, parts, model = planned_step(cfg, device)
-    result = measure(bare_step(cfg, plan, parts, model), device, steps=steps, batch=cfg.train.global_batch)
-    set_tf32(False)  # back to torch's default for what runs next in this process
-    return result
+    saved = backend_flags()
+    try:
+        plan, parts, model = planned_step(cfg, device)
+        return measure(bare_step(cfg, plan, parts, model), device, steps=steps, batch=cfg.train.global_batch)
+    finally:
+        restore_backend_flags(saved)  # as they were for what runs next in this process (the plain loop)
 
 
 def rows_every(steps: int) -> int:

@@ -361,7 +361,7 @@ def tf32_by_precision() -> bool:
     return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
 
 
-def _matmul_precision() -> str:
+def matmul_precision() -> str:
     """fp32 matmuls' precision as `torch.set_float32_matmul_precision` takes it ("highest": IEEE, "high": TF32), also
     where something set the new flag directly and torch's own getter refuses to answer."""
     try:
@@ -374,7 +374,7 @@ def _matmul_precision() -> str:
 def full_fp32() -> Iterator[None]:
     """Convolutions and matmuls in IEEE fp32 while the block runs. On Ampere and newer GPUs cuDNN convolutions
     use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32."""
-    saved_matmul = _matmul_precision()
+    saved_matmul = matmul_precision()
     torch.set_float32_matmul_precision("highest")
     by_precision = tf32_by_precision()
     if by_precision:

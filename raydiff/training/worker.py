@@ -40,7 +40,7 @@ from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.microbatch import plan_memory, probe_share
 from raydiff.training.recovery import restore_agreed
-from raydiff.training.speed import SpeedPlan, for_training, plan_speed, set_compile_threads, set_tf32
+from raydiff.training.speed import SpeedPlan, apply_training_flags, for_training, plan_speed, set_compile_threads
 from raydiff.training.step import StepParts, make_optimizer, resolve_precision
 from raydiff.training.validation import Validation, holdout_split
 from raydiff.training.worker_io import WorkerArgs
@@ -150,9 +150,8 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     on_node = max(context.get_local_world_size(), int(node.get("GPU", 0)) if device.type == "cuda" else 0)
     speed = plan_speed(t, device, world_size, one_node=context.get_local_world_size() == world_size,
                        node_cpus=node.get("CPU"), workers_on_node=on_node)
-    set_tf32(speed.tf32)
+    apply_training_flags(speed, device)
     set_compile_threads(speed.compile_threads)
-    torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: autotune the convolutions once
 
     # The model, its EMA and optimizer: the same initial weights on every worker.
     torch.manual_seed(t.seed)
@@ -238,7 +237,8 @@ def compiled_step_key(cfg: Config, speed: SpeedPlan, device: torch.device, *,
     """The compile cache's key: what the compiled step depends on besides torch and the device."""
     model = {k: v for k, v in asdict(cfg.model).items() if k != "init_from"}
     return cache_key({"model": model, "image": [cfg.data.channels, cfg.data.resolution], "flip": cfg.data.flip,
-                      "prediction": cfg.diffusion.prediction, "autocast": str(autocast_dtype),
+                      "diffusion": asdict(cfg.diffusion), "loss_weighting": cfg.train.loss_weighting,
+                      "min_snr_gamma": cfg.train.min_snr_gamma, "autocast": str(autocast_dtype),
                       "activation_checkpointing": checkpointing, "micro_batches": sorted({n for _, n in layout}),
                       "ddp": speed.allreduce == "ddp", "grad_compression": speed.grad_compression,
                       "compile": speed.compile, "options": speed.compile_options,
