@@ -70,6 +70,26 @@ def test_the_key_follows_what_the_compiled_code_depends_on():
         assert cache_key({**parts, **change}, cpu) != cache_key(parts, cpu)
 
 
+def test_a_runs_key_changes_with_the_loss_it_compiles():
+    """The loss's weighting and the diffusion schedule are in the compiled step too: a re-run that changes them
+    gets a key of its own rather than loading code it cannot use and writing over the other's."""
+    from raydiff.config import load_config
+    from raydiff.training.speed import plan_speed
+    from raydiff.training.worker import compiled_step_key
+
+    cpu = torch.device("cpu")
+
+    def key(*overrides: str) -> str:
+        cfg = load_config("smoke", list(overrides), check_source=False)
+        return compiled_step_key(cfg, plan_speed(cfg.train, cpu, world_size=1), cpu, layout=[(0, 8)],
+                                 autocast_dtype=None, checkpointing=False)
+
+    assert key() == key()
+    changes = ("train.loss_weighting=min_snr", "train.min_snr_gamma=3", "diffusion.schedule=cosine",
+               "diffusion.timesteps=500", "diffusion.prediction=v")
+    assert len({key(), *(key(change) for change in changes)}) == 1 + len(changes)
+
+
 def test_each_gpu_index_has_its_key_and_a_failed_save_off_rank_0_is_one_warning(monkeypatch, tmp_path, caplog):
     """Compiled code names its GPU: cuda:0's is no use on cuda:3, so the key holds the index (the first worker on
     each index keeps its file). Such a worker's save that fails costs a later start its compilation, not the run."""
