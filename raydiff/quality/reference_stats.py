@@ -104,8 +104,10 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
         data.source, data.format, images = ref, "auto", None
     with told_as_ref(ref):
         source = source_of(data)
+    # With labels the images without one are left out (the run trains on the others): another set of images.
+    labels = [data.labels, data.label_column] if data.labels == "auto" else []
     key = hashlib.sha256(json.dumps([source.identity(), data.resolution, data.channels, features.key,
-                                     keep_features]).encode()).hexdigest()[:24]
+                                     keep_features, *labels]).encode()).hexdigest()[:24]
     cache = RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / CACHE_FOLDER
     description = f"the reference statistics of {source.uri} at {data.resolution}px"
     if cache.is_file(f"{key}.npz"):
@@ -114,9 +116,16 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
         with told_as_ref(ref):
             images, _ = open_images(data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
     host_memory = cfg.train.keep_host_memory
-    if isinstance(images, ShardedImages):  # streamed: a few shards at a time
-        stats = total([parallel_stats("arrays", a, features, len(a), host_memory=host_memory,
-                                      keep_features=keep_features) for a in images.iter_arrays()])
+    if isinstance(images, ShardedImages):  # streamed: a few shards at a time, the usable images as in memory
+        usable = np.zeros(images.num_images, bool)
+        usable[images.usable_indices()] = True
+        parts, start = [], 0
+        for a in images.iter_arrays():
+            kept, start = a[usable[start:start + len(a)]], start + len(a)
+            if len(kept):
+                parts.append(parallel_stats("arrays", kept, features, len(kept), host_memory=host_memory,
+                                            keep_features=keep_features))
+        stats = total(parts)
     else:
         arrays = np.concatenate(images.arrays())[images.usable_indices()]
         stats = parallel_stats("arrays", arrays, features, len(arrays), host_memory=host_memory,

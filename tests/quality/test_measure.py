@@ -94,3 +94,48 @@ def test_the_best_row_of_an_evaluation_is_chosen_by_whichever_distance_it_measur
     assert best_line(rows) == "sigma_rel 0.1: kid 0.1"
     rows = [{"guidance": 1.0, "features_fd": 3.0, "features_kid": 0.1}, {"guidance": 2.0, "features_fd": 2.0}]
     assert best_line(rows) == "guidance 2: features_fd 2"
+
+
+def test_a_streamed_reference_leaves_out_the_images_a_run_does_not_train_on(tmp_path, monkeypatch):
+    """Streamed, the reference took every row of the shards, rows without a label included; in memory, the usable
+    images only: one key, two sets of images, whichever ran first cached. Now the usable ones either way."""
+    from raydiff.config import load_config
+    from raydiff.data.errors import BadSample
+    from raydiff.data.shard_format import write_prepared
+    from raydiff.data.sharded import ShardedImages
+    from raydiff.data.sources import open_source
+    from raydiff.quality import reference_stats
+    from raydiff.quality.stats import FeatureStats
+
+    shape = (1, 8, 8)
+    images = np.random.default_rng(0).integers(0, 256, (40, *shape), dtype=np.uint8)
+    digits = tmp_path / "digits"
+    source = open_source(str(_one_png(tmp_path / "raw")))
+    write_prepared(iter([(images, [])]), source, str(digits), shape=shape, rows_per_shard=16)
+    prepared = open_source(str(digits))
+    sharded = ShardedImages(uri=str(digits), source=str(digits), filesystem=prepared.filesystem, files=prepared.files,
+                            counts=(16, 16, 8), shape=shape, window_shards=1, buffer_bytes=1,
+                            bad=tuple(BadSample(index=i, where=f"row {i}", reason="no label") for i in (3, 20, 39)))
+    seen: list[int] = []
+
+    def stats(kind, arrays, features, n, **kw):
+        seen.extend(int(v) for v in arrays.reshape(len(arrays), -1)[:, 0])
+        out = FeatureStats.empty(1)
+        out.add(torch.from_numpy(arrays.reshape(len(arrays), -1)[:, :1].astype(np.float64)))
+        return out
+
+    monkeypatch.setattr(reference_stats, "parallel_stats", stats)
+    cfg = load_config("smoke", [f"data.source={digits}", f"run.storage={tmp_path / 'runs'}", "data.channels=1",
+                                "data.resolution=8"], check_source=False)
+    features = ModuleFeatures(nn.Flatten(), "flat")
+    reference = reference_stats.reference_for(cfg, features, keep_features=False, images=sharded)
+    usable = [i for i in range(40) if i not in (3, 20, 39)]
+    assert reference.count == 37 and seen == [int(images[i].reshape(-1)[0]) for i in usable]
+
+
+def _one_png(folder):
+    from PIL import Image
+
+    folder.mkdir()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(folder / "a.png")
+    return folder
