@@ -262,6 +262,8 @@ LATER_RULES: tuple[Rule, ...] = (
          "must be a list of fid and/or kid"),
     Rule("eval.features", lambda c: c.eval.features != "digits" or c.data.source == "builtin:digits",
          "digits features apply to data.source = builtin:digits only; use inception or auto"),
+    Rule("eval.inception_weights", lambda c: c.eval.inception_weights is None or "://" not in c.eval.inception_weights,
+         "a local copy is read (a URI is not): download the file to this machine"),
     Rule("eval.inception_weights", lambda c: c.eval.inception_weights is None or "://" in c.eval.inception_weights
          or Path(c.eval.inception_weights).is_file(), "no such file"),
     Rule("log.mlflow_uri", lambda c: c.log.mlflow_uri is None or bool(c.log.mlflow_uri.strip()),

@@ -55,6 +55,8 @@ from raydiff.config.checks import parse_sigma_rels
     ("eval.metrics=[fid,is]", "eval.metrics = ['fid', 'is']: must be a list of fid and/or kid"),
     ("eval.features=clip", "eval.features = 'clip': expected auto | inception | digits"),
     ("eval.inception_weights=/no/such.pth", "eval.inception_weights = '/no/such.pth': no such file"),
+    ("eval.inception_weights=s3://b/inception.pth", "eval.inception_weights = 's3://b/inception.pth': a local copy is "
+                                                    "read (a URI is not): download the file to this machine"),
     # Was found only when the run's first measurement read it, and told as data.source.
     ("eval.ref=/no/such/images", "eval.ref = '/no/such/images': no such file or folder"),
     ("eval.ref=/no/such/stats.npz", "eval.ref = '/no/such/stats.npz': no such file or folder"),
