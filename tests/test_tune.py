@@ -313,3 +313,23 @@ def test_trials_that_run_at_once_split_the_stream_buffer(ray_session, tmp_path):
     shared, cache = sweep_images(cfg, tmp_path / "shared", 2)
     assert shared.buffer_bytes == int(alone.buffer_bytes * 0.5) and shared.window_shards == alone.window_shards == 2
     assert max(shared.counts) < max(alone.counts) and "holds 1/2 of data.stream_buffer_gb" in cache
+
+
+def test_a_warmup_that_outlasts_asha_s_first_comparison_is_warned_of(tmp_path, capsys):
+    """Every trial keeps the config's warmup in images: a budget that ends (or is first compared) inside it ranks
+    learning rates that have not been reached yet."""
+    from types import SimpleNamespace
+
+    from raydiff.config import load_config
+    from raydiff.training.sweep_plan import plan_sweep
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "train.warmup_steps=100"])  # 1,600 images
+    args = SimpleNamespace(samples=1, lr="1e-3", batch="16,64", scaling="linear", max_concurrent=None, name=None,
+                           metric="val_loss", budget_images=None)
+    plan_sweep(SimpleNamespace(**{**vars(args), "budget_images": 64_000}), cfg)
+    assert capsys.readouterr().err == ""
+    sweep = plan_sweep(SimpleNamespace(**{**vars(args), "budget_images": 4096}), cfg)
+    assert capsys.readouterr().err == (
+        f"[raydiff] warning: train.warmup_steps = 100 warms the learning rate up over 1,600 images in every trial, "
+        f"past ASHA's first comparison at {sweep.grace_images:,}: trials would be ranked while still warming up; "
+        f"raise --budget-images or lower train.warmup_steps\n")

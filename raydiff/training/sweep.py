@@ -156,7 +156,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
     else:
         scheduler = ASHAScheduler(time_attr="images_seen", max_t=sweep.budget_images,
-                                  grace_period=min(2 * sweep.interval_images, sweep.budget_images),
+                                  grace_period=sweep.grace_images,
                                   reduction_factor=2)
         tuner = tune.Tuner(
             trainable,

@@ -12,6 +12,7 @@ import argparse
 import copy
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,11 @@ class Sweep:
     @property
     def trials(self) -> int:
         return len(self.base_lrs) * len(self.batches) * len(self.rules)
+
+    @property
+    def grace_images(self) -> int:
+        """Images a trial trains before ASHA may stop it: two validation points."""
+        return min(2 * self.interval_images, self.budget_images)
 
 
 def _parse_lrs(text: str, samples: int) -> tuple[float, ...]:
@@ -94,8 +100,15 @@ def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ConfigError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
     metric = "val_loss" if args.metric == "val_loss" else fd_metric_name(cfg)
-    return Sweep(name=name, base_lrs=base_lrs, batches=batches, rules=rules, budget_images=budget,
-                 interval_images=interval, max_concurrent=args.max_concurrent, metric=metric)
+    sweep = Sweep(name=name, base_lrs=base_lrs, batches=batches, rules=rules, budget_images=budget,
+                  interval_images=interval, max_concurrent=args.max_concurrent, metric=metric)
+    warmup_images = cfg.train.warmup_steps * cfg.train.global_batch  # every trial's, in images
+    if warmup_images >= sweep.grace_images:
+        past = "the whole budget" if warmup_images >= budget else f"ASHA's first comparison at {sweep.grace_images:,}"
+        print(f"[raydiff] warning: train.warmup_steps = {cfg.train.warmup_steps} warms the learning rate up over "
+              f"{warmup_images:,} images in every trial, past {past}: trials would be ranked while still warming "
+              f"up; raise --budget-images or lower train.warmup_steps", file=sys.stderr)
+    return sweep
 
 
 def fd_metric_name(cfg: Config) -> str:
