@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -370,26 +370,32 @@ def matmul_precision() -> str:
         return {"tf32": "high", "bf16": "medium"}.get(torch.backends.cuda.matmul.fp32_precision, "highest")
 
 
+def tf32_flags() -> tuple[str, Any]:
+    """fp32 matmuls' and cuDNN convolutions' precision settings as they are now (for `restore_tf32_flags`)."""
+    conv = torch.backends.cudnn.conv.fp32_precision if tf32_by_precision() else torch.backends.cudnn.allow_tf32  # type: ignore[attr-defined]
+    return matmul_precision(), conv
+
+
+def restore_tf32_flags(saved: tuple[str, Any]) -> None:
+    """Put back what `tf32_flags` read."""
+    matmul, conv = saved
+    if tf32_by_precision():
+        torch.backends.cudnn.conv.fp32_precision = conv  # type: ignore[attr-defined]
+    else:
+        torch.backends.cudnn.allow_tf32 = conv
+    torch.set_float32_matmul_precision(matmul)
+
+
 @contextlib.contextmanager
 def full_fp32() -> Iterator[None]:
     """Convolutions and matmuls in IEEE fp32 while the block runs. On Ampere and newer GPUs cuDNN convolutions
     use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32."""
-    saved_matmul = matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    by_precision = tf32_by_precision()
-    if by_precision:
-        conv = torch.backends.cudnn.conv  # type: ignore[attr-defined]
-        saved_conv, conv.fp32_precision = conv.fp32_precision, "ieee"
-    else:
-        saved_conv, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    saved = tf32_flags()
+    restore_tf32_flags(("highest", "ieee" if tf32_by_precision() else False))
     try:
         yield
     finally:
-        if by_precision:
-            conv.fp32_precision = saved_conv
-        else:
-            torch.backends.cudnn.allow_tf32 = saved_conv
-        torch.set_float32_matmul_precision(saved_matmul)
+        restore_tf32_flags(saved)
 
 
 def build_diffusion(cfg) -> GaussianDiffusion:

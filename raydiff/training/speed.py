@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from raydiff.cluster.host_memory import host_memory_kept
-from raydiff.model.diffusion import matmul_precision, tf32_by_precision
+from raydiff.model.diffusion import restore_tf32_flags, tf32_by_precision, tf32_flags
 
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
@@ -152,21 +152,15 @@ def apply_training_flags(plan: SpeedPlan, device: torch.device) -> None:
     torch.backends.cudnn.benchmark = device.type == "cuda"
 
 
-def backend_flags() -> tuple[str, Any, bool]:
+def backend_flags() -> tuple[tuple[str, Any], bool]:
     """The settings `apply_training_flags` changes, as they are now (for `restore_backend_flags`)."""
-    conv = torch.backends.cudnn.conv.fp32_precision if tf32_by_precision() else torch.backends.cudnn.allow_tf32  # type: ignore[attr-defined]
-    return matmul_precision(), conv, torch.backends.cudnn.benchmark
+    return tf32_flags(), torch.backends.cudnn.benchmark
 
 
-def restore_backend_flags(saved: tuple[str, Any, bool]) -> None:
+def restore_backend_flags(saved: tuple[tuple[str, Any], bool]) -> None:
     """Put back what `backend_flags` read (a bench's loops, one after another in one process, each as it is set)."""
-    matmul, conv, benchmark = saved
-    torch.set_float32_matmul_precision(matmul)
-    if tf32_by_precision():
-        torch.backends.cudnn.conv.fp32_precision = conv  # type: ignore[attr-defined]
-    else:
-        torch.backends.cudnn.allow_tf32 = conv
-    torch.backends.cudnn.benchmark = benchmark
+    tf32, torch.backends.cudnn.benchmark = saved
+    restore_tf32_flags(tf32)
 
 
 def set_tf32(on: bool) -> None:
