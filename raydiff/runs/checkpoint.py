@@ -26,12 +26,11 @@ from typing import Any
 import torch
 
 from raydiff.model.unet import build_model, count_parameters
-from raydiff.storage.atomic import new_file, scratch_folder, sync_folder, sync_tree
+from raydiff.storage.atomic import is_new_file_tmp, new_file, scratch_folder, sync_folder, sync_tree
 from raydiff.storage.errors import StorageFailure, elsewhere, permanent_reason
 from raydiff.storage.rundir import RunDir
 
 STATE_FILE = "state.pt"
-NEW_FILE_TMP = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")  # `atomic.new_file`'s hidden name for a file being written
 PARTIAL = ".partial-"  # a checkpoint folder being written: `.checkpoint_<step>.partial-<id>`, never listed
 _NAME = re.compile(r"checkpoint_(\d{8})(?:-(\d+))?$")
 UPLOAD_CHUNK = 8 * 2**20
@@ -219,7 +218,7 @@ def remove_partial_writes(run_dir: Location) -> list[str]:
         removed.append(partial.name)
     for folder in (run.local, *(p for p in sorted(run.local.iterdir()) if p.is_dir() and not p.name.startswith("."))):
         for hidden in sorted(folder.glob(".*.tmp")):
-            if NEW_FILE_TMP.fullmatch(hidden.name) and hidden.is_file():
+            if is_new_file_tmp(hidden.name) and hidden.is_file():
                 hidden.unlink(missing_ok=True)
                 removed.append(str(hidden.relative_to(run.local)))
     return removed

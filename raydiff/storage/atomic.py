@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -40,7 +41,7 @@ def new_file(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Path]
     whose own publication syncs it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # `is_new_file_tmp`
     try:
         yield tmp
         if durable:
@@ -51,6 +52,11 @@ def new_file(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Path]
         raise
     if durable:
         sync_folder(path.parent)
+
+
+def is_new_file_tmp(name: str) -> bool:
+    """Whether a file name is one `new_file` writes under (what a process killed mid-write leaves)."""
+    return re.fullmatch(r"\..+\.[0-9a-f]{8}\.tmp", name) is not None
 
 
 @contextmanager
