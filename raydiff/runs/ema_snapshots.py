@@ -23,6 +23,7 @@ import torch
 from raydiff.config import Config
 from raydiff.model.unet import build_model, count_parameters
 from raydiff.model.weight_averages import PowerEma, combine, solve_coefficients
+from raydiff.runs.state import bad_file_reason
 from raydiff.storage.rundir import RunDir
 
 SNAPSHOT_DIR = "ema_snapshots"
@@ -82,11 +83,11 @@ def read_snapshot(run_dir: RunDir, step: int) -> dict[str, Any]:
     file), rather than torch's advice to switch its safe loader off."""
     try:
         return torch.load(run_dir.open_binary(snapshot_name(step)), map_location="cpu", weights_only=True)
-    except (OSError, MemoryError, torch.OutOfMemoryError):  # storage or memory, not the file: as they are
-        raise
     except Exception as exc:
-        raise ValueError(f"{run_dir / snapshot_name(step)}: not a readable snapshot (truncated, empty, or not a "
-                         f"torch file: {type(exc).__name__})") from None
+        reason = bad_file_reason(exc, "snapshot")
+        if reason is None:  # storage or memory, not the file: as they are
+            raise
+        raise ValueError(f"{run_dir / snapshot_name(step)}: {reason}") from None
 
 
 class NoSuchSnapshot(ValueError):

@@ -41,7 +41,7 @@ logger = logging.getLogger("raydiff")
 REQUIRED_KEYS = ("model", "ema", "optimizer", "scaler", "step", "images_seen", "counters", "window", "config")
 READ_ATTEMPTS = 3  # attempts at a read that meets a storage error (OSError), with a growing pause between them
 READ_RETRY_S = 1.0
-NOT_A_CHECKPOINT = "not a readable checkpoint (truncated, empty, or not a torch file)"
+NOT_READABLE = "not a readable {what} (truncated, empty, or not a torch file)"
 # OSErrors that torch.load raises for the file's content: a seek before the start of a zip cut short.
 CONTENT_ERRNOS = {errno.EINVAL}
 
@@ -124,27 +124,30 @@ def read_with_retries(path: RunDir) -> dict[str, Any]:
             return read_state(path)
         except FileNotFoundError:
             raise
-        except OSError as exc:
-            if exc.errno in CONTENT_ERRNOS:
-                raise DamagedCheckpoint(NOT_A_CHECKPOINT) from exc
-            if attempt == READ_ATTEMPTS - 1 or permanent_reason(exc) is not None:  # refused permission: no retry
-                raise
-            time.sleep(READ_RETRY_S * 2**attempt)
         except Exception as exc:
-            if _out_of_memory(exc):
-                raise
-            raise DamagedCheckpoint(_unreadable(exc)) from exc
+            reason = bad_file_reason(exc)
+            if reason is not None:
+                raise DamagedCheckpoint(reason) from exc
+            if not isinstance(exc, OSError) or attempt == READ_ATTEMPTS - 1 or permanent_reason(exc) is not None:
+                raise  # memory, or storage no retry can fix (refused permission), or beyond the retries
+            time.sleep(READ_RETRY_S * 2**attempt)
     raise AssertionError("unreachable")
 
 
-def _unreadable(exc: BaseException) -> str:
-    """Why torch.load refused a file, in words: the Python class a checkpoint holds that the safe loader does not
-    load, or NOT_A_CHECKPOINT (unpickling errors, EOFError, a zip torch cannot read, and the like)."""
+def bad_file_reason(exc: BaseException, what: str = "checkpoint") -> str | None:
+    """Why `exc`, from torch.load, says the file itself is bad, in words (torch's own would tell the user to switch
+    the safe loader off): the Python class it holds that the safe loader does not load, or NOT_READABLE
+    (unpickling errors, EOFError, a zip torch cannot read, a seek before a cut-short zip's start); None where
+    storage or memory failed, not the file."""
+    if isinstance(exc, OSError):
+        return NOT_READABLE.format(what=what) if exc.errno in CONTENT_ERRNOS else None
+    if _out_of_memory(exc):
+        return None
     text = str(exc)
     if "Unsupported global: GLOBAL " in text:
         name = text.split("Unsupported global: GLOBAL ", 1)[1].split()[0]
         return f"it holds a Python object ({name}), which raydiff does not load: only tensors and plain data"
-    return NOT_A_CHECKPOINT
+    return NOT_READABLE.format(what=what)
 
 
 def _out_of_memory(exc: BaseException) -> bool:
