@@ -229,7 +229,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     # Train's controller, which takes its own timeouts from the environment of the driver that starts the run.
     collective_timeout_s, hang_env = hang_timeouts(s.hang_timeout_s)
     os.environ.update(hang_env)
-    lost_workers = LostWorkers(max_failures=requested.run.max_failures, hang_timeout_s=s.hang_timeout_s)
+    nccl = bool(scaling.use_gpu)  # TorchConfig's backend: NCCL on GPUs, gloo on CPUs
+    lost_workers = LostWorkers(max_failures=requested.run.max_failures, hang_timeout_s=s.hang_timeout_s, nccl=nccl)
     # ray.train names Train V2's classes at run time (a worker's return value reaches the driver; RunConfig takes
     # a logging config); type checkers see V1's.
     trainer = TorchTrainer(
@@ -273,7 +274,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
             lost = getattr(exc, "worker_failures", None)
     error = failed_because.splitlines()[0] if failed_because else None
     if lost:  # Ray Train's first line is "Training failed due to worker errors:"; which, and how, is the news
-        error = "; ".join(causes(lost, s.hang_timeout_s))
+        error = "; ".join(causes(lost, s.hang_timeout_s, nccl=nccl))
     if outcome is not None and outcome.status == WorkerStatus.UNRESUMABLE:  # nothing was trained or written:
         raise Unresumable(outcome.diagnostic)  # refuse, as for a bad config
     if outcome is not None and outcome.status == WorkerStatus.REFUSED:

@@ -8,7 +8,8 @@ after the replayed backward pass, outside the graphs, so the step replays as CUD
 workers. What it gives up is DDP's overlap of the all-reduce with the backward pass: little inside a node, more
 across slow links (docs/training.md#performance). The arithmetic is DDP's (each worker's gradients divided by the
 world size, then summed; in bf16 with `train.grad_compression: bf16`, as DDP's `bf16_compress_hook`), so both
-train the same weights (tests/training/test_speed.py).
+train the same weights (tests/training/test_speed.py; to rounding under NCCL with three or more GPUs, whose order
+of summing follows its chunking of a buffer: 25 MB buckets, or one of 143 MB).
 """
 
 from __future__ import annotations

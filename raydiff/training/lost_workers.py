@@ -14,6 +14,11 @@ shortens (a hung worker cannot take part in it).
 a peer was lost, and that of an object store's error that outlasted the storage's retries (a 503, a timeout: the
 line names it; its traceback shows pyarrow's insides). Every other error, and its traceback, still shows.
 `scaling.hang_timeout_s` is the one time after which a silent worker counts as lost (`hang_timeouts`).
+
+On GPUs (NCCL) a loss reads otherwise: Ray Train sets `TORCH_NCCL_ASYNC_ERROR_HANDLING`, so NCCL's watchdog ends
+the process of a worker whose collective lost its peer or waited past the timeout, rather than raising in it. The
+survivors' processes end too, and the worker that hung may be the one still running: the line says so, naming
+all of the ended processes in one phrase, rather than blaming the first two as lost in their own right.
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ SHUTDOWN_ENV, SHUTDOWN_AFTER_A_LOSS_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
 # What a collective raises in a worker whose peer was lost, or never came (gloo; its source's file and line vary).
 PEER_LOST = re.compile(r"^RuntimeError: \[\S*gloo\S*\] (?:Connection closed by peer|Read error \S*: Connection "
                        r"reset by peer|Timed out waiting \d+ms for (?:recv|send) operation to complete)")
-_TIMED_OUT = re.compile(r"Timed out waiting \d+ms")
+# Where NCCL raises instead (a collective called after its communicator was aborted, or with blocking waits).
+# In a traceback its last line may be NCCL's detail (a second line of the message, read as an exception's).
+NCCL_PEER_LOST = re.compile(r"^(?:(?:[\w.]*\.)?DistBackendError: .*(?:remote process exited|NCCL communicator was "
+                            r"aborted|Watchdog caught collective operation timeout)|ncclRemoteError: )")
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms|Watchdog caught collective operation timeout")
 _TRAINING_ERROR = "Error in training function:"  # Ray Train's record of a worker's exception, traceback included
 # The controller's warnings when it shuts down a worker group that lost a worker (each with its own traceback).
 _SHUTDOWN_WARNINGS = {"ray.train.v2._internal.callbacks.backend_setup": "Graceful shutdown of backend failed",
@@ -64,7 +73,7 @@ def hang_timeouts(hang_timeout_s: float) -> tuple[int, dict[str, str]]:
 def lost_peer(traceback_text: str) -> bool:
     """Whether a worker's traceback ends in a collective that failed because another worker was lost."""
     last = _last_exception(traceback_text)
-    return last is not None and (PEER_LOST.match(last) is not None
+    return last is not None and (PEER_LOST.match(last) is not None or NCCL_PEER_LOST.match(last) is not None
                                  or last.split(":")[0].endswith(BroadcastCollectiveTimeoutError.__name__))
 
 
@@ -109,8 +118,8 @@ def quiet_tracebacks_said_in_a_line() -> None:
 
 def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[str, str]:
     """(kind, what happened to worker `rank`), from the error Ray Train's controller has for it: kind is `lost`
-    (died, hung, preempted), `raised` (an error of its own) or `aftermath` (a collective that failed because
-    another worker was lost)."""
+    (hung, preempted, unreachable), `ended` (its process ended: `ended_processes` says it), `raised` (an error of
+    its own) or `aftermath` (a collective that failed because another worker was lost)."""
     if isinstance(error, RayTaskError) and isinstance(error.cause, BaseException):
         error = error.cause  # a task's error as Ray Train may pass it on (the broadcast of a report that timed out)
     if isinstance(error, WorkerHealthCheckTimeoutError):
@@ -120,7 +129,7 @@ def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[st
             return "lost", f"worker {rank}'s node was preempted"
         if isinstance(error.health_check_failure, ActorUnavailableError):
             return "lost", f"worker {rank} could not be reached (its node or network)"
-        return "lost", f"worker {rank}'s process ended (killed, out of memory, or its node was lost)"
+        return "ended", f"worker {rank}"
     first = (str(error).strip().splitlines() or [""])[0]
     said = f"{type(error).__name__}: {first}"
     if storage_outlasted_retries(said):
@@ -133,29 +142,53 @@ def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[st
     return "aftermath", f"worker {rank} lost its connection to another worker"
 
 
+def ended_processes(ranks: list[int], hang_timeout_s: float, *, nccl: bool) -> str:
+    """The workers whose processes ended, in one phrase. Under NCCL that is also what becomes of the survivors of a
+    loss (its watchdog ends them), so it cannot say which of them, if any, went first."""
+    if len(ranks) == 1:
+        who, whose, node = f"worker {ranks[0]}", "process", "its node"
+    else:
+        who, whose, node = f"workers {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}", "processes", "their node"
+    why = f"killed, out of memory, or {node} was lost"
+    if nccl:
+        why = (f"killed, out of memory or {node} lost; or ended by NCCL when a collective lost another worker or "
+               f"waited {hang_timeout_s:g} s for a hung one, scaling.hang_timeout_s")
+    return f"{who}'s {whose} ended ({why})"
+
+
 def _preempted(error: BaseException) -> bool:
     """Whether a worker died because its node was preempted (Ray Train's own test)."""
     died = error.health_check_failure if isinstance(error, WorkerHealthCheckFailedError) else error
     return isinstance(died, RayActorError) and died.preempted
 
 
-def causes(worker_exceptions: Mapping[int, BaseException], hang_timeout_s: float) -> list[str]:
+_ORDER = {"lost": 0, "raised": 0, "ended": 1, "aftermath": 2}  # ended processes may be the aftermath (NCCL)
+
+
+def causes(worker_exceptions: Mapping[int, BaseException], hang_timeout_s: float, *, nccl: bool = False) -> list[str]:
     """What failed, worker by worker: the lost workers and those that raised errors of their own, not the
-    collectives that failed because of them (unless nothing else is known); two at most."""
-    said = [describe(rank, error, hang_timeout_s) for rank, error in sorted(worker_exceptions.items())]
-    return ([what for kind, what in said if kind != "aftermath"] or [what for _, what in said])[:2]
+    collectives that failed because of them (unless nothing else is known); two at most, the workers whose
+    processes ended counting as one. `nccl`: the workers' collectives are NCCL's (GPUs)."""
+    said = [(rank, *describe(rank, error, hang_timeout_s)) for rank, error in sorted(worker_exceptions.items())]
+    lines = [(kind, what) for _, kind, what in said if kind != "ended"]
+    ended = [rank for rank, kind, _ in said if kind == "ended"]
+    if ended:
+        lines.append(("ended", ended_processes(ended, hang_timeout_s, nccl=nccl)))
+    lines.sort(key=lambda line: _ORDER[line[0]])
+    return ([what for kind, what in lines if kind != "aftermath"] or [what for _, what in lines])[:2]
 
 
 class LostWorkers(ray.train.UserCallback):
     """Says, from Ray Train's controller, each failure of the worker group in one line, and what comes of it."""
 
-    def __init__(self, *, max_failures: int, hang_timeout_s: float) -> None:
+    def __init__(self, *, max_failures: int, hang_timeout_s: float, nccl: bool = False) -> None:
         self.max_failures = max_failures
         self.hang_timeout_s = hang_timeout_s
+        self.nccl = nccl
         self.failures = 0  # as Ray Train counts them against max_failures: preemptions apart
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        said = causes(worker_exceptions, self.hang_timeout_s)
+        said = causes(worker_exceptions, self.hang_timeout_s, nccl=self.nccl)
         # As Ray Train counts: a preemption among the errors makes the failure a preemption's.
         preempted = any(_preempted(error) for error in worker_exceptions.values())
         if not preempted:

@@ -16,6 +16,7 @@ from ray.train.v2._internal.exceptions import (
     WorkerHealthCheckFailedError,
     WorkerHealthCheckTimeoutError,
 )
+from torch.distributed import DistBackendError
 
 from raydiff.training.lost_workers import (
     HEALTH_CHECK_ENV,
@@ -36,6 +37,14 @@ THROTTLED = OSError("When getting information for key 'runs/smoke/checkpoint_000
                     "UNKNOWN (HTTP status 503) during HeadObject operation: No response body.")
 HUNG = WorkerHealthCheckTimeoutError("A worker health check has been hanging for 15.20 seconds.")
 DIED = WorkerHealthCheckFailedError("poll failed", ActorDiedError())
+# What NCCL raises where it raises at all (its own error text, in torch's DistBackendError).
+NCCL_PEER_EXITED = DistBackendError("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3690, "
+                                    "remote process exited or there was a network error, NCCL version 2.27.5\n"
+                                    "ncclRemoteError: A call failed possibly due to a network error or a remote "
+                                    "process exiting prematurely.")
+NCCL_TIMED_OUT = DistBackendError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
+                                  "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=15000) ran for 15001 "
+                                  "milliseconds before timing out.")
 
 
 def test_the_lost_worker_is_named_not_the_collectives_it_broke():
@@ -60,6 +69,36 @@ def test_a_collective_that_timed_out_alone_says_a_worker_hangs():
                            BroadcastCollectiveTimeoutError(15.1, [1], 15))
     assert causes({0: wrapped}, 15) == causes({0: TIMED_OUT}, 15)
     assert causes({0: PEER_CLOSED}, 15) == ["worker 0 lost its connection to another worker"]
+
+
+def test_under_nccl_the_ended_processes_are_one_phrase_that_says_nccl_may_have_ended_them():
+    # NCCL's watchdog ends the process of each survivor whose collective lost its peer or timed out (Ray Train sets
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING): the worker that hung may be the one still running, so no rank is blamed.
+    assert causes({0: DIED, 2: DIED, 3: DIED}, 15, nccl=True) == [
+        "workers 0, 2 and 3's processes ended (killed, out of memory or their node lost; or ended by NCCL when a "
+        "collective lost another worker or waited 15 s for a hung one, scaling.hang_timeout_s)"]
+    assert causes({1: DIED}, 15, nccl=True) == [
+        "worker 1's process ended (killed, out of memory or its node lost; or ended by NCCL when a collective lost "
+        "another worker or waited 15 s for a hung one, scaling.hang_timeout_s)"]
+    assert causes({0: DIED, 1: DIED}, 15) == [
+        "workers 0 and 1's processes ended (killed, out of memory, or their node was lost)"]
+    # A preempted node is named first, however many processes ended beside it and whatever their ranks.
+    preempted = WorkerHealthCheckFailedError("poll failed", RayActorError(preempted=True))
+    assert causes({0: DIED, 1: DIED, 5: preempted}, 15, nccl=True) == [
+        "worker 5's node was preempted",
+        "workers 0 and 1's processes ended (killed, out of memory or their node lost; or ended by NCCL when a "
+        "collective lost another worker or waited 15 s for a hung one, scaling.hang_timeout_s)"]
+
+
+def test_what_nccl_raises_when_a_peer_is_lost_is_the_aftermath_not_the_cause():
+    assert causes({0: NCCL_PEER_EXITED, 1: DIED}, 15, nccl=True)[0].startswith("worker 1's process ended")
+    assert causes({0: NCCL_PEER_EXITED}, 15, nccl=True) == ["worker 0 lost its connection to another worker"]
+    assert causes({0: NCCL_TIMED_OUT}, 15, nccl=True) == causes({0: TIMED_OUT}, 15)
+    aborted = DistBackendError("NCCL communicator was aborted on rank 3.")
+    assert causes({3: aborted, 1: ValueError("bad pixel")}, 15, nccl=True) == ["worker 1 raised ValueError: bad pixel"]
+    # Any other NCCL error is the worker's own.
+    assert causes({0: DistBackendError("NCCL error in: x.cpp:1, invalid usage")}, 15, nccl=True) == [
+        "worker 0 raised DistBackendError: NCCL error in: x.cpp:1, invalid usage"]
 
 
 def test_an_error_of_a_workers_own_is_named_with_its_first_line():
@@ -112,6 +151,8 @@ def test_a_workers_traceback_of_a_collective_that_lost_its_peer_is_left_out_and_
     assert len(logging.getLogger(util).filters) == 1
     assert not _shown(util, _training_error(f"RuntimeError: {PEER_CLOSED}"))
     assert not _shown(util, _training_error(f"RuntimeError: {TIMED_OUT}"))
+    assert not _shown(util, _training_error(f"torch.distributed.DistBackendError: {NCCL_PEER_EXITED}"))
+    assert not _shown(util, _training_error(f"torch.distributed.DistBackendError: {NCCL_TIMED_OUT}"))
     assert not _shown(util, _training_error("ray.train.v2._internal.exceptions.BroadcastCollectiveTimeoutError: "
                                             "The collective operation timed out after 15.10 seconds."))
     assert _shown(util, _training_error("ValueError: bad pixel"))
