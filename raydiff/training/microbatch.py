@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from raydiff.config import ConfigError
 from raydiff.data.order import rank_share
 from raydiff.model.unet import UNet
 
@@ -20,9 +21,22 @@ logger = logging.getLogger("raydiff")
 SAFETY_MARGIN = 0.9  # use 90% of the largest batch that fit: the allocator fragments over a long run
 
 
-class NothingFits(RuntimeError):
+class NothingFits(ConfigError):
     """`train.micro_batch: auto` found that not even one image fits a worker's device: the run cannot train as
-    configured (every worker raises it alike, after agreeing; nothing has been trained or written)."""
+    configured (every worker raises it alike, after agreeing; nothing has been trained or written). A config
+    error, so that a command that plans memory in its own process (`raydiff.lr_find`) says it in one line too."""
+
+
+# cuDNN's own words for an allocation that failed (its autotuning asks for workspace near the limit), which torch
+# raises as a plain RuntimeError, not an OutOfMemoryError.
+_CUDNN_OUT_OF_MEMORY = ("CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+                        "Unable to find a valid cuDNN algorithm")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether an error of a forward or backward pass says the device's memory ran out."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and any(words in str(error) for words in _CUDNN_OUT_OF_MEMORY))
 
 
 def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
@@ -48,41 +62,59 @@ def probe_share(global_batch: int, world_size: int) -> int:
 
 def measure_micro_batch(model: torch.nn.Module, diffusion, optimizer: torch.optim.Optimizer, *, share: int,
                         shape: tuple[int, int, int], device: torch.device, autocast_dtype: torch.dtype | None) -> int:
-    """Largest micro-batch (<= share) whose forward + backward fits next to the weights, EMA and optimizer; 0 if
-    not even one image does."""
+    """Largest micro-batch (<= share) whose forward + backward fits next to the weights, EMA and optimizer, less
+    the safety margin; 0 if not even one image does."""
     if device.type != "cuda":
         logger.info(f"[raydiff] train.micro_batch=auto on {device.type}: no memory to probe, one pass per step "
                     f"(micro-batch {share})")
         return share
-    # Reserve what AdamW will hold after its first step, so the probe does not hand that memory out twice.
-    reserve = [torch.empty_like(p, dtype=torch.float32) for p in model.parameters() for _ in range(2)
-               if not optimizer.state.get(p)]
-
-    def fits(n: int) -> bool:
-        x = torch.randn(n, *shape, device=device)
-        t = torch.randint(0, diffusion.timesteps, (n,), device=device)
-        try:
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                loss = diffusion.loss_per_sample(model, x, t, torch.randn_like(x)).sum()
-            loss.backward()
-            return True
-        except torch.cuda.OutOfMemoryError:
-            return False
-        finally:
-            model.zero_grad(set_to_none=True)
-            del x, t
-            torch.cuda.empty_cache()
-
-    try:
-        largest = largest_fitting(fits, share)
-    finally:
-        del reserve
-        torch.cuda.empty_cache()
+    largest = largest_that_fits(model, diffusion, optimizer, share=share, shape=shape, device=device,
+                                autocast_dtype=autocast_dtype)
     if largest == 0:  # said by `plan_memory`, once every worker agrees (a raise here would hang the others)
         return 0
     chosen = max(1, int(largest * SAFETY_MARGIN)) if largest < share else share
     logger.info(f"[raydiff] train.micro_batch=auto: up to {largest} images fit on {device}; using {chosen}")
     return chosen
+
+
+def largest_that_fits(model: torch.nn.Module, diffusion, optimizer: torch.optim.Optimizer, *, share: int,
+                      shape: tuple[int, int, int], device: torch.device, autocast_dtype: torch.dtype | None) -> int:
+    """The probe itself: the largest n <= share whose forward + backward passes ran, beside a reserve for the
+    optimizer's moments; 0 if not even one image, or not the reserve, fits. Only running out of memory counts as
+    not fitting; any other error is raised. Every allocation is inside the probe's try: an out-of-memory error that
+    escaped it would end this worker before the collective the others wait in (`plan_memory`'s agree)."""
+    def forward_and_backward(n: int) -> None:  # its tensors go with its frame, before the cache is emptied
+        x = torch.randn(n, *shape, device=device)
+        t = torch.randint(0, diffusion.timesteps, (n,), device=device)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = diffusion.loss_per_sample(model, x, t, torch.randn_like(x)).sum()
+        loss.backward()
+
+    def fits(n: int) -> bool:
+        try:
+            forward_and_backward(n)
+            return True
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one
+            if not out_of_memory(exc):
+                raise
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    reserve: list[torch.Tensor] = []
+    try:
+        # Reserve what AdamW will hold after its first step, so the probe does not hand that memory out twice.
+        reserve = [torch.empty_like(p, dtype=torch.float32) for p in model.parameters() for _ in range(2)
+                   if not optimizer.state.get(p)]
+        return largest_fitting(fits, share)
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        return 0  # not even the optimizer's moments fit beside the model
+    finally:
+        reserve.clear()
+        torch.cuda.empty_cache()
 
 
 def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,

@@ -5,9 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raydiff import cli
 from raydiff.data.order import micro_batches, rank_share
 from raydiff.training import microbatch
-from raydiff.training.microbatch import largest_fitting, measure_micro_batch, plan_memory, probe_share
+from raydiff.training.microbatch import (
+    NothingFits,
+    largest_fitting,
+    largest_that_fits,
+    measure_micro_batch,
+    plan_memory,
+    probe_share,
+)
 
 
 @pytest.mark.parametrize("limit, upper, expected", [(37, 128, 37), (1, 64, 1), (0, 64, 0), (500, 64, 64),
@@ -81,3 +89,59 @@ def test_a_device_where_not_one_image_fits_refuses_the_run_in_one_line_on_every_
         plan_memory(model, None, None, fixed_micro_batch=None, checkpointing=checkpointing, share=48,
                     shape=(3, 256, 256), device=torch.device("cuda"), autocast_dtype=None, agree=lambda n: n)
 
+
+
+class _RunsOutAbove:
+    """A diffusion whose forward pass runs out of memory above `limit` images, as `error` says it."""
+    timesteps = 10
+
+    def __init__(self, limit: int, error: Exception) -> None:
+        self.limit, self.error = limit, error
+
+    def loss_per_sample(self, model, x, t, noise):
+        if len(x) > self.limit:
+            raise self.error
+        return model(x.flatten(1)).square().mean(1)
+
+
+@pytest.mark.parametrize("error", [
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),  # cuDNN's autotuning near the limit: not torch's OOM
+    RuntimeError("Unable to find a valid cuDNN algorithm to run convolution")])
+def test_the_probe_reads_running_out_of_memory_in_each_of_its_forms_as_not_fitting(error):
+    model = torch.nn.Linear(4, 1)
+    found = largest_that_fits(model, _RunsOutAbove(5, error), torch.optim.AdamW(model.parameters()), share=48,
+                              shape=(1, 2, 2), device=torch.device("cpu"), autocast_dtype=None)
+    assert found == 5 and model.weight.grad is None  # and the probe's gradients are gone
+
+
+def test_the_probe_raises_any_error_that_is_not_running_out_of_memory():
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+        largest_that_fits(model, _RunsOutAbove(5, RuntimeError("shape mismatch")),
+                          torch.optim.AdamW(model.parameters()), share=48, shape=(1, 2, 2),
+                          device=torch.device("cpu"), autocast_dtype=None)
+
+
+@pytest.mark.parametrize("where", ["reserve", "input"])
+def test_running_out_of_memory_outside_the_forward_pass_is_nothing_fits_not_a_worker_traceback(monkeypatch, where):
+    """The optimizer's reserve or one image's input that does not fit is 0, as one image that does not: every
+    worker then reaches the collective that agrees on it (an error escaping here left the others waiting)."""
+    def runs_out(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "empty_like" if where == "reserve" else "randn", runs_out)
+    model = torch.nn.Linear(4, 1)
+    assert largest_that_fits(model, _RunsOutAbove(5, RuntimeError("unreached")),
+                             torch.optim.AdamW(model.parameters()), share=48, shape=(1, 2, 2),
+                             device=torch.device("cpu"), autocast_dtype=None) == 0
+
+
+def test_nothing_fits_is_one_line_and_exit_2_from_any_command(capsys):
+    # raydiff.lr_find plans memory in its own process (a run's workers report it to the driver instead).
+    def main(argv):
+        raise NothingFits("train.micro_batch=auto: not even one 3x256x256 image fits on cuda")
+
+    assert cli.run(main) == 2
+    assert capsys.readouterr().err == ("raydiff: config error: train.micro_batch=auto: not even one 3x256x256 image "
+                                       "fits on cuda\n")
