@@ -53,11 +53,15 @@ def _setup(precision: str = "fp32", *, channels_last: bool = False, dropout: flo
     return inputs, ema, EmaUpdater(ema, model), cfg
 
 
-def _apply(inputs: StepParts, *, compile_model: bool, cuda_graphs: bool = False, channels_last: bool = False) -> None:
-    """The step's loss as a worker runs it under this plan (one worker: no DDP)."""
+def _apply(inputs: StepParts, *, compile_model: bool, cuda_graphs: bool = False, channels_last: bool = False,
+           ddp: bool = False) -> None:
+    """The step's loss as a worker runs it under this plan: one worker (no DDP), or `ddp` as one of several
+    (DDP with bf16 gradient compression, in whatever process group is initialised)."""
     plan = SpeedPlan(compile=compile_model, compile_fallback=False, channels_last=channels_last,
-                     cuda_graphs=cuda_graphs, tf32=True, grad_compression="none")
-    inputs.loss, inputs.cuda_graphs = for_training(inputs.loss, plan, inputs.device, world_size=1), cuda_graphs
+                     cuda_graphs=cuda_graphs, tf32=True, grad_compression="bf16" if ddp else "none",
+                     allreduce="ddp" if ddp else "none")
+    inputs.loss = for_training(inputs.loss, plan, inputs.device, world_size=2 if ddp else 1)
+    inputs.cuda_graphs = cuda_graphs
 
 
 def _stream(cfg, micro_batch: int = 8) -> BatchStream:
@@ -158,11 +162,12 @@ def test_dropout_on_the_gpu_is_a_function_of_the_stream_position(mode):
     assert (first - unseeded).abs().mean() > 0.1 * first.abs().mean()
 
 
-def _three_steps(*, compile_model: bool, channels_last: bool, cuda_graphs: bool, flat: bool = False):
+def _three_steps(*, compile_model: bool, channels_last: bool, cuda_graphs: bool, flat: bool = False,
+                 ddp: bool = False):
     """Three steps of two micro-batches each under this plan: the losses, and how far each weight moved."""
     inputs, _, ema_update, cfg = _setup("fp32", channels_last=channels_last)
     start = [p.detach().clone() for p in unwrap(inputs.loss).parameters()]
-    _apply(inputs, compile_model=compile_model, cuda_graphs=cuda_graphs, channels_last=channels_last)
+    _apply(inputs, compile_model=compile_model, cuda_graphs=cuda_graphs, channels_last=channels_last, ddp=ddp)
     if flat:
         inputs.flat_grads = FlatGradients(list(unwrap(inputs.loss).parameters()), world_size=1, compression="none")
     stream = _stream(cfg)
@@ -208,6 +213,23 @@ def test_the_flat_all_reduce_under_cuda_graphs_trains_as_eager(tmp_path):
     finally:
         dist.destroy_process_group()
     _assert_same_steps(*flat, *eager, "flat all-reduce, CUDA graphs, NHWC")
+
+
+def test_compiled_ddp_with_bf16_gradients_trains_as_eager(tmp_path):
+    """DDP under torch.compile, as several workers run it without the flat all-reduce (across nodes, and the
+    one-GPU-per-node presets), in a one-process NCCL group: inductor, NHWC, DDP's buckets split into graphs of
+    their own, gradients averaged in bf16 by DDP's comm hook, the first of two micro-batches under no_sync. The CPU
+    suite runs DDP eager, over gloo. The same losses, and weights that moved as eager's did (bf16 rounds the
+    gradients, not the steps)."""
+    import torch.distributed as dist
+
+    eager = _three_steps(compile_model=False, channels_last=False, cuda_graphs=False)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        ddp = _three_steps(compile_model=True, channels_last=True, cuda_graphs=False, ddp=True)
+    finally:
+        dist.destroy_process_group()
+    _assert_same_steps(*ddp, *eager, "compiled DDP, bf16 gradients, NHWC")
 
 
 def test_a_windows_rate_counts_the_gpus_time_to_finish_its_steps():
