@@ -6,9 +6,11 @@ Each FILE is a Ray cluster-launcher config (cluster/aws.yaml, cluster/gcp.yaml) 
 (apiVersion ray.io/v1, kind RayCluster or RayJob, optionally with the PersistentVolumeClaims it mounts).
 Launcher configs go through Ray's own validation (`prepare_config`, then `validate_config`); KubeRay manifests
 through a schema of the fields raydiff uses (real KubeRay names, no unknown keys). Then both must hold what
-raydiff needs: a head that takes no work (CPU 0), GPU workers, token auth on, a dashboard that is not exposed,
-and agreement with the preset the file names (`# raydiff-preset: NAME`, or the annotation raydiff.dev/preset):
-elastic `scaling.num_workers: [min, max]` that the GPU workers can hold, and storage that every node shares.
+raydiff needs: a head that takes no work (CPU 0), GPU workers, token auth on (KubeRay: with a rayVersion it
+accepts for it), a dashboard that is not exposed, GPU VMs that GCE will create (onHostMaintenance TERMINATE), and
+agreement with the preset the file names (`# raydiff-preset: NAME`, or the annotation raydiff.dev/preset):
+elastic `scaling.num_workers: [min, max]` that the GPU workers can hold, storage that every node shares, and
+(launcher configs) worker nodes that may read and write its bucket.
 Prints `OK FILE` per good file; a bad file is one line on stderr, and the exit code is 2.
 """
 
@@ -29,7 +31,7 @@ import yaml
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, load_config, preset_names
-from raydiff.kuberay_schema import KUBERAY_SCHEMAS
+from raydiff.kuberay_schema import KUBERAY_SCHEMAS, MIN_KUBERAY, NEWER
 from raydiff.storage.fs import REMOTE_SCHEMES
 
 PRESET_COMMENT = re.compile(r"#\s*raydiff-preset:\s*(\S+)\s*$")
@@ -37,6 +39,14 @@ PRESET_ANNOTATION = "raydiff.dev/preset"
 AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*=\s*['\"]?disabled")
 DASHBOARD_EXPOSED = re.compile(r"--dashboard-host[= ]+['\"]?0\.0\.0\.0")
 DASHBOARD_PORT = 8265
+# GCE machine types that come with GPUs (accelerator-optimized A2, A3, A4, A4X, G2, G4).
+GCP_GPU_MACHINES = re.compile(r"(a2|a3|a4|a4x|g2|g4)-")
+# OAuth scopes of a GCE VM that let it write Cloud Storage (the default one is devstorage.read_only).
+GCS_WRITE_SCOPES = tuple(f"https://www.googleapis.com/auth/{scope}"
+                         for scope in ("cloud-platform", "devstorage.read_write", "devstorage.full_control"))
+# KubeRay's ray-operator/controllers/ray/utils/validation.go (v1.5.1 to v1.7.0): token auth needs Ray 2.52.0.
+MIN_TOKEN_RAY = (2, 52, 0)
+TOKEN_VERSION = re.compile(r"\s*v?((?:0|[1-9][0-9]*)(?:\.[0-9]+)+)")
 
 
 class ClusterFileError(ValueError):
@@ -62,6 +72,10 @@ def _schema_message(error: jsonschema.ValidationError, hint: str = "") -> str:
     if kind == "additionalProperties" and isinstance(value, dict):
         allowed = list(error.schema.get("properties", {}))
         bad = min(set(value) - set(allowed))
+        newer = error.schema.get(NEWER, {}).get(bad)
+        if newer:  # a real KubeRay field, but the supported operators' CRDs lack it
+            return (f"{where}: '{bad}' needs KubeRay {newer} or newer; the manifests support KubeRay {MIN_KUBERAY}, "
+                    f"whose CRD lacks it (the API server would drop it): remove it")
         close = difflib.get_close_matches(bad, allowed, n=1)
         suggestion = f" (did you mean '{close[0]}'?)" if close else ""
         return f"{where}: unknown key '{bad}'{suggestion}; allowed: {', '.join(allowed)}"
@@ -180,6 +194,28 @@ def _check_launcher_rules(cfg: dict[str, Any]) -> None:
         if not any("RAY_AUTH_MODE=token" in command for command in cfg[key]):
             raise ClusterFileError(f"{key}: Ray token auth is off; start Ray with `RAY_AUTH_MODE=token ray start ...`"
                                    f" and mount the token (file_mounts: ~/.ray/auth_token: ~/.ray/auth_token)")
+    if cfg["provider"]["type"] == "gcp":
+        _check_gcp_gpu_maintenance(types)
+
+
+def _node_config(types: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
+    """A node type's node_config, and where it is, for messages."""
+    return _where(["available_node_types", name, "node_config"]), types[name].get("node_config") or {}
+
+
+def _check_gcp_gpu_maintenance(types: dict[str, Any]) -> None:
+    """GCE refuses to create a VM with GPUs that would live-migrate (the default): it must stop for maintenance."""
+    for name, node_type in types.items():
+        where, node = _node_config(types, name)
+        has_gpus = (bool(node.get("guestAccelerators")) or bool(GCP_GPU_MACHINES.match(str(node.get("machineType"))))
+                    or node_type["resources"].get("GPU", 0) > 0)
+        scheduling = node.get("scheduling") or {}
+        if isinstance(scheduling, list):  # Ray's GCP examples write it as a list of one-key mappings
+            scheduling = {k: v for item in scheduling if isinstance(item, dict) for k, v in item.items()}
+        if has_gpus and scheduling.get("onHostMaintenance") != "TERMINATE":
+            raise ClusterFileError(f"{where}.scheduling.onHostMaintenance = "
+                                   f"{json.dumps(scheduling.get('onHostMaintenance'))} ({node.get('machineType')} "
+                                   f"has GPUs): must be \"TERMINATE\"; GCE creates no GPU VM that live-migrates")
 
 
 def _check_launcher_preset(cfg: dict[str, Any], text: str) -> None:
@@ -204,6 +240,41 @@ def _check_launcher_preset(cfg: dict[str, Any], text: str) -> None:
                                f"max_workers {cfg['max_workers']} in all), below the preset's scaling.num_workers "
                                f"max {most} ({name})")
     _check_shared_storage(name, preset)
+    _check_bucket_access(cfg, name, preset)
+
+
+def _check_bucket_access(cfg: dict[str, Any], name: str, preset: Config) -> None:
+    """Every worker node type can read and write the preset's bucket on AWS (s3://) and Google Cloud (gs://).
+
+    Ray gives its own IAM instance profile (AWS) or service account (GCP) to the head only; a worker without one
+    gets no S3 credentials, or the default service account's read-only storage scope. Buckets behind an
+    endpoint (MinIO, a test server) take their credentials another way and are not judged.
+    """
+    provider, types, head = cfg["provider"]["type"], cfg["available_node_types"], cfg["head_node_type"]
+    scheme = {"aws": "s3://", "gcp": "gs://"}.get(provider)
+    buckets = [f"{key} = {value}" for key, value, endpoint in
+               (("run.storage", preset.run.storage, preset.run.endpoint),
+                ("data.source", preset.data.source, preset.data.endpoint))
+               if scheme and value and value.startswith(scheme) and endpoint is None]
+    if not buckets:
+        return
+    for node_name in (n for n in types if n != head):
+        where, node = _node_config(types, node_name)
+        if provider == "aws" and not node.get("IamInstanceProfile"):
+            raise ClusterFileError(f"{where}: no IamInstanceProfile, so these nodes have no access to the preset's "
+                                   f"bucket ({name}: {buckets[0]}): Ray gives its profile to the head only; add "
+                                   f"IamInstanceProfile: {{Name: ray-autoscaler-v1}} or a profile that may read and "
+                                   f"write the bucket")
+        if provider == "gcp":
+            accounts = node.get("serviceAccounts") or []
+            scopes = [scope for account in accounts if isinstance(account, dict)
+                      for scope in account.get("scopes") or []]
+            if not any(scope in GCS_WRITE_SCOPES for scope in scopes):
+                found = f"scopes = {json.dumps(scopes)}" if accounts else "missing"
+                raise ClusterFileError(f"{where}.serviceAccounts: {found}, so these nodes cannot write the preset's "
+                                       f"bucket ({name}: {buckets[0]}): Ray gives its service account to the head "
+                                       f"only; add serviceAccounts with ray-autoscaler-sa-v1@PROJECT."
+                                       f"iam.gserviceaccount.com and a scope of: {', '.join(GCS_WRITE_SCOPES)}")
 
 
 # KubeRay manifests.
@@ -269,7 +340,8 @@ def _check_kuberay_rules(where: str, spec: dict[str, Any]) -> None:
                                f"the dashboard; keep serviceType ClusterIP and use kubectl port-forward")
     if (spec.get("authOptions") or {}).get("mode") != "token":  # said, not left to KubeRay's default
         raise ClusterFileError(f"{where}.authOptions.mode: Ray token auth is off; set authOptions: {{mode: token}} "
-                               f"(KubeRay v1.5.1+ generates the token into a Secret)")
+                               f"(KubeRay {MIN_KUBERAY}+ generates the token into a Secret)")
+    _check_token_ray_version(where, spec["rayVersion"])
     for template in [head["template"], *(g["template"] for g in groups)]:
         for container in template["spec"]["containers"]:
             for env in container.get("env", []):
@@ -279,6 +351,22 @@ def _check_kuberay_rules(where: str, spec: dict[str, Any]) -> None:
                 if env["name"] == "RAY_AUTH_TOKEN" and "value" in env:
                     raise ClusterFileError(f"container {container['name']}: RAY_AUTH_TOKEN has a literal value: no "
                                            f"secrets in manifests; use authOptions or valueFrom.secretKeyRef")
+
+
+def _check_token_ray_version(where: str, ray_version: str) -> None:
+    """KubeRay refuses a RayCluster with token auth and a rayVersion below 2.52.0 and creates no pods; it reads the
+    version as Kubernetes' ParseGeneric does: an optional 'v', two or more dot-separated numbers, anything after."""
+    parsed = TOKEN_VERSION.match(ray_version)
+    least = ".".join(map(str, MIN_TOKEN_RAY))
+    if parsed is None:
+        raise ClusterFileError(f"{where}.rayVersion = {json.dumps(ray_version)}: not a version KubeRay can read; set "
+                               f"the Ray version of the images (e.g. \"2.60.0\"), {least} or newer for token auth")
+    numbers = [int(n) for n in parsed.group(1).split(".")]
+    numbers += [0] * (len(MIN_TOKEN_RAY) - len(numbers))  # "2.52" is 2.52.0, as in KubeRay
+    if tuple(numbers) < MIN_TOKEN_RAY:
+        raise ClusterFileError(f"{where}.rayVersion = {json.dumps(ray_version)}: KubeRay refuses authOptions.mode "
+                               f"token below Ray {least} and starts no pods; use Ray {least} or newer (images and "
+                               f"rayVersion)")
 
 
 def _check_kuberay_preset(doc: dict[str, Any], where: str, spec: dict[str, Any], docs: list[dict[str, Any]]) -> None:

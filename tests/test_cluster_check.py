@@ -79,11 +79,13 @@ def _refused(capsys, *paths: Path) -> str:
 
 
 # Ray cluster-launcher configs.
-def _launcher(tmp_path: Path, change: Callable[[dict[str, Any]], Any], preset: str = "cifar10-aws") -> Path:
-    cfg = yaml.safe_load((ROOT / "cluster" / "aws.yaml").read_text())
+def _launcher(tmp_path: Path, change: Callable[[dict[str, Any]], Any], preset: str | None = None,
+              cloud: str = "aws") -> Path:
+    """A copy of cluster/CLOUD.yaml with `change(config)` applied, naming `preset` (default: cifar10-CLOUD)."""
+    cfg = yaml.safe_load((ROOT / "cluster" / f"{cloud}.yaml").read_text())
     change(cfg)
-    path = tmp_path / "aws.yaml"
-    path.write_text(f"# raydiff-preset: {preset}\n" + yaml.safe_dump(cfg, sort_keys=False))
+    path = tmp_path / f"{cloud}.yaml"
+    path.write_text(f"# raydiff-preset: {preset or f'cifar10-{cloud}'}\n" + yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
@@ -113,6 +115,10 @@ LAUNCHER_BROKEN = {
                  "worker_start_ray_commands: Ray token auth is off"),
     "too few GPU nodes": (lambda c: c["available_node_types"][GPU].update(max_workers=4),
                           "the GPU workers hold at most 4 GPUs"),
+    "worker without an instance profile": (
+        lambda c: c["available_node_types"]["ray.worker.cpu"]["node_config"].pop("IamInstanceProfile"),
+        ("available_node_types['ray.worker.cpu'].node_config: no IamInstanceProfile, so these nodes have no access "
+         "to the preset's bucket (cifar10-aws: run.storage = s3://YOUR-BUCKET/raydiff-runs)")),
 }
 
 
@@ -120,6 +126,59 @@ LAUNCHER_BROKEN = {
 def test_broken_launcher_config_is_refused(case, tmp_path, capsys):
     change, expected = LAUNCHER_BROKEN[case]
     assert expected in _refused(capsys, _launcher(tmp_path, change))
+
+
+def _gcp_node(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    return cfg["available_node_types"][name]["node_config"]
+
+
+T4 = [{"acceleratorType": "nvidia-tesla-t4", "acceleratorCount": 1}]
+GCP_BROKEN = {
+    "worker without a service account": (
+        lambda c: _gcp_node(c, "ray_worker_cpu").pop("serviceAccounts"),
+        ("available_node_types.ray_worker_cpu.node_config.serviceAccounts: missing, so these nodes cannot write the "
+         "preset's bucket (cifar10-gcp: run.storage = gs://YOUR-BUCKET/raydiff-runs)")),
+    "read-only storage scope": (
+        lambda c: _gcp_node(c, "ray_worker_gpu")["serviceAccounts"][0].update(
+            scopes=["https://www.googleapis.com/auth/devstorage.read_only"]),
+        ('ray_worker_gpu.node_config.serviceAccounts: scopes = ["https://www.googleapis.com/auth/devstorage.read_only"]'
+         ", so these nodes cannot write")),
+    "GPU worker that live-migrates": (
+        lambda c: _gcp_node(c, "ray_worker_gpu")["scheduling"].pop("onHostMaintenance"),
+        ('available_node_types.ray_worker_gpu.node_config.scheduling.onHostMaintenance = null (g2-standard-8 has '
+         'GPUs): must be "TERMINATE"')),
+    "machine type with built-in GPUs that migrates": (
+        lambda c: _gcp_node(c, "ray_worker_cpu").update(machineType="a2-highgpu-1g"),
+        "ray_worker_cpu.node_config.scheduling.onHostMaintenance = null (a2-highgpu-1g has GPUs)"),
+    "attached GPU that migrates": (
+        lambda c: _gcp_node(c, "ray_worker_cpu").update(machineType="n1-standard-8", guestAccelerators=T4,
+                                                        scheduling={"onHostMaintenance": "MIGRATE"}),
+        'ray_worker_cpu.node_config.scheduling.onHostMaintenance = "MIGRATE" (n1-standard-8 has GPUs)'),
+}
+
+
+@pytest.mark.parametrize("case", GCP_BROKEN)
+def test_broken_gcp_launcher_config_is_refused(case, tmp_path, capsys):
+    change, expected = GCP_BROKEN[case]
+    assert expected in _refused(capsys, _launcher(tmp_path, change, cloud="gcp"))
+
+
+def test_gcp_scheduling_is_read_in_the_list_form_of_rays_examples(tmp_path, capsys):
+    def attached_gpu(cfg: dict[str, Any]) -> None:
+        _gcp_node(cfg, "ray_worker_cpu").update(machineType="n1-standard-8", guestAccelerators=T4, scheduling=[
+            {"provisioningModel": "SPOT"}, {"onHostMaintenance": "TERMINATE"}])
+    path = _launcher(tmp_path, attached_gpu, cloud="gcp")
+    assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
+
+
+def test_buckets_behind_an_endpoint_need_no_instance_profile(tmp_path, monkeypatch, capsys):
+    """A MinIO or test server takes its credentials another way: the nodes' IAM profile is not judged."""
+    def at_endpoint(tree: dict[str, Any]) -> None:
+        tree["run"]["endpoint"] = tree["data"]["endpoint"] = "http://minio.internal:9000"
+    _presets_with(tmp_path, monkeypatch, "cifar10-aws", at_endpoint)
+    path = _launcher(tmp_path, lambda c: [t["node_config"].pop("IamInstanceProfile", None)
+                                          for t in c["available_node_types"].values()])
+    assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
 
 
 def test_launcher_needs_a_preset_line(tmp_path, capsys):
@@ -217,6 +276,16 @@ KUBERAY_BROKEN = {
                                   "(missing in head, gpu-workers, cpu-workers)"),
     "no preset annotation": (lambda p, o: o["metadata"].pop("annotations"),
                              "metadata.annotations.raydiff.dev/preset: missing"),
+    "Ray too old for token auth": (lambda p, o: o["spec"].update(rayVersion="2.50.0"),
+                                   ('spec.rayVersion = "2.50.0": KubeRay refuses authOptions.mode token below Ray '
+                                    '2.52.0 and starts no pods')),
+    "unreadable rayVersion": (lambda p, o: o["spec"].update(rayVersion="latest"),
+                              'spec.rayVersion = "latest": not a version KubeRay can read'),
+    "auth field of KubeRay 1.6": (lambda p, o: o["spec"]["authOptions"].update(secretName="my-token"),
+                                  ("spec.authOptions: 'secretName' needs KubeRay v1.6.0 or newer; the manifests "
+                                   "support KubeRay v1.5.1")),
+    "autoscaler field of KubeRay 1.7": (lambda p, o: o["spec"]["autoscalerOptions"].update(command=["ray"]),
+                                        "spec.autoscalerOptions: 'command' needs KubeRay v1.7.0 or newer"),
 }
 
 
@@ -224,6 +293,24 @@ KUBERAY_BROKEN = {
 def test_broken_raycluster_is_refused(case, tmp_path, capsys):
     change, expected = KUBERAY_BROKEN[case]
     assert expected in _refused(capsys, _kuberay(tmp_path, "raycluster.yaml", change))
+
+
+@pytest.mark.parametrize("version", ["2.52.0", "2.52", "v2.60.0", "2.60.0rc1", "3.0.0"])
+def test_token_auth_takes_every_ray_version_kuberay_takes(version, tmp_path, capsys):
+    path = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: o["spec"].update(rayVersion=version))
+    assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
+
+
+def test_raycluster_accepts_pod_spec_and_container_keys_of_the_crd(tmp_path, capsys):
+    """Keys the CRD's PodSpec and Container define pass, however rarely raydiff's own files use them."""
+    def gpu_pod_options(p: dict[str, Any], o: dict[str, Any]) -> None:
+        pod = _group(o, 0)["template"]["spec"]
+        pod.update(runtimeClassName="nvidia", hostNetwork=False, hostIPC=False, dnsPolicy="ClusterFirst",
+                   topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                               "whenUnsatisfiable": "ScheduleAnyway"}])
+        pod["containers"][0].update(tty=True, stdin=True, volumeDevices=[{"name": "raw", "devicePath": "/dev/xvda"}])
+    path = _kuberay(tmp_path, "raycluster.yaml", gpu_pod_options)
+    assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
 
 
 RAYJOB_BROKEN = {
@@ -239,6 +326,8 @@ RAYJOB_BROKEN = {
     "replicas not the preset's": (lambda p, o: _group(o, 0).update(maxReplicas=4),
                                   ("spec.rayClusterSpec.workerGroupSpecs[0] (gpu-workers): minReplicas/maxReplicas "
                                    "= [2, 4]")),
+    "Ray too old for token auth": (lambda p, o: o["spec"]["rayClusterSpec"].update(rayVersion="2.46.0"),
+                                   'spec.rayClusterSpec.rayVersion = "2.46.0": KubeRay refuses authOptions.mode token'),
 }
 
 
