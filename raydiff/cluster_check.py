@@ -279,7 +279,7 @@ def _check_bucket_access(cfg: dict[str, Any], name: str, preset: Config) -> None
 
 # KubeRay manifests.
 def _is_kuberay(doc: dict[str, Any]) -> bool:
-    return str(doc.get("apiVersion", "")).startswith("ray.io") or doc.get("kind") in KUBERAY_SCHEMAS
+    return str(doc.get("apiVersion", "")).startswith("ray.io") or str(doc.get("kind")) in KUBERAY_SCHEMAS
 
 
 def _rwx_mounts(template: dict[str, Any], rwx_claims: set[str]) -> set[str]:

@@ -360,6 +360,9 @@ def test_other_files_are_refused(tmp_path, capsys):
     broken = tmp_path / "broken.yaml"
     broken.write_text("foo: [1\n")
     assert "not valid YAML" in _refused(capsys, broken)
+    listed_kind = tmp_path / "kind.yaml"  # was: TypeError, unhashable type 'list'
+    listed_kind.write_text("kind: [RayJob]\n")
+    assert "neither a Ray cluster-launcher config" in _refused(capsys, listed_kind)
 
 
 def test_good_and_bad_files_together(tmp_path, capsys):

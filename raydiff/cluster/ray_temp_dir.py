@@ -39,7 +39,11 @@ def check_before_start() -> str:
     usage = disk_usage(temp)
     if usage is None:
         return temp
-    if not os.access(nearest_existing(temp), os.W_OK):
+    existing = nearest_existing(temp)
+    if not existing.is_dir():  # TMPDIR naming a file: Ray's NotADirectoryError
+        raise RayCannotStart(f"cannot start a local Ray instance: its temp directory {temp} would be under {existing}, "
+                             f"which is a file, not a folder; set RAY_TMPDIR (or TMPDIR) to a folder")
+    if not os.access(existing, os.W_OK):
         raise RayCannotStart(f"cannot start a local Ray instance: its temp directory {temp} is not writable; make it "
                              f"writable, or set RAY_TMPDIR to a writable folder")
     if usage.free < SESSION_BYTES:

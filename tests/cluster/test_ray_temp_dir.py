@@ -46,6 +46,19 @@ def test_a_local_ray_instance_without_room_for_its_temp_directory_is_one_line_be
     assert not (tmp_path / "runs" / "smoke").exists()
 
 
+def test_a_ray_temp_directory_under_a_file_is_one_line(tmp_path):
+    """TMPDIR naming a file (a mistyped variable): Ray's NotADirectoryError traceback otherwise."""
+    (tmp_path / "afile").write_text("")
+    proc = run_cli("raydiff.train", *SMOKE, "--set", f"run.storage={tmp_path / 'runs'}",
+                   env=local_instance(tmp_path / "afile"), timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"raydiff: error: cannot start a local Ray instance: its temp directory "
+                                  f"{tmp_path / 'afile' / 'ray'} would be under {tmp_path / 'afile'}, which is a file, "
+                                  f"not a folder; set RAY_TMPDIR")
+    assert not (tmp_path / "runs" / "smoke").exists()
+
+
 def test_a_ray_temp_directory_too_long_for_ray_s_sockets_is_one_line(tmp_path):
     """A Unix socket's path holds at most 107 bytes; Ray's are its temp directory and about 60 more."""
     temp = tmp_path / ("long" * 10)
