@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out.expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"raydiff: error: --out {args.out}: exists and is not an empty folder; choose a new one", file=sys.stderr)
+        what = "a folder that is not empty" if out.is_dir() else "a file"
+        print(f"raydiff: error: --out {args.out}: exists, {what}; choose a new folder", file=sys.stderr)
         return 2
     reason = unwritable(out.parent)  # the pipeline is built beside DIR, then renamed into place
     if reason:

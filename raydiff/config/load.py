@@ -28,6 +28,9 @@ def preset_names() -> list[str]:
 def resolve_config_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
+        if path.is_dir():
+            raise ConfigError(f"--config {name_or_path}: a folder, not a YAML file; give the file, or a preset: "
+                              f"{', '.join(preset_names())}")
         if not path.is_file():
             raise ConfigError(f"--config {name_or_path}: no such file")
         return path

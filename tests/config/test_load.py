@@ -77,6 +77,9 @@ def test_unknown_preset_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match=r"grid.png: not valid YAML \(not UTF-8 text: invalid start byte at byte "
                                           r"0\)$"):
         load_config(str(binary))
+    with pytest.raises(ConfigError, match=f"^--config {tmp_path}: a folder, not a YAML file; give the file, or a "
+                                          f"preset: {presets}$"):  # was: "no such file"
+        load_config(str(tmp_path))
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("trian:\n  lr: 1\n")
     with pytest.raises(ConfigError, match="unknown section 'trian'"):
