@@ -21,7 +21,7 @@ import time
 from raydiff import cli
 from raydiff.data.errors import DataError
 from raydiff.data.labels import plan_labels
-from raydiff.data.shard_format import MANIFEST, write_prepared
+from raydiff.data.shard_format import MANIFEST, refuse_occupied, write_prepared
 from raydiff.data.sources import open_source
 from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     reason = unwritable(args.out, endpoint=args.endpoint)
     if reason:
         raise DataError(f"OUT = {args.out!r}: cannot write there ({reason})")
+    refuse_occupied(args.out, endpoint=args.endpoint)  # before Ray starts (seconds), and again as it writes
     from raydiff.cluster.start import init_ray
     from raydiff.data.image_store import decode_stream
 

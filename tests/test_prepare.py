@@ -123,6 +123,24 @@ def test_prepare_refuses_a_parquet_file_without_its_footer_in_one_line_before_ra
     assert not out.exists()
 
 
+def test_prepare_refuses_an_occupied_out_in_one_line_before_ray_starts(tmp_path, capsys, monkeypatch):
+    from raydiff import cli, prepare
+    from raydiff.cluster import start
+    from raydiff.data.builtin import write_synthetic
+
+    def no_ray():
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(start, "init_ray", no_ray)
+    write_synthetic(tmp_path / "images", num=2, resolution=8)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep me")
+    assert cli.run(prepare.main, [str(tmp_path / "images"), str(tmp_path / "out"), "--resolution", "8"]) == 2
+    assert capsys.readouterr().err == (f"raydiff: error: OUT = {str(tmp_path / 'out')!r} already exists and is not "
+                                       f"empty: choose a new folder\n")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]
+
+
 @pytest.mark.slow
 def test_a_hub_dataset_trains_on_its_train_split_from_its_hf_uri(hub_server, tmp_path):
     """As `--set data.source=hf://datasets/uoft-cs/cifar10` trains on CIFAR-10's training split: Parquet files as

@@ -83,6 +83,19 @@ def rows_per_shard_for(shape: tuple[int, int, int], shard_bytes: int = SHARD_BYT
     return max(1, shard_bytes // int(np.prod(shape)))
 
 
+def refuse_occupied(out: str, *, endpoint: str | None = None) -> tuple[pafs.FileSystem, str]:
+    """`out`'s filesystem and path, where nothing is yet (or an empty folder); DataError where something is."""
+    try:
+        filesystem, root = filesystem_for(out, endpoint=endpoint)
+    except ValueError as exc:
+        raise DataError(f"OUT = {out!r}: {exc}") from None
+    info = filesystem.get_file_info(root)
+    if info.type == pafs.FileType.File or (
+            info.type == pafs.FileType.Directory and filesystem.get_file_info(pafs.FileSelector(root))):
+        raise DataError(f"OUT = {out!r} already exists and is not empty: choose a new folder")
+    return filesystem, root
+
+
 def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, int, int],
                    rows_per_shard: int | None = None, max_bad_fraction: float = 1.0,
                    endpoint: str | None = None, labels: LabelPlan | None = None) -> dict:
@@ -91,15 +104,8 @@ def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, i
     Too many bad samples (> max_bad_fraction) stop it before the manifest, and a local `out` is not created.
     `labels`: how the source's labels were read (`decode_stream(labels=...)` yields them): the shards get a label
     column and the manifest the classes; a source none of whose samples has a label is refused."""
-    try:
-        filesystem, root = filesystem_for(out, endpoint=endpoint)
-    except ValueError as exc:
-        raise DataError(f"OUT = {out!r}: {exc}") from None
+    filesystem, root = refuse_occupied(out, endpoint=endpoint)
     local = isinstance(filesystem, pafs.LocalFileSystem)
-    info = filesystem.get_file_info(root)
-    if info.type == pafs.FileType.File or (
-            info.type == pafs.FileType.Directory and filesystem.get_file_info(pafs.FileSelector(root))):
-        raise DataError(f"OUT = {out!r} already exists and is not empty: choose a new folder")
     target = root
     if local:  # build beside the target and rename it into place: complete or absent
         Path(root).parent.mkdir(parents=True, exist_ok=True)
