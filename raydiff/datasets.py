@@ -10,10 +10,14 @@ import argparse
 from pathlib import Path
 
 from raydiff import cli
+from raydiff.config import Config
+from raydiff.config.checks import RULES
 from raydiff.data.builtin import digits_folder, write_synthetic
 from raydiff.data.errors import DataError
 from raydiff.storage.atomic import new_folder
 from raydiff.storage.errors import output_errors
+
+RESOLUTION = next(rule for rule in RULES if rule.key == "data.resolution")  # its bounds: the first of its rules
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("digits", help="write the digits into the cache (once) and print the folder")
     syn = sub.add_parser("synthetic", help="write synthetic RGB images into a folder")
-    syn.add_argument("out", type=Path)
+    syn.add_argument("out")
     syn.add_argument("--num", type=int, default=256)
     syn.add_argument("--resolution", type=int, default=32)
     syn.add_argument("--format", choices=("png", "jpg"), default="png")
@@ -31,13 +35,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "digits":
         print(digits_folder())
         return 0
-    if args.num < 1 or args.resolution < 4:
-        parser.error(f"--num {args.num} / --resolution {args.resolution}: need num >= 1 and resolution >= 4")
+    if not args.out.strip():  # Path("") is ".": an unset shell variable would name the current folder
+        syn.error(f"OUT = {args.out!r}: must name a new folder")
+    args.out = Path(args.out)
+    if args.num < 1:
+        syn.error(f"--num {args.num}: must be >= 1")
+    # The sizes a run trains at (data.resolution's bounds, as raydiff.prepare's): far larger, one image alone would
+    # take all the memory there is.
+    if not RESOLUTION.ok(Config().replaced("data", resolution=args.resolution)):
+        syn.error(f"--resolution {args.resolution}: {RESOLUTION.allowed}")
+    if args.seed < 0:  # numpy's generator takes any integer from 0 up
+        syn.error(f"--seed {args.seed}: must be >= 0")
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):  # as raydiff.export
         raise DataError(f"OUT = {str(args.out)!r} already exists and is not an empty folder: choose a new folder")
-    with output_errors("OUT", args.out), new_folder(args.out) as folder:  # whole, or absent
+    out = args.out.resolve()  # built beside its full path: "." has no name to build beside
+    with output_errors("OUT", args.out), new_folder(out) as folder:  # whole, or absent
         write_synthetic(folder, num=args.num, resolution=args.resolution, fmt=args.format, seed=args.seed)
-    print(f"wrote {args.num} {args.format} images of {args.resolution}x{args.resolution} to {args.out.resolve()}")
+    print(f"wrote {args.num} {args.format} images of {args.resolution}x{args.resolution} to {out}")
     return 0
 
 

@@ -27,10 +27,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="the run directory (a path or s3:// / gs:// URI)")
     parser.add_argument("--sigma-rel", required=True, help="comma-separated widths, each in (0, 0.28)")
-    parser.add_argument("--out", required=True, type=Path, help="local folder for one checkpoint folder per width")
+    parser.add_argument("--out", required=True, help="local folder for one checkpoint folder per width")
     parser.add_argument("--step", type=int, default=None, help="a snapshot's step (default: the newest)")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.out.strip():  # Path("") is ".": an unset shell variable would write into the current folder
+        parser.error(f"--out {args.out!r}: must name a local folder")
+    args.out = Path(args.out)
+    return args
 
 
 def folder_name(sigma_rel: float) -> str:

@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--start", type=float, default=1e-7, help="first learning rate (default 1e-7)")
     parser.add_argument("--end", type=float, default=1e-2, help="last learning rate (default 1e-2)")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    parser.add_argument("--out", type=Path, default=Path("lr_find.png"), help="plot path (default lr_find.png)")
+    parser.add_argument("--out", default="lr_find.png", help="plot path (default lr_find.png)")
     args = parser.parse_args(argv)
     for flag, value in (("--start", args.start), ("--end", args.end)):
         if not math.isfinite(value):  # inf (or 1e400) would train at an infinite learning rate
@@ -145,8 +145,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--start {args.start} --end {args.end}: need 0 < start < end")
     if args.steps < 10:
         parser.error(f"--steps {args.steps}: must be >= 10")
-    if args.out.suffix.lower() != ".png":
-        parser.error(f"--out {args.out}: must end in .png")
+    if Path(args.out).suffix.lower() != ".png":  # an empty one, too: Path("") is "."
+        parser.error(f"--out {args.out!r}: must end in .png")
+    args.out = Path(args.out)
+    for path in (args.out, args.out.with_suffix(".csv")):  # else found only once the whole test has run
+        if path.is_dir():
+            what = "is a folder" if path == args.out else f"its numbers' file {path} is a folder"
+            parser.error(f"--out {args.out}: {what}; the plot and the .csv beside it are files: choose another name")
     reason = unwritable(args.out.parent)
     if reason:
         parser.error(f"--out {args.out}: cannot write there ({reason})")

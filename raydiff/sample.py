@@ -35,7 +35,7 @@ from pathlib import Path
 from raydiff import cli
 from raydiff.config import Config
 from raydiff.config.schema import SAMPLERS
-from raydiff.runs.images import is_grid_file
+from raydiff.runs.images import GRID_FORMATS, is_grid_file
 from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
 
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "or a diffusers pipeline folder")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--num", type=int, default=64, help="number of images (default 64)")
-    parser.add_argument("--out", required=True, type=Path,
+    parser.add_argument("--out", required=True,
                         help="one grid image (.png; .jpg, .jpeg or .webp at quality 95), or a folder")
     parser.add_argument("--class", dest="classes", default=None, metavar="K[,K...]",
                         help="class-conditional models: the classes to sample, by id (0..classes-1) or name "
@@ -89,6 +89,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"conditional without guidance, more follows the class more closely)")
     if args.sampler != "ddim" and args.eta:
         parser.error("--eta applies to --sampler ddim only")
+    if not args.out.strip():  # Path("") is ".": an unset shell variable would write (and prune) the current folder
+        parser.error(f"--out {args.out!r}: must name a grid image ({', '.join(GRID_FORMATS)}) or a folder")
+    args.out = Path(args.out)
+    if is_grid_file(args.out) and args.out.is_dir():  # else found only once every image is sampled
+        parser.error(f"--out {args.out}: is a folder; a name ending in {args.out.suffix} is written as one grid "
+                     f"image file (a folder of samples takes a name without it)")
     reason = unwritable(args.out.parent if is_grid_file(args.out) else args.out)
     if reason:
         parser.error(f"--out {args.out}: cannot write there ({reason})")

@@ -52,9 +52,35 @@ def test_a_taken_result_folder_is_refused_in_one_line_and_nothing_is_written(tmp
     assert cli.run(main, ["synthetic", str(tmp_path / "empty"), "--num", "2"]) == 0
 
 
-def test_a_size_too_small_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize(("args", "message"), [
+    (["--resolution", "3"], "--resolution 3: must be between 8 and 1024"),
+    # A run's largest (as raydiff.prepare's): 100000 was killed for its memory, one image of 30 GB.
+    (["--resolution", "1025"], "--resolution 1025: must be between 8 and 1024"),
+    (["--seed", "-1"], "--seed -1: must be >= 0"),  # numpy's traceback
+    (["--num", "0"], "--num 0: must be >= 1"),
+])
+def test_a_size_seed_or_count_out_of_range_is_refused_in_one_line(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exited:
-        main(["synthetic", str(tmp_path / "out"), "--resolution", "3"])
+        main(["synthetic", str(tmp_path / "out"), "--num", "1", *args])
     assert exited.value.code == 2
-    assert "--resolution 3: need num >= 1 and resolution >= 4" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m raydiff.datasets synthetic: error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out", ["", " "])
+def test_an_empty_result_folder_is_refused_and_nothing_is_written(tmp_path, monkeypatch, capsys, out):
+    # Path("") is "." (an unset shell variable): a traceback in an empty current folder.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["synthetic", out, "--num", "1"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"python -m raydiff.datasets synthetic: error: OUT = {out!r}: "
+                                                        f"must name a new folder")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_current_folder_empty_is_written_as_any_empty_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.run(main, ["synthetic", ".", "--num", "2"]) == 0
+    assert f"to {tmp_path}\n" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["synthetic_000000.png", "synthetic_000001.png"]

@@ -178,3 +178,16 @@ def test_a_damaged_snapshot_is_named_in_one_line_without_torchs_advice(posthoc_r
     assert err.startswith(f"raydiff: config error: {run_dir}/ema_snapshots/step_00000030.pt: not a readable "
                           f"snapshot (truncated, empty, or not a torch file") and err.count("\n") == 1, err
     assert "weights_only" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out", ["", " "])
+def test_an_empty_out_is_refused_and_nothing_is_written_in_the_current_folder(posthoc_run, tmp_path, monkeypatch,
+                                                                              capsys, out):
+    # Path("") is "." (an unset shell variable): sigma_rel-0.050/ appeared in the current folder.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as caught:
+        ema_command.main(["--checkpoint", str(posthoc_run[0]), "--sigma-rel", "0.05", "--out", out])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"python -m raydiff.ema: error: --out {out!r}: must name a "
+                                                        f"local folder")
+    assert list(tmp_path.iterdir()) == []

@@ -70,3 +70,26 @@ def test_lr_find_refuses_fewer_classes_than_the_data_has_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("raydiff: config error: model.num_classes = 4: smaller "
                                                            "than the 10 classes found")
     assert not (tmp_path / "lr_find.png").exists()
+
+
+@pytest.mark.parametrize("out", ["", " "])
+def test_lr_find_refuses_an_empty_out_by_what_was_given(capsys, out):
+    with pytest.raises(SystemExit) as info:
+        lr_find.parse_args(["--out", out])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: --out {out!r}: must end in .png")
+
+
+@pytest.mark.parametrize("folder", ["found.png", "found.csv"])
+def test_lr_find_refuses_an_out_whose_plot_or_numbers_would_replace_a_folder_before_training(tmp_path, capsys,
+                                                                                              folder):
+    # Found only once the whole test had run, as a traceback.
+    (tmp_path / folder).mkdir()
+    out = tmp_path / "found.png"
+    with pytest.raises(SystemExit) as info:
+        lr_find.parse_args(["--out", str(out)])
+    assert info.value.code == 2
+    what = "is a folder" if folder == out.name else f"its numbers' file {tmp_path / folder} is a folder"
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --out {out}: {what}; the plot and the .csv beside it are files: choose another name")
+    assert [p.name for p in tmp_path.iterdir()] == [folder]

@@ -133,3 +133,35 @@ def test_an_eta_outside_0_to_1_is_refused_before_reading_the_checkpoint(tmp_path
     assert err.strip().splitlines()[-1] == (f"python -m raydiff.sample: error: --eta {float(eta):g}: must be in "
                                             f"[0, 1] (0: deterministic DDIM, 1: DDPM's posterior)")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_refused_and_the_current_folder_is_left_alone(runs, tmp_path, monkeypatch, capsys, out):
+    # Path("") is "." (an unset shell variable): the samples went into the current folder, and its own
+    # sample_NNNNN.png from --num up were removed.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sample_00001.png").write_bytes(b"mine")
+    with pytest.raises(SystemExit) as caught:
+        sample.main(["--checkpoint", str(runs / "unconditional"), "--num", "1", "--sampler", "ddim", "--steps", "2",
+                     "--out", out])
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1] == (f"python -m raydiff.sample: error: --out {out!r}: must name a grid "
+                                             f"image (.png, .jpg, .jpeg, .webp) or a folder")
+    assert "sampling" not in captured.out
+    assert [p.name for p in tmp_path.iterdir()] == ["sample_00001.png"]
+
+
+def test_a_grid_name_that_is_a_folder_is_refused_before_sampling(runs, tmp_path, capsys):
+    # The folder was found only when the grid was renamed onto it, after all the sampling: a traceback.
+    (tmp_path / "adir.png").mkdir()
+    with pytest.raises(SystemExit) as caught:
+        sample.main(["--checkpoint", str(runs / "unconditional"), "--num", "1", "--sampler", "ddim", "--steps", "2",
+                     "--out", str(tmp_path / "adir.png")])
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1] == (f"python -m raydiff.sample: error: --out {tmp_path / 'adir.png'}: is a "
+                                             f"folder; a name ending in .png is written as one grid image file (a "
+                                             f"folder of samples takes a name without it)")
+    assert "sampling" not in captured.out
+    assert list((tmp_path / "adir.png").iterdir()) == []

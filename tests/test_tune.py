@@ -333,3 +333,23 @@ def test_a_warmup_that_outlasts_asha_s_first_comparison_is_warned_of(tmp_path, c
         f"[raydiff] warning: train.warmup_steps = 100 warms the learning rate up over 1,600 images in every trial, "
         f"past ASHA's first comparison at {sweep.grace_images:,}: trials would be ranked while still warming up; "
         f"raise --budget-images or lower train.warmup_steps\n")
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    # 0 was taken for "not given": the config's budget, silently.
+    ({"budget_images": 0}, "--budget-images 0: must be at least 16 (one step of every batch size)"),
+    # '' (an unset shell variable) was taken for the default name: it would continue the default sweep.
+    ({"name": ""}, "--name '': use letters, digits, '.', '_' and '-' (it names a folder)"),
+])
+def test_a_zero_budget_or_an_empty_name_is_refused_not_taken_for_the_default(tmp_path, given, message):
+    from types import SimpleNamespace
+
+    from raydiff.config import ConfigError, load_config
+    from raydiff.training.sweep_plan import plan_sweep
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}"])
+    args = SimpleNamespace(**{"samples": 1, "lr": "1e-3", "batch": "16", "scaling": "linear", "max_concurrent": None,
+                              "name": None, "metric": "val_loss", "budget_images": None, **given})
+    with pytest.raises(ConfigError) as caught:
+        plan_sweep(args, cfg)
+    assert str(caught.value) == message

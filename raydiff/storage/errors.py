@@ -159,9 +159,17 @@ def _elsewhere(exc: BaseException) -> ElsewhereError | None:
 def output_errors(setting: str, path: str | os.PathLike) -> Iterator[None]:
     """Raise the storage errors no retry can fix that the block meets writing a command's output `path` (chosen by
     `setting`, e.g. "--out") as one StorageFailure line: what failed, why, the free space of a full local disk, and
-    what to do. The block's writes leave nothing half-written (`raydiff.storage.atomic`); its other errors pass."""
+    what to do; and so a folder met where the block writes a file there, or a file where it makes a folder. The
+    block's writes leave nothing half-written (`raydiff.storage.atomic`); its other errors pass."""
     try:
         yield
+    except (IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
+        # A folder where a file goes, or a file where a folder does (the commands check what they can first).
+        if not _within(exc, path):  # met elsewhere (reading a source): not the output's to tell
+            raise
+        why = f"{exc.strerror.lower()}: {exc.filename2 or exc.filename}" if exc.strerror else str(exc)
+        raise StorageFailure(f"{setting} {path}: writing it failed: {why}; nothing half-written was left there; "
+                             f"choose another {setting}") from None
     except Exception as exc:  # OSError, or a library's own (safetensors': "I/O error: No space left on device")
         reason = permanent_reason(exc)
         if reason is None:
@@ -170,6 +178,16 @@ def output_errors(setting: str, path: str | os.PathLike) -> Iterator[None]:
         detail = "" if free is None else f" ({megabytes(free)} free)"
         raise StorageFailure(f"{setting} {path}: writing it failed: {reason}{detail}; nothing half-written was left "
                              f"there; {advice(reason, setting)}") from None
+
+
+def _within(exc: OSError, path: str | os.PathLike) -> bool:
+    """Whether `exc` names a file in the local folder of `path`, or inside `path` (where its writes go)."""
+    if "://" in str(path):
+        return False
+    folder = Path(path).resolve().parent
+    named = [Path(os.fsdecode(name)).resolve() for name in (exc.filename, exc.filename2)
+             if isinstance(name, (str, bytes, os.PathLike))]
+    return any(name == folder or folder in name.parents for name in named)
 
 
 def disk_failure(exc: OSError) -> str | None:

@@ -89,14 +89,16 @@ def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
         except ConfigError as exc:
             raise ConfigError(f"--batch {batch}: {exc}") from None
     step = math.lcm(*batches)
-    budget = args.budget_images or cfg.train.total_steps * cfg.train.global_batch
+    # 0 is a budget asked for (and refused below), not the default.
+    budget = args.budget_images if args.budget_images is not None else cfg.train.total_steps * cfg.train.global_batch
     if budget < step:
         raise ConfigError(f"--budget-images {budget}: must be at least {step} (one step of every batch size)")
     interval = step * max(1, budget // (REPORTS_PER_TRIAL * step))
     budget = -(-budget // interval) * interval
     if args.max_concurrent is not None and args.max_concurrent < 1:
         raise ConfigError(f"--max-concurrent {args.max_concurrent}: must be >= 1")
-    name = args.name or f"sweep-{cfg.run.name}"
+    # '' is a name asked for (and refused below): an unset shell variable would otherwise continue the default sweep.
+    name = args.name if args.name is not None else f"sweep-{cfg.run.name}"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ConfigError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
     metric = "val_loss" if args.metric == "val_loss" else fd_metric_name(cfg)

@@ -8,7 +8,8 @@ import pickle
 
 import pytest
 
-from raydiff.storage.errors import elsewhere, permanent_reason, storage_failure
+from raydiff.storage.atomic import new_file
+from raydiff.storage.errors import StorageFailure, elsewhere, output_errors, permanent_reason, storage_failure
 
 
 @pytest.mark.parametrize("error,reason", [
@@ -59,3 +60,27 @@ def test_a_full_folder_other_than_the_storage_is_named_with_what_chose_it(tmp_pa
         assert " MB free. Nothing already saved was lost; free space there or set another TMPDIR, then " in line
     passing = elsewhere(OSError(104, "Connection reset by peer"), str(tmp_path), "temporary folder", "TMPDIR")
     assert storage_failure(passing, "s3://bucket/runs/a", "writing x") is None
+
+
+def test_a_folder_where_a_commands_output_file_goes_is_one_line_and_nothing_is_left(tmp_path):
+    """A safety net under the commands' own checks: the rename onto the folder was a traceback."""
+    out = tmp_path / "grid.png"
+    out.mkdir()
+    with pytest.raises(StorageFailure) as caught, output_errors("--out", out), new_file(out) as tmp:
+        tmp.write_bytes(b"image")
+    assert str(caught.value) == (f"--out {out}: writing it failed: is a directory: {out}; nothing half-written was "
+                                 f"left there; choose another --out")
+    assert [p.name for p in tmp_path.iterdir()] == ["grid.png"] and list(out.iterdir()) == []
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(StorageFailure) as caught, output_errors("--out", tmp_path / "file" / "x.png"):
+        with new_file(tmp_path / "file" / "x.png") as tmp:
+            tmp.write_bytes(b"image")
+    assert str(caught.value) == (f"--out {tmp_path / 'file' / 'x.png'}: writing it failed: file exists: "
+                                 f"{tmp_path / 'file'}; nothing half-written was left there; choose another --out")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_folder_met_outside_a_commands_output_is_not_blamed_on_it(tmp_path):
+    (tmp_path / "source").mkdir()
+    with pytest.raises(IsADirectoryError), output_errors("OUT", tmp_path / "out" / "prepared"):
+        (tmp_path / "source").read_bytes()  # reading its input, not writing OUT
