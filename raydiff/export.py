@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True,
                         help="run directory (its newest checkpoint) or checkpoint folder; a path or s3:// / gs:// URI")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
-    parser.add_argument("--out", required=True, type=Path, help="the pipeline folder to write (new or empty)")
+    parser.add_argument("--out", required=True, help="the pipeline folder to write (new or empty)")
     parser.add_argument("--no-ema", action="store_true", help="export the online weights instead of the EMA")
     parser.add_argument("--guide", default=None, help="autoguidance: a weaker model of the same data (an earlier "
                                                      "checkpoint of the run, or a smaller or shorter-trained run), "
@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=None, help="with --guide: the autoguidance weight the model "
                                                                      "card samples at (default 2; 1 = the model alone)")
     args = parser.parse_args(argv)
+    if not args.out.strip():  # Path("") is ".": an unset shell variable would write into the current folder
+        parser.error(f"--out {args.out!r}: must name a new or empty folder")
+    args.out = Path(args.out)
     if args.guidance is not None and (args.guide is None or not math.isfinite(args.guidance) or args.guidance < 0):
         parser.error(f"--guidance {args.guidance:g}: a number >= 0, and only with --guide")
     return args

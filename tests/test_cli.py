@@ -140,6 +140,11 @@ def test_a_command_s_own_exit_status_passes_through():
     ("raydiff.ema", ["--checkpoint", "run", "--out", "averages", "--sigma-rel", "0.3"], "--sigma-rel = '0.3'"),
     ("raydiff.lr_find", ["--steps", "5"], "--steps 5: must be >= 10"),
     ("raydiff.prepare", ["images", "prepared", "--resolution", "4"], "--resolution 4: must be between 8 and 1024"),
+    # An unset shell variable: "" would be the current folder (sample pruned the samples there).
+    ("raydiff.sample", ["--checkpoint", "run", "--out", ""], "--out '': must name a grid image"),
+    ("raydiff.export", ["--checkpoint", "run", "--out", " "], "--out ' ': must name a new or empty folder"),
+    ("raydiff.ema", ["--checkpoint", "run", "--out", "", "--sigma-rel", "0.1"], "--out '': must name"),
+    ("raydiff.prepare", ["images", "", "--resolution", "8"], "OUT = '': must name a new folder"),
 ])
 def test_a_mistake_found_before_training_imports_neither_torch_nor_ray(command, args, line):
     """Each takes seconds to import: a bad --set or argument is answered in a fraction of that."""
