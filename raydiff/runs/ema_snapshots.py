@@ -23,11 +23,12 @@ import torch
 from raydiff.config import Config
 from raydiff.model.unet import build_model, count_parameters
 from raydiff.model.weight_averages import PowerEma, combine, solve_coefficients
-from raydiff.runs.state import bad_file_reason
+from raydiff.runs.state import bad_file_reason, foreign_reason
 from raydiff.storage.rundir import RunDir
 
 SNAPSHOT_DIR = "ema_snapshots"
 _NAME = re.compile(r"step_(\d{8})\.pt$")
+SNAPSHOT_KEYS = ("step", "images_seen", "sigma_rels", "profiles", "config")  # what `snapshot_bytes` writes
 
 
 def snapshot_name(step: int) -> str:
@@ -80,14 +81,23 @@ def list_snapshots(run_dir: RunDir) -> list[int]:
 
 def read_snapshot(run_dir: RunDir, step: int) -> dict[str, Any]:
     """The snapshot of `step`; ValueError (one line) for a file that is not one (cut short, empty, not a torch
-    file), rather than torch's advice to switch its safe loader off."""
+    file, or a torch file raydiff did not write), rather than torch's advice to switch its safe loader off or a
+    KeyError's traceback."""
     try:
-        return torch.load(run_dir.open_binary(snapshot_name(step)), map_location="cpu", weights_only=True)
+        snapshot = torch.load(run_dir.open_binary(snapshot_name(step)), map_location="cpu", weights_only=True)
     except Exception as exc:
         reason = bad_file_reason(exc, "snapshot")
         if reason is None:  # storage or memory, not the file: as they are
             raise
         raise ValueError(f"{run_dir / snapshot_name(step)}: {reason}") from None
+    reason = foreign_reason(snapshot, SNAPSHOT_KEYS, mappings=("config",), what="snapshot")
+    if reason is None and not (isinstance(snapshot["sigma_rels"], list) and isinstance(snapshot["profiles"], list)
+                               and len(snapshot["profiles"]) == len(snapshot["sigma_rels"])):
+        reason = "not a raydiff snapshot (its 'sigma_rels' and 'profiles' are not lists of one length)"
+    if reason is not None:
+        raise ValueError(f"{run_dir / snapshot_name(step)}: {reason}; move it out of {SNAPSHOT_DIR}/, where each "
+                         f"step_NNNNNNNN.pt is read as a snapshot")
+    return snapshot
 
 
 class NoSuchSnapshot(ValueError):

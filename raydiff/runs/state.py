@@ -8,10 +8,11 @@ Restoring is all or nothing: a checkpoint is first loaded into copies of the mod
 applied when every part fits. If checkpoints exist and none of them loads, the run refuses to start rather than
 train from scratch on top of them (`Unresumable`).
 
-Only a checkpoint that is itself bad (cut short, empty, not a torch file, or a state that does not fit) is passed
-over for an older one. A read that fails this time (storage beyond its retries, the network, memory) raises: the
-worker fails and Ray Train restarts it (`run.max_failures`) from the same checkpoint, where falling back would
-silently throw away the newest progress, or refuse a run whose checkpoints are fine.
+Only a checkpoint that is itself bad (cut short, empty, not a torch file, a torch file raydiff did not write, or a
+state that does not fit) is passed over for an older one. A read that fails this time (storage beyond its
+retries, the network, memory) raises: the worker fails and Ray Train restarts it (`run.max_failures`) from the
+same checkpoint, where falling back would silently throw away the newest progress, or refuse a run whose
+checkpoints are fine.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("raydiff")
 REQUIRED_KEYS = ("model", "ema", "optimizer", "scaler", "step", "images_seen", "counters", "window", "config")
+# What every state.pt raydiff writes holds, a training checkpoint's (`checkpoint_state`) and a post-hoc average's
+# that `raydiff.ema` rebuilt (no online weights) alike, and what every command reading one takes: the weights, the
+# config that builds their model, the step it names. A file torch loads without them is not raydiff's.
+STATE_KEYS = ("config", "ema", "step")
 READ_ATTEMPTS = 3  # attempts at a read that meets a storage error (OSError), with a growing pause between them
 READ_RETRY_S = 1.0
 NOT_READABLE = "not a readable {what} (truncated, empty, or not a torch file)"
@@ -111,8 +116,9 @@ def _plain_numbers(value: Any) -> Any:
 
 
 class DamagedCheckpoint(ValueError):
-    """A state file torch cannot read: cut short, empty, or not a torch file; the message says so in words (torch's
-    own would tell the user to switch the safe loader off)."""
+    """A state file torch cannot read (cut short, empty, or not a torch file), or one it reads that raydiff did not
+    write (a model's bare state_dict, a list); the message says so in words (torch's own would tell the user to
+    switch the safe loader off)."""
 
 
 def read_with_retries(path: RunDir) -> dict[str, Any]:
@@ -121,7 +127,7 @@ def read_with_retries(path: RunDir) -> dict[str, Any]:
     its own error."""
     for attempt in range(READ_ATTEMPTS):
         try:
-            return read_state(path)
+            state = read_state(path)
         except FileNotFoundError:
             raise
         except Exception as exc:
@@ -131,7 +137,34 @@ def read_with_retries(path: RunDir) -> dict[str, Any]:
             if not isinstance(exc, OSError) or attempt == READ_ATTEMPTS - 1 or permanent_reason(exc) is not None:
                 raise  # memory, or storage no retry can fix (refused permission), or beyond the retries
             time.sleep(READ_RETRY_S * 2**attempt)
+            continue
+        # Checked here, where every reader passes: a caller's state["config"] would be a KeyError's traceback.
+        reason = foreign_reason(state, STATE_KEYS, mappings=("config", "ema"))
+        if reason is not None:
+            raise DamagedCheckpoint(reason)
+        return state
     raise AssertionError("unreachable")
+
+
+def foreign_reason(state: object, keys: tuple[str, ...], *, mappings: tuple[str, ...] = (),
+                   what: str = "checkpoint") -> str | None:
+    """Why `state`, a file that torch loaded, is not a raydiff `what` (not a dict with `keys`, the ones in
+    `mappings` dicts, a "config" one of sections), in words; None where it has raydiff's shape."""
+    if not isinstance(state, dict):
+        return f"not a raydiff {what} (it holds a {type(state).__name__}, not a dict with {_quoted(keys)})"
+    missing = tuple(k for k in keys if k not in state)
+    if missing:
+        return f"not a raydiff {what} (no {_quoted(missing)})"
+    for key in mappings:
+        value = state[key]
+        if not isinstance(value, dict) or (key == "config" and
+                                           not all(isinstance(v, dict | None) for v in value.values())):
+            return f"not a raydiff {what} (its {key!r} is not a mapping{' of sections' if key == 'config' else ''})"
+    return None
+
+
+def _quoted(keys: tuple[str, ...]) -> str:
+    return ", ".join(map(repr, keys))
 
 
 def bad_file_reason(exc: BaseException, what: str = "checkpoint") -> str | None:

@@ -46,7 +46,7 @@ def test_state_round_trip_and_lookup(tmp_path):
     for step in (10, 20):
         directory = tmp_path / checkpoint_name(step)
         directory.mkdir()
-        write_state(directory, {"step": step, "w": torch.ones(2), "config": {"a": [1, 2]}})
+        write_state(directory, {"step": step, "ema": {"w": torch.ones(2)}, "config": {"train": {"a": [1, 2]}}})
     (tmp_path / "checkpoint_00000030").mkdir()  # incomplete: no state file
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_00000010", "checkpoint_00000020"]
     latest, state = read_newest(tmp_path)
@@ -61,7 +61,7 @@ def test_the_newest_checkpoint_that_reads_is_used(tmp_path, capsys):
     for step in (10, 20):
         directory = tmp_path / checkpoint_name(step)
         directory.mkdir()
-        write_state(directory, {"step": step, "w": torch.ones(2)})
+        write_state(directory, {"step": step, "w": torch.ones(2), "config": {}, "ema": {}})
     newest = tmp_path / "checkpoint_00000020" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:100])
     checkpoint, state = read_newest(tmp_path)
@@ -84,7 +84,7 @@ def test_a_small_checkpoint_cut_short_is_named_in_words_and_not_read_again(tmp_p
     for step in (10, 20):
         directory = tmp_path / checkpoint_name(step)
         directory.mkdir()
-        write_state(directory, {"step": step, "w": torch.arange(1000.0)})
+        write_state(directory, {"step": step, "w": torch.arange(1000.0), "config": {}, "ema": {}})
     newest = tmp_path / "checkpoint_00000020" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:-1])
     with pytest.raises(OSError):  # what torch says

@@ -43,3 +43,26 @@ def test_a_rebuilt_average_is_named_and_has_no_online_weights():
     assert weights_of(rebuilt, "out/sigma_rel-0.070", use_ema=True) == "post-hoc EMA sigma_rel 0.07"
     with pytest.raises(ValueError, match="--no-ema: out/sigma_rel-0.070 is a post-hoc EMA average"):
         weights_of(rebuilt, "out/sigma_rel-0.070", use_ema=False)
+
+
+@pytest.mark.parametrize("foreign", ["a model's state_dict", "profiles not a list"])
+def test_a_snapshot_raydiff_did_not_write_is_refused_in_one_line(tmp_path, capsys, foreign):
+    """torch loads it with its safe loader; raydiff.ema then met a KeyError's traceback ('sigma_rels')."""
+    import torch
+    from conftest import write_posthoc_run
+
+    from raydiff import cli, ema
+
+    write_posthoc_run(tmp_path / "run", steps=20)
+    run = RunDir(tmp_path / "run")
+    snapshot = torch.load(run.open_binary(snapshot_name(10)), weights_only=True)
+    torch.save(snapshot["profiles"][0] if foreign == "a model's state_dict" else {**snapshot, "profiles": {}},
+               tmp_path / "run" / snapshot_name(10))
+    reason = ("no 'step', 'images_seen', 'sigma_rels', 'profiles', 'config'" if foreign == "a model's state_dict" else
+              "its 'sigma_rels' and 'profiles' are not lists of one length")
+    code = cli.run(ema.main, ["--checkpoint", str(tmp_path / "run"), "--sigma-rel", "0.07",
+                              "--out", str(tmp_path / "out")])
+    assert code == 2 and capsys.readouterr().err == (
+        f"raydiff: config error: {run / snapshot_name(10)}: not a raydiff snapshot ({reason}); move it out of "
+        f"ema_snapshots/, where each step_NNNNNNNN.pt is read as a snapshot\n")
+    assert not (tmp_path / "out").exists()

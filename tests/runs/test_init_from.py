@@ -134,3 +134,28 @@ def test_a_fine_tune_starts_from_a_trained_run(tmp_path):
     assert yaml.safe_load((fine_tune / "config.yaml").read_text())["model"]["init_from"] == str(run_dir)
     trained = read_state(list_checkpoints(fine_tune)[-1])["model"]
     assert all(torch.allclose(trained[k], v, atol=1e-8) for k, v in read_state(newest)["ema"].items())
+
+
+def test_an_init_from_checkpoint_raydiff_did_not_write_is_refused_in_one_line(tmp_path):
+    """A model's bare state_dict saved as state.pt: torch loads it, and state["config"] was a KeyError's
+    traceback."""
+    folder = write_checkpoint(tmp_path / "run", load_config("smoke", SMOKE, check_source=False), step=10)
+    torch.save(read_state(folder)["ema"], folder / "state.pt")
+    cfg = load_config("smoke", [*SMOKE, f"model.init_from={folder}"], check_source=False)
+    with pytest.raises(FileNotFoundError) as refused:
+        load_init_weights(cfg)
+    assert str(refused.value) == (f"{folder}: no checkpoint can be read: checkpoint_00000010 (not a raydiff "
+                                  f"checkpoint (no 'config', 'ema', 'step'))")
+    assert isinstance(refused.value, cli.USER_ERRORS)  # one line, exit 2, from every command
+
+
+def test_an_init_from_checkpoint_whose_config_has_an_unknown_key_is_refused_naming_it(tmp_path):
+    folder = write_checkpoint(tmp_path / "run", load_config("smoke", SMOKE, check_source=False), step=10)
+    state = read_state(folder)
+    state["config"]["model"]["wings"] = 2
+    write_state(folder, state)
+    cfg = load_config("smoke", [*SMOKE, f"model.init_from={folder}"], check_source=False)
+    with pytest.raises(ConfigError) as refused:
+        load_init_weights(cfg)
+    assert str(refused.value).startswith(f"model.init_from = '{folder}': the config in {folder} cannot be read "
+                                         f"(unknown key 'model.wings'")

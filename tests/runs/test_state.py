@@ -4,6 +4,7 @@ fails this time raises, for Ray to restart the worker), and a bad one named in w
 from __future__ import annotations
 
 import errno
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -290,3 +291,42 @@ def test_a_damaged_checkpoint_is_named_in_words_and_passed_over_at_once(tmp_path
     for message in (str(refused.value), str(unread.value)):
         assert "checkpoint_00000020 (not a readable checkpoint (truncated, empty, or not a torch file))" in message
         assert "weights_only" not in message and "Error" not in message
+
+
+@pytest.mark.parametrize("foreign", ["a model's state_dict", "a list", "a config of no sections"])
+def test_a_torch_file_raydiff_did_not_write_is_named_and_passed_over_as_a_damaged_one(tmp_path, capsys, foreign):
+    """torch loads these with its safe loader; every command then met a KeyError's or TypeError's traceback
+    (state["config"]) where a damaged checkpoint gets one line or an older checkpoint."""
+    objects = _objects(0)
+    _write(tmp_path, 10, objects)
+    folder = _write(tmp_path, 20, objects)
+    content = {"a model's state_dict": objects[0].state_dict(), "a list": [1, 2],
+               "a config of no sections": {**read_state(folder), "config": {"model": 16}}}[foreign]
+    torch.save(content, folder / "state.pt")
+    reason = {"a model's state_dict": "not a raydiff checkpoint (no 'config', 'ema', 'step')",
+              "a list": "not a raydiff checkpoint (it holds a list, not a dict with 'config', 'ema', 'step')",
+              "a config of no sections": "not a raydiff checkpoint (its 'config' is not a mapping of sections)",
+              }[foreign]
+
+    assert restore_newest(checkpoint_candidates(tmp_path), _objects(1)).checkpoint.name == checkpoint_name(10)
+    found, state = read_newest(tmp_path)  # sample, evaluate, export, --guide, model.init_from
+    assert found.name == checkpoint_name(10) and state["step"] == 10
+    assert f"checkpoint {folder} cannot be read ({reason}); using {checkpoint_name(10)}" in capsys.readouterr().err
+    with pytest.raises(Unresumable, match=re.escape(f"{checkpoint_name(20)} ({reason})")):
+        restore_newest([RunDir(folder)], _objects(1))
+    with pytest.raises(FileNotFoundError) as unread:
+        read_newest(folder)
+    assert str(unread.value) == f"{folder}: no checkpoint can be read: {checkpoint_name(20)} ({reason})"
+
+
+def test_export_of_a_checkpoint_raydiff_did_not_write_stops_in_one_line_and_writes_nothing(tmp_path, capsys):
+    from raydiff import cli, export
+
+    objects = _objects(0)
+    folder = _write(tmp_path / "run", 10, objects)
+    torch.save(objects[0].state_dict(), folder / "state.pt")
+    code = cli.run(export.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"raydiff: error: {folder}: no checkpoint can be read: {checkpoint_name(10)} (not a "
+                                 f"raydiff checkpoint (no 'config', 'ema', 'step'))\n")
+    assert not (tmp_path / "out").exists()
