@@ -66,17 +66,24 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
     return cfg.resolve()
 
 
-def _where_and_what(exc: yaml.YAMLError) -> str:
-    """`at line L, column C: <problem>` of a syntax error (where the user fixes it), else its first line."""
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line (PyYAML's takes several): `line L, column C: <problem>` of a syntax error (where
+    the user fixes it; for an unclosed bracket or quote, where it opened too), else its first line."""
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None) or getattr(exc, "context", None)
     if mark is None or not problem:
-        return f" ({str(exc).splitlines()[0]})"
-    where = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+        return (str(exc).splitlines() or [type(exc).__name__])[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
     context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and opened is not None and context != problem:  # an unclosed bracket or quote: where it opened
+    if context and opened is not None and context != problem:
         where += f" ({context} at line {opened.line + 1}, column {opened.column + 1})"
     return where
+
+
+def _where_and_what(exc: yaml.YAMLError) -> str:
+    located = getattr(exc, "problem_mark", None) is not None and (getattr(exc, "problem", None)
+                                                                   or getattr(exc, "context", None))
+    return f" at {yaml_problem(exc)}" if located else f" ({yaml_problem(exc)})"
 
 
 def _resolve_paths(cfg: Config) -> None:

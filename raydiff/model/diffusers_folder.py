@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from raydiff.config import Config, ConfigError
+from raydiff.config.load import yaml_problem
 from raydiff.model.diffusers_io import (
     EXPORT_INFO_FILE,
     GUIDE_FOLDER,
@@ -53,15 +54,23 @@ def _unet_location(location: str) -> tuple[str, str | None]:
         return location, None
 
 
+def _config_file(source: str, subfolder: str | None) -> str:
+    return "/".join([source.rstrip("/"), *([subfolder] if subfolder else []), "config.json"])
+
+
 def read_unet_config(location: str, *, where: str) -> tuple[dict[str, Any], str, str | None]:
     """The UNet2DModel config of `location`, with where the UNet is (path or hub id, subfolder)."""
     from diffusers import UNet2DModel
 
     try:
         source, subfolder = _unet_location(location)
-        config = dict(UNet2DModel.load_config(source, subfolder=subfolder))
+        loaded = UNet2DModel.load_config(source, subfolder=subfolder)
     except OSError as exc:
         raise ConfigError(f"{where}: no UNet2DModel config there ({str(exc).splitlines()[0]})") from None
+    if not isinstance(loaded, dict):  # valid JSON of another kind: diffusers returns it as it is
+        raise ConfigError(f"{where}: the UNet2DModel config there ({_config_file(source, subfolder)}) holds a "
+                          f"{type(loaded).__name__}, not a mapping of keys to values; fix or replace it")
+    config = dict(loaded)
     if config.get("_class_name", "UNet2DModel") != "UNet2DModel":
         raise ConfigError(f"{where}: the model there is a {config['_class_name']}; raydiff reads a UNet2DModel")
     return config, source, subfolder
@@ -106,18 +115,23 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     (as both `model` and `ema`: the folder holds one set), step (when raydiff exported it) and, for a
     class-conditional UNet, `classes` ({"names"}, and "counts" when raydiff recorded them; names default to the
     ids)."""
-    import yaml
-
     path = Path(location).expanduser()
     where = f"--checkpoint {location}"
     require_diffusers("a diffusers folder")
     unet, source, subfolder = read_unet_config(str(path), where=where)
-    tree = yaml.safe_load((path / RAYDIFF_CONFIG_FILE).read_text()) if (path / RAYDIFF_CONFIG_FILE).is_file() else {}
-    cfg = Config.from_dict(tree or {})
+    config_file = path / RAYDIFF_CONFIG_FILE
+    tree = read_side_file(config_file) if config_file.is_file() else {}
+    if not all(isinstance(v, dict | None) for v in tree.values()):
+        raise ConfigError(f"{config_file}: expected sections of key: value pairs (data:, model:, train:, ...); fix "
+                          f"or replace it")
+    try:
+        cfg = Config.from_dict(tree)
+    except ConfigError as exc:  # a key this raydiff does not know, or a value of the wrong kind
+        raise ConfigError(f"{config_file}: {exc}") from None
     keys = model_keys_from_unet(unet, where=where)
     for scheduler_file in (path / "scheduler" / "scheduler_config.json", path / "scheduler_config.json"):
         if scheduler_file.is_file():  # else the diffusion keys of raydiff_config.yaml, or raydiff's defaults
-            keys.update(diffusion_keys_from_scheduler(json.loads(scheduler_file.read_text()), where=where))
+            keys.update(diffusion_keys_from_scheduler(read_side_file(scheduler_file), where=where))
             break
     for key, value in keys.items():
         section, name = key.split(".")
@@ -127,7 +141,9 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
         cfg.data.labels = "auto"  # what a class-conditional config has (a foreign folder has no raydiff config)
     weights = from_diffusers(read_unet_weights(source, subfolder, where=where), cfg)
     info_file = path / EXPORT_INFO_FILE
-    info: dict[str, Any] = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    info = read_side_file(info_file) if info_file.is_file() else {}
+    if not isinstance(info.get("classes") or {}, dict):
+        raise ConfigError(f"{info_file}: its 'classes' is not a mapping of names and counts; fix or replace it")
     exported = {"ema": "EMA", "online": "online", "posthoc": "post-hoc EMA"}.get(info.get("weights", ""), "exported")
     state: dict[str, Any] = {"model": weights, "ema": weights, "step": info.get("step"),
                              "images_seen": info.get("images_seen"), "weights": exported, "config": cfg.to_dict()}
@@ -135,6 +151,31 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     if classes:
         state["classes"] = classes
     return state
+
+
+def read_side_file(file: Path) -> dict[str, Any]:
+    """A JSON or YAML (.yaml) file of a diffusers folder, as the mapping it holds ({} for an empty YAML file); a
+    ConfigError (one line) naming it where it cannot be read or holds something else, rather than the parser's
+    traceback: a copy cut short, an edit gone wrong."""
+    import yaml
+
+    from raydiff.config.values import YAML_ERRORS
+
+    kind = "YAML" if file.suffix == ".yaml" else "JSON"
+    try:
+        text = file.read_text(encoding="utf-8")
+        value = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: not valid YAML ({yaml_problem(exc)}); fix or replace it") from None
+    except YAML_ERRORS as exc:  # JSONDecodeError, not UTF-8 (ValueErrors); a YAML tag it cannot build (`!!float x`)
+        raise ConfigError(f"{file}: not valid {kind} ({(str(exc).splitlines() or [''])[0]}); fix or replace "
+                          f"it") from None
+    if value is None and kind == "YAML":
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{file}: holds a {type(value).__name__}, not a mapping of keys to values; fix or replace "
+                          f"it")
+    return value
 
 
 # Writing a pipeline folder.

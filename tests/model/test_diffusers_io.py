@@ -294,3 +294,48 @@ def test_a_unet_whose_classes_raydiff_cannot_hold_is_refused():
         diffusers_io.model_keys_from_unet({**GOOGLE_DDPM_CIFAR10, "num_class_embeds": 1}, where="x")
     with pytest.raises(ConfigError, match=r"class_embed_type = 'timestep'; raydiff's UNet needs None"):
         diffusers_io.model_keys_from_unet({**GOOGLE_DDPM_CIFAR10, "class_embed_type": "timestep"}, where="x")
+
+
+@pytest.mark.parametrize("file, text, problem", [
+    ("scheduler/scheduler_config.json", "{bad",
+     "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("raydiff_export.json", "[1,2", "not valid JSON (Expecting ',' delimiter: line 1 column 5 (char 4))"),
+    ("raydiff_export.json", "[1,2]", "holds a list, not a mapping of keys to values"),
+    ("raydiff_export.json", '{"classes": ["a", "b"]}', "its 'classes' is not a mapping of names and counts"),
+    ("raydiff_config.yaml", "model: {base_channels: 16", "not valid YAML (line 1, column 26: expected ',' or '}', "
+                                                         "but got '<stream end>' (while parsing a flow mapping at "
+                                                         "line 1, column 8))"),
+    ("raydiff_config.yaml", "- 1\n- 2\n", "holds a list, not a mapping of keys to values"),
+    ("raydiff_config.yaml", "model: 16\n", "expected sections of key: value pairs (data:, model:, train:, ...)"),
+    ("raydiff_config.yaml", "model: {wings: 2}\n", "unknown key 'model.wings'"),
+], ids=["scheduler cut short", "export info cut short", "export info a list", "classes a list", "config cut short",
+        "config a list", "config of no sections", "config of an unknown key"])
+def test_a_diffusers_folder_with_a_malformed_side_file_is_refused_naming_it(tmp_path, capsys, file, text, problem):
+    """raydiff.sample --checkpoint DIR (and --guide DIR) met the JSON or YAML parser's traceback, or a list's
+    AttributeError."""
+    cfg = load_config("smoke", check_source=False)
+    folder = tmp_path / "pipeline"
+    diffusers_folder.save_pipeline_folder(folder, {"config": cfg.to_dict(), "ema": build_model(cfg).state_dict(),
+                                                   "step": 20, "images_seen": 320},
+                                          use_ema=True, checkpoint="run", guidance=1.0)
+    assert diffusers_folder.state_from_folder(folder)["step"] == 20  # as exported, it reads
+    (folder / file).write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        diffusers_folder.state_from_folder(folder)
+    line = f"{folder / file}: {problem}"
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+    assert cli.run(sample.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "samples")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"raydiff: config error: {line}")
+    assert not (tmp_path / "samples").exists()
+
+
+def test_a_unet_config_that_is_valid_json_but_no_mapping_is_refused_naming_it(tmp_path):
+    """diffusers returns it as it is; dict() of it was a TypeError's traceback (model.init_from and --checkpoint)."""
+    cfg = load_config("smoke", check_source=False)
+    folder = tmp_path / "pipeline"
+    UNet2DModel(**diffusers_io.unet_config(cfg)).save_pretrained(folder / "unet")
+    (folder / "unet" / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError) as refused:
+        diffusers_folder.read_unet_config(str(folder), where=f"--checkpoint {folder}")
+    assert str(refused.value) == (f"--checkpoint {folder}: the UNet2DModel config there ({folder}/unet/config.json) "
+                                  f"holds a list, not a mapping of keys to values; fix or replace it")
