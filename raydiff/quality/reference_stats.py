@@ -14,12 +14,15 @@ import hashlib
 import io
 import json
 import sys
+import zipfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.lib.npyio import NpzFile
 
 from raydiff.data.errors import DataError
 from raydiff.quality.errors import QualityError
@@ -54,13 +57,25 @@ class Reference:
 
 
 def read_npz(data: bytes, description: str) -> Reference:
+    """Reference statistics from an .npz's bytes; QualityError (one line) for a file that is not one (empty, cut
+    short, another kind of file) or holds no mu and sigma."""
     try:
-        with np.load(io.BytesIO(data)) as npz:
+        loaded = np.load(io.BytesIO(data))  # no pickles: a file of data, never code
+    except (EOFError, zipfile.BadZipFile, ValueError, OSError):
+        # numpy's own words would be "No data left in file", or advice to allow pickles
+        raise QualityError(f"{description}: not a readable .npz (empty, cut short, or another kind of "
+                           f"file)") from None
+    if not isinstance(loaded, NpzFile):
+        raise QualityError(f"{description}: a single array (.npy), not an .npz with mu and sigma")
+    try:
+        with loaded as npz:
             mu, sigma = np.asarray(npz["mu"], np.float64), np.asarray(npz["sigma"], np.float64)
             features = npz.get("features")
             count = int(npz["count"]) if "count" in npz else 0
-    except (KeyError, ValueError, OSError) as exc:
-        raise QualityError(f"{description}: not an .npz with mu and sigma ({str(exc).splitlines()[0]})") from None
+    # A member that does not decompress or check (CRC) is a file cut or damaged inside: BadZipFile, zlib.error.
+    except (KeyError, ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise QualityError(f"{description}: not an .npz with mu and sigma "
+                           f"({(str(exc).splitlines() or [type(exc).__name__])[0]})") from None
     if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
         raise QualityError(f"{description}: mu {mu.shape} and sigma {sigma.shape} do not match")
     return Reference(mu, sigma, count, features, description)
@@ -111,7 +126,12 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
     cache = RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / CACHE_FOLDER
     description = f"the reference statistics of {source.uri} at {data.resolution}px"
     if cache.is_file(f"{key}.npz"):
-        return read_npz(cache.read_bytes(f"{key}.npz"), description)
+        try:
+            return read_npz(cache.read_bytes(f"{key}.npz"), description)
+        except QualityError as exc:  # a cache: one that does not read (cut short, emptied) is computed again
+            why = str(exc).removeprefix(f"{description}: ")
+            print(f"[raydiff] note: {cache / f'{key}.npz'}, where {description} were cached, cannot be read "
+                  f"({why}); computing them again", file=sys.stderr)
     if images is None:
         with told_as_ref(ref):
             images, _ = open_images(data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
