@@ -19,6 +19,8 @@ import yaml
 
 from raydiff.config import Config, ConfigError
 from raydiff.config.learning_rate import lr_at
+from raydiff.config.load import yaml_problem
+from raydiff.config.values import YAML_ERRORS
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
 from raydiff.storage.rundir import RunDir
 
@@ -76,8 +78,8 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
 
     checkpoints = list_checkpoints(run_dir)
     notes: list[str] = []
-    previous = yaml.safe_load(run_dir.read_text("config.yaml")) if run_dir.is_file("config.yaml") else None
-    previous_data = json.loads(run_dir.read_text(DATA_FILE)) if run_dir.is_file(DATA_FILE) else None
+    previous = _read_record(cfg, run_dir, "config.yaml", sections=True)
+    previous_data = _read_record(cfg, run_dir, DATA_FILE, keys=("fingerprint",))
     changes = identity_changes(previous, cfg.to_dict()) if previous else []
     if previous_data and previous_data["fingerprint"] != data["fingerprint"] and not changes:
         changes.append(f"the files of data.source ({previous_data.get('num_files')} files, now {data['num_files']}, "
@@ -97,11 +99,51 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     if previous:
         notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
         notes += lr_change(previous, cfg, step)
-    summary = json.loads(run_dir.read_text("summary.json")) if run_dir.is_file("summary.json") else {}
+    summary = _read_record(cfg, run_dir, "summary.json") or {}
     finished = summary.get("status") == "finished"
     if step >= cfg.train.total_steps and finished:
         return RunPlan("finished", step, tuple(notes), layout=layout)
     return RunPlan("continue", step, tuple(notes), layout=layout)
+
+
+def _read_record(cfg: Config, run_dir: RunDir, name: str, *, sections: bool = False,
+                 keys: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """A file the run recorded beside its checkpoints (None where there is none), as the mapping raydiff wrote
+    (`sections`: of config sections; `keys`: with these); a ConfigError naming it where it is cut short, empty
+    or otherwise damaged, rather than the parser's traceback. An empty config.yaml would skip the check that
+    the run continues with its own settings, so it is damaged too."""
+    if not run_dir.is_file(name):
+        return None
+    try:
+        text = run_dir.read_text(name)
+        value = yaml.safe_load(text) if name.endswith(".yaml") else json.loads(text)
+    except yaml.YAMLError as exc:
+        problem = f"not valid YAML ({yaml_problem(exc)})"
+    except YAML_ERRORS as exc:  # JSONDecodeError, not UTF-8 (ValueErrors); a YAML tag it cannot build
+        problem = f"not valid {'YAML' if name.endswith('.yaml') else 'JSON'} ({(str(exc).splitlines() or [''])[0]})"
+    else:
+        shape = _shape_problem(value, sections=sections, keys=keys)
+        if shape is None:
+            return value
+        problem = shape
+    # summary.json is only read to know whether the run finished; the others hold what a continuing run is checked
+    # against (without them the check is skipped, so removing them is no advice).
+    fix = "remove it to continue the run (it is written again when the run ends)" if name == "summary.json" else \
+        "fix it to continue the run"
+    raise ConfigError(f"run.name = {cfg.run.name!r}: {run_dir / name} is damaged: {problem}; {fix}, or use --set "
+                      f"run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
+                      f"is moved aside, not deleted)")
+
+
+def _shape_problem(value: Any, *, sections: bool, keys: tuple[str, ...]) -> str | None:
+    if value is None or value == {}:
+        return "it holds nothing"
+    if not isinstance(value, dict):
+        return f"it holds a {type(value).__name__}, not a mapping of keys to values"
+    if sections and not all(isinstance(v, dict | None) for v in value.values()):
+        return "expected sections of key: value pairs (data:, model:, train:, ...)"
+    missing = [k for k in keys if k not in value]
+    return f"no {', '.join(map(repr, missing))} in it" if missing else None
 
 
 def lr_change(previous: dict[str, Any], cfg: Config, step: int) -> list[str]:

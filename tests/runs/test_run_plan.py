@@ -77,3 +77,33 @@ def test_keys_added_since_an_old_run_count_as_their_defaults():
     assert identity_changes(old, load_config("default").to_dict()) == []
     assert other_changes(old, load_config("default", ["train.ema_decay=0.9"]).to_dict()) == [
         "train.ema_decay 0.995 -> 0.9"]
+
+
+@pytest.mark.parametrize("name, text, problem", [
+    ("config.yaml", "model: {base_channels: 16", "not valid YAML (line 1, column 26: expected ',' or '}', but got "
+                                                 "'<stream end>' (while parsing a flow mapping at line 1, column 8))"),
+    ("config.yaml", "", "it holds nothing"),
+    ("config.yaml", "- model\n", "it holds a list, not a mapping of keys to values"),
+    ("config.yaml", "model: 16\n", "expected sections of key: value pairs (data:, model:, train:, ...)"),
+    ("data.json", '{"fingerprint": "f", "num', "not valid JSON (Unterminated string starting at: line 1 column 22 "
+                                               "(char 21))"),
+    ("data.json", '{"num_files": 1}', "no 'fingerprint' in it"),
+    ("summary.json", '{"status": "fin', "not valid JSON (Unterminated string starting at: line 1 column 12 "
+                                        "(char 11))"),
+    ("summary.json", "", "not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+], ids=["config cut short", "config empty", "config a list", "config of no sections", "data cut short",
+        "data without its fingerprint", "summary cut short", "summary empty"])
+def test_a_damaged_record_of_the_run_is_refused_in_one_line_naming_it(tmp_path, name, text, problem):
+    """A re-run met the YAML or JSON parser's traceback; an empty config.yaml silently skipped the check that the
+    run continues with its own settings (here it would continue with another seed)."""
+    cfg = load_config("smoke")
+    run = write_run(tmp_path / "run", cfg, steps=(20,), finished=True)
+    run.write_text(name, text)
+    with pytest.raises(ConfigError) as refused:
+        plan_run(load_config("smoke", ["train.seed=1"] if name == "config.yaml" else []), run, DATA)
+    fix = ("remove it to continue the run (it is written again when the run ends)" if name == "summary.json" else
+           "fix it to continue the run")
+    assert str(refused.value) == (
+        f"run.name = 'smoke': {run / name} is damaged: {problem}; {fix}, or use --set run.name=NEW for a new run, or "
+        f"--set run.resume=false to start this one over (the old run is moved aside, not deleted)")
+    assert plan_run(load_config("smoke", ["run.resume=false"]), run, DATA).replace  # that way out is open
