@@ -3,7 +3,8 @@
 Re-running the same command continues the run from its newest checkpoint (Ray Train finds the run by
 `run.name` and `run.storage`). Continuing is refused when a key that fixes what the checkpoint means has
 changed (model shape, diffusion, data, global batch, seed): the result would be neither the old run nor a new
-one. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts over. The caller holds
+one; and when the records it is checked against (config.yaml, data.json) or summary.json are damaged, rather than
+the check being skipped. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts over. The caller holds
 the run directory's lease (`raydiff.storage.lease`) while it decides and moves.
 """
 
@@ -77,6 +78,8 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
         return RunPlan("start", 0, replace=True)
 
     checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:  # nothing to continue: the records of an earlier start are not read, nor checked
+        return RunPlan("start", 0)
     notes: list[str] = []
     previous = _read_record(cfg, run_dir, "config.yaml", sections=True)
     previous_data = _read_record(cfg, run_dir, DATA_FILE, keys=("fingerprint",))
@@ -84,16 +87,14 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     if previous_data and previous_data["fingerprint"] != data["fingerprint"] and not changes:
         changes.append(f"the files of data.source ({previous_data.get('num_files')} files, now {data['num_files']}, "
                        f"or their names or sizes)")
-    layout = (previous_data or {}).get("layout") if checkpoints else None
+    layout = (previous_data or {}).get("layout")
     if layout and not changes:
         changes += layout_changes(cfg.data, layout)
-    if changes and checkpoints:
+    if changes:
         raise ConfigError(
             f"run.name = {cfg.run.name!r}: {run_dir} holds a run trained with {'; '.join(changes)}; continuing it "
             f"would be meaningless. Use --set run.name=NEW for a new run, or --set run.resume=false to start this "
             f"one over (the old run is moved aside, not deleted)")
-    if not checkpoints:
-        return RunPlan("start", 0, tuple(notes))
 
     step = checkpoint_step(checkpoints[-1])
     if previous:

@@ -107,3 +107,11 @@ def test_a_damaged_record_of_the_run_is_refused_in_one_line_naming_it(tmp_path, 
         f"run.name = 'smoke': {run / name} is damaged: {problem}; {fix}, or use --set run.name=NEW for a new run, or "
         f"--set run.resume=false to start this one over (the old run is moved aside, not deleted)")
     assert plan_run(load_config("smoke", ["run.resume=false"]), run, DATA).replace  # that way out is open
+
+
+def test_the_records_of_a_run_without_checkpoints_are_neither_read_nor_refused(tmp_path):
+    # Nothing to continue: they are not what the new start is checked against (an empty config.yaml was refused).
+    run = RunDir(tmp_path / "run")
+    run.write_text("config.yaml", "")
+    run.write_text("data.json", "{cut")
+    assert plan_run(load_config("smoke", ["train.seed=1"]), run, DATA).action == "start"
