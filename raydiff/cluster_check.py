@@ -204,7 +204,9 @@ def _node_config(types: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]
 
 
 def _check_gcp_gpu_maintenance(types: dict[str, Any]) -> None:
-    """GCE refuses to create a VM with GPUs that would live-migrate (the default): it must stop for maintenance."""
+    """GCE refuses to create a VM with GPUs that would live-migrate (the default): it must stop for maintenance.
+    A preemptible VM stops by default ("the default and only possible behavior is TERMINATE", GCE's API), so it
+    may leave the field out."""
     for name, node_type in types.items():
         where, node = _node_config(types, name)
         has_gpus = (bool(node.get("guestAccelerators")) or bool(GCP_GPU_MACHINES.match(str(node.get("machineType"))))
@@ -212,7 +214,8 @@ def _check_gcp_gpu_maintenance(types: dict[str, Any]) -> None:
         scheduling = node.get("scheduling") or {}
         if isinstance(scheduling, list):  # Ray's GCP examples write it as a list of one-key mappings
             scheduling = {k: v for item in scheduling if isinstance(item, dict) for k, v in item.items()}
-        if has_gpus and scheduling.get("onHostMaintenance") != "TERMINATE":
+        maintenance = scheduling.get("onHostMaintenance", "TERMINATE" if scheduling.get("preemptible") else None)
+        if has_gpus and maintenance != "TERMINATE":
             raise ClusterFileError(f"{where}.scheduling.onHostMaintenance = "
                                    f"{json.dumps(scheduling.get('onHostMaintenance'))} ({node.get('machineType')} "
                                    f"has GPUs): must be \"TERMINATE\"; GCE creates no GPU VM that live-migrates")

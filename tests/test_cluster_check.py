@@ -171,6 +171,16 @@ def test_gcp_scheduling_is_read_in_the_list_form_of_rays_examples(tmp_path, caps
     assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
 
 
+def test_a_preemptible_gpu_node_may_leave_its_maintenance_to_gces_default(tmp_path, capsys):
+    # Ray's own GCP examples' shape (scheduling: [preemptible: true]) with a GPU: GCE stops a preemptible VM for
+    # maintenance by default, it never live-migrates.
+    def preemptible_gpu(cfg: dict[str, Any]) -> None:
+        _gcp_node(cfg, "ray_worker_cpu").update(machineType="n1-standard-8", guestAccelerators=T4,
+                                                 scheduling=[{"preemptible": True}])
+    path = _launcher(tmp_path, preemptible_gpu, cloud="gcp")
+    assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
+
+
 def test_buckets_behind_an_endpoint_need_no_instance_profile(tmp_path, monkeypatch, capsys):
     """A MinIO or test server takes its credentials another way: the nodes' IAM profile is not judged."""
     def at_endpoint(tree: dict[str, Any]) -> None:
