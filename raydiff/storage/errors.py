@@ -8,7 +8,8 @@ dropped connection passes, and those keep being retried (pyarrow retries each re
 Both kinds arrive as OSError: pyarrow puts the S3 or GCS error in the message. A write may fail in a local folder
 other than the storage it is for (a checkpoint staged in the temporary folder on its way to a mount or a bucket):
 `ElsewhereError` carries that folder, so that the line names it, its free space and the setting that chose it,
-not the run's storage.
+not the run's storage. A command's output (`output_errors`) is told in one line too when a folder stands where
+its file goes, or a file where its folder does: a mistaken --out, not a storage failure, but no traceback either.
 """
 
 from __future__ import annotations
@@ -181,13 +182,16 @@ def output_errors(setting: str, path: str | os.PathLike) -> Iterator[None]:
 
 
 def _within(exc: OSError, path: str | os.PathLike) -> bool:
-    """Whether `exc` names a file in the local folder of `path`, or inside `path` (where its writes go)."""
+    """Whether `exc` names where the output's writes go: the local `path` itself, inside it, a folder on the way
+    to it (a file there), or the hidden name it is built under beside it (`raydiff.storage.atomic`); not another
+    file beside it (a source read from the same folder)."""
     if "://" in str(path):
         return False
-    folder = Path(path).resolve().parent
-    named = [Path(os.fsdecode(name)).resolve() for name in (exc.filename, exc.filename2)
+    out = Path(path).expanduser().resolve()
+    named = [Path(os.fsdecode(name)).expanduser().resolve() for name in (exc.filename, exc.filename2)
              if isinstance(name, (str, bytes, os.PathLike))]
-    return any(name == folder or folder in name.parents for name in named)
+    return any(name == out or out in name.parents or name in out.parents
+               or (name.parent == out.parent and name.name.startswith(f".{out.name}")) for name in named)
 
 
 def disk_failure(exc: OSError) -> str | None:

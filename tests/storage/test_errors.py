@@ -82,5 +82,17 @@ def test_a_folder_where_a_commands_output_file_goes_is_one_line_and_nothing_is_l
 
 def test_a_folder_met_outside_a_commands_output_is_not_blamed_on_it(tmp_path):
     (tmp_path / "source").mkdir()
-    with pytest.raises(IsADirectoryError), output_errors("OUT", tmp_path / "out" / "prepared"):
-        (tmp_path / "source").read_bytes()  # reading its input, not writing OUT
+    with pytest.raises(IsADirectoryError), output_errors("OUT", tmp_path / "prepared"):
+        (tmp_path / "source").read_bytes()  # reading its input beside OUT, not writing OUT
+    (tmp_path / "source" / "x.png").mkdir()
+    with pytest.raises(IsADirectoryError), output_errors("OUT", tmp_path / "prepared"):
+        (tmp_path / "source" / "x.png").read_bytes()
+
+
+def test_an_output_named_from_home_is_judged_where_it_is_written(tmp_path, monkeypatch):
+    # `--out=~/grid.png` reaches the command unexpanded; it writes to the expanded path.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "grid.png").mkdir()
+    with pytest.raises(StorageFailure, match="^--out ~/grid.png: writing it failed: is a directory"), \
+            output_errors("--out", "~/grid.png"), new_file(tmp_path / "grid.png") as tmp:
+        tmp.write_bytes(b"image")
