@@ -13,6 +13,19 @@ import torch
 from raydiff.config import ScalingSection
 
 RAY_RESOURCE_UNITS = 10_000  # Ray counts a resource in 1/10,000ths (ray_option_utils' MIN_RESOURCE_GRANULARITY)
+# How running out of memory reads where it is not torch's own error: the CUDA driver's and CPU allocator's text,
+# and the libraries' failed allocations (cuDNN's while it autotunes near the limit, cuBLAS's workspace).
+OUT_OF_MEMORY_TEXTS = ("out of memory", "DefaultCPUAllocator", "CUDNN_STATUS_ALLOC_FAILED",
+                       "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE", "Unable to find a valid cuDNN algorithm",
+                       "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says that memory ran out (a GPU's or the host's), in any of the forms torch and its libraries
+    raise it: what another attempt, or a smaller batch, may not meet."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in OUT_OF_MEMORY_TEXTS)
 
 
 def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float) -> float:

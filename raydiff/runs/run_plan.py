@@ -3,9 +3,9 @@
 Re-running the same command continues the run from its newest checkpoint (Ray Train finds the run by
 `run.name` and `run.storage`). Continuing is refused when a key that fixes what the checkpoint means has
 changed (model shape, diffusion, data, global batch, seed): the result would be neither the old run nor a new
-one; and when the records it is checked against (config.yaml, data.json) or summary.json are damaged, rather than
-the check being skipped. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts over. The caller holds
-the run directory's lease (`raydiff.storage.lease`) while it decides and moves.
+one; and when the records it is checked against (config.yaml, data.json) or summary.json are damaged, rather
+than the check being skipped. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts
+over. The caller holds the run directory's lease (`raydiff.storage.lease`) while it decides and moves.
 """
 
 from __future__ import annotations

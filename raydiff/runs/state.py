@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from raydiff.cluster.devices import out_of_memory
 from raydiff.model.weight_averages import PowerEma
 from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
 from raydiff.runs.errors import Unresumable
@@ -174,21 +175,13 @@ def bad_file_reason(exc: BaseException, what: str = "checkpoint") -> str | None:
     storage or memory failed, not the file."""
     if isinstance(exc, OSError):
         return NOT_READABLE.format(what=what) if exc.errno in CONTENT_ERRNOS else None
-    if _out_of_memory(exc):
+    if out_of_memory(exc):
         return None
     text = str(exc)
     if "Unsupported global: GLOBAL " in text:
         name = text.split("Unsupported global: GLOBAL ", 1)[1].split()[0]
         return f"it holds a Python object ({name}), which raydiff does not load: only tensors and plain data"
     return NOT_READABLE.format(what=what)
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` is memory running out (host or GPU), which another attempt may not meet."""
-    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "DefaultCPUAllocator" in text)
 
 
 def _unusable(exc: BaseException) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from raydiff.cluster.devices import out_of_memory
 from raydiff.config import ConfigError
 from raydiff.data.order import rank_share
 from raydiff.model.unet import UNet
@@ -25,18 +26,6 @@ class NothingFits(ConfigError):
     """`train.micro_batch: auto` found that not even one image fits a worker's device: the run cannot train as
     configured (every worker raises it alike, after agreeing; nothing has been trained or written). A config
     error, so that a command that plans memory in its own process (`raydiff.lr_find`) says it in one line too."""
-
-
-# cuDNN's own words for an allocation that failed (its autotuning asks for workspace near the limit), which torch
-# raises as a plain RuntimeError, not an OutOfMemoryError.
-_CUDNN_OUT_OF_MEMORY = ("CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
-                        "Unable to find a valid cuDNN algorithm")
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """Whether an error of a forward or backward pass says the device's memory ran out."""
-    return isinstance(error, torch.cuda.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and any(words in str(error) for words in _CUDNN_OUT_OF_MEMORY))
 
 
 def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
@@ -94,7 +83,7 @@ def largest_that_fits(model: torch.nn.Module, diffusion, optimizer: torch.optim.
         try:
             forward_and_backward(n)
             return True
-        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one
+        except (RuntimeError, MemoryError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
             if not out_of_memory(exc):
                 raise
             return False
@@ -108,7 +97,7 @@ def largest_that_fits(model: torch.nn.Module, diffusion, optimizer: torch.optim.
         reserve = [torch.empty_like(p, dtype=torch.float32) for p in model.parameters() for _ in range(2)
                    if not optimizer.state.get(p)]
         return largest_fitting(fits, share)
-    except RuntimeError as exc:
+    except (RuntimeError, MemoryError) as exc:
         if not out_of_memory(exc):
             raise
         return 0  # not even the optimizer's moments fit beside the model

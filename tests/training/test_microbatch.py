@@ -107,7 +107,9 @@ class _RunsOutAbove:
 @pytest.mark.parametrize("error", [
     torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),  # cuDNN's autotuning near the limit: not torch's OOM
-    RuntimeError("Unable to find a valid cuDNN algorithm to run convolution")])
+    RuntimeError("Unable to find a valid cuDNN algorithm to run convolution"),
+    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),  # the driver's
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")])
 def test_the_probe_reads_running_out_of_memory_in_each_of_its_forms_as_not_fitting(error):
     model = torch.nn.Linear(4, 1)
     found = largest_that_fits(model, _RunsOutAbove(5, error), torch.optim.AdamW(model.parameters()), share=48,
