@@ -19,9 +19,10 @@ from raydiff.config.schema import (
     TrainSection,
     all_keys,
     parse_override,
+    sections_problem,
     set_key,
 )
 
 __all__ = ["PRESETS_DIR", "Config", "ConfigError", "DataSection", "DebugSection", "DiffusionSection", "EvalSection",
            "LogSection", "ModelSection", "RunSection", "ScalingSection", "TrainSection", "all_keys", "load_config",
-           "parse_override", "preset_names", "resolve_config_path", "set_key"]
+           "parse_override", "preset_names", "resolve_config_path", "sections_problem", "set_key"]

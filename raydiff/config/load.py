@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from raydiff.config.checks import validate
-from raydiff.config.schema import Config, ConfigError, fields_of, parse_override, set_key
+from raydiff.config.schema import Config, ConfigError, fields_of, parse_override, sections_problem, set_key
 from raydiff.config.values import YAML_ERRORS
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -51,8 +51,9 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
         raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
     except YAML_ERRORS as exc:  # a tagged value PyYAML cannot build (`lr: !!float x`)
         raise ConfigError(f"{path}: not valid YAML (a tagged value it cannot build: {exc})") from None
-    if not isinstance(tree, dict) or not all(isinstance(v, (dict, type(None))) for v in tree.values()):
-        raise ConfigError(f"{path}: expected sections of key: value pairs (data:, model:, train:, ...)")
+    problem = sections_problem(tree)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     cfg = Config()
     for section, values in tree.items():
         if not isinstance(section, str) or section not in fields_of(cfg):

@@ -18,6 +18,14 @@ from raydiff.config.learning_rate import rule_lr
 from raydiff.config.values import coerce, describe_type, read_yaml
 
 
+def sections_problem(tree: Any) -> str | None:
+    """What is wrong with the shape of a config tree as a file or a checkpoint holds it (None where it is
+    sections of key: value pairs); its keys and values are `Config.from_dict`'s to judge."""
+    if not isinstance(tree, dict) or not all(isinstance(v, dict | None) for v in tree.values()):
+        return "expected sections of key: value pairs (data:, model:, train:, ...)"
+    return None
+
+
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message is one line naming the key."""
 
@@ -418,6 +426,11 @@ class Config:
 
     @classmethod
     def from_dict(cls, tree: dict[str, Any]) -> Config:
+        """The config a tree of sections (`to_dict`'s, a YAML file's) holds; a ConfigError for a tree of another
+        shape, an unknown key or a value of the wrong kind."""
+        problem = sections_problem(tree)
+        if problem:
+            raise ConfigError(problem)
         cfg = cls()
         for section, values in tree.items():
             for key, value in (values or {}).items():

@@ -121,13 +121,10 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     unet, source, subfolder = read_unet_config(str(path), where=where)
     config_file = path / RAYDIFF_CONFIG_FILE
     tree = read_side_file(config_file) if config_file.is_file() else {}
-    if not all(isinstance(v, dict | None) for v in tree.values()):
-        raise ConfigError(f"{config_file}: expected sections of key: value pairs (data:, model:, train:, ...); fix "
-                          f"or replace it")
     try:
         cfg = Config.from_dict(tree)
-    except ConfigError as exc:  # a key this raydiff does not know, or a value of the wrong kind
-        raise ConfigError(f"{config_file}: {exc}") from None
+    except ConfigError as exc:  # not sections, a key this raydiff does not know, or a value of the wrong kind
+        raise ConfigError(f"{config_file}: {exc}; fix or replace it") from None
     keys = model_keys_from_unet(unet, where=where)
     for scheduler_file in (path / "scheduler" / "scheduler_config.json", path / "scheduler_config.json"):
         if scheduler_file.is_file():  # else the diffusion keys of raydiff_config.yaml, or raydiff's defaults

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from raydiff.config import Config, ConfigError
+from raydiff.config import Config, ConfigError, sections_problem
 from raydiff.config.learning_rate import lr_at
 from raydiff.config.load import yaml_problem
 from raydiff.config.values import YAML_ERRORS
@@ -141,8 +141,8 @@ def _shape_problem(value: Any, *, sections: bool, keys: tuple[str, ...]) -> str 
         return "it holds nothing"
     if not isinstance(value, dict):
         return f"it holds a {type(value).__name__}, not a mapping of keys to values"
-    if sections and not all(isinstance(v, dict | None) for v in value.values()):
-        return "expected sections of key: value pairs (data:, model:, train:, ...)"
+    if sections and sections_problem(value):
+        return sections_problem(value)
     missing = [k for k in keys if k not in value]
     return f"no {', '.join(map(repr, missing))} in it" if missing else None
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from raydiff.cluster.devices import out_of_memory
+from raydiff.config import sections_problem
 from raydiff.model.weight_averages import PowerEma
 from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
 from raydiff.runs.errors import Unresumable
@@ -158,8 +159,7 @@ def foreign_reason(state: object, keys: tuple[str, ...], *, mappings: tuple[str,
         return f"not a raydiff {what} (no {_quoted(missing)})"
     for key in mappings:
         value = state[key]
-        if not isinstance(value, dict) or (key == "config" and
-                                           not all(isinstance(v, dict | None) for v in value.values())):
+        if not isinstance(value, dict) or (key == "config" and sections_problem(value)):
             return f"not a raydiff {what} (its {key!r} is not a mapping{' of sections' if key == 'config' else ''})"
     return None
 
