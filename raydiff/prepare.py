@@ -19,6 +19,7 @@ import argparse
 import time
 
 from raydiff import cli
+from raydiff.config.checks import MAX_RESOLUTION, MIN_RESOLUTION
 from raydiff.data.errors import DataError
 from raydiff.data.labels import plan_labels
 from raydiff.data.shard_format import MANIFEST, refuse_occupied, write_prepared
@@ -50,8 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.out.strip():  # an unset shell variable; "" would be the current folder
         parser.error(f"OUT = {args.out!r}: must name a new folder or s3:// / gs:// URI")
-    if not 8 <= args.resolution <= 1024:
-        parser.error(f"--resolution {args.resolution}: must be between 8 and 1024")
+    if not MIN_RESOLUTION <= args.resolution <= MAX_RESOLUTION:
+        parser.error(f"--resolution {args.resolution}: must be between {MIN_RESOLUTION} and {MAX_RESOLUTION}")
     if not 0 <= args.max_bad_fraction <= 1:
         parser.error(f"--max-bad-fraction {args.max_bad_fraction}: must be in [0, 1]")
     if not args.label_column:

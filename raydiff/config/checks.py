@@ -136,6 +136,10 @@ NO_NULL_CLASS = ("the unconditional prediction it needs is learned only from dro
                  "= 0: set train.label_dropout > 0 (0.1 to 0.2 in long runs), or guidance 1 (conditional, no guidance)")
 
 # The rules, in the order they are checked: the first one broken is the error.
+# The image sizes raydiff trains at (and prepares, and writes synthetic images of): the UNet needs a few
+# halvings; far larger, one image's activations alone would take a GPU's memory.
+MIN_RESOLUTION, MAX_RESOLUTION = 8, 1024
+
 RULES: tuple[Rule, ...] = (
     # Data.
     Rule("data.max_bad_fraction", lambda c: 0 <= c.data.max_bad_fraction <= 1, "must be in [0, 1]"),
@@ -151,7 +155,8 @@ RULES: tuple[Rule, ...] = (
     # Model.
     Rule("model.channel_mult", lambda c: len(c.model.channel_mult) >= 1 and all(x >= 1 for x in c.model.channel_mult),
          "must be a non-empty list of positive integers"),
-    Rule("data.resolution", lambda c: 8 <= c.data.resolution <= 1024, "must be between 8 and 1024"),
+    Rule("data.resolution", lambda c: MIN_RESOLUTION <= c.data.resolution <= MAX_RESOLUTION,
+         f"must be between {MIN_RESOLUTION} and {MAX_RESOLUTION}"),
     Rule("data.resolution", lambda c: c.data.resolution % 2 ** (len(c.model.channel_mult) - 1) == 0,
          lambda c: f"must be divisible by 2^(len(model.channel_mult)-1) = {2 ** (len(c.model.channel_mult) - 1)}"),
     Rule("model.base_channels", lambda c: c.model.base_channels >= 1, "must be >= 1"),
