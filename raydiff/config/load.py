@@ -5,8 +5,10 @@ Config flows one way: preset YAML + overrides -> `Config` (validated) -> driver 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -79,6 +81,19 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     if context and opened is not None and context != problem:
         where += f" ({context} at line {opened.line + 1}, column {opened.column + 1})"
     return where
+
+
+def read_record(read: Callable[[], str], kind: str) -> tuple[Any, str | None]:
+    """(what the JSON or YAML text that `read` returns holds, None), or (None, why it cannot be read, in one line:
+    cut short, not UTF-8, a syntax error where it is): for the files raydiff writes beside what it makes (a run's
+    records, a diffusers folder's side files), which a copy cut short or a hand edit may damage."""
+    try:
+        text = read()
+        return (json.loads(text) if kind == "JSON" else yaml.safe_load(text)), None
+    except yaml.YAMLError as exc:
+        return None, f"not valid YAML ({yaml_problem(exc)})"
+    except YAML_ERRORS as exc:  # JSONDecodeError, not UTF-8 (ValueErrors); a YAML tag it cannot build (`!!float x`)
+        return None, f"not valid {kind} ({(str(exc).splitlines() or [''])[0]})"
 
 
 def _where_and_what(exc: yaml.YAMLError) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from raydiff.config import Config, ConfigError
-from raydiff.config.load import yaml_problem
+from raydiff.config.load import read_record
 from raydiff.model.diffusers_io import (
     EXPORT_INFO_FILE,
     GUIDE_FOLDER,
@@ -154,19 +154,10 @@ def read_side_file(file: Path) -> dict[str, Any]:
     """A JSON or YAML (.yaml) file of a diffusers folder, as the mapping it holds ({} for an empty YAML file); a
     ConfigError (one line) naming it where it cannot be read or holds something else, rather than the parser's
     traceback: a copy cut short, an edit gone wrong."""
-    import yaml
-
-    from raydiff.config.values import YAML_ERRORS
-
     kind = "YAML" if file.suffix == ".yaml" else "JSON"
-    try:
-        text = file.read_text(encoding="utf-8")
-        value = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{file}: not valid YAML ({yaml_problem(exc)}); fix or replace it") from None
-    except YAML_ERRORS as exc:  # JSONDecodeError, not UTF-8 (ValueErrors); a YAML tag it cannot build (`!!float x`)
-        raise ConfigError(f"{file}: not valid {kind} ({(str(exc).splitlines() or [''])[0]}); fix or replace "
-                          f"it") from None
+    value, problem = read_record(lambda: file.read_text(encoding="utf-8"), kind)
+    if problem:
+        raise ConfigError(f"{file}: {problem}; fix or replace it")
     if value is None and kind == "YAML":
         return {}
     if not isinstance(value, dict):

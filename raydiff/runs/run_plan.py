@@ -10,18 +10,14 @@ over. The caller holds the run directory's lease (`raydiff.storage.lease`) while
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-import yaml
-
 from raydiff.config import Config, ConfigError, sections_problem
 from raydiff.config.learning_rate import lr_at
-from raydiff.config.load import yaml_problem
-from raydiff.config.values import YAML_ERRORS
+from raydiff.config.load import read_record
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
 from raydiff.storage.rundir import RunDir
 
@@ -115,18 +111,11 @@ def _read_record(cfg: Config, run_dir: RunDir, name: str, *, sections: bool = Fa
     the run continues with its own settings, so it is damaged too."""
     if not run_dir.is_file(name):
         return None
-    try:
-        text = run_dir.read_text(name)
-        value = yaml.safe_load(text) if name.endswith(".yaml") else json.loads(text)
-    except yaml.YAMLError as exc:
-        problem = f"not valid YAML ({yaml_problem(exc)})"
-    except YAML_ERRORS as exc:  # JSONDecodeError, not UTF-8 (ValueErrors); a YAML tag it cannot build
-        problem = f"not valid {'YAML' if name.endswith('.yaml') else 'JSON'} ({(str(exc).splitlines() or [''])[0]})"
-    else:
-        shape = _shape_problem(value, sections=sections, keys=keys)
-        if shape is None:
+    value, problem = read_record(lambda: run_dir.read_text(name), "YAML" if name.endswith(".yaml") else "JSON")
+    if problem is None:
+        problem = _shape_problem(value, sections=sections, keys=keys)
+        if problem is None:
             return value
-        problem = shape
     # summary.json is only read to know whether the run finished; the others hold what a continuing run is checked
     # against (without them the check is skipped, so removing them is no advice).
     fix = "remove it to continue the run (it is written again when the run ends)" if name == "summary.json" else \
