@@ -181,6 +181,17 @@ def _three_steps(*, compile_model: bool, channels_last: bool, cuda_graphs: bool,
     return losses, moved
 
 
+def _three_steps_in_a_one_process_nccl_group(tmp_path, **plan):
+    """`_three_steps` as one worker of several runs it: in a process group (of one), over NCCL."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        return _three_steps(**plan)
+    finally:
+        dist.destroy_process_group()
+
+
 def _assert_same_steps(losses: list[float], moved: torch.Tensor, eager_losses: list[float], eager_moved: torch.Tensor,
                        name: str) -> None:
     # TF32 convolutions and fused kernels change the last bits, not the steps; a gradient lost or counted twice
@@ -204,14 +215,9 @@ def test_the_flat_all_reduce_under_cuda_graphs_trains_as_eager(tmp_path):
     """`train.allreduce: flat` as several workers on one node run it, in a one-process NCCL group: compiled, NHWC,
     CUDA graphs, two micro-batches summed into the flat buffer's NHWC views, then its all-reduce, outside the
     graphs. The same losses, and weights that moved as eager's did."""
-    import torch.distributed as dist
-
     eager = _three_steps(compile_model=False, channels_last=False, cuda_graphs=False)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
-    try:
-        flat = _three_steps(compile_model=True, channels_last=True, cuda_graphs=True, flat=True)
-    finally:
-        dist.destroy_process_group()
+    flat = _three_steps_in_a_one_process_nccl_group(tmp_path, compile_model=True, channels_last=True,
+                                                    cuda_graphs=True, flat=True)
     _assert_same_steps(*flat, *eager, "flat all-reduce, CUDA graphs, NHWC")
 
 
@@ -222,14 +228,9 @@ def test_compiled_ddp_with_bf16_gradients_trains_as_eager(tmp_path):
     eager does (the same losses, weights that moved alike: bf16 rounds the gradients, not the steps). With one
     process an all-reduce changes nothing, so what DDP sums across workers, and when, is the CPU suite's to check
     (two gloo processes, eager)."""
-    import torch.distributed as dist
-
     eager = _three_steps(compile_model=False, channels_last=False, cuda_graphs=False)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
-    try:
-        ddp = _three_steps(compile_model=True, channels_last=True, cuda_graphs=False, ddp=True)
-    finally:
-        dist.destroy_process_group()
+    ddp = _three_steps_in_a_one_process_nccl_group(tmp_path, compile_model=True, channels_last=True,
+                                                   cuda_graphs=False, ddp=True)
     _assert_same_steps(*ddp, *eager, "compiled DDP, bf16 gradients, NHWC")
 
 
