@@ -1,2 +1,2 @@
 """raydiff and the Ray cluster: starting or joining Ray (`start`), the nodes a run trains on (`nodes`), shared
-storage (`storage`)."""
+storage (`storage`), the cluster files checked before launch (`files`)."""

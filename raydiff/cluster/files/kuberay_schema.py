@@ -5,7 +5,7 @@ Unknown keys are refused at every level defined here (`additionalProperties: fal
 and its volumes allow every key that the CRDs of KubeRay v1.5.1 (the oldest release the manifests support:
 `authOptions` came in it) define, so a valid pod spec is never refused. Fields that only newer KubeRay releases
 know are refused with the release that brings them (`x-newer-kuberay`), since an older operator's CRD drops
-them and the manifest would silently do less than it says. Used by `raydiff.cluster_check`.
+them and the manifest would silently do less than it says. Used by `kuberay.py`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,171 @@
+"""Ray cluster-launcher configs (`ray up`): Ray's own validation, then what raydiff needs of the cluster and of
+the preset named in the file's first comment lines (`# raydiff-preset: NAME`).
+
+Ray validates the schema (`prepare_config`, `validate_config`), not what a raydiff run needs: a head that takes
+no work, GPU workers, token auth, a dashboard on loopback, GPU VMs that GCE will create, and worker nodes that
+may read and write the preset's bucket (Ray gives its IAM profile or service account to the head only).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import logging
+import re
+from typing import Any
+
+import jsonschema
+
+from raydiff.cluster.files.shared import (
+    ClusterFileError,
+    check_shared_storage,
+    field_path,
+    load_preset,
+    schema_message,
+    worker_range,
+)
+from raydiff.config import Config
+
+PRESET_COMMENT = re.compile(r"#\s*raydiff-preset:\s*(\S+)\s*$")
+AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*=\s*['\"]?disabled")
+DASHBOARD_EXPOSED = re.compile(r"--dashboard-host[= ]+['\"]?0\.0\.0\.0")
+DASHBOARD_PORT = 8265
+# GCE machine types that come with GPUs (accelerator-optimized A2, A3, A4, A4X, G2, G4).
+GCP_GPU_MACHINES = re.compile(r"(a2|a3|a4|a4x|g2|g4)-")
+# OAuth scopes of a GCE VM that let it write Cloud Storage (the default one is devstorage.read_only).
+GCS_WRITE_SCOPES = tuple(f"https://www.googleapis.com/auth/{scope}"
+                         for scope in ("cloud-platform", "devstorage.read_write", "devstorage.full_control"))
+
+
+def check_launcher(raw: dict[str, Any], text: str) -> None:
+    """Ray's validation of a cluster-launcher config, then raydiff's checks and the preset's."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    if not isinstance(raw.get("provider"), dict):
+        close = difflib.get_close_matches("provider", [str(k) for k in raw], n=1)
+        found = f" (found '{close[0]}': misspelt?)" if close else ""
+        raise ClusterFileError(f"provider: missing required key{found}; set provider.type (aws, gcp, azure, ...) "
+                               f"and its region")
+    logging.getLogger("ray.autoscaler").setLevel(logging.WARNING)  # prepare_config narrates its defaults
+    try:
+        cfg = prepare_config(copy.deepcopy(raw))
+        validate_config(cfg)
+    except jsonschema.ValidationError as exc:
+        raise ClusterFileError(schema_message(exc)) from None
+    except (ValueError, RuntimeError, AssertionError, LookupError, TypeError) as exc:  # what Ray raises
+        raise ClusterFileError(f"Ray rejects the config: {str(exc).strip().splitlines()[0]}") from None
+
+    _check_launcher_rules(cfg)
+    _check_launcher_preset(cfg, text)
+
+
+def _check_launcher_rules(cfg: dict[str, Any]) -> None:
+    """What raydiff needs of any cluster: a head without work, GPU workers, token auth, no exposed dashboard."""
+    types, head = cfg["available_node_types"], cfg["head_node_type"]
+    if types[head]["resources"].get("CPU") != 0:
+        raise ClusterFileError(f"{field_path(['available_node_types', head, 'resources', 'CPU'])} = "
+                               f"{types[head]['resources'].get('CPU')}: the head must advertise CPU: 0 (no training "
+                               f"or data work on the head)")
+    if not any(t["resources"].get("GPU", 0) > 0 for name, t in types.items() if name != head):
+        raise ClusterFileError("available_node_types: no worker type advertises GPUs; give the GPU worker type "
+                               "resources: {GPU: N} (the autoscaler only scales what it is told a node holds)")
+    if any(DASHBOARD_EXPOSED.search(command) for command in cfg["head_start_ray_commands"]):
+        raise ClusterFileError("head_start_ray_commands: --dashboard-host=0.0.0.0 exposes the dashboard; "
+                               "leave it on 127.0.0.1 and reach it with `ray dashboard CLUSTER.yaml`")
+    for rule in cfg["provider"].get("security_group", {}).get("IpPermissions", []):
+        protocol, low, high = str(rule.get("IpProtocol")), rule.get("FromPort", 0), rule.get("ToPort", 0)
+        from_outside = rule.get("IpRanges") or rule.get("Ipv6Ranges")
+        if from_outside and (protocol == "-1" or protocol in ("tcp", "6") and low <= DASHBOARD_PORT <= high):
+            raise ClusterFileError(f"provider.security_group.IpPermissions: a rule opens port {DASHBOARD_PORT} (the "
+                                   f"dashboard); remove it and use `ray dashboard CLUSTER.yaml` (an SSH port-forward)")
+    if AUTH_DISABLED.search(json.dumps(cfg)):
+        raise ClusterFileError("RAY_AUTH_MODE=disabled: raydiff clusters keep Ray's token auth on")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        if not any("RAY_AUTH_MODE=token" in command for command in cfg[key]):
+            raise ClusterFileError(f"{key}: Ray token auth is off; start Ray with `RAY_AUTH_MODE=token ray start ...`"
+                                   f" and mount the token (file_mounts: ~/.ray/auth_token: ~/.ray/auth_token)")
+    if cfg["provider"]["type"] == "gcp":
+        _check_gcp_gpu_maintenance(types)
+
+
+def _node_config(types: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
+    """A node type's node_config, and where it is, for messages."""
+    return field_path(["available_node_types", name, "node_config"]), types[name].get("node_config") or {}
+
+
+def _check_gcp_gpu_maintenance(types: dict[str, Any]) -> None:
+    """GCE refuses to create a VM with GPUs that would live-migrate (the default): it must stop for maintenance.
+    A preemptible VM stops by default ("the default and only possible behavior is TERMINATE", GCE's API), so it
+    may leave the field out."""
+    for name, node_type in types.items():
+        where, node = _node_config(types, name)
+        has_gpus = (bool(node.get("guestAccelerators")) or bool(GCP_GPU_MACHINES.match(str(node.get("machineType"))))
+                    or node_type["resources"].get("GPU", 0) > 0)
+        scheduling = node.get("scheduling") or {}
+        if isinstance(scheduling, list):  # Ray's GCP examples write it as a list of one-key mappings
+            scheduling = {k: v for item in scheduling if isinstance(item, dict) for k, v in item.items()}
+        maintenance = scheduling.get("onHostMaintenance", "TERMINATE" if scheduling.get("preemptible") else None)
+        if has_gpus and maintenance != "TERMINATE":
+            raise ClusterFileError(f"{where}.scheduling.onHostMaintenance = "
+                                   f"{json.dumps(scheduling.get('onHostMaintenance'))} ({node.get('machineType')} "
+                                   f"has GPUs): must be \"TERMINATE\"; GCE creates no GPU VM that live-migrates")
+
+
+def _check_launcher_preset(cfg: dict[str, Any], text: str) -> None:
+    """The preset named at the top of the file: its max workers fit the GPU nodes; its storage is shared."""
+    header = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            break
+        header.append(line)
+    names = [m.group(1) for m in map(PRESET_COMMENT.match, header) if m]
+    name, preset = load_preset(names[0] if names else None, "# raydiff-preset",
+                           "a top-of-file comment line '# raydiff-preset: NAME'")
+    types, most = cfg["available_node_types"], worker_range(preset)[1]
+    gpu_types = {n: t for n, t in types.items() if n != cfg["head_node_type"] and t["resources"].get("GPU", 0) > 0}
+    per_node = max(t["resources"]["GPU"] for t in gpu_types.values())
+    capacity = min(sum(t["max_workers"] * t["resources"]["GPU"] for t in gpu_types.values()),
+                   cfg["max_workers"] * per_node)
+    if capacity < most:
+        limits = ", ".join(f"{n}: max_workers {t['max_workers']} x GPU {t['resources']['GPU']}"
+                           for n, t in gpu_types.items())
+        raise ClusterFileError(f"available_node_types: the GPU workers hold at most {capacity} GPUs ({limits}; "
+                               f"max_workers {cfg['max_workers']} in all), below the preset's scaling.num_workers "
+                               f"max {most} ({name})")
+    check_shared_storage(name, preset)
+    _check_bucket_access(cfg, name, preset)
+
+
+def _check_bucket_access(cfg: dict[str, Any], name: str, preset: Config) -> None:
+    """Every worker node type can read and write the preset's bucket on AWS (s3://) and Google Cloud (gs://).
+
+    Ray gives its own IAM instance profile (AWS) or service account (GCP) to the head only; a worker without one
+    gets no S3 credentials, or the default service account's read-only storage scope. Buckets behind an
+    endpoint (MinIO, a test server) take their credentials another way and are not judged.
+    """
+    provider, types, head = cfg["provider"]["type"], cfg["available_node_types"], cfg["head_node_type"]
+    scheme = {"aws": "s3://", "gcp": "gs://"}.get(provider)
+    buckets = [f"{key} = {value}" for key, value, endpoint in
+               (("run.storage", preset.run.storage, preset.run.endpoint),
+                ("data.source", preset.data.source, preset.data.endpoint))
+               if scheme and value and value.startswith(scheme) and endpoint is None]
+    if not buckets:
+        return
+    for node_name in (n for n in types if n != head):
+        where, node = _node_config(types, node_name)
+        if provider == "aws" and not node.get("IamInstanceProfile"):
+            raise ClusterFileError(f"{where}: no IamInstanceProfile, so these nodes have no access to the preset's "
+                                   f"bucket ({name}: {buckets[0]}): Ray gives its profile to the head only; add "
+                                   f"IamInstanceProfile: {{Name: ray-autoscaler-v1}} or a profile that may read and "
+                                   f"write the bucket")
+        if provider == "gcp":
+            accounts = node.get("serviceAccounts") or []
+            scopes = [scope for account in accounts if isinstance(account, dict)
+                      for scope in account.get("scopes") or []]
+            if not any(scope in GCS_WRITE_SCOPES for scope in scopes):
+                found = f"scopes = {json.dumps(scopes)}" if accounts else "missing"
+                raise ClusterFileError(f"{where}.serviceAccounts: {found}, so these nodes cannot write the preset's "
+                                       f"bucket ({name}: {buckets[0]}): Ray gives its service account to the head "
+                                       f"only; add serviceAccounts with ray-autoscaler-sa-v1@PROJECT."
+                                       f"iam.gserviceaccount.com and a scope of: {', '.join(GCS_WRITE_SCOPES)}")

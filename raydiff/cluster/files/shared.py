@@ -1,0 +1,117 @@
+"""What the checks of both kinds of cluster file share: the error they raise, a schema error in one line, and the
+preset a file names (loaded, elastic, on storage that every node shares).
+
+A cluster file is judged against the preset it runs, so that `ray up` or `kubectl apply` never starts a cluster
+that the run cannot use: too few GPUs for the preset's `scaling.num_workers` max, or a run directory on one
+node's disk.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from typing import Any
+
+import jsonschema
+
+from raydiff.cluster.files.kuberay_schema import MIN_KUBERAY, NEWER
+from raydiff.config import Config, ConfigError, load_config, preset_names
+from raydiff.storage.fs import REMOTE_SCHEMES
+
+
+class ClusterFileError(ValueError):
+    """What is wrong with a cluster file, in one line naming the field and what is allowed."""
+
+
+def field_path(path: Any) -> str:
+    """A JSON path as YAML people read it: spec.workerGroupSpecs[0].minReplicas."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif re.fullmatch(r"[A-Za-z_][\w-]*", part):
+            out += f".{part}" if out else part
+        else:
+            out += f"[{part!r}]"
+    return out or "(top level)"
+
+
+def schema_message(error: jsonschema.ValidationError, hint: str = "") -> str:
+    """One line for a schema error: the field, the bad value or key, and what is allowed."""
+    where, kind, value = field_path(error.absolute_path), error.validator, error.instance
+    if kind == "additionalProperties" and isinstance(value, dict):
+        allowed = list(error.schema.get("properties", {}))
+        bad = min(set(value) - set(allowed))
+        newer = error.schema.get(NEWER, {}).get(bad)
+        if newer:  # a real KubeRay field, but the supported operators' CRDs lack it
+            return (f"{where}: '{bad}' needs KubeRay {newer} or newer; the manifests support KubeRay {MIN_KUBERAY}, "
+                    f"whose CRD lacks it (the API server would drop it): remove it")
+        close = difflib.get_close_matches(bad, allowed, n=1)
+        suggestion = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"{where}: unknown key '{bad}'{suggestion}; allowed: {', '.join(allowed)}"
+    if kind == "required":
+        missing = [key for key in error.validator_value if key not in value]
+        return f"{where}: missing required key '{missing[0]}'"
+    if kind == "const":
+        return f"{where} = {json.dumps(value)}: must be {json.dumps(error.validator_value)}{hint}"
+    if kind == "enum":
+        return f"{where} = {json.dumps(value)}: allowed: {', '.join(json.dumps(a) for a in error.validator_value)}"
+    if kind == "minimum":
+        return f"{where} = {value}: must be >= {error.validator_value}"
+    if kind == "type":
+        number_for_string = error.validator_value == "string" and isinstance(value, (int, float))
+        quote = f' (quote it: "{value}")' if number_for_string else ""
+        return f"{where} = {json.dumps(value)}: expected {error.validator_value}{quote}"
+    return f"{where}: {error.message}"
+
+
+def load_preset(name: str | None, source: str, how: str) -> tuple[str, Config]:
+    """The preset a cluster file names, loaded; it must be elastic so that the autoscaler has a max to reach.
+
+    :param source: where the file names it; :param how: how to name one, for the message when it does not.
+    """
+    if not name:
+        raise ClusterFileError(f"{source}: missing; add {how} naming the configs/ preset this cluster runs")
+    if name not in preset_names():
+        raise ClusterFileError(f"{source}: '{name}' is not a preset in configs/; presets: {', '.join(preset_names())}")
+    try:
+        cfg = load_config(name, check_source=False)
+    except ConfigError as exc:
+        raise ClusterFileError(f"preset {name}: {exc}") from None
+    if not cfg.scaling.elastic:
+        raise ClusterFileError(f"preset {name}: scaling.num_workers = {cfg.scaling.num_workers}: a cluster preset "
+                               f"must be elastic, [min, max], so that the autoscaler adds GPU nodes up to max")
+    if cfg.scaling.use_gpu is False:
+        raise ClusterFileError(f"preset {name}: scaling.use_gpu = false: the cluster's GPU workers would sit idle")
+    return name, cfg
+
+
+def worker_range(cfg: Config) -> tuple[int, ...]:
+    """A cluster preset's [min, max] workers (`load_preset` has checked that it is a range)."""
+    workers = cfg.scaling.num_workers
+    assert isinstance(workers, tuple), "_preset refuses presets that are not elastic"
+    return workers
+
+
+def check_shared_storage(name: str, cfg: Config, pods: dict[str, set[str]] | None = None) -> None:
+    """run.storage and data.source must hold the same files for every node: a bucket, or (KubeRay) a path on a
+    ReadWriteMany volume that every Ray pod mounts there.
+
+    :param pods: KubeRay only: each pod group's paths where a ReadWriteMany claim is mounted.
+    """
+    for key, value in (("run.storage", cfg.run.storage), ("data.source", cfg.data.source)):
+        if value is None or value.startswith(("builtin:", *REMOTE_SCHEMES)):  # object stores: shared by nature
+            continue
+        path = value.removeprefix("file://")
+        if pods is None:
+            raise ClusterFileError(f"preset {name}: {key} = {value!r} is a path on each node's own disk; every node "
+                                   f"must see the same files: use s3://BUCKET/PATH or gs://BUCKET/PATH")
+        lacking = [pod for pod, mounts in pods.items()
+                   if not any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)]
+        if lacking:
+            raise ClusterFileError(f"preset {name}: {key} = {value!r} is not on a ReadWriteMany volume in every Ray "
+                                   f"pod (missing in {', '.join(lacking)}): mount one ReadWriteMany "
+                                   f"PersistentVolumeClaim (defined in this file) at the same path in the head and "
+                                   f"every worker group, or use s3://BUCKET/PATH or gs://BUCKET/PATH")
+
