@@ -115,6 +115,19 @@ LAUNCHER_BROKEN = {
                  "worker_start_ray_commands: Ray token auth is off"),
     "too few GPU nodes": (lambda c: c["available_node_types"][GPU].update(max_workers=4),
                           "the GPU workers hold at most 4 GPUs"),
+    "GPU containers not asking for the GPU": (
+        lambda c: c["available_node_types"][GPU].pop("docker"),
+        "docker.worker_run_options: no --gpus for ray.worker.gpu: its containers may start without the node's GPU"),
+    "GPU containers asking for something else": (
+        lambda c: c["available_node_types"][GPU]["docker"].update(worker_run_options=["--gpus-ish"]),
+        "available_node_types['ray.worker.gpu'].docker.worker_run_options: no --gpus for ray.worker.gpu"),
+    "--gpus for every node": (lambda c: c["docker"]["run_options"].append("--gpus=all"),
+                              "docker.run_options: --gpus goes to every node"),
+    "--gpus for the head": (lambda c: c["docker"].update(head_run_options=["--gpus all"]),
+                            "docker.head_run_options: --gpus, but the head (ray.head.default) has no GPUs"),
+    "--gpus for the CPU workers": (
+        lambda c: c["docker"].update(worker_run_options=["--gpus all"]),
+        "docker.worker_run_options: --gpus for ray.worker.cpu, which has no GPUs"),
     "worker without an instance profile": (
         lambda c: c["available_node_types"]["ray.worker.cpu"]["node_config"].pop("IamInstanceProfile"),
         ("available_node_types['ray.worker.cpu'].node_config: no IamInstanceProfile, so these nodes have no access "

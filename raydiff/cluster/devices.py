@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
+from raydiff.cluster.errors import GpuNotVisible
 from raydiff.config import ScalingSection
 
 RAY_RESOURCE_UNITS = 10_000  # Ray counts a resource in 1/10,000ths (ray_option_utils' MIN_RESOURCE_GRANULARITY)
@@ -54,6 +55,22 @@ def torch_threads(cpus_per_worker: float, environ: Mapping[str, str] = os.enviro
 def device_name(device: torch.device) -> str:
     """The GPU's model name, or "cpu"."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def require_visible(device: torch.device) -> None:
+    """A worker that Ray gave a GPU (`device` is CUDA) must see it, or say why not in one line before anything is
+    placed on it: Ray assigns GPUs by the resources a node advertises, not by what its processes can open, and
+    torch's own error (no NVIDIA driver) does not say that a container asked Docker for no GPU."""
+    if device.type != "cuda" or torch.cuda.is_available():
+        return
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) has no CUDA: install a CUDA build of torch on the GPU nodes"
+    else:
+        why = ("a container started without the node's GPU (a cluster-launcher node type needs docker: "
+               "{worker_run_options: [--gpus all]}; python -m raydiff.cluster_check checks it), or no NVIDIA "
+               "driver on the node")
+    raise GpuNotVisible(f"Ray gave this worker a GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
+                        f", but torch sees none: {why}")
 
 
 def synchronize(device: torch.device) -> None:

@@ -19,3 +19,8 @@ class RayCannotStart(RuntimeError):
 
 class NoWorkerNode(RuntimeError):
     """No node that can run a training worker joined the cluster in time; the message is one line."""
+
+
+class GpuNotVisible(RuntimeError):
+    """A training worker that Ray gave a GPU cannot use one (its container was started without the GPU, or its
+    torch has no CUDA); the message is one line."""

@@ -19,6 +19,7 @@ import ray.train
 import ray.train.torch
 import torch
 
+from raydiff.cluster.devices import require_visible
 from raydiff.cluster.nodes import this_node
 from raydiff.config import Config
 from raydiff.data.loader import Batches, ImageTable
@@ -146,6 +147,7 @@ def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
+    require_visible(device)
     node = this_node()  # its CPUs shared by the training workers on it: this run's, or a sweep's, one per GPU
     on_node = max(context.get_local_world_size(), int(node.get("GPU", 0)) if device.type == "cuda" else 0)
     speed = plan_speed(t, device, world_size, one_node=context.get_local_world_size() == world_size,

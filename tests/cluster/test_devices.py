@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydiff.cluster.devices import resolve_device, torch_threads, worker_cpus
+from raydiff.cluster.devices import require_visible, resolve_device, torch_threads, worker_cpus
+from raydiff.cluster.errors import GpuNotVisible
 from raydiff.config import load_config
 
 
@@ -26,6 +27,23 @@ def test_a_device_this_machine_cannot_name_is_one_line(name, message):
 def test_cuda_without_a_gpu_is_refused_in_one_line():
     with pytest.raises(ValueError, match="--device cuda: no CUDA device on this machine"):
         resolve_device("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine whose torch sees no CUDA device")
+def test_a_worker_given_a_gpu_it_cannot_see_says_why_in_one_line(monkeypatch):
+    """Ray gives GPUs by what a node advertises: a container started without `--gpus` still gets one."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(GpuNotVisible) as seen:
+        require_visible(torch.device("cuda"))
+    assert str(seen.value) == (
+        "Ray gave this worker a GPU (CUDA_VISIBLE_DEVICES=0), but torch sees none: a container started without the "
+        "node's GPU (a cluster-launcher node type needs docker: {worker_run_options: [--gpus all]}; python -m "
+        "raydiff.cluster_check checks it), or no NVIDIA driver on the node")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(GpuNotVisible, match=r"but torch sees none: this torch \(.*\) has no CUDA: install a CUDA "):
+        require_visible(torch.device("cuda:0"))
+    require_visible(torch.device("cpu"))  # a CPU worker has nothing to see
 
 
 def test_a_cuda_device_this_machine_lacks_is_refused_in_one_line():

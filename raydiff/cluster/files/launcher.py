@@ -31,6 +31,7 @@ PRESET_COMMENT = re.compile(r"#\s*raydiff-preset:\s*(\S+)\s*$")
 AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*=\s*['\"]?disabled")
 DASHBOARD_EXPOSED = re.compile(r"--dashboard-host[= ]+['\"]?0\.0\.0\.0")
 DASHBOARD_PORT = 8265
+GPUS_OPTION = re.compile(r"--gpus(\s|=|$)")  # docker run's request for the node's GPUs
 # GCE machine types that come with GPUs (accelerator-optimized A2, A3, A4, A4X, G2, G4).
 GCP_GPU_MACHINES = re.compile(r"(a2|a3|a4|a4x|g2|g4)-")
 # OAuth scopes of a GCE VM that let it write Cloud Storage (the default one is devstorage.read_only).
@@ -85,8 +86,51 @@ def _check_launcher_rules(cfg: dict[str, Any]) -> None:
         if not any("RAY_AUTH_MODE=token" in command for command in cfg[key]):
             raise ClusterFileError(f"{key}: Ray token auth is off; start Ray with `RAY_AUTH_MODE=token ray start ...`"
                                    f" and mount the token (file_mounts: ~/.ray/auth_token: ~/.ray/auth_token)")
+    if cfg.get("docker"):
+        _check_container_gpus(cfg)
     if cfg["provider"]["type"] == "gcp":
         _check_gcp_gpu_maintenance(types)
+
+
+def _check_container_gpus(cfg: dict[str, Any]) -> None:
+    """The containers of GPU nodes ask Docker for the GPUs (`--gpus all`), and no other node's container does.
+
+    Ray adds `--runtime=nvidia` only where the VM image registered that runtime with Docker; elsewhere the
+    container starts without the GPU, the node still advertises it, and the Ray Train worker placed there finds
+    no CUDA. `--gpus all` asks in every case (the NVIDIA container toolkit answers it, or the container fails to
+    start, loudly); on a node without GPUs it fails the same way. A node type's `docker.worker_run_options`
+    replace the global ones (Ray updates the docker section with the node type's); `run_options` go to every
+    node.
+    """
+    docker, types, head = cfg["docker"], cfg["available_node_types"], cfg["head_node_type"]
+
+    def asks(options: list[Any]) -> bool:
+        return any(GPUS_OPTION.search(str(option)) for option in options)
+
+    shared = docker.get("run_options") or []
+    if asks(shared):
+        raise ClusterFileError("docker.run_options: --gpus goes to every node, and the containers of nodes without "
+                               "GPUs (the head, CPU workers) would not start: move it to the GPU node types' "
+                               "docker: {worker_run_options: [--gpus all]}")
+    if asks(docker.get("head_run_options") or []):
+        raise ClusterFileError(f"docker.head_run_options: --gpus, but the head ({head}) has no GPUs (its container "
+                               f"would not start): remove it")
+    for name, node_type in types.items():
+        if name == head:
+            continue
+        own = "worker_run_options" in (node_type.get("docker") or {})
+        options = (node_type["docker"] if own else docker).get("worker_run_options") or []
+        where = (field_path(["available_node_types", name, "docker", "worker_run_options"]) if own
+                 else "docker.worker_run_options")
+        has_gpus = node_type["resources"].get("GPU", 0) > 0
+        if has_gpus and not asks(options):
+            raise ClusterFileError(f"{where}: no --gpus for {name}: its containers may start without the node's "
+                                   f"GPU (Ray adds --runtime=nvidia only where the VM image registered it with "
+                                   f"Docker; torch would find no CUDA): give this node type docker: "
+                                   f"{{worker_run_options: [--gpus all]}}")
+        if not has_gpus and asks(options):
+            raise ClusterFileError(f"{where}: --gpus for {name}, which has no GPUs (its containers would not "
+                                   f"start): ask for GPUs only in the GPU node types' docker.worker_run_options")
 
 
 def _node_config(types: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
