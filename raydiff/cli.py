@@ -6,6 +6,7 @@ Nothing here imports torch or Ray (each takes seconds to import): a mistake foun
 
 from __future__ import annotations
 
+import argparse
 import gc
 import signal
 import sys
@@ -52,6 +53,15 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
         if "raydiff.cluster.start" in sys.modules:
             sys.modules["raydiff.cluster.start"].leave_ray()
     return 2
+
+
+def refuse_empty(parser: argparse.ArgumentParser, name: str, value: str, allowed: str) -> None:
+    """Refuse an empty (or blank) output location as a mistake in the command line (`parser.error`: exit code 2):
+    Path("") is ".", so an unset shell variable would write into the current folder (and `raydiff.sample` prune
+    the samples there). `name` is the argument's ("--out", or "OUT" for a positional); `allowed` what it takes."""
+    if not value.strip():
+        shown = f"{name} {value!r}" if name.startswith("-") else f"{name} = {value!r}"
+        parser.error(f"{shown}: must name {allowed} (an empty value would mean the current folder)")
 
 
 def exit_with(main: Callable[[list[str] | None], int]) -> NoReturn:

@@ -12,7 +12,7 @@ from pathlib import Path
 from raydiff import cli
 from raydiff.config.checks import MAX_RESOLUTION, MIN_RESOLUTION
 from raydiff.data.builtin import digits_folder, write_synthetic
-from raydiff.data.errors import DataError
+from raydiff.data.shard_format import refuse_occupied
 from raydiff.storage.atomic import new_folder
 from raydiff.storage.errors import output_errors
 
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "digits":
         print(digits_folder())
         return 0
-    if not args.out.strip():  # Path("") is ".": an unset shell variable would name the current folder
-        syn.error(f"OUT = {args.out!r}: must name a new folder")
+    cli.refuse_empty(syn, "OUT", args.out, "a new or empty folder")
     args.out = Path(args.out)
     if args.num < 1:
         syn.error(f"--num {args.num}: must be >= 1")
@@ -43,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         syn.error(f"--resolution {args.resolution}: must be between {MIN_RESOLUTION} and {MAX_RESOLUTION}")
     if args.seed < 0:  # numpy's generator takes any integer from 0 up
         syn.error(f"--seed {args.seed}: must be >= 0")
-    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):  # as raydiff.export
-        raise DataError(f"OUT = {str(args.out)!r} already exists and is not an empty folder: choose a new folder")
+    refuse_occupied(str(args.out))  # a Path's text is a local path (a URI's "//" is gone): as raydiff.export
     out = args.out.resolve()  # built beside its full path: "." has no name to build beside
     with output_errors("OUT", args.out), new_folder(out) as folder:  # whole, or absent
         write_synthetic(folder, num=args.num, resolution=args.resolution, fmt=args.format, seed=args.seed)

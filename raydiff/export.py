@@ -25,6 +25,7 @@ from typing import Any
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError
+from raydiff.data.shard_format import refuse_occupied
 from raydiff.storage.atomic import new_folder
 from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
@@ -44,8 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=None, help="with --guide: the autoguidance weight the model "
                                                                      "card samples at (default 2; 1 = the model alone)")
     args = parser.parse_args(argv)
-    if not args.out.strip():  # Path("") is ".": an unset shell variable would write into the current folder
-        parser.error(f"--out {args.out!r}: must name a new or empty folder")
+    cli.refuse_empty(parser, "--out", args.out, "a new or empty folder")
     args.out = Path(args.out)
     if args.guidance is not None and (args.guide is None or not math.isfinite(args.guidance) or args.guidance < 0):
         parser.error(f"--guidance {args.guidance:g}: a number >= 0, and only with --guide")
@@ -55,10 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out.expanduser().resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        what = "a folder that is not empty" if out.is_dir() else "a file"
-        print(f"raydiff: error: --out {args.out}: exists, {what}; choose a new folder", file=sys.stderr)
-        return 2
+    refuse_occupied(str(out), name="--out")  # a local path (a Path's text has no URI's "//"), `~` expanded
     reason = unwritable(out.parent)  # the pipeline is built beside DIR, then renamed into place
     if reason:
         print(f"raydiff: error: --out {args.out}: cannot write there ({reason})", file=sys.stderr)

@@ -49,8 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-bad-fraction", type=float, default=0.1,
                         help="stop when more than this fraction cannot be decoded (default 0.1)")
     args = parser.parse_args(argv)
-    if not args.out.strip():  # an unset shell variable; "" would be the current folder
-        parser.error(f"OUT = {args.out!r}: must name a new folder or s3:// / gs:// URI")
+    cli.refuse_empty(parser, "OUT", args.out, "a new or empty folder, or an s3:// / gs:// URI")
     if not MIN_RESOLUTION <= args.resolution <= MAX_RESOLUTION:
         parser.error(f"--resolution {args.resolution}: must be between {MIN_RESOLUTION} and {MAX_RESOLUTION}")
     if not 0 <= args.max_bad_fraction <= 1:

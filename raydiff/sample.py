@@ -89,8 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"conditional without guidance, more follows the class more closely)")
     if args.sampler != "ddim" and args.eta:
         parser.error("--eta applies to --sampler ddim only")
-    if not args.out.strip():  # Path("") is ".": an unset shell variable would write (and prune) the current folder
-        parser.error(f"--out {args.out!r}: must name a grid image ({', '.join(GRID_FORMATS)}) or a folder")
+    cli.refuse_empty(parser, "--out", args.out, f"a grid image ({', '.join(GRID_FORMATS)}) or a folder")
     args.out = Path(args.out)
     if is_grid_file(args.out) and args.out.is_dir():  # else found only once every image is sampled
         parser.error(f"--out {args.out}: is a folder; a name ending in {args.out.suffix} is written as one grid "

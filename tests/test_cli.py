@@ -140,21 +140,44 @@ def test_a_command_s_own_exit_status_passes_through():
     ("raydiff.ema", ["--checkpoint", "run", "--out", "averages", "--sigma-rel", "0.3"], "--sigma-rel = '0.3'"),
     ("raydiff.lr_find", ["--steps", "5"], "--steps 5: must be >= 10"),
     ("raydiff.prepare", ["images", "prepared", "--resolution", "4"], "--resolution 4: must be between 8 and 1024"),
-    # An unset shell variable: "" would be the current folder (sample pruned the samples there).
-    ("raydiff.sample", ["--checkpoint", "run", "--out", ""], "--out '': must name a grid image"),
-    ("raydiff.export", ["--checkpoint", "run", "--out", " "], "--out ' ': must name a new or empty folder"),
-    ("raydiff.ema", ["--checkpoint", "run", "--out", "", "--sigma-rel", "0.1"], "--out '': must name"),
-    ("raydiff.prepare", ["images", "", "--resolution", "8"], "OUT = '': must name a new folder"),
 ])
 def test_a_mistake_found_before_training_imports_neither_torch_nor_ray(command, args, line):
     """Each takes seconds to import: a bad --set or argument is answered in a fraction of that."""
+    proc, error, imported = _run_module(command, args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert line in error and imported == "[]"
+
+
+def _run_module(command: str, args: list[str], cwd=None) -> tuple[subprocess.CompletedProcess, str, str]:
+    """`python -m command args` in a fresh process: (the process, its last line of stderr before the list of torch
+    and Ray where it imported them, that list)."""
     check = (f"import runpy, sys; sys.argv = [{command!r}, *{args!r}]\n"
              f"try:\n    runpy.run_module({command!r}, run_name='__main__')\n"
              "finally:\n    print(sorted({'torch', 'ray'} & set(sys.modules)), file=sys.stderr)")
-    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=cwd)
+    *_, error, imported = ["", "", *proc.stderr.strip().splitlines()]
+    return proc, error, imported
+
+
+@pytest.mark.parametrize("command, args, out, allowed", [
+    ("raydiff.sample", ["--checkpoint", "run", "--out", ""], "--out ''",
+     "a grid image (.png, .jpg, .jpeg, .webp) or a folder"),
+    ("raydiff.export", ["--checkpoint", "run", "--out", ""], "--out ''", "a new or empty folder"),
+    ("raydiff.export", ["--checkpoint", "run", "--out", " "], "--out ' '", "a new or empty folder"),
+    ("raydiff.ema", ["--checkpoint", "run", "--out", "", "--sigma-rel", "0.1"], "--out ''", "a local folder"),
+    ("raydiff.prepare", ["images", "", "--resolution", "8"], "OUT = ''",
+     "a new or empty folder, or an s3:// / gs:// URI"),
+    ("raydiff.datasets", ["synthetic", "", "--num", "1"], "OUT = ''", "a new or empty folder"),
+])
+def test_an_empty_out_is_one_line_in_every_command_that_writes_one_and_the_current_folder_is_left_alone(
+        command, args, out, allowed, tmp_path):
+    """An unset shell variable: Path("") is the current folder, which sample wrote into (and pruned the samples
+    there), export, ema and datasets wrote into; every command answers it in the same words, before torch or Ray."""
+    prog = f"python -m {command}" + (" synthetic" if command == "raydiff.datasets" else "")
+    proc, error, imported = _run_module(command, args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    *_, error, imported = proc.stderr.strip().splitlines()
-    assert line in error and imported == "[]"
+    assert error == f"{prog}: error: {out}: must name {allowed} (an empty value would mean the current folder)"
+    assert imported == "[]" and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("command, args, wanted", [

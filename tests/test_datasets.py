@@ -75,7 +75,8 @@ def test_an_empty_result_folder_is_refused_and_nothing_is_written(tmp_path, monk
         main(["synthetic", out, "--num", "1"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (f"python -m raydiff.datasets synthetic: error: OUT = {out!r}: "
-                                                        f"must name a new folder")
+                                                        f"must name a new or empty folder (an empty value would mean "
+                                                        f"the current folder)")
     assert list(tmp_path.iterdir()) == []
 
 

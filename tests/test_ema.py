@@ -189,5 +189,6 @@ def test_an_empty_out_is_refused_and_nothing_is_written_in_the_current_folder(po
         ema_command.main(["--checkpoint", str(posthoc_run[0]), "--sigma-rel", "0.05", "--out", out])
     assert caught.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (f"python -m raydiff.ema: error: --out {out!r}: must name a "
-                                                        f"local folder")
+                                                        f"local folder (an empty value would mean the current "
+                                                        f"folder)")
     assert list(tmp_path.iterdir()) == []

@@ -240,14 +240,16 @@ def test_export_refuses_a_non_empty_folder_and_changes_nothing(exported, tmp_pat
     (out / "notes.txt").write_text("mine")
     proc = run_cli("raydiff.export", "--checkpoint", str(checkpoint), "--out", str(out))
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "exists, a folder that is not empty" in proc.stderr
+    # In the words of raydiff.prepare and raydiff.datasets (`refuse_occupied`).
+    assert proc.stderr == (f"raydiff: error: --out '{out}' already exists and is not an empty folder: choose a new "
+                           f"folder\n")
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["taken"]
-    (tmp_path / "a-file").write_text("mine")
+    (tmp_path / "a-file").write_text("")  # even an empty file is no folder
     proc = run_cli("raydiff.export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "a-file"))
-    assert proc.returncode == 2 and proc.stderr == f"raydiff: error: --out {tmp_path / 'a-file'}: exists, a file; " \
-                                                   f"choose a new folder\n"
-    assert (tmp_path / "a-file").read_text() == "mine"
+    assert proc.returncode == 2 and proc.stderr == (f"raydiff: error: --out '{tmp_path / 'a-file'}' already exists and "
+                                                    f"is not an empty folder: choose a new folder\n")
+    assert (tmp_path / "a-file").read_text() == ""
 
 
 def test_exporting_an_exported_folder_says_what_it_is_in_one_line(exported, tmp_path, capsys):

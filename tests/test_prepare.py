@@ -61,7 +61,7 @@ def test_prepare_then_train_on_the_prepared_folder(messy, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".prepared")]  # no temporary left behind
 
     again = run_cli("raydiff.prepare", str(folder), str(out), "--resolution", "8")
-    assert again.returncode == 2 and "already exists and is not empty" in again.stderr
+    assert again.returncode == 2 and "already exists and is not an empty folder: choose a new folder" in again.stderr
 
     train = run_cli("raydiff.train", *TINY, "--set", f"data.source={out}", "--set", f"run.storage={tmp_path}")
     assert train.returncode == 0, train.stderr[-3000:]
@@ -137,7 +137,7 @@ def test_prepare_refuses_an_occupied_out_in_one_line_before_ray_starts(tmp_path,
     (tmp_path / "out" / "mine.txt").write_text("keep me")
     assert cli.run(prepare.main, [str(tmp_path / "images"), str(tmp_path / "out"), "--resolution", "8"]) == 2
     assert capsys.readouterr().err == (f"raydiff: error: OUT = {str(tmp_path / 'out')!r} already exists and is not "
-                                       f"empty: choose a new folder\n")
+                                       f"an empty folder: choose a new folder\n")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]
 
 

@@ -147,7 +147,8 @@ def test_an_empty_out_is_refused_and_the_current_folder_is_left_alone(runs, tmp_
     assert caught.value.code == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines()[-1] == (f"python -m raydiff.sample: error: --out {out!r}: must name a grid "
-                                             f"image (.png, .jpg, .jpeg, .webp) or a folder")
+                                             f"image (.png, .jpg, .jpeg, .webp) or a folder (an empty value would "
+                                             f"mean the current folder)")
     assert "sampling" not in captured.out
     assert [p.name for p in tmp_path.iterdir()] == ["sample_00001.png"]
 

@@ -83,16 +83,19 @@ def rows_per_shard_for(shape: tuple[int, int, int], shard_bytes: int = SHARD_BYT
     return max(1, shard_bytes // int(np.prod(shape)))
 
 
-def refuse_occupied(out: str, *, endpoint: str | None = None) -> tuple[pafs.FileSystem, str]:
-    """`out`'s filesystem and path, where nothing is yet (or an empty folder); DataError where something is."""
+def refuse_occupied(out: str, *, endpoint: str | None = None, name: str = "OUT") -> tuple[pafs.FileSystem, str]:
+    """`out`'s filesystem and path, where nothing is yet (or an empty folder); DataError where something is (a file,
+    or a folder with anything in it). Every command that writes a new folder refuses an occupied one with this line;
+    `name` is the argument that named `out` ("OUT", or an option such as "--out")."""
+    shown = f"{name} {out!r}" if name.startswith("-") else f"{name} = {out!r}"  # as `raydiff.cli.refuse_empty`
     try:
         filesystem, root = filesystem_for(out, endpoint=endpoint)
     except ValueError as exc:
-        raise DataError(f"OUT = {out!r}: {exc}") from None
+        raise DataError(f"{shown}: {exc}") from None
     info = filesystem.get_file_info(root)
     if info.type == pafs.FileType.File or (
             info.type == pafs.FileType.Directory and filesystem.get_file_info(pafs.FileSelector(root))):
-        raise DataError(f"OUT = {out!r} already exists and is not empty: choose a new folder")
+        raise DataError(f"{shown} already exists and is not an empty folder: choose a new folder")
     return filesystem, root
 
 

@@ -106,7 +106,8 @@ def test_too_many_bad_samples_stop_it_before_the_manifest(source, tmp_path):
 def test_an_occupied_or_empty_result_is_refused(source, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep me")
-    with pytest.raises(DataError, match="already exists and is not empty: choose a new folder"):
+    with pytest.raises(DataError, match=f"^OUT = '{tmp_path / 'out'}' already exists and is not an empty folder: "
+                                        f"choose a new folder$"):
         write_prepared(iter([(_images(3), [])]), source, str(tmp_path / "out"), shape=SHAPE)
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
     with pytest.raises(DataError, match="no usable samples"):
