@@ -135,11 +135,14 @@ def _package_rules(key: str, package: str) -> tuple[Rule, ...]:
 NO_NULL_CLASS = ("the unconditional prediction it needs is learned only from dropped labels, and train.label_dropout "
                  "= 0: set train.label_dropout > 0 (0.1 to 0.2 in long runs), or guidance 1 (conditional, no guidance)")
 
-# The rules, in the order they are checked: the first one broken is the error.
 # The image sizes raydiff trains at (and prepares, and writes synthetic images of): the UNet needs a few
 # halvings; far larger, one image's activations alone would take a GPU's memory.
 MIN_RESOLUTION, MAX_RESOLUTION = 8, 1024
+# diffusion.timesteps: the linear schedule's largest beta is 20/T, so it needs T >= 21 (a diffusers scheduler's
+# num_train_timesteps is held to the same).
+MIN_TIMESTEPS, MIN_LINEAR_TIMESTEPS, MAX_TIMESTEPS = 2, 21, 100_000
 
+# The rules, in the order they are checked: the first one broken is the error.
 RULES: tuple[Rule, ...] = (
     # Data.
     Rule("data.max_bad_fraction", lambda c: 0 <= c.data.max_bad_fraction <= 1, "must be in [0, 1]"),
@@ -180,9 +183,11 @@ RULES: tuple[Rule, ...] = (
          "unet/config.json), a UNet2DModel folder (with config.json) or a Hugging Face hub id such as "
          "google/ddpm-cifar10-32"),
     # Diffusion. The linear schedule's largest beta is 20/T: T <= 20 gives a beta >= 1 and alpha_bar <= 0 (NaN).
-    Rule("diffusion.timesteps", lambda c: 2 <= c.diffusion.timesteps <= 100_000, "must be between 2 and 100000"),
-    Rule("diffusion.timesteps", lambda c: c.diffusion.schedule != "linear" or c.diffusion.timesteps >= 21,
-         "must be >= 21 with diffusion.schedule = linear (its largest beta, 20/T, must be < 1)"),
+    Rule("diffusion.timesteps", lambda c: MIN_TIMESTEPS <= c.diffusion.timesteps <= MAX_TIMESTEPS,
+         f"must be between {MIN_TIMESTEPS} and {MAX_TIMESTEPS}"),
+    Rule("diffusion.timesteps",
+         lambda c: c.diffusion.schedule != "linear" or c.diffusion.timesteps >= MIN_LINEAR_TIMESTEPS,
+         f"must be >= {MIN_LINEAR_TIMESTEPS} with diffusion.schedule = linear (its largest beta, 20/T, must be < 1)"),
     # Training.
     Rule("train.global_batch", lambda c: c.train.global_batch >= 1, "must be >= 1"),
     Rule("train.micro_batch", lambda c: not isinstance(c.train.micro_batch, int) or c.train.micro_batch >= 1,

@@ -128,7 +128,7 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     keys = model_keys_from_unet(unet, where=where)
     for scheduler_file in (path / "scheduler" / "scheduler_config.json", path / "scheduler_config.json"):
         if scheduler_file.is_file():  # else the diffusion keys of raydiff_config.yaml, or raydiff's defaults
-            keys.update(diffusion_keys_from_scheduler(read_side_file(scheduler_file), where=where))
+            keys.update(diffusion_keys_from_scheduler(read_side_file(scheduler_file), where=str(scheduler_file)))
             break
     for key, value in keys.items():
         section, name = key.split(".")

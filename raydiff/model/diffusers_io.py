@@ -21,12 +21,14 @@ diffusers and safetensors are an optional extra (`pip install "raydiff[diffusers
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from raydiff.config import Config, ConfigError
+from raydiff.config.checks import MAX_TIMESTEPS, MIN_LINEAR_TIMESTEPS, MIN_TIMESTEPS
 
 PREDICTION_TO_DIFFUSERS = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
 SCHEDULE_TO_DIFFUSERS = {"linear": "linear", "cosine": "squaredcos_cap_v2"}
@@ -293,28 +295,43 @@ def model_keys_from_unet(unet: dict[str, Any], *, where: str) -> dict[str, Any]:
 
 
 def diffusion_keys_from_scheduler(scheduler: dict[str, Any], *, where: str) -> dict[str, Any]:
-    """The raydiff `diffusion.*` keys of a DDPM-style scheduler config; ConfigError for what raydiff lacks."""
-    timesteps = scheduler.get("num_train_timesteps", 1000)
-    kind = scheduler.get("beta_schedule", "linear")
-    prediction = {v: k for k, v in PREDICTION_TO_DIFFUSERS.items()}.get(scheduler.get("prediction_type", "epsilon"))
+    """The raydiff `diffusion.*` keys of a DDPM-style scheduler config (`where`, its file, starts the message);
+    ConfigError naming the key, its value and what raydiff takes, for a value of another kind (a hand edit: "1000",
+    null) or one that raydiff lacks."""
+
+    def refuse(key: str, allowed: str) -> ConfigError:
+        return ConfigError(f"{where}: {key} = {json.dumps(scheduler[key])}; raydiff takes {allowed}")
+
     if scheduler.get("trained_betas") is not None:
-        raise ConfigError(f"{where}: the scheduler there has trained_betas; raydiff has linear and cosine schedules")
+        raise ConfigError(f"{where}: trained_betas is set; raydiff has the linear and squaredcos_cap_v2 (cosine) "
+                          f"schedules, not trained betas")
+    kind = scheduler.get("beta_schedule", "linear")
+    if not isinstance(kind, str) or kind not in ("linear", "squaredcos_cap_v2"):
+        raise refuse("beta_schedule", '"linear" or "squaredcos_cap_v2" (cosine)')
+    predicts = scheduler.get("prediction_type", "epsilon")
+    prediction = {v: k for k, v in PREDICTION_TO_DIFFUSERS.items()}.get(predicts) if isinstance(predicts, str) else None
     if prediction is None:
-        raise ConfigError(f"{where}: the scheduler there has prediction_type = {scheduler['prediction_type']!r}; "
-                          f"raydiff predicts epsilon, v_prediction or sample")
-    if kind == "linear":
-        ends = scheduler.get("beta_start", 1e-4), scheduler.get("beta_end", 0.02)
-        expected = linear_beta_range(timesteps)
-        if any(abs(a - b) > 1e-6 * b for a, b in zip(ends, expected, strict=True)):
-            raise ConfigError(f"{where}: the scheduler there has beta_start, beta_end = {list(ends)}; raydiff's "
-                              f"linear schedule at T = {timesteps} has {list(expected)}")
-        schedule = "linear"
-    elif kind == "squaredcos_cap_v2":
-        schedule = "cosine"
-    else:
-        raise ConfigError(f"{where}: the scheduler there has beta_schedule = {kind!r}; raydiff has linear and "
-                          f"squaredcos_cap_v2 (cosine)")
-    return {"diffusion.timesteps": timesteps, "diffusion.schedule": schedule, "diffusion.prediction": prediction}
+        raise refuse("prediction_type", '"epsilon", "v_prediction" or "sample"')
+    timesteps = scheduler.get("num_train_timesteps", 1000)
+    fewest = MIN_LINEAR_TIMESTEPS if kind == "linear" else MIN_TIMESTEPS
+    if not _is_int(timesteps) or not fewest <= timesteps <= MAX_TIMESTEPS:
+        raise refuse("num_train_timesteps", f"an int from {fewest} to {MAX_TIMESTEPS}" + (
+            " (the linear schedule's largest beta, 20/T, must be < 1)" if kind == "linear" else ""))
+    if kind == "squaredcos_cap_v2":
+        return {"diffusion.timesteps": timesteps, "diffusion.schedule": "cosine", "diffusion.prediction": prediction}
+    for key in ("beta_start", "beta_end"):
+        if key in scheduler and (not isinstance(scheduler[key], int | float) or isinstance(scheduler[key], bool)):
+            raise refuse(key, "a number")
+    ends = scheduler.get("beta_start", 1e-4), scheduler.get("beta_end", 0.02)
+    expected = linear_beta_range(timesteps)
+    if any(abs(a - b) > 1e-6 * b for a, b in zip(ends, expected, strict=True)):
+        raise ConfigError(f"{where}: beta_start, beta_end = {list(ends)}; raydiff's linear schedule at T = "
+                          f"{timesteps} has {list(expected)}")
+    return {"diffusion.timesteps": timesteps, "diffusion.schedule": "linear", "diffusion.prediction": prediction}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def model_values(cfg: Config) -> dict[str, Any]:

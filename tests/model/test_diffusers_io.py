@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler, UNet2DModel
@@ -327,6 +329,51 @@ def test_a_diffusers_folder_with_a_malformed_side_file_is_refused_naming_it(tmp_
     assert cli.run(sample.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "samples")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"raydiff: config error: {line}")
     assert not (tmp_path / "samples").exists()
+
+
+LINEAR_T = "an int from 21 to 100000 (the linear schedule's largest beta, 20/T, must be < 1)"
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("num_train_timesteps", "1000", LINEAR_T),
+    ("num_train_timesteps", None, LINEAR_T),
+    ("num_train_timesteps", 0, LINEAR_T),
+    ("num_train_timesteps", 1000.5, LINEAR_T),
+    ("num_train_timesteps", True, LINEAR_T),
+    ("beta_schedule", 5, '"linear" or "squaredcos_cap_v2" (cosine)'),
+    ("beta_schedule", ["linear"], '"linear" or "squaredcos_cap_v2" (cosine)'),
+    ("prediction_type", [], '"epsilon", "v_prediction" or "sample"'),
+    ("prediction_type", None, '"epsilon", "v_prediction" or "sample"'),
+    ("beta_start", "0.0001", "a number"),
+    ("beta_end", None, "a number"),
+], ids=["timesteps a string", "timesteps null", "timesteps 0", "timesteps a fraction", "timesteps true",
+        "schedule a number", "schedule a list", "prediction a list", "prediction null", "beta_start a string",
+        "beta_end null"])
+def test_a_scheduler_value_of_another_kind_is_refused_naming_the_file_key_value_and_what_is_allowed(
+        tmp_path, capsys, key, value, allowed):
+    """raydiff.sample --checkpoint DIR met a TypeError's (a string or null divided, a list hashed) or a
+    ZeroDivisionError's traceback; the rest named the flag, not the file."""
+    cfg = load_config("smoke", check_source=False)
+    folder = tmp_path / "pipeline"
+    diffusers_folder.save_pipeline_folder(folder, {"config": cfg.to_dict(), "ema": build_model(cfg).state_dict(),
+                                                   "step": 20, "images_seen": 320},
+                                          use_ema=True, checkpoint="run", guidance=1.0)
+    file = folder / "scheduler" / "scheduler_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), key: value}))
+    line = f"{file}: {key} = {json.dumps(value)}; raydiff takes {allowed}"
+    with pytest.raises(ConfigError) as refused:
+        diffusers_folder.state_from_folder(folder)
+    assert str(refused.value) == line
+    assert cli.run(sample.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "samples")]) == 2
+    assert capsys.readouterr().err == f"raydiff: config error: {line}\n"
+    assert not (tmp_path / "samples").exists()
+
+
+def test_a_cosine_scheduler_takes_fewer_timesteps_than_a_linear_one():
+    cosine = {"beta_schedule": "squaredcos_cap_v2", "num_train_timesteps": 2}
+    assert diffusers_io.diffusion_keys_from_scheduler(cosine, where="x")["diffusion.timesteps"] == 2
+    with pytest.raises(ConfigError, match=r'^x: num_train_timesteps = 1; raydiff takes an int from 2 to 100000$'):
+        diffusers_io.diffusion_keys_from_scheduler({**cosine, "num_train_timesteps": 1}, where="x")
 
 
 def test_a_unet_config_that_is_valid_json_but_no_mapping_is_refused_naming_it(tmp_path):
