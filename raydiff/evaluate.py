@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raydiff: error: --checkpoint {args.checkpoint}: cannot write the result into {run_dir} ({reason})",
               file=sys.stderr)
         return 2
-    checkpoint, state = read_newest(location)
+    checkpoint, state = read_newest(location, where=f"--checkpoint {args.checkpoint}")
     states = [state] if sigma_rels is None else posthoc_states(run_dir, state, sigma_rels)
     guide = None
     if args.guide is not None:

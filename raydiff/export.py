@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"read this one)")
     location = checkpoint_location(args.checkpoint, args.endpoint)
     diffusers_io.require_diffusers("raydiff.export")
-    checkpoint, state = read_newest(location)
+    checkpoint, state = read_newest(location, where=f"--checkpoint {args.checkpoint}")
     try:
         weights = weights_of(state, checkpoint, use_ema=not args.no_ema)
     except ValueError as exc:

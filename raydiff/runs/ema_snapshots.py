@@ -90,9 +90,8 @@ def read_snapshot(run_dir: RunDir, step: int) -> dict[str, Any]:
         if reason is None:  # storage or memory, not the file: as they are
             raise
         raise ValueError(f"{run_dir / snapshot_name(step)}: {reason}") from None
-    reason = foreign_reason(snapshot, SNAPSHOT_KEYS, mappings=("config",), what="snapshot")
-    if reason is None and not (isinstance(snapshot["sigma_rels"], list) and isinstance(snapshot["profiles"], list)
-                               and len(snapshot["profiles"]) == len(snapshot["sigma_rels"])):
+    reason = foreign_reason(snapshot, SNAPSHOT_KEYS, what="snapshot")
+    if reason is None and len(snapshot["profiles"]) != len(snapshot["sigma_rels"]):
         reason = "not a raydiff snapshot (its 'sigma_rels' and 'profiles' are not lists of one length)"
     if reason is not None:
         raise ValueError(f"{run_dir / snapshot_name(step)}: {reason}; move it out of {SNAPSHOT_DIR}/, where each "

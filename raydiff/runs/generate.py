@@ -52,5 +52,6 @@ def read_any(location: str, endpoint: str | None, *, flag: str = "--checkpoint")
     if "://" not in location and diffusers_folder.is_diffusers_folder(location):
         # An exported pipeline: one set of weights, converted back to raydiff's names.
         return location, diffusers_folder.state_from_folder(location)
-    found, state = read_newest(checkpoint_location(location, endpoint, where=f"{flag} {location}"))
+    where = f"{flag} {location}"
+    found, state = read_newest(checkpoint_location(location, endpoint, where=where), where=where)
     return str(found), state

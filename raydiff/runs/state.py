@@ -22,6 +22,7 @@ import errno
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -141,27 +142,66 @@ def read_with_retries(path: RunDir) -> dict[str, Any]:
             time.sleep(READ_RETRY_S * 2**attempt)
             continue
         # Checked here, where every reader passes: a caller's state["config"] would be a KeyError's traceback.
-        reason = foreign_reason(state, STATE_KEYS, mappings=("config", "ema"))
+        reason = foreign_reason(state, STATE_KEYS)
         if reason is not None:
             raise DamagedCheckpoint(reason)
         return state
     raise AssertionError("unreachable")
 
 
-def foreign_reason(state: object, keys: tuple[str, ...], *, mappings: tuple[str, ...] = (),
-                   what: str = "checkpoint") -> str | None:
-    """Why `state`, a file that torch loaded, is not a raydiff `what` (not a dict with `keys`, the ones in
-    `mappings` dicts, a "config" one of sections), in words; None where it has raydiff's shape."""
+def foreign_reason(state: object, keys: tuple[str, ...], *, what: str = "checkpoint") -> str | None:
+    """Why `state`, a file that torch loaded, is not a raydiff `what` (not a dict with `keys`, or an entry of
+    another shape than `ENTRY_SHAPES` says raydiff writes), in words; None where it has raydiff's shape."""
     if not isinstance(state, dict):
         return f"not a raydiff {what} (it holds a {type(state).__name__}, not a dict with {_quoted(keys)})"
     missing = tuple(k for k in keys if k not in state)
     if missing:
         return f"not a raydiff {what} (no {_quoted(missing)})"
-    for key in mappings:
-        value = state[key]
-        if not isinstance(value, dict) or (key == "config" and sections_problem(value)):
-            return f"not a raydiff {what} (its {key!r} is not a mapping{' of sections' if key == 'config' else ''})"
+    for key, (fits, shape) in ENTRY_SHAPES.items():
+        if key in state and not fits(state[key]):
+            return f"not a raydiff {what} (its {key!r} is not {shape})"
     return None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_weights(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+
+
+def _is_classes(value: object) -> bool:
+    if value is None:  # none recorded: an unconditional run's, or ids for names
+        return True
+    if not isinstance(value, dict):
+        return False
+    names, counts = value.get("names", []), value.get("counts", [])
+    return isinstance(names, list) and isinstance(counts, list) and all(map(_is_count, counts))
+
+
+def _is_posthoc(value: object) -> bool:
+    return isinstance(value, dict) and _is_number(value.get("sigma_rel")) and _is_count(value.get("snapshots"))
+
+
+# What each entry that the commands read holds, as raydiff writes it (`checkpoint_state`; a snapshot,
+# `snapshot_bytes`; an average `raydiff.ema` rebuilt): judged wherever a file holds it, so that a file with an
+# entry of another shape is named and passed over as a damaged one, not a traceback in whichever command reads it.
+ENTRY_SHAPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "config": (lambda v: isinstance(v, dict) and sections_problem(v) is None, "a mapping of sections"),
+    "ema": (_is_weights, "a mapping of names to tensors"),
+    "model": (_is_weights, "a mapping of names to tensors"),
+    "step": (_is_count, "an int >= 0"),
+    "images_seen": (_is_count, "an int >= 0"),
+    "classes": (_is_classes, "a mapping of 'names' and 'counts' lists"),
+    "posthoc": (_is_posthoc, "a mapping of a 'sigma_rel' number and a 'snapshots' count"),
+    "sigma_rels": (lambda v: isinstance(v, list) and all(map(_is_number, v)), "a list of numbers"),
+    "profiles": (lambda v: isinstance(v, list) and all(map(_is_weights, v)), "a list of mappings of names to tensors"),
+}
 
 
 def _quoted(keys: tuple[str, ...]) -> str:
@@ -200,11 +240,13 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
-def read_newest(location: Location) -> tuple[RunDir, dict[str, Any]]:
+def read_newest(location: Location, *, where: str | None = None) -> tuple[RunDir, dict[str, Any]]:
     """(checkpoint, state) of a checkpoint folder, or of a run folder's newest checkpoint that reads: a damaged one
-    (or one an older raydiff was still uploading file by file) is named in one line on stderr and the previous
-    one is used, as training does. Raises FileNotFoundError (one line) when none reads, and StorageFailure (one
-    line) when storage fails beyond its retries: an older checkpoint is used only in place of a bad one."""
+    (or one an older raydiff was still uploading file by file, or one whose weights do not fit the model its config
+    describes) is named in one line on stderr and the previous one is used, as training does. Raises
+    FileNotFoundError (one line) when none reads, StorageFailure (one line) when storage fails beyond its retries:
+    an older checkpoint is used only in place of a bad one; and ConfigError (one line naming the checkpoint, after
+    `where`: the flag or key that named it) for a config this raydiff cannot read (a key a newer one wrote)."""
     run = as_rundir(location)
     if run.is_file(STATE_FILE):
         candidates = [run]
@@ -217,7 +259,9 @@ def read_newest(location: Location) -> tuple[RunDir, dict[str, Any]]:
     failures = []
     for i, checkpoint in enumerate(candidates):
         try:
-            return checkpoint, read_with_retries(checkpoint)
+            state = read_with_retries(checkpoint)
+            check_weights_fit(state, checkpoint, where=where)
+            return checkpoint, state
         except (DamagedCheckpoint, FileNotFoundError) as exc:  # a partial, damaged or gone file: try the previous one
             reason = _reason(exc)
         except OSError as exc:  # storage beyond its retries: an older checkpoint would be the wrong answer
@@ -232,6 +276,40 @@ def read_newest(location: Location) -> tuple[RunDir, dict[str, Any]]:
     raise FileNotFoundError(f"{run}: no checkpoint can be read: {'; '.join(failures)}")
 
 
+def check_weights_fit(state: dict[str, Any], checkpoint: RunDir, *, where: str | None = None) -> None:
+    """Refuse a state whose weights the commands could not load into the model its config describes, in one line:
+    ConfigError (naming the checkpoint, after `where`) for a config this raydiff cannot read, where every command
+    would stop; DamagedCheckpoint for an "ema" (or "model") of other names or shapes (a file raydiff did not
+    write), where an older checkpoint may serve."""
+    from raydiff.config import Config, ConfigError
+    from raydiff.model.unet import build_model
+
+    try:
+        cfg = Config.from_dict(state["config"])
+        with torch.device("meta"):  # names and shapes only: nothing allocated
+            expected = build_model(cfg).state_dict()
+    except ValueError as exc:  # a key this raydiff does not know, a value of another kind, num_classes = auto
+        raise ConfigError(f"{where + ': ' if where else ''}the config in {checkpoint} cannot be read ({exc})") from None
+    for key in ("ema", "model"):
+        problem = _misfit(state[key], expected) if key in state else None
+        if problem:
+            raise DamagedCheckpoint(f"its {key!r} does not fit the model its config describes ({problem})")
+
+
+def _misfit(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> str | None:
+    """How `weights` differ from a model's (`expected`: its state_dict) in names or shapes, in words; None where
+    they fit."""
+    for names, what in (([k for k in expected if k not in weights], "no {!r}"),
+                        ([k for k in weights if k not in expected], "{!r}, which the model lacks")):
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            return what.format(names[0]) + more
+    for key, value in expected.items():
+        if weights[key].shape != value.shape:
+            return f"{key!r} of shape {list(weights[key].shape)}, where the model's is {list(value.shape)}"
+    return None
+
+
 def read_guide(guide: str, endpoint: str | None, model_config: dict[str, Any]) -> tuple[RunDir, dict[str, Any]]:
     """(checkpoint, state) of an autoguidance guide (`--guide`), read as `read_newest` reads, and refused in one line
     (ConfigError) unless its network predicts what the model's (`model_config`) does (`check_guide`)."""
@@ -239,7 +317,8 @@ def read_guide(guide: str, endpoint: str | None, model_config: dict[str, Any]) -
     from raydiff.model.guidance import check_guide
     from raydiff.runs.checkpoint import checkpoint_location
 
-    checkpoint, state = read_newest(checkpoint_location(guide, endpoint, where=f"--guide {guide}"))
+    where = f"--guide {guide}"
+    checkpoint, state = read_newest(checkpoint_location(guide, endpoint, where=where), where=where)
     try:
         check_guide(model_config, state["config"], guide)
     except ValueError as exc:

@@ -16,6 +16,8 @@ import torch
 from disks import syncs_and_renames
 from PIL import Image
 
+from raydiff.config import load_config
+from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import (
     RAY_CHECKPOINT_LIST,
     checkpoint_name,
@@ -42,11 +44,18 @@ def test_grid_and_folder(tmp_path):
     assert Image.open(folder / "sample_00004.png").size == (16, 16)
 
 
+def _state(step: int) -> dict:
+    """What the commands read from a checkpoint (`read_newest` checks that the weights fit the config's model): a
+    smoke run's config, its model's weights as the EMA, the step."""
+    cfg = load_config("smoke", check_source=False)
+    return {"step": step, "ema": build_model(cfg).state_dict(), "config": cfg.to_dict()}
+
+
 def test_state_round_trip_and_lookup(tmp_path):
     for step in (10, 20):
         directory = tmp_path / checkpoint_name(step)
         directory.mkdir()
-        write_state(directory, {"step": step, "ema": {"w": torch.ones(2)}, "config": {"train": {"a": [1, 2]}}})
+        write_state(directory, _state(step))
     (tmp_path / "checkpoint_00000030").mkdir()  # incomplete: no state file
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_00000010", "checkpoint_00000020"]
     latest, state = read_newest(tmp_path)
@@ -61,7 +70,7 @@ def test_the_newest_checkpoint_that_reads_is_used(tmp_path, capsys):
     for step in (10, 20):
         directory = tmp_path / checkpoint_name(step)
         directory.mkdir()
-        write_state(directory, {"step": step, "w": torch.ones(2), "config": {}, "ema": {}})
+        write_state(directory, _state(step))
     newest = tmp_path / "checkpoint_00000020" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:100])
     checkpoint, state = read_newest(tmp_path)
@@ -81,10 +90,10 @@ def test_a_small_checkpoint_cut_short_is_named_in_words_and_not_read_again(tmp_p
     storage's, so it is neither retried nor named in torch's words."""
     import raydiff.runs.state as state_module
 
-    for step in (10, 20):
+    for step, state in ((10, _state(10)), (20, {"step": 20, "w": torch.arange(1000.0), "config": {}, "ema": {}})):
         directory = tmp_path / checkpoint_name(step)
         directory.mkdir()
-        write_state(directory, {"step": step, "w": torch.arange(1000.0), "config": {}, "ema": {}})
+        write_state(directory, state)
     newest = tmp_path / "checkpoint_00000020" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:-1])
     with pytest.raises(OSError):  # what torch says

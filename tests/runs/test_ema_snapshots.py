@@ -45,9 +45,26 @@ def test_a_rebuilt_average_is_named_and_has_no_online_weights():
         weights_of(rebuilt, "out/sigma_rel-0.070", use_ema=False)
 
 
-@pytest.mark.parametrize("foreign", ["a model's state_dict", "profiles not a list"])
+FOREIGN_SNAPSHOTS = {  # what is wrong: (how the snapshot is changed, the reason given)
+    "a model's state_dict": (lambda s: s["profiles"][0],
+                             "no 'step', 'images_seen', 'sigma_rels', 'profiles', 'config'"),
+    "profiles not a list": (lambda s: {**s, "profiles": {}},
+                            "its 'profiles' is not a list of mappings of names to tensors"),
+    "profiles of ints": (lambda s: {**s, "profiles": [{k: 1 for k in p} for p in s["profiles"]]},
+                         "its 'profiles' is not a list of mappings of names to tensors"),
+    "profiles of lists": (lambda s: {**s, "profiles": [[1, 2] for _ in s["profiles"]]},
+                          "its 'profiles' is not a list of mappings of names to tensors"),
+    "sigma_rels of words": (lambda s: {**s, "sigma_rels": ["a", "b"]}, "its 'sigma_rels' is not a list of numbers"),
+    "step a word": (lambda s: {**s, "step": "10"}, "its 'step' is not an int >= 0"),
+    "one profile short": (lambda s: {**s, "profiles": s["profiles"][:1]},
+                          "its 'sigma_rels' and 'profiles' are not lists of one length"),
+}
+
+
+@pytest.mark.parametrize("foreign", list(FOREIGN_SNAPSHOTS))
 def test_a_snapshot_raydiff_did_not_write_is_refused_in_one_line(tmp_path, capsys, foreign):
-    """torch loads it with its safe loader; raydiff.ema then met a KeyError's traceback ('sigma_rels')."""
+    """torch loads it with its safe loader; raydiff.ema then met a KeyError's traceback ('sigma_rels'), an
+    AttributeError's (profiles of ints or lists: 'is_floating_point', 'items') or float()'s ValueError, unnamed."""
     import torch
     from conftest import write_posthoc_run
 
@@ -56,10 +73,8 @@ def test_a_snapshot_raydiff_did_not_write_is_refused_in_one_line(tmp_path, capsy
     write_posthoc_run(tmp_path / "run", steps=20)
     run = RunDir(tmp_path / "run")
     snapshot = torch.load(run.open_binary(snapshot_name(10)), weights_only=True)
-    torch.save(snapshot["profiles"][0] if foreign == "a model's state_dict" else {**snapshot, "profiles": {}},
-               tmp_path / "run" / snapshot_name(10))
-    reason = ("no 'step', 'images_seen', 'sigma_rels', 'profiles', 'config'" if foreign == "a model's state_dict" else
-              "its 'sigma_rels' and 'profiles' are not lists of one length")
+    change, reason = FOREIGN_SNAPSHOTS[foreign]
+    torch.save(change(snapshot), tmp_path / "run" / snapshot_name(10))
     code = cli.run(ema.main, ["--checkpoint", str(tmp_path / "run"), "--sigma-rel", "0.07",
                               "--out", str(tmp_path / "out")])
     assert code == 2 and capsys.readouterr().err == (

@@ -293,20 +293,38 @@ def test_a_damaged_checkpoint_is_named_in_words_and_passed_over_at_once(tmp_path
         assert "weights_only" not in message and "Error" not in message
 
 
-@pytest.mark.parametrize("foreign", ["a model's state_dict", "a list", "a config of no sections"])
+NOT_RAYDIFFS = "not a raydiff checkpoint"
+# What is wrong with a torch file: (its content, from a real checkpoint's state, the reason given).
+FOREIGN_STATES = {
+    "a model's state_dict": (lambda state: state["model"], f"{NOT_RAYDIFFS} (no 'config', 'ema', 'step')"),
+    "a list": (lambda state: [1, 2], f"{NOT_RAYDIFFS} (it holds a list, not a dict with 'config', 'ema', 'step')"),
+    "a config of no sections": (lambda state: {**state, "config": {"model": 16}},
+                                f"{NOT_RAYDIFFS} (its 'config' is not a mapping of sections)"),
+    "an EMA of ints": (lambda state: {**state, "ema": {k: 1 for k in state["ema"]}},
+                       f"{NOT_RAYDIFFS} (its 'ema' is not a mapping of names to tensors)"),
+    "an EMA of lists": (lambda state: {**state, "ema": {k: [1, 2] for k in state["ema"]}},
+                        f"{NOT_RAYDIFFS} (its 'ema' is not a mapping of names to tensors)"),
+    "an EMA named by numbers": (lambda state: {**state, "ema": dict(enumerate(state["ema"].values()))},
+                                f"{NOT_RAYDIFFS} (its 'ema' is not a mapping of names to tensors)"),
+    "online weights of ints": (lambda state: {**state, "model": {k: 0 for k in state["model"]}},
+                               f"{NOT_RAYDIFFS} (its 'model' is not a mapping of names to tensors)"),
+    "a step that is a word": (lambda state: {**state, "step": "20"}, f"{NOT_RAYDIFFS} (its 'step' is not an int >= 0)"),
+    "a step of null": (lambda state: {**state, "step": None}, f"{NOT_RAYDIFFS} (its 'step' is not an int >= 0)"),
+    "classes that are a list": (lambda state: {**state, "classes": ["a", "b"]},
+                                f"{NOT_RAYDIFFS} (its 'classes' is not a mapping of 'names' and 'counts' lists)"),
+}
+
+
+@pytest.mark.parametrize("foreign", list(FOREIGN_STATES))
 def test_a_torch_file_raydiff_did_not_write_is_named_and_passed_over_as_a_damaged_one(tmp_path, capsys, foreign):
     """torch loads these with its safe loader; every command then met a KeyError's or TypeError's traceback
-    (state["config"]) where a damaged checkpoint gets one line or an older checkpoint."""
+    (state["config"]) where a damaged checkpoint gets one line or an older checkpoint; entries of other kinds (an
+    EMA of ints, a step that is a word) met one in load_state_dict, export's model card or --class."""
     objects = _objects(0)
     _write(tmp_path, 10, objects)
     folder = _write(tmp_path, 20, objects)
-    content = {"a model's state_dict": objects[0].state_dict(), "a list": [1, 2],
-               "a config of no sections": {**read_state(folder), "config": {"model": 16}}}[foreign]
-    torch.save(content, folder / "state.pt")
-    reason = {"a model's state_dict": "not a raydiff checkpoint (no 'config', 'ema', 'step')",
-              "a list": "not a raydiff checkpoint (it holds a list, not a dict with 'config', 'ema', 'step')",
-              "a config of no sections": "not a raydiff checkpoint (its 'config' is not a mapping of sections)",
-              }[foreign]
+    change, reason = FOREIGN_STATES[foreign]
+    torch.save(change(read_state(folder)), folder / "state.pt")
 
     assert restore_newest(checkpoint_candidates(tmp_path), _objects(1)).checkpoint.name == checkpoint_name(10)
     found, state = read_newest(tmp_path)  # sample, evaluate, export, --guide, model.init_from
@@ -317,6 +335,101 @@ def test_a_torch_file_raydiff_did_not_write_is_named_and_passed_over_as_a_damage
     with pytest.raises(FileNotFoundError) as unread:
         read_newest(folder)
     assert str(unread.value) == f"{folder}: no checkpoint can be read: {checkpoint_name(20)} ({reason})"
+
+
+MISFITS = {  # weights of a dict of tensors that the config's model does not have: (the EMA, the reason given)
+    "other names": (lambda ema: {f"net.{k}": v for k, v in ema.items()},
+                    lambda ema: f"no 'temb.0.weight' and {len(ema) - 1} more"),
+    "another shape": (lambda ema: {**ema, "conv_in.weight": torch.zeros(3)},
+                      lambda ema: f"'conv_in.weight' of shape [3], where the model's is "
+                                  f"{list(ema['conv_in.weight'].shape)}"),
+    "one weight too many": (lambda ema: {**ema, "extra.weight": torch.zeros(3)},
+                            lambda ema: "'extra.weight', which the model lacks"),
+}
+
+
+@pytest.mark.parametrize("misfit", list(MISFITS))
+def test_a_checkpoint_whose_ema_does_not_fit_its_own_model_is_named_and_passed_over(tmp_path, capsys, misfit):
+    """Tensors under names or of shapes the config's model lacks: sample, evaluate and export met
+    load_state_dict's traceback (export: a ValueError's), where a damaged checkpoint gets one line or an older
+    one."""
+    objects = _objects(0)
+    _write(tmp_path, 10, objects)
+    folder = _write(tmp_path, 20, objects)
+    state = read_state(folder)
+    change, problem = MISFITS[misfit]
+    torch.save({**state, "ema": change(state["ema"])}, folder / "state.pt")
+    reason = f"its 'ema' does not fit the model its config describes ({problem(state['ema'])})"
+
+    found, state = read_newest(tmp_path)
+    assert found.name == checkpoint_name(10) and state["step"] == 10
+    assert f"checkpoint {folder} cannot be read ({reason}); using {checkpoint_name(10)}" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError) as unread:
+        read_newest(folder)
+    assert str(unread.value) == f"{folder}: no checkpoint can be read: {checkpoint_name(20)} ({reason})"
+
+
+def _refuse_ray(monkeypatch) -> None:
+    """raydiff.evaluate is to stop before it starts Ray (these tests are not marked `ray`)."""
+    import raydiff.cluster.start
+
+    def init_ray() -> None:
+        raise AssertionError("raydiff.evaluate started Ray for a checkpoint it cannot use")
+
+    monkeypatch.setattr(raydiff.cluster.start, "init_ray", init_ray)
+
+
+@pytest.mark.parametrize("command", ["sample", "export", "evaluate"])
+def test_every_command_names_the_checkpoint_whose_config_this_raydiff_cannot_read(tmp_path, capsys, monkeypatch,
+                                                                                   command):
+    """A key a newer raydiff wrote: the commands said "unknown key 'model.wings'" and not whose (model.init_from
+    named it). The newest checkpoint is refused, not passed over for an older one: it is not damaged, and the older
+    one is not what was asked for."""
+    import importlib
+
+    from conftest import write_checkpoint
+
+    from raydiff import cli
+    from raydiff.config import load_config
+
+    run = tmp_path / "run"
+    cfg = load_config("smoke", ["diffusion.timesteps=50"], check_source=False)
+    write_checkpoint(run, cfg, step=10)
+    newest = write_checkpoint(run, cfg, step=20)
+    state = read_state(newest)
+    state["config"]["model"]["wings"] = 2
+    write_state(newest, state)
+    _refuse_ray(monkeypatch)
+    out = tmp_path / ("grid.png" if command == "sample" else "out")
+    args = ["--checkpoint", str(run), *(["--out", str(out)] if command != "evaluate" else ["--num", "2"])]
+    assert cli.run(importlib.import_module(f"raydiff.{command}").main, args) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"raydiff: config error: --checkpoint {run}: the config in {newest} cannot be read (unknown key 'model.wings'")
+    assert not out.exists() and not (run / "eval").exists()
+
+
+@pytest.mark.parametrize("command", ["sample", "export", "evaluate"])
+def test_every_command_refuses_a_checkpoint_whose_ema_holds_no_tensors_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                                    command):
+    """An EMA of ints: sample met load_state_dict's traceback, export an AttributeError's ('float')."""
+    import importlib
+
+    from conftest import write_checkpoint
+
+    from raydiff import cli
+    from raydiff.config import load_config
+
+    run = tmp_path / "run"
+    folder = write_checkpoint(run, load_config("smoke", ["diffusion.timesteps=50"], check_source=False))
+    state = read_state(folder)
+    torch.save({**state, "ema": {k: 1 for k in state["ema"]}}, folder / "state.pt")
+    _refuse_ray(monkeypatch)
+    out = tmp_path / ("grid.png" if command == "sample" else "out")
+    args = ["--checkpoint", str(run), *(["--out", str(out)] if command != "evaluate" else ["--num", "2"])]
+    assert cli.run(importlib.import_module(f"raydiff.{command}").main, args) == 2
+    assert capsys.readouterr().err == (f"raydiff: error: {run}: no checkpoint can be read: {folder.name} (not a "
+                                       f"raydiff checkpoint (its 'ema' is not a mapping of names to tensors))\n")
+    assert not out.exists() and not (run / "eval").exists()
 
 
 def test_export_of_a_checkpoint_raydiff_did_not_write_stops_in_one_line_and_writes_nothing(tmp_path, capsys):
