@@ -7,11 +7,14 @@ import math
 import platform
 import re
 import signal
+import subprocess
+import threading
+import time
 
 import numpy as np
 import pytest
 import yaml
-from conftest import run_cli, run_cli_interrupted
+from conftest import run_cli, run_cli_acting, run_cli_interrupted
 from PIL import Image
 
 from raydiff import cli, sample, train
@@ -174,6 +177,30 @@ def test_ctrl_c_during_training_stops_after_a_final_checkpoint(cluster, tmp_path
     assert summary["status"] == "stopped" and 20 <= summary["steps"] < 1000, output[-3000:]
     assert checkpoint_step(list_checkpoints(tmp_path / "smoke")[-1]) == summary["steps"]  # the stop's checkpoint
     assert f"stopped at step {summary['steps']} (SIGINT) after a final checkpoint" in output
+
+
+@pytest.mark.ray
+def test_a_stop_while_the_workers_wait_for_room_on_the_cluster_is_at_once(cluster, tmp_path):
+    """Ctrl-C while Ray Train waits for room for the worker group (two workers of 2 CPUs each on this 2-CPU cluster;
+    on an autoscaling one, GPU nodes that have not come): no worker would look at the stop flag before there is
+    room, which may be never, so nothing is checkpointed and the command stops at once."""
+    def press_once_waiting(proc: subprocess.Popen) -> None:
+        time.sleep(10)  # Ray Train's controller is scheduling the group by now
+        proc.send_signal(signal.SIGINT)
+        kill = threading.Timer(60, proc.kill)  # a stop that waited for room would wait for good
+        kill.daemon = True
+        kill.start()
+
+    code, output = run_cli_acting(
+        "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set", "scaling.num_workers=2",
+        "--set", "scaling.cpus_per_worker=2", at="training on 2 CPU worker(s)", act=press_once_waiting)
+    assert code == 128 + signal.SIGINT, output[-3000:]
+    assert ("[raydiff] SIGINT: no worker group runs (Ray Train waits for room on the cluster): nothing to "
+            "checkpoint, stopping at once") in output
+    assert "stopping after a final checkpoint" not in output
+    assert output.rstrip().splitlines()[-1] == ("raydiff: stopped by SIGINT before training began; nothing was "
+                                                "trained (the same command starts again)")
+    assert not list_checkpoints(tmp_path / "smoke")
 
 
 @pytest.mark.parametrize("args, fragment", [

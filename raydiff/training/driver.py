@@ -49,7 +49,14 @@ from raydiff.training.loop import train_worker
 from raydiff.training.lost_workers import LostWorkers, causes, hang_timeouts
 from raydiff.training.reservations import cancel_previous_reservation, requester_of
 from raydiff.training.resolve import resolve_run
-from raydiff.training.stop import LEASE_LOST, StopFlag, beside_the_handlers, stop_on_signals, stop_reason
+from raydiff.training.stop import (
+    LEASE_LOST,
+    ControllerState,
+    StopFlag,
+    beside_the_handlers,
+    stop_on_signals,
+    stop_reason,
+)
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
@@ -245,7 +252,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
             failure_config=ray.train.FailureConfig(max_failures=requested.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=requested.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=[*(callbacks or []), lost_workers],  # type: ignore[list-item]
+            callbacks=[*(callbacks or []), lost_workers, ControllerState(stop_flag)],  # type: ignore[list-item]
             worker_runtime_env=worker_env,
         ),
     )

@@ -3,8 +3,11 @@ before training has started (decoding, preparing streamed data), at once (`raydi
 
 During training the driver's signal handler raises a flag in a small Ray actor; the workers look at it every few
 steps (rank 0 asks, all ranks agree through an all-reduce), write a checkpoint, and return. A second Ctrl-C
-interrupts at once. Ray Train's `fit()`, called in the main thread, would replace the SIGINT handler with its own,
-which aborts the run without a checkpoint: `beside_the_handlers` calls it from a helper thread instead.
+interrupts at once. While no worker group runs (Ray Train's controller waits for room on the cluster for it,
+or restarts it after a failure or a resize), no worker would look at the flag until there is room, which on
+an autoscaling cluster may be never: the stop is at once then (the controller tells the flag its state).
+Ray Train's `fit()`, called in the main thread, would replace the SIGINT handler with its own, which aborts the
+run without a checkpoint: `beside_the_handlers` calls it from a helper thread instead.
 
 A sweep keeps Ray Tune's own SIGINT handler, which saves Tune's state and ends the sweep (its trials continue from
 their checkpoints when the command runs again), and SIGTERM is passed on to it: `noting_tune_interrupt` tells the
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import ray
+from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from raydiff.training.interrupts import SAME_SIGTERM_S, in_main_thread, raise_interrupted, signal_handlers
 
@@ -31,6 +35,9 @@ TUNE_INTERRUPTED = "Experiment has been interrupted"  # how Tune's warning after
 
 
 LEASE_LOST = "the run's lease was taken over"  # a stop that writes nothing more: another driver holds the run
+# Ray Train's controller states in which no worker group runs, so none could write a final checkpoint (None: the
+# controller has said nothing yet). PREEMPTING drains a group that may still write one; later states end the run.
+NO_WORKERS = frozenset({None, "INITIALIZING", "SCHEDULING", "RESCHEDULING", "RESTARTING", "RESIZING"})
 
 
 @ray.remote(num_cpus=0)
@@ -39,6 +46,8 @@ class StopFlag:
 
     def __init__(self) -> None:
         self._reason: str | None = None
+        self._controller: str | None = None  # Ray Train's controller's state, as it last said (`ControllerState`)
+        self._ran = False  # whether a worker group has run in this fit (then a stop at once is not before training)
 
     def request(self, reason: str) -> None:
         if self._reason is None or reason == LEASE_LOST:
@@ -46,6 +55,26 @@ class StopFlag:
 
     def reason(self) -> str | None:
         return self._reason
+
+    def note_controller(self, state: str) -> None:
+        self._controller = state
+        self._ran = self._ran or state == "RUNNING"
+
+    def workers(self) -> tuple[str | None, bool]:
+        """(the controller's state, whether a worker group has run)."""
+        return self._controller, self._ran
+
+
+class ControllerState(ControllerCallback):
+    """Tells the stop flag each state of Ray Train's controller (run in the controller's process): the driver asks
+    it when a stop comes, to tell a worker group that will see the flag from one that is not there."""
+
+    def __init__(self, flag) -> None:
+        self.flag = flag
+
+    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        kind = getattr(current_state, "_state_type", None)  # Ray's; a release without it: the stop is as asked
+        self.flag.note_controller.remote(getattr(kind, "name", "unknown"))
 
 
 def stop_reason(flag) -> str | None:
@@ -61,28 +90,48 @@ def stop_reason(flag) -> str | None:
 @contextlib.contextmanager
 def stop_on_signals(flag) -> Iterator[dict[str, str | None]]:
     """While active, SIGTERM and the first SIGINT ask the run to stop with a final checkpoint (the yielded dict
-    gets the signal's name); a second SIGINT raises KeyboardInterrupt. Only in the main thread (a Tune trial
-    runs elsewhere and is stopped by Tune)."""
+    gets the signal's name), or, while no worker group runs (`NO_WORKERS`), stop it at once (`Interrupted`); a
+    second SIGINT raises KeyboardInterrupt. Only in the main thread (a Tune trial runs elsewhere and is stopped
+    by Tune)."""
     received: dict[str, str | None] = {"signal": None}
     if not in_main_thread():
         yield received
         return
     wake = threading.Event()
+    at_once: dict[str, bool] = {}  # set by the forwarder: {"before_training": ...} when there is no group to stop
 
     def forward() -> None:  # Ray calls from a helper thread, not from inside the signal handler
         wake.wait()
-        if received["signal"]:
-            flag.request.remote(received["signal"])
+        name = received["signal"]
+        if not name:
+            return
+        try:
+            state, ran = ray.get(flag.workers.remote(), timeout=5)
+        except Exception:  # the flag is gone or busy: the stop goes on as asked  # noqa: BLE001
+            state, ran = "unknown", True
+        if state in NO_WORKERS:
+            scheduling = state in (None, "SCHEDULING", "RESCHEDULING")
+            waiting = "waits for room on the cluster" if scheduling else "restarts it"
+            print(f"[raydiff] {name}: no worker group runs (Ray Train {waiting}): nothing to checkpoint, stopping "
+                  f"at once", flush=True)
+            at_once["before_training"] = not ran
+            # A signal to the main thread itself: it wakes the main thread's wait (`beside_the_handlers`), and the
+            # handler below raises there.
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            return
+        again = " (Ctrl-C again to stop at once)" if name == "SIGINT" else ""  # a SIGTERM's stop is kept
+        print(f"[raydiff] {name}: stopping after a final checkpoint{again}", flush=True)
+        flag.request.remote(name)
 
     def handler(signum, frame) -> None:
         name = signal.Signals(signum).name
+        if at_once and received["signal"]:
+            raise_interrupted(signal.Signals[received["signal"]].value, at_once["before_training"])
         if received["signal"] == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if received["signal"] is not None:  # the stop already asked for: nothing new to say
             return
         received["signal"] = name
-        again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""  # a SIGTERM's stop is kept
-        print(f"[raydiff] {name}: stopping after a final checkpoint{again}", flush=True)
         wake.set()
 
     forwarder = threading.Thread(target=forward, daemon=True, name="raydiff-stop")
