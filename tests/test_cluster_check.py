@@ -125,6 +125,10 @@ LAUNCHER_BROKEN = {
                               "docker.run_options: --gpus goes to every node"),
     "--gpus for the head": (lambda c: c["docker"].update(head_run_options=["--gpus all"]),
                             "docker.head_run_options: --gpus, but the head (ray.head.default) has no GPUs"),
+    "a docker section on the head's node type": (
+        lambda c: c["available_node_types"][HEAD].update(docker={"worker_run_options": ["--shm-size=1g"]}),
+        "available_node_types['ray.head.default'].docker: `ray up` starts the head with the global docker section "
+        "only"),
     "--gpus for the CPU workers": (
         lambda c: c["docker"].update(worker_run_options=["--gpus all"]),
         "docker.worker_run_options: --gpus for ray.worker.cpu, which has no GPUs"),

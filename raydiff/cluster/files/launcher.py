@@ -112,7 +112,11 @@ def _check_container_gpus(cfg: dict[str, Any]) -> None:
         raise ClusterFileError("docker.run_options: --gpus goes to every node, and the containers of nodes without "
                                "GPUs (the head, CPU workers) would not start: move it to the GPU node types' "
                                "docker: {worker_run_options: [--gpus all]}")
-    if asks(docker.get("head_run_options") or []):
+    if types[head].get("docker"):
+        raise ClusterFileError(f"{field_path(['available_node_types', head, 'docker'])}: `ray up` starts the head "
+                               f"with the global docker section only and ignores this one: use docker.head_image and "
+                               f"docker.head_run_options")
+    if asks(docker.get("head_run_options") or []) and not types[head]["resources"].get("GPU", 0) > 0:
         raise ClusterFileError(f"docker.head_run_options: --gpus, but the head ({head}) has no GPUs (its container "
                                f"would not start): remove it")
     for name, node_type in types.items():
