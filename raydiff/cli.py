@@ -45,8 +45,10 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
         if stopped is None:
             print("raydiff: interrupted", file=sys.stderr)
             return 130
+        note = f"; {stopped.note}" if stopped.note else ""
         print(f"raydiff: stopped by {stopped.signal} before training began; nothing was trained (the same command "
-              f"starts again)" if stopped.before_training else f"raydiff: stopped by {stopped.signal}", file=sys.stderr)
+              f"starts again)" if stopped.before_training else f"raydiff: stopped by {stopped.signal}{note}",
+              file=sys.stderr)
         return 128 + signal.Signals[stopped.signal].value
     finally:
         # Leave Ray at once (its exit hook would wait half a second first), where the command joined it.

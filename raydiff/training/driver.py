@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -47,13 +48,14 @@ from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.interrupts import interrupt_on_signals
 from raydiff.training.loop import train_worker
 from raydiff.training.lost_workers import LostWorkers, causes, hang_timeouts
-from raydiff.training.reservations import cancel_previous_reservation, requester_of
+from raydiff.training.reservations import cancel_previous_reservation, cancel_requests, requester_of
 from raydiff.training.resolve import resolve_run
 from raydiff.training.stop import (
     LEASE_LOST,
     ControllerState,
     StopFlag,
     beside_the_handlers,
+    stop_at_once,
     stop_on_signals,
     stop_reason,
 )
@@ -273,12 +275,16 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     lost: dict[int, BaseException] | None = None  # where workers failed (a WorkerGroupError): which, and how
     with stop_on_signals(stop_flag) as received:
         try:
-            result = beside_the_handlers(trainer.fit)
+            result = beside_the_handlers(trainer.fit, poll=lambda: stop_at_once(received))
             outcome: WorkerResult | None = result.return_value  # type: ignore[attr-defined]
             checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
         except ray.train.TrainingFailedError as exc:
             failed_because, outcome, checkpoint = str(exc).strip(), None, None
             lost = getattr(exc, "worker_failures", None)
+        except KeyboardInterrupt:  # stopped at once: the autoscaler would hold the run's request for minutes
+            with contextlib.suppress(Exception):
+                cancel_requests([requester])
+            raise
     error = failed_because.splitlines()[0] if failed_because else None
     if lost:  # Ray Train's first line is "Training failed due to worker errors:"; which, and how, is the news
         error = "; ".join(causes(lost, s.hang_timeout_s, nccl=nccl))

@@ -26,10 +26,11 @@ class Interrupted(KeyboardInterrupt):
     for that one only, and raises a plain KeyboardInterrupt in its place (`last_interrupt` keeps which signal it
     was). Cleanups in `finally` blocks still run."""
 
-    def __init__(self, signal_name: str, before_training: bool = True) -> None:
+    def __init__(self, signal_name: str, before_training: bool = True, note: str = "") -> None:
         super().__init__(signal_name)
         self.signal = signal_name
         self.before_training = before_training  # False: a command that does not train (evaluate, sample, ...)
+        self.note = note  # what the command's last line adds, after the signal
         self.at = time.monotonic()
 
 
@@ -41,14 +42,14 @@ def last_interrupt() -> Interrupted | None:
     return _raised[-1] if _raised else None
 
 
-def raise_interrupted(signum: int, before_training: bool) -> None:
+def raise_interrupted(signum: int, before_training: bool, note: str = "") -> None:
     """Raise `Interrupted` for signal `signum`, and keep it for `last_interrupt` (a signal handler's call). A SIGTERM
     within SAME_SIGTERM_S of the one that raised before is the same request (`timeout` sends two) and raises
     nothing: it would break into the cleanups that the first one set going (removing what was half written)."""
     name, last = signal.Signals(signum).name, last_interrupt()
     if name == "SIGTERM" and last is not None and last.signal == name and time.monotonic() - last.at < SAME_SIGTERM_S:
         return
-    interrupted = Interrupted(name, before_training)
+    interrupted = Interrupted(name, before_training, note)
     _raised[:] = [interrupted]
     raise interrupted
 

@@ -38,6 +38,7 @@ LEASE_LOST = "the run's lease was taken over"  # a stop that writes nothing more
 # Ray Train's controller states in which no worker group runs, so none could write a final checkpoint (None: the
 # controller has said nothing yet). PREEMPTING drains a group that may still write one; later states end the run.
 NO_WORKERS = frozenset({None, "INITIALIZING", "SCHEDULING", "RESCHEDULING", "RESTARTING", "RESIZING"})
+STATE_POLL_S = 1.0  # how often, once a stop is asked for, the driver looks whether a worker group still runs
 
 
 @ray.remote(num_cpus=0)
@@ -66,15 +67,20 @@ class StopFlag:
 
 
 class ControllerState(ControllerCallback):
-    """Tells the stop flag each state of Ray Train's controller (run in the controller's process): the driver asks
-    it when a stop comes, to tell a worker group that will see the flag from one that is not there."""
+    """Tells the stop flag each new state of Ray Train's controller (run in the controller's process): the driver
+    asks it once a stop comes, to tell a worker group that will see the flag from one that is not there."""
 
     def __init__(self, flag) -> None:
         self.flag = flag
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        # Ray calls this on every pass of its control loop, which spins while an elastic run waits for room: only
+        # a change is sent. Never raises: a raising hook fails the run.
         kind = getattr(current_state, "_state_type", None)  # Ray's; a release without it: the stop is as asked
-        self.flag.note_controller.remote(getattr(kind, "name", "unknown"))
+        if kind is None or kind is getattr(previous_state, "_state_type", None):
+            return
+        with contextlib.suppress(Exception):
+            self.flag.note_controller.remote(kind.name)
 
 
 def stop_reason(flag) -> str | None:
@@ -87,46 +93,47 @@ def stop_reason(flag) -> str | None:
         return None
 
 
+def _workers(flag) -> tuple[str | None, bool]:
+    """The flag's (controller state, whether a group has run); ("unknown", True) where it does not answer."""
+    try:
+        return ray.get(flag.workers.remote(), timeout=5)
+    except Exception:  # the flag is gone or busy: the stop goes on as asked  # noqa: BLE001
+        return "unknown", True
+
+
 @contextlib.contextmanager
-def stop_on_signals(flag) -> Iterator[dict[str, str | None]]:
+def stop_on_signals(flag) -> Iterator[dict[str, Any]]:
     """While active, SIGTERM and the first SIGINT ask the run to stop with a final checkpoint (the yielded dict
-    gets the signal's name), or, while no worker group runs (`NO_WORKERS`), stop it at once (`Interrupted`); a
-    second SIGINT raises KeyboardInterrupt. Only in the main thread (a Tune trial runs elsewhere and is stopped
-    by Tune)."""
-    received: dict[str, str | None] = {"signal": None}
+    gets the signal's name, "signal"); a second SIGINT raises KeyboardInterrupt. While no worker group runs
+    (`NO_WORKERS`: when the signal comes, or later, a group lost before it wrote the checkpoint) the dict gets
+    "at_once" (whether that is before training), and `stop_at_once` raises in the main thread. Only in the main
+    thread (a Tune trial runs elsewhere and is stopped by Tune)."""
+    received: dict[str, Any] = {"signal": None, "at_once": None}
     if not in_main_thread():
         yield received
         return
-    wake = threading.Event()
-    at_once: dict[str, bool] = {}  # set by the forwarder: {"before_training": ...} when there is no group to stop
+    wake, closed = threading.Event(), threading.Event()
 
     def forward() -> None:  # Ray calls from a helper thread, not from inside the signal handler
         wake.wait()
         name = received["signal"]
-        if not name:
+        if not name or closed.is_set():
             return
-        try:
-            state, ran = ray.get(flag.workers.remote(), timeout=5)
-        except Exception:  # the flag is gone or busy: the stop goes on as asked  # noqa: BLE001
-            state, ran = "unknown", True
-        if state in NO_WORKERS:
-            scheduling = state in (None, "SCHEDULING", "RESCHEDULING")
-            waiting = "waits for room on the cluster" if scheduling else "restarts it"
-            print(f"[raydiff] {name}: no worker group runs (Ray Train {waiting}): nothing to checkpoint, stopping "
-                  f"at once", flush=True)
-            at_once["before_training"] = not ran
-            # A signal to the main thread itself: it wakes the main thread's wait (`beside_the_handlers`), and the
-            # handler below raises there.
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-            return
-        again = " (Ctrl-C again to stop at once)" if name == "SIGINT" else ""  # a SIGTERM's stop is kept
-        print(f"[raydiff] {name}: stopping after a final checkpoint{again}", flush=True)
-        flag.request.remote(name)
+        state, ran = _workers(flag)
+        if state not in NO_WORKERS:
+            again = " (Ctrl-C again to stop at once)" if name == "SIGINT" else ""  # a SIGTERM's stop is kept
+            print(f"[raydiff] {name}: stopping after a final checkpoint{again}", flush=True)
+            flag.request.remote(name)
+        while state not in NO_WORKERS:  # a group that goes (a preemption comes with a SIGTERM) writes nothing
+            if closed.wait(STATE_POLL_S):
+                return
+            state, ran = _workers(flag)
+        print(f"[raydiff] {name}: no worker group runs (Ray Train is waiting for room on the cluster for one, or "
+              f"restarting it): nothing to checkpoint, stopping at once", flush=True)
+        received["at_once"] = not ran
 
     def handler(signum, frame) -> None:
         name = signal.Signals(signum).name
-        if at_once and received["signal"]:
-            raise_interrupted(signal.Signals[received["signal"]].value, at_once["before_training"])
         if received["signal"] == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if received["signal"] is not None:  # the stop already asked for: nothing new to say
@@ -140,15 +147,27 @@ def stop_on_signals(flag) -> Iterator[dict[str, str | None]]:
         with signal_handlers({signal.SIGTERM: handler, signal.SIGINT: handler}):
             yield received
     finally:
+        closed.set()
         wake.set()
 
 
-def beside_the_handlers(call: Callable[[], T]) -> T:
+def stop_at_once(received: dict[str, Any]) -> None:
+    """In the main thread, within `stop_on_signals`: raise `Interrupted` where its watcher found no worker group
+    to stop (before training, or with the newest checkpoint to continue from)."""
+    if received["at_once"] is None:
+        return
+    note = "" if received["at_once"] else "no worker group was running: the same command continues from the newest " \
+                                           "checkpoint"
+    raise_interrupted(signal.Signals[received["signal"]].value, received["at_once"], note=note)
+
+
+def beside_the_handlers(call: Callable[[], T], poll: Callable[[], None] | None = None) -> T:
     """`call()`, run in a helper thread while the main thread waits, so that it cannot replace the main thread's
     signal handlers (only the main thread can install one). Ray Train's `fit()` installs a SIGINT handler of its
     own that aborts the run: the workers are killed without a final checkpoint and the command exits 1 with
     nothing printed. The main thread's wait is interrupted by signals, so raydiff's handlers still run, and a
-    second Ctrl-C still stops at once (the helper thread is a daemon: it does not hold the process)."""
+    second Ctrl-C still stops at once (the helper thread is a daemon: it does not hold the process). `poll`, called
+    in the main thread every STATE_POLL_S / 5 while it waits, may raise to stop waiting (`stop_at_once`)."""
     if not in_main_thread():
         return call()
     outcome: dict[str, Any] = {}
@@ -161,7 +180,10 @@ def beside_the_handlers(call: Callable[[], T]) -> T:
 
     helper = threading.Thread(target=run, daemon=True, name="raydiff-fit")
     helper.start()
-    helper.join()
+    while helper.is_alive():
+        helper.join(STATE_POLL_S / 5)
+        if poll is not None:
+            poll()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]

@@ -99,3 +99,45 @@ def test_a_call_beside_the_handlers_runs_off_the_main_thread_and_signals_still_r
     assert received["signal"] == "SIGINT" and flag.requests == ["SIGINT"]
     with pytest.raises(ZeroDivisionError):
         beside_the_handlers(lambda: 1 / 0)
+
+
+def test_a_worker_group_lost_after_the_stop_was_asked_for_stops_the_run_at_once(monkeypatch, capsys):
+    """A SIGTERM during training asks for a final checkpoint; if the group goes before it writes one (a preemption
+    often comes with the SIGTERM), Ray Train waits for room for another, which would never see the request: the
+    driver stops waiting at once, and says the newest checkpoint is where the same command continues."""
+    from raydiff.training import stop
+
+    states = iter([("RUNNING", True), ("RUNNING", True), ("RESTARTING", True)])
+    monkeypatch.setattr(stop, "_workers", lambda flag: next(states, ("SCHEDULING", True)))
+    monkeypatch.setattr(stop, "STATE_POLL_S", 0.05)
+    flag = RecordingFlag()
+
+    def fit() -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # Ray Train waiting for room
+        return "never"
+
+    with pytest.raises(Interrupted) as stopped, stop_on_signals(flag) as received:
+        beside_the_handlers(fit, poll=lambda: stop.stop_at_once(received))
+    assert flag.requests == ["SIGTERM"] and stopped.value.signal == "SIGTERM"
+    assert not stopped.value.before_training and "continues from the newest checkpoint" in stopped.value.note
+    assert capsys.readouterr().out.splitlines() == [
+        "[raydiff] SIGTERM: stopping after a final checkpoint",
+        "[raydiff] SIGTERM: no worker group runs (Ray Train is waiting for room on the cluster for one, or restarting "
+        "it): nothing to checkpoint, stopping at once"]
+
+
+def test_a_stop_before_any_worker_group_ran_is_at_once_and_before_training(monkeypatch):
+    from raydiff.training import stop
+
+    monkeypatch.setattr(stop, "_workers", lambda flag: ("SCHEDULING", False))
+    flag = RecordingFlag()
+
+    def fit() -> str:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+        return "never"
+
+    with pytest.raises(Interrupted) as stopped, stop_on_signals(flag) as received:
+        beside_the_handlers(fit, poll=lambda: stop.stop_at_once(received))
+    assert stopped.value.before_training and flag.requests == []  # no group to ask
