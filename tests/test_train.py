@@ -195,8 +195,8 @@ def test_a_stop_while_the_workers_wait_for_room_on_the_cluster_is_at_once(cluste
         "raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set", "scaling.num_workers=2",
         "--set", "scaling.cpus_per_worker=2", at="training on 2 CPU worker(s)", act=press_once_waiting)
     assert code == 128 + signal.SIGINT, output[-3000:]
-    assert ("[raydiff] SIGINT: no worker group runs (Ray Train is waiting for room on the cluster for one, or "
-            "restarting it): nothing to checkpoint, stopping at once") in output
+    assert ("[raydiff] SIGINT: no worker group runs (Ray Train is waiting for room on the cluster for one): "
+            "nothing to checkpoint, stopping at once") in output
     assert "stopping after a final checkpoint" not in output
     assert output.rstrip().splitlines()[-1] == ("raydiff: stopped by SIGINT before training began; nothing was "
                                                 "trained (the same command starts again)")

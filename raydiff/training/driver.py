@@ -55,6 +55,7 @@ from raydiff.training.stop import (
     ControllerState,
     StopFlag,
     beside_the_handlers,
+    end_controller,
     stop_at_once,
     stop_on_signals,
     stop_reason,
@@ -281,9 +282,10 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         except ray.train.TrainingFailedError as exc:
             failed_because, outcome, checkpoint = str(exc).strip(), None, None
             lost = getattr(exc, "worker_failures", None)
-        except KeyboardInterrupt:  # stopped at once: the autoscaler would hold the run's request for minutes
+        except KeyboardInterrupt:  # stopped at once: its controller, and the autoscaler's hold on its resources, too
+            end_controller(stop_flag)
             with contextlib.suppress(Exception):
-                cancel_requests([requester])
+                cancel_requests([requester], timeout_s=5)
             raise
     error = failed_because.splitlines()[0] if failed_because else None
     if lost:  # Ray Train's first line is "Training failed due to worker errors:"; which, and how, is the news

@@ -73,13 +73,13 @@ def note_trial_run(runs, requester: str) -> None:
     ray.get(runs.add.remote(requester, ray.get_runtime_context().get_actor_id()))
 
 
-def cancel_requests(requesters: list[str]) -> None:
+def cancel_requests(requesters: list[str], timeout_s: float = 30) -> None:
     """Cancel these requesters' reservations (a no-op for any already cancelled or expired)."""
     try:
         coordinator = ray.get_actor(*COORDINATOR)
     except ValueError:  # never created: nothing on this cluster reserves anything
         return
-    ray.get([coordinator.cancel_request.remote(requester_id=r) for r in requesters], timeout=30)
+    ray.get([coordinator.cancel_request.remote(requester_id=r) for r in requesters], timeout=timeout_s)
 
 
 def cluster_address() -> str:

@@ -39,6 +39,8 @@ LEASE_LOST = "the run's lease was taken over"  # a stop that writes nothing more
 # controller has said nothing yet). PREEMPTING drains a group that may still write one; later states end the run.
 NO_WORKERS = frozenset({None, "INITIALIZING", "SCHEDULING", "RESCHEDULING", "RESTARTING", "RESIZING"})
 STATE_POLL_S = 1.0  # how often, once a stop is asked for, the driver looks whether a worker group still runs
+_PLACING = {"SCHEDULING": "is waiting for room on the cluster for one", "RESCHEDULING": "is waiting for room on the "
+            "cluster for one", "RESTARTING": "is restarting it", "RESIZING": "is resizing it"}
 
 
 @ray.remote(num_cpus=0)
@@ -49,6 +51,7 @@ class StopFlag:
         self._reason: str | None = None
         self._controller: str | None = None  # Ray Train's controller's state, as it last said (`ControllerState`)
         self._ran = False  # whether a worker group has run in this fit (then a stop at once is not before training)
+        self._controller_actor: Any = None  # the controller itself, for the driver to end it when it stops at once
 
     def request(self, reason: str) -> None:
         if self._reason is None or reason == LEASE_LOST:
@@ -65,6 +68,12 @@ class StopFlag:
         """(the controller's state, whether a worker group has run)."""
         return self._controller, self._ran
 
+    def note_controller_actor(self, actor: Any) -> None:
+        self._controller_actor = actor
+
+    def controller_actor(self) -> Any:
+        return self._controller_actor
+
 
 class ControllerState(ControllerCallback):
     """Tells the stop flag each new state of Ray Train's controller (run in the controller's process): the driver
@@ -72,15 +81,31 @@ class ControllerState(ControllerCallback):
 
     def __init__(self, flag) -> None:
         self.flag = flag
+        self._sent: str | None = None
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        with contextlib.suppress(Exception):  # never raises: a raising hook fails the run
+            self.flag.note_controller_actor.remote(ray.get_runtime_context().current_actor)
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         # Ray calls this on every pass of its control loop, which spins while an elastic run waits for room: only
-        # a change is sent. Never raises: a raising hook fails the run.
-        kind = getattr(current_state, "_state_type", None)  # Ray's; a release without it: the stop is as asked
-        if kind is None or kind is getattr(previous_state, "_state_type", None):
+        # a change from what was sent last is sent (Ray may change the state without calling this, where another
+        # callback raised). A Ray release without `_state_type`: "unknown", and a stop is as asked.
+        name = getattr(getattr(current_state, "_state_type", None), "name", "unknown")
+        if name == self._sent:
             return
-        with contextlib.suppress(Exception):
-            self.flag.note_controller.remote(kind.name)
+        self._sent = name
+        with contextlib.suppress(Exception):  # never raises: a raising hook fails the run
+            self.flag.note_controller.remote(name)
+
+
+def end_controller(flag) -> None:
+    """End Ray Train's controller of a run stopped at once (best effort, in seconds): it would keep asking the
+    autoscaler for the run's resources until the job ends, and start a group if room came meanwhile."""
+    with contextlib.suppress(Exception):
+        actor = ray.get(flag.controller_actor.remote(), timeout=5)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
 
 
 def stop_reason(flag) -> str | None:
@@ -119,17 +144,18 @@ def stop_on_signals(flag) -> Iterator[dict[str, Any]]:
         name = received["signal"]
         if not name or closed.is_set():
             return
+        flag.request.remote(name)  # also for a group placed after all, before the command has ended
         state, ran = _workers(flag)
         if state not in NO_WORKERS:
             again = " (Ctrl-C again to stop at once)" if name == "SIGINT" else ""  # a SIGTERM's stop is kept
             print(f"[raydiff] {name}: stopping after a final checkpoint{again}", flush=True)
-            flag.request.remote(name)
         while state not in NO_WORKERS:  # a group that goes (a preemption comes with a SIGTERM) writes nothing
             if closed.wait(STATE_POLL_S):
                 return
             state, ran = _workers(flag)
-        print(f"[raydiff] {name}: no worker group runs (Ray Train is waiting for room on the cluster for one, or "
-              f"restarting it): nothing to checkpoint, stopping at once", flush=True)
+        placing = _PLACING.get(state or "", "is placing one")
+        print(f"[raydiff] {name}: no worker group runs (Ray Train {placing}): nothing to checkpoint, stopping at once",
+              flush=True)
         received["at_once"] = not ran
 
     def handler(signum, frame) -> None:
@@ -156,8 +182,8 @@ def stop_at_once(received: dict[str, Any]) -> None:
     to stop (before training, or with the newest checkpoint to continue from)."""
     if received["at_once"] is None:
         return
-    note = "" if received["at_once"] else "no worker group was running: the same command continues from the newest " \
-                                           "checkpoint"
+    note = "" if received["at_once"] else "no worker group was running: the same command continues the run, from " \
+                                           "its newest checkpoint"
     raise_interrupted(signal.Signals[received["signal"]].value, received["at_once"], note=note)
 
 
@@ -182,7 +208,7 @@ def beside_the_handlers(call: Callable[[], T], poll: Callable[[], None] | None =
     helper.start()
     while helper.is_alive():
         helper.join(STATE_POLL_S / 5)
-        if poll is not None:
+        if poll is not None and helper.is_alive():  # a result that came meanwhile stands
             poll()
     if "error" in outcome:
         raise outcome["error"]
