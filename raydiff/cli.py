@@ -18,7 +18,7 @@ from raydiff.config import ConfigError
 from raydiff.data.errors import DataError
 from raydiff.quality.errors import QualityError
 from raydiff.runs.errors import Unresumable
-from raydiff.storage.errors import StorageFailure, disk_failure
+from raydiff.storage.errors import StorageFailure, disk_failure, setting_with
 from raydiff.storage.rundir import RunInUse
 from raydiff.training.interrupts import Interrupted, last_interrupt, sigterm_raises
 from raydiff.training.sweep import TrialFailed
@@ -62,8 +62,8 @@ def refuse_empty(parser: argparse.ArgumentParser, name: str, value: str, allowed
     Path("") is ".", so an unset shell variable would write into the current folder (and `raydiff.sample` prune
     the samples there). `name` is the argument's ("--out", or "OUT" for a positional); `allowed` what it takes."""
     if not value.strip():
-        shown = f"{name} {value!r}" if name.startswith("-") else f"{name} = {value!r}"
-        parser.error(f"{shown}: must name {allowed} (an empty value would mean the current folder)")
+        parser.error(f"{setting_with(name, value)}: must name {allowed} (an empty value would mean the current "
+                     f"folder)")
 
 
 def exit_with(main: Callable[[list[str] | None], int]) -> NoReturn:

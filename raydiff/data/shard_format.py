@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction
 from raydiff.data.labels import LABEL_COLUMN, LabelPlan, missing_labels, resolve_classes
 from raydiff.storage.atomic import hidden_folder, publish_folder
+from raydiff.storage.errors import setting_with
 from raydiff.storage.fs import filesystem_for
 from raydiff.storage.rundir import RunInUse
 
@@ -87,7 +88,7 @@ def refuse_occupied(out: str, *, endpoint: str | None = None, name: str = "OUT")
     """`out`'s filesystem and path, where nothing is yet (or an empty folder); DataError where something is (a file,
     or a folder with anything in it). Every command that writes a new folder refuses an occupied one with this line;
     `name` is the argument that named `out` ("OUT", or an option such as "--out")."""
-    shown = f"{name} {out!r}" if name.startswith("-") else f"{name} = {out!r}"  # as `raydiff.cli.refuse_empty`
+    shown = setting_with(name, out)
     try:
         filesystem, root = filesystem_for(out, endpoint=endpoint)
     except ValueError as exc:

@@ -156,6 +156,12 @@ def _elsewhere(exc: BaseException) -> ElsewhereError | None:
     return None
 
 
+def setting_with(name: str, value: object) -> str:
+    """A command's argument and its value as its messages show them: `--out 'x'` for an option, `OUT = 'x'` for a
+    positional."""
+    return f"{name} {value!r}" if name.startswith("-") else f"{name} = {value!r}"
+
+
 @contextmanager
 def output_errors(setting: str, path: str | os.PathLike) -> Iterator[None]:
     """Raise the storage errors no retry can fix that the block meets writing a command's output `path` (chosen by
