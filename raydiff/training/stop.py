@@ -39,8 +39,9 @@ LEASE_LOST = "the run's lease was taken over"  # a stop that writes nothing more
 # controller has said nothing yet). PREEMPTING drains a group that may still write one; later states end the run.
 NO_WORKERS = frozenset({None, "INITIALIZING", "SCHEDULING", "RESCHEDULING", "RESTARTING", "RESIZING"})
 STATE_POLL_S = 1.0  # how often, once a stop is asked for, the driver looks whether a worker group still runs
-_PLACING = {"SCHEDULING": "is waiting for room on the cluster for one", "RESCHEDULING": "is waiting for room on the "
-            "cluster for one", "RESTARTING": "is restarting it", "RESIZING": "is resizing it"}
+_WAITING = "is waiting for room on the cluster for one"
+_PLACING = {"SCHEDULING": _WAITING, "RESCHEDULING": _WAITING, "RESTARTING": "is restarting it",
+            "RESIZING": "is resizing it"}
 
 
 @ray.remote(num_cpus=0)
@@ -99,31 +100,33 @@ class ControllerState(ControllerCallback):
             self.flag.note_controller.remote(name)
 
 
+def _ask(flag, method: str, default: T) -> T:
+    """What the stop flag's `method` answers, or `default` where the flag does not answer in seconds (the driver is
+    gone, its job ends anyway, or it is busy): whoever asks goes on as it would without an answer."""
+    try:
+        return ray.get(getattr(flag, method).remote(), timeout=5)
+    except Exception:  # noqa: BLE001
+        return default
+
+
 def end_controller(flag) -> None:
     """End Ray Train's controller of a run stopped at once (best effort, in seconds): it would keep asking the
     autoscaler for the run's resources until the job ends, and start a group if room came meanwhile."""
-    with contextlib.suppress(Exception):
-        actor = ray.get(flag.controller_actor.remote(), timeout=5)
-        if actor is not None:
+    actor = _ask(flag, "controller_actor", None)
+    if actor is not None:
+        with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
 
 
 def stop_reason(flag) -> str | None:
-    """The stop request the driver received, or None (also when the flag cannot be reached)."""
-    if flag is None:
-        return None
-    try:
-        return ray.get(flag.reason.remote(), timeout=5)
-    except Exception:  # the driver is gone (its job ends anyway) or busy: keep training  # noqa: BLE001
-        return None
+    """The stop request the driver received, or None (also when the flag cannot be reached: keep training)."""
+    return None if flag is None else _ask(flag, "reason", None)
 
 
 def _workers(flag) -> tuple[str | None, bool]:
-    """The flag's (controller state, whether a group has run); ("unknown", True) where it does not answer."""
-    try:
-        return ray.get(flag.workers.remote(), timeout=5)
-    except Exception:  # the flag is gone or busy: the stop goes on as asked  # noqa: BLE001
-        return "unknown", True
+    """The flag's (controller state, whether a group has run); ("unknown", True) where it does not answer: the stop
+    goes on as asked."""
+    return _ask(flag, "workers", ("unknown", True))
 
 
 @contextlib.contextmanager
