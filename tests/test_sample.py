@@ -135,34 +135,33 @@ def test_an_eta_outside_0_to_1_is_refused_before_reading_the_checkpoint(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def _refused_before_sampling(runs, out: str, capsys) -> str:
+    """Sample one image into `out`, which must be refused (exit 2) before any sampling; the error's last line."""
+    with pytest.raises(SystemExit) as caught:
+        sample.main(["--checkpoint", str(runs / "unconditional"), "--num", "1", "--sampler", "ddim", "--steps", "2",
+                     "--out", out])
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert "sampling" not in captured.out
+    return captured.err.splitlines()[-1]
+
+
 @pytest.mark.parametrize("out", ["", "  "])
 def test_an_empty_out_is_refused_and_the_current_folder_is_left_alone(runs, tmp_path, monkeypatch, capsys, out):
     # Path("") is "." (an unset shell variable): the samples went into the current folder, and its own
     # sample_NNNNN.png from --num up were removed.
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sample_00001.png").write_bytes(b"mine")
-    with pytest.raises(SystemExit) as caught:
-        sample.main(["--checkpoint", str(runs / "unconditional"), "--num", "1", "--sampler", "ddim", "--steps", "2",
-                     "--out", out])
-    assert caught.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.err.splitlines()[-1] == (f"python -m raydiff.sample: error: --out {out!r}: must name a grid "
-                                             f"image (.png, .jpg, .jpeg, .webp) or a folder (an empty value would "
-                                             f"mean the current folder)")
-    assert "sampling" not in captured.out
+    assert _refused_before_sampling(runs, out, capsys) == (
+        f"python -m raydiff.sample: error: --out {out!r}: must name a grid image (.png, .jpg, .jpeg, .webp) or a "
+        f"folder (an empty value would mean the current folder)")
     assert [p.name for p in tmp_path.iterdir()] == ["sample_00001.png"]
 
 
 def test_a_grid_name_that_is_a_folder_is_refused_before_sampling(runs, tmp_path, capsys):
     # The folder was found only when the grid was renamed onto it, after all the sampling: a traceback.
     (tmp_path / "adir.png").mkdir()
-    with pytest.raises(SystemExit) as caught:
-        sample.main(["--checkpoint", str(runs / "unconditional"), "--num", "1", "--sampler", "ddim", "--steps", "2",
-                     "--out", str(tmp_path / "adir.png")])
-    assert caught.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.err.splitlines()[-1] == (f"python -m raydiff.sample: error: --out {tmp_path / 'adir.png'}: is a "
-                                             f"folder; a name ending in .png is written as one grid image file (a "
-                                             f"folder of samples takes a name without it)")
-    assert "sampling" not in captured.out
+    assert _refused_before_sampling(runs, str(tmp_path / "adir.png"), capsys) == (
+        f"python -m raydiff.sample: error: --out {tmp_path / 'adir.png'}: is a folder; a name ending in .png is "
+        f"written as one grid image file (a folder of samples takes a name without it)")
     assert list((tmp_path / "adir.png").iterdir()) == []
