@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "raydiff"
 LIBRARY = ("raydiff.storage", "raydiff.seeds", "raydiff.config", "raydiff.cluster", "raydiff.model", "raydiff.data",
            "raydiff.quality", "raydiff.runs", "raydiff.training")
@@ -157,6 +159,16 @@ def test_no_library_module_imports_a_command():
     assert library and not set(library) & cmds
     wrong = {name: sorted(graph[name] & cmds) for name in library if graph[name] & cmds}
     assert wrong == {}
+
+
+def test_the_wheel_ships_every_package():
+    """pyproject.toml names raydiff's packages one by one: a folder left out installs in editable mode (the tests')
+    and is missing from a wheel (a cluster image's `pip install`), where importing it fails."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert "raydiff.cluster.files" in folders
+    assert folders - listed == set()
 
 
 def test_the_checks_see_what_they_look_for(tmp_path):
