@@ -42,7 +42,7 @@ from raydiff.storage.errors import (
     permanent_reason_in,
     storage_failure,
 )
-from raydiff.storage.lease import hold, this_process
+from raydiff.storage.lease import Lease, hold, this_process
 from raydiff.storage.rundir import RunDir, RunInUse, unwritable
 from raydiff.training.in_run_quality import InRunQuality
 from raydiff.training.interrupts import interrupt_on_signals
@@ -163,14 +163,15 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
         stop_flag = StopFlag.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
         lease.on_lost = lambda: stop_flag.request.remote(LEASE_LOST)  # at once, if it was lost already
-        return _train(cfg, run_dir, plan, source, identity, init, lease.holder, stop_flag, started,
+        return _train(cfg, run_dir, plan, source, identity, init, lease, stop_flag, started,
                       images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
 def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[str, Any],
-           init: InitWeights | None, driver: dict[str, Any], stop_flag, started: float, *, images, cpus, callbacks,
+           init: InitWeights | None, lease: Lease, stop_flag, started: float, *, images, cpus, callbacks,
            note_run) -> dict[str, Any]:
     """run_training, once the run directory is held: decode, train, summarise."""
+    driver = lease.holder
     invocation = driver["invocation"]
     # Decide for the nodes the run will train on: on an autoscaling cluster, the first of them may still be to come.
     joined = wait_for_worker_node(requested.scaling.use_gpu, requested.scaling.node_wait_s)
@@ -274,15 +275,22 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         note_run(requester)
     failed_because: str | None = None  # all that Ray Train said: the first line names the kind, the rest the cause
     lost: dict[int, BaseException] | None = None  # where workers failed (a WorkerGroupError): which, and how
-    with stop_on_signals(stop_flag) as received:
+    with stop_on_signals(stop_flag, lease) as received:
+        def stop_now() -> None:  # while fit runs, in the main thread
+            if received["at_once"] is not None and received["lease_lost"]:
+                raise RunInUse(_taken_over(run_dir, "while no worker group of this one ran: stopped without "
+                                                    "writing more"))
+            stop_at_once(received)
+
         try:
-            result = beside_the_handlers(trainer.fit, poll=lambda: stop_at_once(received))
+            result = beside_the_handlers(trainer.fit, poll=stop_now)
             outcome: WorkerResult | None = result.return_value  # type: ignore[attr-defined]
             checkpoint = str(run_dir / PurePosixPath(result.checkpoint.path).name) if result.checkpoint else None
         except ray.train.TrainingFailedError as exc:
             failed_because, outcome, checkpoint = str(exc).strip(), None, None
             lost = getattr(exc, "worker_failures", None)
-        except KeyboardInterrupt:  # stopped at once: its controller, and the autoscaler's hold on its resources, too
+        except (KeyboardInterrupt, RunInUse):  # stopped at once: its controller and the autoscaler's hold on its
+            # resources, too
             end_controller(stop_flag)
             with contextlib.suppress(Exception):
                 cancel_requests([requester], timeout_s=5)
@@ -297,9 +305,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     if outcome is not None and outcome.status == WorkerStatus.LEASE_LOST:  # the run is another driver's: no summary
         raise RunInUse(outcome.diagnostic)
     if stop_reason(stop_flag) == LEASE_LOST:  # lost after the workers' last check: no summary either
-        raise RunInUse(f"another raydiff run took over the run directory {run_dir} (this one's lease was not "
-                       f"renewed within run.lease_stale_s) as this one ended: its summary was not written; the "
-                       f"other run continues it")
+        raise RunInUse(_taken_over(run_dir, "as this one ended: its summary was not written"))
     failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"
@@ -319,6 +325,11 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         dashboards.summary(summary)
         dashboards.close()
     return {**summary, "signal": received["signal"]}
+
+
+def _taken_over(run_dir: RunDir, when: str) -> str:
+    return (f"another raydiff run took over the run directory {run_dir} (this one's lease was not renewed within "
+            f"run.lease_stale_s) {when}; the other run continues it")
 
 
 def with_held_out(cfg: Config, images: RunImages) -> RunImages:

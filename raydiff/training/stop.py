@@ -5,7 +5,8 @@ During training the driver's signal handler raises a flag in a small Ray actor; 
 steps (rank 0 asks, all ranks agree through an all-reduce), write a checkpoint, and return. A second Ctrl-C
 interrupts at once. While no worker group runs (Ray Train's controller waits for room on the cluster for it,
 or restarts it after a failure or a resize), no worker would look at the flag until there is room, which on
-an autoscaling cluster may be never: the stop is at once then (the controller tells the flag its state).
+an autoscaling cluster may be never: the stop is at once then (the controller tells the flag its state). A run
+whose lease another driver took over stops the same way, writing nothing more.
 Ray Train's `fit()`, called in the main thread, would replace the SIGINT handler with its own, which aborts the
 run without a checkpoint: `beside_the_handlers` calls it from a helper thread instead.
 
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from raydiff.storage.lease import Lease
 from raydiff.training.interrupts import SAME_SIGTERM_S, in_main_thread, raise_interrupted, signal_handlers
 
 logger = logging.getLogger("raydiff")
@@ -130,13 +132,15 @@ def _workers(flag) -> tuple[str | None, bool]:
 
 
 @contextlib.contextmanager
-def stop_on_signals(flag) -> Iterator[dict[str, Any]]:
+def stop_on_signals(flag, lease: Lease | None = None) -> Iterator[dict[str, Any]]:
     """While active, SIGTERM and the first SIGINT ask the run to stop with a final checkpoint (the yielded dict
     gets the signal's name, "signal"); a second SIGINT raises KeyboardInterrupt. While no worker group runs
     (`NO_WORKERS`: when the signal comes, or later, a group lost before it wrote the checkpoint) the dict gets
-    "at_once" (whether that is before training), and `stop_at_once` raises in the main thread. Only in the main
-    thread (a Tune trial runs elsewhere and is stopped by Tune)."""
-    received: dict[str, Any] = {"signal": None, "at_once": None}
+    "at_once" (whether that is before training), and `stop_at_once` raises in the main thread. The loss of `lease`
+    (another driver took the run over, now or before) is such a stop too, without a checkpoint: the workers stop
+    at their next look at the flag, and while none runs, at once ("lease_lost"). Only in the main thread (a Tune
+    trial runs elsewhere and is stopped by Tune)."""
+    received: dict[str, Any] = {"signal": None, "at_once": None, "lease_lost": False}
     if not in_main_thread():
         yield received
         return
@@ -145,11 +149,12 @@ def stop_on_signals(flag) -> Iterator[dict[str, Any]]:
     def forward() -> None:  # Ray calls from a helper thread, not from inside the signal handler
         wake.wait()
         name = received["signal"]
-        if not name or closed.is_set():
+        if closed.is_set():
             return
-        flag.request.remote(name)  # also for a group placed after all, before the command has ended
+        if name:
+            flag.request.remote(name)  # also for a group placed after all, before the command has ended
         state, ran = _workers(flag)
-        if state not in NO_WORKERS:
+        if name and not received["lease_lost"] and state not in NO_WORKERS:
             again = " (Ctrl-C again to stop at once)" if name == "SIGINT" else ""  # a SIGTERM's stop is kept
             print(f"[raydiff] {name}: stopping after a final checkpoint{again}", flush=True)
         while state not in NO_WORKERS:  # a group that goes (a preemption comes with a SIGTERM) writes nothing
@@ -157,8 +162,9 @@ def stop_on_signals(flag) -> Iterator[dict[str, Any]]:
                 return
             state, ran = _workers(flag)
         placing = _PLACING.get(state or "", "is placing one")
-        print(f"[raydiff] {name}: no worker group runs (Ray Train {placing}): nothing to checkpoint, stopping at once",
-              flush=True)
+        why = "the run's lease was taken over" if received["lease_lost"] else name
+        said = "stopping at once" if received["lease_lost"] else "nothing to checkpoint, stopping at once"
+        print(f"[raydiff] {why}: no worker group runs (Ray Train {placing}): {said}", flush=True)
         received["at_once"] = not ran
 
     def handler(signum, frame) -> None:
@@ -170,8 +176,15 @@ def stop_on_signals(flag) -> Iterator[dict[str, Any]]:
         received["signal"] = name
         wake.set()
 
+    def lost() -> None:  # from the lease's heartbeat thread, or as it is set where it was lost before
+        flag.request.remote(LEASE_LOST)
+        received["lease_lost"] = True
+        wake.set()
+
     forwarder = threading.Thread(target=forward, daemon=True, name="raydiff-stop")
     forwarder.start()
+    if lease is not None:
+        lease.on_lost = lost  # it still tells the flag after the block (the driver asks it then)
     try:
         with signal_handlers({signal.SIGTERM: handler, signal.SIGINT: handler}):
             yield received
@@ -182,8 +195,9 @@ def stop_on_signals(flag) -> Iterator[dict[str, Any]]:
 
 def stop_at_once(received: dict[str, Any]) -> None:
     """In the main thread, within `stop_on_signals`: raise `Interrupted` where its watcher found no worker group
-    to stop (before training, or with the newest checkpoint to continue from)."""
-    if received["at_once"] is None:
+    to stop (before training, or with the newest checkpoint to continue from). A lost lease is the caller's to
+    raise (`received["lease_lost"]`): it names the run."""
+    if received["at_once"] is None or received["lease_lost"]:
         return
     note = "" if received["at_once"] else "no worker group was running: the same command continues the run, from " \
                                            "its newest checkpoint"

@@ -10,6 +10,8 @@ import contextlib
 import json
 import re
 import subprocess
+import threading
+import time
 
 import pytest
 import torch
@@ -191,4 +193,41 @@ def test_a_run_whose_lease_another_run_took_over_stops_without_writing_more(clus
                         r"writing more; the other run continues it", line), line
     written = {entry["Key"] for entry in client.list_objects_v2(Bucket="taken").get("Contents", [])}
     assert not any("checkpoint_" in k or k.endswith(("summary.json", "metrics.jsonl")) for k in written), written
+    assert "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.ray
+def test_a_run_whose_lease_is_taken_over_while_it_waits_for_room_stops_at_once(cluster, s3_server):
+    """Taken over while Ray Train waits for room for the workers (two of 2 CPUs each on this 2-CPU cluster; on an
+    autoscaling one, GPU nodes that have not come): no worker would look at the stop flag before there is room,
+    which may be never, so the driver stops at once, in one line, exit 2, writing nothing into the run."""
+    from raydiff.storage.lease import lease_of
+    from raydiff.storage.rundir import RunDir
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="waiting")
+    key = lease_of(RunDir("s3://waiting/runs/smoke", endpoint=endpoint)).uri.removeprefix("s3://waiting/")
+
+    def take_over(proc) -> None:
+        time.sleep(10)  # Ray Train's controller is scheduling the group by now
+        client.put_object(Bucket="waiting", Key=key, Body=json.dumps({"holder": {"host": "elsewhere", "pid": 1},
+                                                                       "lease": "another run's"}))
+        kill = threading.Timer(90, proc.kill)  # a run that waited for room would wait for good
+        kill.daemon = True
+        kill.start()
+
+    code, output = run_cli_acting(
+        "raydiff.train", "--config", "smoke", "--set", "scaling.num_workers=2", "--set", "scaling.cpus_per_worker=2",
+        "--set", "run.storage=s3://waiting/runs", "--set", f"run.endpoint={endpoint}", "--set", "run.lease_stale_s=4",
+        at="training on 2 CPU worker(s)", act=take_over)
+    assert code == 2, output[-3000:]
+    assert ("[raydiff] the run's lease was taken over: no worker group runs (Ray Train is waiting for room on the "
+            "cluster for one): stopping at once") in output
+    [line] = [line for line in output.splitlines() if line.startswith("raydiff:")]
+    assert line == ("raydiff: error: another raydiff run took over the run directory s3://waiting/runs/smoke (this "
+                    "one's lease was not renewed within run.lease_stale_s) while no worker group of this one ran: "
+                    "stopped without writing more; the other run continues it")
+    written = {entry["Key"] for entry in client.list_objects_v2(Bucket="waiting").get("Contents", [])}
+    # The other run's lease and Ray Train's storage check alone: no records, checkpoint, metrics or summary.
+    assert {k for k in written if not k.endswith("/")} == {key, "runs/smoke/.validate_storage_marker"}, written
     assert "Traceback" not in output, output[-3000:]

@@ -14,8 +14,17 @@ import time
 
 import pytest
 
+from raydiff.storage.lease import Lease
+from raydiff.storage.rundir import RunInUse
 from raydiff.training.interrupts import Interrupted, interrupt_on_signals
-from raydiff.training.stop import SAME_SIGTERM_S, beside_the_handlers, noting_tune_interrupt, stop_on_signals
+from raydiff.training.stop import (
+    LEASE_LOST,
+    SAME_SIGTERM_S,
+    beside_the_handlers,
+    noting_tune_interrupt,
+    stop_at_once,
+    stop_on_signals,
+)
 
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                                 reason="signal handlers live in the main thread")
@@ -141,3 +150,47 @@ def test_a_stop_before_any_worker_group_ran_is_at_once_and_before_training(monke
     with pytest.raises(Interrupted) as stopped, stop_on_signals(flag) as received:
         beside_the_handlers(fit, poll=lambda: stop.stop_at_once(received))
     assert stopped.value.before_training and flag.requests == ["SIGINT"]  # for a group placed all the same
+
+
+def _as_the_driver_polls(received) -> None:
+    """The driver's poll while fit runs: a lost lease it raises itself, naming the run; `stop_at_once` does not."""
+    stop_at_once(received)
+    if received["at_once"] is not None and received["lease_lost"]:
+        raise RunInUse("taken over")
+
+
+def test_a_lease_lost_while_no_worker_group_runs_stops_the_run_at_once(monkeypatch, capsys):
+    """Another driver took the run over while Ray Train waited for room for the workers: none would look at the
+    flag before there is room, so the driver stops at once, without a checkpoint or a signal's exit."""
+    from raydiff.training import stop
+
+    monkeypatch.setattr(stop, "_workers", lambda flag: ("SCHEDULING", True))
+    flag, lease = RecordingFlag(), Lease(store=None, holder={})  # type: ignore[arg-type]  # never renewed here
+
+    def fit() -> str:
+        lease.lose()  # the heartbeat thread's call
+        time.sleep(30)  # Ray Train waiting for room
+        return "never"
+
+    with pytest.raises(RunInUse), stop_on_signals(flag, lease) as received:
+        beside_the_handlers(fit, poll=lambda: _as_the_driver_polls(received))
+    assert flag.requests == [LEASE_LOST] and received["lease_lost"] and received["signal"] is None
+    assert capsys.readouterr().out.splitlines() == [
+        "[raydiff] the run's lease was taken over: no worker group runs (Ray Train is waiting for room on the cluster "
+        "for one): stopping at once"]
+
+
+def test_a_lease_lost_before_training_reaches_the_workers_who_stop_themselves(monkeypatch, capsys):
+    """Lost while the driver decoded the data: the flag is told as the stop watch begins, and a group that runs
+    stops at its next look at it (the driver then refuses to write a summary), so nothing stops at once."""
+    from raydiff.training import stop
+
+    monkeypatch.setattr(stop, "_workers", lambda flag: ("RUNNING", True))
+    monkeypatch.setattr(stop, "STATE_POLL_S", 0.05)
+    flag, lease = RecordingFlag(), Lease(store=None, holder={})  # type: ignore[arg-type]
+    lease.lose()
+    with stop_on_signals(flag, lease) as received:
+        assert beside_the_handlers(lambda: time.sleep(0.5) or "returned",
+                                   poll=lambda: _as_the_driver_polls(received)) == "returned"
+    assert flag.requests == [LEASE_LOST] and received["lease_lost"] and received["at_once"] is None
+    assert capsys.readouterr().out == ""
