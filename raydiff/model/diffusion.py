@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from raydiff.config.schema import Sampler
@@ -182,14 +183,15 @@ class GaussianDiffusion:
 
     # Sampling.
     def sample_timesteps(self, steps: int | None) -> list[int]:
-        """Decreasing timesteps to visit: all T, or `steps` evenly spaced ones from T-1 down to 0 (respacing)."""
+        """Decreasing timesteps to visit: all T, or `steps` evenly spaced ones from T-1 down to 0 (respacing), rounded
+        as diffusers' "linspace" spacing rounds them (numpy's linspace, whose last bits decide some halves)."""
         if steps is None or steps >= self.timesteps:
             return list(range(self.timesteps - 1, -1, -1))
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         if steps == 1:
             return [self.timesteps - 1]  # a single step still has to start from pure noise
-        return sorted({round(i * (self.timesteps - 1) / (steps - 1)) for i in range(steps)}, reverse=True)
+        return [int(t) for t in np.linspace(0, self.timesteps - 1, steps).round()[::-1]]
 
     def _step_coefs(self, t: torch.Tensor, t_prev: torch.Tensor, eta: float) -> dict[str, torch.Tensor]:
         """Float64 coefficients of the steps t -> t_prev (CPU long tensors; t_prev = -1 means alpha_bar = 1)."""

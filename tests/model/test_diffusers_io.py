@@ -346,13 +346,15 @@ LINEAR_T = "an int from 21 to 100000 (the linear schedule's largest beta, 20/T, 
     ("prediction_type", None, '"epsilon", "v_prediction" or "sample"'),
     ("beta_start", "0.0001", "a number"),
     ("beta_end", None, "a number"),
+    ("rescale_betas_zero_snr", True, "false (its schedules keep some signal at T-1, no zero terminal SNR)"),
 ], ids=["timesteps a string", "timesteps null", "timesteps 0", "timesteps a fraction", "timesteps true",
         "schedule a number", "schedule a list", "prediction a list", "prediction null", "beta_start a string",
-        "beta_end null"])
+        "beta_end null", "zero terminal SNR"])
 def test_a_scheduler_value_of_another_kind_is_refused_naming_the_file_key_value_and_what_is_allowed(
         tmp_path, capsys, key, value, allowed):
     """raydiff.sample --checkpoint DIR met a TypeError's (a string or null divided, a list hashed) or a
-    ZeroDivisionError's traceback; the rest named the flag, not the file."""
+    ZeroDivisionError's traceback; the rest named the flag, not the file. A zero-terminal-SNR rescale was taken
+    silently, and sampled off the schedule the model was trained on."""
     cfg = load_config("smoke", check_source=False)
     folder = tmp_path / "pipeline"
     diffusers_folder.save_pipeline_folder(folder, {"config": cfg.to_dict(), "ema": build_model(cfg).state_dict(),

@@ -99,6 +99,20 @@ def test_respaced_timesteps():
         assert len(steps) == n and steps[0] == 999 and steps[-1] == 0 and steps == sorted(set(steps), reverse=True)
 
 
+@pytest.mark.parametrize("timesteps", [1000, 250])
+def test_respaced_timesteps_are_diffusers_linspace_ones_at_every_step_count(timesteps):
+    """The exported scheduler (`timestep_spacing: linspace`) visits the same timesteps as raydiff at any number of
+    steps: rounding i (T-1) / (n-1) exactly would differ by one where numpy's linspace lands a hair off a half
+    (T=1000: at 92 step counts, 27 among them)."""
+    from diffusers import DDPMScheduler
+
+    d = GaussianDiffusion(schedule="linear", timesteps=timesteps, prediction="eps")
+    scheduler = DDPMScheduler(num_train_timesteps=timesteps, timestep_spacing="linspace")
+    for n in range(2, timesteps + 1):
+        scheduler.set_timesteps(n)
+        assert d.sample_timesteps(n) == scheduler.timesteps.tolist(), n
+
+
 @pytest.mark.parametrize("sampler, eta", [("ddpm", 0.0), ("ddim", 0.0), ("ddim", 1.0)])
 def test_samplers_recover_a_single_point_dataset(sampler, eta):
     """With an oracle denoiser for a one-image dataset, every sampler must end exactly on that image."""
