@@ -167,7 +167,8 @@ def solve_coefficients(in_steps: Sequence[int], in_sigma_rels: Sequence[float], 
 
 class PowerEma:
     """The power-function averages that training tracks, one fp32 copy of the model per sigma_rel, updated once
-    per optimizer step (skipped steps leave them as they were, as the classic EMA)."""
+    per optimizer step, a skipped one too (its unchanged weights): the rebuild takes each average's profile to be
+    t^gamma over every step, and an average that skipped steps would have another one."""
 
     def __init__(self, model: nn.Module, sigma_rels: Sequence[float], *, staged_by: EmaUpdater | None = None) -> None:
         self.sigma_rels = tuple(float(s) for s in sigma_rels)
@@ -178,10 +179,10 @@ class PowerEma:
         first = EmaUpdater(self.profiles[0], model, staged_by=staged_by)
         self._updates = [first] + [EmaUpdater(profile, model, staged_by=first) for profile in self.profiles[1:]]
 
-    def __call__(self, step: int, finite: torch.Tensor | None = None) -> None:
+    def __call__(self, step: int) -> None:
         """The update of optimizer step `step` (counted from 1)."""
         for exponent, update in zip(self.exponents, self._updates, strict=True):
-            update(power_decay(step, exponent), finite)
+            update(power_decay(step, exponent))
 
     def state_dict(self) -> dict:
         return {"sigma_rels": list(self.sigma_rels), "profiles": [p.state_dict() for p in self.profiles]}

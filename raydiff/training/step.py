@@ -182,12 +182,12 @@ def optimizer_step(s: StepParts, batches: list[MicroBatch], *, lr: float, ema: E
     else:
         s.optimizer.zero_grad(set_to_none=not stable_grads)
 
-    # Update the EMA (and the post-hoc averages), once per optimizer step, on every worker (not at all after a
-    # skipped step).
+    # Update the EMA, once per optimizer step, on every worker (not at all after a skipped step), and the post-hoc
+    # averages (after a skipped step too, with its unchanged weights: their profile counts every step).
     if ema is not None:
         ema(ema_decay, finite)
     if posthoc is not None:
-        posthoc(step, finite)
+        posthoc(step)
     return StepResult(finite, grad_norm, loss_sum, samples, quarter_sums, images, timesteps, losses)
 
 

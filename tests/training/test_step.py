@@ -16,7 +16,7 @@ from raydiff.data.loader import MicroBatch
 from raydiff.data.noise import position_noise
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.unet import build_model
-from raydiff.model.weight_averages import EmaUpdater, make_ema
+from raydiff.model.weight_averages import EmaUpdater, PowerEma, exponent_of, make_ema
 from raydiff.training import speed
 from raydiff.training.flat_allreduce import FlatGradients
 from raydiff.training.speed import compiled, for_training, plan_speed, set_compile_threads, unwrap
@@ -157,6 +157,26 @@ class _HugeGradients(torch.nn.Module):
 
     def forward(self, images, flips, timesteps, noise, labels=None):
         return self.w.sum() * 5e17 * images.float().mean(dim=(1, 2, 3)) + 0 * noise.sum()
+
+
+def test_a_skipped_step_still_counts_in_the_post_hoc_averages():
+    """The post-hoc averages take a skipped step's unchanged weights in: their rebuild (`raydiff.ema`) holds each
+    to the power-function profile t^gamma over every step, which an average that left steps out would not have."""
+    inputs, _, ema_update = _setup()
+    model = unwrap(inputs.loss).model
+    tracker = PowerEma(model, [0.05], staged_by=ema_update)
+    seen = []
+    steps, skipped = range(1, 31), (20, 21)  # skipped late: early in a run the average is the newest weights
+    for step in steps:
+        result = optimizer_step(inputs, _batches(step), lr=1e-2, ema=ema_update, ema_decay=0.5, posthoc=tracker,
+                                step=step, fault=(lambda batch: True) if step in skipped else None)
+        assert bool(result.finite) == (step not in skipped)
+        seen.append(model.conv_in.weight.detach().double().clone())
+    assert torch.equal(seen[18], seen[20]) and not torch.equal(seen[17], seen[18])  # skipped steps changed nothing
+    g = exponent_of(0.05)
+    shares = [(i ** (g + 1) - (i - 1) ** (g + 1)) / len(steps) ** (g + 1) for i in steps]
+    expected = sum(share * weights for share, weights in zip(shares, seen, strict=True))
+    torch.testing.assert_close(tracker.profiles[0].conv_in.weight.double(), expected, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("fp16", [False, True])
