@@ -7,7 +7,9 @@ state that `raydiff.sample`, `raydiff.evaluate` and `raydiff.export` take live h
 A snapshot is `ema_snapshots/step_<step>.pt` (torch.save, read with `weights_only=True`): every tracked average
 at that step, with the run's config (and classes). Snapshots are written whole and atomically by rank 0's
 background writer; a run that resumes replays the steps after its checkpoint bit for bit, so a snapshot written
-again is the same file.
+again is the same file. The snapshots after the step a run continues from (a resume, a rollback) are removed as
+it continues: they are of work it takes again (differently after a resize or a rollback) or, with a smaller
+`train.total_steps`, not at all, and a rebuild would mix them with its own.
 """
 
 from __future__ import annotations
@@ -77,6 +79,14 @@ def list_snapshots(run_dir: RunDir) -> list[int]:
     """The steps of the run's snapshots, in order."""
     names = (run_dir / SNAPSHOT_DIR).files("step_")
     return sorted(int(m.group(1)) for m in map(_NAME.search, names) if m)
+
+
+def remove_snapshots_after(run_dir: RunDir, step: int) -> list[int]:
+    """Remove the snapshots of steps after `step`; their steps."""
+    later = [s for s in list_snapshots(run_dir) if s > step]
+    for s in later:
+        run_dir.remove(snapshot_name(s))
+    return later
 
 
 def read_snapshot(run_dir: RunDir, step: int) -> dict[str, Any]:

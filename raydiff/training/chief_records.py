@@ -20,7 +20,13 @@ import torch
 from raydiff.config.learning_rate import describe_lr
 from raydiff.data.order import rank_share
 from raydiff.runs.dashboards import Dashboards
-from raydiff.runs.ema_snapshots import describe_snapshots, snapshot_bytes, snapshot_name
+from raydiff.runs.ema_snapshots import (
+    SNAPSHOT_DIR,
+    describe_snapshots,
+    remove_snapshots_after,
+    snapshot_bytes,
+    snapshot_name,
+)
 from raydiff.runs.images import grid_png, image_labels
 from raydiff.runs.runlog import progress_line
 from raydiff.runs.state import Progress
@@ -41,6 +47,7 @@ def record_start(w: Worker, args: WorkerArgs, progress: Progress) -> None:
         w.run_dir.write_text(name, text)
     if w.metrics_log is not None:
         w.metrics_log.truncate_after(progress.step)
+    forget_snapshots_after(w, progress.step)
     threads = torch.get_num_threads()  # what the worker's CPUs and environment gave (`torch_threads`)
     w.event("start", invocation=args.invocation, step=progress.step, world_size=w.world_size, pid=os.getpid(),
             torch_threads=threads, speed=w.speed.describe(), data=w.data_placement, compile_cache=w.compile_cache_note)
@@ -104,11 +111,30 @@ def save_snapshot(w: Worker, step: int) -> None:
     w.writes.submit(snapshot_name(step), w.run_dir.write_bytes, snapshot_name(step), data)
 
 
+def forget_snapshots_after(w: Worker, step: int) -> None:
+    """The post-hoc EMA's snapshots after `step`, where the run continues, removed after the writes queued before
+    (a snapshot of a step being rolled back past may still be on its way), with a note that names them."""
+    if w.posthoc is None:
+        return
+    assert w.writes is not None  # rank 0's
+
+    def remove() -> None:
+        removed = remove_snapshots_after(w.run_dir, step)
+        if removed:
+            logger.warning(f"[raydiff] note: removed the post-hoc EMA snapshots of step(s) "
+                           f"{', '.join(map(str, removed))}: of work after step {step}, where the run continues "
+                           f"(it writes its own as it goes)")
+
+    w.writes.submit(SNAPSHOT_DIR, remove)
+
+
 def record_rollback(w: Worker, progress: Progress, rollback: Rollback) -> None:
-    """metrics.jsonl cut back to the checkpoint, the rollback event, and the warning the user reads."""
+    """metrics.jsonl cut back to the checkpoint, the post-hoc EMA's snapshots too, the rollback event, and the
+    warning the user reads."""
     back, gb = rollback.progress, w.cfg.train.global_batch
     assert w.metrics_log is not None  # rank 0's
     w.metrics_log.truncate_after(back.step)
+    forget_snapshots_after(w, back.step)
     w.event("rollback", from_step=progress.step, to_step=back.step, checkpoint=str(rollback.checkpoint),
             skipped_positions=[rollback.failed_from * gb, back.stream_step * gb])
     logger.warning(f"[raydiff] WARNING: {w.cfg.train.max_bad_steps} non-finite steps in a row at step "

@@ -29,6 +29,8 @@ from raydiff.config.schema import TrainSection
 from raydiff.data.noise import dropped_labels
 from raydiff.data.order import SampleOrder
 from raydiff.runs.checkpoint import RAY_CHECKPOINT_LIST, checkpoint_order, list_checkpoints, read_state
+from raydiff.runs.ema_snapshots import list_snapshots, snapshot_name
+from raydiff.storage.rundir import RunDir
 
 pytestmark = pytest.mark.ray
 
@@ -210,6 +212,24 @@ def test_a_corrupt_newest_checkpoint_and_a_cut_ray_checkpoint_list_fall_back(clu
     assert [e["step"] for e in starts if e["event"] == "start"] == [0, 90]
     assert_same_weights(final_state(tmp_path / "corrupt"), final_state(reference))
     assert losses(tmp_path / "corrupt") == losses(reference)
+
+
+def test_a_continued_run_removes_the_snapshots_of_work_it_does_not_keep(cluster, reference, tmp_path):
+    """A run killed at step 95 whose newest checkpoint was lost, continued from step 60's with a smaller
+    train.total_steps: the post-hoc snapshots of steps 75 and 90 are of work that no longer exists, which a
+    rebuild (`raydiff.ema`, the newest snapshot by default) would mix with the run's own. They go, in a note."""
+    run_dir = reference_until(reference, 60, tmp_path / "shorter")
+    (run_dir / "ema_snapshots").mkdir()
+    for step in (15, 30, 45, 60, 75, 90):
+        shutil.copy(reference / snapshot_name(step), run_dir / snapshot_name(step))
+
+    shorter = train(cluster, tmp_path, "shorter", total=70)
+    assert shorter.returncode == 0, shorter.stderr[-3000:]
+    assert ("[raydiff] note: removed the post-hoc EMA snapshots of step(s) 75, 90: of work after step 60, where "
+            "the run continues (it writes its own as it goes)") in shorter.stdout + shorter.stderr
+    assert list_snapshots(RunDir(str(run_dir))) == [15, 30, 45, 60, 70]
+    for step in (15, 30, 45, 60):  # the run's own, kept as they were
+        assert (run_dir / snapshot_name(step)).read_bytes() == (reference / snapshot_name(step)).read_bytes()
 
 
 @pytest.fixture(scope="module")
