@@ -29,10 +29,17 @@ def test_auto_is_one_worker_per_gpu_and_one_on_cpus():
     assert _workers(no_gpu, gpus=8) == 1
 
 
-def test_auto_checks_the_batch_once_resolved():
-    cfg = load_config("smoke", ["scaling.num_workers=auto", "train.micro_batch=16"])  # fine for 1 worker
-    assert _workers(cfg, gpus=1) == 1
-    with pytest.raises(ConfigError, match="train.micro_batch"):
-        _workers(cfg, gpus=2)  # 8 images per worker: not a multiple of 16
+def test_auto_splits_a_batch_that_whole_micro_batches_do_not_as_an_elastic_run_of_that_size():
+    """16 images over 2 GPUs with micro-batches of 6: 8 per worker is no multiple of 6, which a fixed number of
+    workers is refused for; `auto` splits it as an elastic run of exactly 2 does, in micro-batches of up to 6, as
+    it does a batch that the GPUs do not divide (which was accepted where this one was refused)."""
+    cfg = load_config("smoke", ["scaling.num_workers=auto", "train.micro_batch=6"])
+    assert _workers(cfg, gpus=1) == (1, 1)
+    assert _workers(cfg, gpus=2) == (2, 2)
+    assert _workers(cfg, gpus=3) == (3, 3)
+    fits = load_config("smoke", ["scaling.num_workers=auto", "train.micro_batch=4"])
+    assert _workers(fits, gpus=2) == 2 and _workers(fits, gpus=4) == 4 and _workers(fits, gpus=8) == (8, 8)
+    with pytest.raises(ConfigError, match="8 images per worker must be a multiple of micro_batch"):
+        load_config("smoke", ["scaling.num_workers=2", "train.micro_batch=6"])  # a number the user fixed
     explicit = load_config("smoke", ["scaling.num_workers=2"])
     assert resolve_run(explicit, gpus=8, images=IMAGES)[0] is explicit
