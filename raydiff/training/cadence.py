@@ -143,7 +143,7 @@ class Cadence:
             self._after_first_step(step)
         live.window.add(result, self._data_wait_s)
         live.nonfinite.add(result.finite)
-        if check or step % t.log_every == 0:
+        if check:
             progress.counters["skipped_steps"] = live.nonfinite.skipped_steps()
 
         # Too many non-finite steps in a row: roll back past them once, then give up.
@@ -160,6 +160,7 @@ class Cadence:
         # A metrics row: metrics.jsonl, the dashboards, the progress line.
         row = None
         if step % t.log_every == 0 or done or measured:
+            progress.counters["skipped_steps"] = live.nonfinite.skipped_steps()  # as of this row's step
             row = live.window.close(step=step, global_batch=t.global_batch, lr=lr, ema_decay=ema_decay,
                                     world_size=w.world_size, skipped_steps=progress.counters["skipped_steps"])
             self.last_row = row = row | self._extra_metrics(new_val_loss, new_quality)

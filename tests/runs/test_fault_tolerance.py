@@ -236,10 +236,12 @@ def test_a_continued_run_removes_the_snapshots_of_work_it_does_not_keep(cluster,
 def nan_and_preemption(cluster, tmp_path_factory):
     """One run with two independent faults, each test reading its own: non-finite losses at steps 3, 4 and 12,
     and a preemption notice that arrives at step 20 and stays (periodic checkpoints off: the notice's and the
-    end's are the only ones). Returns (run directory, the CLI's output)."""
+    end's are the only ones); a validation every 5 steps, between the 10-step checks. Returns (run directory, the
+    CLI's output)."""
     storage = tmp_path_factory.mktemp("faults")
     proc = train(cluster, storage, "faults", "--set", "debug.nan_at_steps=[3,4,12]",
-                 "--set", "debug.preemption_from_step=20", "--set", "train.checkpoint_every=100", total=40)
+                 "--set", "debug.preemption_from_step=20", "--set", "train.checkpoint_every=100",
+                 "--set", "data.val_images=16", "--set", "train.val_every=5", total=40)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return storage / "faults", proc.stdout + proc.stderr
 
@@ -249,7 +251,9 @@ def test_nan_steps_are_skipped_counted_and_never_checkpointed(nan_and_preemption
     run = summary(run_dir)
     assert run["status"] == "finished" and run["skipped_steps"] == 3 and run["rollbacks"] == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped_steps"] for r in rows] == [2, 3, 3, 3]
+    # A row between the 10-step checks (a validation's, every 5 steps) counts as of its own step.
+    assert [(r["step"], r["skipped_steps"]) for r in rows] == [(5, 2), (10, 2), (15, 3), (20, 3), (25, 3), (30, 3),
+                                                              (35, 3), (40, 3)]
     for checkpoint in list_checkpoints(run_dir):
         state = read_state(checkpoint)
         assert all(torch.isfinite(v).all() for part in ("model", "ema") for v in state[part].values())
