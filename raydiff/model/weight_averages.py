@@ -32,7 +32,8 @@ def ema_decay_at(step: int, decay: float, warmup_steps: int) -> float:
 
     The EMA averages over a window of about 1 / (1 - decay) steps. During warmup that window grows
     linearly from 1 step (the first update copies the online weights) to its full length at `warmup_steps`,
-    so the average holds nothing of the random initialisation.
+    so the average holds nothing of the random initialisation (where the first step is skipped as non-finite, the
+    initialisation stands in for its weights, which differ from it by one warmup step's update).
     """
     if warmup_steps <= 0:
         return decay
