@@ -45,17 +45,22 @@ DEFAULT_VAL_IMAGES = 256
 
 def rule_spread(rows: list[dict[str, Any]], metric: str = "val_loss") -> dict[str, Any]:
     """Per rule: the best base LR at each batch size (finished trials) and their spread in decades. A rule that
-    holds puts the optimum at the same base LR for every batch: a spread near 0."""
+    holds puts the optimum at the same base LR for every batch: a spread near 0. ASHA compares the trials of every
+    batch at equal images, so a batch that trails there may have no finished trial: such batches are listed, and
+    the spread, which would describe the other batches alone, is withheld."""
     out = {}
     for rule in sorted({r["rule"] for r in rows}):
-        best = {}
+        best, unfinished = {}, []
         for batch in sorted({r["batch"] for r in rows}):
             done = [r for r in rows if r["rule"] == rule and r["batch"] == batch and r["status"] == "finished"
                     and r[metric] is not None]
             if done:
                 best[batch] = min(done, key=lambda r: r[metric])["base_lr"]
-        spread = float(np.ptp(np.log10(list(best.values())))) if len(best) > 1 else None
-        out[rule] = {"best_base_lr_by_batch": best, "spread_decades": spread}
+            else:
+                unfinished.append(batch)
+        spread = float(np.ptp(np.log10(list(best.values())))) if len(best) > 1 and not unfinished else None
+        out[rule] = {"best_base_lr_by_batch": best, "spread_decades": spread, "batches_without_a_finished_trial":
+                     unfinished}
     return out
 
 
@@ -138,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     for rule, info in summary["rules"].items():
         best = ", ".join(f"batch {b}: {lr:.3g}" for b, lr in info["best_base_lr_by_batch"].items())
         spread = f"; spread {info['spread_decades']:.2f} decades" if info["spread_decades"] is not None else ""
+        unfinished = info["batches_without_a_finished_trial"]
+        if unfinished:
+            spread = (f"; batch {', '.join(map(str, unfinished))}: no trial finished (stopped early by ASHA, or "
+                      f"failed), so no spread")
         print(f"[raydiff] {rule} rule: best base LR {best or '-'}{spread}")
     if "best" in summary:
         best = summary["best"]

@@ -353,3 +353,41 @@ def test_a_zero_budget_or_an_empty_name_is_refused_not_taken_for_the_default(tmp
     with pytest.raises(ConfigError) as caught:
         plan_sweep(args, cfg)
     assert str(caught.value) == message
+
+
+def test_the_rule_verdict_is_withheld_where_a_batch_has_no_finished_trial():
+    """ASHA compares the trials of every batch size at equal images; a batch that trails there can lose all its
+    trials, and a spread over the other batches alone was printed as the rule's verdict."""
+    from raydiff.tune import rule_spread
+
+    def row(batch, lr, loss, status="finished"):
+        return {"rule": "linear", "batch": batch, "base_lr": lr, "val_loss": loss, "status": status}
+
+    rows = [row(32, 1e-3, 0.10), row(32, 1e-4, 0.12), row(64, 1e-3, 0.09), row(64, 1e-2, 0.11, "stopped")]
+    assert rule_spread(rows) == {"linear": {"best_base_lr_by_batch": {32: 1e-3, 64: 1e-3}, "spread_decades": 0.0,
+                                            "batches_without_a_finished_trial": []}}
+    rows += [row(128, 1e-3, 0.2, "stopped"), row(128, 1e-4, None, "error")]
+    assert rule_spread(rows)["linear"] == {"best_base_lr_by_batch": {32: 1e-3, 64: 1e-3}, "spread_decades": None,
+                                           "batches_without_a_finished_trial": [128]}
+
+
+def test_close_learning_rates_name_trials_apart(tmp_path):
+    """Two base LRs alike to 3 digits named two trials alike: they shared a run directory, and the second reported
+    the first's finished run as its own."""
+    from types import SimpleNamespace
+
+    from raydiff.config import ConfigError, load_config
+    from raydiff.training.sweep_plan import plan_sweep, trial_config
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}"])
+    args = SimpleNamespace(samples=3, lr="1e-3:1.01e-3", batch="16", scaling="linear", max_concurrent=None,
+                           name=None, metric="val_loss", budget_images=None)
+    sweep = plan_sweep(args, cfg)
+    names = [trial_config(cfg, {"batch": 16, "base_lr": lr, "rule": "linear"}, sweep, str(tmp_path)).run.name
+             for lr in sweep.base_lrs]
+    assert names == ["linear-b16-lr0.00101", "linear-b16-lr0.001005", "linear-b16-lr0.001"]
+    wide = plan_sweep(SimpleNamespace(**{**vars(args), "lr": "1e-5:1e-3"}), cfg)
+    assert wide.lr_digits == 3  # names as they always were
+    with pytest.raises(ConfigError, match="too narrow a range for --samples 3 different learning rates"):
+        plan_sweep(SimpleNamespace(**{**vars(args), "lr": "1e-3:1.0000000000000002e-3"}), cfg)
+

@@ -43,6 +43,12 @@ class Sweep:
         return len(self.base_lrs) * len(self.batches) * len(self.rules)
 
     @property
+    def lr_digits(self) -> int:
+        """Significant digits of the base LRs in the trials' names: 3, or as many as tell two close ones apart
+        (two trials of one name would share a run directory)."""
+        return next(d for d in range(3, 18) if len({f"{lr:.{d}g}" for lr in self.base_lrs}) == len(self.base_lrs))
+
+    @property
     def grace_images(self) -> int:
         """Images a trial trains before ASHA may stop it: two validation points."""
         return min(2 * self.interval_images, self.budget_images)
@@ -63,7 +69,10 @@ def _parse_lrs(text: str, samples: int) -> tuple[float, ...]:
         raise ConfigError(f"--lr {text!r}: expected LOW:HIGH with 0 < LOW <= HIGH")
     if samples > 1 and low == high:
         raise ConfigError(f"--lr {text!r}: --samples {samples} needs a range, LOW < HIGH")
-    return tuple(float(v) for v in np.geomspace(high, low, samples)) if samples > 1 else (high,)
+    lrs = tuple(float(v) for v in np.geomspace(high, low, samples)) if samples > 1 else (high,)
+    if len(set(lrs)) != len(lrs):
+        raise ConfigError(f"--lr {text!r}: too narrow a range for --samples {samples} different learning rates")
+    return lrs
 
 
 def _parse_batches(text: str) -> tuple[int, ...]:
@@ -149,7 +158,7 @@ def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: s
     t.sample_every = 0  # grids only at the end
     if sweep.metric != "val_loss":  # every report carries the Frechet distance too
         cfg.eval.every, cfg.eval.at_end = t.val_every, True
-    cfg.run.name = trial_name(params)
+    cfg.run.name = trial_name(params, sweep.lr_digits)
     cfg.run.storage = runs_dir
     cfg.run.keep_checkpoints = 1
     cfg.resolve()
@@ -157,5 +166,5 @@ def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: s
     return cfg
 
 
-def trial_name(params: dict[str, Any]) -> str:
-    return f"{params['rule']}-b{params['batch']}-lr{params['base_lr']:.3g}"
+def trial_name(params: dict[str, Any], lr_digits: int = 3) -> str:
+    return f"{params['rule']}-b{params['batch']}-lr{params['base_lr']:.{lr_digits}g}"
