@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -89,6 +90,20 @@ def decode_resize_crop(data: bytes, resolution: int, channels: int) -> np.ndarra
         reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise BadImage(f"cannot decode: {reason}") from None
     return array[None] if channels == 1 else array.transpose(2, 0, 1)
+
+
+def dense_array(value: Any) -> np.ndarray:
+    """A decoded tensor as one array. A Parquet column of nested lists (`list<list<list<uint8>>>`, Hugging Face's
+    `Array3D`) reaches a batch as an object array of object arrays, one level per list."""
+    array = np.asarray(value)
+    if array.dtype != object:
+        return array
+    if array.ndim == 0 or not len(array):
+        raise BadImage("an empty or null tensor: expected an image")
+    try:
+        return np.stack([dense_array(row) for row in array])
+    except ValueError:  # rows of different lengths
+        raise BadImage("a tensor whose rows differ in length: expected an image") from None
 
 
 def fit_array(array: np.ndarray, resolution: int, channels: int) -> np.ndarray:

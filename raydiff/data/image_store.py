@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raydiff.cluster.tasks import results_of
-from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
+from raydiff.data.decode import BadImage, decode_resize_crop, dense_array, fit_array
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
 from raydiff.data.hub_features import image_columns
 from raydiff.data.labels import LabelledSamples, LabelPlan, class_ids, missing_labels, plan_labels, resolve_classes
@@ -142,7 +142,7 @@ def _decode_parquet_images(batch: dict[str, np.ndarray], column: str, resolution
         return {"image": values, "error": np.full(len(values), "", dtype=object)}  # prepared: nothing to do
     first = next((v for v in values if v is not None), None)
     if values.dtype != object or isinstance(first, np.ndarray):  # decoded tensors of another shape
-        return _each(values, wheres, lambda v: fit_array(np.asarray(v), resolution, channels), resolution, channels)
+        return _each(values, wheres, lambda v: fit_array(dense_array(v), resolution, channels), resolution, channels)
     return _decode_encoded(values, wheres, resolution, channels)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from raydiff.data.decode import BadImage, decode_resize_crop, fit_array
+from raydiff.data.decode import BadImage, decode_resize_crop, dense_array, fit_array
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
@@ -118,3 +118,21 @@ def test_fit_array_accepts_chw_hwc_and_grayscale():
         fit_array(np.zeros((8, 8), np.float32), 8, 1)
     with pytest.raises(BadImage, match="expected an image"):
         fit_array(np.zeros((2, 8, 8, 3), np.uint8), 8, 3)
+
+
+def test_nested_rows_of_a_tensor_become_one_array_and_ragged_ones_a_bad_image():
+    """A Parquet column of nested lists reaches a batch as object arrays of object arrays (Ray Data's numpy
+    batches); fit_array read their dtype, object, as a bad image's, and every image of such a source was bad."""
+    hwc = np.random.default_rng(1).integers(0, 256, (8, 6, 3), dtype=np.uint8)
+    rows = np.empty(8, dtype=object)
+    for i, row in enumerate(hwc):
+        rows[i] = np.empty(6, dtype=object)
+        rows[i][:] = list(row)
+    dense = dense_array(rows)
+    assert dense.dtype == np.uint8 and np.array_equal(dense, hwc)
+    assert dense_array(hwc) is hwc
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [np.zeros(3, np.uint8), np.zeros(4, np.uint8)]
+    for bad in (ragged, np.empty(0, dtype=object), np.array(None, dtype=object)):
+        with pytest.raises(BadImage, match="expected an image"):
+            dense_array(bad)

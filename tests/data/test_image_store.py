@@ -67,6 +67,11 @@ def _write(kind: str, encoded: list[bytes], folder) -> dict:
         arrays = np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in encoded])
         pq.write_table(pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(arrays)}), folder / "t.parquet")
         return {}
+    if kind == "parquet-lists":  # the same as nested lists, CHW: Parquet's plain encoding (Hugging Face's Array3D)
+        arrays = np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")).transpose(2, 0, 1) for b in encoded])
+        nested = pa.array(arrays.tolist(), pa.list_(pa.list_(pa.list_(pa.uint8()))))
+        pq.write_table(pa.table({"image": nested}), folder / "t.parquet")
+        return {}
     for shard, part in (("shard-000000.tar", encoded[:half]), ("shard-000001.tar", encoded[half:])):
         with tarfile.open(folder / shard, "w") as tar:
             for i, data in enumerate(part):
@@ -78,7 +83,7 @@ def _write(kind: str, encoded: list[bytes], folder) -> dict:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("kind", ["parquet-bytes", "parquet-hf", "parquet-tensor", "webdataset"])
+@pytest.mark.parametrize("kind", ["parquet-bytes", "parquet-hf", "parquet-tensor", "parquet-lists", "webdataset"])
 def test_every_kind_of_source_gives_the_same_images_in_order(ray_session, tmp_path, kind):
     encoded = _encoded(tmp_path)
     options = _write(kind, encoded, tmp_path / "data")
@@ -88,8 +93,8 @@ def test_every_kind_of_source_gives_the_same_images_in_order(ray_session, tmp_pa
     images = np.concatenate(store.arrays())
     assert store.num_images == 12 and not store.bad
     for i, data in enumerate(encoded):
-        expected = (fit_array(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), 8, 3) if kind == "parquet-tensor"
-                    else decode_resize_crop(data, 8, 3))
+        expected = (fit_array(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")), 8, 3)
+                    if kind in ("parquet-tensor", "parquet-lists") else decode_resize_crop(data, 8, 3))
         assert np.array_equal(images[i], expected), i
 
 
