@@ -140,6 +140,15 @@ def check_on_every_node(source: Source, probe=None) -> None:
                         f"raydiff.prepare FOLDER s3://BUCKET/PREFIX --resolution R` where the folder is")
 
 
+def _hidden(path: str, folder: str) -> bool:
+    """Whether `path`, or a folder it is in below `folder`, is hidden (a name that starts with a dot): what tools
+    keep beside data (Jupyter's .ipynb_checkpoints/ copies of images, .git/, raydiff's own .raydiff-leases/) is
+    not data, and a hidden folder would become a class of its own."""
+    base = folder.rstrip("/") + "/"
+    below = path[len(base):] if path.startswith(base) else PurePosixPath(path).name
+    return any(part.startswith(".") for part in PurePosixPath(below).parts)
+
+
 def source_of(data) -> Source:
     """The source a config's `data` section names (see `open_source`)."""
     return open_source(data.source, format=data.format, endpoint=data.endpoint, anonymous=data.anonymous)
@@ -171,7 +180,7 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
     by_kind: dict[FileKind, list[pafs.FileInfo]] = {}
     for f in found:
         kind = _kind_of(f.path)
-        if kind is not None and not PurePosixPath(f.path).name.startswith("."):
+        if kind is not None and not _hidden(f.path, folder):
             by_kind.setdefault(kind, []).append(f)
     if format != "auto":
         chosen = format

@@ -16,12 +16,18 @@ def test_folder_is_listed_recursively_and_sorted(tmp_path):
     write_synthetic(tmp_path / "a" / "nested", num=2, resolution=8, fmt="png")
     (tmp_path / "notes.txt").write_text("not an image")
     (tmp_path / ".hidden.png").write_bytes(b"")
+    write_synthetic(tmp_path / "b" / ".ipynb_checkpoints", num=2, resolution=8, fmt="jpg")  # hidden folders: not data
+    write_synthetic(tmp_path / ".git" / "lfs", num=1, resolution=8, fmt="png")
     source = open_source(str(tmp_path))
     assert source.kind == "images" and len(source.files) == 5 and list(source.files) == sorted(source.files)
     assert open_source(f"file://{tmp_path}").files == source.files
     assert source.describe() == f"5 image files in {tmp_path}"
     single = str(tmp_path / "b" / "synthetic_000000.jpg")
     assert open_source(single).files == (single,) and open_source(single).describe() == f"1 image file in {single}"
+    hidden_root = tmp_path / ".cache" / "images"  # a source inside a hidden folder is read as any other
+    write_synthetic(hidden_root, num=2, resolution=8, fmt="png")
+    assert len(open_source(str(hidden_root)).files) == 2
+    assert len(open_source(str(tmp_path / "b" / "*.jpg")).files) == 3  # a glob's files, not its hidden folder's
 
 
 def test_identity_follows_names_and_sizes_not_location(tmp_path):
