@@ -54,8 +54,8 @@ def evaluate_in_run(quality: InRunQuality, ema: torch.nn.Module, diffusion, cfg,
         if keep:
             dist.all_gather_object(gathered, stats.features)
         stats = stats.unpacked(box)
-        if keep:
-            stats.features = [f for part in gathered for f in part]
+        if keep:  # in chunk order, as the command keeps them: KID's subsets are drawn by position
+            stats.features = [gathered[c % world_size][c // world_size] for c in range(len(chunks(e.num)))]
     result = scores(stats, quality.reference, quality.features, e.metrics, seed=e.seed) if rank == 0 else None
     return from_rank_zero(result)
 
