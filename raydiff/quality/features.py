@@ -40,7 +40,7 @@ def require_metrics_package(what: str) -> None:
         import torch_fidelity  # noqa: F401
     except ImportError:
         raise QualityError(f"{what} needs torch-fidelity (the FID and KID formulas): pip install "
-                           f"'torch-fidelity>=0.3' (in a Ray job, add it to the runtime env's pip list)") from None
+                           f"'torch-fidelity>=0.4' (in a Ray job, add it to the runtime env's pip list)") from None
 
 
 def weights_digest(state: dict[str, torch.Tensor]) -> str:
