@@ -104,6 +104,8 @@ def largest_that_fits(model: torch.nn.Module, diffusion, optimizer: torch.optim.
     finally:
         reserve.clear()
         torch.cuda.empty_cache()
+        if device.type == "cuda":  # the metrics rows' peak_memory_gb is training's, not the probe's
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def plan_memory(model: UNet, diffusion, optimizer: torch.optim.Optimizer, *,

@@ -287,6 +287,8 @@ def test_micro_batch_auto_measures_what_fits():
     chosen = measure_micro_batch(loss.model, loss.diffusion, inputs.optimizer, share=64, shape=(1, 8, 8),
                                  device=inputs.device, autocast_dtype=torch.bfloat16)
     assert chosen == 64  # the smoke model at 8x8 fits whole shares on any GPU
+    # The probe's peak is gone: the metrics rows' peak_memory_gb measures training from here.
+    assert torch.cuda.max_memory_allocated(inputs.device) == torch.cuda.memory_allocated(inputs.device)
 
 
 def test_the_ema_update_on_the_gpu_allocates_nothing_and_averages_as_on_a_cpu():
