@@ -19,6 +19,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from raydiff.config.schema import Config, ConfigError
+from raydiff.config.values import shown
 from raydiff.storage.fs import (
     HUB_SCHEME,
     OBJECT_STORE_SCHEMES,
@@ -40,6 +41,8 @@ BUILTIN_SOURCES = ("builtin:digits",)
 PACKAGE_FLOORS = {"wandb": "0.19.10"}  # wandb.init(reinit="create_new"): a run object of raydiff's own
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face repository id, e.g. google/ddpm-cifar10-32
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# A folder name: file systems take 255 bytes, and raydiff adds up to ~30 (`.replaced-<time>`, `.<hex>.tmp`).
+MAX_RUN_NAME = 200
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,14 @@ def _value(cfg: Config, key: str) -> Any:
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     """Refuse `key` = `value` with what is allowed, in one line, unless `ok`."""
     if not ok:
-        raise ConfigError(f"{key} = {'null' if value is None else repr(value)}: {allowed}")
+        raise ConfigError(f"{key} = {shown(value)}: {allowed}")
+
+
+class _Abridged(str):
+    """A long string as a message shows it: its first 40 characters, then '...'."""
+
+    def __repr__(self) -> str:
+        return f"{str(self)[:40]!r}..." if len(self) > 40 else super().__repr__()
 
 
 def is_raydiff_run(location: str) -> bool:
@@ -247,6 +257,9 @@ RULES: tuple[Rule, ...] = (
 LATER_RULES: tuple[Rule, ...] = (
     Rule("run.name", lambda c: RUN_NAME.fullmatch(c.run.name) is not None,
          "use letters, digits, '.', '_' and '-' (it names a folder)"),
+    Rule("run.name", lambda c: len(c.run.name) <= MAX_RUN_NAME,
+         lambda c: f"{len(c.run.name)} characters; at most {MAX_RUN_NAME} (it names a folder, and file systems "
+                   f"take 255 bytes a name, less what raydiff adds to it)", value=lambda c: _Abridged(c.run.name)),
     Rule("run.storage", lambda c: bool(c.run.storage), "required: a folder for run directories"),
     Rule("run.storage", lambda c: "://" not in c.run.storage or c.run.storage.startswith(STORAGE_SCHEMES),
          f"supported URI schemes: {', '.join(STORAGE_SCHEMES)} (or a local or NFS path)"),

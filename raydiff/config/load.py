@@ -5,6 +5,7 @@ Config flows one way: preset YAML + overrides -> `Config` (validated) -> driver 
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,8 +14,16 @@ from typing import Any
 import yaml
 
 from raydiff.config.checks import validate
-from raydiff.config.schema import Config, ConfigError, fields_of, parse_override, sections_problem, set_key
-from raydiff.config.values import YAML_ERRORS
+from raydiff.config.schema import (
+    Config,
+    ConfigError,
+    fields_of,
+    key_type,
+    parse_override,
+    sections_problem,
+    set_key,
+)
+from raydiff.config.values import YAML_ERRORS, is_text
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
@@ -28,14 +37,20 @@ def preset_names() -> list[str]:
 
 
 def resolve_config_path(name_or_path: str) -> Path:
+    if not name_or_path.strip():  # Path("") is ".", the current folder: an unset shell variable, not a folder
+        raise ConfigError(f"--config {name_or_path!r}: must name a preset or a YAML file; presets: "
+                          f"{', '.join(preset_names())}")
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if path.is_dir():
-            raise ConfigError(f"--config {name_or_path}: a folder, not a YAML file; give the file, or a preset: "
-                              f"{', '.join(preset_names())}")
-        if not path.is_file():
-            raise ConfigError(f"--config {name_or_path}: no such file")
-        return path
+    try:
+        if path.suffix in (".yaml", ".yml") or path.exists():
+            if path.is_dir():
+                raise ConfigError(f"--config {name_or_path}: a folder, not a YAML file; give the file, or a preset: "
+                                  f"{', '.join(preset_names())}")
+            if not path.is_file():
+                raise ConfigError(f"--config {name_or_path}: no such file")
+            return path
+    except OSError as exc:  # a folder on the way this user may not enter
+        raise ConfigError(f"--config {name_or_path}: cannot read it ({exc.strerror or exc})") from None
     preset = PRESETS_DIR / f"{name_or_path}.yaml"
     if not preset.is_file():
         raise ConfigError(f"--config {name_or_path}: not a file and not a preset; presets: {', '.join(preset_names())}")
@@ -43,14 +58,25 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *, check_source: bool = True) -> Config:
-    """Preset or YAML file, then `key=value` overrides, then validation. Raises ConfigError."""
+    """Preset or YAML file, then `key=value` overrides, then validation. Raises ConfigError.
+
+    The file is read by `ConfigLoader`: a key given twice is refused, and a string key's value that YAML 1.1 reads
+    as something else is taken only where it is the text as written (`_as_written`)."""
     path = resolve_config_path(name_or_path)
     try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        loader = ConfigLoader(path.read_text(encoding="utf-8"))
+        try:
+            tree = loader.get_single_data() or {}
+        finally:
+            loader.dispose()
+    except DuplicateKey as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML{_where_and_what(exc)}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
+    except OSError as exc:  # permission denied, an I/O error
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
     except YAML_ERRORS as exc:  # a tagged value PyYAML cannot build (`lr: !!float x`)
         raise ConfigError(f"{path}: not valid YAML (a tagged value it cannot build: {exc})") from None
     problem = sections_problem(tree)
@@ -61,12 +87,77 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
         if not isinstance(section, str) or section not in fields_of(cfg):
             raise ConfigError(f"{path}: unknown section '{section}'; known sections: {', '.join(fields_of(cfg))}")
         for key, value in (values or {}).items():
-            set_key(cfg, f"{section}.{key}", value)
+            name = f"{section}.{key}"
+            if isinstance(value, (int, float, datetime.date)) and is_text(key_type(name)):
+                value = _as_written(path, name, value, loader.written.get(name))
+            set_key(cfg, name, value)
     for text in overrides:
         set_key(cfg, *parse_override(text))
     _resolve_paths(cfg)
     validate(cfg, check_source=check_source)
     return cfg.resolve()
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping of a config file that names a key twice; the message says where, in one line."""
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (plain data only) for config files, which refuses a key given twice in one mapping, at
+    any depth (`DuplicateKey`: PyYAML keeps the last silently, so a second `train:` section dropped the first's
+    keys; a merge, `<<: *base`, may still be overridden), and keeps each scalar value as written, by key path
+    (`written["run.name"]`), for the messages that quote it."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.written: dict[str, yaml.ScalarNode] = {}
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._index(node, "", set())
+        return super().construct_document(node)
+
+    def _index(self, node: yaml.Node, path: str, seen: set[int]) -> None:
+        """Walk the nodes as composed (before merges are flattened into them)."""
+        if id(node) in seen:  # an alias met again: indexed where it was first
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, Any], yaml.Node] = {}
+            for key_node, value_node in node.value:
+                child = _key_path(path, key_node)
+                if key_node.tag != "tag:yaml.org,2002:merge" and isinstance(key_node, yaml.ScalarNode):
+                    earlier = first.setdefault((key_node.tag, key_node.value), key_node)
+                    if earlier is not key_node:
+                        raise DuplicateKey(f"line {key_node.start_mark.line + 1}: '{child}' is given twice (first "
+                                           f"at line {earlier.start_mark.line + 1}), and YAML would keep only the "
+                                           f"last: give it once")
+                if isinstance(value_node, yaml.ScalarNode):
+                    self.written.setdefault(child, value_node)
+                self._index(value_node, child, seen)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._index(item, f"{path}[{i}]", seen)
+
+
+def _key_path(path: str, key_node: yaml.Node) -> str:
+    name = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+    return f"{path}.{name}" if path else str(name)
+
+
+def _as_written(path: Path, key: str, value: Any, node: yaml.ScalarNode | None) -> str:
+    """The text of a string key's value that YAML 1.1 read as a number, a boolean or a date: taken where it is that
+    text exactly (`name: 2024` is "2024", `name: 1.5` is "1.5": nothing a user typed changes), else refused with
+    the text to quote, since the string YAML's value makes is not what was typed (`name: 12:30` is 750 in base 60,
+    `0123` is 83 in octal, `1.10` is 1.1, `yes` is true)."""
+    if node is not None and not isinstance(value, bool) and str(value) == node.value:  # `True` is no text either
+        return node.value
+    read = (str(value).lower() if isinstance(value, bool) else f"the integer {value}" if isinstance(value, int)
+            else f"the number {value}" if isinstance(value, float)
+            else f"the timestamp {value}" if isinstance(value, datetime.datetime) else f"the date {value}")
+    if node is None:  # merged from elsewhere (`<<: *base`): the text is not at hand
+        raise ConfigError(f"{path}: {key} is {read} as YAML reads it: a string is expected; quote it in the file")
+    raise ConfigError(f"{path}: line {node.start_mark.line + 1}: {key} = {node.value}, which YAML reads as {read}: "
+                      f"a string is expected; quote it in the file: {json.dumps(node.value, ensure_ascii=False)}")
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
@@ -106,7 +197,7 @@ def _resolve_paths(cfg: Config) -> None:
     """Workers run in another directory: make local paths absolute on the driver."""
     if cfg.data.source and "://" not in cfg.data.source and not cfg.data.source.startswith("builtin:"):
         cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
-    if "://" not in cfg.run.storage:
+    if cfg.run.storage and "://" not in cfg.run.storage:  # empty stays empty, for its rule to refuse (not ".")
         cfg.run.storage = str(Path(cfg.run.storage).expanduser().resolve())
     if cfg.model.init_from and Path(cfg.model.init_from).expanduser().exists():  # else a hub id, kept as it is
         cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().resolve())

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
 from raydiff.config.learning_rate import rule_lr
-from raydiff.config.values import coerce, describe_type, read_yaml
+from raydiff.config.values import coerce, describe_type, read_override, shown
 
 
 def sections_problem(tree: Any) -> str | None:
@@ -471,26 +471,31 @@ def all_keys() -> list[str]:
     return [f"{s}.{k}" for s in fields_of(cfg) for k in fields_of(getattr(cfg, s))]
 
 
-def set_key(cfg: Config, key: str, value: Any) -> None:
-    parts = key.split(".")
-    if len(parts) != 2 or parts[0] not in fields_of(cfg) or parts[1] not in fields_of(getattr(cfg, parts[0])):
+def key_type(key: str) -> Any:
+    """The type of `section.key`; a ConfigError naming the closest key for one that does not exist."""
+    sections = get_type_hints(Config)
+    section, _, name = key.partition(".")
+    if "." in name or section not in sections or name not in get_type_hints(sections[section]):
         close = difflib.get_close_matches(key, all_keys(), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else f"; known sections: {', '.join(fields_of(cfg))}"
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; known sections: {', '.join(sections)}"
         raise ConfigError(f"unknown key '{key}'{hint}")
-    section = getattr(cfg, parts[0])
-    hint = fields_of(section)[parts[1]]
+    return get_type_hints(sections[section])[name]
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    hint = key_type(key)
+    section, name = key.split(".")
     try:
-        setattr(section, parts[1], coerce(value, hint))
+        setattr(getattr(cfg, section), name, coerce(value, hint))
     except ValueError:
-        raise ConfigError(f"{key} = {value!r}: expected {describe_type(hint)}") from None
+        raise ConfigError(f"{key} = {shown(value)}: expected {describe_type(hint)}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
+    """`--set KEY=VALUE` as (key, value): VALUE read for the key's type by `read_override` (a string key takes the
+    text as typed; another key reads it as YAML). A ConfigError for text without '=' or an unknown key."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, for example train.lr=1e-4")
     key, raw = text.split("=", 1)
-    try:
-        value = read_yaml(raw) if raw.strip() else None
-    except ValueError:  # not YAML (`5,*`, `!!float x`): as written, which the key's type takes or set_key refuses
-        value = raw
-    return key.strip(), value
+    key = key.strip()
+    return key, read_override(raw, key_type(key))

@@ -1,8 +1,10 @@
-"""How a value from YAML or the command line becomes a config key's type (`coerce`, with `read_yaml` for `--set`
-text and list items), and how a type is named in an error and in docs/configuration.md (`describe_type`).
+"""How a value from YAML or the command line becomes a config key's type (`coerce`; `read_override` for `--set`
+text, `read_yaml` for list items), and how a type is named in an error and in docs/configuration.md
+(`describe_type`, `shown`).
 
 Why apart from the schema: the schema says what each key is; this says what a typed key accepts, the same for
-every key (numbers finite, integers whole, literals exact, a single value for a one-item list).
+every key (numbers finite, integers whole, literals exact, a single value for a one-item list, a string key's
+`--set` text taken as typed).
 """
 
 from __future__ import annotations
@@ -25,6 +27,48 @@ def describe_type(hint: Any) -> str:
     if origin is tuple:
         return "list of finite numbers" if args[0] is float else f"list of {describe_type(args[0])}"
     return {int: "integer", float: "a finite number", bool: "true | false", str: "string"}.get(hint, str(hint))
+
+
+def shown(value: Any) -> str:
+    """A value as a one-line error names it: `null` for None (as a YAML file and `--set` write it), else its repr."""
+    return "null" if value is None else repr(value)
+
+
+def is_text(hint: Any) -> bool:
+    """Whether a key holds text only: `str` or `str | None` (names, paths, URIs, URLs). A key that takes a string
+    among other things (`train.compile`: auto, true, false or a backend's name) is not: its `--set` value is YAML."""
+    if hint is str:
+        return True
+    return get_origin(hint) in (Union, types.UnionType) and set(get_args(hint)) == {str, type(None)}
+
+
+NULL_TEXTS = frozenset({"~", "null", "Null", "NULL"})  # YAML's spellings of null
+
+
+def read_override(raw: str, hint: Any) -> Any:
+    """The value of `--set KEY=<raw>` for a key of type `hint`, for `coerce` to convert (or refuse).
+
+    A text key (`is_text`) takes `raw` as typed (stripped), not as YAML, whose 1.1 rules would change it (`12:30`
+    is 750, `0123` is 83, `2024-01-15` a date): only YAML's nulls are null (refused where the key takes none),
+    empty is null where the key takes null (else the empty text, which its rule refuses), and a value wholly in
+    quotes is the quoted text (`log.wandb_project='null'`). Any other key reads `raw` as YAML; text that is not
+    YAML (`5,*`) is kept as written, for the key's type to take or refuse."""
+    if not is_text(hint):
+        try:
+            return read_yaml(raw) if raw.strip() else None
+        except ValueError:
+            return raw
+    text = raw.strip()
+    if text in NULL_TEXTS or (not text and type(None) in get_args(hint)):
+        return None
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        try:
+            quoted = read_yaml(text)
+        except ValueError:  # `'a' 'b'`: not one quoted string, so text
+            quoted = None
+        if isinstance(quoted, str):
+            return quoted
+    return text
 
 
 def coerce(value: Any, hint: Any) -> Any:

@@ -223,3 +223,13 @@ def test_a_bucket_placeholder_left_in_a_preset_is_refused_before_the_store_is_as
     load_config(preset, overrides, check_source=False)  # as cluster_check reads the presets: they ship so
     load_config(preset, [*overrides, "data.source=s3://mine/cifar10", "run.storage=s3://mine/runs", "eval.ref=null"])
     load_config(preset, [*overrides, "data.source=s3://Legacy/cifar10", "run.storage=s3://mine/runs", "eval.ref=null"])
+
+
+def test_a_run_name_too_long_for_a_folder_is_refused_as_run_name_before_anything_is_made(tmp_path):
+    cfg = load_config("default", [f"run.name={'a' * 200}", f"run.storage={tmp_path}"])  # the bound itself
+    assert len(cfg.run.name) == 200
+    with pytest.raises(ConfigError) as info:  # was refused only when made, and blamed on run.storage
+        load_config("default", [f"run.name={'b' * 201}", f"run.storage={tmp_path}"])
+    assert str(info.value) == (f"run.name = '{'b' * 40}'...: 201 characters; at most 200 (it names a folder, and "
+                               f"file systems take 255 bytes a name, less what raydiff adds to it)")
+    assert not any(tmp_path.iterdir())

@@ -1,7 +1,10 @@
 """Loading configs: the presets, YAML files and `key=value` overrides, paths made absolute, and the one-line
-errors for a missing preset, bad YAML or a missing data source."""
+errors for a missing preset, bad YAML, a key given twice, a string YAML would change, an unreadable or empty
+--config, or a missing data source."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -64,8 +67,11 @@ def test_missing_source_is_an_error():
         load_config("cifar10")
 
 
+PRESETS = "celebahq256, cifar10, cifar10-aws, cifar10-gcp, cifar10-k8s, default, digits, lsun256, smoke"
+
+
 def test_unknown_preset_and_bad_yaml(tmp_path):
-    presets = "celebahq256, cifar10, cifar10-aws, cifar10-gcp, cifar10-k8s, default, digits, lsun256, smoke"
+    presets = PRESETS
     with pytest.raises(ConfigError, match=f"presets: {presets}"):
         load_config("nosuch")
     bad = tmp_path / "bad.yaml"
@@ -86,6 +92,14 @@ def test_unknown_preset_and_bad_yaml(tmp_path):
         load_config(str(wrong))
 
 
+def _refusal(path, text: str) -> tuple:
+    """(path, the ConfigError's line) of a config file holding `text`."""
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), check_source=False)
+    return path, str(info.value)
+
+
 @pytest.mark.parametrize("text, where", [
     ("train:\n  ema_sigma_rels: [0.05, 0.1\n  seed: 3\n", "at line 3, column 7: expected ',' or ']', but got ':' "
                                                          "(while parsing a flow sequence at line 2, column 19)"),
@@ -95,8 +109,97 @@ def test_unknown_preset_and_bad_yaml(tmp_path):
     ("train:\n  lr: !!float x\n", "(a tagged value it cannot build: could not convert string to float: 'x')"),
 ])
 def test_a_yaml_mistake_is_one_line_saying_where_it_is_and_what(tmp_path, text, where):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(text)
+    bad, refusal = _refusal(tmp_path / "bad.yaml", text)
+    assert refusal == f"{bad}: not valid YAML {where}"
+
+
+@pytest.mark.parametrize("text, line", [
+    ("run:\n  name: 12:30\n", 'line 2: run.name = 12:30, which YAML reads as the integer 750: a string is expected; '
+                              'quote it in the file: "12:30"'),
+    ("run:\n  name: 0123\n", 'line 2: run.name = 0123, which YAML reads as the integer 83: a string is expected; '
+                             'quote it in the file: "0123"'),
+    ("run:\n  name: 1.10\n", 'line 2: run.name = 1.10, which YAML reads as the number 1.1: a string is expected; '
+                             'quote it in the file: "1.10"'),
+    ("run:\n  name: yes\n", 'line 2: run.name = yes, which YAML reads as true: a string is expected; quote it in '
+                            'the file: "yes"'),
+    ("run:\n  name: 2024-01-15T10:00:00Z\n", 'line 2: run.name = 2024-01-15T10:00:00Z, which YAML reads as the '
+                                             'timestamp 2024-01-15 10:00:00+00:00: a string is expected; quote it in '
+                                             'the file: "2024-01-15T10:00:00Z"'),
+    ("data:\n  resolution: 8\n  source: 1:30\n", 'line 3: data.source = 1:30, which YAML reads as the integer 90: a '
+                                                 'string is expected; quote it in the file: "1:30"'),
+])
+def test_a_string_in_a_file_that_yaml_reads_as_another_value_is_refused_with_the_text_to_quote(tmp_path, text, line):
+    path, refusal = _refusal(tmp_path / "run.yaml", text)
+    assert refusal == f"{path}: {line}"
+
+
+def test_a_string_in_a_file_that_yaml_reads_as_the_same_text_is_taken(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  name: 2024\n  storage: 2024-01-15\nlog:\n  mlflow_experiment: 1.5\n"
+                    "  wandb_project: '12:30'\n")
+    cfg = load_config(str(path), check_source=False)
+    assert cfg.run.name == "2024" and cfg.run.storage.endswith("/2024-01-15")
+    assert (cfg.log.mlflow_experiment, cfg.log.wandb_project) == ("1.5", "12:30")
+
+
+@pytest.mark.parametrize("text, line", [
+    ("train: {lr: 1.0e-4}\ntrain: {total_steps: 5}\n", "line 2: 'train' is given twice (first at line 1)"),
+    ("train:\n  lr: 1.0e-4\n  seed: 1\n  lr: 2.0e-4\n", "line 4: 'train.lr' is given twice (first at line 2)"),
+    ("run: {name: a, name: b}\n", "line 1: 'run.name' is given twice (first at line 1)"),
+    ("train:\n  ema_sigma_rels:\n    - {a: 1}\n    - {b: 1, b: 2}\n",
+     "line 4: 'train.ema_sigma_rels[1].b' is given twice (first at line 4)"),
+])
+def test_a_key_or_section_given_twice_in_a_file_is_refused_naming_it_and_its_line(tmp_path, text, line):
+    path, refusal = _refusal(tmp_path / "twice.yaml", text)
+    assert refusal == f"{path}: {line}, and YAML would keep only the last: give it once"
+
+
+def test_a_merged_key_may_still_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("train: &common {seed: 3}\neval:\n  <<: *common\n  seed: 4\n")
+    cfg = load_config(str(path))
+    assert (cfg.train.seed, cfg.eval.seed) == (3, 4)
+
+
+def test_an_unreadable_config_file_is_one_line_naming_it_and_why(tmp_path, monkeypatch):
+    path = tmp_path / "secret.yaml"
+    path.write_text("train:\n  seed: 1\n")
+    read_text = Path.read_text
+
+    def denied(self, *args, **kwargs):  # chmod 000 as a user (root reads it anyway)
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", denied)
     with pytest.raises(ConfigError) as info:
-        load_config(str(bad))
-    assert str(info.value) == f"{bad}: not valid YAML {where}"
+        load_config(str(path))
+    assert str(info.value) == f"--config {path}: cannot read it (Permission denied)"
+
+
+@pytest.mark.parametrize("name", ["", " "])
+def test_an_empty_config_is_refused_as_empty_not_taken_for_the_current_folder(name):
+    with pytest.raises(ConfigError) as info:
+        load_config(name)
+    assert str(info.value) == f"--config {name!r}: must name a preset or a YAML file; presets: {PRESETS}"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--config", "TWICE"], "TWICE: line 3: 'train' is given twice (first at line 1), and YAML would keep only the "
+                            "last: give it once"),
+    (["--config", ""], f"--config '': must name a preset or a YAML file; presets: {PRESETS}"),
+    (["--set", "run.storage="], "run.storage = '': required: a folder for run directories"),
+    (["--set", f"run.name={'a' * 300}"], f"run.name = '{'a' * 40}'...: 300 characters; at most 200 (it names a "
+                                         f"folder, and file systems take 255 bytes a name, less what raydiff adds "
+                                         f"to it)"),
+])
+def test_bad_config_input_is_one_config_error_line_exit_2_and_nothing_written(tmp_path, monkeypatch, capsys, args,
+                                                                              line):
+    from raydiff import cli, train
+
+    monkeypatch.chdir(tmp_path)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  lr: 1.0e-4\ntrain:\n  total_steps: 5\n")
+    args = [a.replace("TWICE", str(twice)) for a in args]
+    assert cli.run(train.main, ["--set", "run.storage=runs", *args]) == 2
+    assert capsys.readouterr().err == f"raydiff: config error: {line.replace('TWICE', str(twice))}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["twice.yaml"]

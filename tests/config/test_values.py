@@ -1,5 +1,6 @@
 """What a typed key accepts from YAML and the command line: finite numbers only, whole integers, exact literals,
-a single value as a one-item list; and how a type is named in an error."""
+a single value as a one-item list, a string key's `--set` text as typed; and how a type and a value are named in
+an error."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Literal, get_type_hints
 
 import pytest
 
-from raydiff.config import Config, ConfigError, all_keys, load_config
-from raydiff.config.values import coerce, describe_type
+from raydiff.config import Config, ConfigError, all_keys, load_config, set_key
+from raydiff.config.values import coerce, describe_type, is_text, read_override
 
 
 def test_command_line_strings_become_the_keys_types():
@@ -64,3 +65,67 @@ def test_an_override_that_is_not_yaml_is_refused_in_one_line_naming_the_key_and_
         load_config("default", [override])
     assert str(info.value) == line
 
+
+@pytest.mark.parametrize("override, key, value", [
+    # YAML 1.1 would read these as a date, a boolean, octal, a float, base 60 and null (or refuse them as such).
+    ("run.name=2024-01-15", "run.name", "2024-01-15"),
+    ("run.name=yes", "run.name", "yes"),
+    ("run.name=0123", "run.name", "0123"),
+    ("run.name=1.10", "run.name", "1.10"),
+    ("log.mlflow_experiment=12:30", "log.mlflow_experiment", "12:30"),
+    ("run.name='null'", "run.name", "null"),  # quoted: the text (bare, YAML's null, refused below)
+    ("log.wandb_project='null'", "log.wandb_project", "null"),  # quoted: the text, where bare null is off
+    ("data.image_column=\"0x1F\"", "data.image_column", "0x1F"),
+])
+def test_a_string_key_takes_the_set_text_as_typed(tmp_path, override, key, value):
+    cfg = load_config("default", [override, f"run.storage={tmp_path}"], check_source=False)
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == value
+
+
+def test_a_set_path_keeps_its_colons(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "1:30").mkdir()  # was /.../90: YAML 1.1 reads 1:30 as 90 in base 60
+    cfg = load_config("default", ["data.source=1:30", "run.storage=out"])
+    assert cfg.data.source == str(tmp_path / "1:30")
+
+
+@pytest.mark.parametrize("text", ["", " ", "~", "null", "NULL"])
+def test_null_tilde_and_empty_are_null_where_a_string_key_admits_null(tmp_path, text):
+    cfg = load_config("default", [f"eval.ref={text}", f"log.wandb_project={text}", f"run.storage={tmp_path}"])
+    assert cfg.eval.ref is None and cfg.log.wandb_project is None
+
+
+@pytest.mark.parametrize("override, line", [
+    # Where the key admits no null, the empty value is the empty string, refused by the key's own rule (was
+    # `run.storage = None: expected string`); data.source's empty value is null, refused as required.
+    ("run.storage=", "run.storage = '': required: a folder for run directories"),
+    ("data.image_column=", "data.image_column = '': must name a column"),
+    # YAML's null where the key takes none: refused, as in a file (taken as text, `run.storage=null` would have
+    # written into ./null, `run.storage=~` into the home folder).
+    ("run.name=~", "run.name = null: expected string"),
+    ("run.storage=null", "run.storage = null: expected string"),
+    ("run.storage=~", "run.storage = null: expected string"),
+    ("run.name=12:30", "run.name = '12:30': use letters, digits, '.', '_' and '-' (it names a folder)"),
+    ("data.source=", "data.source = null: required: a folder or file of images, Parquet or WebDataset shards (local, "
+                     "s3://, gs://), a dataset on the Hugging Face Hub (hf://datasets/uoft-cs/cifar10), or "
+                     "builtin:digits"),
+])
+def test_an_empty_or_refused_string_is_named_as_typed(tmp_path, override, line):
+    with pytest.raises(ConfigError) as info:
+        load_config("default", [f"run.storage={tmp_path}", override])
+    assert str(info.value) == line
+
+
+def test_a_refused_null_is_named_null_not_none():
+    with pytest.raises(ConfigError) as info:
+        set_key(Config(), "run.name", None)
+    assert str(info.value) == "run.name = null: expected string"
+
+
+def test_only_keys_of_text_alone_take_the_set_text_as_typed():
+    assert is_text(str) and is_text(str | None)
+    assert not is_text(Literal["auto"] | bool | str) and not is_text(tuple[str, ...]) and not is_text(int | None)
+    assert read_override("true", Literal["auto"] | bool | str) is True  # train.compile: YAML, as before
+    assert read_override("'a' 'b'", str) == "'a' 'b'"  # not one quoted string: the text
+    assert read_override(" /tmp/x ", str) == "/tmp/x"  # a stray space is no folder name
