@@ -136,6 +136,24 @@ LAUNCHER_BROKEN = {
         lambda c: c["available_node_types"]["ray.worker.cpu"]["node_config"].pop("IamInstanceProfile"),
         ("available_node_types['ray.worker.cpu'].node_config: no IamInstanceProfile, so these nodes have no access "
          "to the preset's bucket (cifar10-aws: run.storage = s3://YOUR-BUCKET/raydiff-runs)")),
+    # Sections of the wrong shape, which Ray's own preparation of the config read as Python errors (tracebacks).
+    "docker section left empty": (lambda c: c.update(docker=None), "docker = null: expected object"),
+    "docker section as an image name": (lambda c: c.update(docker="rayproject/ray:2.60.0-py311-gpu"),
+                                        'docker = "rayproject/ray:2.60.0-py311-gpu": expected object'),
+    "GPU node type's docker left empty": (lambda c: c["available_node_types"][GPU].update(docker=None),
+                                          "available_node_types['ray.worker.gpu'].docker = null: expected object"),
+    "file_mounts as a list": (lambda c: c.update(file_mounts=["~/raydiff: ."]),
+                              'file_mounts = ["~/raydiff: ."]: expected object'),
+    "file mount without a local path": (lambda c: c["file_mounts"].update({"~/data": None}),
+                                        "file_mounts['~/data'] = null: expected string"),
+    "setup_commands left empty": (lambda c: c.update(setup_commands=None), "setup_commands = null: expected array"),
+    "security group rule as text": (
+        lambda c: c["provider"].update(security_group={"IpPermissions": ["tcp 8265"]}),
+        'provider.security_group.IpPermissions[0] = "tcp 8265": expected object'),
+    "security group port as text": (
+        lambda c: c["provider"].update(security_group={"IpPermissions": [
+            {"IpProtocol": "tcp", "FromPort": "8000", "ToPort": 9000, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]}),
+        'provider.security_group.IpPermissions[0].FromPort = "8000": expected integer'),
 }
 
 
@@ -171,6 +189,21 @@ GCP_BROKEN = {
         lambda c: _gcp_node(c, "ray_worker_cpu").update(machineType="n1-standard-8", guestAccelerators=T4,
                                                         scheduling={"onHostMaintenance": "MIGRATE"}),
         'ray_worker_cpu.node_config.scheduling.onHostMaintenance = "MIGRATE" (n1-standard-8 has GPUs)'),
+    "scheduling as text": (
+        lambda c: _gcp_node(c, "ray_worker_gpu").update(scheduling="TERMINATE"),
+        'available_node_types.ray_worker_gpu.node_config.scheduling = "TERMINATE": expected object or array or null'),
+    "scheduling list of text": (
+        lambda c: _gcp_node(c, "ray_worker_gpu").update(scheduling=["onHostMaintenance: TERMINATE"]),
+        'ray_worker_gpu.node_config.scheduling[0] = "onHostMaintenance: TERMINATE": expected object'),
+    "service accounts as a mapping": (
+        lambda c: _gcp_node(c, "ray_worker_cpu").update(serviceAccounts={"email": "sa@p.iam.gserviceaccount.com"}),
+        ('ray_worker_cpu.node_config.serviceAccounts = {"email": "sa@p.iam.gserviceaccount.com"}: expected array or '
+         'null')),
+    "scopes as text": (
+        lambda c: _gcp_node(c, "ray_worker_cpu")["serviceAccounts"][0].update(
+            scopes="https://www.googleapis.com/auth/cloud-platform"),
+        'ray_worker_cpu.node_config.serviceAccounts[0].scopes = "https://www.googleapis.com/auth/cloud-platform": '
+        'expected array or null'),
 }
 
 
@@ -206,6 +239,29 @@ def test_buckets_behind_an_endpoint_need_no_instance_profile(tmp_path, monkeypat
     path = _launcher(tmp_path, lambda c: [t["node_config"].pop("IamInstanceProfile", None)
                                           for t in c["available_node_types"].values()])
     assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
+
+
+def test_a_value_yaml_cannot_build_is_named_by_its_field(tmp_path, capsys):
+    """PyYAML raises a plain ValueError or KeyError for a tagged value it cannot build, naming neither the field
+    nor the file: the refusal names both, and what to write instead."""
+    path = _launcher(tmp_path, lambda c: None)
+    path.write_text(path.read_text() + "metadata:\n  lr: !!float x\n")
+    assert _refused(capsys, path).endswith(': not valid YAML: metadata.lr = !!float "x" is not a valid float; write '
+                                           'one, or remove the !!float tag')
+    path.write_text(path.read_text().replace("!!float x", "2024-13-45"))  # read as a date without a tag
+    assert _refused(capsys, path).endswith(": not valid YAML: metadata.lr = 2024-13-45: YAML reads it as a timestamp "
+                                           "and it is not a valid one; quote it if it is text")
+    manifest = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: None)
+    manifest.write_text(manifest.read_text() + "---\nmetadata:\n  labels: {x: !!bool maybe}\n")
+    assert _refused(capsys, manifest).endswith(': not valid YAML: document 3: metadata.labels.x = !!bool "maybe" is '
+                                               'not a valid bool; write one, or remove the !!bool tag')
+
+
+def test_a_date_where_text_belongs_is_named_not_a_traceback(tmp_path, capsys):
+    # YAML reads 2024-01-01 unquoted as a date, which JSON (the messages' notation) has no form for.
+    path = _launcher(tmp_path, lambda c: c.update(cluster_name="DATE"))
+    path.write_text(path.read_text().replace("cluster_name: DATE", "cluster_name: 2024-01-01"))
+    assert 'cluster_name = "2024-01-01": expected string (quote it: "2024-01-01")' in _refused(capsys, path)
 
 
 def test_launcher_needs_a_preset_line(tmp_path, capsys):
@@ -313,6 +369,14 @@ KUBERAY_BROKEN = {
                                    "support KubeRay v1.5.1")),
     "autoscaler field of KubeRay 1.7": (lambda p, o: o["spec"]["autoscalerOptions"].update(command=["ray"]),
                                         "spec.autoscalerOptions: 'command' needs KubeRay v1.7.0 or newer"),
+    # A claim whose fields raydiff reads have the wrong shape (was: TypeError, a traceback).
+    "claim's access modes as text": (lambda p, o: p["spec"].update(accessModes="ReadWriteMany"),
+                                     'PersistentVolumeClaim raydiff-shared: spec.accessModes = "ReadWriteMany": '
+                                     'expected array'),
+    "claim's name as a list": (lambda p, o: p["metadata"].update(name=["raydiff-shared"]),
+                               'a PersistentVolumeClaim: metadata.name = ["raydiff-shared"]: expected string'),
+    "claim without a spec": (lambda p, o: p.update(spec=None),
+                             "PersistentVolumeClaim raydiff-shared: spec = null: expected object"),
 }
 
 

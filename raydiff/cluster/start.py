@@ -200,14 +200,19 @@ def leave_ray() -> None:
 def check_ray_address() -> str | None:
     """The address of the cluster that ray.init() will join (RAY_ADDRESS, else a local `ray start`), checked to
     answer (Ray itself would retry for minutes); None where ray.init() starts a local instance."""
+    # Checked before Ray's lookup, which logs its own traceback for an address without a host, and takes any text
+    # after the last ':' for the port.
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address not in ("", "auto", "local"):
+        _check_address_form(address, address)
     try:
         with _quiet_address_lookup():
             existing = canonicalize_bootstrap_address(None)  # type: ignore[arg-type]  # Ray's hint says str
     except ValueError as exc:
-        dashboard = ("; an http:// address is a dashboard's, for `ray job submit`" if "http" in str(exc) else "")
-        raise RayUnreachable(f"{_named()}: {exc}; expected the cluster's host:port, auto or local{dashboard}") from None
+        raise _malformed(str(exc), address) from None
     if existing is None:
         return None
+    _check_address_form(existing, address)  # what a `ray start` left in its file
     host, _, port = existing.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=ANSWER_TIMEOUT_S).close()
@@ -219,6 +224,26 @@ def check_ray_address() -> str | None:
         raise RayUnreachable(f"no Ray cluster answers at {existing} ({_named()}): {exc.strerror or exc}; start "
                              f"one there (`ray start --head`), or {forget} to start a local Ray instance") from None
     return existing
+
+
+def _check_address_form(address: str, given: str) -> None:
+    """Refuse `address` unless it is host:port with a port that can be one; one without ':' is left to Ray, whose
+    message says so. `given`: RAY_ADDRESS's value ("" where `ray start`'s file gave the address)."""
+    if "://" in address:
+        raise _malformed("a URL, not host:port", given)
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return
+    if not host.strip("[]"):
+        raise _malformed(f"no host before ':{port}'", given)
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise _malformed(f"port {port!r} is not a number from 1 to 65535", given)
+
+
+def _malformed(problem: str, given: str) -> RayUnreachable:
+    """The one line for an address that is not a cluster's, whatever found it malformed (Ray or raydiff)."""
+    dashboard = "; an http:// address is a dashboard's, for `ray job submit`" if "http" in given else ""
+    return RayUnreachable(f"{_named()}: {problem}; expected the cluster's host:port, auto or local{dashboard}")
 
 
 @contextlib.contextmanager

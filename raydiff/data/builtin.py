@@ -16,21 +16,52 @@ from PIL import Image, ImageDraw
 
 from raydiff.data.errors import DataError
 from raydiff.storage.atomic import new_folder
-from raydiff.storage.errors import permanent_reason
+from raydiff.storage.errors import FULL, permanent_reason
 
 
 def cache_dir() -> Path:
     """Where built-in datasets are written: $RAYDIFF_CACHE, else $XDG_CACHE_HOME/raydiff, else ~/.cache/raydiff."""
     if os.environ.get("RAYDIFF_CACHE"):
-        return Path(os.environ["RAYDIFF_CACHE"]).expanduser().resolve()
+        try:
+            return Path(os.environ["RAYDIFF_CACHE"]).expanduser().resolve()
+        except RuntimeError:  # ~user of no user here
+            raise _cache_refused("its ~ names no home folder on this machine") from None
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return (base / "raydiff").expanduser().resolve()
+
+
+def _cache_refused(reason: str) -> DataError:
+    """RAYDIFF_CACHE's value is no folder raydiff can write into: one line naming it (the variable, set once, is
+    easily forgotten, and Python's error names only a path)."""
+    return DataError(f"RAYDIFF_CACHE = {os.environ.get('RAYDIFF_CACHE', '')!r}: {reason}; point it at a folder raydiff "
+                     f"may write, or unset it")
+
+
+def _make_cache(folder: Path) -> None:
+    """Make the cache folder where it is missing; one that cannot be (a file in its place, a path no folder can be
+    made at) is the user's to fix, in one line naming RAYDIFF_CACHE where that chose it. A full disk is left to
+    `_publish`, which says so for the whole dataset."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if permanent_reason(exc) in FULL:
+            return
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            reason = "not a folder (a file is there)" if existing == folder else f"not a folder ({existing} is a file)"
+        else:
+            reason = f"cannot make the folder ({permanent_reason(exc) or (exc.strerror or str(exc)).lower()})"
+        if os.environ.get("RAYDIFF_CACHE"):
+            raise _cache_refused(reason) from None
+        raise DataError(f"the cache folder {folder}: {reason}; set RAYDIFF_CACHE to a folder raydiff may write") \
+            from None
 
 
 def _publish(build, target: Path) -> Path:
     """Build a folder under a temporary name and rename it into place, so a reader never sees half of it."""
     if target.is_dir():
         return target
+    _make_cache(target.parent)
     try:
         with new_folder(target) as tmp:
             build(tmp)

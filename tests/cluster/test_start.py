@@ -18,7 +18,8 @@ import pytest
 from conftest import ROOT, free_port, processes_mentioning, run_cli, run_cli_acting, wait_for
 
 from raydiff import cli
-from raydiff.cluster.start import init_ray
+from raydiff.cluster.errors import RayUnreachable
+from raydiff.cluster.start import check_ray_address, init_ray
 
 
 @pytest.mark.parametrize("address, message", [
@@ -34,6 +35,35 @@ def test_a_ray_address_without_a_cluster_is_one_line_and_nothing_is_written(tmp_
     assert "RAY_ADDRESS=" in proc.stderr
     assert not (tmp_path / "runs").exists()
     assert time.monotonic() - started < 60  # not Ray's minutes of retries
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("127.0.0.1:notaport", "port 'notaport' is not a number from 1 to 65535"),  # was: int()'s ValueError, traceback
+    (":{port}", "no host before ':{port}'"),  # was: Ray's logged traceback before the line
+    ("http://127.0.0.1", "a URL, not host:port"),  # was: int()'s ValueError on '//127.0.0.1'
+])
+def test_a_malformed_ray_address_is_one_line_naming_it_before_ray_reads_it(tmp_path, address, problem):
+    port = free_port()
+    address, problem = address.format(port=port), problem.format(port=port)
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path / 'runs'}",
+                   env={"RAY_ADDRESS": address})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    hint = "; an http:// address is a dashboard's, for `ray job submit`" if address.startswith("http") else ""
+    assert proc.stderr.splitlines() == [f"raydiff: error: RAY_ADDRESS={address}: {problem}; expected the cluster's "
+                                        f"host:port, auto or local{hint}"], proc.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_malformed_address_left_by_ray_start_is_one_line_naming_its_file(tmp_path, monkeypatch):
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:notaport")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    with pytest.raises(RayUnreachable) as refused:
+        check_ray_address()
+    assert str(refused.value) == (f"left by `ray start` in {tmp_path / 'ray' / 'ray_current_cluster'}: port "
+                                  f"'notaport' is not a number from 1 to 65535; expected the cluster's host:port, "
+                                  f"auto or local")
 
 
 def test_an_address_that_a_stopped_ray_start_left_behind_is_one_line_naming_its_file(tmp_path):

@@ -14,9 +14,10 @@ from typing import Any
 
 import jsonschema
 
-from raydiff.cluster.files.kuberay_schema import KUBERAY_SCHEMAS, MIN_KUBERAY
+from raydiff.cluster.files.kuberay_schema import KUBERAY_SCHEMAS, MIN_KUBERAY, STR, STRS
 from raydiff.cluster.files.shared import (
     ClusterFileError,
+    as_json,
     check_shared_storage,
     load_preset,
     schema_message,
@@ -27,6 +28,10 @@ PRESET_ANNOTATION = "raydiff.dev/preset"
 # KubeRay's ray-operator/controllers/ray/utils/validation.go (v1.5.1 to v1.7.0): token auth needs Ray 2.52.0.
 MIN_TOKEN_RAY = (2, 52, 0)
 TOKEN_VERSION = re.compile(r"\s*v?((?:0|[1-9][0-9]*)(?:\.[0-9]+)+)")
+# The fields of a PersistentVolumeClaim that raydiff reads (its name, its access modes), with their shapes.
+CLAIM_READ = {"type": "object", "required": ["metadata", "spec"], "properties": {
+    "metadata": {"type": "object", "required": ["name"], "properties": {"name": STR}},
+    "spec": {"type": "object", "properties": {"accessModes": STRS}}}}
 
 
 def is_kuberay(doc: dict[str, Any]) -> bool:
@@ -39,6 +44,23 @@ def _rwx_mounts(template: dict[str, Any], rwx_claims: set[str]) -> set[str]:
                if v.get("persistentVolumeClaim", {}).get("claimName") in rwx_claims}
     ray_container = template["spec"]["containers"][0]
     return {m["mountPath"] for m in ray_container.get("volumeMounts", []) if m["name"] in volumes}
+
+
+def _rwx_claims(docs: list[dict[str, Any]]) -> set[str]:
+    """The names of the file's ReadWriteMany PersistentVolumeClaims; a claim without the shape Kubernetes requires
+    of these fields is refused, by name and field (`kubectl apply` would refuse it too)."""
+    claims = set()
+    for doc in docs:
+        if doc.get("kind") != "PersistentVolumeClaim":
+            continue
+        error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(CLAIM_READ).iter_errors(doc))
+        if error is not None:
+            name = doc["metadata"].get("name") if isinstance(doc.get("metadata"), dict) else None
+            which = f"PersistentVolumeClaim {name}" if isinstance(name, str) else "a PersistentVolumeClaim"
+            raise ClusterFileError(f"{which}: {schema_message(error)}")
+        if "ReadWriteMany" in doc["spec"].get("accessModes", []):
+            claims.add(doc["metadata"]["name"])
+    return claims
 
 
 def _gpus(template: dict[str, Any]) -> float:
@@ -58,7 +80,7 @@ def check_kuberay(docs: list[dict[str, Any]]) -> None:
     doc = ray_docs[0]
     schema = KUBERAY_SCHEMAS.get(str(doc.get("kind")))
     if schema is None:
-        raise ClusterFileError(f"kind = {json.dumps(doc.get('kind'))}: allowed: RayCluster, RayJob")
+        raise ClusterFileError(f"kind = {as_json(doc.get('kind'))}: allowed: RayCluster, RayJob")
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
     if error is not None:
         hint = (" (raydiff's elastic training needs Ray's autoscaler to add worker pods)"
@@ -144,9 +166,7 @@ def _check_kuberay_preset(doc: dict[str, Any], where: str, spec: dict[str, Any],
         if named and named.group(1) != name:
             raise ClusterFileError(f"spec.entrypoint runs --config {named.group(1)}, but "
                                    f"metadata.annotations.{PRESET_ANNOTATION} is {name}: make them the same preset")
-    rwx_claims = {d["metadata"].get("name") for d in docs if d.get("kind") == "PersistentVolumeClaim"
-                  and isinstance(d.get("metadata"), dict) and isinstance(d.get("spec"), dict)
-                  and "ReadWriteMany" in (d["spec"].get("accessModes") or [])}
+    rwx_claims = _rwx_claims(docs)
     pods = {"head": _rwx_mounts(head["template"], rwx_claims),
             **{g["groupName"]: _rwx_mounts(g["template"], rwx_claims) for g in groups}}
     check_shared_storage(name, preset, pods)

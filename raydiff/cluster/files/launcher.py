@@ -13,12 +13,14 @@ import difflib
 import json
 import logging
 import re
+from importlib import resources
 from typing import Any
 
 import jsonschema
 
 from raydiff.cluster.files.shared import (
     ClusterFileError,
+    as_json,
     check_shared_storage,
     field_path,
     load_preset,
@@ -37,6 +39,16 @@ GCP_GPU_MACHINES = re.compile(r"(a2|a3|a4|a4x|g2|g4)-")
 # OAuth scopes of a GCE VM that let it write Cloud Storage (the default one is devstorage.read_only).
 GCS_WRITE_SCOPES = tuple(f"https://www.googleapis.com/auth/{scope}"
                          for scope in ("cloud-platform", "devstorage.read_write", "devstorage.full_control"))
+# The provider-specific fields raydiff's checks read, which Ray's schema leaves free (`provider` and `node_config`
+# take any keys): their shapes, so that a wrong one is refused by name, not met as a Python error.
+SECURITY_GROUP_READ = {"type": "object", "properties": {"security_group": {"type": "object", "properties": {
+    "IpPermissions": {"type": "array", "items": {"type": "object", "properties": {
+        "IpProtocol": {"type": ["string", "integer"]}, "FromPort": {"type": "integer"}, "ToPort": {"type": "integer"},
+        "IpRanges": {"type": ["array", "null"]}, "Ipv6Ranges": {"type": ["array", "null"]}}}}}}}}
+GCP_NODE_READ = {"type": "object", "properties": {
+    "scheduling": {"type": ["object", "array", "null"], "items": {"type": "object"}},
+    "serviceAccounts": {"type": ["array", "null"], "items": {"type": "object", "properties": {
+        "scopes": {"type": ["array", "null"], "items": {"type": "string"}}}}}}}
 
 
 def check_launcher(raw: dict[str, Any], text: str) -> None:
@@ -48,6 +60,7 @@ def check_launcher(raw: dict[str, Any], text: str) -> None:
         found = f" (found '{close[0]}': misspelt?)" if close else ""
         raise ClusterFileError(f"provider: missing required key{found}; set provider.type (aws, gcp, azure, ...) "
                                f"and its region")
+    _check_as_written(raw)
     logging.getLogger("ray.autoscaler").setLevel(logging.WARNING)  # prepare_config narrates its defaults
     try:
         cfg = prepare_config(copy.deepcopy(raw))
@@ -57,8 +70,37 @@ def check_launcher(raw: dict[str, Any], text: str) -> None:
     except (ValueError, RuntimeError, AssertionError, LookupError, TypeError) as exc:  # what Ray raises
         raise ClusterFileError(f"Ray rejects the config: {str(exc).strip().splitlines()[0]}") from None
 
+    _check_fields_read(cfg)
     _check_launcher_rules(cfg)
     _check_launcher_preset(cfg, text)
+
+
+def _check_as_written(raw: dict[str, Any]) -> None:
+    """Ray's schema over the file as written, before `prepare_config` fills in its defaults: Ray's preparation
+    reads some sections without checking their type (a `docker:` left empty, `file_mounts` written as a list) and
+    fails with Python's error. What the defaults fill in or drop (a missing key, a legacy top-level one) is left to
+    the validation after them."""
+    schema = json.loads((resources.files("ray.autoscaler") / "ray-schema.json").read_text())
+    # Ray reads each file mount as a local path (a file mount of a docker cluster is checked with Path(local)).
+    schema["properties"]["file_mounts"]["additionalProperties"] = {"type": "string"}
+    errors = [e for e in jsonschema.Draft7Validator(schema).iter_errors(raw)
+              if e.absolute_path or e.validator not in ("required", "additionalProperties")]
+    error = jsonschema.exceptions.best_match(errors)
+    if error is not None:
+        raise ClusterFileError(schema_message(error))
+
+
+def _check_fields_read(cfg: dict[str, Any]) -> None:
+    """The provider-specific fields that raydiff's checks read have the shapes they are read with."""
+    checks = [(["provider"], cfg["provider"], SECURITY_GROUP_READ)]
+    if cfg["provider"]["type"] == "gcp":
+        checks += [(["available_node_types", name, "node_config"], node_type["node_config"], GCP_NODE_READ)
+                   for name, node_type in cfg["available_node_types"].items()]
+    for path, value, schema in checks:
+        error = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(schema).iter_errors(value))
+        if error is not None:
+            error.path.extendleft(reversed(path))  # named from the top of the file
+            raise ClusterFileError(schema_message(error))
 
 
 def _check_launcher_rules(cfg: dict[str, Any]) -> None:
@@ -80,7 +122,7 @@ def _check_launcher_rules(cfg: dict[str, Any]) -> None:
         if from_outside and (protocol == "-1" or protocol in ("tcp", "6") and low <= DASHBOARD_PORT <= high):
             raise ClusterFileError(f"provider.security_group.IpPermissions: a rule opens port {DASHBOARD_PORT} (the "
                                    f"dashboard); remove it and use `ray dashboard CLUSTER.yaml` (an SSH port-forward)")
-    if AUTH_DISABLED.search(json.dumps(cfg)):
+    if AUTH_DISABLED.search(json.dumps(cfg, default=str)):  # anywhere in the file, as text
         raise ClusterFileError("RAY_AUTH_MODE=disabled: raydiff clusters keep Ray's token auth on")
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         if not any("RAY_AUTH_MODE=token" in command for command in cfg[key]):
@@ -156,7 +198,7 @@ def _check_gcp_gpu_maintenance(types: dict[str, Any]) -> None:
         maintenance = scheduling.get("onHostMaintenance", "TERMINATE" if scheduling.get("preemptible") else None)
         if has_gpus and maintenance != "TERMINATE":
             raise ClusterFileError(f"{where}.scheduling.onHostMaintenance = "
-                                   f"{json.dumps(scheduling.get('onHostMaintenance'))} ({node.get('machineType')} "
+                                   f"{as_json(scheduling.get('onHostMaintenance'))} ({node.get('machineType')} "
                                    f"has GPUs): must be \"TERMINATE\"; GCE creates no GPU VM that live-migrates")
 
 
@@ -212,7 +254,7 @@ def _check_bucket_access(cfg: dict[str, Any], name: str, preset: Config) -> None
             scopes = [scope for account in accounts if isinstance(account, dict)
                       for scope in account.get("scopes") or []]
             if not any(scope in GCS_WRITE_SCOPES for scope in scopes):
-                found = f"scopes = {json.dumps(scopes)}" if accounts else "missing"
+                found = f"scopes = {as_json(scopes)}" if accounts else "missing"
                 raise ClusterFileError(f"{where}.serviceAccounts: {found}, so these nodes cannot write the preset's "
                                        f"bucket ({name}: {buckets[0]}): Ray gives its service account to the head "
                                        f"only; add serviceAccounts with ray-autoscaler-sa-v1@PROJECT."

@@ -8,6 +8,7 @@ node's disk.
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import json
 import re
@@ -24,13 +25,22 @@ class ClusterFileError(ValueError):
     """What is wrong with a cluster file, in one line naming the field and what is allowed."""
 
 
+def as_json(value: Any) -> str:
+    """A value of the file as a message shows it: JSON, with a YAML date as its text (JSON has no dates); Python's
+    text of what JSON cannot show (a mapping with a date for a key, a YAML alias that contains itself)."""
+    try:
+        return json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        return str(value)
+
+
 def field_path(path: Any) -> str:
     """A JSON path as YAML people read it: spec.workerGroupSpecs[0].minReplicas."""
     out = ""
     for part in path:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif re.fullmatch(r"[A-Za-z_][\w-]*", part):
+        elif isinstance(part, str) and re.fullmatch(r"[A-Za-z_][\w-]*", part):
             out += f".{part}" if out else part
         else:
             out += f"[{part!r}]"
@@ -42,27 +52,30 @@ def schema_message(error: jsonschema.ValidationError, hint: str = "") -> str:
     where, kind, value = field_path(error.absolute_path), error.validator, error.instance
     if kind == "additionalProperties" and isinstance(value, dict):
         allowed = list(error.schema.get("properties", {}))
-        bad = min(set(value) - set(allowed))
+        bad = min(set(value) - set(allowed), key=str)  # YAML keys may be numbers, dates or null too
         newer = error.schema.get(NEWER, {}).get(bad)
         if newer:  # a real KubeRay field, but the supported operators' CRDs lack it
             return (f"{where}: '{bad}' needs KubeRay {newer} or newer; the manifests support KubeRay {MIN_KUBERAY}, "
                     f"whose CRD lacks it (the API server would drop it): remove it")
-        close = difflib.get_close_matches(bad, allowed, n=1)
+        close = difflib.get_close_matches(str(bad), allowed, n=1)
         suggestion = f" (did you mean '{close[0]}'?)" if close else ""
         return f"{where}: unknown key '{bad}'{suggestion}; allowed: {', '.join(allowed)}"
     if kind == "required":
         missing = [key for key in error.validator_value if key not in value]
         return f"{where}: missing required key '{missing[0]}'"
     if kind == "const":
-        return f"{where} = {json.dumps(value)}: must be {json.dumps(error.validator_value)}{hint}"
+        return f"{where} = {as_json(value)}: must be {json.dumps(error.validator_value)}{hint}"
     if kind == "enum":
-        return f"{where} = {json.dumps(value)}: allowed: {', '.join(json.dumps(a) for a in error.validator_value)}"
+        return f"{where} = {as_json(value)}: allowed: {', '.join(json.dumps(a) for a in error.validator_value)}"
     if kind == "minimum":
         return f"{where} = {value}: must be >= {error.validator_value}"
     if kind == "type":
-        number_for_string = error.validator_value == "string" and isinstance(value, (int, float))
-        quote = f' (quote it: "{value}")' if number_for_string else ""
-        return f"{where} = {json.dumps(value)}: expected {error.validator_value}{quote}"
+        # YAML reads 8, 1.5 and 2024-01-01 unquoted as a number or a date, not text
+        unquoted = error.validator_value == "string" and isinstance(value, (int, float, datetime.date))
+        quote = f' (quote it: "{value}")' if unquoted else ""
+        types = error.validator_value
+        expected = " or ".join(types) if isinstance(types, list) else types
+        return f"{where} = {as_json(value)}: expected {expected}{quote}"
     return f"{where}: {error.message}"
 
 
