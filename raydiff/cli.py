@@ -1,5 +1,8 @@
 """What every entry point shares: user mistakes become one line on stderr and exit code 2.
 
+A mistake in a command's arguments is one line too (`Parser`, the ArgumentParser every command builds): the
+refusal and where the command's usage is, not argparse's usage block above it.
+
 Nothing here imports torch or Ray (each takes seconds to import): a mistake found before a command needs them
 (a bad `--set`, a missing file, `--help`) is answered at once.
 """
@@ -10,8 +13,8 @@ import argparse
 import gc
 import signal
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 from raydiff.cluster.errors import NoWorkerNode, RayCannotStart, RayUnreachable
 from raydiff.config import ConfigError
@@ -57,10 +60,49 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
     return 2
 
 
+class Parser(argparse.ArgumentParser):
+    """The commands' ArgumentParser: an argument error, argparse's own (an unknown flag, a missing value, a bad
+    choice) or a command's (`parser.error`), is one line naming the command, exit code 2:
+
+        raydiff: error: --num 0: must be >= 1 (python -m raydiff.sample --help)
+
+    A `--set` value without '=' followed by its value (`--set train.lr 1e-3`, which argparse would call an
+    unrecognized 1e-3) is told as the typo it is. Sub-commands' parsers (`add_subparsers`) are Parsers too."""
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, extras = super().parse_known_args(argv, namespace)
+        if extras and "--set" in self._option_string_actions:
+            typo = set_without_equals(argv, extras)
+            if typo:
+                self.error(typo)
+        return parsed, extras
+
+    def error(self, message: str) -> NoReturn:
+        line = " ".join(message.splitlines())
+        self.exit(2, f"raydiff: error: {line} ({self.prog} --help)\n")
+
+
+def set_without_equals(argv: list[str], extras: list[str]) -> str | None:
+    """The refusal of a `--set KEY VALUE` in `argv` (a space where the '=' goes, VALUE left among argparse's
+    unrecognized `extras`), as `--set KEY: expected KEY=VALUE, as --set KEY=VALUE`; None where there is none."""
+    for i, token in enumerate(argv):
+        if token == "--set" and i + 1 < len(argv):
+            key, after = argv[i + 1], i + 2
+        elif token.startswith("--set="):
+            key, after = token.removeprefix("--set="), i + 1
+        else:
+            continue
+        if "=" not in key and after < len(argv) and argv[after] in extras:
+            return f"--set {key}: expected KEY=VALUE, as --set {key}={argv[after]}"
+    return None
+
+
 def refuse_empty(parser: argparse.ArgumentParser, name: str, value: str, allowed: str) -> None:
-    """Refuse an empty (or blank) output location as a mistake in the command line (`parser.error`: exit code 2):
-    Path("") is ".", so an unset shell variable would write into the current folder (and `raydiff.sample` prune
-    the samples there). `name` is the argument's ("--out", or "OUT" for a positional); `allowed` what it takes."""
+    """Refuse an empty (or blank) output location as a mistake in the command line (`parser.error`: one line, exit
+    code 2): Path("") is ".", so an unset shell variable would write into the current folder (and `raydiff.sample`
+    prune the samples there). `name` is the argument's ("--out", or "OUT" for a positional); `allowed` what it
+    takes."""
     if not value.strip():
         parser.error(f"{setting_with(name, value)}: must name {allowed} (an empty value would mean the current "
                      f"folder)")

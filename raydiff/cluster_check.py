@@ -16,7 +16,6 @@ Prints `OK FILE` per good file; a bad file is one line on stderr, and the exit c
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from raydiff.cluster.files import ClusterFileError, check_file
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.cluster_check", description=__doc__.split("\n\n")[0])
+    parser = cli.Parser(prog="python -m raydiff.cluster_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="cluster-launcher YAML or KubeRay manifest")
     args = parser.parse_args(argv)
     failed = False

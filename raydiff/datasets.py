@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from raydiff import cli
@@ -18,8 +17,8 @@ from raydiff.storage.errors import output_errors
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.datasets",
-                                     description="Write the built-in datasets to disk.")
+    parser = cli.Parser(prog="python -m raydiff.datasets",
+                        description="Write the built-in datasets to disk.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("digits", help="write the digits into the cache (once) and print the folder")
     syn = sub.add_parser("synthetic", help="write synthetic RGB images into a folder")

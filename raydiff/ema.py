@@ -23,8 +23,8 @@ from raydiff.config.checks import parse_sigma_rels
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.ema", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m raydiff.ema", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="the run directory (a path or s3:// / gs:// URI)")
     parser.add_argument("--sigma-rel", required=True, help="comma-separated widths, each in (0, 0.28)")
     parser.add_argument("--out", required=True, help="local folder for one checkpoint folder per width")
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run = checkpoint_location(args.checkpoint, args.endpoint, runs_only=True)
     try:
-        rebuilt = rebuild(run, sigma_rels, args.step)
+        rebuilt = rebuild(run, sigma_rels, args.step, where=f"--checkpoint {args.checkpoint}")
     except NoSuchSnapshot as exc:
         raise ConfigError(f"--step {args.step}: {exc}") from None
     except ValueError as exc:  # a damaged snapshot, or snapshots of different widths: the line names them

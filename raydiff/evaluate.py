@@ -37,8 +37,8 @@ from raydiff.config.schema import SAMPLERS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.evaluate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m raydiff.evaluate", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run directory (its newest checkpoint) or checkpoint "
                                                             "folder; a path or s3:// / gs:// URI")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     checkpoint, state = read_newest(location, where=f"--checkpoint {args.checkpoint}")
-    states = [state] if sigma_rels is None else posthoc_states(run_dir, state, sigma_rels)
+    states = [state] if sigma_rels is None else posthoc_states(run_dir, state, sigma_rels,
+                                                                 f"--checkpoint {args.checkpoint}")
     guide = None
     if args.guide is not None:
         guide_at, guide = read_guide(args.guide, args.endpoint, state["config"])
@@ -253,12 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float]) -> list[dict[str, Any]]:
+def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float],
+                   where: str) -> list[dict[str, Any]]:
     """The averages of widths `sigma_rels` rebuilt from the run's snapshots at the checkpoint's step (or the
-    newest snapshot before it), as training states to evaluate."""
+    newest snapshot before it), as training states to evaluate (`where`: the flag that named the run)."""
     from raydiff.runs.ema_snapshots import list_snapshots, rebuild
 
-    snapshots = list_snapshots(run_dir)
+    snapshots = list_snapshots(run_dir, where=where)
     steps = [s for s in snapshots if s <= state["step"]]
     if not steps:
         raise ConfigError(f"--sigma-rel: {run_dir} has no post-hoc EMA snapshots at or before step {state['step']} "
@@ -267,7 +269,7 @@ def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float]) -> l
         print(f"[raydiff] note: the newest snapshot at or before step {state['step']} is step {steps[-1]}; "
               f"rebuilding there", file=sys.stderr)
     try:
-        rebuilt = rebuild(run_dir, sigma_rels, steps[-1], steps=snapshots)
+        rebuilt = rebuild(run_dir, sigma_rels, steps[-1], steps=snapshots, where=where)
     except ValueError as exc:  # a damaged snapshot, or snapshots of different widths: the line names them
         raise ConfigError(str(exc)) from None
     return [average.state for average in rebuilt]

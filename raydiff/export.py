@@ -32,8 +32,8 @@ from raydiff.storage.rundir import unwritable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.export", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m raydiff.export", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="run directory (its newest checkpoint) or checkpoint folder; a path or s3:// / gs:// URI")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
@@ -63,15 +63,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from raydiff.model import diffusers_folder, diffusers_io
     from raydiff.model.guidance import AUTOGUIDANCE
-    from raydiff.runs.checkpoint import checkpoint_location
+    from raydiff.runs.checkpoint import checkpoint_location, input_errors
     from raydiff.runs.ema_snapshots import weights_of
     from raydiff.runs.state import read_guide, read_newest
 
-    if diffusers_folder.is_diffusers_folder(args.checkpoint):
+    location = checkpoint_location(args.checkpoint, args.endpoint)  # first: a folder this user may not read
+    with input_errors(f"--checkpoint {args.checkpoint}"):
+        exported = diffusers_folder.is_diffusers_folder(args.checkpoint)
+    if exported:
         raise ConfigError(f"--checkpoint {args.checkpoint}: a diffusers pipeline folder, exported already; "
                           f"export reads a raydiff run or checkpoint folder (raydiff.sample and model.init_from "
                           f"read this one)")
-    location = checkpoint_location(args.checkpoint, args.endpoint)
     diffusers_io.require_diffusers("raydiff.export")
     checkpoint, state = read_newest(location, where=f"--checkpoint {args.checkpoint}")
     try:

@@ -129,8 +129,8 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.lr_find", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m raydiff.lr_find", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="default", help=f"preset ({', '.join(preset_names())}) or YAML file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--start", type=float, default=1e-7, help="first learning rate (default 1e-7)")

@@ -30,8 +30,8 @@ from raydiff.training.interrupts import interrupt_on_signals
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.prepare", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m raydiff.prepare", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="folder, file, or s3:// / gs:// URI of images, Parquet or WebDataset shards")
     parser.add_argument("out", help="new folder (or s3:// / gs:// URI) for the prepared shards")
     parser.add_argument("--resolution", type=int, required=True, help="square training resolution R")

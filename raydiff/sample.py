@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,8 +44,8 @@ SHOWN_CLASSES = 8  # classes named in full in the start line and in an error's l
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.sample", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m raydiff.sample", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="run directory (its newest checkpoint) or checkpoint folder; a path or s3:// / gs:// URI; "
                              "or a diffusers pipeline folder")
@@ -90,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.sampler != "ddim" and args.eta:
         parser.error("--eta applies to --sampler ddim only")
     cli.refuse_empty(parser, "--out", args.out, f"a grid image ({', '.join(GRID_FORMATS)}) or a folder")
+    if is_grid_file(Path(args.out)) and args.out.endswith(("/", os.sep)):  # Path() drops the slash: a grid file
+        parser.error(f"--out {args.out}: names a folder (the trailing /); a name ending in {Path(args.out).suffix} "
+                     f"is written as one grid image file (a folder of samples takes a name without it)")
     args.out = Path(args.out)
     if is_grid_file(args.out) and args.out.is_dir():  # else found only once every image is sampled
         parser.error(f"--out {args.out}: is a folder; a name ending in {args.out.suffix} is written as one grid "

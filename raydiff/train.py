@@ -19,8 +19,8 @@ from raydiff.config import load_config, preset_names
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.train", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m raydiff.train", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="default",
                         help=f"preset name ({', '.join(preset_names())}) or path to a YAML file (default: default)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

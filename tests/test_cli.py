@@ -5,6 +5,8 @@ Ray are needed is answered without importing them."""
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,7 +178,9 @@ def test_an_empty_out_is_one_line_in_every_command_that_writes_one_and_the_curre
     prog = f"python -m {command}" + (" synthetic" if command == "raydiff.datasets" else "")
     proc, error, imported = _run_module(command, args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert error == f"{prog}: error: {out}: must name {allowed} (an empty value would mean the current folder)"
+    assert error == (f"raydiff: error: {out}: must name {allowed} (an empty value would mean the current folder) "
+                     f"({prog} --help)")
+    assert proc.stderr.count("\n") == 2  # the error, and the list of imports the check prints
     assert imported == "[]" and list(tmp_path.iterdir()) == []
 
 
@@ -242,3 +246,115 @@ def test_the_digits_classifier_command_overwrites_the_shipped_weights_only_when_
         f"raydiff: error: retraining the digits classifier overwrites the weights that ship with raydiff "
         f"({digits_classifier.WEIGHTS_FILE}): pass --write to do so, or --out PATH to write them elsewhere\n")
     assert digits_classifier.WEIGHTS_FILE.read_bytes() == shipped
+
+
+@pytest.mark.parametrize("module, argv, line", [
+    ("sample", ["--checkpoint", "run", "--out", "a.png", "--num", "0"], "--num 0: must be >= 1"),
+    ("sample", ["--checkpoint", "run", "--out", "a.png", "--bogus"], "unrecognized arguments: --bogus"),
+    ("sample", ["--checkpoint", "run", "--out", "a.png", "--num"], "argument --num: expected one argument"),
+    ("sample", ["--out", "a.png"], "the following arguments are required: --checkpoint"),
+    ("export", ["--checkpoint", "run", "--out", "pipe", "--guidance", "2"],
+     "--guidance 2: a number >= 0, and only with --guide"),
+    ("ema", ["--checkpoint", "run", "--sigma-rel", "0.1", "--out", ""],
+     "--out '': must name a local folder (an empty value would mean the current folder)"),
+    ("evaluate", ["--checkpoint", "run", "--workers", "0"], "--workers 0: must be >= 1"),
+    ("prepare", ["images", "prepared", "--resolution", "4"], "--resolution 4: must be between 8 and 1024"),
+    ("datasets synthetic", ["x", "--num", "0"], "--num 0: must be >= 1"),
+    ("datasets", ["nope"], "argument command: invalid choice: 'nope' (choose from 'digits', 'synthetic')"),
+    ("lr_find", ["--steps", "5"], "--steps 5: must be >= 10"),
+    ("tune", ["--lr", "1e-3"], "the following arguments are required: --batch"),
+    ("train", ["--dry-run", "--config"], "argument --config: expected one argument"),
+    ("bench step", ["--steps", "1"], "--steps 1: must be >= 2"),
+])
+def test_every_command_s_argument_errors_are_one_line_naming_the_command(module, argv, line, tmp_path, monkeypatch,
+                                                                         capsys):
+    """argparse's usage block (3-7 lines) came before its `error:` line, where every other refusal is one line."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    command, *sub = module.split()
+    main = importlib.import_module(f"raydiff.{command}.__main__" if command == "bench" else f"raydiff.{command}").main
+    with pytest.raises(SystemExit) as exited:
+        main([*sub, *argv])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"raydiff: error: {line} (python -m raydiff.{module} --help)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("train", ["--set", "train.lr", "1e-3", "--dry-run"]),
+    ("train", ["--set=train.lr", "1e-3"]),
+    ("train", ["--set", "train.batch_size=8", "--set", "train.lr", "1e-3"]),
+    ("tune", ["--lr", "1e-3", "--batch", "16", "--set", "train.lr", "1e-3"]),
+    ("lr_find", ["--set", "train.lr", "1e-3"]),
+    ("bench step", ["--set", "train.lr", "1e-3"]),
+])
+def test_a_set_value_without_its_equals_sign_is_told_as_that_typo(module, argv, capsys):
+    """`--set train.lr 1e-3` was `unrecognized arguments: 1e-3`, which does not say what is wrong."""
+    import importlib
+
+    command, *sub = module.split()
+    parse_args = importlib.import_module(f"raydiff.{command}.__main__" if command == "bench"
+                                         else f"raydiff.{command}").parse_args
+    with pytest.raises(SystemExit) as exited:
+        parse_args([*sub, *argv])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (f"raydiff: error: --set train.lr: expected KEY=VALUE, as --set train.lr=1e-3 "
+                                       f"(python -m raydiff.{module} --help)\n")
+
+
+def test_a_set_option_is_not_guessed_at_in_a_command_that_takes_none(capsys):
+    from raydiff import sample
+
+    with pytest.raises(SystemExit):
+        sample.parse_args(["--checkpoint", "run", "--out", "a.png", "--set", "train.lr", "1e-3"])
+    assert capsys.readouterr().err == ("raydiff: error: unrecognized arguments: --set train.lr 1e-3 (python -m "
+                                       "raydiff.sample --help)\n")
+
+
+def _unprivileged() -> list[str]:
+    """The prefix that runs a command as a user whom a file's mode binds (root, without its override of it)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("as root, a folder of mode 000 is readable; setpriv drops the override and is not here")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+
+
+@pytest.mark.parametrize("command, args, locked, line", [
+    ("sample", ["--checkpoint", "run", "--out", "a.png"], "run", "--checkpoint run: cannot read it"),
+    ("export", ["--checkpoint", "run", "--out", "pipe"], "run", "--checkpoint run: cannot read it"),
+    ("evaluate", ["--checkpoint", "run"], "run", "--checkpoint run: cannot read it"),
+    ("ema", ["--checkpoint", "run", "--sigma-rel", "0.1", "--out", "averages"], "run",
+     "--checkpoint run: cannot read it"),
+    ("sample", ["--checkpoint", "run/checkpoint_00000010", "--out", "a.png"], "run/checkpoint_00000010",
+     "--checkpoint run/checkpoint_00000010: cannot read it"),
+    ("sample", ["--checkpoint", "run", "--out", "a.png"], "run/checkpoint_00000010",
+     "--checkpoint run: cannot read HERE/run/checkpoint_00000010"),
+    ("export", ["--checkpoint", "run", "--out", "pipe"], "run/checkpoint_00000010",
+     "--checkpoint run: cannot read HERE/run/checkpoint_00000010"),
+    ("ema", ["--checkpoint", "run", "--sigma-rel", "0.1", "--out", "averages"], "run/ema_snapshots",
+     "--checkpoint run: cannot read HERE/run/ema_snapshots"),
+    ("ema", ["--checkpoint", "run", "--sigma-rel", "0.1", "--out", "averages"], "run/ema_snapshots/step_00000010.pt",
+     "--checkpoint run: cannot read HERE/run/ema_snapshots/step_00000010.pt"),
+])
+def test_an_input_this_user_may_not_read_is_one_line_naming_it_in_every_command_that_reads_one(
+        command, args, locked, line, tmp_path):
+    """A run or checkpoint folder of mode 000 was a traceback (pathlib's PermissionError at model_index.json,
+    pyarrow's at state.pt), and so were a post-hoc EMA snapshot folder or snapshot (pyarrow's "Cannot list
+    directory", "Failed to open local file"); an unreadable state.pt was one line already. Nothing is written."""
+    prefix = _unprivileged()
+    run = tmp_path / "run"
+    (run / "checkpoint_00000010").mkdir(parents=True)
+    (run / "checkpoint_00000010" / "state.pt").write_bytes(b"")  # never read: refused before
+    (run / "ema_snapshots").mkdir()
+    (run / "ema_snapshots" / "step_00000010.pt").write_bytes(b"")
+    (tmp_path / locked).chmod(0)
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-m", f"raydiff.{command}", *args], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, RAY_ADDRESS="127.0.0.1:1"))
+    finally:
+        (tmp_path / locked).chmod(0o755)
+    expected = f"raydiff: error: {line.replace('HERE', str(tmp_path.resolve()))} (permission denied)\n"
+    assert (proc.returncode, proc.stderr) == (2, expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -63,7 +63,7 @@ def test_a_size_seed_or_count_out_of_range_is_refused_in_one_line(tmp_path, caps
     with pytest.raises(SystemExit) as exited:
         main(["synthetic", str(tmp_path / "out"), "--num", "1", *args])
     assert exited.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == f"python -m raydiff.datasets synthetic: error: {message}"
+    assert capsys.readouterr().err == f"raydiff: error: {message} (python -m raydiff.datasets synthetic --help)\n"
     assert not (tmp_path / "out").exists()
 
 
@@ -74,9 +74,9 @@ def test_an_empty_result_folder_is_refused_and_nothing_is_written(tmp_path, monk
     with pytest.raises(SystemExit) as exited:
         main(["synthetic", out, "--num", "1"])
     assert exited.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (f"python -m raydiff.datasets synthetic: error: OUT = {out!r}: "
-                                                        f"must name a new or empty folder (an empty value would mean "
-                                                        f"the current folder)")
+    assert capsys.readouterr().err == (f"raydiff: error: OUT = {out!r}: must name a new or empty folder (an empty "
+                                       f"value would mean the current folder) (python -m raydiff.datasets synthetic "
+                                       f"--help)\n")
     assert list(tmp_path.iterdir()) == []
 
 

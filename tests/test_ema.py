@@ -98,6 +98,14 @@ def test_a_run_without_snapshots_and_a_taken_folder_are_refused(posthoc_run, tmp
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["sigma_rel-0.050"]
 
 
+def test_a_run_path_that_does_not_exist_is_named_as_such_not_as_a_run_to_train_again(tmp_path, monkeypatch, capsys):
+    # A typo was told "no post-hoc EMA snapshots ...; train with --set train.ema=posthoc".
+    monkeypatch.chdir(tmp_path)
+    assert cli.run(ema_command.main, ["--checkpoint", "nope", "--sigma-rel", "0.07", "--out", "em3"]) == 2
+    assert capsys.readouterr().err == f"raydiff: error: {tmp_path.resolve() / 'nope'}: no such run folder\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_rebuild_holds_one_snapshot_at_a_time_and_gives_what_combining_them_all_gives(posthoc_run, monkeypatch):
     """The rebuild held every snapshot's averages until it combined them: a long run's hundreds of snapshots of
     hundreds of MB each. Now none is alive when the next is read, and the result is the same to the bit."""
@@ -111,9 +119,9 @@ def test_a_rebuild_holds_one_snapshot_at_a_time_and_gives_what_combining_them_al
     loaded: list[list[weakref.ref]] = []  # per snapshot read: its tensors
     alive_at_each_read: list[int] = []
 
-    def read_counted(run, step):
+    def read_counted(run, step, where=None):
         alive_at_each_read.append(sum(any(t() is not None for t in tensors) for tensors in loaded))
-        snapshot = read(run, step)
+        snapshot = read(run, step, where=where)
         loaded.append([weakref.ref(t) for profile in snapshot["profiles"] for t in profile.values()])
         return snapshot
 
@@ -188,7 +196,6 @@ def test_an_empty_out_is_refused_and_nothing_is_written_in_the_current_folder(po
     with pytest.raises(SystemExit) as caught:
         ema_command.main(["--checkpoint", str(posthoc_run[0]), "--sigma-rel", "0.05", "--out", out])
     assert caught.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (f"python -m raydiff.ema: error: --out {out!r}: must name a "
-                                                        f"local folder (an empty value would mean the current "
-                                                        f"folder)")
+    assert capsys.readouterr().err == (f"raydiff: error: --out {out!r}: must name a local folder (an empty value "
+                                       f"would mean the current folder) (python -m raydiff.ema --help)\n")
     assert list(tmp_path.iterdir()) == []

@@ -37,8 +37,8 @@ def test_lr_find_refuses_a_learning_rate_that_is_not_finite(tmp_path, capsys, fl
     with pytest.raises(SystemExit) as info:
         lr_find.parse_args([flag, value, "--out", str(tmp_path / "x.png")])
     assert info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {flag} {float(value)}: must be a finite "
-                                                             f"learning rate, such as 1e-2")
+    assert capsys.readouterr().err == (f"raydiff: error: {flag} {float(value)}: must be a finite learning rate, such "
+                                       f"as 1e-2 (python -m raydiff.lr_find --help)\n")
 
 
 @pytest.mark.ray
@@ -77,7 +77,8 @@ def test_lr_find_refuses_an_empty_out_by_what_was_given(capsys, out):
     with pytest.raises(SystemExit) as info:
         lr_find.parse_args(["--out", out])
     assert info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: --out {out!r}: must end in .png")
+    assert capsys.readouterr().err == (f"raydiff: error: --out {out!r}: must end in .png (python -m raydiff.lr_find "
+                                       f"--help)\n")
 
 
 @pytest.mark.parametrize("folder", ["found.png", "found.csv"])
@@ -90,6 +91,6 @@ def test_lr_find_refuses_an_out_whose_plot_or_numbers_would_replace_a_folder_bef
         lr_find.parse_args(["--out", str(out)])
     assert info.value.code == 2
     what = "is a folder" if folder == out.name else f"its numbers' file {tmp_path / folder} is a folder"
-    assert capsys.readouterr().err.splitlines()[-1].endswith(
-        f"error: --out {out}: {what}; the plot and the .csv beside it are files: choose another name")
+    assert capsys.readouterr().err == (f"raydiff: error: --out {out}: {what}; the plot and the .csv beside it are "
+                                       f"files: choose another name (python -m raydiff.lr_find --help)\n")
     assert [p.name for p in tmp_path.iterdir()] == [folder]

@@ -60,9 +60,9 @@ def test_a_negative_guidance_is_refused_before_reading_the_checkpoint(tmp_path, 
         sample.main(["--checkpoint", str(tmp_path / "missing"), "--guidance", "-1", "--out", str(tmp_path / "x")])
     assert caught.value.code == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == ("python -m raydiff.sample: error: --guidance -1: must be >= 0 "
-                                            "(diffusers' convention: 0 unconditional, 1 conditional without "
-                                            "guidance, more follows the class more closely)")
+    assert err == ("raydiff: error: --guidance -1: must be >= 0 (diffusers' convention: 0 unconditional, 1 "
+                   "conditional without guidance, more follows the class more closely) (python -m raydiff.sample "
+                   "--help)\n")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -130,20 +130,20 @@ def test_an_eta_outside_0_to_1_is_refused_before_reading_the_checkpoint(tmp_path
                      "--out", str(tmp_path / "x")])
     assert caught.value.code == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == (f"python -m raydiff.sample: error: --eta {float(eta):g}: must be in "
-                                            f"[0, 1] (0: deterministic DDIM, 1: DDPM's posterior)")
+    assert err == (f"raydiff: error: --eta {float(eta):g}: must be in [0, 1] (0: deterministic DDIM, 1: DDPM's "
+                   f"posterior) (python -m raydiff.sample --help)\n")
     assert list(tmp_path.iterdir()) == []
 
 
 def _refused_before_sampling(runs, out: str, capsys) -> str:
-    """Sample one image into `out`, which must be refused (exit 2) before any sampling; the error's last line."""
+    """Sample one image into `out`, which must be refused (exit 2) before any sampling, in one line: that line."""
     with pytest.raises(SystemExit) as caught:
         sample.main(["--checkpoint", str(runs / "unconditional"), "--num", "1", "--sampler", "ddim", "--steps", "2",
                      "--out", out])
     assert caught.value.code == 2
     captured = capsys.readouterr()
-    assert "sampling" not in captured.out
-    return captured.err.splitlines()[-1]
+    assert "sampling" not in captured.out and captured.err.count("\n") == 1, captured.err
+    return captured.err.rstrip("\n")
 
 
 @pytest.mark.parametrize("out", ["", "  "])
@@ -153,8 +153,8 @@ def test_an_empty_out_is_refused_and_the_current_folder_is_left_alone(runs, tmp_
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sample_00001.png").write_bytes(b"mine")
     assert _refused_before_sampling(runs, out, capsys) == (
-        f"python -m raydiff.sample: error: --out {out!r}: must name a grid image (.png, .jpg, .jpeg, .webp) or a "
-        f"folder (an empty value would mean the current folder)")
+        f"raydiff: error: --out {out!r}: must name a grid image (.png, .jpg, .jpeg, .webp) or a folder (an empty "
+        f"value would mean the current folder) (python -m raydiff.sample --help)")
     assert [p.name for p in tmp_path.iterdir()] == ["sample_00001.png"]
 
 
@@ -162,6 +162,17 @@ def test_a_grid_name_that_is_a_folder_is_refused_before_sampling(runs, tmp_path,
     # The folder was found only when the grid was renamed onto it, after all the sampling: a traceback.
     (tmp_path / "adir.png").mkdir()
     assert _refused_before_sampling(runs, str(tmp_path / "adir.png"), capsys) == (
-        f"python -m raydiff.sample: error: --out {tmp_path / 'adir.png'}: is a folder; a name ending in .png is "
-        f"written as one grid image file (a folder of samples takes a name without it)")
+        f"raydiff: error: --out {tmp_path / 'adir.png'}: is a folder; a name ending in .png is written as one grid "
+        f"image file (a folder of samples takes a name without it) (python -m raydiff.sample --help)")
     assert list((tmp_path / "adir.png").iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["fresh.png/", "fresh.webp//"])
+def test_a_grid_name_with_a_trailing_slash_is_refused_before_sampling(runs, tmp_path, capsys, name):
+    # The user asked for a folder named like a grid: a grid FILE fresh.png was written, exit 0 (the docs said no).
+    out = f"{tmp_path}/{name}"
+    suffix = name.rstrip("/").removeprefix("fresh")
+    assert _refused_before_sampling(runs, out, capsys) == (
+        f"raydiff: error: --out {out}: names a folder (the trailing /); a name ending in {suffix} is written as one "
+        f"grid image file (a folder of samples takes a name without it) (python -m raydiff.sample --help)")
+    assert list(tmp_path.iterdir()) == []

@@ -151,8 +151,8 @@ def bench_recovery(config: str, overrides: list[str]) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m raydiff.bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m raydiff.bench", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="bench", required=True)
     ckpt = sub.add_parser("checkpoint", help="full training state: write/read time and size")
     ckpt.add_argument("--config", default="cifar10")
@@ -202,41 +202,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ingest.add_argument("--cache", choices=("memory", "stream"), default="memory",
                         help="stream: also stream the prepared copy shard by shard (data.cache=stream)")
     args = parser.parse_args(argv)
+    refuse = sub.choices[args.bench].error  # one line naming the sub-command (cli.Parser)
     if getattr(args, "repeat", 1) < 1:
-        parser.error(f"--repeat {args.repeat}: must be >= 1")
+        refuse(f"--repeat {args.repeat}: must be >= 1")
     if args.bench == "memory" and args.micro_batch is not None and args.micro_batch < 1:
-        parser.error(f"--micro-batch {args.micro_batch}: must be >= 1")
+        refuse(f"--micro-batch {args.micro_batch}: must be >= 1")
     if args.bench == "throughput" and args.steps < 2:
-        parser.error(f"--steps {args.steps}: must be >= 2")
+        refuse(f"--steps {args.steps}: must be >= 2")
     if args.bench == "step" and args.steps < 2:
-        parser.error(f"--steps {args.steps}: must be >= 2")
+        refuse(f"--steps {args.steps}: must be >= 2")
     if args.bench == "step" and args.batch is not None and args.batch < 1:
-        parser.error(f"--batch {args.batch}: must be >= 1")
+        refuse(f"--batch {args.batch}: must be >= 1")
     if args.bench == "throughput" and args.peak_tflops is not None and args.peak_tflops <= 0:
-        parser.error(f"--peak-tflops {args.peak_tflops}: must be > 0")
+        refuse(f"--peak-tflops {args.peak_tflops}: must be > 0")
     if args.bench == "throughput" and args.batch is not None:
         try:
             args.batch = [int(n) for n in args.batch.split(",")]
         except ValueError:
-            parser.error(f"--batch {args.batch}: expected N or N,N,... (images per device per step)")
+            refuse(f"--batch {args.batch}: expected N or N,N,... (images per device per step)")
         if min(args.batch) < 1:
-            parser.error(f"--batch {','.join(map(str, args.batch))}: every batch must be >= 1")
+            refuse(f"--batch {','.join(map(str, args.batch))}: every batch must be >= 1")
     if args.bench == "sampling":
         for name in ("num", "batch", "pairs", "steps"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
-                parser.error(f"--{name} {getattr(args, name)}: must be >= 1")
+                refuse(f"--{name} {getattr(args, name)}: must be >= 1")
         from raydiff.cluster.devices import resolve_device
 
         try:
             resolve_device(args.device)
         except ValueError as exc:
-            parser.error(str(exc))
+            refuse(str(exc))
     if args.bench == "ingest":
         for name in ("resolution", "batch", "synthetic"):
             if getattr(args, name) < 1:
-                parser.error(f"--{name} {getattr(args, name)}: must be >= 1")
+                refuse(f"--{name} {getattr(args, name)}: must be >= 1")
         if args.epochs < 2:
-            parser.error(f"--epochs {args.epochs}: must be >= 2 (the first epoch is not timed)")
+            refuse(f"--epochs {args.epochs}: must be >= 2 (the first epoch is not timed)")
     return args
 
 

@@ -17,8 +17,9 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -263,10 +264,36 @@ def read_state(directory: Location) -> dict[str, Any]:
     return torch.load(run.open_binary(STATE_FILE), map_location="cpu", weights_only=True)
 
 
-def list_checkpoints(run_dir: Location) -> list[RunDir]:
-    """Checkpoint folders of a run that hold a state file, oldest first."""
-    found = [c for c in as_rundir(run_dir).subdirs("checkpoint_") if _NAME.match(c.name) and c.is_file(STATE_FILE)]
+def list_checkpoints(run_dir: Location, *, where: str | None = None) -> list[RunDir]:
+    """Checkpoint folders of a run that hold a state file, oldest first. With `where` (a command's flag and value
+    that named the run it reads), a folder it cannot read is one line (`input_errors`)."""
+    run = as_rundir(run_dir)
+    with input_errors(where, run):
+        folders = [c for c in run.subdirs("checkpoint_") if _NAME.match(c.name)]
+    found = []
+    for folder in folders:
+        with input_errors(where, folder):
+            if folder.is_file(STATE_FILE):
+                found.append(folder)
     return sorted(found, key=checkpoint_order)
+
+
+@contextmanager
+def input_errors(where: str | None, path: Location | None = None) -> Iterator[None]:
+    """A command reading what the user named (a run, a checkpoint, a snapshot): a storage error no retry can fix
+    (a refused permission) met in the block is one StorageFailure line, `<where>: cannot read <path> (<reason>)`
+    (`it` without `path`), where pathlib's or pyarrow's traceback would come; a missing file and the errors a
+    retry may fix pass as they are. `where` None: as they are too (training's own reads and writes of its
+    storage keep their tracebacks: docs/resume-and-elastic.md)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        reason = permanent_reason(exc)
+        if where is None or reason is None:
+            raise
+        raise StorageFailure(f"{where}: cannot read {'it' if path is None else path} ({reason})") from None
 
 
 def checkpoint_location(uri: str, endpoint: str | None, *, where: str | None = None,
@@ -274,8 +301,8 @@ def checkpoint_location(uri: str, endpoint: str | None, *, where: str | None = N
     """The RunDir of a command's --checkpoint (or of what `where` names, e.g. "--guide URI"): a local path or an
     s3:// / gs:// URI of a run folder, or of a checkpoint folder unless `runs_only`. Looked at once: a user error
     in one line (FileNotFoundError, StorageFailure) for an unsupported URI scheme, a file, or storage that cannot
-    be read (a wrong endpoint, no network, refused credentials) where pyarrow's traceback would come at the first
-    listing."""
+    be read (a wrong endpoint, no network, refused credentials, a local folder this user may not read or enter)
+    where pyarrow's or pathlib's traceback would come at the first listing."""
     where = where or f"--checkpoint {uri}"
     try:
         location = RunDir(uri, endpoint=endpoint)
@@ -283,6 +310,9 @@ def checkpoint_location(uri: str, endpoint: str | None, *, where: str | None = N
         raise FileNotFoundError(f"{where}: {exc}") from None
     try:
         is_file = location.is_file("")
+        if location.local is not None and location.local.is_dir():  # a folder this user may not read or enter
+            os.listdir(location.local)
+            (location.local / STATE_FILE).exists()
     except FileNotFoundError:
         raise
     except OSError as exc:

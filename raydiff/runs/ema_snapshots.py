@@ -25,6 +25,7 @@ import torch
 from raydiff.config import Config
 from raydiff.model.unet import build_model, count_parameters
 from raydiff.model.weight_averages import PowerEma, combine, solve_coefficients
+from raydiff.runs.checkpoint import input_errors
 from raydiff.runs.state import bad_file_reason, foreign_reason
 from raydiff.storage.rundir import RunDir
 
@@ -75,9 +76,11 @@ def _size(n: int) -> str:
     return f"{n / 1e6:.3g} MB" if n < 1e9 else f"{n / 1e9:.3g} GB"
 
 
-def list_snapshots(run_dir: RunDir) -> list[int]:
-    """The steps of the run's snapshots, in order."""
-    names = (run_dir / SNAPSHOT_DIR).files("step_")
+def list_snapshots(run_dir: RunDir, *, where: str | None = None) -> list[int]:
+    """The steps of the run's snapshots, in order. `where`: the flag of a command that named the run, for a
+    folder it cannot read to be one line (`input_errors`)."""
+    with input_errors(where, run_dir / SNAPSHOT_DIR):
+        names = (run_dir / SNAPSHOT_DIR).files("step_")
     return sorted(int(m.group(1)) for m in map(_NAME.search, names) if m)
 
 
@@ -89,12 +92,14 @@ def remove_snapshots_after(run_dir: RunDir, step: int) -> list[int]:
     return later
 
 
-def read_snapshot(run_dir: RunDir, step: int) -> dict[str, Any]:
+def read_snapshot(run_dir: RunDir, step: int, *, where: str | None = None) -> dict[str, Any]:
     """The snapshot of `step`; ValueError (one line) for a file that is not one (cut short, empty, not a torch
     file, or a torch file raydiff did not write), rather than torch's advice to switch its safe loader off or a
-    KeyError's traceback."""
+    KeyError's traceback; with `where`, StorageFailure (one line) for one it cannot read (`input_errors`)."""
+    with input_errors(where, run_dir / snapshot_name(step)):
+        data = run_dir.open_binary(snapshot_name(step))
     try:
-        snapshot = torch.load(run_dir.open_binary(snapshot_name(step)), map_location="cpu", weights_only=True)
+        snapshot = torch.load(data, map_location="cpu", weights_only=True)
     except Exception as exc:
         reason = bad_file_reason(exc, "snapshot")
         if reason is None:  # storage or memory, not the file: as they are
@@ -123,16 +128,20 @@ class Rebuilt:
 
 
 def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
-            steps: list[int] | None = None) -> list[Rebuilt]:
+            steps: list[int] | None = None, where: str | None = None) -> list[Rebuilt]:
     """The averages of widths `sigma_rels` at snapshot step `step` (default: the newest), from every snapshot of
     the run up to it (`steps`: the run's snapshot steps, if the caller listed them already). Raises
-    FileNotFoundError (one line) when the run has no snapshots, ValueError when `step` is not a snapshot's.
+    FileNotFoundError (one line) when the run folder does not exist or has no snapshots, ValueError when `step`
+    is not a snapshot's; with `where` (the flag that named the run), StorageFailure (one line) for a snapshot or
+    their folder that cannot be read.
 
     The coefficients come first, from the snapshots' steps and the widths the run tracked (the snapshot at `step`
     names them; every snapshot of a run tracks the same, which each is checked for as it is read); then the
     snapshots are read and added in one at a time. Why: a long run has hundreds of snapshots of hundreds of MB
     each, more than a host's memory held at once."""
-    steps = list_snapshots(run_dir) if steps is None else steps
+    steps = list_snapshots(run_dir, where=where) if steps is None else steps
+    if not steps and not run_dir.exists():  # a mistyped path: no reason to train again
+        raise FileNotFoundError(f"{run_dir}: no such run folder")
     if not steps:
         raise FileNotFoundError(f"{run_dir}: no post-hoc EMA snapshots ({SNAPSHOT_DIR}/); train with "
                                 f"--set train.ema=posthoc to record them")
@@ -142,24 +151,24 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
     used = [s for s in steps if 0 < s <= step]
     if not used:
         raise ValueError(f"no snapshot at or before step {step}")
-    last = read_snapshot(run_dir, step)
+    last = read_snapshot(run_dir, step, where=where)
     tracked = [float(s) for s in last["sigma_rels"]]
     common = {k: v for k, v in last.items() if k not in ("profiles", "sigma_rels")}
     del last  # its weights are read again in turn: one snapshot in memory at a time
     coefficients = solve_coefficients([s for s in used for _ in tracked], tracked * len(used), step, sigma_rels)
-    averages = combine(_profiles(run_dir, used, tracked, step), coefficients)
+    averages = combine(_profiles(run_dir, used, tracked, step, where), coefficients)
     count = len(coefficients)
     return [Rebuilt(sigma, {**common, "ema": average, "posthoc": {"sigma_rel": sigma, "snapshots": count,
                                                                   "run": str(run_dir)}})
             for sigma, average in zip(sigma_rels, averages, strict=True)]
 
 
-def _profiles(run_dir: RunDir, steps: list[int], tracked: list[float],
-              out_step: int) -> Iterator[dict[str, torch.Tensor]]:
+def _profiles(run_dir: RunDir, steps: list[int], tracked: list[float], out_step: int,
+              where: str | None) -> Iterator[dict[str, torch.Tensor]]:
     """The averages of the snapshots at `steps`, in order, each snapshot read only once the previous one's were
     all taken (and let go of); each must track the widths `tracked`, as the snapshot at `out_step` does."""
     for step in steps:
-        snapshot = read_snapshot(run_dir, step)
+        snapshot = read_snapshot(run_dir, step, where=where)
         if [float(s) for s in snapshot["sigma_rels"]] != tracked:
             raise ValueError(f"{run_dir}: {snapshot_name(step)} tracks sigma_rel {snapshot['sigma_rels']}, "
                              f"{snapshot_name(out_step)} {tracked}: snapshots of different widths cannot be "

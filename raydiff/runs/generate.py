@@ -17,7 +17,7 @@ from raydiff.model import diffusers_folder
 from raydiff.model.diffusion import build_diffusion
 from raydiff.model.guidance import AutoGuided
 from raydiff.model.unet import build_model
-from raydiff.runs.checkpoint import checkpoint_location
+from raydiff.runs.checkpoint import checkpoint_location, input_errors
 from raydiff.runs.state import read_newest
 from raydiff.seeds import GRID_NOISE
 
@@ -48,10 +48,14 @@ def load_network(state: dict, weights: str, device: torch.device) -> torch.nn.Mo
 
 
 def read_any(location: str, endpoint: str | None, *, flag: str = "--checkpoint") -> tuple[str, dict]:
-    """(where, state) of a run or checkpoint folder (its newest checkpoint that reads) or a diffusers folder."""
-    if "://" not in location and diffusers_folder.is_diffusers_folder(location):
+    """(where, state) of a run or checkpoint folder (its newest checkpoint that reads) or a diffusers folder. A
+    folder or file of it that cannot be read (a refused permission) is one line naming it (StorageFailure)."""
+    where = f"{flag} {location}"
+    folder = checkpoint_location(location, endpoint, where=where)  # first: a folder this user may not read
+    with input_errors(where):
+        exported = "://" not in location and diffusers_folder.is_diffusers_folder(location)
+    if exported:
         # An exported pipeline: one set of weights, converted back to raydiff's names.
         return location, diffusers_folder.state_from_folder(location)
-    where = f"{flag} {location}"
-    found, state = read_newest(checkpoint_location(location, endpoint, where=where), where=where)
+    found, state = read_newest(folder, where=where)
     return str(found), state

@@ -33,7 +33,15 @@ import torch
 from raydiff.cluster.devices import out_of_memory
 from raydiff.config import sections_problem
 from raydiff.model.weight_averages import PowerEma
-from raydiff.runs.checkpoint import STATE_FILE, Location, as_rundir, checkpoint_order, list_checkpoints, read_state
+from raydiff.runs.checkpoint import (
+    STATE_FILE,
+    Location,
+    as_rundir,
+    checkpoint_order,
+    input_errors,
+    list_checkpoints,
+    read_state,
+)
 from raydiff.runs.errors import Unresumable
 from raydiff.storage.errors import StorageFailure, permanent_reason
 from raydiff.storage.rundir import RunDir
@@ -244,16 +252,20 @@ def read_newest(location: Location, *, where: str | None = None) -> tuple[RunDir
     """(checkpoint, state) of a checkpoint folder, or of a run folder's newest checkpoint that reads: a damaged one
     (or one an older raydiff was still uploading file by file, or one whose weights do not fit the model its config
     describes) is named in one line on stderr and the previous one is used, as training does. Raises
-    FileNotFoundError (one line) when none reads, StorageFailure (one line) when storage fails beyond its retries:
-    an older checkpoint is used only in place of a bad one; and ConfigError (one line naming the checkpoint, after
+    FileNotFoundError (one line) when none reads, StorageFailure (one line) when storage fails beyond its retries
+    or a folder or file cannot be read (a refused permission): an older checkpoint is used only in place of a bad
+    one; and ConfigError (one line naming the checkpoint, after
     `where`: the flag or key that named it) for a config this raydiff cannot read (a key a newer one wrote)."""
     run = as_rundir(location)
-    if run.is_file(STATE_FILE):
+    with input_errors(where, run):  # a folder this user may not read: one line naming it, as a state.pt's below
+        single = run.is_file(STATE_FILE)
+        found = single or run.exists()
+    if single:
         candidates = [run]
-    elif not run.exists():
+    elif not found:
         raise FileNotFoundError(f"{run}: no such run or checkpoint folder")
     else:
-        candidates = list_checkpoints(run)[::-1]
+        candidates = list_checkpoints(run, where=where)[::-1]
         if not candidates:
             raise FileNotFoundError(f"{run}: no checkpoint_* folder with {STATE_FILE} in it")
     failures = []

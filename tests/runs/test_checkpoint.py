@@ -22,12 +22,15 @@ from raydiff.runs.checkpoint import (
     RAY_CHECKPOINT_LIST,
     checkpoint_name,
     drop_unusable_ray_checkpoint_list,
+    input_errors,
     list_checkpoints,
     read_state,
     write_state,
 )
 from raydiff.runs.images import save_samples
 from raydiff.runs.state import read_newest
+from raydiff.storage.errors import StorageFailure
+from raydiff.storage.rundir import RunDir
 
 
 def test_grid_and_folder(tmp_path):
@@ -63,6 +66,40 @@ def test_state_round_trip_and_lookup(tmp_path):
     assert read_newest(latest)[0] == latest
     with pytest.raises(FileNotFoundError):
         read_newest(tmp_path / "nope")
+
+
+def test_a_refused_read_of_what_a_command_reads_is_one_line_and_training_s_keeps_its_traceback(tmp_path,
+                                                                                                 monkeypatch):
+    """A command's input that this user may not read (a checkpoint folder of mode 000: pyarrow's PermissionError
+    at its state.pt) is one line naming it; training's own reads (no `where`) and errors a retry may fix (or a
+    missing file) pass as they are."""
+    denied = PermissionError(13, "Failed stat()ing path. Detail: [errno 13] Permission denied")
+    with pytest.raises(StorageFailure) as refused, input_errors("--checkpoint run", tmp_path / "x"):
+        raise denied
+    assert str(refused.value) == f"--checkpoint run: cannot read {tmp_path / 'x'} (permission denied)"
+    with pytest.raises(StorageFailure, match=r"^--checkpoint run: cannot read it \(permission denied\)$"), \
+            input_errors("--checkpoint run"):
+        raise denied
+    for passing in (denied, FileNotFoundError(2, "No such file"), OSError("HTTP status 503 after 3 retries")):
+        with pytest.raises(type(passing)), input_errors(None if passing is denied else "--checkpoint run"):
+            raise passing
+
+    for step in (10, 20):
+        (tmp_path / checkpoint_name(step)).mkdir()
+        write_state(tmp_path / checkpoint_name(step), _state(step))
+
+    def is_file(self, name):
+        if self.name == "checkpoint_00000020":
+            raise denied
+        return original(self, name)
+    original = RunDir.is_file
+    monkeypatch.setattr(RunDir, "is_file", is_file)
+    with pytest.raises(PermissionError):  # training (checkpoint_candidates): as it is
+        list_checkpoints(tmp_path)
+    with pytest.raises(StorageFailure) as refused:  # no older checkpoint in its place, as for a state.pt
+        read_newest(tmp_path, where="--checkpoint run")
+    assert str(refused.value) == (f"--checkpoint run: cannot read {tmp_path.resolve() / 'checkpoint_00000020'} "
+                                  f"(permission denied)")
 
 
 def test_the_newest_checkpoint_that_reads_is_used(tmp_path, capsys):
