@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[raydiff] sweep {sweep.name}: {summary['finished']} finished, {summary['stopped']} stopped early by "
           f"ASHA, {summary['errors']} failed")
     for rule, info in summary["rules"].items():
-        best = ", ".join(f"batch {b}: {lr:.3g}" for b, lr in info["best_base_lr_by_batch"].items())
+        best = ", ".join(f"batch {b}: {lr:.{sweep.lr_digits}g}" for b, lr in info["best_base_lr_by_batch"].items())
         spread = f"; spread {info['spread_decades']:.2f} decades" if info["spread_decades"] is not None else ""
         unfinished = info["batches_without_a_finished_trial"]
         if unfinished:

@@ -102,6 +102,8 @@ def dense_array(value: Any) -> np.ndarray:
         raise BadImage("an empty or null tensor: expected an image")
     try:
         return np.stack([dense_array(row) for row in array])
+    except BadImage:
+        raise
     except ValueError:  # rows of different lengths
         raise BadImage("a tensor whose rows differ in length: expected an image") from None
 

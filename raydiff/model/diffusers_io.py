@@ -305,7 +305,7 @@ def diffusion_keys_from_scheduler(scheduler: dict[str, Any], *, where: str) -> d
     if scheduler.get("trained_betas") is not None:
         raise ConfigError(f"{where}: trained_betas is set; raydiff has the linear and squaredcos_cap_v2 (cosine) "
                           f"schedules, not trained betas")
-    if scheduler.get("rescale_betas_zero_snr", False) is not False:  # a schedule raydiff would sample off
+    if scheduler.get("rescale_betas_zero_snr"):  # a schedule raydiff would sample off
         raise refuse("rescale_betas_zero_snr", "false (its schedules keep some signal at T-1, no zero terminal SNR)")
     kind = scheduler.get("beta_schedule", "linear")
     if not isinstance(kind, str) or kind not in ("linear", "squaredcos_cap_v2"):

@@ -14,6 +14,7 @@ it continues: they are of work it takes again (differently after a resize or a r
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 from collections.abc import Iterator
@@ -88,7 +89,8 @@ def remove_snapshots_after(run_dir: RunDir, step: int) -> list[int]:
     """Remove the snapshots of steps after `step`; their steps."""
     later = [s for s in list_snapshots(run_dir) if s > step]
     for s in later:
-        run_dir.remove(snapshot_name(s))
+        with contextlib.suppress(FileNotFoundError):  # gone meanwhile: what was asked for
+            run_dir.remove(snapshot_name(s))
     return later
 
 

@@ -32,6 +32,7 @@ from raydiff.runs.runlog import progress_line
 from raydiff.runs.state import Progress
 from raydiff.seeds import GRID_NOISE
 from raydiff.training.recovery import Rollback
+from raydiff.training.stop import LEASE_LOST, stop_reason
 from raydiff.training.worker import Worker
 from raydiff.training.worker_io import WorkerArgs
 
@@ -40,8 +41,11 @@ GRID_CLASSES = 16  # a class-conditional grid shows at most this many classes, o
 
 
 def record_start(w: Worker, args: WorkerArgs, progress: Progress) -> None:
-    """Once the checkpoint is restored: the driver's records of this start, the metrics rows of work that was lost
-    cut off, the start event and the start line."""
+    """Once the checkpoint is restored: the driver's records of this start, the metrics rows and post-hoc EMA
+    snapshots of work that was lost cut off, the start event and the start line. Nothing where the run's lease was
+    taken over before this group started: the run is another driver's (the workers stop at their first check)."""
+    if stop_reason(args.stop_flag) == LEASE_LOST:
+        return
     t = w.cfg.train
     for name, text in args.records.items():
         w.run_dir.write_text(name, text)

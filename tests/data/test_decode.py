@@ -136,3 +136,7 @@ def test_nested_rows_of_a_tensor_become_one_array_and_ragged_ones_a_bad_image():
     for bad in (ragged, np.empty(0, dtype=object), np.array(None, dtype=object)):
         with pytest.raises(BadImage, match="expected an image"):
             dense_array(bad)
+    with_a_null = np.empty(2, dtype=object)
+    with_a_null[:] = [np.zeros(3, np.uint8), None]
+    with pytest.raises(BadImage, match="^an empty or null tensor"):  # named as null, not as ragged
+        dense_array(with_a_null)

@@ -181,8 +181,9 @@ def test_a_lease_lost_while_no_worker_group_runs_stops_the_run_at_once(monkeypat
 
 
 def test_a_lease_lost_before_training_reaches_the_workers_who_stop_themselves(monkeypatch, capsys):
-    """Lost while the driver decoded the data: the flag is told as the stop watch begins, and a group that runs
-    stops at its next look at it (the driver then refuses to write a summary), so nothing stops at once."""
+    """Lost before the stop watch began (while the driver decoded the data): the flag is told as it begins. Where
+    no group runs then (as a fit that starts does), the run stops at once; where one runs, as here, the group stops
+    at its next look at the flag (the driver then refuses to write a summary), and nothing stops at once."""
     from raydiff.training import stop
 
     monkeypatch.setattr(stop, "_workers", lambda flag: ("RUNNING", True))
