@@ -15,6 +15,7 @@ files.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import PurePosixPath
 
@@ -67,8 +68,9 @@ def train_split(uri: str, files: list[str], folder: str) -> tuple[list[str], str
     root = folder.rstrip("/") + "/" if folder else ""
     full = {f[len(root):]: f for f in files}
     splits = splits_of(list(full))
-    if not splits:
-        return files, "", folder
+    if not splits:  # all of it one split: its classes are the folders its images are in, as `datasets` reads them
+        common = os.path.commonpath([str(PurePosixPath(p).parent.parent) for p in full])
+        return files, "", root + common if common else folder
     if TRAIN not in splits and len(splits) > 1:
         named = "; ".join(f"{split}: {len(paths)} file{'s' if len(paths) > 1 else ''}, e.g. {paths[0]}"
                           for split, paths in sorted(splits.items()))

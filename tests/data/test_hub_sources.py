@@ -68,6 +68,22 @@ def test_images_in_a_hub_datasets_split_folders_keep_their_classes(hub_server):
     assert [plan.of_path(f)[0] for f in source.files] == ["cat", "cat", "dog"]  # not "train"
 
 
+def test_images_in_class_folders_of_a_hub_dataset_without_splits_keep_their_classes(hub_server):
+    """`data/cat/0.png`, `data/dog/1.png` and no split named: the classes are the images' folders, as Hugging
+    Face's `datasets` reads them; the repository's root made one class of them all, `data`."""
+    repo = hub_server.root / "raydiff-tests" / "pets-whole"
+    for kind, num in (("cat", 2), ("dog", 1)):
+        write_synthetic(repo / "data" / kind, num=num, resolution=8)
+    source = open_source("hf://datasets/raydiff-tests/pets-whole", endpoint=hub_server.endpoint)
+    assert source.split == "" and source.root == "datasets/raydiff-tests/pets-whole/data"
+    plan = plan_labels(source, "label")
+    assert [plan.of_path(f)[0] for f in source.files] == ["cat", "cat", "dog"]
+    flat = hub_server.root / "raydiff-tests" / "flat"
+    write_synthetic(flat, num=2, resolution=8)  # images in the root: no class folders, the root as before
+    assert open_source("hf://datasets/raydiff-tests/flat", endpoint=hub_server.endpoint).root == \
+        "datasets/raydiff-tests/flat"
+
+
 def test_a_hub_dataset_without_a_train_split_is_refused_in_one_line(hub_server):
     folder = hub_server.root / "raydiff-tests" / "eval-only"
     _write_split(folder / "data", "validation", [0])
