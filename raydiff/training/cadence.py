@@ -40,6 +40,7 @@ from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
 from raydiff.training.profiling import StepProfile
 from raydiff.training.recovery import divergence_report, roll_back
 from raydiff.training.step import StepResult
+from raydiff.training.stop import taken_over
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 from raydiff.training.worker import Worker
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -178,7 +179,8 @@ class Cadence:
             # Stop or preemption, agreed by every worker.
             interrupt = self._agree_on_interrupts(asked) if asked is not None else None
             if interrupt == "lease_lost":  # another driver writes to the run now: no checkpoint, no rows
-                self.status, self.diagnostic = WorkerStatus.LEASE_LOST, _lease_lost(w.run_dir, step)
+                self.status = WorkerStatus.LEASE_LOST
+                self.diagnostic = taken_over(w.run_dir, f": stopped at step {step} without writing more")
                 return progress
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
             # (Tune stops trials on them); other rows go to metrics.jsonl only.
@@ -441,8 +443,3 @@ def ray_report(step: int, global_batch: int, quality: dict[str, Any] | None, val
 
 def _raise(error: BaseException) -> None:
     raise error
-
-
-def _lease_lost(run_dir, step: int) -> str:
-    return (f"another raydiff run took over the run directory {run_dir} (this one's lease was not renewed within "
-            f"run.lease_stale_s): stopped at step {step} without writing more; the other run continues it")

@@ -59,6 +59,7 @@ from raydiff.training.stop import (
     stop_at_once,
     stop_on_signals,
     stop_reason,
+    taken_over,
 )
 from raydiff.training.validation import holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -278,8 +279,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     with stop_on_signals(stop_flag, lease) as received:
         def stop_now() -> None:  # while fit runs, in the main thread
             if received["at_once"] is not None and received["lease_lost"]:
-                raise RunInUse(_taken_over(run_dir, "while no worker group of this one ran: stopped without "
-                                                    "writing more"))
+                raise RunInUse(taken_over(run_dir, " while no worker group of this one ran: stopped without "
+                                                   "writing more"))
             stop_at_once(received)
 
         try:
@@ -305,7 +306,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     if outcome is not None and outcome.status == WorkerStatus.LEASE_LOST:  # the run is another driver's: no summary
         raise RunInUse(outcome.diagnostic)
     if stop_reason(stop_flag) == LEASE_LOST:  # lost after the workers' last check: no summary either
-        raise RunInUse(_taken_over(run_dir, "as this one ended: its summary was not written"))
+        raise RunInUse(taken_over(run_dir, " as this one ended: its summary was not written"))
     failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"
@@ -325,11 +326,6 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         dashboards.summary(summary)
         dashboards.close()
     return {**summary, "signal": received["signal"]}
-
-
-def _taken_over(run_dir: RunDir, when: str) -> str:
-    return (f"another raydiff run took over the run directory {run_dir} (this one's lease was not renewed within "
-            f"run.lease_stale_s) {when}; the other run continues it")
 
 
 def with_held_out(cfg: Config, images: RunImages) -> RunImages:

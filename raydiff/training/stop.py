@@ -37,6 +37,13 @@ TUNE_INTERRUPTED = "Experiment has been interrupted"  # how Tune's warning after
 
 
 LEASE_LOST = "the run's lease was taken over"  # a stop that writes nothing more: another driver holds the run
+
+
+def taken_over(run_dir: Any, when: str) -> str:
+    """The one line of a run whose lease another driver took over, `when` saying when and what was not written
+    (the driver's and the workers' alike)."""
+    return (f"another raydiff run took over the run directory {run_dir} (this one's lease was not renewed within "
+            f"run.lease_stale_s){when}; the other run continues it")
 # Ray Train's controller states in which no worker group runs, so none could write a final checkpoint (None: the
 # controller has said nothing yet). PREEMPTING drains a group that may still write one; later states end the run.
 NO_WORKERS = frozenset({None, "INITIALIZING", "SCHEDULING", "RESCHEDULING", "RESTARTING", "RESIZING"})
