@@ -24,6 +24,7 @@ from raydiff.config.schema import (
     set_key,
 )
 from raydiff.config.values import YAML_ERRORS, is_text
+from raydiff.storage.errors import permanent_reason
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
@@ -76,7 +77,7 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
     except OSError as exc:  # permission denied, an I/O error
-        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+        raise ConfigError(f"--config {path}: cannot read it ({permanent_reason(exc) or exc.strerror or exc})") from None
     except YAML_ERRORS as exc:  # a tagged value PyYAML cannot build (`lr: !!float x`)
         raise ConfigError(f"{path}: not valid YAML (a tagged value it cannot build: {exc})") from None
     problem = sections_problem(tree)

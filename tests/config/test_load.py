@@ -173,7 +173,7 @@ def test_an_unreadable_config_file_is_one_line_naming_it_and_why(tmp_path, monke
     monkeypatch.setattr(Path, "read_text", denied)
     with pytest.raises(ConfigError) as info:
         load_config(str(path))
-    assert str(info.value) == f"--config {path}: cannot read it (Permission denied)"
+    assert str(info.value) == f"--config {path}: cannot read it (permission denied)"
 
 
 @pytest.mark.parametrize("name", ["", " "])
