@@ -226,6 +226,10 @@ def while_held(lease: Lease, out: str, batches: Iterator[Any]) -> Iterator[Any]:
 
 
 def _check_held(lease: Lease, out: str) -> None:
+    if lease.lost and lease.unrenewed_s is not None:
+        raise RunInUse(f"the stream preparation {out} could not renew its lease for {lease.unrenewed_s:.0f} s (the "
+                       f"store did not answer): stopped, as another raydiff run may take it over; run the command "
+                       f"again once the store answers")
     if lease.lost:
         raise RunInUse(f"another raydiff run took over the stream preparation {out} (this one's lease was not renewed "
                        f"within run.lease_stale_s): stopped; run the command again to use the copy it prepares")

@@ -17,8 +17,11 @@ pid, Ray job, since) for the one-line refusal:
   over with an overwrite conditional on the version it watched, so that of two claimants only one wins. A holder
   whose renewal fails that condition reads the object back: a body with its own lease id is its own write, whose
   answer was lost; another's means it has lost the lease, and is told (`on_lost`, at once where it was lost
-  before the holder asked to be told): it must write nothing more there. A network error is never a loss: the
-  next renewal tries again.
+  before the holder asked to be told): it must write nothing more there. A network error is not a loss by
+  itself: the next renewal tries again. But a holder that has had no renewal confirmed for half of `stale_s`
+  gives the lease up as lost (`Lease.unrenewed_s` says for how long): a claimant may take it over at `stale_s`,
+  and a holder that cannot reach the store may still have workers that can. Its requests time out well within
+  that half (`_request_timeout_s`), so that one hanging request does not outlast it.
 """
 
 from __future__ import annotations
@@ -67,13 +70,15 @@ def describe(holder: dict[str, Any] | None) -> str:
 
 class Lease:
     """A held lease. `update(**fields)` adds to what it says of its holder; `on_lost` is called once if an
-    object-store lease is taken over: from the heartbeat thread, or where that happened before it was set, as it
-    is set. `lost` says whether it was."""
+    object-store lease is lost: from the heartbeat thread, or where that happened before it was set, as it is set.
+    `lost` says whether it was; `unrenewed_s`, where the holder gave it up unrenewed rather than finding another
+    holder's write, for how many seconds no renewal had been confirmed."""
 
     def __init__(self, store: _LocalLock | _ObjectLease, holder: dict[str, Any]) -> None:
         self._store, self.holder = store, dict(holder)
         self._on_lost: Callable[[], None] | None = None
         self._lost = False
+        self.unrenewed_s: float | None = None
         self._guard = threading.Lock()  # `lose` and the setter: the callback runs exactly once
 
     @property
@@ -91,10 +96,12 @@ class Lease:
         if lost and callback is not None:
             callback()
 
-    def lose(self) -> None:
-        """Another holder has it now (the heartbeat's call)."""
+    def lose(self, unrenewed_s: float | None = None) -> None:
+        """Another holder has it now, or (`unrenewed_s`) may have it: no renewal confirmed for that long (the
+        heartbeat's call)."""
         with self._guard:
             self._lost, callback = True, self._on_lost
+            self.unrenewed_s = unrenewed_s
         if callback is not None:
             callback()
 
@@ -195,10 +202,13 @@ class _ObjectLease:
     """A lease object on S3 or GCS, renewed by a heartbeat thread while held."""
 
     def __init__(self, place: RunDir, stale_s: float) -> None:
-        self.objects = _S3Object(place) if place.uri.startswith("s3://") else _GcsObject(place)
+        timeout_s = _request_timeout_s(stale_s)
+        self.objects = _S3Object(place, timeout_s) if place.uri.startswith("s3://") else _GcsObject(place, timeout_s)
         self.stale_s, self.renew_s = stale_s, stale_s / 4
         self.version: str | None = None
-        self.watched: tuple[str, float] | None = None  # (version, since when, by our monotonic clock)
+        self.confirmed = 0.0  # when (monotonic) the last write the store confirmed was sent
+        # (version, since when by our monotonic clock, its age then by the store's clock)
+        self.watched: tuple[str, float, float] | None = None
         self.lease: Lease | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -218,6 +228,7 @@ class _ObjectLease:
 
     def take(self, holder: dict[str, Any]) -> tuple[str, Any]:
         """("held", Lease), ("live", holder): renewed while watched, or ("watching", holder): not decided yet."""
+        sent = time.monotonic()
         version = self.objects.create(self._body(holder))
         if version is None:
             found = self.objects.read()
@@ -226,21 +237,25 @@ class _ObjectLease:
             body, seen, age_s = found
             other, now = body.get("holder"), time.monotonic()
             if self._mine(found):  # this very write, applied, its answer lost: the retry was refused
-                self.version = seen
+                self.version, self.confirmed = seen, sent
                 return self._held(holder)
             if self.watched is None or self.watched[0] != seen:
                 renewed = self.watched is not None
-                self.watched = (seen, now)
+                self.watched = (seen, now, age_s)
                 return ("live" if renewed else "watching"), other
-            watched_s = now - self.watched[1]
-            if watched_s < max(self.stale_s - age_s, self.stale_s / 2):
+            # Unrenewed for stale_s: its age when first seen (the store's clock, or ours on GCS) and the time
+            # watched since (ours), not its age now, which counts the time watched twice.
+            _, since, age_when_seen_s = self.watched
+            watched_s = now - since
+            if watched_s < max(self.stale_s - age_when_seen_s, self.stale_s / 2):
                 return "watching", other
+            sent = time.monotonic()
             version = self._replace(self._body(holder), seen)
             if version is None:
                 return "watching", other  # another claimant took it over first
             logger.warning(f"[raydiff] took over the lease of {describe(other)}: not renewed for "
-                           f"{max(age_s, watched_s):.0f} s (run.lease_stale_s = {self.stale_s:g})")
-        self.version = version
+                           f"{max(age_s, age_when_seen_s + watched_s):.0f} s (run.lease_stale_s = {self.stale_s:g})")
+        self.version, self.confirmed = version, sent
         return self._held(holder)
 
     def _held(self, holder: dict[str, Any]) -> tuple[str, Lease]:
@@ -265,12 +280,27 @@ class _ObjectLease:
         try:
             with self._lock:
                 self._renew(holder)
-        except Exception:  # a network error: the next renewal tries again, well within stale_s
+        except Exception:  # a network error: the next renewal tries again, unless none was confirmed for long
             logger.debug("renewing the lease failed", exc_info=True)
+            with self._lock:
+                self._give_up_if_unrenewed()
+
+    def _give_up_if_unrenewed(self) -> None:
+        """Give the lease up as lost once no renewal was confirmed for half of stale_s: a claimant may take it at
+        stale_s, and this holder could not tell (its renewals do not get through; its workers' writes may)."""
+        unrenewed_s = time.monotonic() - self.confirmed
+        if self.version is None or unrenewed_s < self.stale_s / 2:
+            return
+        self.version = None  # nothing more is written to it: it goes stale, and is free at stale_s
+        logger.error(f"[raydiff] ERROR: this run's lease could not be renewed for {unrenewed_s:.0f} s (the store did "
+                     f"not answer): another raydiff run may take it over at run.lease_stale_s = {self.stale_s:g} s")
+        if self.lease is not None:
+            self.lease.lose(unrenewed_s=unrenewed_s)
 
     def _renew(self, holder: dict[str, Any]) -> None:
         if self.version is None:
             return
+        sent = time.monotonic()
         version = self._replace(self._body(holder), self.version)
         if version is None:
             self.version = None
@@ -279,7 +309,7 @@ class _ObjectLease:
             if self.lease is not None:
                 self.lease.lose()
             return
-        self.version = version
+        self.version, self.confirmed = version, sent
 
     def _heartbeat(self) -> None:
         lease = self.lease
@@ -300,10 +330,17 @@ class _ObjectLease:
             self.version = None
 
 
+def _request_timeout_s(stale_s: float) -> float:
+    """How long one request about a lease may wait for the store: a renewal and its one retry end within about a
+    quarter of stale_s (3.75 s each for the default 60 s; never under 1 s), so that a holder hears that its renewals
+    fail before it gives the lease up, at half of stale_s. Slow networks set a longer run.lease_stale_s."""
+    return max(1.0, stale_s / 16)
+
+
 class _S3Object:
     """One object on S3 (or an S3-compatible store) with conditional writes, through boto3."""
 
-    def __init__(self, place: RunDir) -> None:
+    def __init__(self, place: RunDir, timeout_s: float) -> None:
         import boto3
         from botocore.config import Config
 
@@ -311,7 +348,8 @@ class _S3Object:
         endpoint = place.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         options = {"s3": {"addressing_style": "path"}} if endpoint else {}
         self.client = boto3.client("s3", endpoint_url=endpoint, config=Config(
-            retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=30, **options))
+            retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=timeout_s, read_timeout=timeout_s,
+            **options))
 
     @staticmethod
     def _refused(exc: Exception) -> bool:
@@ -355,8 +393,9 @@ class _S3Object:
 class _GcsObject:
     """One object on GCS with generation preconditions, through google-cloud-storage."""
 
-    def __init__(self, place: RunDir) -> None:
+    def __init__(self, place: RunDir, timeout_s: float) -> None:
         from google.cloud import storage
+        from google.cloud.storage.retry import DEFAULT_RETRY
 
         bucket, _, self.name = place.uri.split("://", 1)[1].partition("/")
         if place.endpoint:  # an emulator, or a private endpoint
@@ -372,13 +411,15 @@ class _GcsObject:
         else:
             client = storage.Client()
         self.bucket = client.bucket(bucket)
+        # Each request, and its retries together (a conditional write's too: its precondition makes it safe).
+        self.timeout_s, self.retry = timeout_s, DEFAULT_RETRY.with_deadline(2 * timeout_s)
 
     def create(self, body: bytes) -> str | None:
         from google.api_core.exceptions import PreconditionFailed
 
         blob = self.bucket.blob(self.name)
         try:
-            blob.upload_from_string(body, if_generation_match=0)
+            blob.upload_from_string(body, if_generation_match=0, timeout=self.timeout_s, retry=self.retry)
         except PreconditionFailed:
             return None
         return str(blob.generation)
@@ -388,12 +429,13 @@ class _GcsObject:
 
         renewed = 0
         while True:
-            blob = self.bucket.get_blob(self.name)
+            blob = self.bucket.get_blob(self.name, timeout=self.timeout_s, retry=self.retry)
             if blob is None:
                 return None
             generation, updated = blob.generation, blob.updated  # (a download may reset the blob's properties)
             try:
-                body = json.loads(blob.download_as_bytes(if_generation_match=generation) or b"{}")
+                body = json.loads(blob.download_as_bytes(if_generation_match=generation, timeout=self.timeout_s,
+                                                         retry=self.retry) or b"{}")
             except NotFound:
                 return None
             except PreconditionFailed:  # renewed between the two requests: read the new one
@@ -408,10 +450,11 @@ class _GcsObject:
 
         blob = self.bucket.blob(self.name)
         try:
-            blob.upload_from_string(body, if_generation_match=int(version))
+            blob.upload_from_string(body, if_generation_match=int(version), timeout=self.timeout_s,
+                                        retry=self.retry)
         except (PreconditionFailed, NotFound):
             return None
         return str(blob.generation)
 
     def delete(self, version: str) -> None:
-        self.bucket.blob(self.name).delete(if_generation_match=int(version))
+        self.bucket.blob(self.name).delete(if_generation_match=int(version), timeout=self.timeout_s, retry=self.retry)

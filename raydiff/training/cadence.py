@@ -40,7 +40,6 @@ from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
 from raydiff.training.profiling import StepProfile
 from raydiff.training.recovery import divergence_report, roll_back
 from raydiff.training.step import StepResult
-from raydiff.training.stop import taken_over
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 from raydiff.training.worker import Worker
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -180,7 +179,7 @@ class Cadence:
             interrupt = self._agree_on_interrupts(asked) if asked is not None else None
             if interrupt == "lease_lost":  # another driver writes to the run now: no checkpoint, no rows
                 self.status = WorkerStatus.LEASE_LOST
-                self.diagnostic = taken_over(w.run_dir, f": stopped at step {step} without writing more")
+                self.diagnostic = f": stopped at step {step} without writing more"  # the driver's line says the rest
                 return progress
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
             # (Tune stops trials on them); other rows go to metrics.jsonl only.

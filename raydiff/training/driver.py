@@ -280,7 +280,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         def stop_now() -> None:  # while fit runs, in the main thread
             if received["at_once"] is not None and received["lease_lost"]:
                 raise RunInUse(taken_over(run_dir, " while no worker group of this one ran: stopped without "
-                                                   "writing more"))
+                                                   "writing more", lease.unrenewed_s))
             stop_at_once(received)
 
         try:
@@ -304,9 +304,9 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     if outcome is not None and outcome.status == WorkerStatus.REFUSED:
         raise ConfigError(outcome.diagnostic)
     if outcome is not None and outcome.status == WorkerStatus.LEASE_LOST:  # the run is another driver's: no summary
-        raise RunInUse(outcome.diagnostic)
+        raise RunInUse(taken_over(run_dir, outcome.diagnostic or "", lease.unrenewed_s))
     if stop_reason(stop_flag) == LEASE_LOST:  # lost after the workers' last check: no summary either
-        raise RunInUse(taken_over(run_dir, " as this one ended: its summary was not written"))
+        raise RunInUse(taken_over(run_dir, " as this one ended: its summary was not written", lease.unrenewed_s))
     failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"

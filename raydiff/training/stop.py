@@ -39,9 +39,13 @@ TUNE_INTERRUPTED = "Experiment has been interrupted"  # how Tune's warning after
 LEASE_LOST = "the run's lease was taken over"  # a stop that writes nothing more: another driver holds the run
 
 
-def taken_over(run_dir: Any, when: str) -> str:
-    """The one line of a run whose lease another driver took over, `when` saying when and what was not written
-    (the driver's and the workers' alike)."""
+def taken_over(run_dir: Any, when: str, unrenewed_s: float | None = None) -> str:
+    """The one line of a run whose lease another driver took over, or (`unrenewed_s`, `Lease.unrenewed_s`) that
+    gave its lease up, unrenewed for that long: `when` says when, and what was not written."""
+    if unrenewed_s is not None:
+        return (f"this run could not renew its lease on the run directory {run_dir} for {unrenewed_s:.0f} s (the "
+                f"store did not answer){when}: another raydiff run may take it over (run.lease_stale_s); the same "
+                f"command continues the run once the store answers")
     return (f"another raydiff run took over the run directory {run_dir} (this one's lease was not renewed within "
             f"run.lease_stale_s){when}; the other run continues it")
 # Ray Train's controller states in which no worker group runs, so none could write a final checkpoint (None: the

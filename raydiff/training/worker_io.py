@@ -42,7 +42,7 @@ class WorkerStatus(str, enum.Enum):
     STOPPED = "stopped"  # asked to stop (a signal), after a checkpoint
     DIVERGED = "diverged"  # too many non-finite steps in a row, after at most one rollback
     UNRESUMABLE = "unresumable"  # checkpoints exist and none restores: nothing was trained or written
-    LEASE_LOST = "lease_lost"  # another driver took the run over: stopped without writing more
+    LEASE_LOST = "lease_lost"  # another driver took the run over (or may): stopped without writing more
     REFUSED = "refused"  # the workers cannot train as configured (not one image fits): nothing trained or written
     STORAGE_FAILED = "storage_failed"  # rank 0 could not write to storage, and no retry can fix it
 
@@ -53,7 +53,8 @@ class WorkerResult:
 
     status: WorkerStatus
     steps: int
-    diagnostic: str | None = None  # why it diverged, why no checkpoint restores, or what storage refused
+    # why it diverged, why no checkpoint restores, what storage refused; for LEASE_LOST, at which step it stopped
+    diagnostic: str | None = None
     images_seen: int = 0
     final_loss: float | None = None
     skipped_steps: int = 0

@@ -204,6 +204,96 @@ def test_an_s3_lease_renewal_lost_and_unreadable_is_still_the_holders_at_the_nex
     assert "Contents" not in client.list_objects_v2(Bucket="lost-renewal") and not lost
 
 
+class _Clock:
+    """The lease's clock and sleep, in the test's hands: a claimant's polls take no real time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _Store:
+    """An object store's one lease object, aged by the test's clock; `down` fails the writes of one holder (its
+    network is out, another's is not)."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock, self.body, self.version, self.modified, self.writes, self.down = clock, None, None, 0.0, 0, ""
+
+    def objects(self, place, timeout_s):
+        return self
+
+    def _put(self, body: bytes) -> str:
+        if self.down and json.loads(body)["lease"] == self.down:
+            raise ConnectionError("Connect timeout on endpoint URL")
+        self.writes += 1
+        self.body, self.version, self.modified = json.loads(body), f"v{self.writes}", self.clock.now
+        return self.version
+
+    def create(self, body: bytes) -> str | None:
+        return None if self.body is not None else self._put(body)
+
+    def read(self):
+        return None if self.body is None else (self.body, self.version, self.clock.now - self.modified)
+
+    def replace(self, body: bytes, version: str) -> str | None:
+        return self._put(body) if version == self.version else None
+
+    def delete(self, version: str) -> None:
+        if version == self.version:
+            self.body = None
+
+
+@pytest.fixture
+def fake_store(monkeypatch):
+    from raydiff.storage import lease as lease_module
+
+    clock = _Clock()
+    store = _Store(clock)
+    monkeypatch.setattr(lease_module, "time", clock)
+    monkeypatch.setattr(lease_module, "_S3Object", store.objects)
+    return clock, store
+
+
+def test_a_live_object_lease_is_not_taken_over_before_it_went_unrenewed_for_the_stale_time(fake_store):
+    """A claimant that first sees a lease just renewed takes it over only once it has gone unrenewed for
+    run.lease_stale_s, not at half of it (its age was counted twice: as the age now and as the time watched)."""
+    clock, store = fake_store
+    run_dir = RunDir("s3://bucket/runs/smoke")
+    holder = take(run_dir, {"name": "a"}, stale_s=60, what="run directory")  # renewed at 0 s, then silent
+    clock.now = 0.5
+    claimant = take(run_dir, {"name": "b"}, stale_s=60, what="run directory", wait=True)
+    assert 60 <= clock.now <= 61 and store.body["holder"] == {"name": "b"}
+    claimant.release()
+    holder.release()
+
+
+def test_an_object_lease_whose_renewals_do_not_get_through_is_given_up_before_another_run_may_take_it(fake_store):
+    """A holder that cannot reach the store (its workers may) cannot hear of a takeover: at half of the stale time
+    without a renewal confirmed it gives the lease up, and is told as for a takeover, saying for how long."""
+    clock, store = fake_store
+    run_dir = RunDir("s3://bucket/runs/smoke")
+    lease = take(run_dir, {"name": "a"}, stale_s=60, what="run directory")
+    told: list[float | None] = []
+    lease.on_lost = lambda: told.append(lease.unrenewed_s)
+    store.down = store.body["lease"]
+    for clock.now in (15.0, 29.0):  # the heartbeat's renewals, failing: not given up yet
+        lease.update(step=1)
+        assert not lease.lost
+    clock.now = 30.0
+    lease.update(step=2)
+    assert lease.lost and told == [30.0]
+    store.down = ""
+    lease.update(step=3)  # nothing more written, nor told again
+    assert store.writes == 1 and told == [30.0]
+    lease.release()  # leaves the object to go stale: it may be another's by now
+    assert store.body is not None
+
+
 @pytest.fixture
 def gcs_with_preconditions(gcs_server):
     """The emulator ignores ifGenerationMatch; real GCS refuses a write whose precondition fails (412). Teach it."""

@@ -24,6 +24,7 @@ from raydiff.training.stop import (
     noting_tune_interrupt,
     stop_at_once,
     stop_on_signals,
+    taken_over,
 )
 
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
@@ -195,3 +196,14 @@ def test_a_lease_lost_before_training_reaches_the_workers_who_stop_themselves(mo
                                    poll=lambda: _as_the_driver_polls(received)) == "returned"
     assert flag.requests == [LEASE_LOST] and received["lease_lost"] and received["at_once"] is None
     assert capsys.readouterr().out == ""
+
+
+def test_a_run_that_gave_its_lease_up_unrenewed_says_so_and_not_that_another_run_took_it():
+    """Given up (no renewal confirmed for half the stale time) is not taken over: the line says what happened
+    and that the same command continues the run."""
+    when = ": stopped at step 120 without writing more"
+    assert taken_over("s3://b/runs/smoke", when, 31.4) == (
+        "this run could not renew its lease on the run directory s3://b/runs/smoke for 31 s (the store did not "
+        "answer): stopped at step 120 without writing more: another raydiff run may take it over "
+        "(run.lease_stale_s); the same command continues the run once the store answers")
+    assert taken_over("s3://b/runs/smoke", when).startswith("another raydiff run took over the run directory")
