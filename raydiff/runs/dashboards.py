@@ -123,9 +123,9 @@ class _TensorBoard(_Backend):
         self.run_dir = run_dir
         # An object store cannot append: write locally and upload whole event files at flush() and close(). The
         # file grows all run long; flush() (at every checkpoint) uploads it on a thread of its own, not on the
-        # training thread.
-        self._tmp = None if run_dir.local else scratch_folder("tensorboard")
-        self._uploads = BackgroundWrites() if self._tmp else None
+        # training thread. (Made in _open, under the guard: a full temporary folder turns TensorBoard off.)
+        self._tmp: Path | None = None
+        self._uploads: BackgroundWrites | None = None
         self._uploaded: dict[str, int] = {}
         self.guard(self._open, cfg, resume_step)
 
@@ -133,10 +133,11 @@ class _TensorBoard(_Backend):
         from torch.utils.tensorboard import SummaryWriter
 
         _quiet_writer_thread_failures()
-        folder = self._tmp
-        if folder is None:
-            local = self.run_dir.local
-            assert local is not None  # no temporary folder only on a local run directory
+        local = self.run_dir.local
+        if local is None:
+            self._tmp = folder = scratch_folder("tensorboard")
+            self._uploads = BackgroundWrites()
+        else:
             folder = local / TENSORBOARD_DIR
         # purge_step writes a SessionLog.START: TensorBoard's reader then drops the points at or past it that
         # earlier files hold (rows a crashed session logged after its last checkpoint), so curves don't rewind.
@@ -217,10 +218,12 @@ class _WandB(_Backend):
         # W&B writes its files under <dir>/wandb/; on an object store that is a temporary folder, uploaded at
         # close() in offline mode (online, the W&B server has it all).
         self.run_dir = run_dir
-        self._tmp = None if run_dir.local else scratch_folder("wandb")
+        self._tmp: Path | None = None  # made in _open, under the guard, as TensorBoard's
         self.guard(self._open, cfg, run_dir, ids)
 
     def _open(self, cfg: Config, run_dir: RunDir, ids: _Ids) -> None:
+        if run_dir.local is None:
+            self._tmp = scratch_folder("wandb")
         run_id = ids.get("wandb_run_id") or "".join(secrets.choice(string.ascii_lowercase + string.digits)
                                                      for _ in range(8))
         self.run = self.wandb.init(

@@ -133,6 +133,30 @@ def test_tensorboard_on_an_object_store_uploads_off_the_calling_thread(tmp_path,
     assert [e.step for e in _read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")] == [10, 20]
 
 
+def test_a_full_temporary_folder_turns_tensorboard_off_on_an_object_store_and_trains_on(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """On an object store TensorBoard writes to a temporary folder first: where that cannot be made (a full /tmp),
+    TensorBoard is off with one warning, like any dashboard failure, and the run goes on (it stopped training,
+    and was told as a full run storage)."""
+    import errno
+    import tempfile
+
+    monkeypatch.setattr(RunDir, "local", property(lambda self: None))  # the object-store path, writing to tmp_path
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tempfile, "mkdtemp", full)
+    with caplog.at_level(logging.WARNING, logger="raydiff"):
+        dash = Dashboards(_config(), RunDir(tmp_path / "run"), resume_step=0)
+        dash.metrics(_row(10, loss=0.5))
+        dash.flush()
+        dash.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["[raydiff] WARNING: TensorBoard logging failed and is off for the rest of this session: "
+                        "OSError: [Errno 28] No space left on device"]
+    assert not (tmp_path / "run" / "tensorboard").exists()
+
+
 def test_nothing_configured_means_no_dashboards(tmp_path):
     assert dashboards_for(_config(tensorboard=False), RunDir(tmp_path), resume_step=0) is None
     assert isinstance(dashboards_for(_config(), RunDir(tmp_path), resume_step=0), Dashboards)
