@@ -175,7 +175,11 @@ class _LocalLock:
             os.close(fd)
             return "live", self._holder()  # a lock is held only while its holder lives
         self.fd = fd
-        self.rewrite(holder)
+        try:
+            self.rewrite(holder)
+        except BaseException:  # not held after all (a full disk): the lock goes with its file descriptor
+            self.release()
+            raise
         return "held", Lease(self, holder)
 
     def _holder(self) -> dict[str, Any] | None:
