@@ -59,6 +59,24 @@ def test_a_local_lease_is_refused_while_held_and_free_once_its_holder_is_killed(
         pass  # released
 
 
+def test_a_local_lease_whose_holder_cannot_be_written_is_not_kept_locked(tmp_path, monkeypatch):
+    """A full disk refuses the holder's line: the take fails, and the lock goes with it (a second take of the same
+    process was refused as held by a process that had not said who it is)."""
+    import errno
+
+    from raydiff.storage import lease as lease_module
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    run_dir = RunDir(tmp_path / "run")
+    with monkeypatch.context() as patched:
+        patched.setattr(lease_module.os, "pwrite", full)
+        with pytest.raises(OSError, match="No space left"):
+            take(run_dir, this_process(), stale_s=4, what="run directory")
+    with hold(run_dir, this_process(), stale_s=4, what="run directory"):
+        pass
+
+
 def _object_lease_lifecycle(uri: str, endpoint: str) -> None:
     """A live holder refuses others (they see it renewed); a killed one is taken over once stale, by exactly one
     of two claimants."""
