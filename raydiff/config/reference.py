@@ -32,8 +32,10 @@ INTRO = f"""\
 
 <!-- Generated from raydiff/config/schema.py by `{COMMAND}`: edit the docstrings there, not this page. -->
 
-A run is configured by the keys below, each named `section.key`. Every key starts at the default listed here
-(together they make the built-in default run, DDPM on scikit-learn's digits); then, in this order:
+A run is configured by the keys below, each named `section.key`. Every key starts at the default listed here,
+the schema's default (DDPM on scikit-learn's digits). These are not quite the built-in default run: its preset,
+`configs/default.yaml`, also sets `train.loss_weighting: min_snr` and `eval.at_end: true`, and a file of your own
+starts from the defaults here, not from that preset. Then, in this order:
 
 - a YAML file sets keys section by section: a preset from `configs/` (`python -m raydiff.train --config digits`)
   or a file of your own (`--config FILE`, e.g. `--config my-run.yaml`). Without `--config` the `default` preset
