@@ -323,7 +323,8 @@ class RunSection:
     and starts over."""
     lease_stale_s: float = 60.0
     """`s3://` or `gs://` storage: seconds after which a run's lease that was not renewed is taken to belong to a
-    driver that is gone, and is taken over (see docs/resume-and-elastic.md#one-driver-per-run)."""
+    driver that is gone, and is taken over; a driver that has had no renewal confirmed for half of it stops (see
+    docs/resume-and-elastic.md#one-driver-per-run)."""
 
 
 @dataclass

@@ -28,7 +28,7 @@ SCHEMES = (*STORAGE_SCHEMES, HUB_SCHEME)  # what data.source may name
 GLOB_CHARACTERS = "*?["
 # google-cloud-cpp retries a failing GCS request for 15 minutes by default, so a missing credential or an
 # unreachable endpoint left a run silent that long. A minute rides out transient errors (503s, rate limits), as
-# pyarrow's 3 attempts do on S3. Then the error surfaces: one line before training, or a failed worker that Ray
+# S3's retries do (S3_RETRY_ATTEMPTS). Then the error surfaces: one line before training, or a failed worker that Ray
 # Train restarts from the last checkpoint.
 GCS_RETRY_LIMIT = datetime.timedelta(seconds=60)
 # pyarrow's default S3 retries (AWS's "standard" strategy, 3 attempts) spend a budget per filesystem that pyarrow
