@@ -232,7 +232,8 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(ray_session, tmp_path):
     (["--lr", "1e-5:1e400", "--batch", "16"], "--lr '1e-5:1e400': expected finite learning rates LOW:HIGH"),
     (["--lr", "1e-3", "--batch", "16", "--samples", "2"], "needs a range"),
     (["--lr", "1e-5:1e-3", "--batch", "16,0"], "expected distinct positive integers"),
-    (["--lr", "1e-5:1e-3", "--batch", "15"], "--batch 15: train.global_batch = 15: not reachable"),
+    (["--lr", "1e-5:1e-3", "--batch", "1"], "--batch 1: train.global_batch = 1: must be at least the number of "
+                                            "workers (2)"),
     (["--lr", "1e-5:1e-3", "--batch", "16", "--samples", "0"], "--samples 0: must be >= 1"),
     (["--lr", "1e-5:1e-3", "--batch", "16,32", "--budget-images", "16"], "must be at least 32"),
     (["--lr", "1e-5:1e-3", "--batch", "16", "--max-concurrent", "0"], "--max-concurrent 0: must be >= 1"),

@@ -374,22 +374,13 @@ def bucket_case_problem(uri: str) -> str | None:
 
 def check_workers(cfg: Config) -> None:
     """The global batch against a known number of workers (validate() calls it; the driver again once it has
-    resolved `scaling.num_workers: auto`)."""
+    resolved `scaling.num_workers: auto`). Any number up to the global batch reaches it exactly: a batch the
+    workers cannot split evenly, or into whole micro-batches, is split as evenly as it goes (`rank_share`, shares
+    an image apart, micro-batches of up to `train.micro_batch`), as an elastic run does at every world size, and
+    the loss is the global batch's mean all the same."""
     s, t = cfg.scaling, cfg.train
     _check(t.global_batch >= s.max_workers, "train.global_batch", t.global_batch,
            f"must be at least the number of workers ({s.max_workers}): every worker needs a sample per step")
-    w = s.num_workers
-    if not isinstance(w, tuple):  # not elastic
-        # A fixed world size must reach the global batch exactly as micro_batch x workers x accumulation.
-        # (Elastic runs split each global batch as evenly as the current world size allows instead.)
-        assert w != "auto"  # resolved before this is called (validate skips it for auto)
-        _check(t.global_batch % w == 0, "train.global_batch", t.global_batch,
-               f"not reachable with scaling.num_workers = {w}: must be a multiple of the number of workers")
-        per_worker = t.global_batch // w
-        _check(not isinstance(t.micro_batch, int) or per_worker % t.micro_batch == 0, "train.micro_batch",
-               t.micro_batch,
-               f"train.global_batch = {t.global_batch} is not reachable as micro_batch x {w} workers x "
-               f"accumulation: {per_worker} images per worker must be a multiple of micro_batch")
 
 
 def parse_numbers(flag: str, text: str, *, ok: Callable[[float], bool], allowed: str,

@@ -267,9 +267,9 @@ class ScalingSection:
 
     num_workers: Literal["auto"] | int | tuple[int, ...] = 2
     """Ray Train workers: a number, `[min, max]` for elastic training (see docs/resume-and-elastic.md#elastic-training),
-    or `auto` (one per GPU in the cluster, or one CPU worker with every CPU where there are no GPUs; a global batch
-    they cannot split evenly, or into whole micro-batches of `train.micro_batch`, is split as evenly as possible,
-    as an elastic run of exactly that size does)."""
+    or `auto` (one per GPU in the cluster, or one CPU worker with every CPU where there are no GPUs). A global
+    batch the workers cannot split evenly, or into whole micro-batches of `train.micro_batch`, is split as evenly
+    as it goes."""
     use_gpu: Literal["auto"] | bool = "auto"
     """Train on GPUs: `auto` (if the cluster has any), `true` (wait for GPU nodes where there are none yet), or
     `false`."""

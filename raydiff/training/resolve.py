@@ -48,15 +48,8 @@ def resolve_run(requested: Config, *, gpus: float, images: RunImages,
     return resolved, {"names": names, "counts": counts}
 
 
-def auto_workers(requested: Config, gpus: float) -> int | tuple[int, int]:
-    """What `scaling.num_workers: auto` becomes: one worker per GPU of the cluster (`gpus`), or one worker with every
-    CPU where the run does not use GPUs. A global batch the workers cannot split evenly, or into whole micro-batches
-    of `train.micro_batch`, is split as evenly as possible, as an elastic run of exactly that size does (`(n, n)`,
-    with micro-batches of up to `train.micro_batch`): what a fixed number of workers would be refused for, `auto`
-    chose, whatever the number of GPUs."""
-    t = requested.train
+def auto_workers(requested: Config, gpus: float) -> int:
+    """What `scaling.num_workers: auto` becomes: one worker per GPU of the cluster (`gpus`, at most one per image of
+    the global batch), or one worker with every CPU where the run does not use GPUs."""
     use_gpu = gpus > 0 if requested.scaling.use_gpu == "auto" else requested.scaling.use_gpu
-    workers = max(1, min(int(gpus), t.global_batch)) if use_gpu else 1
-    even = t.global_batch % workers == 0 and (
-        not isinstance(t.micro_batch, int) or (t.global_batch // workers) % t.micro_batch == 0)
-    return workers if even else (workers, workers)
+    return max(1, min(int(gpus), requested.train.global_batch)) if use_gpu else 1

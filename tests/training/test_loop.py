@@ -95,14 +95,13 @@ def _cli_run(storage, name, *overrides):
 
 @pytest.mark.slow
 def test_ddp_accumulation_and_uneven_shares_match_one_worker(tmp_path):
-    """Under real DDP: 3 workers with uneven shares of the 16-image batch (6, 5, 5; an elastic range, since only
-    elastic runs split a batch unevenly), each accumulating 2 micro-batches (no_sync on the first) and
-    checkpointing their activations, train the same steps as one worker."""
+    """Under real DDP: 3 workers with uneven shares of the 16-image batch (6, 5, 5), each accumulating 2
+    micro-batches (no_sync on the first) and checkpointing their activations, train the same steps as one worker."""
     # scaling.num_workers=auto: one worker per GPU, on a cluster without GPUs one worker with every CPU.
     one_log, one_rows, one = _cli_run(tmp_path, "one", "scaling.num_workers=auto")
     assert "on 1 (scaling.num_workers=auto) CPU worker(s)" in one_log
     # The three workers also recompute their activations in the backward pass: the same steps again.
-    three_log, three_rows, three = _cli_run(tmp_path, "three", "scaling.num_workers=[3,3]", "train.micro_batch=4",
+    three_log, three_rows, three = _cli_run(tmp_path, "three", "scaling.num_workers=3", "train.micro_batch=4",
                                             "train.activation_checkpointing=true")
     assert "3 worker(s), global batch 16 = 6 on worker 0 in micro-batches of up to 4" in three_log
     assert "activation checkpointing on" in three_log

@@ -20,8 +20,8 @@ def test_auto_is_one_worker_per_gpu_and_one_on_cpus():
     assert _workers(cfg, gpus=0) == 1
     assert _workers(cfg, gpus=1) == 1
     assert _workers(cfg, gpus=8) == 8
-    # 16 images over 3 GPUs: split as evenly as possible (6, 5, 5), as an elastic run of exactly 3 does.
-    assert _workers(cfg, gpus=3) == (3, 3)
+    # 16 images over 3 GPUs: split as evenly as possible (6, 5, 5), as any number of workers is.
+    assert _workers(cfg, gpus=3) == 3
     # More GPUs than images per step: one image per worker at most.
     assert _workers(cfg, gpus=64) == 16
     assert cfg.scaling.num_workers == "auto"  # the requested config is left as it is
@@ -29,17 +29,15 @@ def test_auto_is_one_worker_per_gpu_and_one_on_cpus():
     assert _workers(no_gpu, gpus=8) == 1
 
 
-def test_auto_splits_a_batch_that_whole_micro_batches_do_not_as_an_elastic_run_of_that_size():
-    """16 images over 2 GPUs with micro-batches of 6: 8 per worker is no multiple of 6, which a fixed number of
-    workers is refused for; `auto` splits it as an elastic run of exactly 2 does, in micro-batches of up to 6, as
-    it does a batch that the GPUs do not divide (which was accepted where this one was refused)."""
+def test_a_batch_that_the_workers_or_whole_micro_batches_do_not_divide_is_accepted_for_any_number_of_workers():
+    """16 images over 3 workers, or over 2 in micro-batches of 6: split as evenly as it goes (6, 5, 5; 6 + 2 per
+    worker), as an elastic run does at every world size. A number the user fixed was refused for it ("must be a
+    multiple"), where `auto` and `[n, n]` trained it."""
     cfg = load_config("smoke", ["scaling.num_workers=auto", "train.micro_batch=6"])
-    assert _workers(cfg, gpus=1) == (1, 1)
-    assert _workers(cfg, gpus=2) == (2, 2)
-    assert _workers(cfg, gpus=3) == (3, 3)
-    fits = load_config("smoke", ["scaling.num_workers=auto", "train.micro_batch=4"])
-    assert _workers(fits, gpus=2) == 2 and _workers(fits, gpus=4) == 4 and _workers(fits, gpus=8) == (8, 8)
-    with pytest.raises(ConfigError, match="8 images per worker must be a multiple of micro_batch"):
-        load_config("smoke", ["scaling.num_workers=2", "train.micro_batch=6"])  # a number the user fixed
+    assert [_workers(cfg, gpus=n) for n in (1, 2, 3)] == [1, 2, 3]
+    assert load_config("smoke", ["scaling.num_workers=3"]).scaling.num_workers == 3
+    assert load_config("smoke", ["scaling.num_workers=2", "train.micro_batch=6"]).train.micro_batch == 6
+    with pytest.raises(ConfigError, match="must be at least the number of workers"):
+        load_config("smoke", ["scaling.num_workers=17"])
     explicit = load_config("smoke", ["scaling.num_workers=2"])
     assert resolve_run(explicit, gpus=8, images=IMAGES)[0] is explicit
