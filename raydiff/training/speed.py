@@ -191,14 +191,17 @@ def for_training(module: nn.Module, plan: SpeedPlan, device: torch.device, world
 def compiled(module: nn.Module, option: bool | str, *, fallback: bool,
              options: dict[str, Any] | None = None) -> nn.Module:
     """`module` under torch.compile (option True = inductor, with `options`; a string = that backend), or as it
-    is."""
+    is. Static shapes: each micro-batch size compiles a graph of its own (a share's last, smaller micro-batch; a
+    bench's next batch), where torch's default would make the batch size symbolic at the second size: slower
+    kernels for every size, and in a process that met a third size, a compiled backward that failed."""
     if option is False:
         return module
     if fallback:
         from torch import _dynamo
 
         _dynamo.config.suppress_errors = True  # auto: an unsupported setup trains in eager mode instead
-    wrapped = torch.compile(module, options=options) if option is True else torch.compile(module, backend=option)
+    wrapped = (torch.compile(module, dynamic=False, options=options) if option is True else
+               torch.compile(module, dynamic=False, backend=option))
     return cast(nn.Module, wrapped)  # an OptimizedModule
 
 

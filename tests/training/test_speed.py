@@ -165,3 +165,25 @@ def test_the_flat_all_reduce_trains_the_weights_ddp_trains(tmp_path, compression
     assert flat["same_grad_buffers"]
     for i, (a, b) in enumerate(zip(ddp["weights"], flat["weights"], strict=True)):
         assert a == b, f"parameter {i} differs"
+
+
+def test_each_micro_batch_size_compiles_a_static_graph_of_its_own():
+    """Three batch sizes in one process, three static graphs: torch's default makes the batch size symbolic at
+    the second (slower kernels for all; a compiled backward then failed at a third size in a bench process)."""
+    from raydiff.training.speed import compiled
+
+    graphs: list[list[torch.Tensor]] = []
+
+    def backend(graph, example_inputs):  # records what dynamo hands a backend, runs the graph as it is
+        graphs.append(example_inputs)
+        return graph.forward
+
+    torch._dynamo.reset()
+    try:
+        module = compiled(torch.nn.Linear(4, 2), backend, fallback=False)
+        for size in (16, 64, 32):
+            assert module(torch.randn(size, 4)).shape == (size, 2)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 3
+    assert not any(isinstance(x, torch.SymInt) for inputs in graphs for x in inputs)
