@@ -274,8 +274,9 @@ class Cadence:
         """What a metrics row holds besides the window's averages."""
         w = self.w
         extra: dict[str, Any] = {"time_s": round(time.perf_counter() - self.run_start, 3)}
-        if w.device.type == "cuda":
+        if w.device.type == "cuda":  # the most allocated since the previous row: a row's own, not the start's
             extra["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(w.device) / 1e9, 3)
+            torch.cuda.reset_peak_memory_stats(w.device)
         extra["ema_drift"] = ema_drift(w.ema, w.model)
         if val_loss is not None:
             extra["val_loss"] = val_loss

@@ -1,0 +1,25 @@
+"""A step's end as rank 0 writes it, in parts that need no Ray: what a metrics row holds."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from raydiff.training import cadence
+
+
+def test_each_rows_peak_memory_is_its_own_not_the_starts(monkeypatch):
+    """The peak allocated since the previous row: compilation's and autotuning's transients at the start (and
+    the micro-batch probe's) would otherwise be every row's peak, the bench's steady-state figure included."""
+    allocated = {"peak": 9e9}
+
+    def reset(device):
+        allocated["peak"] = 2e9  # what the steps since then reach
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocated["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(cadence, "ema_drift", lambda ema, model: 0.0)
+    at_row = SimpleNamespace(w=SimpleNamespace(device=torch.device("cuda", 0), ema=None, model=None), run_start=0.0)
+    first = cadence.Cadence._extra_metrics(at_row, None, None)
+    second = cadence.Cadence._extra_metrics(at_row, None, None)
+    assert (first["peak_memory_gb"], second["peak_memory_gb"]) == (9.0, 2.0)
