@@ -123,6 +123,16 @@ def test_throughput_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and "--batch 128,x: expected N or N,N,..." in proc.stderr
     proc = run_cli("raydiff.bench", "throughput", "--batch", "128,0")
     assert proc.returncode == 2 and "--batch 128,0: every batch must be >= 1" in proc.stderr
+    proc = run_cli("raydiff.bench", "throughput", "--batch", "128,512,128")  # the second 128 found the first run
+    assert proc.returncode == 2 and "--batch 128,512,128: every batch once" in proc.stderr
+
+
+def test_mfu_is_against_the_devices_own_bf16_peak_the_first_name_it_contains():
+    from raydiff.bench.throughput import peak_tflops
+
+    assert [peak_tflops(f"NVIDIA {name}") for name in ("H100 80GB HBM3", "H100 PCIe", "H200", "H200 NVL",
+                                                        "L40S", "L40", "L4", "B200")] == \
+        [989.0, 756.0, 989.0, 835.0, 362.0, 181.0, 121.0, None]
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's allocator's")

@@ -166,7 +166,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     speed.add_argument("--batch", default=None, metavar="N[,N...]",
                        help="per-device batches to measure, one JSON line each (default: the config's global batch)")
     speed.add_argument("--peak-tflops", type=float, default=None,
-                       help="the device's peak dense bf16 TFLOP/s, for MFU (known GPUs are looked up)")
+                       help="the device's peak dense TFLOP/s at the run's precision, for MFU (known GPUs' bf16 and "
+                            "fp16 peaks are looked up; fp32 runs need it)")
     speed.add_argument("--profile", default=None, metavar="FILE",
                        help="write the top kernels of raydiff's steady-state step to FILE, and of its run, profiled "
                             "in its worker, to FILE-worker (FILE-N and FILE-N-worker per batch)")
@@ -222,6 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             refuse(f"--batch {args.batch}: expected N or N,N,... (images per device per step)")
         if min(args.batch) < 1:
             refuse(f"--batch {','.join(map(str, args.batch))}: every batch must be >= 1")
+        if len(set(args.batch)) < len(args.batch):  # a second run of a batch would find the first one finished
+            refuse(f"--batch {','.join(map(str, args.batch))}: every batch once")
     if args.bench == "sampling":
         for name in ("num", "batch", "pairs", "steps"):
             if getattr(args, name) is not None and getattr(args, name) < 1:

@@ -55,9 +55,11 @@ from raydiff.bench.step import (
 from raydiff.cluster.devices import device_name
 from raydiff.config import Config, set_key
 
-# Peak dense bf16 tensor throughput (TFLOP/s) by device name; --peak-tflops for others.
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
-                    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10G", 70.0), ("RTX 4090", 165.0))
+# Peak dense bf16 (and fp16) tensor throughput (TFLOP/s) by device name, the first name it contains (variants
+# before their family: "H200 NVL" before "H200", "L40S" and "L40" before "L4"); --peak-tflops for others.
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200 NVL", 835.0), ("H200", 989.0),
+                    ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+                    ("A10G", 70.0), ("RTX 4090", 165.0))
 
 
 def peak_tflops(name: str) -> float | None:
@@ -219,11 +221,14 @@ def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: 
     """One result per per-device batch (see the module's docstring), each as soon as it is measured."""
     from raydiff.cluster.devices import resolve_device
     from raydiff.cluster.start import init_ray
+    from raydiff.training.step import resolve_precision
 
     base = load_model_config(config, overrides, "throughput")
     device = resolve_device("auto")
     take_gpu_worker_threads(base, device)
-    peak = peak or peak_tflops(device_name(device))
+    # The table's peaks are bf16's and fp16's: an fp32 (TF32) run's MFU needs its own --peak-tflops.
+    half = resolve_precision(base.train.precision, device) is not None
+    peak = peak or (peak_tflops(device_name(device)) if half else None)
     init_ray()  # the baselines run beside the same idle Ray processes as raydiff's worker: same conditions
     batches = batches or [base.train.global_batch]
     with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as tmp:
