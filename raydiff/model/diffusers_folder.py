@@ -78,17 +78,24 @@ def read_unet_config(location: str, *, where: str) -> tuple[dict[str, Any], str,
 
 def read_unet_weights(source: str, subfolder: str | None, *, where: str) -> dict[str, torch.Tensor]:
     """A UNet2DModel's weights in modern names (diffusers converts old checkpoints' attention names on load); a
-    weights file that is missing, truncated or of other shapes than its config is a ConfigError naming `where`."""
+    weights file that is missing, truncated, of other shapes than its config, or without some of its tensors (which
+    diffusers would fill with fresh values, saying so only in its log) is a ConfigError naming `where`."""
     from diffusers import UNet2DModel
     from safetensors import SafetensorError
 
     try:
         # low_cpu_mem_usage=False: the default asks for `accelerate` (a notice on every load) and saves nothing here.
-        unet = UNet2DModel.from_pretrained(source, subfolder=subfolder, low_cpu_mem_usage=False)
+        unet, loading = UNet2DModel.from_pretrained(source, subfolder=subfolder, low_cpu_mem_usage=False,
+                                                    output_loading_info=True)
     except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
         # RuntimeError: torch's "Error(s) in loading state_dict", whose second line names the tensor.
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         raise ConfigError(f"{where}: cannot read the UNet's weights ({' '.join(lines[:2])})") from None
+    for kind, says in (("missing_keys", "lacks"), ("unexpected_keys", "holds tensors its config has no place for:")):
+        names = sorted(loading.get(kind) or ())
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise ConfigError(f"{where}: cannot read the UNet's weights (the weights file {says} {names[0]}{more})")
     return {k: v.detach().float().clone() for k, v in unet.state_dict().items()}
 
 

@@ -206,18 +206,29 @@ def test_init_from_is_checked_cheaply_and_is_not_an_identity_key(tmp_path, capsy
     assert identity_changes(old, new) == []  # a continuing run is not refused over it
 
 
-@pytest.mark.parametrize("damage", ["truncated", "missing"])
+@pytest.mark.parametrize("damage", ["truncated", "missing", "a tensor short", "a tensor more"])
 def test_a_diffusers_folder_whose_weights_cannot_be_read_is_refused_in_one_line(tmp_path, capsys, damage):
     """--checkpoint DIR and model.init_from=DIR (--guide DIR reads it as --checkpoint does): a weights file cut
-    short by a failed copy, or not there, is named in one config error, not a traceback."""
+    short by a failed copy, or not there, is named in one config error, not a traceback; so is one without a
+    tensor of its config, or with one more (diffusers fills the first with fresh values and ignores the second,
+    saying so only in its log)."""
     cfg = load_config("smoke", check_source=False)
     folder = tmp_path / "pipeline"
     UNet2DModel(**diffusers_io.unet_config(cfg)).save_pretrained(folder / "unet")
     weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
     if damage == "truncated":
         weights.write_bytes(weights.read_bytes()[:1000])
-    else:
+    elif damage == "missing":
         weights.unlink()
+    else:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        if damage == "a tensor short":
+            del tensors["conv_out.weight"]
+        else:
+            tensors["extra.weight"] = torch.zeros(1)
+        save_file(tensors, weights)
     storage = tmp_path / "runs"
     for main, argv, where in (
             (train.main, ["--config", "smoke", "--set", f"model.init_from={folder}", "--set", f"run.storage={storage}"],
