@@ -30,6 +30,7 @@ from raydiff.model.diffusers_io import (
     scheduler_config,
     to_diffusers,
     unet_config,
+    unused_sampling_settings,
 )
 
 
@@ -135,7 +136,12 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     keys = model_keys_from_unet(unet, where=where)
     for scheduler_file in (path / "scheduler" / "scheduler_config.json", path / "scheduler_config.json"):
         if scheduler_file.is_file():  # else the diffusion keys of raydiff_config.yaml, or raydiff's defaults
-            keys.update(diffusion_keys_from_scheduler(read_side_file(scheduler_file), where=str(scheduler_file)))
+            scheduler = read_side_file(scheduler_file)
+            keys.update(diffusion_keys_from_scheduler(scheduler, where=str(scheduler_file)))
+            unused = unused_sampling_settings(scheduler)
+            if unused:
+                print(f"[raydiff] note: {scheduler_file}: {', '.join(unused)} not used: raydiff samples with its own "
+                      f"samplers (DDPM with the posterior variance, fixed_small; x0 clipped to [-1, 1])")
             break
     for key, value in keys.items():
         section, name = key.split(".")

@@ -14,7 +14,7 @@ is raydiff's, and a caller passes it explicitly (UNet2DModel demands `class_labe
 The scheduler: T = `diffusion.timesteps`; linear betas with raydiff's scaled ends (1000/T x 1e-4 .. 1000/T x
 0.02) or `squaredcos_cap_v2` for cosine (the same alpha_bar, betas clipped at 0.999 in both); clipped x0 (raydiff
 clamps x0 to [-1, 1]); the posterior variance of raydiff's DDPM sampler (`fixed_small`); `linspace` timestep
-spacing, which is raydiff's respacing (DDPMScheduler then visits the same timesteps at any number of steps).
+spacing, which is raydiff's respacing (DDPMScheduler then visits the same timesteps at 2 or more steps).
 
 diffusers and safetensors are an optional extra (`pip install "raydiff[diffusers]"`), imported where needed.
 """
@@ -330,6 +330,20 @@ def diffusion_keys_from_scheduler(scheduler: dict[str, Any], *, where: str) -> d
         raise ConfigError(f"{where}: beta_start, beta_end = {list(ends)}; raydiff's linear schedule at T = "
                           f"{timesteps} has {list(expected)}")
     return {"diffusion.timesteps": timesteps, "diffusion.schedule": "linear", "diffusion.prediction": prediction}
+
+
+# How raydiff's samplers sample, as a diffusers scheduler config says it (diffusers' defaults): the DDPM posterior
+# variance, x0 clipped to [-1, 1], no dynamic thresholding.
+RAYDIFF_SAMPLING = {"variance_type": "fixed_small", "clip_sample": True, "clip_sample_range": 1.0,
+                    "thresholding": False}
+
+
+def unused_sampling_settings(scheduler: dict[str, Any]) -> list[str]:
+    """The settings of a scheduler config that raydiff's samplers do not follow, as `key = value` (google's
+    ddpm-cifar10-32 family has `variance_type = "fixed_large"`): the model reads right, its samples are
+    raydiff's."""
+    return [f"{key} = {json.dumps(scheduler[key])}" for key, ours in RAYDIFF_SAMPLING.items()
+            if key in scheduler and scheduler[key] != ours]
 
 
 def _is_int(value: object) -> bool:

@@ -382,6 +382,27 @@ def test_a_scheduler_value_of_another_kind_is_refused_naming_the_file_key_value_
     assert not (tmp_path / "samples").exists()
 
 
+def test_a_folder_whose_scheduler_samples_otherwise_is_read_and_says_which_settings_raydiff_does_not_follow(
+        tmp_path, capsys):
+    """google/ddpm-cifar10-32's family publishes variance_type fixed_large: the model reads exactly, but raydiff's
+    DDPM draws with the posterior variance (fixed_small). Said on one line, not silently."""
+    cfg = load_config("smoke", check_source=False)
+    folder = tmp_path / "pipeline"
+    diffusers_folder.save_pipeline_folder(folder, {"config": cfg.to_dict(), "ema": build_model(cfg).state_dict(),
+                                                   "step": 20, "images_seen": 320},
+                                          use_ema=True, checkpoint="run", guidance=1.0)
+    file = folder / "scheduler" / "scheduler_config.json"
+    capsys.readouterr()
+    diffusers_folder.state_from_folder(folder)
+    assert "not used" not in capsys.readouterr().out  # raydiff's own export: nothing to say
+    file.write_text(json.dumps({**json.loads(file.read_text()), "variance_type": "fixed_large",
+                                "thresholding": True}))
+    assert diffusers_folder.state_from_folder(folder)["step"] == 20
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f'[raydiff] note: {file}: variance_type = "fixed_large", thresholding = true not used: raydiff samples with '
+        f"its own samplers (DDPM with the posterior variance, fixed_small; x0 clipped to [-1, 1])")
+
+
 def test_a_cosine_scheduler_takes_fewer_timesteps_than_a_linear_one():
     cosine = {"beta_schedule": "squaredcos_cap_v2", "num_train_timesteps": 2}
     assert diffusers_io.diffusion_keys_from_scheduler(cosine, where="x")["diffusion.timesteps"] == 2
