@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -29,17 +29,52 @@ def out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(text in str(exc) for text in OUT_OF_MEMORY_TEXTS)
 
 
-def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float) -> float:
-    """The CPUs Ray reserves for each training worker: `scaling.cpus_per_worker`, else one beside a GPU, else an
-    even share of `cpus` (the run's part of the cluster's CPUs) over the most workers the run may have."""
+def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float, node_cpus: Sequence[float] = ()) -> float:
+    """The CPUs Ray reserves for each training worker: `scaling.cpus_per_worker`, else one beside a GPU, else the
+    most, up to an even share of `cpus` (the run's part of the cluster's CPUs) over the most workers the run may
+    have, of which the nodes (`node_cpus`: each alive node's CPUs; none known: one node of `cpus`) hold that many.
+
+    A worker is placed on one node, so a share of the cluster's total that no node holds would never be placed,
+    and Ray Train waits for it without a word. Whole CPUs where every worker can have one (torch's threads are
+    whole), else a fraction, sized so that Ray's own arithmetic counts every worker (see `_ray_counts`)."""
     if scaling.cpus_per_worker is not None:
         return scaling.cpus_per_worker
     if use_gpu:
         return 1.0
-    share = max(cpus // scaling.max_workers, min(1.0, cpus / scaling.max_workers))
-    # Ray counts resources in 1/RAY_RESOURCE_UNITS, rounding to the nearest: 2 CPUs over 3 workers would ask
-    # 0.6667 each, 2.0001 together, more than there are, and the third would never be placed. Rounded down.
-    return math.floor(share * RAY_RESOURCE_UNITS + 1e-6) / RAY_RESOURCE_UNITS  # (the 1e-6: 0.5 stays 0.5)
+    workers = scaling.max_workers
+    nodes = [n for n in node_cpus if n > 0] or [cpus]
+    share = max(cpus // workers, min(1.0, cpus / workers))
+    for whole in range(int(min(share, max(nodes))), 0, -1):  # no worker holds more than a node
+        if sum(n // whole for n in nodes) >= workers:  # exact: whole numbers
+            return float(whole)
+    # Fewer whole CPUs than workers: a fraction each, in Ray's units (it rounds amounts to the nearest 1e-4:
+    # 2 CPUs over 3 workers at 0.6667 each would ask 2.0001, and the third would never be placed).
+    units = [round(n * RAY_RESOURCE_UNITS) for n in nodes]
+    low, high = 1, max(1, math.floor(min(share, 1.0) * RAY_RESOURCE_UNITS + 1e-6))  # (the 1e-6: 0.5 stays 0.5)
+    while low < high:  # the most units of which the nodes hold `workers`, as Ray's scheduler counts (exactly)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if sum(u // mid for u in units) >= workers else (low, mid - 1)
+    size = low
+    while size > 1 and not _ray_counts(nodes, size / RAY_RESOURCE_UNITS, workers):
+        size -= 1
+    return size / RAY_RESOURCE_UNITS
+
+
+def _ray_counts(nodes: Sequence[float], size: float, workers: int) -> bool:
+    """Whether Ray, counting in floats, finds `workers` workers of `size` CPUs on `nodes`, whichever nodes it
+    fills first. An elastic run's reservation takes one worker's CPUs after another from a node while what is
+    left holds one more, adds them up as the node's reserved CPUs, and Train counts the workers those hold as
+    `reserved // size`. Both drift in binary: 0.4 is a little more than 0.4, so 2.0 // 0.4 is 4.0, and 0.1999
+    added five times holds only four; a run of up to 5 workers would never reach 5 (nor start, were 5 its least)."""
+    counted = 0
+    for node in nodes:
+        left, reserved, placed = node, 0.0, 0
+        while placed < workers and left >= size:
+            left, reserved, placed = left - size, reserved + size, placed + 1
+            if reserved // size < placed:
+                return False
+        counted += placed
+    return counted >= workers
 
 
 def torch_threads(cpus_per_worker: float, environ: Mapping[str, str] = os.environ) -> int:

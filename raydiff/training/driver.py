@@ -91,6 +91,7 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     `raydiff.data.image_store`), and streamed shards are read by zero-CPU actors, so training may use every CPU
     without starving the data pipeline: the two never compete, and nothing can deadlock.
     `cpus` is this run's part of the cluster's CPUs (a Tune sweep runs several runs at once); default all.
+    CPU workers are sized to fit the nodes alive now: each worker is placed on one node.
     """
     s = cfg.scaling
     resources = ray.cluster_resources()
@@ -98,7 +99,8 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     use_gpu = gpus > 0 if s.use_gpu == "auto" else s.use_gpu
     if use_gpu and gpus == 0:
         print("[raydiff] scaling.use_gpu is true but the cluster has no GPU now: waiting for one to be added")
-    cpus_per_worker = worker_cpus(s, use_gpu=use_gpu, cpus=cpus)
+    node_cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]]
+    cpus_per_worker = worker_cpus(s, use_gpu=use_gpu, cpus=cpus, node_cpus=node_cpus)
     assert s.num_workers != "auto", "auto_workers resolves it first"
     # ray.train names Train V2's classes at run time; type checkers see V1's, which lack the elastic options.
     options: dict[str, Any] = {"num_workers": s.num_workers, "use_gpu": use_gpu,

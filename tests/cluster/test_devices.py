@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
 import pytest
 import torch
 
 from raydiff.cluster.devices import require_visible, resolve_device, torch_threads, worker_cpus
 from raydiff.cluster.errors import GpuNotVisible
-from raydiff.config import load_config
+from raydiff.config import ScalingSection, load_config
 
 
 def test_auto_is_a_gpu_where_there_is_one_else_the_cpu():
@@ -68,3 +72,75 @@ def test_a_worker_gets_its_set_cpus_else_one_beside_a_gpu_else_an_even_share_and
     assert [torch_threads(c, {}) for c in (0.5, 1.0, 2.5, 4)] == [1, 1, 2, 4]
     # OMP_NUM_THREADS caps them (Ray sets it to the worker's whole CPUs where the environment does not)
     assert [torch_threads(4, {"OMP_NUM_THREADS": n}) for n in ("1", "3", "8", "0", "", "x")] == [1, 3, 4, 4, 4, 4]
+
+
+def _cpu_scaling(num_workers: int | tuple[int, int]) -> ScalingSection:
+    return ScalingSection(num_workers=num_workers)
+
+
+def _counted_by_ray(node_cpus: list[float], size: float, workers: int) -> int:
+    """The workers Ray counts for an elastic run, in its floats: its reservation takes `size` from a node while
+    what is left holds one more (up to `workers` in all), and Train counts `reserved // size` on each node."""
+    placed = counted = 0
+    for node in node_cpus:
+        left, reserved = float(node), 0.0
+        while placed < workers and left >= size:
+            left, reserved, placed = left - size, reserved + size, placed + 1
+        counted += int(reserved // size)
+    return counted
+
+
+@pytest.mark.parametrize("node_cpus,num_workers,cpus,expected", [
+    ([8, 8], 1, 16, 8),  # num_workers: auto on CPUs is one worker: the largest node's CPUs, not the cluster's 16
+    ([2, 8], 2, 10, 4),  # 5 each would fit the larger node only
+    ([4, 12], 2, 16, 6),  # 8 each would fit the larger node only
+    ([8, 8], 1, 4, 4),  # a Tune trial's part of the CPUs is still the most a worker gets
+])
+def test_cpu_workers_are_sized_to_fit_on_the_nodes_not_in_the_cluster_s_total(node_cpus, num_workers, cpus, expected):
+    scaling = _cpu_scaling(num_workers)
+    size = worker_cpus(scaling, use_gpu=False, cpus=cpus, node_cpus=node_cpus)
+    assert size == expected
+    assert sum(math.floor(n / size) for n in node_cpus) >= scaling.max_workers  # each worker on one node
+    assert worker_cpus(scaling, use_gpu=True, cpus=cpus, node_cpus=node_cpus) == 1.0  # one beside each GPU
+
+
+def test_an_elastic_cpu_run_counts_its_most_workers_where_ray_floor_divides_floats():
+    """Ray's reservation subtracts and adds worker CPUs in floats and Train floor-divides them: 2 CPUs over up to 5
+    workers at 0.4 each counted 4, and a run of exactly 5 never started."""
+    for nodes, most in [([2], 5), ([2], 6), ([4], 10), ([8], 10), ([2, 8], 25), ([1, 3], 7), ([4, 4, 4], 31)]:
+        size = worker_cpus(_cpu_scaling((2, most)), use_gpu=False, cpus=sum(nodes), node_cpus=nodes)
+        assert _counted_by_ray(nodes, size, most) == most, (nodes, most, size)
+    for cpus in range(1, 17):
+        for most in range(2, 33):
+            size = worker_cpus(_cpu_scaling((most, most)), use_gpu=False, cpus=cpus, node_cpus=[cpus])
+            assert _counted_by_ray([cpus], size, most) == most, (cpus, most, size)
+            assert round(cpus * 1e4) // round(size * 1e4) >= most  # and Ray's scheduler, in 1e-4 units, places them
+            assert size >= 0.8 * max(cpus // most, cpus / most if cpus < most else 0)  # near the even share
+
+
+def test_ray_s_own_reservation_and_count_reach_an_elastic_cpu_run_s_most_workers():
+    """The same, with Ray's autoscaling coordinator's and Train's elastic policy's own code (run without Ray)."""
+    coordinator = pytest.importorskip("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator")
+    strategies = pytest.importorskip("ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator")
+    elastic = pytest.importorskip("ray.train.v2._internal.execution.scaling_policy.elastic")
+    import ray.train
+
+    fields = {f.name for f in dataclasses.fields(coordinator.OngoingRequest)}
+
+    def counted(nodes: list[int], most: int) -> int:
+        size = worker_cpus(_cpu_scaling((1, most)), use_gpu=False, cpus=sum(nodes), node_cpus=nodes)
+        # Train V2's class at run time; type checkers see V1's, which takes no (min, max)
+        options: dict[str, Any] = {"num_workers": (1, most), "use_gpu": False, "resources_per_worker": {"CPU": size}}
+        config = ray.train.ScalingConfig(**options)
+        bundles = [{"CPU": size}] * most
+        request = {"first_request_time": 0, "requested_resources": bundles, "expiration_time": 1e18,
+                   "request_remaining": frozenset(), "priority": 0, "reserved_resources": {},
+                   "requested_label_selectors": [{}] * most, "strategy": strategies.ResourceRequestStrategy.PACK}
+        reserved = coordinator._compute_reservations(
+            ongoing_request=coordinator.OngoingRequest(**{k: v for k, v in request.items() if k in fields}),
+            node_resources={f"node{i}": {"CPU": float(n)} for i, n in enumerate(nodes)})
+        return elastic.ElasticScalingPolicy(config)._count_possible_workers(reserved)
+
+    cases = [([cpus], most) for cpus in range(1, 17) for most in range(2, 33)]
+    cases += [([2, 8], 25), ([1, 3], 7), ([4, 4, 4], 31), ([8, 8, 1], 31), ([8, 8, 2], 20)]
+    assert [(nodes, most) for nodes, most in cases if counted(nodes, most) != most] == []
