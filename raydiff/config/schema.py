@@ -274,8 +274,9 @@ class ScalingSection:
     """Train on GPUs: `auto` (if the cluster has any), `true` (wait for GPU nodes where there are none yet), or
     `false`."""
     cpus_per_worker: float | None = None
-    """CPUs reserved for each worker; null: 1 per GPU worker, while CPU workers share the cluster's CPUs. A CPU
-    worker computes on its whole CPUs' number of torch threads, at most the worker's OMP_NUM_THREADS."""
+    """CPUs reserved for each worker; null: 1 per GPU worker, while CPU workers share the cluster's CPUs as far as
+    each node holds them (a worker is placed on one node). A CPU worker computes on its whole CPUs' number of torch
+    threads, at most the worker's OMP_NUM_THREADS."""
     resize_check_s: float = 60.0
     """Elastic training: seconds between Ray Train's checks for room to add workers."""
     node_wait_s: float = 900.0
