@@ -94,6 +94,22 @@ def test_timeouts_second_sigterm_breaks_into_no_cleanup(capsys):
     assert cleaned == ["half-written output"]
 
 
+def test_a_signal_after_training_ended_does_not_say_that_nothing_was_trained(capsys):
+    """The driver's records after training (summary.json, a dashboard's close, which may take seconds) run inside
+    its before-training handler: a Ctrl-C there said "before training began; nothing was trained" of a run that
+    had trained to its end."""
+    def finishing(argv):
+        with interrupt_on_signals():  # the driver's, from before training
+            with interrupt_on_signals(before_training=False, note="training had ended (the same command goes on "
+                                                                  "from its last checkpoint)"):
+                signal.raise_signal(signal.SIGINT)  # while the dashboards close
+        return 0
+
+    assert cli.run(finishing, []) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == ("raydiff: stopped by SIGINT; training had ended (the same command goes on "
+                                       "from its last checkpoint)\n")
+
+
 def test_a_bug_is_not_hidden_behind_a_one_line_error():
     with pytest.raises(ZeroDivisionError):
         cli.run(failing(ZeroDivisionError("a bug")), [])

@@ -312,21 +312,23 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"
-    try:
-        summary = _write_summary(requested, run_dir, invocation, plan.step, outcome, checkpoint, failure or error,
-                                 started,
-                                 bad_images=images.bad_report())
-    except OSError as exc:
-        unwritten = storage_failure(exc, str(run_dir), "writing summary.json")
-        if unwritten is None:
-            raise
-        raise StorageFailure(f"{failure or unwritten} (summary.json could not be written)") from None
-    if failure is not None:
-        raise StorageFailure(failure)
-    dashboards = dashboards_for(requested, run_dir, resume_step=summary["steps"])
-    if dashboards is not None:  # the final numbers (and the run's status) beside its curves
-        dashboards.summary(summary)
-        dashboards.close()
+    # Training has ended: a signal now (a dashboard's close may take seconds) stops the records, not training.
+    with interrupt_on_signals(before_training=False,
+                              note="training had ended (the same command goes on from its last checkpoint)"):
+        try:
+            summary = _write_summary(requested, run_dir, invocation, plan.step, outcome, checkpoint,
+                                     failure or error, started, bad_images=images.bad_report())
+        except OSError as exc:
+            unwritten = storage_failure(exc, str(run_dir), "writing summary.json")
+            if unwritten is None:
+                raise
+            raise StorageFailure(f"{failure or unwritten} (summary.json could not be written)") from None
+        if failure is not None:
+            raise StorageFailure(failure)
+        dashboards = dashboards_for(requested, run_dir, resume_step=summary["steps"])
+        if dashboards is not None:  # the final numbers (and the run's status) beside its curves
+            dashboards.summary(summary)
+            dashboards.close()
     return {**summary, "signal": received["signal"]}
 
 

@@ -75,12 +75,13 @@ def signal_handlers(handlers: dict[int, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def interrupt_on_signals() -> Iterator[None]:
+def interrupt_on_signals(*, before_training: bool = True, note: str = "") -> Iterator[None]:
     """While active, SIGTERM and SIGINT raise `Interrupted` in the main thread: a long data preparation is stopped,
-    and what it left half-written is removed on the way out. Only in the main thread (a Tune trial runs
-    elsewhere and is stopped by Tune)."""
+    and what it left half-written is removed on the way out (`before_training`: nothing was trained; else `note`
+    says what the command's last line adds). Only in the main thread (a Tune trial runs elsewhere and is stopped
+    by Tune)."""
     def handler(signum, frame) -> None:
-        raise_interrupted(signum, before_training=True)
+        raise_interrupted(signum, before_training=before_training, note=note)
 
     with signal_handlers({signal.SIGTERM: handler, signal.SIGINT: handler}):
         yield
