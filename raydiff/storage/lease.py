@@ -72,10 +72,12 @@ class Lease:
     """A held lease. `update(**fields)` adds to what it says of its holder; `on_lost` is called once if an
     object-store lease is lost: from the heartbeat thread, or where that happened before it was set, as it is set.
     `lost` says whether it was; `unrenewed_s`, where the holder gave it up unrenewed rather than finding another
-    holder's write, for how many seconds no renewal had been confirmed."""
+    holder's write, for how many seconds no renewal had been confirmed. `previous` is what the lease said of a
+    holder that ended without releasing it (killed outright), where this one took it from such a holder."""
 
-    def __init__(self, store: _LocalLock | _ObjectLease, holder: dict[str, Any]) -> None:
-        self._store, self.holder = store, dict(holder)
+    def __init__(self, store: _LocalLock | _ObjectLease, holder: dict[str, Any],
+                 previous: dict[str, Any] | None = None) -> None:
+        self._store, self.holder, self.previous = store, dict(holder), previous
         self._on_lost: Callable[[], None] | None = None
         self._lost = False
         self.unrenewed_s: float | None = None
@@ -175,12 +177,13 @@ class _LocalLock:
             os.close(fd)
             return "live", self._holder()  # a lock is held only while its holder lives
         self.fd = fd
+        previous = self._holder()  # a holder that released it left the file empty
         try:
             self.rewrite(holder)
         except BaseException:  # not held after all (a full disk): the lock goes with its file descriptor
             self.release()
             raise
-        return "held", Lease(self, holder)
+        return "held", Lease(self, holder, previous if isinstance(previous, dict) else None)
 
     def _holder(self) -> dict[str, Any] | None:
         try:
@@ -259,11 +262,13 @@ class _ObjectLease:
                 return "watching", other  # another claimant took it over first
             logger.warning(f"[raydiff] took over the lease of {describe(other)}: not renewed for "
                            f"{max(age_s, age_when_seen_s + watched_s):.0f} s (run.lease_stale_s = {self.stale_s:g})")
+            self.version, self.confirmed = version, sent
+            return self._held(holder, other if isinstance(other, dict) else None)
         self.version, self.confirmed = version, sent
         return self._held(holder)
 
-    def _held(self, holder: dict[str, Any]) -> tuple[str, Lease]:
-        self.lease = Lease(self, holder)
+    def _held(self, holder: dict[str, Any], previous: dict[str, Any] | None = None) -> tuple[str, Lease]:
+        self.lease = Lease(self, holder, previous)
         self._thread = threading.Thread(target=self._heartbeat, name="raydiff-lease", daemon=True)
         self._thread.start()
         return "held", self.lease

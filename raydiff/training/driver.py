@@ -264,7 +264,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         ),
     )
     requester = requester_of(trainer)  # the name the run reserves its resources under
-    cancel_previous_reservation(run_dir, requester)
+    cancel_previous_reservation(run_dir, requester, lease.previous)
+    lease.update(requester=requester)  # for the next driver, should this one be killed before a group runs
     # What the run records beside its results: written by rank 0 once a checkpoint, if any, has been restored
     # (a start that the workers refuse changes nothing).
     records = {"config.yaml": yaml.safe_dump(requested.to_dict(), sort_keys=False),

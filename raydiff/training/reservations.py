@@ -209,18 +209,21 @@ def remove_leftover_placement_groups(*, keep_groups: Collection[str] = (), keep_
     return remove_groups([group_id for group_id in _live_groups() if group_id not in keep_groups])
 
 
-def cancel_previous_reservation(run_dir: RunDir, requester: str) -> None:
+def cancel_previous_reservation(run_dir: RunDir, requester: str, previous_holder: dict | None = None) -> None:
     """Cancel the reservation that the run's previous driver left, if it was killed outright (SIGKILL, out of
     memory) and never cancelled it (Ray keeps it 3 minutes, and an elastic run would wait for CPUs/GPUs nobody
-    uses). `driver.json` names it. Call only while holding the run directory's lease: that driver has ended, so
-    its run can no longer renew the reservation."""
+    uses). The lease it left names it (`previous_holder`: `Lease.previous`; a driver killed while Ray Train waited
+    for room for its first worker group wrote nothing else), and `driver.json` does once a group ran. Call only
+    while holding the run directory's lease: that driver has ended, so its run can no longer renew the
+    reservation."""
     previous: dict = {}
     if run_dir.is_file(DRIVER_FILE):
         with contextlib.suppress(ValueError):
             previous = json.loads(run_dir.read_text(DRIVER_FILE))
-    stale = previous.get("requester")
-    if stale and stale != requester:
+    stale = {name for name in (previous.get("requester"), (previous_holder or {}).get("requester"))
+             if isinstance(name, str) and name and name != requester}
+    if stale:
         try:
-            cancel_requests([stale])
+            cancel_requests(sorted(stale))
         except Exception:  # Ray expires it within 3 minutes anyway
             logger.debug("cancelling the previous driver's reservation failed", exc_info=True)

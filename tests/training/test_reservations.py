@@ -15,7 +15,9 @@ import time
 import pytest
 from conftest import wait_for
 
+from raydiff.training import reservations
 from raydiff.training.reservations import (
+    cancel_previous_reservation,
     job_actor_ids,
     remove_leftover_placement_groups,
     remove_orphaned_placement_groups,
@@ -124,3 +126,31 @@ def test_a_sweeps_end_waits_for_the_processes_of_its_dead_actors_before_removing
     end.join(60)
     assert not end.is_alive() and result["left"] == [group], (time.monotonic() - started, result)
     assert placement_group_table()[group]["state"] == "REMOVED"
+
+
+def test_a_driver_killed_before_its_first_worker_group_has_its_reservation_cancelled_by_the_next(tmp_path,
+                                                                                                 monkeypatch):
+    """Killed while Ray Train waited for room, a driver wrote no driver.json (rank 0 writes it): the lease it left
+    names its reservation, and the next driver cancels it at once, not after Ray's 3 minutes. driver.json's is
+    cancelled too; the new driver's own never."""
+    from raydiff.storage.lease import take, this_process
+    from raydiff.storage.rundir import RunDir
+
+    cancelled: list[list[str]] = []
+    monkeypatch.setattr(reservations, "cancel_requests", lambda names, **kwargs: cancelled.append(names))
+    run_dir = RunDir(tmp_path / "run")
+    killed = take(run_dir, this_process(), stale_s=4, what="run directory")
+    killed.update(requester="train-first")
+    os.close(killed._store.fd)  # as SIGKILL would: the kernel lets the lock go, the file keeps what it said
+    lease = take(run_dir, this_process(), stale_s=4, what="run directory")
+    assert lease.previous["requester"] == "train-first"
+    cancel_previous_reservation(run_dir, "train-second", lease.previous)
+    assert cancelled == [["train-first"]]
+    (tmp_path / "run").mkdir()
+    run_dir.write_text("driver.json", '{"requester": "train-older"}')
+    cancel_previous_reservation(run_dir, "train-second", {"requester": "train-second"})
+    assert cancelled[-1] == ["train-older"]
+    lease.release()
+    after_release = take(run_dir, this_process(), stale_s=4, what="run directory")
+    assert after_release.previous is None  # released: no one to name
+    after_release.release()
