@@ -82,14 +82,18 @@ def write_state(directory: Path, state: dict[str, Any], *, durable: bool = True)
 
 def checkpoint_bytes(cfg) -> int:
     """About how many bytes one checkpoint of `cfg`'s model takes: the weights, the EMA and AdamW's two moments in
-    fp32, and a little for the rest (a class-conditional model's `auto` classes are not known yet: counted as
-    none, a few rows of one embedding)."""
+    fp32 (16 bytes per parameter), with `train.ema: posthoc` one more fp32 copy per width of
+    `train.ema_sigma_rels` (4 bytes per parameter each), and a little for the rest (a class-conditional model's
+    `auto` classes are not known yet: counted as none, a few rows of one embedding). The one estimate of it: the
+    driver's room check and a full disk's message (`raydiff.training.cadence`) both use it."""
     counted = copy.deepcopy(cfg)
     if counted.model.num_classes == "auto":
         counted.model.num_classes = 0
     with torch.device("meta"):  # no memory, no initialisation work
         parameters = count_parameters(build_model(counted))
-    return 16 * parameters + 2**20
+    t = counted.train
+    copies = 4 + (len(t.ema_sigma_rels) if t.ema == "posthoc" else 0)
+    return 4 * copies * parameters + 2**20
 
 
 class CheckpointWriter:

@@ -3,8 +3,9 @@
 Re-running the same command continues the run from its newest checkpoint (Ray Train finds the run by
 `run.name` and `run.storage`). Continuing is refused when a key that fixes what the checkpoint means has
 changed (model shape, diffusion, data, global batch, seed): the result would be neither the old run nor a new
-one; and when the records it is checked against (config.yaml, data.json) or summary.json are damaged, rather
-than the check being skipped. `run.resume=false` moves the old run directory aside (nothing is deleted) and starts
+one; when the records it is checked against (config.yaml, data.json) or summary.json are damaged, rather
+than the check being skipped; and when its newest checkpoint is past `train.total_steps` (it would train nothing and
+end unfinished). `run.resume=false` moves the old run directory aside (nothing is deleted) and starts
 over. The caller holds the run directory's lease (`raydiff.storage.lease`) while it decides and moves.
 """
 
@@ -27,6 +28,7 @@ IDENTITY_SECTIONS = ("model", "diffusion")
 IDENTITY_KEYS = ("data.source", "data.format", "data.image_column", "data.resolution", "data.channels", "data.flip",
                  "data.labels", "data.label_column", "data.val_images", "train.global_batch", "train.seed",
                  "train.ema", "train.ema_sigma_rels")  # the post-hoc profiles are tracked from step 0
+POSTHOC_KEYS = ("train.ema_sigma_rels",)  # identity keys only where train.ema is posthoc: a classic run tracks none
 # Keys of identity sections that a continuing run may change: model.init_from only initialises a new run.
 NOT_IDENTITY_KEYS = ("model.init_from",)
 LR_KEYS = ("lr", "warmup_steps", "total_steps", "lr_decay", "lr_decay_steps")  # what lr_at reads of train.*
@@ -46,8 +48,11 @@ def _recorded(old: dict[str, Any]) -> dict[str, Any]:
 
 def identity_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     old_flat, new_flat = _recorded(old), _flatten(new)
+    # The widths count where both runs are post-hoc (a run's config records them whatever train.ema is); where
+    # train.ema changed, that is the change named.
+    posthoc = old_flat.get("train.ema") == new_flat.get("train.ema") == "posthoc"
     keys = [k for k in new_flat if (k.split(".")[0] in IDENTITY_SECTIONS or k in IDENTITY_KEYS)
-            and k not in NOT_IDENTITY_KEYS]
+            and k not in NOT_IDENTITY_KEYS and (posthoc or k not in POSTHOC_KEYS)]
     return [f"{k} = {old_flat.get(k)!r}, now {new_flat[k]!r}" for k in keys if old_flat.get(k) != new_flat[k]]
 
 
@@ -92,12 +97,20 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
             f"would be meaningless. Use --set run.name=NEW for a new run, or --set run.resume=false to start this "
             f"one over (the old run is moved aside, not deleted)")
 
-    step = checkpoint_step(checkpoints[-1])
+    step = checkpoint_step(checkpoints[-1])  # the folder's name: the run's records may be gone
+    summary = _read_record(cfg, run_dir, "summary.json") or {}
+    finished = summary.get("status") == "finished"
+    if step > cfg.train.total_steps and not finished:
+        # The workers would restore it and train nothing, and a run that ends past train.total_steps has not
+        # finished it: every re-run would fail, with no reason given.
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, past "
+            f"train.total_steps = {cfg.train.total_steps}. Use --set train.total_steps={step} (or more) to continue "
+            f"it, --set run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
+            f"is moved aside, not deleted)")
     if previous:
         notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
         notes += lr_change(previous, cfg, step)
-    summary = _read_record(cfg, run_dir, "summary.json") or {}
-    finished = summary.get("status") == "finished"
     if step >= cfg.train.total_steps and finished:
         return RunPlan("finished", step, tuple(notes), layout=layout)
     return RunPlan("continue", step, tuple(notes), layout=layout)

@@ -29,7 +29,7 @@ import ray.train
 import torch
 
 from raydiff.data.loader import Batches, MicroBatch
-from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_name, checkpoint_step
+from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_bytes, checkpoint_name, checkpoint_step
 from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.state import Progress, checkpoint_state
 from raydiff.storage.errors import StorageFailure, storage_failure
@@ -419,8 +419,9 @@ class Cadence:
             self.failure = failure  # the driver prints it: the one line the user reads
 
     def _needed_bytes(self) -> int:
-        """What one checkpoint of this model takes (the state file it writes), for a full disk's message."""
-        return 16 * sum(p.numel() for p in self.w.model.parameters())
+        """What one checkpoint of this model takes (the state file it writes), for a full disk's message: the
+        driver's estimate, which its room check used."""
+        return checkpoint_bytes(self.w.cfg)
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:

@@ -301,6 +301,38 @@ def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp
     assert torch.equal(read_state(tmp_path / "run" / "checkpoint_00000010")["weights"], torch.ones(3))
 
 
+@pytest.mark.parametrize("preset, overrides", [
+    ("smoke", []), ("smoke", ["train.ema=posthoc"]),
+    ("smoke", ["train.ema=posthoc", "train.ema_sigma_rels=[0.05,0.1,0.2]"]),
+    ("default", []), ("default", ["train.ema=posthoc"]),
+], ids=["smoke", "smoke posthoc", "smoke posthoc 3 widths", "default", "default posthoc"])
+def test_a_checkpoint_takes_no_more_than_its_estimate(preset, overrides):
+    """The estimate is what the driver checks the storage's room against, and what a full disk's message says one
+    needs: it left out the post-hoc averages, one fp32 copy of the model per width, which a checkpoint holds too."""
+    import io
+    from types import SimpleNamespace
+
+    from raydiff.model.weight_averages import PowerEma, make_ema
+    from raydiff.runs.checkpoint import checkpoint_bytes
+    from raydiff.runs.state import Progress, TrainingState, checkpoint_state
+    from raydiff.training.cadence import Cadence
+    from raydiff.training.step import make_optimizer
+
+    cfg = load_config(preset, overrides, check_source=False)
+    model = build_model(cfg)
+    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()  # AdamW's moments exist from its first step
+    posthoc = PowerEma(model, cfg.train.ema_sigma_rels) if cfg.train.ema == "posthoc" else None
+    objects = TrainingState(model, make_ema(model), optimizer, torch.amp.GradScaler("cpu", enabled=False), posthoc)
+    saved = io.BytesIO()
+    torch.save(checkpoint_state(objects, Progress(step=10), cfg.train.global_batch, cfg.to_dict()), saved)
+    assert checkpoint_bytes(cfg) >= len(saved.getvalue())
+    # A full disk's message (rank 0's cadence) says the same figure as the driver's check.
+    assert Cadence._needed_bytes(SimpleNamespace(w=SimpleNamespace(cfg=cfg))) == checkpoint_bytes(cfg)
+
+
 def test_a_full_temporary_folder_is_named_as_such_not_as_the_run_storage(tmp_path, monkeypatch):
     """A run folder on another file system or a bucket stages the state in the temporary folder first: a full one
     there names that folder, its free space and TMPDIR, and leaves nothing there."""

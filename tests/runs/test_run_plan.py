@@ -63,12 +63,54 @@ def test_a_finished_run_is_not_trained_again(tmp_path):
 
 
 @pytest.mark.parametrize("override", ["train.seed=1", "train.global_batch=32", "train.ema=posthoc",
-                                      "train.ema_sigma_rels=[0.05]", "model.base_channels=8"])
+                                      "model.base_channels=8"])
 def test_a_changed_identity_key_is_refused_in_one_line(tmp_path, override):
     run = write_run(tmp_path / "run", load_config("smoke"))
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=f"holds a run trained with {key} = .*; continuing it would be meaningless"):
         plan_run(load_config("smoke", [override]), run, DATA)
+
+
+def test_the_post_hoc_widths_are_part_of_a_post_hoc_run_only(tmp_path):
+    """A classic run tracks no post-hoc averages, so its widths mean nothing: changing them was refused as a change
+    of the run, also for the runs written before (their config.yaml records the default widths)."""
+    classic = write_run(tmp_path / "classic", load_config("smoke"))
+    assert "ema_sigma_rels" in yaml.safe_load(classic.read_text("config.yaml"))["train"]
+    for widths in ("[0.05]", "[0.1,0.15,0.2]"):
+        assert plan_run(load_config("smoke", [f"train.ema_sigma_rels={widths}"]), classic, DATA).action == "continue"
+
+    posthoc = write_run(tmp_path / "posthoc", load_config("smoke", ["train.ema=posthoc"]))
+    assert plan_run(load_config("smoke", ["train.ema=posthoc"]), posthoc, DATA).action == "continue"
+    with pytest.raises(ConfigError, match=r"holds a run trained with train.ema_sigma_rels = \[0.05, 0.1\], now "
+                                          r"\[0.05\]; continuing it would be meaningless"):
+        plan_run(load_config("smoke", ["train.ema=posthoc", "train.ema_sigma_rels=[0.05]"]), posthoc, DATA)
+    # Switching the kind is the change named, whatever the widths.
+    with pytest.raises(ConfigError, match=r"trained with train.ema = 'classic', now 'posthoc'; continuing"):
+        plan_run(load_config("smoke", ["train.ema=posthoc", "train.ema_sigma_rels=[0.05]"]), classic, DATA)
+
+
+@pytest.mark.parametrize("records", [True, False], ids=["with its records", "checkpoint folders only"])
+def test_a_run_whose_newest_checkpoint_is_past_train_total_steps_is_refused_in_one_line(tmp_path, records):
+    """It continued: the workers restored the checkpoint, trained nothing, and the run ended past its
+    train.total_steps, which is no finished run; every re-run failed so, with no reason given. The step is the
+    checkpoint folder's: the run's records may be gone (a run killed before its first records)."""
+    run = write_run(tmp_path / "run", load_config("smoke", ["train.total_steps=2000"]), steps=(1000, 1500))
+    if records:
+        run.write_text("summary.json", json.dumps({"status": "stopped"}))
+    else:
+        run.remove("config.yaml")
+        run.remove("data.json")
+    with pytest.raises(ConfigError) as refused:
+        plan_run(load_config("smoke", ["train.total_steps=1400"]), run, DATA)
+    assert str(refused.value) == (
+        f"run.name = 'smoke': the newest checkpoint in {run} is at step 1500, past train.total_steps = 1400. Use "
+        f"--set train.total_steps=1500 (or more) to continue it, --set run.name=NEW for a new run, or --set "
+        f"run.resume=false to start this one over (the old run is moved aside, not deleted)")
+    assert plan_run(load_config("smoke", ["train.total_steps=1400", "run.resume=false"]), run, DATA).replace
+    # At the checkpoint's step the run continues, to finish there (writing its summary).
+    assert plan_run(load_config("smoke", ["train.total_steps=1500"]), run, DATA).action == "continue"
+    run.write_text("summary.json", json.dumps({"status": "finished"}))  # a finished run says so, as before
+    assert plan_run(load_config("smoke", ["train.total_steps=1400"]), run, DATA).action == "finished"
 
 
 def test_keys_added_since_an_old_run_count_as_their_defaults():
