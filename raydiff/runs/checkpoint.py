@@ -10,6 +10,7 @@ pruned must not leave an empty `state.pt` as the only one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -190,8 +191,17 @@ class CheckpointWriter:
         try:
             if self.run_dir.remote:
                 target = f"{self.run_dir.path}/{name}/{STATE_FILE}"
-                with open(staging / STATE_FILE, "rb") as source, self.run_dir.fs.open_output_stream(target) as sink:
-                    shutil.copyfileobj(source, sink, UPLOAD_CHUNK)
+                try:
+                    with open(staging / STATE_FILE, "rb") as source, \
+                            self.run_dir.fs.open_output_stream(target) as sink:
+                        shutil.copyfileobj(source, sink, UPLOAD_CHUNK)
+                except BaseException:
+                    # pyarrow completes an upload as its stream closes, an error or not: what that published is cut
+                    # short (and would be read, and passed over, as the newest checkpoint). Nothing to remove where
+                    # the upload itself failed.
+                    with contextlib.suppress(Exception):
+                        self.run_dir.fs.delete_file(target)
+                    raise
             else:
                 self._publish(self._filled(name, lambda f: shutil.copyfile(staging / STATE_FILE, f / STATE_FILE)), name)
         finally:

@@ -218,6 +218,32 @@ def test_a_checkpoint_on_an_object_store_is_uploaded_in_the_background(s3_server
     writer.close()
 
 
+def test_an_upload_that_fails_part_way_leaves_no_checkpoint_on_the_object_store(s3_server, monkeypatch):
+    """A read of the staged state that fails after some chunks went up (EIO): pyarrow completes the upload as the
+    stream closes, and a checkpoint cut short was listed as the newest. It is removed; the error is the write's."""
+    from raydiff.runs import checkpoint as checkpoint_module
+    from raydiff.runs.checkpoint import CheckpointWriter
+    from raydiff.storage.rundir import RunDir
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="ckpt-cut")
+    copy = checkpoint_module.shutil.copyfileobj
+
+    def failing(source, sink, length):
+        sink.write(source.read(100))
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(checkpoint_module.shutil, "copyfileobj", failing)
+    run_dir = RunDir("s3://ckpt-cut/run", endpoint=endpoint)
+    writer = CheckpointWriter(run_dir)
+    writer.start("checkpoint_00000010", {"step": 10, "weights": torch.arange(6.0)})
+    name, error = writer.outcome(wait=True)
+    assert name == "checkpoint_00000010" and isinstance(error, OSError) and error.errno == 5
+    keys = [entry["Key"] for entry in client.list_objects_v2(Bucket="ckpt-cut").get("Contents", [])]
+    assert not [key for key in keys if key.endswith("state.pt")] and list_checkpoints(run_dir) == [], keys
+    monkeypatch.setattr(checkpoint_module.shutil, "copyfileobj", copy)
+    writer.close()
+
+
 def test_what_an_interrupted_write_left_is_removed(tmp_path):
     """A half-written checkpoint, and the hidden file of a post-hoc EMA snapshot or grid whose process was killed
     outright; a user's own hidden files, and the finished ones, stay."""
