@@ -190,7 +190,7 @@ def test_a_reused_copy_is_held_to_this_runs_max_bad_fraction_with_its_left_out_s
 def test_a_preparation_whose_lease_another_run_took_over_stops_before_its_next_shard():
     """Both would write the same copy: the run that lost the lease stops at its next batch, and after its last one
     (before the manifest), in one line, leaving the copy to the run that holds the lease now."""
-    lease = SimpleNamespace(lost=False)
+    lease = SimpleNamespace(lost=False, unrenewed_s=None)
 
     def batches():
         yield "first"
@@ -202,7 +202,7 @@ def test_a_preparation_whose_lease_another_run_took_over_stops_before_its_next_s
         for batch in while_held(lease, "OUT", batches()):
             written.append(batch)
     assert written == ["first"]
-    late = SimpleNamespace(lost=False)
+    late = SimpleNamespace(lost=False, unrenewed_s=None)
 
     def one_batch():
         yield "only"
@@ -210,6 +210,11 @@ def test_a_preparation_whose_lease_another_run_took_over_stops_before_its_next_s
 
     with pytest.raises(RunInUse):
         list(while_held(late, "OUT", one_batch()))
+    # Given up unrenewed (the store did not answer): said as it is, not as a takeover.
+    unanswered = SimpleNamespace(lost=True, unrenewed_s=31.2)
+    with pytest.raises(RunInUse, match=r"^the stream preparation OUT could not renew its lease for 31 s \(the store "
+                                       r"did not answer\): stopped"):
+        list(while_held(unanswered, "OUT", batches()))
 
 
 @pytest.mark.ray
