@@ -63,18 +63,30 @@ def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float, node_cpu
 def _ray_counts(nodes: Sequence[float], size: float, workers: int) -> bool:
     """Whether Ray, counting in floats, finds `workers` workers of `size` CPUs on `nodes`, whichever nodes it
     fills first. An elastic run's reservation takes one worker's CPUs after another from a node while what is
-    left holds one more, adds them up as the node's reserved CPUs, and Train counts the workers those hold as
-    `reserved // size`. Both drift in binary: 0.4 is a little more than 0.4, so 2.0 // 0.4 is 4.0, and 0.1999
-    added five times holds only four; a run of up to 5 workers would never reach 5 (nor start, were 5 its least)."""
-    counted = 0
+    left holds one more (filling a node before the next), adds them up as the node's reserved CPUs, and Train
+    counts the workers those hold as `reserved // size`. Both drift in binary: 0.4 is a little more than 0.4, so
+    2.0 // 0.4 is 4.0, and 0.1999 added five times holds only four; a run of up to 5 workers would never reach 5
+    (nor start, were 5 its least). Each node must count what it may end up holding: all it holds, or, filled
+    last, what the nodes filled before it left over."""
+    holds, counts = [], []  # per node: the workers it holds, and whether Ray counts k of them as k (k = 0..holds)
     for node in nodes:
-        left, reserved, placed = node, 0.0, 0
-        while placed < workers and left >= size:
-            left, reserved, placed = left - size, reserved + size, placed + 1
-            if reserved // size < placed:
-                return False
-        counted += placed
-    return counted >= workers
+        left, reserved, counted = node, 0.0, [True]
+        while len(counted) <= workers and left >= size:
+            left, reserved = left - size, reserved + size
+            counted.append(reserved // size >= len(counted))
+        holds.append(len(counted) - 1)
+        counts.append(counted)
+    if sum(holds) < workers:
+        return False
+    for i, held in enumerate(holds):
+        filled_before = 1  # bit s: the nodes other than this one can be filled to s workers in all
+        for j, other in enumerate(holds):
+            if j != i:
+                filled_before |= filled_before << other
+        last = {workers - s for s in range(workers + 1) if filled_before >> s & 1 and 0 < workers - s < held}
+        if not all(counts[i][k] for k in {held, *last}):
+            return False
+    return True
 
 
 def torch_threads(cpus_per_worker: float, environ: Mapping[str, str] = os.environ) -> int:
