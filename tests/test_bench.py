@@ -127,6 +127,37 @@ def test_throughput_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and "--batch 128,512,128: every batch once" in proc.stderr
 
 
+def test_each_batch_of_one_throughput_bench_compiles_afresh_past_dynamos_eight_graphs(monkeypatch):
+    """dynamo keeps at most 8 compiled graphs of one function (the step's loss, compiled with static shapes):
+    a 9th --batch of one bench ran eagerly under the compiled plan's name. Each batch starts afresh."""
+    import torch
+
+    from raydiff.bench import throughput
+    from raydiff.cluster import start
+
+    compiled: list[int] = []
+
+    def counting(graph, example_inputs):
+        compiled.append(1)
+        return graph.forward
+
+    def step(x):  # one function, as DenoisingLoss.forward is, compiled anew for each batch
+        return (x * 2).sum()
+
+    def one_batch(cfg, device, **kwargs):
+        torch.compile(step, backend=counting, dynamic=False)(torch.ones(cfg.train.global_batch))
+        return {"global_batch": cfg.train.global_batch}
+
+    monkeypatch.setattr(start, "init_ray", lambda *args, **kwargs: None)
+    monkeypatch.setattr(throughput, "_one_batch", one_batch)
+    batches = list(range(1, 11))
+    try:
+        rows = list(throughput.bench_throughput("smoke", [], steps=2, batches=batches, peak=None))
+    finally:
+        torch._dynamo.reset()
+    assert [row["global_batch"] for row in rows] == batches and len(compiled) == len(batches)
+
+
 def test_mfu_is_against_the_devices_own_bf16_peak_the_first_name_it_contains():
     from raydiff.bench.throughput import peak_tflops
 

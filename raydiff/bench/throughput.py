@@ -233,6 +233,9 @@ def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: 
     batches = batches or [base.train.global_batch]
     with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as tmp:
         for batch in batches:
+            # Each batch compiles as a process of its own would: dynamo keeps at most 8 graphs of one function (the
+            # step's loss), and past them ran a batch eagerly under the compiled plan's name.
+            torch._dynamo.reset()
             cfg = copy.deepcopy(base)
             set_key(cfg, "train.global_batch", batch)
             out = None
