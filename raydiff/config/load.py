@@ -51,7 +51,8 @@ def resolve_config_path(name_or_path: str) -> Path:
                 raise ConfigError(f"--config {name_or_path}: no such file")
             return path
     except OSError as exc:  # a folder on the way this user may not enter
-        raise ConfigError(f"--config {name_or_path}: cannot read it ({exc.strerror or exc})") from None
+        raise ConfigError(f"--config {name_or_path}: cannot read it ({permanent_reason(exc) or exc.strerror or exc})"
+                          ) from None
     preset = PRESETS_DIR / f"{name_or_path}.yaml"
     if not preset.is_file():
         raise ConfigError(f"--config {name_or_path}: not a file and not a preset; presets: {', '.join(preset_names())}")

@@ -176,6 +176,20 @@ def test_an_unreadable_config_file_is_one_line_naming_it_and_why(tmp_path, monke
     assert str(info.value) == f"--config {path}: cannot read it (permission denied)"
 
 
+def test_a_config_in_a_folder_this_user_may_not_enter_is_one_line_naming_it_and_why(tmp_path, monkeypatch):
+    path = tmp_path / "secret" / "run.yaml"
+    stat = Path.stat
+
+    def denied(self, *args, **kwargs):  # chmod 000 on the folder, as a user (root enters it anyway)
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return stat(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "stat", denied)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value) == f"--config {path}: cannot read it (permission denied)"
+
+
 @pytest.mark.parametrize("name", ["", " "])
 def test_an_empty_config_is_refused_as_empty_not_taken_for_the_current_folder(name):
     with pytest.raises(ConfigError) as info:
