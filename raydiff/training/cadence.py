@@ -35,7 +35,7 @@ from raydiff.runs.state import Progress, checkpoint_state
 from raydiff.storage.errors import StorageFailure, storage_failure
 from raydiff.storage.writes import failed_write
 from raydiff.training.chief_records import log_row, record_rollback, record_start, save_sample_grid, save_snapshot
-from raydiff.training.distributed import agreed_interrupt, from_rank_zero_code, interrupt_asked
+from raydiff.training.distributed import INTERRUPTS, agreed_interrupt, from_rank_zero_code, interrupt_asked
 from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
 from raydiff.training.profiling import StepProfile
 from raydiff.training.recovery import divergence_report, roll_back
@@ -139,6 +139,9 @@ class Cadence:
             # Ray is asked about a stop or preemption first, while a GPU still works through the steps queued
             # before: reading the counters waits for them, and the GPU would idle through Ray's round trips after.
             asked = interrupt_asked(self._stop_flag, w.is_chief, w.debug.preemption_notice(step))
+        # Rank 0 knows now if another driver holds the run (the others learn it at the agreement below): it
+        # writes nothing more, no row, grid or snapshot, over what the other run writes.
+        writes = w.is_chief and asked != INTERRUPTS.index("lease_lost")
         if step == self.start_step + 1:
             self._after_first_step(step)
         live.window.add(result, self._data_wait_s)
@@ -164,16 +167,16 @@ class Cadence:
             row = live.window.close(step=step, global_batch=t.global_batch, lr=lr, ema_decay=ema_decay,
                                     world_size=w.world_size, skipped_steps=progress.counters["skipped_steps"])
             self.last_row = row = row | self._extra_metrics(new_val_loss, new_quality)
-            if w.is_chief:
+            if writes:
                 self._write("writing metrics.jsonl", log_row, w, row, live.dashboards, start_step=self.start_step,
                             elapsed_s=time.perf_counter() - self.run_start)
 
         with self._paused():  # sampling and checkpointing are not training time either
             # The sample grid.
-            if w.is_chief and ((t.sample_every and step % t.sample_every == 0) or done):
+            if writes and ((t.sample_every and step % t.sample_every == 0) or done):
                 save_sample_grid(w, step, live.dashboards, storage_ok=self.failure is None)
             # The post-hoc EMA's snapshot.
-            if w.is_chief and w.posthoc is not None and (step % self._snapshot_every == 0 or done):
+            if writes and w.posthoc is not None and (step % self._snapshot_every == 0 or done):
                 self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step)
             # Stop or preemption, agreed by every worker.
             interrupt = self._agree_on_interrupts(asked) if asked is not None else None
