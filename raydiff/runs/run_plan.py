@@ -99,7 +99,9 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
 
     step = checkpoint_step(checkpoints[-1])  # the folder's name: the run's records may be gone
     summary = _read_record(cfg, run_dir, "summary.json") or {}
-    finished = summary.get("status") == "finished"
+    # Finished where the summary is of the newest checkpoint: a finished run trained longer and stopped keeps its
+    # old summary until it ends again.
+    finished = summary.get("status") == "finished" and summary.get("steps", step) == step
     if step > cfg.train.total_steps and not finished:
         # The workers would restore it and train nothing, and a run that ends past train.total_steps has not
         # finished it: every re-run would fail, with no reason given.

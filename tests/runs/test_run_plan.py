@@ -109,8 +109,14 @@ def test_a_run_whose_newest_checkpoint_is_past_train_total_steps_is_refused_in_o
     assert plan_run(load_config("smoke", ["train.total_steps=1400", "run.resume=false"]), run, DATA).replace
     # At the checkpoint's step the run continues, to finish there (writing its summary).
     assert plan_run(load_config("smoke", ["train.total_steps=1500"]), run, DATA).action == "continue"
-    run.write_text("summary.json", json.dumps({"status": "finished"}))  # a finished run says so, as before
+    run.write_text("summary.json", json.dumps({"status": "finished", "steps": 1500}))  # a finished run says so
     assert plan_run(load_config("smoke", ["train.total_steps=1400"]), run, DATA).action == "finished"
+    # A run finished at 1000, trained on towards 2000 and stopped at 1500 keeps its summary of step 1000 until it
+    # ends again: it is not finished at 1500.
+    run.write_text("summary.json", json.dumps({"status": "finished", "steps": 1000}))
+    with pytest.raises(ConfigError, match="is at step 1500, past train.total_steps = 1200"):
+        plan_run(load_config("smoke", ["train.total_steps=1200"]), run, DATA)
+    assert plan_run(load_config("smoke", ["train.total_steps=1500"]), run, DATA).action == "continue"
 
 
 def test_keys_added_since_an_old_run_count_as_their_defaults():
