@@ -99,10 +99,10 @@ def test_a_signal_after_training_ended_does_not_say_that_nothing_was_trained(cap
     its before-training handler: a Ctrl-C there said "before training began; nothing was trained" of a run that
     had trained to its end."""
     def finishing(argv):
-        with interrupt_on_signals():  # the driver's, from before training
-            with interrupt_on_signals(before_training=False, note="training had ended (the same command goes on "
-                                                                  "from its last checkpoint)"):
-                signal.raise_signal(signal.SIGINT)  # while the dashboards close
+        with interrupt_on_signals() as stage:  # the driver's, from before training to the lease's release
+            stage.before_training, stage.note = False, "training had ended (the same command goes on from its last " \
+                                                       "checkpoint)"
+            signal.raise_signal(signal.SIGINT)  # while the dashboards close, or the lease is let go
         return 0
 
     assert cli.run(finishing, []) == 128 + signal.SIGINT

@@ -45,7 +45,7 @@ from raydiff.storage.errors import (
 from raydiff.storage.lease import Lease, hold, this_process
 from raydiff.storage.rundir import RunDir, RunInUse, unwritable
 from raydiff.training.in_run_quality import InRunQuality
-from raydiff.training.interrupts import interrupt_on_signals
+from raydiff.training.interrupts import SignalStage, interrupt_on_signals
 from raydiff.training.loop import train_worker
 from raydiff.training.lost_workers import LostWorkers, causes, hang_timeouts
 from raydiff.training.reservations import cancel_previous_reservation, cancel_requests, requester_of
@@ -144,7 +144,8 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
     # writes to it, whichever machine or Ray cluster another driver of it runs on. Until training starts, a
     # SIGTERM or Ctrl-C stops at once (nothing to save yet).
     driver = {**this_process(), "invocation": uuid.uuid4().hex}
-    with interrupt_on_signals(), hold(run_dir, driver, stale_s=cfg.run.lease_stale_s, what="run directory") as lease:
+    with interrupt_on_signals() as stage, hold(run_dir, driver, stale_s=cfg.run.lease_stale_s,
+                                               what="run directory") as lease:
         plan = plan_run(cfg, run_dir, identity)  # again: another driver may have run in between
         notes = [*plan.notes, move_aside(run_dir)] if plan.replace else list(plan.notes)
         removed = remove_partial_writes(run_dir)
@@ -166,13 +167,13 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
         lease.update(ray_job=ray.get_runtime_context().get_job_id())
         stop_flag = StopFlag.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
         lease.on_lost = lambda: stop_flag.request.remote(LEASE_LOST)  # at once, if it was lost already
-        return _train(cfg, run_dir, plan, source, identity, init, lease, stop_flag, started,
+        return _train(cfg, run_dir, plan, source, identity, init, lease, stop_flag, stage, started,
                       images=images, cpus=cpus, callbacks=callbacks, note_run=note_run)
 
 
 def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: dict[str, Any],
-           init: InitWeights | None, lease: Lease, stop_flag, started: float, *, images, cpus, callbacks,
-           note_run) -> dict[str, Any]:
+           init: InitWeights | None, lease: Lease, stop_flag, stage: SignalStage, started: float, *, images, cpus,
+           callbacks, note_run) -> dict[str, Any]:
     """run_training, once the run directory is held: decode, train, summarise."""
     driver = lease.holder
     invocation = driver["invocation"]
@@ -279,6 +280,9 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         note_run(requester)
     failed_because: str | None = None  # all that Ray Train said: the first line names the kind, the rest the cause
     lost: dict[int, BaseException] | None = None  # where workers failed (a WorkerGroupError): which, and how
+    # Once fit returns, a signal (under run_training's handler again) stops the records and the lease's release,
+    # not training: a dashboard's close, or a renewal in flight, may take seconds.
+    stage.before_training, stage.note = False, "training had ended (the same command goes on from its last checkpoint)"
     with stop_on_signals(stop_flag, lease) as received:
         def stop_now() -> None:  # while fit runs, in the main thread
             if received["at_once"] is not None and received["lease_lost"]:
@@ -313,23 +317,20 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     failure = _storage_failure(run_dir, outcome, failed_because)
     if failure is not None and checkpoint is not None:
         failure += f" ({PurePosixPath(checkpoint).name})"
-    # Training has ended: a signal now (a dashboard's close may take seconds) stops the records, not training.
-    with interrupt_on_signals(before_training=False,
-                              note="training had ended (the same command goes on from its last checkpoint)"):
-        try:
-            summary = _write_summary(requested, run_dir, invocation, plan.step, outcome, checkpoint,
-                                     failure or error, started, bad_images=images.bad_report())
-        except OSError as exc:
-            unwritten = storage_failure(exc, str(run_dir), "writing summary.json")
-            if unwritten is None:
-                raise
-            raise StorageFailure(f"{failure or unwritten} (summary.json could not be written)") from None
-        if failure is not None:
-            raise StorageFailure(failure)
-        dashboards = dashboards_for(requested, run_dir, resume_step=summary["steps"])
-        if dashboards is not None:  # the final numbers (and the run's status) beside its curves
-            dashboards.summary(summary)
-            dashboards.close()
+    try:
+        summary = _write_summary(requested, run_dir, invocation, plan.step, outcome, checkpoint, failure or error,
+                                 started, bad_images=images.bad_report())
+    except OSError as exc:
+        unwritten = storage_failure(exc, str(run_dir), "writing summary.json")
+        if unwritten is None:
+            raise
+        raise StorageFailure(f"{failure or unwritten} (summary.json could not be written)") from None
+    if failure is not None:
+        raise StorageFailure(failure)
+    dashboards = dashboards_for(requested, run_dir, resume_step=summary["steps"])
+    if dashboards is not None:  # the final numbers (and the run's status) beside its curves
+        dashboards.summary(summary)
+        dashboards.close()
     return {**summary, "signal": received["signal"]}
 
 

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 # `timeout` signals the command, then its process group, which holds the command too: two SIGTERMs within
@@ -74,17 +75,28 @@ def signal_handlers(handlers: dict[int, Any]) -> Iterator[None]:
             signal.signal(s, h)
 
 
+@dataclass
+class SignalStage:
+    """What a signal stops, as `interrupt_on_signals` tells it: nothing trained yet (`before_training`), or
+    what the command's last line adds (`note`). The command changes it as it goes (the driver once training
+    has ended: a signal while it writes its records and lets go of its lease)."""
+
+    before_training: bool = True
+    note: str = ""
+
+
 @contextlib.contextmanager
-def interrupt_on_signals(*, before_training: bool = True, note: str = "") -> Iterator[None]:
+def interrupt_on_signals() -> Iterator[SignalStage]:
     """While active, SIGTERM and SIGINT raise `Interrupted` in the main thread: a long data preparation is stopped,
-    and what it left half-written is removed on the way out (`before_training`: nothing was trained; else `note`
-    says what the command's last line adds). Only in the main thread (a Tune trial runs elsewhere and is stopped
-    by Tune)."""
+    and what it left half-written is removed on the way out; the stage yielded says what the signal stopped. Only
+    in the main thread (a Tune trial runs elsewhere and is stopped by Tune)."""
+    stage = SignalStage()
+
     def handler(signum, frame) -> None:
-        raise_interrupted(signum, before_training=before_training, note=note)
+        raise_interrupted(signum, before_training=stage.before_training, note=stage.note)
 
     with signal_handlers({signal.SIGTERM: handler, signal.SIGINT: handler}):
-        yield
+        yield stage
 
 
 @contextlib.contextmanager
