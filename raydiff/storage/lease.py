@@ -20,8 +20,8 @@ pid, Ray job, since) for the one-line refusal:
   before the holder asked to be told): it must write nothing more there. A network error is not a loss by
   itself: the next renewal tries again. But a holder that has had no renewal confirmed for half of `stale_s`
   gives the lease up as lost (`Lease.unrenewed_s` says for how long): a claimant may take it over at `stale_s`,
-  and a holder that cannot reach the store may still have workers that can. Its requests time out well within
-  that half (`_request_timeout_s`), so that one hanging request does not outlast it.
+  and a holder that cannot reach the store may still have workers that can. A renewal runs on a thread of its
+  own and is waited for only until then, so that one hanging request does not outlast it.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ class Lease:
         """Another holder has it now, or (`unrenewed_s`) may have it: no renewal confirmed for that long (the
         heartbeat's call)."""
         with self._guard:
+            self.unrenewed_s = unrenewed_s  # before `lost`, which readers outside the guard check first
             self._lost, callback = True, self._on_lost
-            self.unrenewed_s = unrenewed_s
         if callback is not None:
             callback()
 
@@ -214,6 +214,8 @@ class _ObjectLease:
         self.stale_s, self.renew_s = stale_s, stale_s / 4
         self.version: str | None = None
         self.confirmed = 0.0  # when (monotonic) the last write the store confirmed was sent
+        self.first_sent: float | None = None  # when take() first asked for it (a retried create's write may be that)
+        self._given_up = threading.Event()  # no renewal confirmed in time: nothing more is written to it
         # (version, since when by our monotonic clock, its age then by the store's clock)
         self.watched: tuple[str, float, float] | None = None
         self.lease: Lease | None = None
@@ -236,6 +238,7 @@ class _ObjectLease:
     def take(self, holder: dict[str, Any]) -> tuple[str, Any]:
         """("held", Lease), ("live", holder): renewed while watched, or ("watching", holder): not decided yet."""
         sent = time.monotonic()
+        self.first_sent = sent if self.first_sent is None else self.first_sent
         version = self.objects.create(self._body(holder))
         if version is None:
             found = self.objects.read()
@@ -243,8 +246,8 @@ class _ObjectLease:
                 return "watching", None  # released between the two calls: try again
             body, seen, age_s = found
             other, now = body.get("holder"), time.monotonic()
-            if self._mine(found):  # this very write, applied, its answer lost: the retry was refused
-                self.version, self.confirmed = seen, sent
+            if self._mine(found):  # a write of this take's, applied, its answer lost: the retry was refused
+                self.version, self.confirmed = seen, self.first_sent
                 return self._held(holder)
             if self.watched is None or self.watched[0] != seen:
                 renewed = self.watched is not None
@@ -257,7 +260,7 @@ class _ObjectLease:
             if watched_s < max(self.stale_s - age_when_seen_s, self.stale_s / 2):
                 return "watching", other
             sent = time.monotonic()
-            version = self._replace(self._body(holder), seen)
+            version, _ = self._replace(self._body(holder), seen)
             if version is None:
                 return "watching", other  # another claimant took it over first
             logger.warning(f"[raydiff] took over the lease of {describe(other)}: not renewed for "
@@ -273,44 +276,33 @@ class _ObjectLease:
         self._thread.start()
         return "held", self.lease
 
-    def _replace(self, body: bytes, version: str) -> str | None:
-        """The object's version once `body` replaced `version`, or None where another write came first. A store
-        may apply a write and lose its answer; the client's retry is then refused, because of that very write. So
-        a refusal reads the object back, and finding a write of this holder's there is success: this one, or an
-        earlier one whose answer and read-back were both lost (the next renewal writes the holder anew)."""
+    def _replace(self, body: bytes, version: str) -> tuple[str | None, bool]:
+        """The object's version once `body` replaced `version`, or None where another write came first; and
+        whether it was read back. A store may apply a write and lose its answer; the client's retry is then
+        refused, because of that very write. So a refusal reads the object back, and finding a write of this
+        holder's there is success: this one, or an earlier one whose answer and read-back were both lost (the next
+        renewal writes the holder anew)."""
         written = self.objects.replace(body, version)
         if written is None:
             found = self.objects.read()
             if found is not None and self._mine(found):
-                return found[1]
-        return written
+                return found[1], True
+        return written, False
 
     def rewrite(self, holder: dict[str, Any]) -> None:
         try:
             with self._lock:
                 self._renew(holder)
-        except Exception:  # a network error: the next renewal tries again, unless none was confirmed for long
+        except Exception:  # a network error: the next renewal tries again, if the heartbeat's deadline allows
             logger.debug("renewing the lease failed", exc_info=True)
-            with self._lock:
-                self._give_up_if_unrenewed()
-
-    def _give_up_if_unrenewed(self) -> None:
-        """Give the lease up as lost once no renewal was confirmed for half of stale_s: a claimant may take it at
-        stale_s, and this holder could not tell (its renewals do not get through; its workers' writes may)."""
-        unrenewed_s = time.monotonic() - self.confirmed
-        if self.version is None or unrenewed_s < self.stale_s / 2:
-            return
-        self.version = None  # nothing more is written to it: it goes stale, and is free at stale_s
-        logger.error(f"[raydiff] ERROR: this run's lease could not be renewed for {unrenewed_s:.0f} s (the store did "
-                     f"not answer): another raydiff run may take it over at run.lease_stale_s = {self.stale_s:g} s")
-        if self.lease is not None:
-            self.lease.lose(unrenewed_s=unrenewed_s)
 
     def _renew(self, holder: dict[str, Any]) -> None:
-        if self.version is None:
+        if self.version is None or self._given_up.is_set():
             return
         sent = time.monotonic()
-        version = self._replace(self._body(holder), self.version)
+        version, read_back = self._replace(self._body(holder), self.version)
+        if self._given_up.is_set():  # the answer came after the heartbeat gave up waiting for it
+            return
         if version is None:
             self.version = None
             logger.error("[raydiff] ERROR: this run's lease was taken over by another raydiff run (it was not "
@@ -318,31 +310,59 @@ class _ObjectLease:
             if self.lease is not None:
                 self.lease.lose()
             return
-        self.version, self.confirmed = version, sent
+        # A write read back may be an earlier one, sent before this: it confirms no later time than the last.
+        self.version, self.confirmed = version, (self.confirmed if read_back else sent)
 
     def _heartbeat(self) -> None:
+        """Renew every quarter of stale_s, each renewal on a thread of its own and waited for only until half of
+        stale_s has passed since the last one confirmed: then the lease is given up (`_give_up`), whatever the
+        store's requests are still doing, well before a claimant may take it over, at stale_s."""
         lease = self.lease
         assert lease is not None  # take() sets it before starting this thread
-        while not self._stop.wait(self.renew_s):
-            self.rewrite(lease.holder)
-            if self.version is None:
+        while True:
+            if self._stop.wait(max(0.0, min(self.renew_s, self._deadline() - time.monotonic()))):
                 return
+            if time.monotonic() < self._deadline():
+                renewal = threading.Thread(target=self.rewrite, args=(lease.holder,), daemon=True,
+                                           name="raydiff-lease-renewal")
+                renewal.start()
+                renewal.join(max(0.0, self._deadline() - time.monotonic()))
+            if self._stop.is_set() or self.version is None:  # released, or taken over
+                return
+            if time.monotonic() >= self._deadline():
+                self._give_up()
+                return
+
+    def _deadline(self) -> float:
+        return self.confirmed + self.stale_s / 2
+
+    def _give_up(self) -> None:
+        """Give the lease up as lost: no renewal was confirmed for half of stale_s, a claimant may take it at
+        stale_s, and this holder could not tell (its renewals do not get through; its workers' writes may). Nothing
+        more is written to it: it goes stale, and is free at stale_s."""
+        self._given_up.set()
+        unrenewed_s = time.monotonic() - self.confirmed
+        logger.error(f"[raydiff] ERROR: this run's lease could not be renewed for {unrenewed_s:.0f} s (the store did "
+                     f"not answer): another raydiff run may take it over at run.lease_stale_s = {self.stale_s:g} s")
+        if self.lease is not None:
+            self.lease.lose(unrenewed_s=unrenewed_s)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        with self._lock:
-            if self.version is not None:
+        with self._lock:  # after a renewal under way (its requests time out: `_request_timeout_s`)
+            if self.version is not None and not self._given_up.is_set():
                 with contextlib.suppress(Exception):  # stale in stale_s anyway
                     self.objects.delete(self.version)
             self.version = None
 
 
 def _request_timeout_s(stale_s: float) -> float:
-    """How long one request about a lease may wait for the store: a renewal and its one retry end within about a
-    quarter of stale_s (3.75 s each for the default 60 s; never under 1 s), so that a holder hears that its renewals
-    fail before it gives the lease up, at half of stale_s. Slow networks set a longer run.lease_stale_s."""
+    """How long one request about a lease may wait for the store (3.75 s for the default 60 s; never under 1 s): a
+    renewal and its one retry end within about a quarter of stale_s, so that one that fails leaves time for
+    another before the holder gives the lease up, at half of stale_s, and a release waits for no longer. Slow
+    networks set a longer run.lease_stale_s."""
     return max(1.0, stale_s / 16)
 
 

@@ -290,26 +290,45 @@ def test_a_live_object_lease_is_not_taken_over_before_it_went_unrenewed_for_the_
     holder.release()
 
 
-def test_an_object_lease_whose_renewals_do_not_get_through_is_given_up_before_another_run_may_take_it(fake_store):
+class _RealClock:
+    @property
+    def now(self) -> float:
+        return time.monotonic()
+
+
+@pytest.mark.parametrize("store_is", ["refusing", "hanging"])
+def test_an_object_lease_whose_renewals_do_not_get_through_is_given_up_before_another_run_may_take_it(
+        monkeypatch, store_is):
     """A holder that cannot reach the store (its workers may) cannot hear of a takeover: at half of the stale time
-    without a renewal confirmed it gives the lease up, and is told as for a takeover, saying for how long."""
-    clock, store = fake_store
-    run_dir = RunDir("s3://bucket/runs/smoke")
-    lease = take(run_dir, {"name": "a"}, stale_s=60, what="run directory")
+    without a renewal confirmed it gives the lease up, and is told as for a takeover, saying for how long. Whether
+    its requests fail at once or hang (a renewal is waited for only until then): a claimant may take the lease
+    over at the stale time."""
+    from raydiff.storage import lease as lease_module
+
+    store = _Store(_RealClock())
+    monkeypatch.setattr(lease_module, "_S3Object", store.objects)
+    stale_s = 4.0  # renewed every second, given up at 2 s
+    lease = take(RunDir("s3://bucket/runs/smoke"), {"name": "a"}, stale_s=stale_s, what="run directory")
+    taken = time.monotonic()
     told: list[float | None] = []
     lease.on_lost = lambda: told.append(lease.unrenewed_s)
-    store.down = store.body["lease"]
-    for clock.now in (15.0, 29.0):  # the heartbeat's renewals, failing: not given up yet
-        lease.update(step=1)
-        assert not lease.lost
-    clock.now = 30.0
-    lease.update(step=2)
-    assert lease.lost and told == [30.0]
-    store.down = ""
+    time.sleep(1.5)  # a renewal got through: the half stale time counts from it
+    assert store.writes >= 2 and not lease.lost
+    if store_is == "refusing":
+        store.down = store.body["lease"]
+    else:
+        monkeypatch.setattr(store, "replace", lambda body, version: time.sleep(30))
+    deadline = time.monotonic() + 10
+    while not lease.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    given_up = time.monotonic() - taken
+    assert lease.lost and len(told) == 1 and stale_s / 2 <= told[0] < stale_s * 3 / 4, told
+    assert given_up < stale_s  # before a claimant may take it, counted from the take
     lease.update(step=3)  # nothing more written, nor told again
-    assert store.writes == 1 and told == [30.0]
+    assert len(told) == 1
+    writes = store.writes
     lease.release()  # leaves the object to go stale: it may be another's by now
-    assert store.body is not None
+    assert store.body is not None and store.writes == writes
 
 
 @pytest.fixture
