@@ -2,15 +2,18 @@
 
     python -m raydiff.cluster_check FILE [FILE ...]
 
-Each FILE is a Ray cluster-launcher config (cluster/aws.yaml, cluster/gcp.yaml) or a KubeRay manifest
-(apiVersion ray.io/v1, kind RayCluster or RayJob, optionally with the PersistentVolumeClaims it mounts).
-Launcher configs go through Ray's own validation (`prepare_config`, then `validate_config`); KubeRay manifests
-through a schema of the fields raydiff uses (real KubeRay names, no unknown keys). Then both must hold what
-raydiff needs: a head that takes no work (CPU 0), GPU workers, token auth on (KubeRay: with a rayVersion it
-accepts for it), a dashboard that is not exposed, GPU VMs that GCE will create (onHostMaintenance TERMINATE), and
-agreement with the preset the file names (`# raydiff-preset: NAME`, or the annotation raydiff.dev/preset):
-elastic `scaling.num_workers: [min, max]` that the GPU workers can hold, storage that every node shares, and
-(launcher configs) worker nodes that may read and write its bucket.
+Each FILE is a Ray cluster-launcher config (cluster/aws.yaml, cluster/gcp.yaml), a KubeRay manifest (apiVersion
+ray.io/v1, kind RayCluster or RayJob), or a file of the PersistentVolumeClaims such manifests mount
+(cluster/kuberay/volume.yaml, read beside each manifest of its folder). Launcher configs go through Ray's own
+validation (`prepare_config`, then `validate_config`); KubeRay manifests through a schema of the fields raydiff
+uses (real KubeRay names, no unknown keys) and the names KubeRay accepts. Then both must hold what raydiff needs:
+a head that takes no work (CPU 0) and runs the autoscaler, GPU workers that advertise what a Ray Train worker asks
+(CPU and GPU; KubeRay: as the operator builds `ray start`), token auth on (KubeRay: with a rayVersion it accepts
+for it), a dashboard that is not exposed, one Ray release in every rayproject/ray image (KubeRay: rayVersion's),
+GPU VMs that GCE will create (onHostMaintenance TERMINATE), and agreement with the preset the file names
+(`# raydiff-preset: NAME`, or the annotation raydiff.dev/preset): elastic `scaling.num_workers: [min, max]` that
+the GPU workers can hold, storage that every node shares, and (launcher configs) worker nodes that may read and
+write its bucket.
 Prints `OK FILE` per good file; a bad file is one line on stderr, and the exit code is 2.
 """
 
@@ -25,7 +28,8 @@ from raydiff.cluster.files import ClusterFileError, check_file
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.Parser(prog="python -m raydiff.cluster_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="cluster-launcher YAML or KubeRay manifest")
+    parser.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                        help="cluster-launcher YAML, KubeRay manifest or PersistentVolumeClaims")
     args = parser.parse_args(argv)
     failed = False
     for path in args.files:

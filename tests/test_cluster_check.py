@@ -24,7 +24,7 @@ CLUSTER_PRESETS = ("cifar10-aws", "cifar10-gcp", "cifar10-k8s")
 
 
 def test_every_cluster_file_validates():
-    assert len(CLUSTER_FILES) == 4, CLUSTER_FILES
+    assert len(CLUSTER_FILES) == 5, CLUSTER_FILES
     result = subprocess.run([sys.executable, "-m", "raydiff.cluster_check", *CLUSTER_FILES], cwd=ROOT,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
@@ -65,6 +65,7 @@ def test_cluster_presets_dry_run(preset, capsys):
     cfg = config.load_config(preset, check_source=False)
     assert cfg.scaling.num_workers == (2, 8) and cfg.scaling.use_gpu is True
     assert cfg.train.grad_compression == "bf16"  # half the gradient bytes on node links (docs/training.md, Performance)
+    assert cfg.run.max_failures == 20  # GPU workers on spot nodes: each one reclaimed is a failure
 
 
 def _refused(capsys, *paths: Path) -> str:
@@ -105,6 +106,21 @@ LAUNCHER_BROKEN = {
                        "no worker type advertises GPUs"),
     "dashboard on 0.0.0.0": (lambda c: c["head_start_ray_commands"].append("ray start --dashboard-host=0.0.0.0"),
                              "--dashboard-host=0.0.0.0 exposes the dashboard"),
+    "dashboard on every IPv6 address": (
+        lambda c: c["head_start_ray_commands"].append("ray start --dashboard-host '::'"),
+        "head_start_ray_commands: --dashboard-host=:: exposes the dashboard; leave it on 127.0.0.1"),
+    "no autoscaler": (
+        lambda c: c.update(head_start_ray_commands=[
+            "ray stop", "RAY_AUTH_MODE=token ray start --head --port=6379 --dashboard-host=127.0.0.1"]),
+        "head_start_ray_commands: no `ray start --head ... --autoscaling-config=~/ray_bootstrap_config.yaml`"),
+    "GPU node type without CPUs": (
+        lambda c: c["available_node_types"][GPU].update(resources={"CPU": 0, "GPU": 1}),
+        ("available_node_types['ray.worker.gpu'].resources.CPU = 0: each Ray Train worker asks {CPU: 1, GPU: 1}, so "
+         "ray.worker.gpu (GPU: 1) must advertise CPU: 1 or more")),
+    "two Ray releases": (
+        lambda c: c["docker"].update(worker_image="rayproject/ray:2.59.0-py311-gpu"),
+        ("docker.image = rayproject/ray:2.60.0-py311-gpu and docker.worker_image = rayproject/ray:2.59.0-py311-gpu: "
+         "two Ray releases in one cluster")),
     "security group opens 8265": (
         lambda c: c["provider"].update(security_group={"IpPermissions": [
             {"IpProtocol": "tcp", "FromPort": 8265, "ToPort": 8265, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]}),
@@ -189,6 +205,9 @@ GCP_BROKEN = {
         lambda c: _gcp_node(c, "ray_worker_cpu").update(machineType="n1-standard-8", guestAccelerators=T4,
                                                         scheduling={"onHostMaintenance": "MIGRATE"}),
         'ray_worker_cpu.node_config.scheduling.onHostMaintenance = "MIGRATE" (n1-standard-8 has GPUs)'),
+    "GPU node type without a CPU count": (
+        lambda c: c["available_node_types"]["ray_worker_gpu"].update(resources={"GPU": 1}),
+        "available_node_types.ray_worker_gpu.resources.CPU = null: each Ray Train worker asks {CPU: 1, GPU: 1}"),
     "scheduling as text": (
         lambda c: _gcp_node(c, "ray_worker_gpu").update(scheduling="TERMINATE"),
         'available_node_types.ray_worker_gpu.node_config.scheduling = "TERMINATE": expected object or array or null'),
@@ -231,6 +250,18 @@ def test_a_preemptible_gpu_node_may_leave_its_maintenance_to_gces_default(tmp_pa
     assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
 
 
+def test_aws_reads_a_gpu_nodes_cpus_from_its_instance_type(tmp_path, capsys):
+    # The AWS node provider fills in the CPUs of a node type that leaves them out, from its instance type.
+    path = _launcher(tmp_path, lambda c: c["available_node_types"][GPU].update(resources={"GPU": 1}))
+    assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
+
+
+def test_gpu_node_types_need_the_cpus_the_preset_gives_each_worker(tmp_path, monkeypatch, capsys):
+    _presets_with(tmp_path, monkeypatch, "cifar10-aws", lambda t: t["scaling"].update(cpus_per_worker=12))
+    assert ("resources.CPU = 8: each Ray Train worker asks {CPU: 12, GPU: 1}, so ray.worker.gpu (GPU: 1) must "
+            "advertise CPU: 12 or more") in _refused(capsys, _launcher(tmp_path, lambda c: None))
+
+
 def test_buckets_behind_an_endpoint_need_no_instance_profile(tmp_path, monkeypatch, capsys):
     """A MinIO or test server takes its credentials another way: the nodes' IAM profile is not judged."""
     def at_endpoint(tree: dict[str, Any]) -> None:
@@ -253,7 +284,7 @@ def test_a_value_yaml_cannot_build_is_named_by_its_field(tmp_path, capsys):
                                            "and it is not a valid one; quote it if it is text")
     manifest = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: None)
     manifest.write_text(manifest.read_text() + "---\nmetadata:\n  labels: {x: !!bool maybe}\n")
-    assert _refused(capsys, manifest).endswith(': not valid YAML: document 3: metadata.labels.x = !!bool "maybe" is '
+    assert _refused(capsys, manifest).endswith(': not valid YAML: document 2: metadata.labels.x = !!bool "maybe" is '
                                                'not a valid bool; write one, or remove the !!bool tag')
 
 
@@ -296,11 +327,15 @@ def test_launcher_refuses_local_data_source(tmp_path, monkeypatch, capsys):
 
 # KubeRay manifests.
 def _kuberay(tmp_path: Path, name: str, change: Callable[[dict[str, Any], dict[str, Any]], Any]) -> Path:
-    """A copy of cluster/kuberay/NAME with `change(pvc, ray_object)` applied."""
-    pvc, obj = [d for d in yaml.safe_load_all((ROOT / "cluster" / "kuberay" / name).read_text()) if d]
+    """A copy of cluster/kuberay/NAME, and beside it of volume.yaml (the claim it mounts), with `change(pvc,
+    ray_object)` applied."""
+    folder = ROOT / "cluster" / "kuberay"
+    (obj,) = [d for d in yaml.safe_load_all((folder / name).read_text()) if d]
+    (pvc,) = [d for d in yaml.safe_load_all((folder / "volume.yaml").read_text()) if d]
     change(pvc, obj)
+    (tmp_path / "volume.yaml").write_text(yaml.safe_dump(pvc, sort_keys=False))
     path = tmp_path / name
-    path.write_text(yaml.safe_dump_all([pvc, obj], sort_keys=False))
+    path.write_text(yaml.safe_dump(obj, sort_keys=False))
     return path
 
 
@@ -311,6 +346,19 @@ def _group(obj: dict[str, Any], i: int) -> dict[str, Any]:
 
 def _head(obj: dict[str, Any]) -> dict[str, Any]:
     return obj["spec"]["headGroupSpec"]
+
+
+def _containers(group: dict[str, Any]) -> list[dict[str, Any]]:
+    return group["template"]["spec"]["containers"]
+
+
+def _gpu_in_a_sidecar(group: dict[str, Any]) -> None:
+    """The GPU limit moved from the Ray container to a second one."""
+    ray_container = _containers(group)[0]
+    for part in ("limits", "requests"):
+        ray_container["resources"][part].pop("nvidia.com/gpu")
+    _containers(group).append({"name": "sidecar", "image": "busybox:1.36",
+                               "resources": {"limits": {"nvidia.com/gpu": 1}}})
 
 
 KUBERAY_BROKEN = {
@@ -369,6 +417,71 @@ KUBERAY_BROKEN = {
                                    "support KubeRay v1.5.1")),
     "autoscaler field of KubeRay 1.7": (lambda p, o: o["spec"]["autoscalerOptions"].update(command=["ray"]),
                                         "spec.autoscalerOptions: 'command' needs KubeRay v1.7.0 or newer"),
+    # What the GPU pods advertise to Ray, as KubeRay builds their `ray start`: each Ray Train worker asks for
+    # {CPU: 1, GPU: 1}, so a pod that advertises no GPU or no CPU never holds one.
+    "GPU pods that advertise no GPU": (lambda p, o: _group(o, 0)["rayStartParams"].update({"num-gpus": "0"}),
+                                       ('spec.workerGroupSpecs[0].rayStartParams.num-gpus = "0": Ray would count 0 '
+                                        "GPUs in each pod, which holds 1")),
+    "GPU pods that advertise no CPU": (lambda p, o: _group(o, 0)["rayStartParams"].update({"num-cpus": "0"}),
+                                       ('spec.workerGroupSpecs[0].rayStartParams.num-cpus = "0": Ray would count 0 '
+                                        "CPUs in each pod of spec.workerGroupSpecs[0] (gpu-workers), and each Ray "
+                                        "Train worker asks {CPU: 1, GPU: 1}")),
+    "GPU group's resources without the GPU": (lambda p, o: _group(o, 0).update(resources={"GPU": "0"}),
+                                              'spec.workerGroupSpecs[0].resources.GPU = "0": Ray would count 0 GPUs'),
+    "GPU in a container Ray does not run in": (
+        lambda p, o: _gpu_in_a_sidecar(_group(o, 0)),
+        ("spec.workerGroupSpecs[0] (gpu-workers): containers[1] (sidecar) asks for GPUs; KubeRay gives Ray the first "
+         "container's only")),
+    "resources said twice": (lambda p, o: _group(o, 1).update(resources={"CPU": "15"},
+                                                              rayStartParams={"num-cpus": "15"}),
+                             ("spec.workerGroupSpecs[1]: resources and rayStartParams.num-cpus are both set; KubeRay "
+                              "refuses")),
+    "group without a CPU count": (lambda p, o: [_containers(_group(o, 1))[0]["resources"][part].pop("cpu")
+                                                for part in ("limits", "requests")],
+                                  ("spec.workerGroupSpecs[1] (cpu-workers): no CPU count for Ray (rayStartParams."
+                                   "num-cpus, resources.CPU, or cpu in containers[0]'s limits or requests); Ray's "
+                                   "autoscaler cannot read the group")),
+    "num-gpus not a whole number": (lambda p, o: _group(o, 0)["rayStartParams"].update({"num-gpus": "0.5"}),
+                                    ('rayStartParams.num-gpus = "0.5": `ray start --num-gpus` takes a whole number')),
+    "group resources that are not quantities": (
+        lambda p, o: _group(o, 1).update(resources={"CPU": "lots"}),
+        'spec.workerGroupSpecs[1].resources.CPU = "lots": not a Kubernetes quantity'),
+    "head takes work through its group resources": (
+        lambda p, o: _head(o).update(rayStartParams={}, resources={"CPU": "4"}),
+        'spec.headGroupSpec.resources.CPU = "4": must be "0"'),
+    # The dashboard reached from outside the cluster (the dashboard listens on 0.0.0.0 in the head pod).
+    "head service of type LoadBalancer": (
+        lambda p, o: _head(o).update(headService={"spec": {"type": "LoadBalancer"}}),
+        ('spec.headGroupSpec.headService.spec.type = "LoadBalancer": exposes the dashboard (KubeRay keeps the type a '
+         "headService sets); remove it and reach the dashboard with `kubectl port-forward")),
+    "head service on external addresses": (
+        lambda p, o: _head(o).update(headService={"spec": {"externalIPs": ["203.0.113.7"]}}),
+        "spec.headGroupSpec.headService.spec.externalIPs: exposes the dashboard on those addresses"),
+    "head service spec as text": (lambda p, o: _head(o).update(headService={"spec": "LoadBalancer"}),
+                                  'spec.headGroupSpec.headService.spec = "LoadBalancer": expected object'),
+    "head on the node's network": (
+        lambda p, o: _head(o)["template"]["spec"].update(hostNetwork=True),
+        ("spec.headGroupSpec.template.spec.hostNetwork = true: the dashboard would listen on the node's own "
+         "addresses; remove it and reach the dashboard with `kubectl port-forward")),
+    "dashboard port on the node": (
+        lambda p, o: _containers(_head(o))[0]["ports"][1].update(hostPort=8265),
+        ("spec.headGroupSpec.template.spec.containers[0].ports[1].hostPort = 8265: publishes the head's port 8265 on "
+         "the node's address")),
+    # One Ray release in every image, and the one rayVersion names.
+    "two Ray releases": (
+        lambda p, o: _containers(_group(o, 0))[0].update(image="rayproject/ray:2.59.0-py311-gpu"),
+        ("spec.headGroupSpec.template.spec.containers[0].image = rayproject/ray:2.60.0-py311 and "
+         "spec.workerGroupSpecs[0].template.spec.containers[0].image = rayproject/ray:2.59.0-py311-gpu: two Ray "
+         "releases in one cluster")),
+    "rayVersion not the images'": (
+        lambda p, o: o["spec"].update(rayVersion="2.61.0"),
+        ('spec.rayVersion = "2.61.0", but spec.headGroupSpec.template.spec.containers[0].image = '
+         "rayproject/ray:2.60.0-py311: set rayVersion to the images' Ray version")),
+    "name KubeRay refuses": (lambda p, o: o["metadata"].update(name="Raydiff"),
+                             ('metadata.name = "Raydiff": KubeRay refuses a RayCluster name that is not a DNS-1035 '
+                              "label")),
+    "name too long for KubeRay": (lambda p, o: o["metadata"].update(name="r" * 54),
+                                  "54 characters; KubeRay refuses a RayCluster name longer than 53"),
     # A claim whose fields raydiff reads have the wrong shape (was: TypeError, a traceback).
     "claim's access modes as text": (lambda p, o: p["spec"].update(accessModes="ReadWriteMany"),
                                      'PersistentVolumeClaim raydiff-shared: spec.accessModes = "ReadWriteMany": '
@@ -386,10 +499,52 @@ def test_broken_raycluster_is_refused(case, tmp_path, capsys):
     assert expected in _refused(capsys, _kuberay(tmp_path, "raycluster.yaml", change))
 
 
+def _ray_version(obj: dict[str, Any], version: str) -> None:
+    """rayVersion and every image's tag set to `version`."""
+    obj["spec"]["rayVersion"] = version
+    for group in [_head(obj), *obj["spec"]["workerGroupSpecs"]]:
+        for container in _containers(group):
+            container["image"] = container["image"].replace("2.60.0", version)
+
+
 @pytest.mark.parametrize("version", ["2.52.0", "2.52", "v2.60.0", "2.60.0rc1", "3.0.0"])
 def test_token_auth_takes_every_ray_version_kuberay_takes(version, tmp_path, capsys):
-    path = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: o["spec"].update(rayVersion=version))
+    path = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: _ray_version(o, version))
     assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
+
+
+def test_the_gpu_pods_may_say_their_resources_as_kuberay_allows(tmp_path, capsys):
+    """rayStartParams or the group's resources may say what the pods hold, where they say it right."""
+    for change in (lambda p, o: _group(o, 0).update(rayStartParams={"num-cpus": "7", "num-gpus": "1"}),
+                   lambda p, o: _group(o, 0).update(resources={"CPU": "7", "GPU": "1", "memory": "24Gi"}),
+                   lambda p, o: _head(o).update(rayStartParams={}, resources={"CPU": "0"})):
+        path = _kuberay(tmp_path, "raycluster.yaml", change)
+        assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
+
+
+def test_gpu_pods_need_the_cpus_the_preset_gives_each_worker(tmp_path, monkeypatch, capsys):
+    _presets_with(tmp_path, monkeypatch, "cifar10-k8s", lambda t: t["scaling"].update(cpus_per_worker=8))
+    line = _refused(capsys, _kuberay(tmp_path, "raycluster.yaml", lambda p, o: None))
+    assert ('spec.workerGroupSpecs[0].template.spec.containers[0].resources.limits.cpu = "7": Ray would count 7 CPUs '
+            "in each pod of spec.workerGroupSpecs[0] (gpu-workers), and each Ray Train worker asks {CPU: 8, GPU: 1}, "
+            "so none would ever be placed") in line
+
+
+def test_the_volume_outlives_the_cluster(tmp_path, capsys):
+    """`kubectl delete -f` of a manifest deletes what the file holds: the claim is in a file of its own, which the
+    checker reads beside the manifest, and which it checks on its own."""
+    folder = ROOT / "cluster" / "kuberay"
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        assert [d["kind"] for d in yaml.safe_load_all((folder / name).read_text()) if d] in (["RayCluster"], ["RayJob"])
+    assert [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all((folder / "volume.yaml").read_text())
+            ] == [("PersistentVolumeClaim", "raydiff-shared")]
+    path = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: None)
+    (tmp_path / "volume.yaml").unlink()
+    assert ("run.storage = '/mnt/raydiff/runs' is not on a ReadWriteMany volume in every Ray pod (missing in head, "
+            "gpu-workers, cpu-workers)") in _refused(capsys, path)
+    _kuberay(tmp_path, "raycluster.yaml", lambda p, o: p["spec"].update(accessModes="ReadWriteMany"))
+    assert ('volume.yaml: PersistentVolumeClaim raydiff-shared: spec.accessModes = "ReadWriteMany": expected array'
+            in _refused(capsys, tmp_path / "volume.yaml"))
 
 
 def test_raycluster_accepts_pod_spec_and_container_keys_of_the_crd(tmp_path, capsys):
@@ -419,6 +574,17 @@ RAYJOB_BROKEN = {
                                    "= [2, 4]")),
     "Ray too old for token auth": (lambda p, o: o["spec"]["rayClusterSpec"].update(rayVersion="2.46.0"),
                                    'spec.rayClusterSpec.rayVersion = "2.46.0": KubeRay refuses authOptions.mode token'),
+    "name too long for KubeRay": (lambda p, o: o["metadata"].update(name="r" * 48),
+                                  "48 characters; KubeRay refuses a RayJob name longer than 47"),
+    "no cluster": (lambda p, o: o["spec"].pop("rayClusterSpec"),
+                   ("spec: missing required key 'rayClusterSpec'; a RayJob needs rayClusterSpec (the cluster it "
+                    "creates) or clusterSelector: {ray.io/cluster: NAME}")),
+    "two clusters": (lambda p, o: o["spec"].update(clusterSelector={"ray.io/cluster": "raydiff"}),
+                     ("spec: clusterSelector and rayClusterSpec are both set; KubeRay runs the job on the selected "
+                      "RayCluster and ignores rayClusterSpec")),
+    "cluster selected by another label": (
+        lambda p, o: [o["spec"].pop("rayClusterSpec"), o["spec"].update(clusterSelector={"app": "raydiff"})],
+        "spec.clusterSelector: missing 'ray.io/cluster'; KubeRay finds the RayCluster by that key only"),
 }
 
 
@@ -426,6 +592,14 @@ RAYJOB_BROKEN = {
 def test_broken_rayjob_is_refused(case, tmp_path, capsys):
     change, expected = RAYJOB_BROKEN[case]
     assert expected in _refused(capsys, _kuberay(tmp_path, "rayjob.yaml", change))
+
+
+def test_a_rayjob_may_run_on_a_raycluster_that_exists(tmp_path, capsys):
+    def selected(p: dict[str, Any], o: dict[str, Any]) -> None:
+        o["spec"].pop("rayClusterSpec")
+        o["spec"]["clusterSelector"] = {"ray.io/cluster": "raydiff"}
+    path = _kuberay(tmp_path, "rayjob.yaml", selected)
+    assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
 
 
 def test_kuberay_refuses_storage_off_the_volume(tmp_path, monkeypatch, capsys):

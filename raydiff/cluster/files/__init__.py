@@ -1,6 +1,7 @@
 """raydiff's cluster files checked offline, before anything is launched: Ray cluster-launcher configs
 (`launcher`) and KubeRay manifests (`kuberay`), each against Ray's or KubeRay's own rules, raydiff's needs and
-the preset it runs (`shared`). `python -m raydiff.cluster_check` is the command over `check_file`."""
+the preset it runs (`shared`), and files of the PersistentVolumeClaims that KubeRay manifests mount
+(cluster/kuberay/volume.yaml). `python -m raydiff.cluster_check` is the command over `check_file`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from raydiff.cluster.files.kuberay import check_kuberay, is_kuberay
+from raydiff.cluster.files.kuberay import Claim, check_claims, check_kuberay, is_kuberay
 from raydiff.cluster.files.launcher import check_launcher
 from raydiff.cluster.files.shared import ClusterFileError, as_json, field_path
 from raydiff.config.values import YAML_ERRORS
@@ -36,12 +37,31 @@ def check_file(path: Path) -> None:
     if not docs or not all(isinstance(d, dict) for d in docs):
         raise ClusterFileError("expected YAML mappings: a cluster-launcher config or KubeRay manifests")
     if any(is_kuberay(d) for d in docs):
-        check_kuberay(docs)
+        check_kuberay(docs, _claims_beside(path))
+    elif all(d.get("kind") == "PersistentVolumeClaim" for d in docs):
+        check_claims(docs)
     elif len(docs) == 1 and {"cluster_name", "provider", "available_node_types"} & set(docs[0]):
         check_launcher(docs[0], text)
     else:
         raise ClusterFileError("neither a Ray cluster-launcher config (cluster_name, provider, available_node_types) "
-                               "nor a KubeRay manifest (apiVersion: ray.io/v1, kind: RayCluster or RayJob)")
+                               "nor a KubeRay manifest (apiVersion: ray.io/v1, kind: RayCluster or RayJob) nor "
+                               "PersistentVolumeClaims")
+
+
+def _claims_beside(path: Path) -> list[Claim]:
+    """The PersistentVolumeClaims of the other YAML files in `path`'s folder, with their file names: a manifest's
+    volume lives in a file of its own (cluster/kuberay/volume.yaml), so that deleting the cluster keeps it. A file
+    that cannot be read is left out here (checked on its own, it is refused)."""
+    claims: list[Claim] = []
+    for other in sorted([*path.parent.glob("*.yaml"), *path.parent.glob("*.yml")]):
+        if other.resolve() == path.resolve():
+            continue
+        try:
+            docs = list(yaml.safe_load_all(other.read_text()))
+        except (OSError, UnicodeDecodeError, *YAML_ERRORS):
+            continue
+        claims += [(other.name, d) for d in docs if isinstance(d, dict) and d.get("kind") == "PersistentVolumeClaim"]
+    return claims
 
 
 

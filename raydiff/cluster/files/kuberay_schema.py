@@ -73,8 +73,11 @@ POD_SPEC = _obj({
 POD_TEMPLATE = _obj({"metadata": _obj({"name": STR, "namespace": STR, "labels": STR_MAP, "annotations": STR_MAP,
                                        "finalizers": STRS}),
                      "spec": POD_SPEC}, ("spec",))
+# A Kubernetes Service: only the fields raydiff reads have their shapes checked (every other key passes).
+SERVICE = {"type": "object", "properties": {"spec": {"type": "object", "properties": {
+    "type": STR, "externalIPs": STRS}}}}
 HEAD_GROUP = _obj({"rayStartParams": STR_MAP, "template": POD_TEMPLATE, "resources": STR_MAP, "labels": STR_MAP,
-                   "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "headService": OBJ,
+                   "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "headService": SERVICE,
                    "enableIngress": BOOL}, ("rayStartParams", "template"), newer={"ingressOptions": "v1.7.0"})
 WORKER_GROUP = _obj({"groupName": STR, "replicas": INT, "minReplicas": INT, "maxReplicas": INT,
                      "numOfHosts": {"type": "integer", "minimum": 1}, "idleTimeoutSeconds": INT,
@@ -97,13 +100,14 @@ CLUSTER_SPEC = _obj({
     newer={"upgradeStrategy": "v1.6.0", "historyServerOptions": "v1.7.0", "networkPolicy": "v1.7.0",
            "tlsOptions": "v1.7.0"})
 JOB_SPEC = _obj({
-    "entrypoint": STR, "runtimeEnvYAML": STR, "rayClusterSpec": CLUSTER_SPEC, "metadata": STR_MAP, "jobId": STR,
+    "entrypoint": STR, "runtimeEnvYAML": STR, "rayClusterSpec": CLUSTER_SPEC, "clusterSelector": STR_MAP,
+    "metadata": STR_MAP, "jobId": STR,
     "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"]},
     "shutdownAfterJobFinishes": BOOL, "ttlSecondsAfterFinished": INT, "activeDeadlineSeconds": INT,
     "backoffLimit": INT, "entrypointNumCpus": NUM, "entrypointNumGpus": NUM, "entrypointResources": STR,
     "submitterPodTemplate": POD_TEMPLATE, "submitterConfig": _obj({"backoffLimit": INT}), "suspend": BOOL,
     "deletionStrategy": OBJ, "managedBy": STR,
-}, ("entrypoint", "rayClusterSpec"), newer={"preRunningDeadlineSeconds": "v1.6.0"})
+}, ("entrypoint",), newer={"preRunningDeadlineSeconds": "v1.6.0"})  # rayClusterSpec or clusterSelector: kuberay.py
 METADATA = _obj({"name": STR, "namespace": STR, "labels": STR_MAP, "annotations": STR_MAP}, ("name",))
 KUBERAY_SCHEMAS = {kind: _obj({"apiVersion": {"const": "ray.io/v1"}, "kind": {"const": kind}, "metadata": METADATA,
                                "spec": spec}, ("apiVersion", "kind", "metadata", "spec"))

@@ -2,8 +2,9 @@
 the preset named in the file's first comment lines (`# raydiff-preset: NAME`).
 
 Ray validates the schema (`prepare_config`, `validate_config`), not what a raydiff run needs: a head that takes
-no work, GPU workers, token auth, a dashboard on loopback, GPU VMs that GCE will create, and worker nodes that
-may read and write the preset's bucket (Ray gives its IAM profile or service account to the head only).
+no work, GPU node types that hold a Ray Train worker, an autoscaler, token auth, a dashboard on loopback, one
+Ray release in every image, GPU VMs that GCE will create, and worker nodes that may read and write the preset's
+bucket (Ray gives its IAM profile or service account to the head only).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jsonschema
 from raydiff.cluster.files.shared import (
     ClusterFileError,
     as_json,
+    check_ray_images,
     check_shared_storage,
     field_path,
     load_preset,
@@ -31,7 +33,8 @@ from raydiff.config import Config
 
 PRESET_COMMENT = re.compile(r"#\s*raydiff-preset:\s*(\S+)\s*$")
 AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*=\s*['\"]?disabled")
-DASHBOARD_EXPOSED = re.compile(r"--dashboard-host[= ]+['\"]?0\.0\.0\.0")
+DASHBOARD_HOST = re.compile(r"--dashboard-host(?:=|\s+)(['\"]?)([^\s'\";]*)\1")
+LOOPBACK = re.compile(r"localhost|127(\.\d+){3}|::1|\[::1\]")  # the hosts that keep the dashboard on the machine
 DASHBOARD_PORT = 8265
 GPUS_OPTION = re.compile(r"--gpus(\s|=|$)")  # docker run's request for the node's GPUs
 # GCE machine types that come with GPUs (accelerator-optimized A2, A3, A4, A4X, G2, G4).
@@ -72,6 +75,7 @@ def check_launcher(raw: dict[str, Any], text: str) -> None:
 
     _check_fields_read(cfg)
     _check_launcher_rules(cfg)
+    check_ray_images(raw)  # the file as written: its fields, not the ones Ray's defaults fill in
     _check_launcher_preset(cfg, text)
 
 
@@ -104,7 +108,8 @@ def _check_fields_read(cfg: dict[str, Any]) -> None:
 
 
 def _check_launcher_rules(cfg: dict[str, Any]) -> None:
-    """What raydiff needs of any cluster: a head without work, GPU workers, token auth, no exposed dashboard."""
+    """What raydiff needs of any cluster: a head without work, GPU workers, an autoscaler, token auth, no exposed
+    dashboard."""
     types, head = cfg["available_node_types"], cfg["head_node_type"]
     if types[head]["resources"].get("CPU") != 0:
         raise ClusterFileError(f"{field_path(['available_node_types', head, 'resources', 'CPU'])} = "
@@ -113,9 +118,16 @@ def _check_launcher_rules(cfg: dict[str, Any]) -> None:
     if not any(t["resources"].get("GPU", 0) > 0 for name, t in types.items() if name != head):
         raise ClusterFileError("available_node_types: no worker type advertises GPUs; give the GPU worker type "
                                "resources: {GPU: N} (the autoscaler only scales what it is told a node holds)")
-    if any(DASHBOARD_EXPOSED.search(command) for command in cfg["head_start_ray_commands"]):
-        raise ClusterFileError("head_start_ray_commands: --dashboard-host=0.0.0.0 exposes the dashboard; "
-                               "leave it on 127.0.0.1 and reach it with `ray dashboard CLUSTER.yaml`")
+    for command in cfg["head_start_ray_commands"]:
+        for found in DASHBOARD_HOST.finditer(str(command)):
+            if not LOOPBACK.fullmatch(found.group(2)):
+                raise ClusterFileError(f"head_start_ray_commands: --dashboard-host={found.group(2)} exposes the "
+                                       f"dashboard; leave it on 127.0.0.1 and reach it with `ray dashboard "
+                                       f"CLUSTER.yaml`")
+    if not any("ray start" in str(c) and "--autoscaling-config" in str(c) for c in cfg["head_start_ray_commands"]):
+        raise ClusterFileError("head_start_ray_commands: no `ray start --head ... --autoscaling-config=~/ray_bootstrap_"
+                               "config.yaml`; without it no autoscaler runs, and no worker node is ever added for the "
+                               "preset's scaling.num_workers")
     for rule in cfg["provider"].get("security_group", {}).get("IpPermissions", []):
         protocol, low, high = str(rule.get("IpProtocol")), rule.get("FromPort", 0), rule.get("ToPort", 0)
         from_outside = rule.get("IpRanges") or rule.get("Ipv6Ranges")
@@ -214,6 +226,7 @@ def _check_launcher_preset(cfg: dict[str, Any], text: str) -> None:
                            "a top-of-file comment line '# raydiff-preset: NAME'")
     types, most = cfg["available_node_types"], worker_range(preset)[1]
     gpu_types = {n: t for n, t in types.items() if n != cfg["head_node_type"] and t["resources"].get("GPU", 0) > 0}
+    _check_gpu_types(cfg, gpu_types, preset.scaling.cpus_per_worker or 1.0)
     per_node = max(t["resources"]["GPU"] for t in gpu_types.values())
     capacity = min(sum(t["max_workers"] * t["resources"]["GPU"] for t in gpu_types.values()),
                    cfg["max_workers"] * per_node)
@@ -225,6 +238,23 @@ def _check_launcher_preset(cfg: dict[str, Any], text: str) -> None:
                                f"max {most} ({name})")
     check_shared_storage(name, preset)
     _check_bucket_access(cfg, name, preset)
+
+
+def _check_gpu_types(cfg: dict[str, Any], gpu_types: dict[str, Any], cpus_per_worker: float) -> None:
+    """Each GPU node type holds a Ray Train worker, {CPU: scaling.cpus_per_worker or 1, GPU: 1}, per GPU in the
+    resources it advertises (whole numbers, Ray's schema): the autoscaler launches a node type for a worker only
+    where it fits, and the node advertises these resources (RAY_OVERRIDE_RESOURCES). A CPU count left out is read
+    from the instance type on AWS only."""
+    for name, node_type in gpu_types.items():
+        resources = node_type["resources"]
+        where = field_path(["available_node_types", name, "resources"])
+        if "CPU" not in resources and cfg["provider"]["type"] == "aws":
+            continue
+        need = cpus_per_worker * resources["GPU"]
+        if resources.get("CPU", 0) < need:
+            raise ClusterFileError(f"{where}.CPU = {as_json(resources.get('CPU'))}: each Ray Train worker asks "
+                                   f"{{CPU: {cpus_per_worker:g}, GPU: 1}}, so {name} (GPU: {resources['GPU']:g}) must "
+                                   f"advertise CPU: {need:g} or more, or no worker is ever placed on it")
 
 
 def _check_bucket_access(cfg: dict[str, Any], name: str, preset: Config) -> None:

@@ -20,6 +20,10 @@ from raydiff.cluster.files.kuberay_schema import MIN_KUBERAY, NEWER
 from raydiff.config import Config, ConfigError, load_config, preset_names
 from raydiff.storage.fs import REMOTE_SCHEMES
 
+# An image of Ray's own (Docker Hub rayproject/ray), its tag, and the release a tag or rayVersion starts with.
+RAY_IMAGE = re.compile(r"(?:docker\.io/)?rayproject/ray:([^\s@]+)(?:@\S+)?")
+RAY_RELEASE = re.compile(r"v?(\d+(?:\.\d+){0,2})")
+
 
 class ClusterFileError(ValueError):
     """What is wrong with a cluster file, in one line naming the field and what is allowed."""
@@ -79,6 +83,53 @@ def schema_message(error: jsonschema.ValidationError, hint: str = "") -> str:
     return f"{where}: {error.message}"
 
 
+def _ray_images(tree: Any, path: list[Any], seen: set[int]) -> list[tuple[str, str]]:
+    """(field, image) of every rayproject/ray image named in `tree`, in file order."""
+    if id(tree) in seen:  # a YAML alias that contains itself
+        return []
+    seen.add(id(tree))
+    if isinstance(tree, str):
+        return [(field_path(path), tree)] if RAY_IMAGE.fullmatch(tree.strip()) else []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    return [found for key, value in items for found in _ray_images(value, [*path, key], seen)]
+
+
+def ray_release(text: str) -> str:
+    """The Ray release a rayVersion or an image tag names, as major.minor.patch ("2.60" and "v2.60.0" are
+    2.60.0); a tag that names none (latest, nightly) as written."""
+    found = RAY_RELEASE.match(text)
+    if found is None:
+        return text
+    return ".".join([*found.group(1).split("."), "0", "0"][:3])
+
+
+def _image_release(image: str) -> str:
+    """The Ray release of a rayproject/ray image: its tag up to the first '-' (2.60.0-py311-gpu: 2.60.0)."""
+    found = RAY_IMAGE.fullmatch(image.strip())
+    return ray_release((found.group(1) if found else image).split("-")[0])
+
+
+def check_ray_images(tree: dict[str, Any], version: tuple[str, str] | None = None) -> None:
+    """Every rayproject/ray image of one file is the same Ray release, and (KubeRay) the one `version` names.
+
+    :param version: the field that names the images' Ray release, and its value (KubeRay's rayVersion).
+    """
+    images = _ray_images(tree, [], set())
+    if not images:
+        return
+    first_where, first = images[0]
+    release = _image_release(first)
+    for where, image in images[1:]:
+        if _image_release(image) != release:
+            raise ClusterFileError(f"{first_where} = {first} and {where} = {image}: two Ray releases in one cluster; "
+                                   f"a node of another release cannot join it: give every image the same Ray "
+                                   f"version")
+    if version is not None and RAY_RELEASE.match(release) and ray_release(version[1]) != release:
+        raise ClusterFileError(f"{version[0]} = {json.dumps(version[1])}, but {first_where} = {first}: set "
+                               f"rayVersion to the images' Ray version (KubeRay decides by it what the cluster "
+                               f"supports, token auth included)")
+
+
 def load_preset(name: str | None, source: str, how: str) -> tuple[str, Config]:
     """The preset a cluster file names, loaded; it must be elastic so that the autoscaler has a max to reach.
 
@@ -125,6 +176,7 @@ def check_shared_storage(name: str, cfg: Config, pods: dict[str, set[str]] | Non
         if lacking:
             raise ClusterFileError(f"preset {name}: {key} = {value!r} is not on a ReadWriteMany volume in every Ray "
                                    f"pod (missing in {', '.join(lacking)}): mount one ReadWriteMany "
-                                   f"PersistentVolumeClaim (defined in this file) at the same path in the head and "
+                                   f"PersistentVolumeClaim (defined in this file or a YAML file beside it, such as "
+                                   f"volume.yaml) at the same path in the head and "
                                    f"every worker group, or use s3://BUCKET/PATH or gs://BUCKET/PATH")
 
