@@ -222,8 +222,9 @@ def remove_partial_writes(run_dir: Location) -> list[str]:
     """Remove what interrupted writes left in a local run folder: checkpoints (`.checkpoint_*.partial-*`) and the
     hidden files of any other write renamed into place (`atomic.new_file`: post-hoc EMA snapshots, sample grids,
     records), which a process killed outright cannot remove and which can be the size of the model; returns their
-    paths in the run folder. Only the run's driver, holding its lease, calls it. (An object store never shows a
-    partial upload.)"""
+    paths in the run folder. Only the run's driver, holding its lease, calls it. (On an object store a checkpoint's
+    upload that failed part way is removed as it fails, where the store answers: `CheckpointWriter._move`; a
+    state cut short that stayed is read as bad and passed over for the one before.)"""
     run = as_rundir(run_dir)
     if run.local is None or not run.local.is_dir():
         return []
