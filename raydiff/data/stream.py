@@ -191,7 +191,11 @@ def _prepared_copy(data, source: Source, shape, buffer: int, storage: str, endpo
     preparation, killed half-way, left behind. `labels`: a copy with them, under a key of its own."""
 
     if rows is None:  # shards small enough that WINDOWS_HELD windows fit the buffer (a continuing run keeps its)
-        rows = rows_per_shard_for(shape, min(SHARD_BYTES, buffer // (WINDOWS_HELD * data.stream_window_shards)))
+        budget = min(SHARD_BYTES, buffer // (WINDOWS_HELD * data.stream_window_shards))
+        # Rounded down to a power of two bytes: Ray sizes its object store from the memory free as it starts, so
+        # the buffer moves by megabytes from one start to the next, and each start would key a copy of its own.
+        budget = 1 << (budget.bit_length() - 1) if budget > 0 else 0
+        rows = rows_per_shard_for(shape, budget)
     what: list[Any] = [source.identity(), list(shape), data.image_column, rows]
     if labels is not None:  # an unlabelled copy keeps the key it always had
         what.append({"labels": "auto", "label_column": data.label_column})

@@ -187,6 +187,31 @@ def test_a_reused_copy_is_held_to_this_runs_max_bad_fraction_with_its_left_out_s
     check_unusable(images, max_bad_fraction=0.05, left_out=False)  # a source the user prepared: as memory mode
 
 
+def test_a_raw_source_keys_the_same_copy_whatever_megabytes_the_object_store_has_at_the_next_start(
+        tmp_path, monkeypatch):
+    """Ray sizes its object store from the memory free as it starts: where half of it is under
+    data.stream_buffer_gb (a small node, where streaming is chosen), each start keyed a copy of its own and
+    prepared the whole source again, leaving another copy on disk."""
+    from raydiff.data import stream
+
+    class Found(Exception):
+        pass
+
+    keys: list[str] = []
+
+    def prepared_at(out, endpoint):  # where the copy would be: recorded, nothing prepared
+        keys.append(out)
+        raise Found
+    monkeypatch.setattr(stream, "_prepared_at", prepared_at)
+    source = open_source(_folder_with_one_png(tmp_path))
+    data = _data(resolution=64, stream_buffer_gb=4.0, stream_window_shards=8)
+    for store_bytes in (4_500_000_000, 4_501_000_000, 4_520_000_000):
+        monkeypatch.setattr(stream, "smallest_object_store", lambda use_gpu="auto", store=store_bytes: store)
+        with pytest.raises(Found):
+            stream_images(data, source, storage=str(tmp_path / "runs"), endpoint=None)
+    assert len(set(keys)) == 1, keys
+
+
 def test_a_preparation_whose_lease_another_run_took_over_stops_before_its_next_shard():
     """Both would write the same copy: the run that lost the lease stops at its next batch, and after its last one
     (before the manifest), in one line, leaving the copy to the run that holds the lease now."""
