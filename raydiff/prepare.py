@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     init_ray()
     # SIGTERM / Ctrl-C stop it, and OUT is left absent, not half-written; a full disk too, told in one line
-    with interrupt_on_signals(), output_errors("OUT", args.out):
+    with interrupt_on_signals(), output_errors("OUT", args.out, passing=(DataError,)):  # a source's: told as it is
         decoded = decode_stream(source, resolution=args.resolution, channels=args.channels,
                                 image_column=args.image_column, labels=labels)
         manifest = write_prepared(decoded, source, args.out, shape=(args.channels, args.resolution, args.resolution),

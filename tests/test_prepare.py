@@ -141,6 +141,32 @@ def test_prepare_refuses_an_occupied_out_in_one_line_before_ray_starts(tmp_path,
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]
 
 
+def test_a_source_file_prepare_may_not_read_is_told_as_the_sources_not_out(tmp_path, capsys, monkeypatch):
+    """The source's own one line (a file of it this user may not read): it was told as OUT's write failing,
+    'make it writable or set another OUT', of an OUT that was fine."""
+    from raydiff import cli, prepare
+    from raydiff.cluster import start
+    from raydiff.data import image_store
+    from raydiff.data.builtin import write_synthetic
+    from raydiff.data.errors import DataError
+
+    def unreadable(source, **kwargs):
+        try:
+            raise PermissionError(13, "Permission denied", "images/0001.png")
+        except PermissionError as exc:
+            raise DataError("data.source = 'images': a file of it cannot be read (PermissionError: [Errno 13] "
+                            "Permission denied: 'images/0001.png')") from exc
+        yield  # a generator, as decode_stream is
+
+    monkeypatch.setattr(start, "init_ray", lambda *args, **kwargs: None)
+    monkeypatch.setattr(image_store, "decode_stream", unreadable)
+    write_synthetic(tmp_path / "images", num=2, resolution=8)
+    assert cli.run(prepare.main, [str(tmp_path / "images"), str(tmp_path / "out"), "--resolution", "8"]) == 2
+    assert capsys.readouterr().err == ("raydiff: error: data.source = 'images': a file of it cannot be read "
+                                       "(PermissionError: [Errno 13] Permission denied: 'images/0001.png')\n")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_a_hub_dataset_trains_on_its_train_split_from_its_hf_uri(hub_server, tmp_path):
     """As `--set data.source=hf://datasets/uoft-cs/cifar10` trains on CIFAR-10's training split: Parquet files as

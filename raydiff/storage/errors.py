@@ -163,13 +163,17 @@ def setting_with(name: str, value: object) -> str:
 
 
 @contextmanager
-def output_errors(setting: str, path: str | os.PathLike) -> Iterator[None]:
+def output_errors(setting: str, path: str | os.PathLike, *,
+                  passing: tuple[type[Exception], ...] = ()) -> Iterator[None]:
     """Raise the storage errors no retry can fix that the block meets writing a command's output `path` (chosen by
     `setting`, e.g. "--out") as one StorageFailure line: what failed, why, the free space of a full local disk, and
     what to do; and so a folder met where the block writes a file there, or a file where it makes a folder. The
-    block's writes leave nothing half-written (`raydiff.storage.atomic`); its other errors pass."""
+    block's writes leave nothing half-written (`raydiff.storage.atomic`); its other errors pass, and those of
+    `passing` as they are: lines already told of what the block reads (a source file it may not read)."""
     try:
         yield
+    except passing:
+        raise
     except (IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
         # A folder where a file goes, or a file where a folder does (the commands check what they can first).
         if not _within(exc, path):  # met elsewhere (reading a source): not the output's to tell
