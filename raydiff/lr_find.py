@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from raydiff import cli
-from raydiff.config import Config, load_config, preset_names
+from raydiff.config import Config, ConfigError, load_config, preset_names
 from raydiff.storage.atomic import new_file
 from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
@@ -69,7 +69,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     from raydiff.training.microbatch import plan_memory
     from raydiff.training.resolve import resolve_run
     from raydiff.training.step import StepParts, make_optimizer, optimizer_step, resolve_precision
-    from raydiff.training.validation import holdout_split
+    from raydiff.training.validation import check_holdout, holdout_split
 
     t = cfg.train
     # A fine-tune's range test starts where the fine-tune will: from model.init_from's weights (checked first).
@@ -82,6 +82,7 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     # A class-conditional config trains on the data's labels, its classes resolved as a run's are.
     cfg, _ = resolve_run(cfg, gpus=float(device.type == "cuda"), images=images, init_weights=init_weights)
     num_classes = int(cfg.model.num_classes)
+    check_holdout(cfg.data.val_images, images.num_good)
     train_indices, _ = holdout_split(images.usable_indices(), cfg.data.val_images, t.seed)
     table, order, _, _ = open_tables(images, train_indices, np.empty(0, np.int64), t.seed, group="lr-find")
 
@@ -120,6 +121,10 @@ def run_lr_find(cfg: Config, *, start: float, end: float, steps: int) -> dict:
     finally:
         stream.close()
     lrs = lrs[: len(losses)]
+    if not math.isfinite(losses[0]):  # nothing to suggest from
+        raise ConfigError(f"lr_find: the loss was not finite at the first step (lr {start:.3g}): check "
+                          f"train.precision (fp16 may overflow) and model.init_from's weights, or start lower with "
+                          f"--start")
     smoothed = smooth([loss if math.isfinite(loss) else float("nan") for loss in losses])
     suggested, at_minimum, steepest = suggest(lrs, smoothed)
     return {"lrs": lrs.tolist(), "losses": losses, "smoothed": smoothed, "suggested_lr": float(suggested),

@@ -94,3 +94,36 @@ def test_lr_find_refuses_an_out_whose_plot_or_numbers_would_replace_a_folder_bef
     assert capsys.readouterr().err == (f"raydiff: error: --out {out}: {what}; the plot and the .csv beside it are "
                                        f"files: choose another name (python -m raydiff.lr_find --help)\n")
     assert [p.name for p in tmp_path.iterdir()] == [folder]
+
+
+@pytest.mark.ray
+def test_lr_find_whose_first_loss_is_not_finite_says_so_in_one_line(tmp_path):
+    """Weights of model.init_from that hold NaNs (or fp16 overflowing at once): nothing to suggest from (it was
+    numpy's 'All-NaN slice encountered' traceback)."""
+    import torch
+
+    from raydiff.config import load_config
+    from raydiff.model.unet import build_model
+    from raydiff.runs.checkpoint import write_state
+
+    cfg = load_config("smoke", check_source=False)
+    weights = {k: torch.full_like(v, float("nan")) for k, v in build_model(cfg).state_dict().items()}
+    folder = tmp_path / "broken" / "checkpoint_00000010"
+    folder.mkdir(parents=True)
+    write_state(folder, {"config": cfg.to_dict(), "model": weights, "ema": weights, "step": 10})
+    proc = run_cli("raydiff.lr_find", "--config", "smoke", "--set", f"model.init_from={folder}", "--steps", "10",
+                   "--out", str(tmp_path / "lr.png"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "raydiff: config error: lr_find: the loss was not finite at the first step (lr 1e-07): check "
+        "train.precision (fp16 may overflow) and model.init_from's weights, or start lower with --start")
+    assert not (tmp_path / "lr.png").exists()
+
+
+@pytest.mark.ray
+def test_lr_find_refuses_a_held_out_share_that_leaves_nothing_to_train_on(tmp_path):
+    proc = run_cli("raydiff.lr_find", "--config", "smoke", "--set", "data.val_images=5000", "--steps", "10",
+                   "--out", str(tmp_path / "lr.png"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "raydiff: error: data.val_images = 5000: must be below the number of usable images in data.source (1797)")

@@ -61,7 +61,7 @@ from raydiff.training.stop import (
     stop_reason,
     taken_over,
 )
-from raydiff.training.validation import holdout_split
+from raydiff.training.validation import check_holdout, holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
 BAD_FILE = "bad_images.json"  # every sample of the source that could not be used, and why
@@ -201,9 +201,7 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     elif plan.layout is not None and plan.layout != images.layout():
         raise DataError(f"run {requested.run.name!r} was trained on data laid out as {plan.layout} (data.json), now "
                         f"{images.layout()}: the sample order would change; use run.name=NEW for a new run")
-    if requested.data.val_images >= images.num_good:
-        raise DataError(f"data.val_images = {requested.data.val_images}: must be below the number of usable images in "
-                        f"data.source ({images.num_good})")
+    check_holdout(requested.data.val_images, images.num_good)
     if requested.data.on_device is True and isinstance(images, ShardedImages):
         raise DataError(f"data.on_device = true: needs the images in memory, and this run streams them "
                         f"(data.cache {requested.data.cache}: stream): use data.on_device=auto or data.cache=memory")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raydiff.data.errors import DataError
 from raydiff.data.loader import ImageTable
 from raydiff.data.noise import sample_noise
 from raydiff.model.diffusion import full_fp32
@@ -20,6 +21,14 @@ from raydiff.seeds import keyed_rng
 TIMESTEPS_PER_IMAGE = 4
 _HOLDOUT_TAG = 0x686F6C64  # (seed, tag, 1): apart from the per-epoch (seed, epoch, 0|1) streams
 _NOISE_POSITIONS = 1 << 62  # noise keys for validation items start here, far beyond any training position
+
+
+def check_holdout(val_images: int, usable: int) -> None:
+    """`data.val_images` against the usable images of data.source: a DataError (one line) where it leaves none to
+    train on."""
+    if val_images >= usable:
+        raise DataError(f"data.val_images = {val_images}: must be below the number of usable images in data.source "
+                        f"({usable})")
 
 
 def holdout_split(samples: int | np.ndarray, val_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
