@@ -78,7 +78,9 @@ class LabelPlan:
             except UnicodeDecodeError:
                 return "", f"no label: {self._what()} is not UTF-8 text"
         if isinstance(value, str):
-            text = value.strip()
+            # A prepared copy's names are as written, class folders' names with their spaces: as stream mode
+            # reads them (`read_labels`). Other text is a user's, trimmed.
+            text = value if self.rule == "manifest" else value.strip()
             if not text:
                 return "", f"no label: {self._what()} is empty"
             if self.rule != "text" or not _INTEGER.fullmatch(text):

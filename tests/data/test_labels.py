@@ -201,3 +201,15 @@ def test_batch_labels_and_dropout_are_a_pure_function_of_position():
     with pytest.raises(ValueError, match="needs noise"):
         BatchStream(table=ImageTable([images]), order=order, global_batch=8, share=rank_share(8, 1, 0), micro_batch=8,
                     start_step=0, pin_memory=False, noise=(seed, 100), labels=(0.1, null))
+
+
+def test_a_prepared_copy_reads_class_names_as_written_spaces_and_all():
+    """Class folders "cat " and " " prepared: the copy's names are as written, and memory mode read them trimmed
+    ("cat" is no class: every such sample had no label, and training stopped), where stream mode did not."""
+    from raydiff.data.labels import LabelPlan
+
+    plan = LabelPlan("prepared", "manifest", column="label", classes=(" ", "cat ", "dog"))
+    assert [plan.of_value(name)[0] for name in ("cat ", " ", "dog", b"cat ")] == ["cat ", " ", "dog", "cat "]
+    assert plan.of_value("")[0] == ""  # no label
+    text = LabelPlan("parquet", "text", column="label")
+    assert text.of_value(" cat ")[0] == "cat"  # a user's column: trimmed, as before
