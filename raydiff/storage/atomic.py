@@ -19,9 +19,11 @@ which would shut other users and pods of a shared mount out of an exported pipel
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 import uuid
@@ -76,10 +78,22 @@ def new_folder(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def hidden_folder(path: Path, separator: str) -> Path:
-    """A new empty folder `.<name><separator><random>` beside `path` (whose parent exists), with the mode of any
-    new folder (0o777 less the umask; mkdtemp's 0o700 would stay on it after the rename)."""
+    """A new empty folder `.<name><separator><host>-<pid>-<random>` beside `path` (whose parent exists), with the
+    mode of any new folder (0o777 less the umask; mkdtemp's 0o700 would stay on it after the rename), after
+    removing those that a process of this host now gone left there (killed outright, as `scratch_folder`'s: a
+    prepared dataset's copy is the size of the dataset). Another host's are left: its processes are not seen."""
+    host = socket.gethostname()
+    prefix = f".{path.name}{separator}{host}-"
+    for stale in path.parent.glob(f"{glob.escape(prefix)}*-*"):
+        pid = stale.name[len(prefix):].split("-")[0]
+        try:
+            old = time.time() - stale.stat().st_mtime > STALE_SCRATCH_S
+        except OSError:  # removed meanwhile
+            continue
+        if pid.isdigit() and old and not _running(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     for _ in range(100):
-        folder = path.with_name(f".{path.name}{separator}{uuid.uuid4().hex[:8]}")
+        folder = path.with_name(f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             folder.mkdir()
         except FileExistsError:

@@ -138,3 +138,25 @@ def test_a_new_folder_is_as_readable_by_others_as_any_new_folder(tmp_path):
     finally:
         os.umask(umask)
     assert stat.S_IMODE((tmp_path / "pipeline").stat().st_mode) == 0o755
+
+
+def test_a_hidden_folder_that_a_killed_process_of_this_host_left_is_removed_by_the_next(tmp_path):
+    """A prepare (or an export) killed outright leaves its hidden copy beside OUT, the size of the dataset: the next
+    hidden folder made there removes it, once old. A live process's, a fresh one, and another host's stay."""
+    import socket
+
+    from raydiff.storage.atomic import STALE_SCRATCH_S, hidden_folder
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host, out = socket.gethostname(), tmp_path / "out"
+    left = {"killed": tmp_path / f".out-{host}-{gone.pid}-0badc0de", "live": tmp_path / f".out-{host}-{os.getpid()}-0",
+            "fresh": tmp_path / f".out-{host}-{gone.pid}-1", "elsewhere": tmp_path / f".out-other-host-{gone.pid}-2"}
+    long_ago = time.time() - STALE_SCRATCH_S - 60
+    for name, folder in left.items():
+        folder.mkdir()
+        if name != "fresh":
+            os.utime(folder, (long_ago, long_ago))
+    made = hidden_folder(out, "-")
+    assert made.is_dir() and made.name.startswith(f".out-{host}-{os.getpid()}-")
+    assert {name for name, folder in left.items() if folder.exists()} == {"live", "fresh", "elsewhere"}
