@@ -120,8 +120,12 @@ class StreamTable:
         return int(self._starts[-1])
 
     def prepare(self, position: int) -> None:
-        window, _ = self._order.window_shards_at(position)
+        window, current = self._order.window_shards_at(position)
         if window != self._window:  # a new window: ask for the next ones now (the node reads them while we train)
+            if self._window is None:  # a start: this window's shards first, not behind the read-ahead's
+                wanted = [s for s in current if s not in self._arrays]
+                if wanted:
+                    self._upcoming.update(dict.fromkeys(wanted, (self._shards.get.remote(wanted), wanted)))
             self._window = window
             upcoming, ahead = [], window
             for _ in range(READ_AHEAD_WINDOWS):

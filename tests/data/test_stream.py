@@ -102,31 +102,32 @@ def test_a_failed_read_ahead_is_read_again_when_its_shards_are_needed(monkeypatc
     monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=get))
     starts = np.arange(0, 81, 10)  # 8 shards of 10 samples
     order = SampleOrder(80, seed=0, shard_starts=starts, window_shards=2)
-    first, _ = order.window_shards_at(0)
+    first, first_shards = order.window_shards_at(0)
     second_start = order.next_window(first)
     second, second_shards = order.window_shards_at(second_start)
     node = _NodeWithFailedReads(flaky=second_shards[-1])
     images = SimpleNamespace(shard_starts=starts, shape=SHAPE, labels=None, window_shards=2)
     table = node_cache.StreamTable(images, order, node)
     table.prepare(0)  # reads the next windows ahead: the read of `flaky` fails, and with it this whole answer
-    [read_ahead] = node.asked
-    assert set(second_shards) < set(read_ahead)
+    # A start asks for its own window first, on its own: its first step waits for that window, not for three.
+    [start, read_ahead] = node.asked
+    assert start == list(first_shards) and set(second_shards) < set(read_ahead)
     indices, _ = order.take(second_start, order.next_window(second) - second_start)
     out = table.gather(indices, np.empty((len(indices), *SHAPE), np.uint8))
     assert np.array_equal(out[:, 0, 0, 0], indices // 10)
-    assert sorted(node.asked[1]) == sorted(second_shards)  # asked again, once, for what the step needs
+    assert sorted(node.asked[2]) == sorted(second_shards)  # asked again, once, for what the step needs
     third = sorted(s for s in read_ahead if s not in second_shards)  # the rest of the failed answer: asked afresh
     indices = np.array([starts[s] for s in third])
     assert third and np.array_equal(table.gather(indices, np.empty((len(indices), *SHAPE), np.uint8))[:, 0, 0, 0],
                                     third)
-    assert node.asked[2:] == [third]
+    assert node.asked[3:] == [third]
 
     node = _NodeWithFailedReads(flaky=second_shards[-1], failures=2)  # failing again: the step's error
     table = node_cache.StreamTable(images, order, node)
     table.prepare(0)
     with pytest.raises(OSError, match="transient error reading shard"):
         table.gather(np.array([starts[second_shards[-1]]]), np.empty((1, *SHAPE), np.uint8))
-    assert len(node.asked) == 2
+    assert len(node.asked) == 3
 
 
 def _own_store_bytes() -> int:
