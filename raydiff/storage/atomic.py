@@ -84,13 +84,14 @@ def hidden_folder(path: Path, separator: str) -> Path:
     prepared dataset's copy is the size of the dataset). Another host's are left: its processes are not seen."""
     host = socket.gethostname()
     prefix = f".{path.name}{separator}{host}-"
+    ours = re.compile(re.escape(prefix) + r"(\d+)-[0-9a-f]{8}")  # not host gpu-2's beside gpu's, nor out-2's
     for stale in path.parent.glob(f"{glob.escape(prefix)}*-*"):
-        pid = stale.name[len(prefix):].split("-")[0]
+        mine = ours.fullmatch(stale.name)
         try:
             old = time.time() - stale.stat().st_mtime > STALE_SCRATCH_S
         except OSError:  # removed meanwhile
             continue
-        if pid.isdigit() and old and not _running(int(pid)):
+        if mine and old and not _running(int(mine.group(1))):
             shutil.rmtree(stale, ignore_errors=True)
     for _ in range(100):
         folder = path.with_name(f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")

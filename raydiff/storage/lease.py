@@ -102,6 +102,8 @@ class Lease:
         """Another holder has it now, or (`unrenewed_s`) may have it: no renewal confirmed for that long (the
         heartbeat's call)."""
         with self._guard:
+            if self._lost:  # told once: a renewal refused as the heartbeat gives up says nothing new
+                return
             self.unrenewed_s = unrenewed_s  # before `lost`, which readers outside the guard check first
             self._lost, callback = True, self._on_lost
         if callback is not None:
@@ -249,6 +251,7 @@ class _ObjectLease:
             if self._mine(found):  # a write of this take's, applied, its answer lost: the retry was refused
                 self.version, self.confirmed = seen, self.first_sent
                 return self._held(holder)
+            self.first_sent = None  # another's lease: no create of this take's is in effect, the next one counts
             if self.watched is None or self.watched[0] != seen:
                 renewed = self.watched is not None
                 self.watched = (seen, now, age_s)
@@ -290,6 +293,8 @@ class _ObjectLease:
         return written, False
 
     def rewrite(self, holder: dict[str, Any]) -> None:
+        if self._given_up.is_set():  # nothing more is written to it (and a hung renewal may hold the lock)
+            return
         try:
             with self._lock:
                 self._renew(holder)
@@ -326,7 +331,8 @@ class _ObjectLease:
                 renewal = threading.Thread(target=self.rewrite, args=(lease.holder,), daemon=True,
                                            name="raydiff-lease-renewal")
                 renewal.start()
-                renewal.join(max(0.0, self._deadline() - time.monotonic()))
+                while renewal.is_alive() and not self._stop.is_set() and time.monotonic() < self._deadline():
+                    renewal.join(min(0.1, max(0.0, self._deadline() - time.monotonic())))  # a release: at once
             if self._stop.is_set() or self.version is None:  # released, or taken over
                 return
             if time.monotonic() >= self._deadline():
@@ -351,6 +357,8 @@ class _ObjectLease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._given_up.is_set():  # left to go stale; a renewal that hangs may hold the lock
+            return
         with self._lock:  # after a renewal under way (its requests time out: `_request_timeout_s`)
             if self.version is not None and not self._given_up.is_set():
                 with contextlib.suppress(Exception):  # stale in stale_s anyway

@@ -123,8 +123,12 @@ class Cadence:
         after a rollback). Sets `status` when training ends early (diverged, stopped, storage failed)."""
         step = progress.step
         progress = self._step_end(progress, result, lr=lr, ema_decay=ema_decay)
-        # The profile ends after its last step's end, or where training ends or rolls back before it.
-        if self._profile is not None and self._profile.recording and (
+        # The profile ends after its last step's end, or where training ends or rolls back before it; unwritten
+        # where another driver holds the run now.
+        if self._profile is not None and self.status == WorkerStatus.LEASE_LOST:
+            profile, self._profile = self._profile, None
+            profile.discard()
+        elif self._profile is not None and self._profile.recording and (
                 step >= self._profile.last or progress.step != step or self.status is not None):
             self._write_profile(step)
         return progress

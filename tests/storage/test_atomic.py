@@ -151,7 +151,8 @@ def test_a_hidden_folder_that_a_killed_process_of_this_host_left_is_removed_by_t
     gone.wait()
     host, out = socket.gethostname(), tmp_path / "out"
     left = {"killed": tmp_path / f".out-{host}-{gone.pid}-0badc0de", "live": tmp_path / f".out-{host}-{os.getpid()}-0",
-            "fresh": tmp_path / f".out-{host}-{gone.pid}-1", "elsewhere": tmp_path / f".out-other-host-{gone.pid}-2"}
+            "fresh": tmp_path / f".out-{host}-{gone.pid}-1", "elsewhere": tmp_path / f".out-other-host-{gone.pid}-2",
+            "host-2": tmp_path / f".out-{host}-2-{gone.pid}-0badc0de"}  # host "<ours>-2": another machine
     long_ago = time.time() - STALE_SCRATCH_S - 60
     for name, folder in left.items():
         folder.mkdir()
@@ -159,4 +160,4 @@ def test_a_hidden_folder_that_a_killed_process_of_this_host_left_is_removed_by_t
             os.utime(folder, (long_ago, long_ago))
     made = hidden_folder(out, "-")
     assert made.is_dir() and made.name.startswith(f".out-{host}-{os.getpid()}-")
-    assert {name for name, folder in left.items() if folder.exists()} == {"live", "fresh", "elsewhere"}
+    assert {name for name, folder in left.items() if folder.exists()} == {"live", "fresh", "elsewhere", "host-2"}

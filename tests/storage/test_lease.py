@@ -324,11 +324,49 @@ def test_an_object_lease_whose_renewals_do_not_get_through_is_given_up_before_an
     given_up = time.monotonic() - taken
     assert lease.lost and len(told) == 1 and stale_s / 2 <= told[0] < stale_s * 3 / 4, told
     assert given_up < stale_s  # before a claimant may take it, counted from the take
-    lease.update(step=3)  # nothing more written, nor told again
+    writes, started = store.writes, time.monotonic()
+    lease.update(step=3)  # nothing more written, nor told again, nor waited for behind a renewal that hangs
     assert len(told) == 1
-    writes = store.writes
     lease.release()  # leaves the object to go stale: it may be another's by now
-    assert store.body is not None and store.writes == writes
+    assert store.body is not None and store.writes == writes and time.monotonic() - started < 1
+
+
+def test_a_lease_is_lost_once_and_says_why_once(fake_store):
+    """A renewal refused (another's write) just as the heartbeat gives up: told once, the give-up's reason kept."""
+    from raydiff.storage.lease import Lease
+
+    told: list[float | None] = []
+    lease = Lease(None, {})  # type: ignore[arg-type]  # lose() reads nothing of the store
+    lease.on_lost = lambda: told.append(lease.unrenewed_s)
+    lease.lose(unrenewed_s=31.0)
+    lease.lose()
+    assert told == [31.0] and lease.unrenewed_s == 31.0
+
+
+def test_a_claimant_that_waited_counts_its_lease_from_the_create_that_took_it(fake_store, monkeypatch):
+    """A run that waited for another's lease, whose create then applied with its answer lost: the read-back
+    confirms the lease as of that create, not of the first one refused minutes before (it gave the lease up at
+    once, unrenewed for as long as it had waited)."""
+    clock, store = fake_store
+    run_dir = RunDir("s3://bucket/runs/smoke")
+    holder = take(run_dir, {"name": "a"}, stale_s=60, what="run directory")
+    lost_answer = store.create
+
+    def create(body):
+        if clock.now >= 40 and store.body is None:  # the holder has released it: this create applies ...
+            lost_answer(body)
+            raise ConnectionError("Read timeout on endpoint URL")  # ... and its answer is lost
+        return lost_answer(body)
+    monkeypatch.setattr(store, "create", create)
+
+    def release_at_40(seconds):  # the claimant's polls pass the time; the holder ends at 40 s
+        clock.now += seconds
+        if clock.now >= 40 and not holder.lost and store.body and store.body["holder"] == {"name": "a"}:
+            holder.release()
+    monkeypatch.setattr(clock, "sleep", release_at_40)
+    claimant = take(run_dir, {"name": "b"}, stale_s=60, what="run directory", wait=True)
+    assert not claimant.lost and claimant._store.confirmed >= 40
+    claimant.release()
 
 
 @pytest.fixture
