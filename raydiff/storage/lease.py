@@ -422,6 +422,14 @@ class _S3Object:
             raise
 
     def delete(self, version: str) -> None:
+        """Delete the object where it is still `version`: conditionally (S3 `If-Match`), so that a takeover's write
+        landing meanwhile is never deleted; on a store without conditional deletes, after looking (a narrow race)."""
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=version)
+            return
+        except self.client.exceptions.ClientError as exc:
+            if self._refused(exc):  # another's write is there now, or nothing is: leave it
+                return
         reply = self.client.head_object(Bucket=self.bucket, Key=self.key)
         if reply["ETag"] == version:
             self.client.delete_object(Bucket=self.bucket, Key=self.key)

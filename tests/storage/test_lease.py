@@ -196,6 +196,21 @@ def test_a_holder_whose_s3_lease_was_taken_over_is_told_once_even_before_it_aske
     assert json.loads(client.get_object(Bucket="taken-over", Key=key)["Body"].read())["lease"] == "b"
 
 
+def test_an_s3_lease_released_as_another_run_takes_it_over_is_left_to_the_other(s3_server, monkeypatch):
+    """The release deletes the lease only where it is still this holder's version, in one conditional request: a
+    takeover's write landing between a look and a delete was deleted with it."""
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="released-late")
+    run_dir = RunDir("s3://released-late/runs/smoke", endpoint=endpoint)
+    lease = take(run_dir, {"name": "a"}, stale_s=600, what="run directory")  # no heartbeat in the test
+    store = lease._store
+    key = lease_of(run_dir).uri.removeprefix("s3://released-late/")
+    monkeypatch.setattr(store.objects.client, "head_object", lambda **kwargs: {"ETag": store.version})  # looked
+    client.put_object(Bucket="released-late", Key=key, Body=json.dumps({"holder": {"name": "b"}, "lease": "b"}))
+    lease.release()  # ... and the other run's write came before the delete
+    assert json.loads(client.get_object(Bucket="released-late", Key=key)["Body"].read())["lease"] == "b"
+
+
 def test_an_s3_lease_renewal_lost_and_unreadable_is_still_the_holders_at_the_next_renewal(s3_server):
     """A renewal applied whose answer was lost, and whose read-back then failed too (the store unreachable for a
     moment): the holder does not know its version. At the next renewal, refused, it reads its own earlier write
