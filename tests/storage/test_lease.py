@@ -288,7 +288,7 @@ def fake_store(monkeypatch):
     clock = _Clock()
     store = _Store(clock)
     monkeypatch.setattr(lease_module, "time", clock)
-    monkeypatch.setattr(lease_module, "_S3Object", store.objects)
+    monkeypatch.setattr(lease_module, "S3LeaseObject", store.objects)
     return clock, store
 
 
@@ -321,7 +321,7 @@ def test_an_object_lease_whose_renewals_do_not_get_through_is_given_up_before_an
     from raydiff.storage import lease as lease_module
 
     store = _Store(_RealClock())
-    monkeypatch.setattr(lease_module, "_S3Object", store.objects)
+    monkeypatch.setattr(lease_module, "S3LeaseObject", store.objects)
     stale_s = 4.0  # renewed every second, given up at 2 s
     lease = take(RunDir("s3://bucket/runs/smoke"), {"name": "a"}, stale_s=stale_s, what="run directory")
     taken = time.monotonic()
