@@ -37,6 +37,11 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 
+def _unreadable(name: str | Path, exc: OSError) -> ConfigError:
+    """A --config this user may not read, in the words every command's unreadable input uses."""
+    return ConfigError(f"--config {name}: cannot read it ({permanent_reason(exc) or exc.strerror or exc})")
+
+
 def resolve_config_path(name_or_path: str) -> Path:
     if not name_or_path.strip():  # Path("") is ".", the current folder: an unset shell variable, not a folder
         raise ConfigError(f"--config {name_or_path!r}: must name a preset or a YAML file; presets: "
@@ -51,8 +56,7 @@ def resolve_config_path(name_or_path: str) -> Path:
                 raise ConfigError(f"--config {name_or_path}: no such file")
             return path
     except OSError as exc:  # a folder on the way this user may not enter
-        raise ConfigError(f"--config {name_or_path}: cannot read it ({permanent_reason(exc) or exc.strerror or exc})"
-                          ) from None
+        raise _unreadable(name_or_path, exc) from None
     preset = PRESETS_DIR / f"{name_or_path}.yaml"
     if not preset.is_file():
         raise ConfigError(f"--config {name_or_path}: not a file and not a preset; presets: {', '.join(preset_names())}")
@@ -78,7 +82,7 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
     except OSError as exc:  # permission denied, an I/O error
-        raise ConfigError(f"--config {path}: cannot read it ({permanent_reason(exc) or exc.strerror or exc})") from None
+        raise _unreadable(path, exc) from None
     except YAML_ERRORS as exc:  # a tagged value PyYAML cannot build (`lr: !!float x`)
         raise ConfigError(f"{path}: not valid YAML (a tagged value it cannot build: {exc})") from None
     problem = sections_problem(tree)
