@@ -161,30 +161,19 @@ def test_a_merged_key_may_still_be_overridden(tmp_path):
     assert (cfg.train.seed, cfg.eval.seed) == (3, 4)
 
 
-def test_an_unreadable_config_file_is_one_line_naming_it_and_why(tmp_path, monkeypatch):
-    path = tmp_path / "secret.yaml"
-    path.write_text("train:\n  seed: 1\n")
-    read_text = Path.read_text
+@pytest.mark.parametrize("where, method", [("secret.yaml", "read_text"), ("secret/run.yaml", "stat")],
+                         ids=["the file unreadable", "a folder on the way not to be entered"])
+def test_an_unreadable_config_file_is_one_line_naming_it_and_why(tmp_path, monkeypatch, where, method):
+    path = tmp_path / where
+    if method == "read_text":
+        path.write_text("train:\n  seed: 1\n")
+    real = getattr(Path, method)
 
-    def denied(self, *args, **kwargs):  # chmod 000 as a user (root reads it anyway)
+    def denied(self, *args, **kwargs):  # chmod 000 on the file or its folder, as a user (root reads it anyway)
         if self == path:
             raise PermissionError(13, "Permission denied", str(self))
-        return read_text(self, *args, **kwargs)
-    monkeypatch.setattr(Path, "read_text", denied)
-    with pytest.raises(ConfigError) as info:
-        load_config(str(path))
-    assert str(info.value) == f"--config {path}: cannot read it (permission denied)"
-
-
-def test_a_config_in_a_folder_this_user_may_not_enter_is_one_line_naming_it_and_why(tmp_path, monkeypatch):
-    path = tmp_path / "secret" / "run.yaml"
-    stat = Path.stat
-
-    def denied(self, *args, **kwargs):  # chmod 000 on the folder, as a user (root enters it anyway)
-        if self == path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return stat(self, *args, **kwargs)
-    monkeypatch.setattr(Path, "stat", denied)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(Path, method, denied)
     with pytest.raises(ConfigError) as info:
         load_config(str(path))
     assert str(info.value) == f"--config {path}: cannot read it (permission denied)"

@@ -345,6 +345,16 @@ def test_a_diffusers_folder_with_a_malformed_side_file_is_refused_naming_it(tmp_
 LINEAR_T = "an int from 21 to 100000 (the linear schedule's largest beta, 20/T, must be < 1)"
 
 
+def _exported_smoke_folder(tmp_path):
+    """A smoke model exported as raydiff exports it: (the folder, its scheduler_config.json)."""
+    cfg = load_config("smoke", check_source=False)
+    folder = tmp_path / "pipeline"
+    diffusers_folder.save_pipeline_folder(folder, {"config": cfg.to_dict(), "ema": build_model(cfg).state_dict(),
+                                                   "step": 20, "images_seen": 320},
+                                          use_ema=True, checkpoint="run", guidance=1.0)
+    return folder, folder / "scheduler" / "scheduler_config.json"
+
+
 @pytest.mark.parametrize("key, value, allowed", [
     ("num_train_timesteps", "1000", LINEAR_T),
     ("num_train_timesteps", None, LINEAR_T),
@@ -366,12 +376,7 @@ def test_a_scheduler_value_of_another_kind_is_refused_naming_the_file_key_value_
     """raydiff.sample --checkpoint DIR met a TypeError's (a string or null divided, a list hashed) or a
     ZeroDivisionError's traceback; the rest named the flag, not the file. A zero-terminal-SNR rescale was taken
     silently, and sampled off the schedule the model was trained on."""
-    cfg = load_config("smoke", check_source=False)
-    folder = tmp_path / "pipeline"
-    diffusers_folder.save_pipeline_folder(folder, {"config": cfg.to_dict(), "ema": build_model(cfg).state_dict(),
-                                                   "step": 20, "images_seen": 320},
-                                          use_ema=True, checkpoint="run", guidance=1.0)
-    file = folder / "scheduler" / "scheduler_config.json"
+    folder, file = _exported_smoke_folder(tmp_path)
     file.write_text(json.dumps({**json.loads(file.read_text()), key: value}))
     line = f"{file}: {key} = {json.dumps(value)}; raydiff takes {allowed}"
     with pytest.raises(ConfigError) as refused:
@@ -386,12 +391,7 @@ def test_a_folder_whose_scheduler_samples_otherwise_is_read_and_says_which_setti
         tmp_path, capsys):
     """google/ddpm-cifar10-32's family publishes variance_type fixed_large: the model reads exactly, but raydiff's
     DDPM draws with the posterior variance (fixed_small). Said on one line, not silently."""
-    cfg = load_config("smoke", check_source=False)
-    folder = tmp_path / "pipeline"
-    diffusers_folder.save_pipeline_folder(folder, {"config": cfg.to_dict(), "ema": build_model(cfg).state_dict(),
-                                                   "step": 20, "images_seen": 320},
-                                          use_ema=True, checkpoint="run", guidance=1.0)
-    file = folder / "scheduler" / "scheduler_config.json"
+    folder, file = _exported_smoke_folder(tmp_path)
     capsys.readouterr()
     diffusers_folder.state_from_folder(folder)
     assert "not used" not in capsys.readouterr().out  # raydiff's own export: nothing to say
