@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -62,6 +63,11 @@ class StopFlag:
     """Holds the reason the driver was asked to stop, if it was (a lost lease over any other)."""
 
     def __init__(self) -> None:
+        # The flag keeps nothing to save. Ray's SIGTERM handler raises SystemExit, which, landing while the process
+        # finalizes the controller's handle (at a job's end), Python prints as a traceback into the run's output:
+        # here a SIGTERM ends the process at once, as Ray's would, without one. (This actor's calls run in the main
+        # thread, where handlers are set.)
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(1))
         self._reason: str | None = None
         self._controller: str | None = None  # Ray Train's controller's state, as it last said (`ControllerState`)
         self._ran = False  # whether a worker group has run in this fit (then a stop at once is not before training)

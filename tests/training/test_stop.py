@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +208,32 @@ def test_a_run_that_gave_its_lease_up_unrenewed_says_so_and_not_that_another_run
         "answer): stopped at step 120 without writing more: another raydiff run may take it over "
         "(run.lease_stale_s); the same command continues the run once the store answers")
     assert taken_over("s3://b/runs/smoke", when).startswith("another raydiff run took over the run directory")
+
+
+
+@pytest.mark.ray
+def test_a_sigterm_ends_the_stop_flag_at_once_without_a_traceback_even_amid_a_finalizer(ray_session, cluster):
+    """Ray's own handler raised SystemExit, which Python swallows inside a finalizer, printing a traceback into the
+    run's output (a sweep's) and going on."""
+    from raydiff.training.stop import StopFlag
+
+    def terminated_amid_a_finalizer(flag) -> str:
+        """Run in the flag's process (`__ray_call__`; defined here, so that it travels by value): a SIGTERM lands
+        while an object is finalized, as one that ends a job may land while the flag's handle of Ray Train's
+        controller is."""
+
+        class Finalized:
+            def __del__(self) -> None:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs here
+
+        Finalized()  # dropped at once: its finalizer runs in this line
+        return "the process went on"
+
+    flag = StopFlag.remote()  # type: ignore[attr-defined]
+    pid = ray_session.get(flag.__ray_call__.remote(lambda actor: os.getpid()))
+    with pytest.raises(ray_session.exceptions.RayActorError):
+        ray_session.get(flag.__ray_call__.remote(terminated_amid_a_finalizer), timeout=60)
+    logs = list(Path(cluster.head_node.get_logs_dir_path()).glob(f"worker-*-{pid}.err"))
+    assert logs, f"no log of the flag's process {pid}"
+    assert "Traceback" not in "".join(log.read_text() for log in logs)
