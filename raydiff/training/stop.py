@@ -275,6 +275,9 @@ def noting_tune_interrupt() -> Iterator[dict[str, str | None]]:
                 return
             raise_interrupted(signum, before_training=False)  # as a second Ctrl-C does, naming the signal
         terminated_at = time.monotonic()
+        if signal.getsignal(signal.SIGINT) is keep_sigint:  # Tune's fit() has not installed its handler yet
+            raise_interrupted(signum, before_training=False)  # as the command's own SIGTERM handler does
+            return  # the same request as a SIGTERM that raised just before
         signal.raise_signal(signal.SIGINT)  # Tune's handler
 
     # SIGINT keeps its handler until Tune replaces it, and gets it back after.

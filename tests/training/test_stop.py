@@ -17,6 +17,7 @@ import pytest
 
 from raydiff.storage.lease import Lease
 from raydiff.storage.rundir import RunInUse
+from raydiff.training import interrupts
 from raydiff.training.interrupts import Interrupted, interrupt_on_signals
 from raydiff.training.stop import (
     LEASE_LOST,
@@ -90,6 +91,17 @@ def test_a_sweep_passes_the_first_sigterm_to_tune_as_ctrl_c_and_stops_at_the_sec
         time.sleep(5)  # never reached
     assert stopped.value.signal == "SIGTERM" and not stopped.value.before_training  # "stopped by SIGTERM", 143
     assert tune_saw == [signal.SIGINT] and _handlers() == before
+
+
+def test_a_sigterm_before_tune_s_handler_is_in_place_stops_the_sweep_command_as_a_sigterm(monkeypatch):
+    """Passed on as a Ctrl-C to the handler before Tune's, it ended the command as "interrupted", exit 130."""
+    monkeypatch.setattr(interrupts, "_raised", [])  # not the same request as another test's SIGTERM just before
+    before = _handlers()
+    with pytest.raises(Interrupted) as stopped, noting_tune_interrupt():
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(5)  # never reached
+    assert stopped.value.signal == "SIGTERM" and not stopped.value.before_training  # "stopped by SIGTERM", 143
+    assert _handlers() == before
 
 
 def test_a_call_beside_the_handlers_runs_off_the_main_thread_and_signals_still_reach_them():
