@@ -41,7 +41,8 @@ def plot_lr_find(lrs: Sequence[float], raw: Sequence[float], smoothed: Sequence[
 
 def plot_sweep(rows: Sequence[dict], path: Path) -> Path:
     """Validation loss against the base learning rate: one line per batch size, one panel per scaling rule.
-    Filled markers: trials that used the whole image budget; crosses: stopped early (value at that point)."""
+    Filled markers: trials that used the whole image budget; crosses: stopped early or diverged (the value at their
+    last validation point)."""
     rules = sorted({r["rule"] for r in rows})
     fig, axes = plt.subplots(1, len(rules), figsize=(5 * len(rules), 4), squeeze=False, sharey=True)
     for ax, rule in zip(axes[0], rules, strict=True):
@@ -57,5 +58,5 @@ def plot_sweep(rows: Sequence[dict], path: Path) -> Path:
         ax.set(xscale="log", xlabel="base learning rate (at train.base_batch)", title=f"lr scaling: {rule}")
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("validation loss (x: stopped early)")
+    axes[0][0].set_ylabel("validation loss (x: stopped early or diverged)")
     return _save(fig, path)

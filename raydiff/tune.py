@@ -80,6 +80,7 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_d
     finished = [r for r in rows if r["status"] == "finished" and r[metric] is not None]
     summary: dict[str, Any] = {"sweep": sweep.name, "metric": metric, "trials": len(rows),
                                "finished": len(finished), "stopped": sum(r["status"] == "stopped" for r in rows),
+                               "diverged": sum(r["status"] == "diverged" for r in rows),
                                "errors": sum(r["status"] == "error" for r in rows), "failed_trials": failed or {},
                                "rules": rule_spread(rows, metric)}
     if finished:
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     with output_errors("run.storage", ran["dir"]):
         summary = write_outputs(ran["rows"], cfg, sweep, Path(ran["dir"]), ran["failed"])
     print(f"[raydiff] sweep {sweep.name}: {summary['finished']} finished, {summary['stopped']} stopped early by "
-          f"ASHA, {summary['errors']} failed")
+          f"ASHA, {summary['diverged']} diverged, {summary['errors']} failed")
     for rule, info in summary["rules"].items():
         best = ", ".join(f"batch {b}: {lr:.{sweep.lr_digits}g}" for b, lr in info["best_base_lr_by_batch"].items())
         spread = f"; spread {info['spread_decades']:.2f} decades" if info["spread_decades"] is not None else ""
@@ -157,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     if ran["failed"]:
         raise TrialFailed(f"{len(ran['failed'])} of {len(ran['rows'])} trials failed (each said why above); once that "
                           f"is fixed, the same command runs them again")
-    return 0 if "best" in summary else 1
+    if "best" not in summary:
+        raise TrialFailed(f"no trial of sweep {sweep.name} finished ({summary['diverged']} diverged: lower the --lr "
+                          f"range; {summary['stopped']} stopped early by ASHA), so there is no best.yaml")
+    return 0
 
 
 def _entry() -> None:

@@ -237,6 +237,13 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(ray_session, tmp_path):
     (["--lr", "1e-5:1e-3", "--batch", "16", "--samples", "0"], "--samples 0: must be >= 1"),
     (["--lr", "1e-5:1e-3", "--batch", "16,32", "--budget-images", "16"], "must be at least 32"),
     (["--lr", "1e-5:1e-3", "--batch", "16", "--max-concurrent", "0"], "--max-concurrent 0: must be >= 1"),
+    # Each trial's own config, checked before Ray starts (was a Tune traceback in the trial, and none of the
+    # sweep's outputs): batch 64 trains 5 steps of the budget.
+    (["--lr", "1e-5:1e-3", "--batch", "16,64", "--set", "log.profile_steps=[15,18]"],
+     "trial linear-b64-lr0.001: log.profile_steps = [15, 18]: "),
+    # Its trials would report no Frechet distance (Tune stopped the sweep at their first report, a traceback).
+    (["--lr", "1e-5:1e-3", "--batch", "16", "--metric", "fid", "--set", "eval.metrics=[kid]"],
+     "--metric fid: eval.metrics = ['kid'] computes no Frechet distance"),
 ])
 def test_bad_sweep_arguments_are_one_line_errors(args, fragment, capsys, tmp_path):
     code = cli.run(tune_main, ["--config", "smoke", "--set", f"run.storage={tmp_path}", *args])
@@ -299,6 +306,54 @@ def test_summary_json_keeps_each_failed_trials_line(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["errors"] == 1 and summary["failed_trials"] == {"linear-b16-lr0.0001": line}
     assert summary["best"]["trial"] == "linear-b16-lr0.001"
+
+
+def test_a_trial_that_tune_s_retry_finished_is_not_counted_failed():
+    """A trial that failed once (a disk filled, then freed) and finished on Tune's retry: its row says finished,
+    and the command must not end with "1 of 2 trials failed"."""
+    from raydiff.training.sweep import still_failed
+
+    told = {"linear-b16-lr0.001": "trial linear-b16-lr0.001 failed: ...",
+            "linear-b16-lr0.0001": "trial linear-b16-lr0.0001 failed: ..."}
+    rows = [{"trial": "linear-b16-lr0.001", "status": "finished"}, {"trial": "linear-b16-lr0.0001", "status": "error"}]
+    assert still_failed(told, rows) == {"linear-b16-lr0.0001": "trial linear-b16-lr0.0001 failed: ..."}
+
+
+def test_a_sweep_file_cut_short_is_one_line_not_a_traceback_at_every_run(tmp_path, capsys):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "sweep.json").write_text('{"name": "s", "base')  # a kill while it was written in place
+    code = cli.run(tune_main, ["--config", "smoke", "--set", f"run.storage={tmp_path}", "--lr", "1e-5:1e-3", "--batch",
+                               "16", "--name", "s"])
+    assert code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        f"raydiff: config error: {tmp_path / 's' / 'sweep.json'} is not the JSON a sweep writes (cut short, or "
+        f"edited): restore it, or use --name NEW for a new sweep")
+
+
+@pytest.mark.ray
+def test_a_trial_that_diverges_is_a_result_of_the_sweep_not_a_failure_to_retry(ray_session, tmp_path):
+    """Too high a learning rate is what an LR sweep is there to find: the trial says so in a line and its row says
+    diverged; Tune does not retry it, nor does the same command run it again (it raised a RuntimeError: Tune's
+    traceback, a retry that diverged again, a row "error", and the trial trained again at every re-run)."""
+    args = ["--config", "smoke", "--lr", "1e30", "--batch", "16", "--samples", "1", "--budget-images", "640",
+            "--name", "d", "--set", "scaling.num_workers=1", "--set", "scaling.cpus_per_worker=2",
+            "--set", "train.warmup_steps=0", "--set", "train.lr_decay=none", "--set", "train.max_bad_steps=3",
+            "--set", f"run.storage={tmp_path}"]
+    starts = []
+    for _ in range(2):
+        proc = run_cli("raydiff.tune", *args)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+        assert proc.stderr.splitlines()[-1] == (
+            "raydiff: error: no trial of sweep d finished (1 diverged: lower the --lr range; 0 stopped early by "
+            "ASHA), so there is no best.yaml"), output[-3000:]
+        assert "0 finished, 0 stopped early by ASHA, 1 diverged, 0 failed" in proc.stdout
+        rows = list(csv.DictReader((tmp_path / "d" / "results.csv").open()))
+        assert [(r["trial"], r["status"]) for r in rows] == [("linear-b16-lr1e30", "diverged")]
+        events = (tmp_path / "d" / "runs" / "linear-b16-lr1e30" / "events.jsonl").read_text().splitlines()
+        starts.append(sum(json.loads(line)["event"] == "start" for line in events))
+    assert starts == [1, 1]  # trained once, by the first command
+    summary = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert summary["diverged"] == 1 and summary["errors"] == 0 and summary["failed_trials"] == {}
 
 
 @pytest.mark.ray

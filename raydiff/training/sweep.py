@@ -32,7 +32,7 @@ from raydiff.storage.errors import (
     permanent_reason_in,
 )
 from raydiff.storage.rundir import RunInUse
-from raydiff.training.sweep_plan import Sweep, concurrent_trials, trial_config
+from raydiff.training.sweep_plan import Sweep, concurrent_trials, trial_config, trial_name
 
 # A trial only waits on its TorchTrainer, so it asks Ray for no CPU: one byte of memory, as Tune refuses a trial that
 # asks for nothing. Its workers hold the real CPUs and take the trial's share whole: a fraction of a CPU held by each
@@ -64,12 +64,16 @@ def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: 
     from raydiff.training.driver import run_training
     from raydiff.training.reservations import note_trial_run
 
-    cfg = trial_config(base, params, sweep, runs_dir)
+    name = trial_name(params, sweep.lr_digits)
     try:
+        cfg = trial_config(base, params, sweep, runs_dir)
         summary = run_training(cfg, images=images, cpus=cpus_per_trial, callbacks=[TuneReportCallback()],
                                note_run=lambda requester: note_trial_run(trial_runs, requester))
     except ONE_LINE_ERRORS as exc:
-        raise TrialFailed(f"trial {cfg.run.name} failed: {exc}") from None
+        raise TrialFailed(f"trial {name} failed: {exc}") from None
+    if summary["status"] == "diverged":  # a result of the sweep (too high a learning rate), not a failure to retry
+        print(f"[raydiff] trial {name} diverged: {summary.get('error')}", file=sys.stderr)
+        return
     # A trial Tune runs again whose run had nothing left to train (Tune's state set aside, or a sweep driver
     # killed after the trial's last checkpoint): its final measurements, restored, count again.
     nothing_left = summary.get("already_finished") or summary.get("resumed_from_step") == summary.get("steps")
@@ -113,7 +117,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     spec_file = sweep_dir / "sweep.json"
     spec = {**sweep.__dict__, "config": cfg.to_dict()}
     spec = json.loads(json.dumps(spec))  # tuples -> lists, as read back
-    if spec_file.exists() and json.loads(spec_file.read_text()) != spec:
+    if spec_file.exists() and _read_json(spec_file) != spec:
         raise ConfigError(f"--name {sweep.name}: {sweep_dir} holds a sweep with other arguments or config; "
                           f"use --name NEW for a new sweep")
     reason = unwritable(sweep_dir)
@@ -127,7 +131,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
         print(f"[raydiff] {joined}")
     resources = ray.cluster_resources()
     cpus = resources.get("CPU", 1)
-    concurrent = sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0))
+    # No more shares than trials: two trials on a cluster that fits eight take half of it each, not an eighth.
+    concurrent = min(sweep.max_concurrent or concurrent_trials(cfg, cpus, resources.get("GPU", 0)), sweep.trials)
     check_sweep_room(cfg, sweep, sweep_dir, concurrent)
     images, cache = sweep_images(cfg, sweep_dir, concurrent)
     if cfg.data.val_images >= images.num_good:
@@ -138,8 +143,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
           f"{sweep.budget_images:,} images, validation every {sweep.interval_images:,} images on "
           f"{cfg.data.val_images} held-out images, {concurrent} at a time; {cache}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    spec_file.write_text(json.dumps(spec, indent=2) + "\n")
-    (sweep_dir / LAYOUT_FILE).write_text(json.dumps({"layout": images.layout()}, indent=2) + "\n")
+    _keep_json(spec_file, spec)
+    _keep_json(sweep_dir / LAYOUT_FILE, {"layout": images.layout()})
 
     trial_runs = TrialRuns.remote()  # type: ignore[attr-defined]  # @ray.remote adds .remote
     trainable = tune.with_resources(
@@ -184,8 +189,33 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
                                                  failures.state_unsaved)) from None
     if interrupt["signal"]:  # Tune saved its state; the results so far are not the sweep's
         return {"interrupted": interrupt["signal"], "dir": str(sweep_dir)}
-    return {"rows": [_result_row(grid[i], cfg, sweep, sweep_dir) for i in range(len(grid))], "dir": str(sweep_dir),
-            "failed": failures.trials}
+    rows = [_result_row(grid[i], cfg, sweep, sweep_dir) for i in range(len(grid))]
+    return {"rows": rows, "dir": str(sweep_dir), "failed": still_failed(failures.trials, rows)}
+
+
+def still_failed(told: dict[str, str], rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The lines told of failed trials (by trial) that ended failed: not those that Tune's one retry finished."""
+    errors = {row["trial"] for row in rows if row["status"] == "error"}
+    return {trial: line for trial, line in told.items() if trial in errors}
+
+
+def _keep_json(path: Path, content: dict[str, Any]) -> None:
+    """Write `content` to `path` whole (a kill or a full disk leaves the old file or none), where it differs."""
+    from raydiff.storage.atomic import new_file
+
+    if path.is_file() and _read_json(path) == content:
+        return
+    with new_file(path) as tmp:
+        tmp.write_text(json.dumps(content, indent=2) + "\n")
+
+
+def _read_json(path: Path) -> Any:
+    """A sweep file as written, or one line that says what to do with it."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise ConfigError(f"{path} is not the JSON a sweep writes (cut short, or edited): restore it, or use --name "
+                          f"NEW for a new sweep") from None
 
 
 @dataclass
@@ -272,7 +302,7 @@ def sweep_images(cfg: Config, sweep_dir: Path, concurrent: int):
     from raydiff.data.sources import source_of
 
     layout_file = sweep_dir / LAYOUT_FILE
-    keep = json.loads(layout_file.read_text())["layout"] if layout_file.is_file() else None
+    keep = _read_json(layout_file)["layout"] if layout_file.is_file() else None
     images, cache = open_images(cfg.data, source_of(cfg.data), storage=cfg.run.storage, endpoint=cfg.run.endpoint,
                                 keep=keep, buffer_share=1 / concurrent, lease_stale_s=cfg.run.lease_stale_s,
                                 use_gpu=cfg.scaling.use_gpu, for_training=True)
@@ -285,11 +315,21 @@ def _result_row(result, cfg: Config, sweep: Sweep, sweep_dir: Path) -> dict[str,
     params = result.config
     metrics = result.metrics or {}
     images_seen = metrics.get("images_seen", 0)
+    trial = trial_config(cfg, params, sweep, str(sweep_dir / "runs"))
     if result.error is not None:
         status = "error"
+    elif _run_status(Path(trial.run.storage) / trial.run.name) == "diverged":
+        status = "diverged"  # its metrics: the last validation point before
     else:
         status = "finished" if images_seen >= sweep.budget_images else "stopped"
-    trial = trial_config(cfg, params, sweep, str(sweep_dir / "runs"))
     return {"trial": trial.run.name, "rule": params["rule"], "batch": params["batch"], "base_lr": params["base_lr"],
             "lr": trial.train.lr, "images_seen": images_seen, "val_loss": metrics.get("val_loss"),
             **({sweep.metric: metrics.get(sweep.metric)} if sweep.metric != "val_loss" else {}), "status": status}
+
+
+def _run_status(run_dir: Path) -> str | None:
+    """How a trial's run last ended, as its summary says (None: it has none, as a trial that ASHA stopped)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None

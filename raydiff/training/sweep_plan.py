@@ -48,6 +48,11 @@ class Sweep:
         (two trials of one name would share a run directory)."""
         return next(d for d in range(3, 18) if len({f"{lr:.{d}g}" for lr in self.base_lrs}) == len(self.base_lrs))
 
+    def grid(self) -> list[dict[str, Any]]:
+        """Every trial's parameters, as Tune's grid gives them to the trials."""
+        return [{"base_lr": lr, "batch": batch, "rule": rule}
+                for lr in self.base_lrs for batch in self.batches for rule in self.rules]
+
     @property
     def grace_images(self) -> int:
         """Images a trial trains before ASHA may stop it: two validation points."""
@@ -110,9 +115,17 @@ def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
     name = args.name if args.name is not None else f"sweep-{cfg.run.name}"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ConfigError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    if args.metric == "fid" and "fid" not in cfg.eval.metrics:  # the trials would report no Frechet distance
+        raise ConfigError(f"--metric fid: eval.metrics = {list(cfg.eval.metrics)} computes no Frechet distance; "
+                          f"add fid to it (--set 'eval.metrics=[fid, kid]') or rank by val_loss")
     metric = "val_loss" if args.metric == "val_loss" else fd_metric_name(cfg)
     sweep = Sweep(name=name, base_lrs=base_lrs, batches=batches, rules=rules, budget_images=budget,
                   interval_images=interval, max_concurrent=args.max_concurrent, metric=metric)
+    for params in sweep.grid():  # each trial's own config (its steps, validation points), before Ray starts
+        try:
+            trial_config(cfg, params, sweep, cfg.run.storage)
+        except ConfigError as exc:
+            raise ConfigError(f"trial {trial_name(params, sweep.lr_digits)}: {exc}") from None
     warmup_images = cfg.train.warmup_steps * cfg.train.global_batch  # every trial's, in images
     if warmup_images >= sweep.grace_images:
         past = "the whole budget" if warmup_images >= budget else f"ASHA's first comparison at {sweep.grace_images:,}"
@@ -167,4 +180,5 @@ def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: s
 
 
 def trial_name(params: dict[str, Any], lr_digits: int = 3) -> str:
-    return f"{params['rule']}-b{params['batch']}-lr{params['base_lr']:.{lr_digits}g}"
+    lr = f"{params['base_lr']:.{lr_digits}g}".replace("e+", "e")  # 1e+30 -> 1e30: a run's name takes no '+'
+    return f"{params['rule']}-b{params['batch']}-lr{lr}"
