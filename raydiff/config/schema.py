@@ -172,8 +172,9 @@ class TrainSection:
     """The largest global gradient norm (measured after unscaling); larger gradients are scaled down to it; 0
     disables clipping."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Training precision: `auto` (bf16 autocast on GPUs that support it, else fp32), `fp32`, `bf16`, or `fp16`
-    (with a gradient scaler)."""
+    """Training precision: `auto` (bf16 autocast on GPUs that compute in it, compute capability 8 (Ampere) and
+    later; else fp32, as on a T4 or V100, which only emulate it), `fp32`, `bf16`, or `fp16` (with a gradient
+    scaler)."""
     compile: Literal["auto"] | bool | str = "auto"
     """`torch.compile` the training step's forward pass (the network with the loss around it, one graph): `auto`
     (on GPUs, falling back to eager if compilation fails there), `true`, `false`, or the name of a torch.compile

@@ -26,9 +26,13 @@ from raydiff.training.speed import ddp_of
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
-    """Autocast dtype, or None for fp32. auto = bf16 on GPUs that support it, else fp32."""
+    """Autocast dtype, or None for fp32. auto = bf16 on GPUs that compute in it (compute capability 8, Ampere,
+    and later; ROCm's), else fp32. Not `torch.cuda.is_bf16_supported()`: it says yes where bf16 is only emulated,
+    slowly (T4, V100), and of the current device, not `device`."""
     if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+        in_hardware = device.type == "cuda" and (bool(torch.version.hip)
+                                                 or torch.cuda.get_device_capability(device)[0] >= 8)
+        return torch.bfloat16 if in_hardware else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 

@@ -356,3 +356,18 @@ def test_activation_checkpointing_trains_the_same_steps(variant):
     bare = unwrap(recomputed.loss).model
     for (name, p), q in zip(unwrap(plain.loss).model.named_parameters(), bare.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((7, 5), None), ((7, 0), None), ((8, 0), torch.bfloat16),
+                                                      ((9, 0), torch.bfloat16)])
+def test_auto_precision_is_bf16_only_on_gpus_that_compute_in_it(monkeypatch, capability, expected):
+    """A T4 (7.5) or V100 (7.0) emulates bf16, slowly: torch.cuda.is_bf16_supported() says yes there."""
+    from raydiff.training.step import resolve_precision
+
+    asked = []
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_precision("auto", torch.device("cuda", 1)) == expected
+    assert asked == [torch.device("cuda", 1)]  # the worker's device, not the current one
+    assert resolve_precision("auto", torch.device("cpu")) is None and resolve_precision("bf16", torch.device("cpu"))
