@@ -34,7 +34,7 @@ def test_the_tracked_widths_come_back_exactly_and_others_close_to_tracking_them(
     out = tmp_path / "rebuilt"
     assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.05,0.1,0.07",
                                       "--out", str(out)]) == 0
-    assert "sigma_rel 0.07 at step 60 (from 12 snapshots)" in capsys.readouterr().out
+    assert "sigma_rel 0.07 at step 60 (from 6 snapshots)" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["sigma_rel-0.050", "sigma_rel-0.070", "sigma_rel-0.100"]
     for sigma_rel, profile in zip((0.05, 0.1), tracker.profiles, strict=True):
         assert relative_error(read_state(out / f"sigma_rel-{sigma_rel:.3f}")["ema"], profile.state_dict()) < 1e-3
@@ -50,7 +50,7 @@ def test_an_earlier_snapshot_step_is_rebuilt_from_the_snapshots_up_to_it(posthoc
     assert list_snapshots(RunDir(run_dir)) == [10, 20, 30, 40, 50, 60]
     assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.05", "--step", "30",
                                       "--out", str(tmp_path)]) == 0
-    assert "sigma_rel 0.05 at step 30 (from 6 snapshots)" in capsys.readouterr().out
+    assert "sigma_rel 0.05 at step 30 (from 3 snapshots)" in capsys.readouterr().out
     snapshot = torch.load(run_dir / "ema_snapshots" / "step_00000030.pt", weights_only=True)
     assert relative_error(read_state(tmp_path / "sigma_rel-0.050")["ema"], snapshot["profiles"][0]) < 1e-3
 
@@ -65,7 +65,7 @@ def test_sample_and_export_take_a_rebuilt_average(posthoc_run, tmp_path):
     assert proc.returncode == 0 and "post-hoc EMA sigma_rel 0.08 weights" in proc.stdout, proc.stderr
     proc = run_cli("raydiff.export", "--checkpoint", str(folder), "--out", str(tmp_path / "pipeline"))
     assert proc.returncode == 0, proc.stderr
-    assert "| weights | post-hoc EMA (EDM2), sigma_rel 0.08, rebuilt from 12 snapshots |" in (
+    assert "| weights | post-hoc EMA (EDM2), sigma_rel 0.08, rebuilt from 6 snapshots |" in (
         tmp_path / "pipeline" / "README.md").read_text()
     proc = run_cli("raydiff.sample", "--checkpoint", str(folder), "--no-ema", "--out", str(tmp_path / "n.png"))
     assert proc.returncode == 2 and "holds no online weights" in proc.stderr
@@ -136,7 +136,8 @@ def test_a_rebuild_holds_one_snapshot_at_a_time_and_gives_what_combining_them_al
               for sigma, profile in zip(s["sigma_rels"], s["profiles"], strict=True)]
     coefficients = solve_coefficients([i[0] for i in inputs], [i[1] for i in inputs], 50, [0.05, 0.07])
     for j, average in enumerate(rebuilt):  # every snapshot at once, summed in float64 as the rebuild always did
-        assert average.state["step"] == 50 and average.state["posthoc"]["snapshots"] == len(inputs) == 10
+        assert average.state["step"] == 50 and average.state["posthoc"]["snapshots"] == len(snapshots) == 5
+        assert average.state["posthoc"]["profiles"] == len(inputs) == 10
         assert list(average.state["ema"]) == list(inputs[-1][2])
         for name, last in inputs[-1][2].items():
             total = torch.zeros(last.shape, dtype=torch.float64)

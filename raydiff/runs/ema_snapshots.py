@@ -159,9 +159,9 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
     del last  # its weights are read again in turn: one snapshot in memory at a time
     coefficients = solve_coefficients([s for s in used for _ in tracked], tracked * len(used), step, sigma_rels)
     averages = combine(_profiles(run_dir, used, tracked, step, where), coefficients)
-    count = len(coefficients)
-    return [Rebuilt(sigma, {**common, "ema": average, "posthoc": {"sigma_rel": sigma, "snapshots": count,
-                                                                  "run": str(run_dir)}})
+    # "snapshots": the files (each holds an average per width tracked: `profiles` of them were combined).
+    posthoc = {"snapshots": len(used), "profiles": len(coefficients), "run": str(run_dir)}
+    return [Rebuilt(sigma, {**common, "ema": average, "posthoc": {"sigma_rel": sigma, **posthoc}})
             for sigma, average in zip(sigma_rels, averages, strict=True)]
 
 
