@@ -101,7 +101,8 @@ def divergence_report(t: TrainSection, step: int, lr: float, result: StepResult,
     """One line that says what was going on when training diverged, so the user can act on it."""
     buckets = []
     for q in range(4):
-        low, high = q * num_timesteps // 4, (q + 1) * num_timesteps // 4
+        # The timesteps whose t * 4 // T is q, as the metrics rows' loss_q columns count them.
+        low, high = -(-q * num_timesteps // 4), -(-(q + 1) * num_timesteps // 4)
         selected = result.losses.detach().float()[(result.timesteps >= low) & (result.timesteps < high)]
         mean = f"{selected.mean().item():.4g}" if len(selected) else "-"
         buckets.append(f"t {low}-{high - 1}: {mean}")

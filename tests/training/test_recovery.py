@@ -138,3 +138,18 @@ def test_a_checkpoint_refused_for_good_stops_every_worker_in_one_line_without_re
     said = [json.loads((out / f"rank{r}.json").read_text())["said"] for r in range(2)]
     assert said[0] == said[1] and said[0].startswith(f"storage {tmp_path}: reading the newest checkpoint failed: "
                                                      f"permission denied"), said
+
+
+def test_the_divergence_report_s_timestep_buckets_are_the_metrics_rows_quarters():
+    """With T not a multiple of 4 (30 here), t = 7 is in the rows' first quarter (7 * 4 // 30 = 0): the report
+    put it in the second."""
+    from raydiff.training.recovery import divergence_report
+    from raydiff.training.step import StepResult
+
+    t = torch.arange(30)
+    losses = (t * 4 // 30).float()  # each sample's loss: its quarter, as the rows count it
+    result = StepResult(finite=torch.tensor(False), grad_norm=torch.tensor(float("inf")), loss_sum=losses.sum(),
+                        samples=30, quarter_sums=torch.zeros(2, 4), images=torch.zeros(30, 3, 4, 4, dtype=torch.uint8),
+                        timesteps=t, losses=losses)
+    line = divergence_report(load_config("smoke").train, 40, 1e30, result, num_timesteps=30)
+    assert "(t 0-7: 0; t 8-14: 1; t 15-22: 2; t 23-29: 3)" in line
