@@ -25,6 +25,7 @@ result per width, then the best.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -184,9 +185,12 @@ def write_result(run_dir, result: dict[str, Any]) -> str:
     while run_dir.is_file(name):
         name, k = f"{stem}-{k}.json", k + 1
     run_dir.write_text(name, json.dumps(result, indent=2) + "\n")
-    log = JsonlLog(run_dir, "eval.jsonl")
-    for row in rows(result):
-        log.append({**row, "file": name})
+    try:
+        JsonlLog(run_dir, "eval.jsonl").extend([{**row, "file": name} for row in rows(result)])  # all or none
+    except BaseException:
+        with contextlib.suppress(OSError):  # its rows are not in eval.jsonl: nor is it (a re-run writes both)
+            run_dir.remove(name)
+        raise
     return name
 
 
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  f"--checkpoint {args.checkpoint}")
     guide = None
     if args.guide is not None:
-        guide_at, guide = read_guide(args.guide, args.endpoint, state["config"])
+        guide_at, guide = read_guide(args.guide, args.endpoint, state)
     classes = model_classes(state)
     if guidance is not None and classes is None and guide is None:
         raise ConfigError(f"--guidance = {args.guidance!r}: {checkpoint} holds an unconditional model; guidance "

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     guide: dict[str, Any] | None = None
     guided = ""
     if args.guide is not None:
-        guide_at, guide_state = read_guide(args.guide, args.endpoint, state["config"])
+        guide_at, guide_state = read_guide(args.guide, args.endpoint, state)
         diffusers_io.check_exportable(Config.from_dict(guide_state["config"]))
         guide = {"state": guide_state, "checkpoint": str(guide_at),
                  "guidance": AUTOGUIDANCE if args.guidance is None else args.guidance}

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from raydiff.cluster.devices import resolve_device
     from raydiff.cluster.host_memory import keep_host_memory, keep_host_memory_here
     from raydiff.model.diffusion import images_per_pass, steps_taken
-    from raydiff.model.guidance import check_guide
+    from raydiff.model.guidance import check_guide, state_class_names
     from raydiff.runs.ema_snapshots import weights_of
     from raydiff.runs.generate import generate, read_any
     from raydiff.runs.images import grid_row, image_labels, save_samples
@@ -185,20 +185,27 @@ def main(argv: list[str] | None = None) -> int:
     guide_at, guide = read_any(args.guide, args.endpoint, flag="--guide") if args.guide is not None else (None, None)
     try:
         if guide is not None:
-            check_guide(state["config"], guide["config"], args.guide)
+            check_guide(state["config"], guide["config"], args.guide,
+                        class_names=(state_class_names(state), state_class_names(guide)))
         classes, guidance = class_request(state, args.classes, args.guidance, autoguided=guide is not None)
+        if classes is not None and args.classes is not None and args.num < len(classes):
+            raise ValueError(f"--num {args.num}: fewer images than the {len(classes)} classes asked (--class "
+                             f"{args.classes}); give --num {len(classes)} or more")
         weights = state.get("weights") or weights_of(state, checkpoint, use_ema=not args.no_ema)
     except ValueError as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2
     labels = None if classes is None else image_labels(classes, args.num)
+    sampled = None if labels is None else list(dict.fromkeys(labels))  # every class of the model, or --num of them
     # Sampling runs in this process: on CPUs, keep what each pass frees, as the run's workers did.
     setting = state["config"]["train"].get("keep_host_memory", "auto")  # older runs' configs lack it
     kept = keep_host_memory(setting, use_gpu=device.type == "cuda") and keep_host_memory_here()
     steps = steps_taken(args.sampler, args.steps, state["config"]["diffusion"]["timesteps"])
     print(f"[raydiff] sampling {args.num} images from {checkpoint} (step {state['step'] or '?'}, {weights} weights) "
           f"with {args.sampler}, {steps} steps, on {device}" + (", host memory kept" if kept else "")
-          + ("" if classes is None else f"; {describe(classes, class_names(state), args.classes is None)}")
+          + ("" if sampled is None or classes is None else
+             f"; {describe(sampled, class_names(state), args.classes is None and sampled == classes)}"
+             + ("" if sampled == classes else f" ({len(sampled)} of its {len(classes)} classes: --num {args.num})"))
           + ("" if guide is None and classes is None else f", {'autoguidance' if guide else 'guidance'} {guidance:g}")
           + ("" if guide is None else f" by {guide_at} (step {guide['step'] or '?'})"))
     with torch.inference_mode():

@@ -300,3 +300,28 @@ def test_guidance_on_a_model_that_never_dropped_a_label_is_one_line_exit_2(tmp_p
     assert err.startswith("raydiff: config error: --guidance = 2.0: the unconditional prediction it needs is learned "
                           "only from dropped labels, and train.label_dropout = 0") and len(err.splitlines()) == 1
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]
+
+
+def test_a_result_whose_rows_cannot_be_written_leaves_neither_its_file_nor_some_of_its_rows(tmp_path, monkeypatch):
+    """One row per guidance value: a disk that filled after the first left eval/<...>.json and that row, and a
+    re-run wrote <...>-2.json beside them."""
+    import errno
+
+    from raydiff.evaluate import write_result
+    from raydiff.storage.rundir import RunDir
+
+    run_dir = RunDir(str(tmp_path / "run"))
+    result = {"step": 7, "sampler": "ddim", "steps": 50, "num": 500,
+              "results": [{"guidance": 1.0, "fid": 30.0}, {"guidance": 2.0, "fid": 20.0}]}
+    assert write_result(run_dir, result) == "eval/7-ddim-50-500.json"
+    before = (tmp_path / "run" / "eval.jsonl").read_text()
+    assert [json.loads(line)["guidance"] for line in before.splitlines()] == [1.0, 2.0]
+
+    def full(self, name, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunDir, "append_text", full)
+    with pytest.raises(OSError):
+        write_result(run_dir, result)
+    assert sorted(p.name for p in (tmp_path / "run" / "eval").iterdir()) == ["7-ddim-50-500.json"]
+    assert (tmp_path / "run" / "eval.jsonl").read_text() == before

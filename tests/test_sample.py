@@ -33,6 +33,13 @@ def test_every_class_by_default_one_row_each(runs, tmp_path, capsys):
     assert image_labels([0, 1, 2], 7) == [0, 0, 0, 1, 1, 2, 2]
 
 
+def test_fewer_images_than_classes_say_which_classes_they_are(runs, tmp_path, capsys):
+    """The start line listed every class where --num 2 samples two of the three."""
+    assert cli.run(sample.main, ["--checkpoint", str(runs / "conditional"), "--num", "2", "--sampler", "ddim",
+                                 "--steps", "2", "--out", str(tmp_path / "grid.png")]) == 0
+    assert "; class 0 (zero), 1 (one) (2 of its 3 classes: --num 2), guidance 2" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("run", "args", "message"), [
     ("unconditional", ["--class", "1"], "--class 1: the model is unconditional (model.num_classes = 0); --class "
                                         "applies to class-conditional models only"),
@@ -43,6 +50,8 @@ def test_every_class_by_default_one_row_each(runs, tmp_path, capsys):
     ("conditional", ["--class", "3"], "--class '3': not a class of this model; use an id 0..2 or a name: 0 'zero', "
                                       "1 'one', 2 'two'"),
     ("conditional", ["--class", "-1"], "--class '-1': not a class of this model"),
+    ("conditional", ["--class", "0,2", "--num", "1"], "--num 1: fewer images than the 2 classes asked (--class 0,2); "
+                                                      "give --num 2 or more"),
     ("no-null-class", ["--guidance", "0"], "--guidance 0: this model never learned the unconditional prediction "
                                            "that guidance needs (trained with train.label_dropout = 0: no labels "
                                            "dropped); use --guidance 1"),

@@ -39,13 +39,29 @@ GUIDE_KEYS = (("data", "resolution"), ("data", "channels"), ("diffusion", "predi
               ("diffusion", "schedule"), ("model", "num_classes"))
 
 
-def check_guide(model_config: dict[str, Any], guide_config: dict[str, Any], guide: str) -> None:
+WEAKER = ("a guide must be a weaker model of the same data and process (an earlier checkpoint of the run, or a "
+          "smaller or shorter-trained model)")
+
+
+def check_guide(model_config: dict[str, Any], guide_config: dict[str, Any], guide: str, *,
+                class_names: tuple[list[str] | None, list[str] | None] = (None, None)) -> None:
     """ValueError, one line naming the first key that differs, unless `guide`'s network predicts what the model's
-    does for the same images (resolution, channels, prediction target, schedule, classes)."""
+    does for the same images (resolution, channels, prediction target, schedule, classes). `class_names`: the
+    model's and the guide's, where their checkpoints record them (`state_class_names`): class k must be one class
+    in both."""
     for section, key in GUIDE_KEYS:
         ours = model_config.get(section, {}).get(key)
         theirs = guide_config.get(section, {}).get(key)
         if ours != theirs:
-            raise ValueError(f"--guide {guide}: its {section}.{key} is {theirs!r}, the model's {ours!r}; a guide must "
-                             f"be a weaker model of the same data and process (an earlier checkpoint of the run, or "
-                             f"a smaller or shorter-trained model)")
+            raise ValueError(f"--guide {guide}: its {section}.{key} is {theirs!r}, the model's {ours!r}; {WEAKER}")
+    ours, theirs = class_names
+    if ours is not None and theirs is not None:
+        for k, (name, guide_name) in enumerate(zip(ours, theirs, strict=True)):  # as many: model.num_classes
+            if name != guide_name:
+                raise ValueError(f"--guide {guide}: its class {k} is {guide_name!r}, the model's {name!r}; {WEAKER}")
+
+
+def state_class_names(state: dict[str, Any]) -> list[str] | None:
+    """The class names a checkpoint's state records (a class-conditional run's), or None."""
+    names = (state.get("classes") or {}).get("names")
+    return None if names is None else [str(name) for name in names]

@@ -150,6 +150,9 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
         arrays = np.concatenate(images.arrays())[images.usable_indices()]
         stats = parallel_stats("arrays", arrays, features, len(arrays), host_memory=host_memory,
                                keep_features=keep_features)
+    if stats.count < 2:  # a covariance needs two
+        setting = f"eval.ref = {ref!r}" if ref else f"data.source = {data.source!r} (the reference: eval.ref unset)"
+        raise QualityError(f"{setting}: {stats.count} usable image(s); the reference statistics need at least 2")
     mu, sigma = stats.mu_sigma()
     reference = Reference(mu, sigma, stats.count, stats.all_features() if keep_features else None, description)
     try:

@@ -104,8 +104,9 @@ def kernel_distance(a: np.ndarray, b: np.ndarray, *, seed: int = 0) -> tuple[flo
     from torch_fidelity.metric_kid import KEY_METRIC_KID_MEAN, KEY_METRIC_KID_STD, kid_features_to_metric
 
     subset = min(1000, len(a), len(b))
+    # torch-fidelity draws the subsets with numpy's RandomState, which takes seeds below 2**32 only.
     out = kid_features_to_metric(torch.tensor(a), torch.tensor(b), kid_subsets=100, kid_subset_size=subset,
-                                 verbose=False, rng_seed=seed)
+                                 verbose=False, rng_seed=seed % 2**32)
     return out[KEY_METRIC_KID_MEAN], out[KEY_METRIC_KID_STD]
 
 

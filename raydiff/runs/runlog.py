@@ -58,13 +58,18 @@ class JsonlLog:
             self._write(kept)
 
     def append(self, row: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self.extend([row])
+
+    def extend(self, rows: list[dict[str, Any]]) -> None:
+        """Append `rows`, locally in one write: all or none."""
+        clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+                 for row in rows]
         if not self.run.remote:
-            self.run.append_text(self.name, json.dumps(clean) + "\n")
+            self.run.append_text(self.name, "".join(json.dumps(row) + "\n" for row in clean))
             return
         if self._rows is None:
             self._rows = self.rows()
-        self._rows.append(clean)
+        self._rows.extend(clean)
         self._dirty = True
         if time.monotonic() - self._flushed_at >= self._flush_every_s:
             self.flush()

@@ -322,17 +322,18 @@ def _misfit(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
     return None
 
 
-def read_guide(guide: str, endpoint: str | None, model_config: dict[str, Any]) -> tuple[RunDir, dict[str, Any]]:
+def read_guide(guide: str, endpoint: str | None, model: dict[str, Any]) -> tuple[RunDir, dict[str, Any]]:
     """(checkpoint, state) of an autoguidance guide (`--guide`), read as `read_newest` reads, and refused in one line
-    (ConfigError) unless its network predicts what the model's (`model_config`) does (`check_guide`)."""
+    (ConfigError) unless its network predicts what the model's (`model`, its state) does (`check_guide`)."""
     from raydiff.config import ConfigError
-    from raydiff.model.guidance import check_guide
+    from raydiff.model.guidance import check_guide, state_class_names
     from raydiff.runs.checkpoint import checkpoint_location
 
     where = f"--guide {guide}"
     checkpoint, state = read_newest(checkpoint_location(guide, endpoint, where=where), where=where)
     try:
-        check_guide(model_config, state["config"], guide)
+        check_guide(model["config"], state["config"], guide,
+                    class_names=(state_class_names(model), state_class_names(state)))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return checkpoint, state

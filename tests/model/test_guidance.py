@@ -48,3 +48,17 @@ def test_a_guide_of_other_images_or_another_process_is_refused_in_one_line(overr
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
     smaller = load_config("smoke", ["model.base_channels=8", "model.norm_groups=4"], check_source=False).to_dict()
     check_guide(model, smaller, "g")  # a smaller network of the same data and process guides
+
+
+def test_a_guide_of_other_classes_as_many_is_refused_in_one_line():
+    """Its class k would guide the model's class k: both checkpoints name their classes, and they must agree."""
+    from raydiff.model.guidance import state_class_names
+
+    config = load_config("smoke", ["model.num_classes=3", "data.labels=auto"], check_source=False).to_dict()
+    model = {"config": config, "classes": {"names": ["zero", "one", "two"], "counts": [5, 5, 5]}}
+    other = {"config": config, "classes": {"names": ["zero", "one", "car"], "counts": [5, 5, 5]}}
+    with pytest.raises(ValueError) as info:
+        check_guide(config, config, "g", class_names=(state_class_names(model), state_class_names(other)))
+    assert str(info.value).startswith("--guide g: its class 2 is 'car', the model's 'two'; a guide must be a weaker")
+    check_guide(config, config, "g", class_names=(state_class_names(model), state_class_names(dict(model))))
+    check_guide(config, config, "g", class_names=(state_class_names(model), state_class_names({"config": config})))

@@ -79,3 +79,27 @@ def test_a_cached_reference_that_does_not_read_is_computed_again_and_replaced(tm
     assert capsys.readouterr().err == (
         f"[raydiff] note: {cached}, where {first.description} were cached, cannot be read (not a readable .npz "
         f"(empty, cut short, or another kind of file)); computing them again\n")
+
+
+def test_a_reference_of_one_image_is_refused_in_one_line_naming_it(tmp_path, monkeypatch):
+    """A covariance needs two images: it was a ValueError traceback, at a run's start or in `evaluate`."""
+    from PIL import Image
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(ref / "a.png")
+
+    def stats(kind, arrays, features, n, **kw):
+        out = FeatureStats.empty(2)
+        out.add(torch.from_numpy(arrays.reshape(len(arrays), -1)[:, :2].astype(np.float64)))
+        return out
+
+    monkeypatch.setattr(reference_stats, "parallel_stats", stats)
+    cfg = load_config("smoke", [f"eval.ref={ref}", f"run.storage={tmp_path / 'runs'}", "data.channels=1",
+                                "data.resolution=8"], check_source=False)
+    one = SimpleNamespace(arrays=lambda: [np.zeros((1, 1, 8, 8), np.uint8)], usable_indices=lambda: np.arange(1))
+    monkeypatch.setattr("raydiff.data.run_images.open_images", lambda *a, **kw: (one, ""))
+    with pytest.raises(QualityError) as refused:
+        reference_stats.reference_for(cfg, ModuleFeatures(nn.Flatten(), "flat"), keep_features=False)
+    assert str(refused.value) == (f"eval.ref = '{ref}': 1 usable image(s); the reference statistics need at "
+                                  f"least 2")

@@ -54,3 +54,10 @@ def test_coverage_counts_classes_and_confident_samples():
     assert coverage(_stats(features, uniform)) == {"coverage": 1.0, "confident": 1.0}
     collapsed = np.eye(10, dtype=np.float32)[np.zeros(100, int)] * 0.1  # one class, unsure
     assert coverage(_stats(features, collapsed)) == {"coverage": 0.1, "confident": 0.0}
+
+
+def test_kernel_distance_takes_any_seed_the_config_does():
+    """eval.seed is any integer >= 0; numpy's RandomState, which draws KID's subsets, takes seeds below 2**32
+    only: a larger one raised after every image of an evaluation had been sampled."""
+    a, b = np.random.default_rng(0).normal(size=(2, 50, 8))
+    assert kernel_distance(a, b, seed=2**32 + 5) == kernel_distance(a, b, seed=5)
