@@ -420,9 +420,11 @@ def gcs_with_preconditions(gcs_server):
         handlers[method] = handler
 
 
-def test_a_gcs_lease_is_renewed_taken_over_when_stale_and_released(gcs_with_preconditions, monkeypatch):
+def test_a_gcs_lease_is_renewed_taken_over_when_stale_and_released(gcs_with_preconditions, monkeypatch, tmp_path):
     endpoint, fs = gcs_with_preconditions
-    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent")  # no credentials: anonymous
+    # No credentials: anonymous. A path that is surely not there (the GCS client aborts the process where the
+    # file named is a folder, as /nonexistent was on a machine where something had made it one).
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "no-credentials.json"))
     _object_lease_lifecycle("gs://raydiff-gcs/leases/smoke", endpoint)
     assert not fs.get_file_info(__import__("pyarrow.fs").fs.FileSelector("raydiff-gcs/leases", recursive=True,
                                                                         allow_not_found=True))
