@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step", type=int, default=None, help="a snapshot's step (default: the newest)")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")
     args = parser.parse_args(argv)
+    cli.refuse_empty(parser, "--checkpoint", args.checkpoint, "a run directory or checkpoint")
     cli.refuse_empty(parser, "--out", args.out, "a local folder")
     args.out = Path(args.out)
     return args

@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=None, help="with --guide: the autoguidance weight the model "
                                                                      "card samples at (default 2; 1 = the model alone)")
     args = parser.parse_args(argv)
+    cli.refuse_empty(parser, "--checkpoint", args.checkpoint, "a run directory or checkpoint")
     cli.refuse_empty(parser, "--out", args.out, "a new or empty folder")
     args.out = Path(args.out)
     if args.guidance is not None and (args.guide is None or not math.isfinite(args.guidance) or args.guidance < 0):

@@ -54,8 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--resolution {args.resolution}: must be between {MIN_RESOLUTION} and {MAX_RESOLUTION}")
     if not 0 <= args.max_bad_fraction <= 1:
         parser.error(f"--max-bad-fraction {args.max_bad_fraction}: must be in [0, 1]")
-    if not args.label_column:
-        parser.error("--label-column '': must name a column")
+    for flag, column in (("--image-column", args.image_column), ("--label-column", args.label_column)):
+        if not column:
+            parser.error(f"{flag} '': must name a column")
+    if args.endpoint is not None and "://" not in args.endpoint:  # as data.endpoint: read as a host otherwise
+        parser.error(f"--endpoint {args.endpoint!r}: must be a URL such as http://127.0.0.1:9000")
     return args
 
 

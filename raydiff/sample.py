@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="images per forward pass (default: 64 up to 64x64, fewer above, 4 at 256x256)")
     parser.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda, cuda:N")
     args = parser.parse_args(argv)
+    cli.refuse_empty(parser, "--checkpoint", args.checkpoint, "a run directory or checkpoint")
     for name, low in (("num", 1), ("batch", 1), ("seed", 0)):
         if getattr(args, name) is not None and getattr(args, name) < low:
             parser.error(f"--{name} {getattr(args, name)}: must be >= {low}")

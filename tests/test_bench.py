@@ -313,3 +313,12 @@ def test_the_bare_loop_runs_with_a_workers_backend_settings_and_puts_back_those_
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         restore_backend_flags(before)
+
+
+def test_the_recovery_bench_refuses_a_bad_config_in_one_line_at_once(capsys):
+    """It started the run with its output dropped and waited 10 minutes for a first start that never came."""
+    from raydiff import cli
+    from raydiff.bench.__main__ import main
+
+    assert cli.run(main, ["recovery", "--config", "smoke", "--set", "train.lr=fast"]) == 2
+    assert capsys.readouterr().err == "raydiff: config error: train.lr = 'fast': expected a finite number | null\n"

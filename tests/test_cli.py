@@ -186,6 +186,10 @@ def _run_module(command: str, args: list[str], cwd=None) -> tuple[subprocess.Com
     ("raydiff.prepare", ["images", "", "--resolution", "8"], "OUT = ''",
      "a new or empty folder, or an s3:// / gs:// URI"),
     ("raydiff.datasets", ["synthetic", "", "--num", "1"], "OUT = ''", "a new or empty folder"),
+    # An empty --checkpoint read the current folder as the run.
+    *[(command, ["--checkpoint", "", *more], "--checkpoint ''", "a run directory or checkpoint")
+      for command, more in (("raydiff.sample", ["--out", "x"]), ("raydiff.evaluate", []),
+                            ("raydiff.export", ["--out", "x"]), ("raydiff.ema", ["--out", "x", "--sigma-rel", "0.1"]))],
 ])
 def test_an_empty_out_is_one_line_in_every_command_that_writes_one_and_the_current_folder_is_left_alone(
         command, args, out, allowed, tmp_path):

@@ -200,3 +200,20 @@ def test_a_hub_dataset_trains_on_its_train_split_from_its_hf_uri(hub_server, tmp
     assert json.loads((tmp_path / "hub" / "data.json").read_text())["classes"] == ["cat", "dog", "frog"]
     read = [path for method, path in hub_server.requests if "/resolve/" in path]
     assert any("train-00001-of-00002" in path for path in read) and not any("test-" in path for path in read)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--image-column", ""], "--image-column '': must name a column"),
+    (["--label-column", ""], "--label-column '': must name a column"),
+    (["--endpoint", "foo"], "--endpoint 'foo': must be a URL such as http://127.0.0.1:9000"),
+])
+def test_prepare_refuses_what_the_config_refuses_in_one_line_before_reading_anything(tmp_path, capsys, args, line):
+    """An empty image column and an endpoint without a scheme were taken (the config refuses both), and the whole
+    source prepared."""
+    from raydiff import cli, prepare
+
+    with pytest.raises(SystemExit) as refused:
+        cli.run(prepare.main, ["builtin:digits", str(tmp_path / "out"), "--resolution", "8", *args])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == f"raydiff: error: {line} (python -m raydiff.prepare --help)\n"
+    assert not (tmp_path / "out").exists()

@@ -234,7 +234,8 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(ray_session, tmp_path):
     (["--lr", "1e-5:1e-3", "--batch", "16,0"], "expected distinct positive integers"),
     (["--lr", "1e-5:1e-3", "--batch", "1"], "--batch 1: train.global_batch = 1: must be at least the number of "
                                             "workers (2)"),
-    (["--lr", "1e-5:1e-3", "--batch", "16", "--samples", "0"], "--samples 0: must be >= 1"),
+    (["--lr", "1e-5:1e-3", "--batch", "16", "--samples", "0"], "--samples 0: must be between 1 and 1000"),
+    (["--lr", "1e-5:1e-3", "--batch", "16", "--samples", "1000000000"], "--samples 1000000000: must be between 1 and"),
     (["--lr", "1e-5:1e-3", "--batch", "16,32", "--budget-images", "16"], "must be at least 32"),
     (["--lr", "1e-5:1e-3", "--batch", "16", "--max-concurrent", "0"], "--max-concurrent 0: must be >= 1"),
     # Each trial's own config, checked before Ray starts (was a Tune traceback in the trial, and none of the
@@ -258,8 +259,8 @@ def test_trials_keep_warmup_decay_and_ema_half_life_in_images(tmp_path):
     from raydiff.config import load_config
     from raydiff.training.sweep_plan import Sweep, trial_config
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}", "train.warmup_steps=20", "train.ema_warmup_steps=8",
-                                "train.lr_decay=rsqrt", "train.lr_decay_steps=40"])
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16", "train.warmup_steps=20",
+                                "train.ema_warmup_steps=8", "train.lr_decay=rsqrt", "train.lr_decay_steps=40"])
     sweep = Sweep(name="s", base_lrs=(1e-3,), batches=(16, 64), rules=("linear",), budget_images=640,
                   interval_images=64, max_concurrent=None)
     same = trial_config(cfg, {"batch": 16, "base_lr": 1e-3, "rule": "linear"}, sweep, str(tmp_path))
@@ -280,7 +281,7 @@ def test_best_yaml_keeps_the_base_configs_scaling(tmp_path, num_workers):
     from raydiff.training.sweep_plan import Sweep
     from raydiff.tune import write_outputs
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}", f"scaling.num_workers={num_workers}"])
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16", f"scaling.num_workers={num_workers}"])
     sweep = Sweep(name="s", base_lrs=(1e-3,), batches=(16,), rules=("linear",), budget_images=640,
                   interval_images=64, max_concurrent=None)
     row = {"trial": "linear-b16-lr0.001", "rule": "linear", "batch": 16, "base_lr": 1e-3, "lr": 1e-3,
@@ -295,7 +296,7 @@ def test_summary_json_keeps_each_failed_trials_line(tmp_path):
     from raydiff.training.sweep_plan import Sweep
     from raydiff.tune import write_outputs
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}"])
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16"])
     sweep = Sweep(name="s", base_lrs=(1e-3, 1e-4), batches=(16,), rules=("linear",), budget_images=640,
                   interval_images=64, max_concurrent=None)
     rows = [{"trial": f"linear-b16-lr{lr:.3g}", "rule": "linear", "batch": 16, "base_lr": lr, "lr": lr,
@@ -363,8 +364,8 @@ def test_trials_that_run_at_once_split_the_stream_buffer(ray_session, tmp_path):
     from raydiff.config import load_config
     from raydiff.training.sweep import sweep_images
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.cache=stream", "data.stream_buffer_gb=0.0001",
-                                "data.stream_window_shards=2"])
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16", "data.cache=stream",
+                                "data.stream_buffer_gb=0.0001", "data.stream_window_shards=2"])
     alone, _ = sweep_images(cfg, tmp_path / "alone", 1)
     shared, cache = sweep_images(cfg, tmp_path / "shared", 2)
     assert shared.buffer_bytes == int(alone.buffer_bytes * 0.5) and shared.window_shards == alone.window_shards == 2
@@ -379,7 +380,8 @@ def test_a_warmup_that_outlasts_asha_s_first_comparison_is_warned_of(tmp_path, c
     from raydiff.config import load_config
     from raydiff.training.sweep_plan import plan_sweep
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}", "train.warmup_steps=100"])  # 1,600 images
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16",
+                                "train.warmup_steps=100"])  # 1,600 images
     args = SimpleNamespace(samples=1, lr="1e-3", batch="16,64", scaling="linear", max_concurrent=None, name=None,
                            metric="val_loss", budget_images=None)
     plan_sweep(SimpleNamespace(**{**vars(args), "budget_images": 64_000}), cfg)
@@ -403,7 +405,7 @@ def test_a_zero_budget_or_an_empty_name_is_refused_not_taken_for_the_default(tmp
     from raydiff.config import ConfigError, load_config
     from raydiff.training.sweep_plan import plan_sweep
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}"])
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16"])
     args = SimpleNamespace(**{"samples": 1, "lr": "1e-3", "batch": "16", "scaling": "linear", "max_concurrent": None,
                               "name": None, "metric": "val_loss", "budget_images": None, **given})
     with pytest.raises(ConfigError) as caught:
@@ -435,7 +437,7 @@ def test_close_learning_rates_name_trials_apart(tmp_path):
     from raydiff.config import ConfigError, load_config
     from raydiff.training.sweep_plan import plan_sweep, trial_config
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}"])
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16"])
     args = SimpleNamespace(samples=3, lr="1e-3:1.01e-3", batch="16", scaling="linear", max_concurrent=None,
                            name=None, metric="val_loss", budget_images=None)
     sweep = plan_sweep(args, cfg)

@@ -110,31 +110,40 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait(condition, timeout: float, what: str):
+def _wait(condition, timeout: float, what: str, proc: subprocess.Popen, errors: Path):
+    """`condition()`'s first truthy value, within `timeout` and while the run `proc` goes on."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = condition()
         if value:
             return value
+        if proc.poll() is not None:  # it ended: what it said last, not a wait of minutes
+            said = errors.read_text(errors="replace").strip().splitlines()[-1:] or ["nothing"]
+            raise RuntimeError(f"the run ended (exit code {proc.returncode}) before {what}; it said: {said[0]}")
         time.sleep(0.05)
     raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def bench_recovery(config: str, overrides: list[str]) -> dict:
+    from raydiff.config import load_config
+
+    load_config(config, overrides)  # what the run would refuse, refused here in one line
     with tempfile.TemporaryDirectory(prefix="raydiff-bench-") as storage:
         run_dir = Path(storage) / "recovery"
+        errors = Path(storage) / "stderr.txt"
         args = [sys.executable, "-m", "raydiff.train", "--config", config, *[f"--set={o}" for o in overrides],
                 "--set", f"run.storage={storage}", "--set", "run.name=recovery"]
         launched = time.time()
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                env=dict(os.environ, RAY_ADDRESS="local"))  # its own Ray: we kill only our worker
+        with errors.open("wb") as stderr:
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr, stdin=subprocess.DEVNULL,
+                                    env=dict(os.environ, RAY_ADDRESS="local"))  # its own Ray: we kill only our worker
         try:
-            first = _wait(lambda: next(iter(_events(run_dir)), None), 600, "the first start")
-            _wait(lambda: any(run_dir.glob("checkpoint_*/state.pt")), 600, "the first checkpoint")
+            first = _wait(lambda: next(iter(_events(run_dir)), None), 600, "the first start", proc, errors)
+            _wait(lambda: any(run_dir.glob("checkpoint_*/state.pt")), 600, "the first checkpoint", proc, errors)
             killed = time.time()
             os.kill(first["pid"], signal.SIGKILL)
             restart = _wait(lambda: next((e for e in _events(run_dir) if e["event"] == "start" and e["time"] > killed),
-                                         None), 600, "the restart")
+                                         None), 600, "the restart", proc, errors)
             returncode = proc.wait(timeout=900)
         finally:
             if proc.poll() is None:

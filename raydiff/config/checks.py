@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from packaging.version import InvalidVersion, Version
 
@@ -73,10 +73,27 @@ def _value(cfg: Config, key: str) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+T = TypeVar("T")
+# The longest any wait may be set to (about 3 years): what Python's timed waits (threading.TIMEOUT_MAX, 292 years)
+# and Ray's process-group timeout (a timedelta, under 2.7 million years) take, where 1e30 s raised OverflowError.
+LONGEST_S = 1e8
+
+
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     """Refuse `key` = `value` with what is allowed, in one line, unless `ok`."""
     if not ok:
         raise ConfigError(f"{key} = {shown(value)}: {allowed}")
+
+
+def look_at(key: str, value: str, what: Callable[[Path], T]) -> T:
+    """`what` of the local path `value` of `key`, or one line (ConfigError) where the path cannot be looked at:
+    a folder on its way that this user may not enter, a name too long, a NUL, a symlink loop (Path's checks
+    raise for those)."""
+    try:
+        return what(Path(value).expanduser())
+    except (OSError, ValueError, RuntimeError) as exc:
+        why = exc.strerror.lower() if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{key} = {shown(value)}: cannot look at it ({why})") from None
 
 
 class _Abridged(str):
@@ -99,11 +116,13 @@ def _holds_weights(location: str) -> bool:
     """A raydiff run or checkpoint folder, a local diffusers pipeline folder (unet/config.json) or UNet2DModel
     folder (config.json), where such a path exists here. Cheap: a new run reads and checks it before training (a
     missing folder too, which a continuing run, never reading it, does not need)."""
-    path = Path(location).expanduser()
-    if path.exists():
+    def holds(path: Path) -> bool:
+        if not path.exists():
+            return True
         diffusers = (path / "unet" / "config.json").is_file() or (path / "config.json").is_file()
         return diffusers or is_raydiff_run(location)
-    return True
+
+    return look_at("model.init_from", location, holds)
 
 
 def _resolutions(cfg: Config) -> list[int]:
@@ -207,6 +226,8 @@ RULES: tuple[Rule, ...] = (
     Rule("train.base_batch", lambda c: c.train.base_batch >= 1, "must be >= 1"),
     Rule("train.lr_scaling_knee", lambda c: c.train.lr_scaling_knee >= 1, "must be >= 1"),
     Rule("train.val_every", lambda c: c.train.val_every >= 0, "must be >= 0 (0 = only at the end)"),
+    Rule("train.val_every", lambda c: c.train.val_every == 0 or c.data.val_images > 0,
+         "needs held-out images to measure on (data.val_images = 0): set data.val_images, or train.val_every = 0"),
     Rule("data.val_images", lambda c: c.data.val_images >= 0, "must be >= 0"),
     Rule("train.warmup_steps", lambda c: c.train.warmup_steps >= 0, "must be >= 0"),
     Rule("train.lr_decay_steps", lambda c: c.train.lr_decay != "rsqrt" or c.train.lr_decay_steps >= 1,
@@ -248,9 +269,12 @@ RULES: tuple[Rule, ...] = (
          "must be >= 1"),
     Rule("scaling.cpus_per_worker", lambda c: c.scaling.cpus_per_worker is None or c.scaling.cpus_per_worker > 0,
          "must be > 0 or null"),
-    Rule("scaling.resize_check_s", lambda c: c.scaling.resize_check_s > 0, "must be > 0 seconds"),
-    Rule("scaling.node_wait_s", lambda c: c.scaling.node_wait_s > 0, "must be > 0 seconds"),
-    Rule("scaling.hang_timeout_s", lambda c: c.scaling.hang_timeout_s >= 10, "must be at least 10 seconds"),
+    Rule("scaling.resize_check_s", lambda c: 0 < c.scaling.resize_check_s <= LONGEST_S,
+         f"must be > 0 seconds, and at most {LONGEST_S:,.0f} (about 3 years)"),
+    Rule("scaling.node_wait_s", lambda c: 0 < c.scaling.node_wait_s <= LONGEST_S,
+         f"must be > 0 seconds, and at most {LONGEST_S:,.0f} (about 3 years)"),
+    Rule("scaling.hang_timeout_s", lambda c: 10 <= c.scaling.hang_timeout_s <= LONGEST_S,
+         f"must be at least 10 seconds, and at most {LONGEST_S:,.0f} (about 3 years)"),
 )
 
 # Checked after the workers' batch arithmetic, as before it: run, evaluation, dashboards, debug.
@@ -271,8 +295,9 @@ LATER_RULES: tuple[Rule, ...] = (
          "needs a local run.storage"),
     Rule("run.max_failures", lambda c: c.run.max_failures >= -1, "must be >= 0, or -1 for unlimited"),
     Rule("run.keep_checkpoints", lambda c: c.run.keep_checkpoints >= 1, "must be >= 1"),
-    Rule("run.lease_stale_s", lambda c: c.run.lease_stale_s >= 4,
-         "must be >= 4 seconds (the lease is renewed every quarter of it)"),
+    Rule("run.lease_stale_s", lambda c: 4 <= c.run.lease_stale_s <= LONGEST_S,
+         f"must be >= 4 seconds (the lease is renewed every quarter of it), and at most {LONGEST_S:,.0f} (about 3 "
+         f"years)"),
     Rule("eval.every", lambda c: c.eval.every >= 0, "must be >= 0 (0 = none during the run)"),
     Rule("eval.num", lambda c: c.eval.num >= 2, "must be >= 2 (a covariance needs two images; FID uses 50000)"),
     Rule("eval.steps", lambda c: c.eval.steps >= 1, "must be >= 1"),
@@ -288,7 +313,7 @@ LATER_RULES: tuple[Rule, ...] = (
     Rule("eval.inception_weights", lambda c: c.eval.inception_weights is None or "://" not in c.eval.inception_weights,
          "a local copy is read (a URI is not): download the file to this machine"),
     Rule("eval.inception_weights", lambda c: c.eval.inception_weights is None or "://" in c.eval.inception_weights
-         or Path(c.eval.inception_weights).is_file(), "no such file"),
+         or look_at("eval.inception_weights", c.eval.inception_weights, Path.is_file), "no such file"),
     Rule("log.mlflow_uri", lambda c: c.log.mlflow_uri is None or bool(c.log.mlflow_uri.strip()),
          "must be a tracking URI such as http://127.0.0.1:5000, or null"),
     Rule("log.mlflow_experiment", lambda c: bool(c.log.mlflow_experiment), "must name one"),
@@ -347,7 +372,8 @@ def check_source_uri(source: str | None, key: str = "data.source") -> None:
         _check(source in BUILTIN_SOURCES, key, source, f"builtin sources: {', '.join(BUILTIN_SOURCES)}")
     elif "://" not in source:
         folder, _ = glob_split(source)  # a glob's folder must exist; what matches is listed when the run starts
-        _check(Path(source).exists() or Path(folder).is_dir(), key, source, "no such file or folder")
+        _check(look_at(key, source, lambda path: path.exists() or Path(folder).expanduser().is_dir()), key,
+               source, "no such file or folder")
     else:
         _check(source.startswith(SCHEMES), key, source,
                f"supported URI schemes: {', '.join(SCHEMES)} (or a local path)")

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from raydiff.config.checks import validate
+from raydiff.config.checks import look_at, validate
 from raydiff.config.schema import (
     Config,
     ConfigError,
@@ -23,7 +23,7 @@ from raydiff.config.schema import (
     sections_problem,
     set_key,
 )
-from raydiff.config.values import YAML_ERRORS, is_text
+from raydiff.config.values import YAML_ERRORS, DecimalLoader, is_text, shown
 from raydiff.storage.errors import permanent_reason
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def load_config(name_or_path: str = "default", overrides: Sequence[str] = (), *,
     cfg = Config()
     for section, values in tree.items():
         if not isinstance(section, str) or section not in fields_of(cfg):
-            raise ConfigError(f"{path}: unknown section '{section}'; known sections: {', '.join(fields_of(cfg))}")
+            raise ConfigError(f"{path}: unknown section {shown(section)}; known sections: {', '.join(fields_of(cfg))}")
         for key, value in (values or {}).items():
             name = f"{section}.{key}"
             if isinstance(value, (int, float, datetime.date)) and is_text(key_type(name)):
@@ -108,11 +108,11 @@ class DuplicateKey(yaml.YAMLError):
     """A mapping of a config file that names a key twice; the message says where, in one line."""
 
 
-class ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader (plain data only) for config files, which refuses a key given twice in one mapping, at
-    any depth (`DuplicateKey`: PyYAML keeps the last silently, so a second `train:` section dropped the first's
-    keys; a merge, `<<: *base`, may still be overridden), and keeps each scalar value as written, by key path
-    (`written["run.name"]`), for the messages that quote it."""
+class ConfigLoader(DecimalLoader):
+    """PyYAML's safe loader (plain data only; numbers as `DecimalLoader` reads them) for config files, which
+    refuses a key given twice in one mapping, at any depth (`DuplicateKey`: PyYAML keeps the last silently, so a
+    second `train:` section dropped the first's keys; a merge, `<<: *base`, may still be overridden), and keeps each
+    scalar value as written, by key path (`written["run.name"]`), for the messages that quote it."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -202,12 +202,17 @@ def _where_and_what(exc: yaml.YAMLError) -> str:
 def _resolve_paths(cfg: Config) -> None:
     """Workers run in another directory: make local paths absolute on the driver."""
     if cfg.data.source and "://" not in cfg.data.source and not cfg.data.source.startswith("builtin:"):
-        cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
+        cfg.data.source = _absolute("data.source", cfg.data.source)
     if cfg.run.storage and "://" not in cfg.run.storage:  # empty stays empty, for its rule to refuse (not ".")
-        cfg.run.storage = str(Path(cfg.run.storage).expanduser().resolve())
-    if cfg.model.init_from and Path(cfg.model.init_from).expanduser().exists():  # else a hub id, kept as it is
-        cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().resolve())
+        cfg.run.storage = _absolute("run.storage", cfg.run.storage)
+    if cfg.model.init_from and look_at("model.init_from", cfg.model.init_from, Path.exists):
+        cfg.model.init_from = _absolute("model.init_from", cfg.model.init_from)  # else a hub id, kept as it is
     for key in ("inception_weights", "ref"):
         value = getattr(cfg.eval, key)
         if value and "://" not in value:
-            setattr(cfg.eval, key, str(Path(value).expanduser().resolve()))
+            setattr(cfg.eval, key, _absolute(f"eval.{key}", value))
+
+
+def _absolute(key: str, value: str) -> str:
+    """The local path `value` of `key` made absolute, or one line where it cannot be looked at."""
+    return look_at(key, value, lambda path: str(path.resolve()))

@@ -481,7 +481,7 @@ def key_type(key: str) -> Any:
     if "." in name or section not in sections or name not in get_type_hints(sections[section]):
         close = difflib.get_close_matches(key, all_keys(), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else f"; known sections: {', '.join(sections)}"
-        raise ConfigError(f"unknown key '{key}'{hint}")
+        raise ConfigError(f"unknown key {shown(key)}{hint}")
     return get_type_hints(sections[section])[name]
 
 

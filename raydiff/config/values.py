@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -29,9 +30,15 @@ def describe_type(hint: Any) -> str:
     return {int: "integer", float: "a finite number", bool: "true | false", str: "string"}.get(hint, str(hint))
 
 
+_SHOWN = reprlib.Repr()  # bounded: a few YAML aliases nest a value whose full repr takes gigabytes
+_SHOWN.maxstring = _SHOWN.maxother = 300
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 12, 12, 12
+
+
 def shown(value: Any) -> str:
-    """A value as a one-line error names it: `null` for None (as a YAML file and `--set` write it), else its repr."""
-    return "null" if value is None else repr(value)
+    """A value as a one-line error names it: `null` for None (as a YAML file and `--set` write it), else its repr,
+    abridged (`...`) where long."""
+    return "null" if value is None else _SHOWN.repr(value)
 
 
 def is_text(hint: Any) -> bool:
@@ -131,9 +138,34 @@ def coerce(value: Any, hint: Any) -> Any:
 YAML_ERRORS = (yaml.YAMLError, ValueError, LookupError, AttributeError, TypeError)
 
 
+class DecimalLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but numbers read as YAML 1.2 and people read them: `064` is 64 (YAML 1.1: octal 52),
+    and `1:30` is text (1.1: 90, base 60), which a number key then refuses."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+DecimalLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+DecimalLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0b[0-1_]+|0x[0-9a-fA-F_]+|[0-9][0-9_]*)$"),
+                                    list("-+0123456789"))
+DecimalLoader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?
+    |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
+
+def _decimal_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text.removeprefix("+"))
+    base = {"0b": 2, "0x": 16}.get(digits[:2], 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+DecimalLoader.add_constructor(_INT, _decimal_int)
+
+
 def read_yaml(text: str) -> Any:
-    """`text` read as YAML; ValueError where it cannot be (`*`, `'4`, `[3`, `!!float x`)."""
+    """`text` read as YAML (`DecimalLoader`); ValueError where it cannot be (`*`, `'4`, `[3`, `!!float x`)."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=DecimalLoader)  # noqa: S506 - a SafeLoader
     except YAML_ERRORS:
         raise ValueError(text) from None

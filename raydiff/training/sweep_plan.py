@@ -23,6 +23,7 @@ from raydiff.config.checks import validate
 from raydiff.config.learning_rate import LR_RULES
 
 REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them
+MAX_SAMPLES = 1000  # base learning rates per batch size and rule (10**9 was a wait of minutes for 8 GB of them)
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ def _parse_batches(text: str) -> tuple[int, ...]:
 
 def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
     """Check the arguments against the config; raises ConfigError with one line."""
-    if args.samples < 1:
-        raise ConfigError(f"--samples {args.samples}: must be >= 1")
+    if not 1 <= args.samples <= MAX_SAMPLES:  # each a trial per batch size and rule
+        raise ConfigError(f"--samples {args.samples}: must be between 1 and {MAX_SAMPLES}")
     base_lrs, batches = _parse_lrs(args.lr, args.samples), _parse_batches(args.batch)
     rules = LR_RULES if args.scaling == "compare" else (args.scaling,)
     for batch in batches:  # every trial's config must be valid, e.g. divisible by the number of workers

@@ -21,6 +21,14 @@ from raydiff.config.checks import parse_sigma_rels
     ("diffusion.prediction=score", "expected eps | v | x0"),
     ("scaling.use_gpu=maybe", "expected auto | true | false"),
     ("scaling.hang_timeout_s=5", "scaling.hang_timeout_s = 5.0: must be at least 10 seconds"),
+    # Past what a timed wait takes (an OverflowError as the run's process group or its lease renewal began).
+    ("scaling.hang_timeout_s=1e14", "scaling.hang_timeout_s = 100000000000000.0: must be at least 10 seconds, and at "
+                                    "most 100,000,000 (about 3 years)"),
+    ("run.lease_stale_s=1e30", "run.lease_stale_s = 1e+30: must be >= 4 seconds"),
+    # No validation would ever run, silently.
+    ("train.val_every=5", "train.val_every = 5: needs held-out images to measure on (data.val_images = 0): set "
+                          "data.val_images, or train.val_every = 0"),
+    ("scaling.node_wait_s=1e9", "scaling.node_wait_s = 1000000000.0: must be > 0 seconds, and at most 100,000,000"),
     ("train.global_batch=1", "train.global_batch = 1: must be at least the number of workers (2)"),
     ("data.source=/no/such/folder", "data.source = '/no/such/folder': no such file or folder"),
     ("data.source=builtin:mnist", "builtin sources: builtin:digits"),
