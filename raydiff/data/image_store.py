@@ -16,6 +16,7 @@ shared memory (`raydiff.data.loader`); the per-epoch work (flip, scale to [-1, 1
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import tarfile
@@ -150,18 +151,27 @@ def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: 
                        labels: LabelPlan | None = None) -> dict[str, np.ndarray]:
     n = len(batch["__key__"])
     values = np.empty(n, dtype=object)
-    for key in WEBDATASET_IMAGE_KEYS:  # the sample's image, whichever extension it has
-        if key in batch:
-            column = batch[key]
-            for i in range(n):
-                if values[i] is None and column[i] is not None:
-                    values[i] = column[i]
+    # The sample's image, whichever extension it has, in either case (`.JPG`). A sample without a member has NaN
+    # in its column (Ray builds the blocks with pandas), not None: only bytes are an image.
+    members = sorted((key for key in batch if key.lower() in WEBDATASET_IMAGE_KEYS),
+                     key=lambda key: WEBDATASET_IMAGE_KEYS.index(key.lower()))
+    for key in members:
+        column = batch[key]
+        for i in range(n):
+            if values[i] is None and isinstance(column[i], (bytes, bytearray, memoryview)):
+                values[i] = column[i]
     wheres = [f"{p}:{k}" for p, k in zip(batch.get("path", [""] * n), batch["__key__"], strict=True)]
     out = _decode_encoded(values, wheres, resolution, channels)
     if labels is None:
         return out
-    cls = batch["cls"] if "cls" in batch else [None] * n  # a block without any .cls has no such column
+    cls_key = next((key for key in batch if key.lower() == "cls"), None)
+    cls = batch[cls_key] if cls_key else [None] * n  # a block without any .cls has no such column
     return _with_labels(out, [labels.of_value(v) for v in cls], wheres)
+
+
+def _member_wanted(wanted: frozenset[str], suffix: str) -> bool:
+    """Whether a WebDataset member of this extension is read: Ray's suffix list matches case exactly."""
+    return suffix.lower() in wanted
 
 
 # A decode function as map_batches calls it, fn(batch, **fn_kwargs): Ray's annotation knows only fn(batch).
@@ -182,9 +192,9 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
         return (ray.data.read_binary_files(files, filesystem=fs, include_paths=True)
                 .map_batches(cast(_BatchFn, _decode_files), **kwargs))
     if source.kind == "webdataset":
-        label_keys = ["cls"] if labels is not None else []
+        wanted = frozenset([*WEBDATASET_IMAGE_KEYS, *(["cls"] if labels is not None else []), "__key__"])
         return (ray.data.read_webdataset(files, filesystem=fs, decoder=None, include_paths=True,
-                                         suffixes=list(WEBDATASET_IMAGE_KEYS) + label_keys + ["__key__"])
+                                         suffixes=functools.partial(_member_wanted, wanted))
                 .map_batches(cast(_BatchFn, _decode_webdataset), **kwargs))
     column = "image" if source.kind == "prepared" else image_column
     with reading(source.uri, files[0]):
