@@ -111,6 +111,8 @@ def open_source(source: str | None, *, format: FileKind | Literal["auto"] = "aut
         filesystem, path = filesystem_for(source, endpoint=endpoint, anonymous=anonymous, hub=True)
     except ValueError as exc:
         raise DataError(f"data.source = {source!r}: {exc}") from None
+    except RuntimeError as exc:  # `~nosuchuser/...`, a symlink loop: Path's expanduser and resolve raise these
+        raise DataError(f"data.source = {source!r}: cannot look at it ({exc})") from None
     return _list(source, path, filesystem, format)
 
 

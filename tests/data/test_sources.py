@@ -180,3 +180,12 @@ def test_the_footers_of_a_remote_parquet_dataset_are_read_at_once_not_one_after_
     (tmp_path / "train-00003.parquet").write_bytes(b"PAR1 not Parquet")  # a damaged file is still named in one line
     with pytest.raises(DataError, match=r"cannot read .*train-00003.parquet \(Parquet magic bytes not found"):
         estimated_count(source)
+
+
+@pytest.mark.parametrize("source", ["~nosuchuser-of-raydiff/images", "file://~nosuchuser-of-raydiff/images"])
+def test_a_source_under_an_unknown_user_s_home_is_one_line(source):
+    """Path.expanduser raises RuntimeError there: a traceback from prepare, and from training for the file:// form,
+    which the config's check takes for a URI."""
+    with pytest.raises(DataError) as refused:
+        open_source(source)
+    assert str(refused.value) == f"data.source = {source!r}: cannot look at it (Could not determine home directory.)"
