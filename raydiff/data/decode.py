@@ -55,7 +55,12 @@ def _to_8bit(image: Image.Image) -> Image.Image:
 def _flatten(image: Image.Image, mode: str) -> Image.Image:
     """Any PIL image -> `mode` ("L" or "RGB"), alpha composited over the background."""
     if image.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
-        image = _to_8bit(image)
+        key = image.info.get("transparency")  # a 16-bit grayscale PNG's tRNS: the one value that is transparent
+        eight = _to_8bit(image)
+        if isinstance(key, int) and image.mode != "F":
+            alpha = Image.fromarray(np.where(np.asarray(image) == key, 0, 255).astype(np.uint8), mode="L")
+            eight = Image.merge("LA", (eight, alpha))
+        image = eight
     if image.mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
     transparent = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info

@@ -140,3 +140,14 @@ def test_nested_rows_of_a_tensor_become_one_array_and_ragged_ones_a_bad_image():
     with_a_null[:] = [np.zeros(3, np.uint8), None]
     with pytest.raises(BadImage, match="^an empty or null tensor"):  # named as null, not as ragged
         dense_array(with_a_null)
+
+
+def test_a_16_bit_grayscale_png_s_transparent_value_is_put_over_white():
+    """Its transparency is a 16-bit value (tRNS): scaling to 8 bits dropped it, and the transparent pixels were
+    black (0), where 8-bit grayscale and 16-bit RGB ones are white."""
+    array = np.full((16, 16), 40000, np.uint16)
+    array[:, :8] = 0  # the left half: the transparent value
+    data = encode(Image.fromarray(array), transparency=0)
+    assert Image.open(io.BytesIO(data)).info.get("transparency") == 0  # as written
+    decoded = decode_resize_crop(data, 16, 1)[0]
+    assert np.all(decoded[:, :6] == 255) and np.all(decoded[:, 10:] == round(40000 / 257))
