@@ -62,6 +62,9 @@ def check_bad_fraction(store: HasBadSamples, max_bad_fraction: float) -> None:
     if not store.bad:
         return
     fraction = len(store.bad) / store.num_images
+    if len(store.bad) == store.num_images:  # even where data.max_bad_fraction = 1 allows it: nothing to train on
+        examples = "; ".join(f"{b.where}: {b.reason}" for b in store.bad[:3])
+        raise DataError(f"none of the {store.num_images} samples in {store.source} can be used, e.g. {examples}")
     if fraction > max_bad_fraction:
         examples = "; ".join(f"{b.where}: {b.reason}" for b in store.bad[:3])
         raise DataError(f"{len(store.bad)} of {store.num_images} samples in {store.source} cannot be used "

@@ -128,6 +128,9 @@ def plan_labels(source, label_column: str) -> LabelPlan:
         if source.uri == "builtin:digits":
             return LabelPlan("digits", "names")
         plan = LabelPlan("folder", "names", root=source.root)
+        if source.files == (source.root,):  # one image file: no folder for classes
+            raise DataError(f"{where} is one image file: its class would be the name of a subfolder of a folder "
+                            f"source; give the folder of class subfolders")
         if not any(folder_label(f, source.root) for f in source.files):
             raise DataError(f"{where} has no class subfolders; put each class's images in "
                             f"{source.uri.rstrip('/')}/<class>/")

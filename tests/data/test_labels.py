@@ -213,3 +213,30 @@ def test_a_prepared_copy_reads_class_names_as_written_spaces_and_all():
     assert plan.of_value("")[0] == ""  # no label
     text = LabelPlan("parquet", "text", column="label")
     assert text.of_value(" cat ")[0] == "cat"  # a user's column: trimmed, as before
+
+
+def test_labels_of_a_source_that_is_one_image_file_ask_for_a_folder(tmp_path):
+    """Its "root" is the file itself: the line told to put the classes in image.png/<class>/."""
+    from raydiff.data.labels import plan_labels
+
+    (path,) = write_synthetic(tmp_path, num=1, resolution=8)
+    with pytest.raises(DataError) as refused:
+        plan_labels(open_source(str(path)), "label")
+    assert str(refused.value) == (f"data.labels = 'auto': data.source = '{path}' is one image file: its class would "
+                                  f"be the name of a subfolder of a folder source; give the folder of class "
+                                  f"subfolders")
+
+
+def test_a_source_of_no_usable_sample_is_said_so_even_where_every_one_may_be_bad():
+    """With data.max_bad_fraction = 1 the run went on to refuse data.val_images = 0 as "below the number of usable
+    images (0)"."""
+    from types import SimpleNamespace
+
+    from raydiff.data.errors import BadSample, check_bad_fraction
+
+    store = SimpleNamespace(num_images=2, source="/data", bad=(BadSample(0, "/data/a.png", "not an image"),
+                                                               BadSample(1, "/data/b.png", "empty file")))
+    with pytest.raises(DataError) as refused:
+        check_bad_fraction(store, 1.0)
+    assert str(refused.value) == ("none of the 2 samples in /data can be used, e.g. /data/a.png: not an image; "
+                                  "/data/b.png: empty file")
