@@ -184,19 +184,24 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
         kind = _kind_of(f.path)
         if kind is not None and not _hidden(f.path, folder):
             by_kind.setdefault(kind, []).append(f)
+    hub_repository = uri.startswith(HUB_SCHEME) and pattern is None and info.type == pafs.FileType.Directory
+    card = _hub_card(uri, filesystem, folder, found) if hub_repository else ""
     if format != "auto":
         chosen = format
     elif len(by_kind) > 1:
-        counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_kind.items()))
-        raise DataError(f"data.source = {uri!r} holds several kinds of files ({counts}): set data.format to one of "
-                        f"{', '.join(KIND_EXTENSIONS)}")
+        # A Hub dataset's card comes first: its train split's files decide (a preview image beside Parquet data).
+        by_split = _kinds_of_card_split(uri, card, by_kind, folder) if card else []
+        if len(by_split) != 1:
+            counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_kind.items()))
+            raise DataError(f"data.source = {uri!r} holds several kinds of files ({counts}): set data.format to one "
+                            f"of {', '.join(KIND_EXTENSIONS)}")
+        chosen = by_split[0]
     else:
         chosen = next(iter(by_kind), "images")
     files = sorted(by_kind.get(chosen, []), key=lambda f: f.path)
     split = ""
-    if uri.startswith(HUB_SCHEME) and pattern is None and info.type == pafs.FileType.Directory:
+    if hub_repository:
         paths = [f.path for f in files]
-        card = _hub_card(uri, filesystem, folder, found)
         by_card = card_split(uri, card, paths, folder, KIND_LABELS[chosen]) if card else None
         paths, split, folder = by_card or train_split(uri, paths, folder)
         wanted = set(paths)
@@ -207,6 +212,20 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
                         f"{'' if is_remote(uri) else ', recursively'})")
     return Source(uri=uri, kind=chosen, filesystem=filesystem, files=tuple(f.path for f in files),
                   sizes=tuple(int(f.size) for f in files), root=folder, split=split)
+
+
+def _kinds_of_card_split(uri: str, card: str, by_kind: dict[FileKind, list[pafs.FileInfo]],
+                         folder: str) -> list[FileKind]:
+    """The kinds of file among `by_kind` that the split a Hub dataset's `card` trains on holds."""
+    kinds = []
+    for kind, infos in sorted(by_kind.items()):
+        try:
+            chosen = card_split(uri, card, [f.path for f in infos], folder, KIND_LABELS[kind])
+        except DataError:  # its split matches none of this kind's files
+            continue
+        if chosen is not None and chosen[0]:
+            kinds.append(kind)
+    return kinds
 
 
 def _hub_card(uri: str, filesystem: pafs.FileSystem, folder: str, listed: list[pafs.FileInfo]) -> str:

@@ -138,6 +138,22 @@ def test_a_datasets_card_names_its_train_files_where_names_alone_would_not(hub_s
     assert source.describe() == "2 Parquet files in hf://datasets/raydiff-tests/carded (its train split)"
 
 
+def test_a_preview_image_beside_a_carded_dataset_s_parquet_files_leaves_the_card_to_decide(hub_server):
+    """Many Hub repositories hold a banner or preview image beside their data: "holds several kinds of files"
+    refused them, though the card names the train files."""
+    repo = hub_server.root / "raydiff-tests" / "with-banner"
+    _write_split(repo / "data", "train-00000-of-00001", [0, 1])
+    _write_split(repo / "data", "test-00000-of-00001", [2])
+    write_synthetic(repo, num=1, resolution=8)  # an image at the repository's root
+    _card(repo, "configs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n")
+    source = open_source("hf://datasets/raydiff-tests/with-banner", endpoint=hub_server.endpoint)
+    assert source.kind == "parquet" and source.split == "train"
+    assert source.files == ("datasets/raydiff-tests/with-banner/data/train-00000-of-00001.parquet",)
+    _card(repo, "license: mit\n")  # no configs: the card cannot decide, and the line says what to set
+    with pytest.raises(DataError, match=r"holds several kinds of files \(1 images, 2 parquet\): set data.format"):
+        open_source("hf://datasets/raydiff-tests/with-banner", endpoint=hub_server.endpoint)
+
+
 def test_images_in_the_split_folder_a_card_names_keep_their_classes(hub_server):
     repo = hub_server.root / "raydiff-tests" / "carded-pets"
     for split, kind, num in (("train", "cat", 2), ("train", "dog", 1), ("test", "cat", 1)):
