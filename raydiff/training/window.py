@@ -30,7 +30,7 @@ class MetricsWindow:
         device = self.device
         # float64: the sum of float32 losses is then exact, so a window split by a resume sums to the same number.
         self.loss_sum = torch.tensor(float(saved["loss_sum"]) if own else 0.0, dtype=torch.float64, device=device)
-        self.samples = int(saved["samples"]) if own else 0
+        self.samples = torch.tensor(int(saved["samples"]) if own else 0, dtype=torch.long, device=device)
         # Gradient norms are global (the gradients are all-reduced): every worker holds the same sums.
         self.grad_norm_sum = torch.tensor(float(saved.get("grad_norm_sum", 0.0)), dtype=torch.float64, device=device)
         self.finite_steps = torch.tensor(int(saved.get("finite_steps", 0)), device=device)
@@ -41,10 +41,11 @@ class MetricsWindow:
         self.start = time.perf_counter()
 
     def add(self, result: StepResult, data_wait_s: float) -> None:
-        """On the device: no host sync."""
-        self.loss_sum += result.loss_sum.double()
-        self.quarter_sums += result.quarter_sums.double()
-        self.samples += result.samples
+        """On the device: no host sync. A skipped (non-finite) step's samples were not trained on: its losses, NaN
+        or not, are left out of the row's loss, as its gradient norm is of the row's."""
+        self.loss_sum += torch.where(result.finite, result.loss_sum.double(), 0.0)
+        self.quarter_sums += torch.where(result.finite, result.quarter_sums.double(), 0.0)
+        self.samples += result.finite.long() * result.samples
         self.grad_norm_sum += torch.where(result.finite, result.grad_norm.double(), 0.0)
         self.finite_steps += result.finite
         self.steps += 1
@@ -71,7 +72,7 @@ class MetricsWindow:
         row = {
             "step": step,
             "images_seen": step * global_batch,
-            "loss": loss_sum / max(samples, 1),
+            "loss": loss_sum / samples if samples else float("nan"),  # NaN (null): every step skipped
             "grad_norm": float(self.grad_norm_sum) / finite_steps if finite_steps else float("nan"),
             "lr": lr,
             "ema_decay": ema_decay,

@@ -92,3 +92,20 @@ def test_the_non_finite_counter_resumes_from_a_checkpoint_where_it_was(cut):
         resumed.add(torch.tensor(finite))
     assert resumed.counters() == whole.counters()
     assert resumed.longest_streak() == whole.longest_streak() == 2
+
+
+def test_a_skipped_step_s_losses_are_left_out_of_the_row_as_its_samples_were_of_training():
+    """One non-finite step made the whole row's loss and its quarter NaN (null in metrics.jsonl, no point on any
+    dashboard, `loss nan` in the progress line), where its gradient norm was already left out."""
+    clean, with_nan = MetricsWindow(CPU), MetricsWindow(CPU)
+    for step in range(3):
+        clean.add(_result(step), data_wait_s=0.0)
+        with_nan.add(_result(step), data_wait_s=0.0)
+    bad = _result(9, finite=False)
+    bad.loss_sum, bad.quarter_sums = torch.tensor(float("nan")), torch.full((2, 4), float("nan"))
+    with_nan.add(bad, data_wait_s=0.0)
+    assert _row(with_nan) == _row(clean)
+    nothing = MetricsWindow(CPU)
+    nothing.add(bad, data_wait_s=0.0)
+    row = _row(nothing)  # every step skipped: no loss, not 0
+    assert row["loss"] != row["loss"] and all(row[f"loss_q{q}"] is None for q in range(1, 5))
