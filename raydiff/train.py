@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     resumed = f", continued from step {summary['resumed_from_step']}" if summary["resumed_from_step"] else ""
     restarts = f", {summary['restarts']} restart(s)" if summary["restarts"] else ""
-    print(f"[raydiff] finished: {summary['steps']} steps, {summary['images_seen']:,} images, final loss "
-          f"{summary['final_loss']:.4f}, {summary['wall_s']:.0f} s{resumed}{restarts}")
+    loss = "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"  # None: no step of it trained
+    print(f"[raydiff] finished: {summary['steps']} steps, {summary['images_seen']:,} images, final loss {loss}, "
+          f"{summary['wall_s']:.0f} s{resumed}{restarts}")
     if summary.get("quality"):
         from raydiff.quality.measure import result_line
 

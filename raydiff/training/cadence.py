@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -220,7 +221,9 @@ class Cadence:
                             resumed_from_step=self.start_step)
 
     def _final_loss(self) -> float | None:
-        return self.last_row["loss"] if self.last_row else self._restored_loss
+        """The last row's loss; None where it has none (every step of its window skipped: NaN)."""
+        loss = self.last_row["loss"] if self.last_row else self._restored_loss
+        return None if loss is None or math.isnan(loss) else loss
 
     def close(self) -> None:
         """At the end of training: rank 0's metrics rows and writes reach storage (unless storage failed)."""
