@@ -325,7 +325,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         raise StorageFailure(f"{failure or unwritten} (summary.json could not be written)") from None
     if failure is not None:
         raise StorageFailure(failure)
-    dashboards = dashboards_for(requested, run_dir, resume_step=summary["steps"])
+    # The config the workers logged (resolved): the requested one would log its `auto`s as changed values.
+    dashboards = dashboards_for(resolved, run_dir, resume_step=summary["steps"])
     if dashboards is not None:  # the final numbers (and the run's status) beside its curves
         dashboards.summary(summary)
         dashboards.close()
