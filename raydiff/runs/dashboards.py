@@ -274,13 +274,18 @@ class _MLflow(_Backend):
         from mlflow.entities import Metric, Param, RunTag
 
         self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
-        # A client of our own, not the fluent API's globals: this runs inside a Ray worker next to user code.
-        self.client = mlflow.MlflowClient(tracking_uri=cfg.log.mlflow_uri)
+        # A client of our own, not the fluent API's globals: this runs inside a Ray worker next to user code. Made
+        # under the guard: a URI MLflow cannot take (a typo's scheme) is a warning, not a failed worker group.
+        self.client: Any = None
+        self.guard(self._connect, mlflow, cfg.log.mlflow_uri)
         self.run_id: str | None = None
         self._queue: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="raydiff-mlflow", daemon=True)
         self._thread.start()
         self._submit(self._open, cfg, run_dir, ids)
+
+    def _connect(self, mlflow: Any, uri: str) -> None:
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:

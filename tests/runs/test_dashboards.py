@@ -265,6 +265,18 @@ def test_mlflow_server_down_does_not_stop_training(tmp_path, monkeypatch, caplog
     assert len(_read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")) == 5
 
 
+def test_an_mlflow_uri_mlflow_cannot_take_is_one_warning_not_a_failed_worker_group(tmp_path, caplog):
+    """The client was made outside the guard: a typo's scheme raised in every worker group's start."""
+    cfg = _config(mlflow_uri="htp://127.0.0.1:5000")
+    with caplog.at_level(logging.WARNING, logger="raydiff"):
+        dash = Dashboards(cfg, RunDir(tmp_path / "run"), resume_step=0)
+        dash.metrics(_row(10, loss=0.5))
+        dash.close()
+    warnings = [r.getMessage() for r in caplog.records if "MLflow" in r.getMessage()]
+    assert len(warnings) == 1 and "off for the rest of this session" in warnings[0]
+    assert len(_read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")) == 1
+
+
 # Weights & Biases.
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
