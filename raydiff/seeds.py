@@ -1,6 +1,8 @@
 """Every random number raydiff draws is a pure function of a key: the run's seed and where the number is used (a
-stream position, an image index, a tag that keeps streams apart). So a run's samples, noise, dropout and grids do
-not depend on the world size, the batch they fall in or the restarts before them.
+stream position, an image index, a tag that keeps streams apart). So a run's samples, noise and grids do not
+depend on the world size, the batch they fall in or the restarts before them; dropout masks are keyed by where
+their micro-batch starts, so they do not depend on restarts, but another world size or micro-batch size draws
+other ones.
 
 Why on the ground floor: the data stream, the training step, sampling and evaluation all key their draws here, and
 none of them should import another for it.

@@ -191,7 +191,9 @@ RULES: tuple[Rule, ...] = (
          f"must be between {MIN_RESOLUTION} and {MAX_RESOLUTION}"),
     Rule("data.resolution", lambda c: c.data.resolution % 2 ** (len(c.model.channel_mult) - 1) == 0,
          lambda c: f"must be divisible by 2^(len(model.channel_mult)-1) = {2 ** (len(c.model.channel_mult) - 1)}"),
-    Rule("model.base_channels", lambda c: c.model.base_channels >= 1, "must be >= 1"),
+    # The timestep embedding's frequencies divide by base_channels // 2 - 1: 0 (NaN) at 2 or 3, none at 1.
+    Rule("model.base_channels", lambda c: c.model.base_channels >= 4, "must be >= 4 (its sinusoidal timestep "
+         "embedding needs two frequencies)"),
     Rule("model.norm_groups", lambda c: c.model.norm_groups >= 1, "must be >= 1"),
     Rule("model.norm_eps", lambda c: c.model.norm_eps > 0, "must be > 0"),
     Rule("model.norm_groups", lambda c: not _channels_not_divided(c),

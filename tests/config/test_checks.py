@@ -25,6 +25,9 @@ from raydiff.config.checks import parse_sigma_rels
     ("scaling.hang_timeout_s=1e14", "scaling.hang_timeout_s = 100000000000000.0: must be at least 10 seconds, and at "
                                     "most 100,000,000 (about 3 years)"),
     ("run.lease_stale_s=1e30", "run.lease_stale_s = 1e+30: must be >= 4 seconds"),
+    # Its timestep embedding divided by 0 (NaN outputs) at 2 or 3 channels, and ignored the timestep at 1.
+    ("model.base_channels=2", "model.base_channels = 2: must be >= 4 (its sinusoidal timestep embedding needs two "
+                              "frequencies)"),
     # No validation would ever run, silently.
     ("train.val_every=5", "train.val_every = 5: needs held-out images to measure on (data.val_images = 0): set "
                           "data.val_images, or train.val_every = 0"),
