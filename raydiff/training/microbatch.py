@@ -9,6 +9,7 @@ limit and there is nothing to measure: the whole share is one micro-batch (no ac
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -57,11 +58,12 @@ def measure_micro_batch(model: torch.nn.Module, diffusion, optimizer: torch.opti
         logger.info(f"[raydiff] train.micro_batch=auto on {device.type}: no memory to probe, one pass per step "
                     f"(micro-batch {share})")
         return share
-    largest = largest_that_fits(model, diffusion, optimizer, share=share, shape=shape, device=device,
-                                autocast_dtype=autocast_dtype)
+    # Probed past the share by the margin: a share that fits without it is split too (it fit with no headroom).
+    largest = largest_that_fits(model, diffusion, optimizer, share=math.ceil(share / SAFETY_MARGIN), shape=shape,
+                                device=device, autocast_dtype=autocast_dtype)
     if largest == 0:  # said by `plan_memory`, once every worker agrees (a raise here would hang the others)
         return 0
-    chosen = max(1, int(largest * SAFETY_MARGIN)) if largest < share else share
+    chosen = min(share, max(1, int(largest * SAFETY_MARGIN)))
     logger.info(f"[raydiff] train.micro_batch=auto: up to {largest} images fit on {device}; using {chosen}")
     return chosen
 

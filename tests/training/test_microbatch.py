@@ -147,3 +147,22 @@ def test_nothing_fits_is_one_line_and_exit_2_from_any_command(capsys):
     assert cli.run(main) == 2
     assert capsys.readouterr().err == ("raydiff: config error: train.micro_batch=auto: not even one 3x256x256 image "
                                        "fits on cuda\n")
+
+
+@pytest.mark.parametrize(("fits", "share", "expected_probe", "chosen"), [
+    (16, 16, 18, 14),  # the share just fits: split with the margin (it trained at 100% of the measured peak)
+    (18, 16, 18, 16),  # the share fits with the margin to spare: one pass
+    (15, 16, 18, 13),
+    (1, 1, 2, 1),
+])
+def test_auto_keeps_the_safety_margin_where_the_whole_share_just_fits(monkeypatch, fits, share, expected_probe,
+                                                                       chosen):
+    from raydiff.training import microbatch
+
+    probed = []
+    monkeypatch.setattr(microbatch, "largest_that_fits",
+                        lambda *a, share, **k: probed.append(share) or min(fits, share))
+    model = torch.nn.Linear(2, 2)
+    assert measure_micro_batch(model, None, torch.optim.AdamW(model.parameters()), share=share, shape=(1, 8, 8),
+                               device=torch.device("cuda"), autocast_dtype=None) == chosen
+    assert probed == [expected_probe]
