@@ -88,9 +88,12 @@ class CompileCache:
         return f"compile cache: {count} artifacts loaded ({len(data) / 1e6:.1f} MB)"
 
     def artifacts(self) -> bytes | None:
-        """This process's compiled code, serialized, or None where there is nothing new to keep (everything came
-        from the loaded cache, or nothing was compiled by inductor)."""
-        if not available() or not compiled_anything_new():
+        """This process's compiled code, serialized, or None where there is nothing new to keep: everything came
+        from the run's cache, loaded, or inductor compiled nothing. Code this node's own cache gave (a warm cache
+        of an earlier run, a sweep's trial, a bench) is kept where the run has none yet: a restart on another node
+        would compile it all again."""
+        misses, hits = graph_counts()
+        if not available() or not (misses or (hits and not self.loaded)):
             return None
         saved = torch.compiler.save_cache_artifacts()
         return saved[0] if saved is not None and saved[0] else None

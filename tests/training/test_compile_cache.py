@@ -55,6 +55,11 @@ def test_a_restart_on_another_node_loads_the_compiled_step_instead_of_compiling(
     assert first == {"note": "compile cache: none yet for this setup", "saved": True, "hits": 0, "misses": 2}
     assert (run_dir / "compile_cache" / "key-a.bin").stat().st_size > 0
 
+    # Another run on the same node: its code comes from the node's warm cache, and is kept for this run too (it
+    # was not: nothing compiled, so nothing saved, and a restart elsewhere compiled everything).
+    warm = _start_on_a_new_node(tmp_path / "run-2", "key-a", tmp_path / "node-1")
+    assert warm == {"note": "compile cache: none yet for this setup", "saved": True, "hits": 2, "misses": 0}
+
     again = _start_on_a_new_node(run_dir, "key-a", tmp_path / "node-2")
     assert again["note"].startswith("compile cache: ") and "artifacts loaded" in again["note"]
     assert (again["hits"], again["misses"], again["saved"]) == (2, 0, False)  # forward and backward, from the cache
