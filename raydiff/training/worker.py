@@ -244,4 +244,4 @@ def compiled_step_key(cfg: Config, speed: SpeedPlan, device: torch.device, *,
                       "activation_checkpointing": checkpointing, "micro_batches": sorted({n for _, n in layout}),
                       "ddp": speed.allreduce == "ddp", "grad_compression": speed.grad_compression,
                       "compile": speed.compile, "options": speed.compile_options,
-                      "channels_last": speed.channels_last}, device)
+                      "channels_last": speed.channels_last, "tf32": speed.tf32}, device)

@@ -93,6 +93,14 @@ def test_a_runs_key_changes_with_the_loss_it_compiles():
     changes = ("train.loss_weighting=min_snr", "train.min_snr_gamma=3", "diffusion.schedule=cosine",
                "diffusion.timesteps=500", "diffusion.prediction=v")
     assert len({key(), *(key(change) for change in changes)}) == 1 + len(changes)
+    # TF32 is in torch's own keys: without it in ours, a start after a change of train.tf32 loaded the file,
+    # compiled everything again and wrote over the other setting's code.
+    import dataclasses
+
+    cfg = load_config("smoke", check_source=False)
+    speed = plan_speed(cfg.train, cpu, world_size=1)
+    assert compiled_step_key(cfg, dataclasses.replace(speed, tf32=True), cpu, layout=[(0, 8)], autocast_dtype=None,
+                             checkpointing=False) != key()
 
 
 def test_each_gpu_index_has_its_key_and_a_failed_save_off_rank_0_is_one_warning(monkeypatch, tmp_path, caplog):
