@@ -29,6 +29,17 @@ def out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(text in str(exc) for text in OUT_OF_MEMORY_TEXTS)
 
 
+def trains_on_gpus(scaling: ScalingSection, gpus: float) -> bool:
+    """`scaling.use_gpu` made concrete for a cluster of `gpus` GPUs now: `auto` trains on GPUs where the cluster has
+    one for each of the run's fewest workers (a fixed 2 on a one-GPU machine asked for 2 GPUs, and a cluster that
+    cannot grow waited for ever), else on CPUs; `true` waits for GPUs."""
+    if scaling.use_gpu != "auto":
+        return scaling.use_gpu
+    n = scaling.num_workers
+    fewest = 1 if n == "auto" else min(n) if isinstance(n, tuple) else n
+    return gpus > 0 and gpus >= fewest
+
+
 def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float, node_cpus: Sequence[float] = ()) -> float:
     """The CPUs Ray reserves for each training worker: `scaling.cpus_per_worker`, else one beside a GPU, else the
     most, up to an even share of `cpus` (the run's part of the cluster's CPUs) over the most workers the run may

@@ -272,8 +272,8 @@ class ScalingSection:
     batch the workers cannot split evenly, or into whole micro-batches of `train.micro_batch`, is split as evenly
     as it goes."""
     use_gpu: Literal["auto"] | bool = "auto"
-    """Train on GPUs: `auto` (if the cluster has any), `true` (wait for GPU nodes where there are none yet), or
-    `false`."""
+    """Train on GPUs: `auto` (where the cluster has a GPU for each of the run's fewest workers; else on CPUs, said at
+    the start), `true` (wait for GPU nodes where there are none yet), or `false`."""
     cpus_per_worker: float | None = None
     """CPUs reserved for each worker; null: 1 per GPU worker, while CPU workers share the cluster's CPUs as far as
     each node holds them (a worker is placed on one node). A CPU worker computes on its whole CPUs' number of torch

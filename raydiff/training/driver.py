@@ -16,7 +16,7 @@ import ray.train
 import yaml
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raydiff.cluster.devices import worker_cpus
+from raydiff.cluster.devices import trains_on_gpus, worker_cpus
 from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.cluster.nodes import wait_for_worker_node
 from raydiff.cluster.start import check_ray_address, init_ray, warn_without_dashboard
@@ -96,9 +96,15 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     s = cfg.scaling
     resources = ray.cluster_resources()
     gpus, cpus = resources.get("GPU", 0), cpus or resources.get("CPU", 1)
-    use_gpu = gpus > 0 if s.use_gpu == "auto" else s.use_gpu
+    use_gpu = trains_on_gpus(s, gpus)
     if use_gpu and gpus == 0:
         print("[raydiff] scaling.use_gpu is true but the cluster has no GPU now: waiting for one to be added")
+    elif gpus and not use_gpu and s.use_gpu == "auto":
+        n = s.num_workers
+        fewest = f"at least {min(n)}" if isinstance(n, tuple) else n
+        print(f"[raydiff] scaling.use_gpu auto: the cluster has {gpus:g} GPU(s), fewer than the run's {fewest} "
+              f"workers: training on CPUs (scaling.num_workers={int(gpus)} trains on the GPUs; "
+              f"scaling.use_gpu=true waits for more)")
     node_cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]]
     cpus_per_worker = worker_cpus(s, use_gpu=use_gpu, cpus=cpus, node_cpus=node_cpus)
     assert s.num_workers != "auto", "auto_workers resolves it first"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from raydiff.cluster.devices import trains_on_gpus
 from raydiff.config import Config, ConfigError
 from raydiff.config.checks import check_workers
 from raydiff.data.run_images import RunImages
@@ -51,5 +52,5 @@ def resolve_run(requested: Config, *, gpus: float, images: RunImages,
 def auto_workers(requested: Config, gpus: float) -> int:
     """What `scaling.num_workers: auto` becomes: one worker per GPU of the cluster (`gpus`, at most one per image of
     the global batch), or one worker with every CPU where the run does not use GPUs."""
-    use_gpu = gpus > 0 if requested.scaling.use_gpu == "auto" else requested.scaling.use_gpu
+    use_gpu = trains_on_gpus(requested.scaling, gpus)  # auto: with any GPU (one worker is the fewest)
     return max(1, min(int(gpus), requested.train.global_batch)) if use_gpu else 1

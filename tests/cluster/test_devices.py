@@ -148,3 +148,35 @@ def test_ray_s_own_reservation_and_count_reach_an_elastic_cpu_run_s_most_workers
     cases = [([cpus], most) for cpus in range(1, 17) for most in range(2, 33)]
     cases += [([2, 8], 25), ([1, 3], 7), ([4, 4, 4], 31), ([8, 8, 1], 31), ([8, 8, 2], 20)]
     assert [(nodes, most) for nodes, most in cases if counted(nodes, most) != most] == []
+
+
+@pytest.mark.parametrize(("setting", "workers", "gpus", "expected"), [
+    ("auto", "2", 1, False),  # the default preset on a one-GPU machine: it asked for 2 GPUs and waited for ever
+    ("auto", "2", 2, True),
+    ("auto", "auto", 1, True),
+    ("auto", "[2, 8]", 1, False),
+    ("auto", "[1, 8]", 1, True),
+    ("auto", "2", 0, False),
+    ("true", "2", 1, True),  # waits for more, as asked
+    ("false", "1", 4, False),
+])
+def test_auto_trains_on_gpus_where_the_cluster_has_one_for_each_of_the_fewest_workers(setting, workers, gpus,
+                                                                                        expected):
+    from raydiff.cluster.devices import trains_on_gpus
+
+    config = load_config("smoke", [f"scaling.use_gpu={setting}", f"scaling.num_workers={workers}"], check_source=False)
+    assert trains_on_gpus(config.scaling, gpus) is expected
+
+
+def test_the_default_run_on_a_one_gpu_machine_trains_on_cpus_and_says_why(monkeypatch, capsys):
+    import ray
+
+    from raydiff.training.driver import plan_scaling
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 16.0, "GPU": 1.0}}])
+    plan, _ = plan_scaling(load_config("default", check_source=False))
+    assert not plan.use_gpu and plan.num_workers == 2
+    assert capsys.readouterr().out == (
+        "[raydiff] scaling.use_gpu auto: the cluster has 1 GPU(s), fewer than the run's 2 workers: training on CPUs "
+        "(scaling.num_workers=1 trains on the GPUs; scaling.use_gpu=true waits for more)\n")
