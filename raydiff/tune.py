@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if ran["failed"]:
         raise TrialFailed(f"{len(ran['failed'])} of {len(ran['rows'])} trials failed (each said why above); once that "
                           f"is fixed, the same command runs them again")
+    if summary["errors"]:  # failed otherwise than in one of raydiff's lines: Tune's traceback says why
+        raise TrialFailed(f"{summary['errors']} of {len(ran['rows'])} trials failed (Tune's traceback above says "
+                          f"why); the same command runs them again")
     if "best" not in summary:
         raise TrialFailed(f"no trial of sweep {sweep.name} finished ({summary['diverged']} diverged: lower the --lr "
                           f"range; {summary['stopped']} stopped early by ASHA), so there is no best.yaml")

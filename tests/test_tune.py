@@ -449,3 +449,21 @@ def test_close_learning_rates_name_trials_apart(tmp_path):
     with pytest.raises(ConfigError, match="too narrow a range for --samples 3 different learning rates"):
         plan_sweep(SimpleNamespace(**{**vars(args), "lr": "1e-3:1.0000000000000002e-3"}), cfg)
 
+
+
+def test_a_sweep_with_a_trial_that_failed_without_a_line_of_raydiff_s_does_not_exit_0(tmp_path, monkeypatch, capsys):
+    """A trial whose run failed otherwise (Tune shows its traceback): the sweep wrote its outputs from the others
+    and exited 0, so `ray job submit` reported success."""
+    import raydiff.tune
+
+    rows = [{"trial": f"linear-b16-lr{lr:.3g}", "rule": "linear", "batch": 16, "base_lr": lr, "lr": lr,
+             "images_seen": seen, "val_loss": loss, "status": status}
+            for lr, seen, loss, status in ((1e-3, 640, 0.1, "finished"), (1e-5, 64, None, "error"))]
+    monkeypatch.setattr(raydiff.tune, "run_sweep", lambda cfg, sweep: {"rows": rows, "dir": str(tmp_path / "s"),
+                                                                         "failed": {}})
+    (tmp_path / "s").mkdir()
+    code = cli.run(tune_main, ["--config", "smoke", "--set", f"run.storage={tmp_path}", "--lr", "1e-5:1e-3",
+                               "--samples", "2", "--batch", "16", "--name", "s"])
+    assert code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        "raydiff: error: 1 of 2 trials failed (Tune's traceback above says why); the same command runs them again")
+    assert (tmp_path / "s" / "best.yaml").is_file()  # the outputs of the trials that did run
