@@ -210,6 +210,9 @@ def check_ray_address() -> str | None:
             existing = canonicalize_bootstrap_address(None)  # type: ignore[arg-type]  # Ray's hint says str
     except ValueError as exc:
         raise _malformed(str(exc), address) from None
+    except ConnectionError:  # RAY_ADDRESS=auto, and no cluster on this machine
+        raise RayUnreachable(f"{_named()}: no running Ray cluster found on this machine; start one (`ray start "
+                             f"--head`), or unset RAY_ADDRESS to start a local Ray instance") from None
     if existing is None:
         return None
     _check_address_form(existing, address)  # what a `ray start` left in its file

@@ -66,6 +66,22 @@ def test_a_malformed_address_left_by_ray_start_is_one_line_naming_its_file(tmp_p
                                   f"auto or local")
 
 
+def test_ray_address_auto_without_a_cluster_on_this_machine_is_one_line(monkeypatch):
+    """Ray's lookup raises ConnectionError there (an OSError that no disk check claims): a traceback. Ray's
+    lookup is made to find nothing, as a machine without a Ray instance does (this one runs the tests')."""
+    import raydiff.cluster.start
+
+    def nothing_running(address):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    monkeypatch.setattr(raydiff.cluster.start, "canonicalize_bootstrap_address", nothing_running)
+    with pytest.raises(RayUnreachable) as refused:
+        check_ray_address()
+    assert str(refused.value) == ("RAY_ADDRESS=auto: no running Ray cluster found on this machine; start one "
+                                  "(`ray start --head`), or unset RAY_ADDRESS to start a local Ray instance")
+
+
 def test_an_address_that_a_stopped_ray_start_left_behind_is_one_line_naming_its_file(tmp_path):
     """Without RAY_ADDRESS a command joins the cluster whose address the last `ray start` wrote (RAY_TMPDIR/ray/
     ray_current_cluster); a head stopped other than by `ray stop` leaves the file behind. The error names the file
