@@ -131,13 +131,17 @@ class Worker:
     def close(self, *, flush: bool = True) -> None:
         """At the end of the worker's training: rank 0's metrics rows and writes reach storage (with `flush`; not
         after a storage failure), then its writer thread ends."""
+        flushed = False
         try:
             if flush and self.metrics_log is not None:
                 self.metrics_log.flush()
-            if self.writes is not None:
-                self.writes.close(drain=flush)
+            flushed = flush
         finally:
-            self.debug.close()
+            try:
+                if self.writes is not None:  # ended whatever the flush met (a full disk): no thread left behind
+                    self.writes.close(drain=flushed)
+            finally:
+                self.debug.close()
 
 
 def set_up(cfg: Config, args: WorkerArgs) -> tuple[Worker, Progress]:

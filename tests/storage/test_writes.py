@@ -61,3 +61,27 @@ def test_a_failed_write_is_raised_at_drain():
     assert failed_write(OSError("elsewhere")) is None
     writes.drain()  # reported once
     writes.close()
+
+
+def test_a_worker_whose_last_flush_fails_still_ends_its_writer_thread():
+    """A full disk at the final flush skipped the writer's close: its thread stayed, past the worker's end."""
+    import errno
+    from types import SimpleNamespace
+
+    from raydiff.training.worker import Worker
+
+    class FullDisk:
+        def flush(self) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    writes = BackgroundWrites()
+    writes.submit("a", lambda: None)
+    closed = []
+    debug = SimpleNamespace(close=lambda: closed.append(1))
+    worker = SimpleNamespace(metrics_log=FullDisk(), writes=writes, debug=debug)
+    with pytest.raises(OSError):
+        Worker.close(worker)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("raydiff-writes") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("raydiff-writes")] and closed == [1]
