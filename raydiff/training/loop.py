@@ -44,7 +44,11 @@ def train_worker(loop_config: dict[str, Any]) -> WorkerResult:
         return WorkerResult(WorkerStatus.REFUSED, steps=0, diagnostic=str(exc))
     except StorageFailure as exc:  # the newest checkpoint cannot be read, for good: no restart would help
         return WorkerResult(WorkerStatus.STORAGE_FAILED, steps=0, diagnostic=str(exc))
-    cadence = Cadence(w, progress, args)  # rank 0's records of this start, then the logs, grids and checkpoints
+    try:
+        cadence = Cadence(w, progress, args)  # rank 0's records of this start, then the logs, grids and checkpoints
+    except BaseException:  # its set-up met an error (a peer lost at the first agreement): close what set_up opened
+        w.close(flush=False)
+        raise
 
     try:
         while progress.step < t.total_steps and cadence.status is None:
