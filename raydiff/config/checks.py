@@ -77,6 +77,7 @@ T = TypeVar("T")
 # The longest any wait may be set to (about 3 years): what Python's timed waits (threading.TIMEOUT_MAX, 292 years)
 # and Ray's process-group timeout (a timedelta, under 2.7 million years) take, where 1e30 s raised OverflowError.
 LONGEST_S = 1e8
+AT_MOST_LONGEST = f"and at most {LONGEST_S:,.0f} (about 3 years)"
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -272,11 +273,11 @@ RULES: tuple[Rule, ...] = (
     Rule("scaling.cpus_per_worker", lambda c: c.scaling.cpus_per_worker is None or c.scaling.cpus_per_worker > 0,
          "must be > 0 or null"),
     Rule("scaling.resize_check_s", lambda c: 0 < c.scaling.resize_check_s <= LONGEST_S,
-         f"must be > 0 seconds, and at most {LONGEST_S:,.0f} (about 3 years)"),
+         f"must be > 0 seconds, {AT_MOST_LONGEST}"),
     Rule("scaling.node_wait_s", lambda c: 0 < c.scaling.node_wait_s <= LONGEST_S,
-         f"must be > 0 seconds, and at most {LONGEST_S:,.0f} (about 3 years)"),
+         f"must be > 0 seconds, {AT_MOST_LONGEST}"),
     Rule("scaling.hang_timeout_s", lambda c: 10 <= c.scaling.hang_timeout_s <= LONGEST_S,
-         f"must be at least 10 seconds, and at most {LONGEST_S:,.0f} (about 3 years)"),
+         f"must be at least 10 seconds, {AT_MOST_LONGEST}"),
 )
 
 # Checked after the workers' batch arithmetic, as before it: run, evaluation, dashboards, debug.
@@ -298,8 +299,7 @@ LATER_RULES: tuple[Rule, ...] = (
     Rule("run.max_failures", lambda c: c.run.max_failures >= -1, "must be >= 0, or -1 for unlimited"),
     Rule("run.keep_checkpoints", lambda c: c.run.keep_checkpoints >= 1, "must be >= 1"),
     Rule("run.lease_stale_s", lambda c: 4 <= c.run.lease_stale_s <= LONGEST_S,
-         f"must be >= 4 seconds (the lease is renewed every quarter of it), and at most {LONGEST_S:,.0f} (about 3 "
-         f"years)"),
+         f"must be >= 4 seconds (the lease is renewed every quarter of it), {AT_MOST_LONGEST}"),
     Rule("eval.every", lambda c: c.eval.every >= 0, "must be >= 0 (0 = none during the run)"),
     Rule("eval.num", lambda c: c.eval.num >= 2, "must be >= 2 (a covariance needs two images; FID uses 50000)"),
     Rule("eval.steps", lambda c: c.eval.steps >= 1, "must be >= 1"),

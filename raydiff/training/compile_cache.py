@@ -112,11 +112,6 @@ class CompileCache:
                            f"training goes on")
 
 
-def compiled_anything_new() -> bool:
-    """Whether inductor compiled a graph in this process that was not in a cache."""
-    return graph_counts()[0] > 0
-
-
 def graph_counts() -> tuple[int, int]:
     """(graphs inductor compiled, graphs it found in its on-disk cache) in this process so far. A process that
     starts with a warm cache (torch's FX graph cache under TORCHINDUCTOR_CACHE_DIR) compiles none."""
