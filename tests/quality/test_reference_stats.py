@@ -45,6 +45,17 @@ def test_an_eval_ref_that_is_no_npz_of_statistics_is_refused_in_one_line(tmp_pat
     assert "\n" not in str(refused.value) and "pickle" not in str(refused.value)
 
 
+def _first_two_pixels(computed: list[int]):
+    """`parallel_stats` without Ray: each image's first two pixels as its features; the images' counts noted."""
+    def stats(kind, arrays, features, n, **kw):
+        computed.append(n)
+        out = FeatureStats.empty(2)
+        out.add(torch.from_numpy(arrays.reshape(len(arrays), -1)[:, :2].astype(np.float64)))
+        return out
+
+    return stats
+
+
 def test_a_cached_reference_that_does_not_read_is_computed_again_and_replaced(tmp_path, monkeypatch, capsys):
     """The cache is the run's own (written whole, then renamed), yet a copy or a disk can cut it short: it is a
     cache, so the statistics are computed again, where reading it was a traceback."""
@@ -56,13 +67,7 @@ def test_a_cached_reference_that_does_not_read_is_computed_again_and_replaced(tm
     images = np.random.default_rng(0).integers(0, 256, (6, 1, 8, 8), dtype=np.uint8)
     computed = []
 
-    def stats(kind, arrays, features, n, **kw):
-        computed.append(n)
-        out = FeatureStats.empty(2)
-        out.add(torch.from_numpy(arrays.reshape(len(arrays), -1)[:, :2].astype(np.float64)))
-        return out
-
-    monkeypatch.setattr(reference_stats, "parallel_stats", stats)
+    monkeypatch.setattr(reference_stats, "parallel_stats", _first_two_pixels(computed))
     cfg = load_config("smoke", [f"data.source={source}", f"run.storage={tmp_path / 'runs'}", "data.channels=1",
                                 "data.resolution=8"], check_source=False)
     features = ModuleFeatures(nn.Flatten(), "flat")
@@ -89,12 +94,7 @@ def test_a_reference_of_one_image_is_refused_in_one_line_naming_it(tmp_path, mon
     ref.mkdir()
     Image.fromarray(np.zeros((8, 8), np.uint8)).save(ref / "a.png")
 
-    def stats(kind, arrays, features, n, **kw):
-        out = FeatureStats.empty(2)
-        out.add(torch.from_numpy(arrays.reshape(len(arrays), -1)[:, :2].astype(np.float64)))
-        return out
-
-    monkeypatch.setattr(reference_stats, "parallel_stats", stats)
+    monkeypatch.setattr(reference_stats, "parallel_stats", _first_two_pixels([]))
     cfg = load_config("smoke", [f"eval.ref={ref}", f"run.storage={tmp_path / 'runs'}", "data.channels=1",
                                 "data.resolution=8"], check_source=False)
     one = SimpleNamespace(arrays=lambda: [np.zeros((1, 1, 8, 8), np.uint8)], usable_indices=lambda: np.arange(1))
