@@ -12,7 +12,9 @@ why, then a restart from the newest checkpoint or the end of the run, counted as
 shortens (a hung worker cannot take part in it).
 `quiet_tracebacks_said_in_a_line` leaves out, in a worker, the traceback of a collective that failed only because
 a peer was lost, and that of an object store's error that outlasted the storage's retries (a 503, a timeout: the
-line names it; its traceback shows pyarrow's insides). Every other error, and its traceback, still shows.
+line names it; its traceback shows pyarrow's insides), and that of a report whose checkpoint barrier died with the
+run's controller (a sweep stopped, a run cancelled: the driver says so). Every other error, and its traceback,
+still shows.
 `scaling.hang_timeout_s` is the one time after which a silent worker counts as lost (`hang_timeouts`).
 
 On GPUs (NCCL) a loss reads otherwise: Ray Train sets `TORCH_NCCL_ASYNC_ERROR_HANDLING`, so NCCL's watchdog ends
@@ -31,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray.train
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.train.v2._internal.exceptions import (
     BroadcastCollectiveTimeoutError,
     WorkerHealthCheckFailedError,
@@ -84,6 +86,15 @@ def storage_outlasted_retries(traceback_text: str) -> bool:
     return last is not None and last.startswith("OSError: ") and retryable_in(last)
 
 
+def barrier_died_with_the_controller(traceback_text: str) -> bool:
+    """Whether a worker's traceback ends in `ray.train.report`'s barrier (Ray Train's SynchronizationActor) that
+    died because its owner, the run's controller, did: the run was being stopped or had failed, which the driver
+    says; the worker can say nothing more."""
+    last = _last_exception(traceback_text)
+    return (last is not None and last.split(":")[0].endswith(ActorDiedError.__name__)
+            and "class_name: SynchronizationActor" in traceback_text and "because its owner has died" in traceback_text)
+
+
 def _last_exception(traceback_text: str) -> str | None:
     lines = [line for line in traceback_text.splitlines() if EXCEPTION_LINE.match(line)]
     return lines[-1] if lines else None
@@ -111,9 +122,11 @@ def _drop_records(logger_name: str, drop) -> None:
 def quiet_tracebacks_said_in_a_line() -> None:
     """In a worker: Ray Train's record of an exception whose traceback ends in a collective that lost its peer, or
     in an object store's error that outlasted its retries, is left out (the controller's line says which worker,
-    and why). Any other exception's record shows."""
+    and why), as is one whose report's barrier died with the controller (the driver's line says why the run
+    ended). Any other exception's record shows."""
     _drop_records("ray.train.v2._internal.util",
-                  lambda m: m.startswith(_TRAINING_ERROR) and (lost_peer(m) or storage_outlasted_retries(m)))
+                  lambda m: m.startswith(_TRAINING_ERROR) and (lost_peer(m) or storage_outlasted_retries(m)
+                                                               or barrier_died_with_the_controller(m)))
 
 
 def describe(rank: int, error: BaseException, hang_timeout_s: float) -> tuple[str, str]:

@@ -167,6 +167,18 @@ def test_a_workers_traceback_of_a_collective_that_lost_its_peer_is_left_out_and_
                                             "curlCode: 28, Timeout was reached"))
     assert _shown(util, _training_error("OSError: [Errno 28] No space left on device: '/runs/smoke'"))
     assert _shown(util, _training_error("ValueError: AWS Error UNKNOWN (HTTP status 503)"))
+    # A report's barrier that died with the run's controller (a sweep stopped by SIGTERM, as CI once saw): the driver
+    # says why the run ended. The same barrier dead for another reason, or another actor, shows.
+    assert not _shown(util, _training_error(_BARRIER_DIED.format(actor="SynchronizationActor", why=_OWNER_DIED)))
+    assert _shown(util, _training_error(_BARRIER_DIED.format(actor="SynchronizationActor", why="out of memory")))
+    assert _shown(util, _training_error(_BARRIER_DIED.format(actor="StopFlag", why=_OWNER_DIED)))
+
+
+_OWNER_DIED = ("The actor is dead because its owner has died. Owner Id: 0985d759 Owner Ip address: 127.0.0.1 Owner "
+               "worker exit type: INTENDED_SYSTEM_EXIT Worker exit detail: Owner's worker process has crashed.")
+_BARRIER_DIED = ("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n"
+                 "\tclass_name: {actor}\n\tactor_id: 5741c25b\n\tpid: 15092\n\tnamespace: 5e9d8a7f\n"
+                 "\tip: 127.0.0.1\n{why}\n")
 
 
 def test_the_controllers_shutdown_warnings_are_left_out_and_its_wait_cut_once_a_failure_is_said(capsys,
