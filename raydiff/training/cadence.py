@@ -29,6 +29,7 @@ import ray
 import ray.train
 import torch
 
+from raydiff.cluster.devices import synchronize
 from raydiff.data.loader import Batches, MicroBatch
 from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_bytes, checkpoint_name, checkpoint_step
 from raydiff.runs.dashboards import Dashboards, dashboards_for
@@ -159,7 +160,7 @@ class Cadence:
             return self._roll_back_or_give_up(progress, result, lr)
 
         # Validate and evaluate at their cadences (the same decision on every worker; not training time).
-        with self._paused():
+        with self._paused(self._validation_due(step, done) or self._evaluation_due(step, done)):
             new_val_loss, new_quality = self._validate(step, done), self._evaluate(step, done)
         measured = new_val_loss is not None or new_quality is not None
         self.val_loss = new_val_loss if new_val_loss is not None else self.val_loss
@@ -176,12 +177,15 @@ class Cadence:
                 self._write("writing metrics.jsonl", log_row, w, row, live.dashboards, start_step=self.start_step,
                             elapsed_s=time.perf_counter() - self.run_start)
 
-        with self._paused():  # sampling and checkpointing are not training time either
+        grid_due = writes and ((t.sample_every and step % t.sample_every == 0) or done)
+        snapshot_due = writes and w.posthoc is not None and (step % self._snapshot_every == 0 or done)
+        # Sampling and checkpointing are not training time either; an interrupt's checkpoint comes at a check.
+        with self._paused(grid_due or snapshot_due or check or measured or step % t.checkpoint_every == 0):
             # The sample grid.
-            if writes and ((t.sample_every and step % t.sample_every == 0) or done):
+            if grid_due:
                 save_sample_grid(w, step, live.dashboards, storage_ok=self.failure is None)
             # The post-hoc EMA's snapshot.
-            if writes and w.posthoc is not None and (step % self._snapshot_every == 0 or done):
+            if snapshot_due:
                 self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step)
             # Stop or preemption, agreed by every worker.
             interrupt = self._agree_on_interrupts(asked) if asked is not None else None
@@ -264,21 +268,29 @@ class Cadence:
 
     def _validate(self, step: int, done: bool) -> float | None:
         """The validation loss, at train.val_every and at the end (with held-out images)."""
-        w, t = self.w, self.w.cfg.train
-        if w.validation is None or not ((t.val_every and step % t.val_every == 0) or done):
+        w = self.w
+        if w.validation is None or not self._validation_due(step, done):
             return None
         return w.validation.loss(w.ema, w.diffusion, w.device, batch=w.images_per_pass)
 
     def _evaluate(self, step: int, done: bool) -> dict[str, Any] | None:
         """Sample quality, at eval.every and (eval.at_end) at the end."""
-        w, e = self.w, self.w.cfg.eval
-        if w.quality is None or not ((e.every and step % e.every == 0) or (done and e.at_end)):
+        w = self.w
+        if w.quality is None or not self._evaluation_due(step, done):
             return None
         eval_start = time.perf_counter()
         quality = evaluate_in_run(w.quality, w.ema, w.diffusion, w.cfg, w.rank, w.world_size, w.device,
                                   batch=w.images_per_pass)
         quality["eval_s"] = round(time.perf_counter() - eval_start, 2)
         return quality
+
+    def _validation_due(self, step: int, done: bool) -> bool:
+        t = self.w.cfg.train
+        return self.w.validation is not None and bool((t.val_every and step % t.val_every == 0) or done)
+
+    def _evaluation_due(self, step: int, done: bool) -> bool:
+        e = self.w.cfg.eval
+        return self.w.quality is not None and bool((e.every and step % e.every == 0) or (done and e.at_end))
 
     def _extra_metrics(self, val_loss: float | None, quality: dict[str, Any] | None) -> dict[str, Any]:
         """What a metrics row holds besides the window's averages."""
@@ -434,8 +446,15 @@ class Cadence:
         return checkpoint_bytes(self.w.cfg)
 
     @contextlib.contextmanager
-    def _paused(self) -> Iterator[None]:
-        """Time that is not training time: kept out of the window's img/s."""
+    def _paused(self, due: bool = True) -> Iterator[None]:
+        """Time that is not training time, where the block does work (`due`): kept out of the window's img/s. Its
+        clock starts when the device has done the steps before (a GPU runs several behind the host: their time is
+        training time). A block with nothing due is a few checks on the host, neither timed nor waited for: it
+        runs at every step, and a wait there would leave the GPU nothing queued."""
+        if not due:
+            yield
+            return
+        synchronize(self.w.device)
         start = time.perf_counter()
         try:
             yield

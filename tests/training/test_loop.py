@@ -80,6 +80,26 @@ def test_a_profile_that_fails_leaves_the_run_training(ray_session, tmp_path, mon
         caplog.text)
 
 
+def test_the_host_waits_for_the_device_only_at_steps_whose_pause_does_work(ray_session, tmp_path, monkeypatch):
+    """A wait for the device at every step's pause would leave a GPU nothing queued; only the pauses that write a
+    grid, check, checkpoint or validate (and so wait for the device anyway) start with one."""
+    from raydiff.training import cadence
+
+    steps, synced = [], []
+    end_of_step = cadence.Cadence.end_of_step
+
+    def counted_end_of_step(self, progress, *args, **kwargs):
+        steps.append(progress.step)
+        return end_of_step(self, progress, *args, **kwargs)
+    monkeypatch.setattr(cadence.Cadence, "end_of_step", counted_end_of_step)
+    monkeypatch.setattr(cadence, "synchronize", lambda device: synced.append(steps[-1]))
+    result, rows = run_local(ray_session, tmp_path, "waits", "train.total_steps=12", "train.log_every=12",
+                             "train.sample_every=5", "train.checkpoint_every=12")
+    assert result["steps"] == 12 and [r["step"] for r in rows] == [12]
+    # Grids at 5 and 10, a check at 10 (one pause: one wait), the end's grid and checkpoint at 12.
+    assert synced == [5, 10, 12]
+
+
 def _cli_run(storage, name, *overrides):
     from conftest import run_cli
 
