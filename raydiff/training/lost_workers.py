@@ -175,6 +175,12 @@ def _preempted(error: BaseException) -> bool:
     return isinstance(died, RayActorError) and died.preempted
 
 
+def _preempted_actor(error: BaseException) -> str | None:
+    """The actor (hex id) of a preempted worker, where Ray's error names it."""
+    died = error.health_check_failure if isinstance(error, WorkerHealthCheckFailedError) else error
+    return getattr(died, "actor_id", None)
+
+
 _ORDER = {"lost": 0, "raised": 0, "ended": 1, "aftermath": 2}  # ended processes may be the aftermath (NCCL)
 
 
@@ -199,11 +205,18 @@ class LostWorkers(ray.train.UserCallback):
         self.hang_timeout_s = hang_timeout_s
         self.nccl = nccl
         self.failures = 0  # as Ray Train counts them against max_failures: preemptions apart
+        # The preempted workers' actors already said: Ray Train polls them again, and calls this again with each
+        # poll, while it waits out a preemption's grace window.
+        self._preemptions_said: set[str] = set()
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        said = causes(worker_exceptions, self.hang_timeout_s, nccl=self.nccl)
         # As Ray Train counts: a preemption among the errors makes the failure a preemption's.
-        preempted = any(_preempted(error) for error in worker_exceptions.values())
+        preempted_actors = [_preempted_actor(error) for error in worker_exceptions.values() if _preempted(error)]
+        preempted = bool(preempted_actors)
+        if preempted and all(actor in self._preemptions_said for actor in preempted_actors):
+            return  # said at an earlier poll of the same wait
+        self._preemptions_said.update(actor for actor in preempted_actors if actor is not None)
+        said = causes(worker_exceptions, self.hang_timeout_s, nccl=self.nccl)
         if not preempted:
             self.failures += 1
         if preempted:

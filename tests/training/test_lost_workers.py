@@ -132,6 +132,25 @@ def test_each_failure_says_what_comes_next_as_ray_train_counts_them(capsys):
     assert "(failure 1 of at most any, run.max_failures)" in capsys.readouterr().out
 
 
+def test_a_preemption_is_said_once_while_ray_train_waits_it_out_and_each_new_one_again(capsys):
+    """While Ray Train waits out a preemption's grace window it polls the workers again and again, and calls the
+    callback with each poll's errors: the same preempted worker's actor each time."""
+    def preempted(actor_id):
+        return WorkerHealthCheckFailedError("poll failed", RayActorError(actor_id=actor_id, preempted=True))
+    lost = LostWorkers(max_failures=0, hang_timeout_s=20)
+    for _ in range(3):
+        lost.after_exception(None, {1: preempted("a1")})
+    lost.after_exception(None, {0: PEER_CLOSED, 1: preempted("a1")})  # a survivor's aftermath meanwhile
+    lost.after_exception(None, {1: preempted("b1")})  # the restarted group's worker 1, preempted too
+    lost.after_exception(None, {0: preempted(None), 1: preempted("b1")})  # an actor Ray's error does not name
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["[raydiff] worker 1's node was preempted: restarting the workers from the newest checkpoint "
+                     "(preemptions do not count against run.max_failures)"] * 2 + [
+        "[raydiff] worker 0's node was preempted; worker 1's node was preempted: restarting the workers from the "
+        "newest checkpoint (preemptions do not count against run.max_failures)"]
+    assert lost.failures == 0
+
+
 def _shown(logger_name: str, message: str) -> bool:
     """Whether the filters of the logger pass a warning of `message` (its level aside: other tests, and Ray in
     this process, may have set it)."""
