@@ -1,6 +1,6 @@
 """Generate images from a trained run.
 
-    python -m raydiff.sample --checkpoint RUN_DIR_OR_CHECKPOINT --num N --out PATH
+    python -m raydiff.sample --checkpoint RUN_DIR_OR_CHECKPOINT [--num N] --out PATH
         [--class K[,K...]] [--guidance W] [--guide GUIDE] [--sampler ddpm|ddim|dpmpp_2m|dpmpp_2m_sde|heun]
         [--steps S] [--eta E] [--seed S] [--no-ema]
         [--batch B] [--device auto|cpu|cuda] [--endpoint URL]
