@@ -108,6 +108,14 @@ def refuse_empty(parser: argparse.ArgumentParser, name: str, value: str, allowed
                      f"folder)")
 
 
+def refuse_remote(parser: argparse.ArgumentParser, name: str, value: str) -> None:
+    """Refuse a URI (`s3://`, `gs://`, any `scheme://`) for an output this command writes only locally: Path()
+    reads `s3://b/x` as the local folders `s3:/b/x`, so the output went there, silently."""
+    if "://" in value:
+        parser.error(f"{setting_with(name, value)}: must be a local path (write it here, then copy it to the "
+                     f"bucket: `aws s3 cp --recursive`, `gcloud storage cp -r`)")
+
+
 def exit_with(main: Callable[[list[str] | None], int]) -> NoReturn:
     """A command as its process's entry point: run it, then exit with its status."""
     status = run(main)

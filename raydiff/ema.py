@@ -33,12 +33,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     cli.refuse_empty(parser, "--checkpoint", args.checkpoint, "a run directory or checkpoint")
     cli.refuse_empty(parser, "--out", args.out, "a local folder")
+    cli.refuse_remote(parser, "--out", args.out)
     args.out = Path(args.out)
     return args
 
 
 def folder_name(sigma_rel: float) -> str:
-    return f"sigma_rel-{sigma_rel:.3f}"
+    """3 decimals (sigma_rel-0.070), or 3 significant digits below 0.001 (which 3 decimals would all write as
+    sigma_rel-0.000)."""
+    return f"sigma_rel-{sigma_rel:.3f}" if sigma_rel >= 0.001 else f"sigma_rel-{sigma_rel:.3g}"
 
 
 def shared_folder(sigma_rels: list[float]) -> str | None:
@@ -49,7 +52,7 @@ def shared_folder(sigma_rels: list[float]) -> str | None:
         name = folder_name(s)
         if name in first:
             return (f"{first[name]:g} and {s:g} would both be written to {name}; give widths that differ in their "
-                    f"first 3 decimals")
+                    f"first 3 decimals (3 significant digits below 0.001)")
         first[name] = s
     return None
 
@@ -88,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         folder = out / folder_name(average.sigma_rel)
         with output_errors("--out", args.out), new_folder(folder) as tmp:  # a checkpoint folder once it is there
             write_state(tmp, average.state)
-        print(f"[raydiff] sigma_rel {average.sigma_rel:g} at step {average.state['step']} (from "
-              f"{average.state['posthoc']['snapshots']} snapshots) -> {folder}")
+        snapshots = average.state['posthoc']['snapshots']
+        print(f"[raydiff] sigma_rel {average.sigma_rel:g} at step {average.state['step']} (from {snapshots} "
+              f"snapshot{'' if snapshots == 1 else 's'}) -> {folder}")
     return 0
 
 

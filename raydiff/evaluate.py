@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="Ray tasks (default: every free GPU, else every free CPU)")
     args = parser.parse_args(argv)
     cli.refuse_empty(parser, "--checkpoint", args.checkpoint, "a run directory or checkpoint")
+    if args.guide is not None:
+        cli.refuse_empty(parser, "--guide", args.guide, "a run directory or checkpoint")
     if args.workers is not None and args.workers < 1:
         parser.error(f"--workers {args.workers}: must be >= 1")
     return args

@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     cli.refuse_empty(parser, "--checkpoint", args.checkpoint, "a run directory or checkpoint")
     cli.refuse_empty(parser, "--out", args.out, "a new or empty folder")
+    cli.refuse_remote(parser, "--out", args.out)
+    if args.guide is not None:
+        cli.refuse_empty(parser, "--guide", args.guide, "a run directory or checkpoint")
     args.out = Path(args.out)
     if args.guidance is not None and (args.guide is None or not math.isfinite(args.guidance) or args.guidance < 0):
         parser.error(f"--guidance {args.guidance:g}: a number >= 0, and only with --guide")
@@ -86,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     guided = ""
     if args.guide is not None:
         guide_at, guide_state = read_guide(args.guide, args.endpoint, state)
-        diffusers_io.check_exportable(Config.from_dict(guide_state["config"]))
+        try:
+            diffusers_io.check_exportable(Config.from_dict(guide_state["config"]))
+        except ConfigError as exc:
+            raise ConfigError(f"--guide {args.guide}: {exc}") from None
         guide = {"state": guide_state, "checkpoint": str(guide_at),
                  "guidance": AUTOGUIDANCE if args.guidance is None else args.guidance}
         guided = f", guided by {guide_at} (step {guide_state['step']}) in guide_unet/"

@@ -152,6 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps {args.steps}: must be >= 10")
     if Path(args.out).suffix.lower() != ".png":  # an empty one, too: Path("") is "."
         parser.error(f"--out {args.out!r}: must end in .png")
+    cli.refuse_remote(parser, "--out", args.out)
     args.out = Path(args.out)
     for path in (args.out, args.out.with_suffix(".csv")):  # else found only once the whole test has run
         if path.is_dir():

@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda, cuda:N")
     args = parser.parse_args(argv)
     cli.refuse_empty(parser, "--checkpoint", args.checkpoint, "a run directory or checkpoint")
+    if args.guide is not None:
+        cli.refuse_empty(parser, "--guide", args.guide, "a run directory or checkpoint")
     for name, low in (("num", 1), ("batch", 1), ("seed", 0)):
         if getattr(args, name) is not None and getattr(args, name) < low:
             parser.error(f"--{name} {getattr(args, name)}: must be >= {low}")
@@ -92,6 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.sampler != "ddim" and args.eta:
         parser.error("--eta applies to --sampler ddim only")
     cli.refuse_empty(parser, "--out", args.out, f"a grid image ({', '.join(GRID_FORMATS)}) or a folder")
+    cli.refuse_remote(parser, "--out", args.out)
     if is_grid_file(Path(args.out)) and args.out.endswith(("/", os.sep)):  # Path() drops the slash: a grid file
         parser.error(f"--out {args.out}: names a folder (the trailing /); a name ending in {Path(args.out).suffix} "
                      f"is written as one grid image file (a folder of samples takes a name without it)")

@@ -190,6 +190,10 @@ def _run_module(command: str, args: list[str], cwd=None) -> tuple[subprocess.Com
     *[(command, ["--checkpoint", "", *more], "--checkpoint ''", "a run directory or checkpoint")
       for command, more in (("raydiff.sample", ["--out", "x"]), ("raydiff.evaluate", []),
                             ("raydiff.export", ["--out", "x"]), ("raydiff.ema", ["--out", "x", "--sigma-rel", "0.1"]))],
+    # An empty --guide read the current folder as the guiding model.
+    *[(command, ["--checkpoint", "run", "--guide", "", *more], "--guide ''", "a run directory or checkpoint")
+      for command, more in (("raydiff.sample", ["--out", "x"]), ("raydiff.evaluate", []),
+                            ("raydiff.export", ["--out", "x"]))],
 ])
 def test_an_empty_out_is_one_line_in_every_command_that_writes_one_and_the_current_folder_is_left_alone(
         command, args, out, allowed, tmp_path):
@@ -201,6 +205,21 @@ def test_an_empty_out_is_one_line_in_every_command_that_writes_one_and_the_curre
     assert error == (f"raydiff: error: {out}: must name {allowed} (an empty value would mean the current folder) "
                      f"({prog} --help)")
     assert proc.stderr.count("\n") == 2  # the error, and the list of imports the check prints
+    assert imported == "[]" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command, args", [
+    ("raydiff.sample", ["--checkpoint", "run", "--out", "s3://bucket/grid.png"]),
+    ("raydiff.export", ["--checkpoint", "run", "--out", "gs://bucket/pipeline"]),
+    ("raydiff.ema", ["--checkpoint", "run", "--out", "s3://bucket/averages", "--sigma-rel", "0.1"]),
+    ("raydiff.lr_find", ["--out", "s3://bucket/lr_find.png"]),
+])
+def test_a_bucket_as_an_output_only_written_locally_is_one_line_not_a_local_folder_named_s3(command, args, tmp_path):
+    """Path() reads s3://bucket/x as the local folders s3:/bucket/x: the output went there, exit 0."""
+    proc, error, imported = _run_module(command, args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert error.startswith(f"raydiff: error: --out {args[args.index('--out') + 1]!r}: must be a local path "
+                            f"(write it here, then copy it to the bucket")
     assert imported == "[]" and list(tmp_path.iterdir()) == []
 
 

@@ -67,6 +67,13 @@ def test_sample_and_export_take_a_rebuilt_average(posthoc_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| weights | post-hoc EMA (EDM2), sigma_rel 0.08, rebuilt from 6 snapshots |" in (
         tmp_path / "pipeline" / "README.md").read_text()
+    # The weights are as readable as the rest of the folder (safetensors wrote them for their owner alone).
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in (tmp_path / "pipeline").rglob("*")
+             if p.is_file()}
+    assert len(set(modes.values())) == 1 and "pipeline/unet/diffusion_pytorch_model.safetensors" in modes, modes
+    proc = run_cli("raydiff.sample", "--checkpoint", str(tmp_path / "pipeline"), "--num", "4", "--steps", "5",
+                   "--out", str(tmp_path / "e.png"))
+    assert proc.returncode == 0 and "post-hoc EMA sigma_rel 0.08 weights" in proc.stdout, proc.stderr
     proc = run_cli("raydiff.sample", "--checkpoint", str(folder), "--no-ema", "--out", str(tmp_path / "n.png"))
     assert proc.returncode == 2 and "holds no online weights" in proc.stderr
     assert not (tmp_path / "n.png").exists()
@@ -153,25 +160,66 @@ def test_widths_that_share_a_folder_are_refused_before_anything_is_written(posth
                                       "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err == ("raydiff: config error: --sigma-rel = '0.05,0.0701,0.0704': 0.0701 and 0.0704 would both be "
-                   "written to sigma_rel-0.070; give widths that differ in their first 3 decimals\n")
+                   "written to sigma_rel-0.070; give widths that differ in their first 3 decimals (3 significant "
+                   "digits below 0.001)\n")
     assert not out.exists()
 
 
-def test_a_snapshot_of_other_widths_is_refused_in_one_line(posthoc_run, tmp_path, capsys):
-    # The coefficients are solved before the snapshots are read, for the widths the newest one tracks.
+def rebuilt_with_one_snapshot_changed(posthoc_run, tmp_path, step: int, change) -> tuple[int, object]:
+    """`raydiff.ema` at width 0.07 on a copy of the run's snapshots whose snapshot at `step` is `change(snapshot)`:
+    (its exit status, the copy's folder)."""
     import shutil
 
     run_dir = tmp_path / "run"
     shutil.copytree(posthoc_run[0] / "ema_snapshots", run_dir / "ema_snapshots")
-    path = run_dir / "ema_snapshots" / "step_00000020.pt"
-    snapshot = torch.load(path, weights_only=True)
-    torch.save({**snapshot, "sigma_rels": [0.05], "profiles": snapshot["profiles"][:1]}, path)
-    assert cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.07",
-                                      "--out", str(tmp_path / "out")]) == 2
+    path = run_dir / "ema_snapshots" / f"step_{step:08d}.pt"
+    torch.save(change(torch.load(path, weights_only=True)), path)
+    return cli.run(ema_command.main, ["--checkpoint", str(run_dir), "--sigma-rel", "0.07",
+                                      "--out", str(tmp_path / "out")]), run_dir
+
+
+def test_a_snapshot_of_other_widths_is_refused_in_one_line(posthoc_run, tmp_path, capsys):
+    # The coefficients are solved before the snapshots are read, for the widths the newest one tracks.
+    code, run_dir = rebuilt_with_one_snapshot_changed(
+        posthoc_run, tmp_path, 20, lambda snapshot: {**snapshot, "sigma_rels": [0.05],
+                                                     "profiles": snapshot["profiles"][:1]})
+    assert code == 2
     err = capsys.readouterr().err
     assert err == (f"raydiff: config error: {run_dir}: ema_snapshots/step_00000020.pt tracks sigma_rel [0.05], "
                    f"ema_snapshots/step_00000060.pt [0.05, 0.1]: snapshots of different widths cannot be combined\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_snapshot_of_another_model_is_refused_in_one_line(posthoc_run, tmp_path, capsys):
+    # Its tensors were added in, broadcast where they could be (silently wrong weights), a traceback where not.
+    def narrowed(snapshot):
+        return {**snapshot, "profiles": [{name: value[..., :1] if value.dim() else value
+                                          for name, value in profile.items()} for profile in snapshot["profiles"]]}
+    code, run_dir = rebuilt_with_one_snapshot_changed(posthoc_run, tmp_path, 40, narrowed)
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"raydiff: config error: {run_dir}: ema_snapshots/step_00000040.pt holds weights of other names or shapes "
+        f"than ema_snapshots/step_00000010.pt: snapshots of different models cannot be combined\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_folder_of_a_posthoc_run_is_answered_with_its_run_folder(posthoc_run, tmp_path, capsys):
+    # It was told to train again with train.ema=posthoc: the snapshots are the run's, beside its checkpoints.
+    checkpoint = posthoc_run[0] / "checkpoint_00000060"
+    assert cli.run(ema_command.main, ["--checkpoint", str(checkpoint), "--sigma-rel", "0.07",
+                                      "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"raydiff: error: {checkpoint}: a checkpoint folder; the post-hoc EMA's snapshots are its run's: give the run "
+        f"folder, {posthoc_run[0]} (and --step for this checkpoint's step)\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_widths_below_a_thousandth_are_written_to_folders_of_their_own(posthoc_run, tmp_path, capsys):
+    # 3 decimals wrote both to sigma_rel-0.000, and refused the second.
+    assert cli.run(ema_command.main, ["--checkpoint", str(posthoc_run[0]), "--sigma-rel", "0.0001,0.0002",
+                                      "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sigma_rel-0.0001", "sigma_rel-0.0002"]
+    assert "(from 6 snapshots)" in capsys.readouterr().out
 
 
 def test_a_damaged_snapshot_is_named_in_one_line_without_torchs_advice(posthoc_run, tmp_path, capsys):

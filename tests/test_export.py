@@ -228,6 +228,11 @@ def test_export_with_a_guide_writes_it_and_a_model_card_that_autoguides_as_raydi
                       "--out", str(tmp_path / "refused"))
     assert refused.returncode == 2 and "its diffusion.prediction is 'v', the model's 'eps'" in refused.stderr
     assert not (tmp_path / "refused").exists() and refused.stderr.count("\n") == 1
+    # A guide that is not there is named as the guide (the path alone read as the model's own).
+    missing = run_cli("raydiff.export", "--checkpoint", str(checkpoint), "--guide", str(tmp_path / "no-run"),
+                      "--out", str(tmp_path / "refused"))
+    assert missing.returncode == 2 and missing.stderr == (
+        f"raydiff: error: --guide {tmp_path / 'no-run'}: {tmp_path / 'no-run'}: no such run or checkpoint folder\n")
     alone = run_cli("raydiff.export", "--checkpoint", str(checkpoint), "--guidance", "2", "--out", str(tmp_path / "w"))
     assert alone.returncode == 2 and "--guidance 2: a number >= 0, and only with --guide" in alone.stderr
     assert not (tmp_path / "w").exists()

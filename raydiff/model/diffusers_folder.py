@@ -155,6 +155,8 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     if not isinstance(info.get("classes") or {}, dict):
         raise ConfigError(f"{info_file}: its 'classes' is not a mapping of names and counts; fix or replace it")
     exported = {"ema": "EMA", "online": "online", "posthoc": "post-hoc EMA"}.get(info.get("weights", ""), "exported")
+    if exported == "post-hoc EMA" and isinstance(info.get("sigma_rel"), (int, float)):
+        exported += f" sigma_rel {info['sigma_rel']:g}"
     state: dict[str, Any] = {"model": weights, "ema": weights, "step": info.get("step"),
                              "images_seen": info.get("images_seen"), "weights": exported, "config": cfg.to_dict()}
     classes = recorded_classes({"classes": info.get("classes")}, cfg)  # None for an unconditional UNet
@@ -282,8 +284,9 @@ def model_card(cfg: Config, *, step: int, images_seen: int, use_ema: bool, check
     d, T = cfg.data, cfg.diffusion.timesteps
     weights = f"EMA (decay {cfg.train.ema_decay})" if use_ema else "online (not the EMA)"
     if posthoc:
-        weights = (f"post-hoc EMA (EDM2), sigma_rel {posthoc['sigma_rel']:g}, rebuilt from {posthoc['snapshots']} "
-                   f"snapshots")
+        snapshots = posthoc["snapshots"]
+        weights = (f"post-hoc EMA (EDM2), sigma_rel {posthoc['sigma_rel']:g}, rebuilt from {snapshots} "
+                   f"snapshot{'' if snapshots == 1 else 's'}")
     if classes:
         names, counts = classes["names"], classes.get("counts")
         front = "tags: [ddpm, raydiff, class-conditional, classifier-free-guidance]"
@@ -378,10 +381,14 @@ def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, 
     pipeline = build_pipeline(state["ema" if use_ema else "model"], cfg)
     pipeline.save_pretrained(folder, safe_serialization=True)
     folder = Path(folder)
+    # safetensors writes its files readable by their owner alone; the folder's other files are as any new file.
+    file_mode = (folder / "model_index.json").stat().st_mode & 0o777
     (folder / RAYDIFF_CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
     classes = recorded_classes(state, cfg)
     info: dict[str, Any] = {"checkpoint": checkpoint, "step": state["step"], "images_seen": state["images_seen"],
                             "weights": "posthoc" if state.get("posthoc") else "ema" if use_ema else "online"}
+    if state.get("posthoc"):
+        info["sigma_rel"] = state["posthoc"]["sigma_rel"]
     if classes:
         info["classes"] = classes
     card_guide = None
@@ -391,6 +398,8 @@ def save_pipeline_folder(folder: Path, state: dict[str, Any], *, use_ema: bool, 
         guide_unet.save_pretrained(folder / GUIDE_FOLDER, safe_serialization=True)
         card_guide = info["guide"] = {"checkpoint": guide["checkpoint"], "step": guide_state["step"],
                                       "guidance": guide["guidance"]}
+    for weights_file in folder.rglob("*.safetensors"):
+        weights_file.chmod(file_mode)
     (folder / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     (folder / "README.md").write_text(model_card(cfg, step=state["step"], images_seen=state["images_seen"],
                                                  use_ema=use_ema, checkpoint=checkpoint, classes=classes,

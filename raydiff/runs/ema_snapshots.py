@@ -26,7 +26,7 @@ import torch
 from raydiff.config import Config
 from raydiff.model.unet import build_model, count_parameters
 from raydiff.model.weight_averages import PowerEma, combine, solve_coefficients
-from raydiff.runs.checkpoint import input_errors
+from raydiff.runs.checkpoint import STATE_FILE, input_errors
 from raydiff.runs.state import bad_file_reason, foreign_reason
 from raydiff.storage.rundir import RunDir
 
@@ -144,6 +144,9 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
     steps = list_snapshots(run_dir, where=where) if steps is None else steps
     if not steps and not run_dir.exists():  # a mistyped path: no reason to train again
         raise FileNotFoundError(f"{run_dir}: no such run folder")
+    if not steps and run_dir.is_file(STATE_FILE):  # the snapshots are the run's, beside its checkpoints
+        raise FileNotFoundError(f"{run_dir}: a checkpoint folder; the post-hoc EMA's snapshots are its run's: give "
+                                f"the run folder, {run_dir.parent} (and --step for this checkpoint's step)")
     if not steps:
         raise FileNotFoundError(f"{run_dir}: no post-hoc EMA snapshots ({SNAPSHOT_DIR}/); train with "
                                 f"--set train.ema=posthoc to record them")
@@ -168,7 +171,10 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
 def _profiles(run_dir: RunDir, steps: list[int], tracked: list[float], out_step: int,
               where: str | None) -> Iterator[dict[str, torch.Tensor]]:
     """The averages of the snapshots at `steps`, in order, each snapshot read only once the previous one's were
-    all taken (and let go of); each must track the widths `tracked`, as the snapshot at `out_step` does."""
+    all taken (and let go of); each must track the widths `tracked`, as the snapshot at `out_step` does, and hold
+    weights of the same names and shapes as the first (a snapshot of another model would be added in, broadcast, or
+    fail half-way)."""
+    shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
     for step in steps:
         snapshot = read_snapshot(run_dir, step, where=where)
         if [float(s) for s in snapshot["sigma_rels"]] != tracked:
@@ -177,8 +183,17 @@ def _profiles(run_dir: RunDir, steps: list[int], tracked: list[float], out_step:
                              f"combined")
         profiles = snapshot.pop("profiles")
         del snapshot
+        for these in map(_shapes, profiles):  # names the profiles only here: each is let go of once taken
+            shapes = these if shapes is None else shapes
+            if these != shapes:
+                raise ValueError(f"{run_dir}: {snapshot_name(step)} holds weights of other names or shapes than "
+                                 f"{snapshot_name(steps[0])}: snapshots of different models cannot be combined")
         while profiles:
             yield profiles.pop(0)
+
+
+def _shapes(profile: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {name: (value.shape, value.dtype) for name, value in profile.items()}
 
 
 def _span(steps: list[int]) -> str:

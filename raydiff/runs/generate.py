@@ -7,6 +7,7 @@ imported; the reading, loading and sampling it then does live here, where tests 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +19,7 @@ from raydiff.model.diffusion import build_diffusion
 from raydiff.model.guidance import AutoGuided
 from raydiff.model.unet import build_model
 from raydiff.runs.checkpoint import checkpoint_location, input_errors
-from raydiff.runs.state import read_newest
+from raydiff.runs.state import not_found_named, read_newest
 from raydiff.seeds import GRID_NOISE
 
 
@@ -57,5 +58,6 @@ def read_any(location: str, endpoint: str | None, *, flag: str = "--checkpoint")
     if exported:
         # An exported pipeline: one set of weights, converted back to raydiff's names.
         return location, diffusers_folder.state_from_folder(location)
-    found, state = read_newest(folder, where=where)
+    with contextlib.nullcontext() if flag == "--checkpoint" else not_found_named(where):
+        found, state = read_newest(folder, where=where)
     return str(found), state

@@ -17,12 +17,13 @@ checkpoints are fine.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -322,6 +323,17 @@ def _misfit(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
     return None
 
 
+@contextlib.contextmanager
+def not_found_named(where: str) -> Iterator[None]:
+    """A folder or checkpoint not found, in one line that names the flag that named it (`where`, "--guide X"):
+    the path alone reads as the model's own where a command takes two."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        message = str(exc)
+        raise FileNotFoundError(message if message.startswith(where) else f"{where}: {message}") from None
+
+
 def read_guide(guide: str, endpoint: str | None, model: dict[str, Any]) -> tuple[RunDir, dict[str, Any]]:
     """(checkpoint, state) of an autoguidance guide (`--guide`), read as `read_newest` reads, and refused in one line
     (ConfigError) unless its network predicts what the model's (`model`, its state) does (`check_guide`)."""
@@ -330,7 +342,8 @@ def read_guide(guide: str, endpoint: str | None, model: dict[str, Any]) -> tuple
     from raydiff.runs.checkpoint import checkpoint_location
 
     where = f"--guide {guide}"
-    checkpoint, state = read_newest(checkpoint_location(guide, endpoint, where=where), where=where)
+    with not_found_named(where):
+        checkpoint, state = read_newest(checkpoint_location(guide, endpoint, where=where), where=where)
     try:
         check_guide(model["config"], state["config"], guide,
                     class_names=(state_class_names(model), state_class_names(state)))
