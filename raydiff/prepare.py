@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         decoded = decode_stream(source, resolution=args.resolution, channels=args.channels,
                                 image_column=args.image_column, labels=labels)
         manifest = write_prepared(decoded, source, args.out, shape=(args.channels, args.resolution, args.resolution),
-                                  max_bad_fraction=args.max_bad_fraction, endpoint=args.endpoint, labels=labels)
+                                  max_bad_fraction=args.max_bad_fraction, endpoint=args.endpoint, labels=labels,
+                                  max_bad_setting="--max-bad-fraction")
     skipped = f"; {len(manifest['bad'])} unusable sample(s) skipped (listed in {MANIFEST})" if manifest["bad"] else ""
     classes = f" in {len(manifest['classes'])} classes" if "classes" in manifest else ""
     print(f"[raydiff] prepared {manifest['count']} images{classes} at {args.resolution}px from {source.describe()} "

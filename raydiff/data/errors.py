@@ -57,8 +57,10 @@ class HasBadSamples(Protocol):
     def bad(self) -> tuple[BadSample, ...]: ...
 
 
-def check_bad_fraction(store: HasBadSamples, max_bad_fraction: float) -> None:
-    """Stop before training when too much of the source is unusable (the first few reasons say why)."""
+def check_bad_fraction(store: HasBadSamples, max_bad_fraction: float,
+                       setting: str = "data.max_bad_fraction") -> None:
+    """Stop before training when too much of the source is unusable (the first few reasons say why); `setting`
+    names where the limit was set (a command's flag, or the config key)."""
     if not store.bad:
         return
     fraction = len(store.bad) / store.num_images
@@ -68,7 +70,7 @@ def check_bad_fraction(store: HasBadSamples, max_bad_fraction: float) -> None:
     if fraction > max_bad_fraction:
         examples = "; ".join(f"{b.where}: {b.reason}" for b in store.bad[:3])
         raise DataError(f"{len(store.bad)} of {store.num_images} samples in {store.source} cannot be used "
-                        f"({fraction:.1%} > data.max_bad_fraction = {max_bad_fraction:g}), e.g. {examples}")
+                        f"({fraction:.1%} > {setting} = {max_bad_fraction:g}), e.g. {examples}")
 
 
 def usable_indices(num_images: int, bad: tuple[BadSample, ...]) -> np.ndarray:

@@ -102,10 +102,12 @@ def refuse_occupied(out: str, *, endpoint: str | None = None, name: str = "OUT")
 
 def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, int, int],
                    rows_per_shard: int | None = None, max_bad_fraction: float = 1.0,
-                   endpoint: str | None = None, labels: LabelPlan | None = None) -> dict:
+                   endpoint: str | None = None, labels: LabelPlan | None = None,
+                   max_bad_setting: str = "data.max_bad_fraction") -> dict:
     """Write the batches of `decoded` ((usable uint8 images, bad samples), as `decode_stream` yields them) to `out`
     as prepared shards plus manifest; return the manifest. Streams: memory holds one shard, not the dataset.
-    Too many bad samples (> max_bad_fraction) stop it before the manifest, and a local `out` is not created.
+    Too many bad samples (> max_bad_fraction, set by `max_bad_setting`) stop it before the manifest, and a local
+    `out` is not created.
     `labels`: how the source's labels were read (`decode_stream(labels=...)` yields them): the shards get a label
     column and the manifest the classes; a source none of whose samples has a label is refused."""
     filesystem, root = refuse_occupied(out, endpoint=endpoint)
@@ -145,7 +147,7 @@ def write_prepared(decoded, source: SourceLike, out: str, *, shape: tuple[int, i
             raise missing_labels(source)
         if not count:
             raise DataError(f"data.source = {source.uri!r}: no usable samples in {source.describe()}")
-        check_bad_fraction(BadCount(source.uri, count + len(bad), tuple(bad)), max_bad_fraction)
+        check_bad_fraction(BadCount(source.uri, count + len(bad), tuple(bad)), max_bad_fraction, max_bad_setting)
         manifest = {
             "format": PREPARED_FORMAT, "version": PREPARED_VERSION, "count": count, "resolution": r, "channels": c,
             "source": source.uri, "source_identity": source.identity(), "shards": shards, "shard_counts": counts,

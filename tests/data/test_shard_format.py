@@ -101,6 +101,11 @@ def test_too_many_bad_samples_stop_it_before_the_manifest(source, tmp_path):
         write_prepared(iter([(_images(10), bad)]), source, str(tmp_path / "out"), shape=SHAPE,
                        max_bad_fraction=0.1)
     assert not (tmp_path / "out").exists()
+    # `raydiff.prepare` names its own flag, which is what its user set.
+    with pytest.raises(DataError, match=r"5 of 15 samples .* \(33.3% > --max-bad-fraction = 0.1\)"):
+        write_prepared(iter([(_images(10), bad)]), source, str(tmp_path / "out"), shape=SHAPE,
+                       max_bad_fraction=0.1, max_bad_setting="--max-bad-fraction")
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_occupied_or_empty_result_is_refused(source, tmp_path):
