@@ -46,9 +46,11 @@ def test_job_dependency_lists_match_pyproject():
     job = next(d for d in yaml.safe_load_all((ROOT / "cluster" / "kuberay" / "rayjob.yaml").read_text())
                if d["kind"] == "RayJob")
     readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    # A job command's pip list (its env_vars, if any, first).
+    runtime_env = r"--runtime-env-json '(\{(?:\"env_vars\": \{[^}]*\}, )?\"pip\": \[\".*?\})'"
     lists = {"rayjob.yaml": yaml.safe_load(job["spec"]["runtimeEnvYAML"])["pip"],
              **{f"README runtime env {i}": json.loads(found)["pip"]
-                for i, found in enumerate(re.findall(r"--runtime-env-json '(\{\"pip\": \[\".*?\})'", readme))},
+                for i, found in enumerate(re.findall(runtime_env, readme))},
              "README prose": re.findall(r"`([a-z][a-z0-9_-]*(?:>=|==|~=)[0-9][^`]*)`", readme)}
     assert len(lists) == 3
     for where, requirements in lists.items():
@@ -117,6 +119,11 @@ LAUNCHER_BROKEN = {
         lambda c: c["available_node_types"][GPU].update(resources={"CPU": 0, "GPU": 1}),
         ("available_node_types['ray.worker.gpu'].resources.CPU = 0: each Ray Train worker asks {CPU: 1, GPU: 1}, so "
          "ray.worker.gpu (GPU: 1) must advertise CPU: 1 or more")),
+    "a Ray release raydiff does not run on": (
+        lambda c: c["docker"].update(image="rayproject/ray:2.55.0-py311-gpu",
+                                     worker_image="rayproject/ray:2.55.0-py311-gpu"),
+        ("docker.image = rayproject/ray:2.55.0-py311-gpu: Ray 2.55.0, which raydiff does not run on (it needs "
+         "ray<3,>=2.60, pyproject.toml)")),
     "two Ray releases": (
         lambda c: c["docker"].update(worker_image="rayproject/ray:2.59.0-py311-gpu"),
         ("docker.image = rayproject/ray:2.60.0-py311-gpu and docker.worker_image = rayproject/ray:2.59.0-py311-gpu: "
@@ -507,10 +514,18 @@ def _ray_version(obj: dict[str, Any], version: str) -> None:
             container["image"] = container["image"].replace("2.60.0", version)
 
 
-@pytest.mark.parametrize("version", ["2.52.0", "2.52", "v2.60.0", "2.60.0rc1", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.60", "v2.60.0", "2.60.0rc1", "2.61.3"])
 def test_token_auth_takes_every_ray_version_kuberay_takes(version, tmp_path, capsys):
     path = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: _ray_version(o, version))
     assert cli.run(main, [str(path)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("version", ["2.52.0", "3.0.0"])
+def test_images_of_a_ray_release_raydiff_does_not_run_on_are_refused(version, tmp_path, capsys):
+    """Token auth takes them (KubeRay: 2.52 or later), but the job's driver and workers run on the images' Ray."""
+    line = _refused(capsys, _kuberay(tmp_path, "raycluster.yaml", lambda p, o: _ray_version(o, version)))
+    assert (f"spec.headGroupSpec.template.spec.containers[0].image = rayproject/ray:{version}-py311: Ray {version}, "
+            f"which raydiff does not run on (it needs ray<3,>=2.60, pyproject.toml)") in line
 
 
 def test_the_gpu_pods_may_say_their_resources_as_kuberay_allows(tmp_path, capsys):

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import importlib.metadata
 import json
 import re
 from typing import Any
 
 import jsonschema
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from raydiff.cluster.files.kuberay_schema import MIN_KUBERAY, NEWER
 from raydiff.config import Config, ConfigError, load_config, preset_names
@@ -128,6 +131,24 @@ def check_ray_images(tree: dict[str, Any], version: tuple[str, str] | None = Non
         raise ClusterFileError(f"{version[0]} = {json.dumps(version[1])}, but {first_where} = {first}: set "
                                f"rayVersion to the images' Ray version (KubeRay decides by it what the cluster "
                                f"supports, token auth included)")
+    supported = supported_ray()
+    if supported is not None and RAY_RELEASE.match(release) and not supported.contains(release):
+        raise ClusterFileError(f"{first_where} = {first}: Ray {release}, which raydiff does not run on (it needs "
+                               f"ray{supported}, pyproject.toml); use an image of such a release in every node type")
+
+
+def supported_ray() -> SpecifierSet | None:
+    """The Ray releases raydiff runs on, as its installed metadata says (pyproject.toml's `ray` requirement): the
+    job's driver and workers run on the images' Ray. None where raydiff is not installed (its source alone)."""
+    try:
+        requirements = importlib.metadata.requires("raydiff") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for text in requirements:
+        requirement = Requirement(text)
+        if requirement.name == "ray" and requirement.marker is None:
+            return requirement.specifier
+    return None
 
 
 def load_preset(name: str | None, source: str, how: str) -> tuple[str, Config]:
