@@ -22,6 +22,7 @@ step (`profile_step`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -112,7 +113,9 @@ def planned_model(cfg: Config, device: torch.device):
     from raydiff.training.speed import apply_training_flags, plan_speed
     from raydiff.training.step import resolve_precision
 
-    plan = plan_speed(cfg.train, device, world_size=1)
+    # No eager fallback (`train.compile: auto`'s): a compilation that fails is an error here, not eager steps
+    # measured under a "compile on" label.
+    plan = dataclasses.replace(plan_speed(cfg.train, device, world_size=1), compile_fallback=False)
     apply_training_flags(plan, device)
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
