@@ -192,7 +192,9 @@ class TrainSection:
     runs (overlapped; no CUDA graphs). `flat`: the gradients live in one buffer, all-reduced once after the last
     micro-batch's backward pass, so that the step can replay as CUDA graphs. `auto`: `flat` where the step
     replays as CUDA graphs and all workers share one node (the all-reduce over the node's links is short beside
-    the launches the graphs save), else `ddp`. Both average alike (see docs/training.md#performance)."""
+    the launches the graphs save), and on CPUs with three or more workers (DDP's first step after a start sums in
+    another order: a resumed run would not end bit for bit as the uninterrupted one), else `ddp`. Both average
+    alike (see docs/training.md#performance)."""
     tf32: bool = True
     """TF32 tensor cores for fp32 convolutions and matmuls during training on GPUs (sampling and evaluation always
     compute in IEEE fp32); false: IEEE fp32 throughout."""

@@ -77,7 +77,8 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
     so `auto` replays it as CUDA graphs there. DDP cannot be replayed (pytorch#128218): with several workers the
     graphs need the flat all-reduce after the backward pass, which `auto` chooses where the workers share a node
     (its links make the all-reduce short); across nodes DDP's overlap of the all-reduce with the backward pass is
-    kept unless CUDA graphs are asked for."""
+    kept unless CUDA graphs are asked for. On CPUs with three or more workers `auto` takes the flat all-reduce too,
+    for exact resume (DDP's first step after a start sums in another bucket layout than its later ones)."""
     cuda = device.type == "cuda"
     reasons = []
     chosen_compile: bool | str = cuda if t.compile == "auto" else t.compile
@@ -92,9 +93,14 @@ def plan_speed(t: TrainSection, device: torch.device, world_size: int, *, one_no
     allreduce = "none" if world_size == 1 else t.allreduce
     if allreduce == "auto":
         want_graphs = graphable and (t.cuda_graphs is True or (t.cuda_graphs == "auto" and one_node))
-        allreduce = "flat" if want_graphs else "ddp"
+        # DDP's first step after each start all-reduces in its first-iteration bucket layout, later ones in the
+        # layout it rebuilds: with three or more workers gloo then sums in another order, so a resumed CPU run
+        # would not end with the uninterrupted one's weights (exact on CPU is a promise; on GPUs it is not).
+        exact = not cuda and world_size >= 3
+        allreduce = "flat" if want_graphs or exact else "ddp"
         reasons.append(f"all-reduce auto: {allreduce}, " + (
             "for CUDA graphs" + (" on one node" if one_node else "") if want_graphs
+            else "exact resume on 3 or more CPU workers" if exact
             else "no CUDA graphs" if not graphable or t.cuda_graphs is False
             else "overlapping the backward pass across nodes"))
     graphs_possible = graphable and allreduce != "ddp"

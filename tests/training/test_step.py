@@ -265,6 +265,8 @@ def test_the_speed_plan_per_device_and_world_size():
     assert "CUDA graphs auto: off, DDP" in on_nodes.describe()
     assert plan_speed(auto, cpu, 2).allreduce == "ddp" and "all-reduce auto: ddp, no CUDA graphs" in plan_speed(
         auto, cpu, 2).describe()
+    assert plan_speed(auto, cpu, 3).allreduce == "flat" and "all-reduce auto: flat, exact resume on 3 or more CPU " \
+        "workers" in plan_speed(auto, cpu, 3).describe()
     asked = plan_speed(TrainSection(cuda_graphs=True), gpu, 8, one_node=False)  # graphs asked for: flat
     assert asked.cuda_graphs and asked.allreduce == "flat"
     assert plan_speed(TrainSection(cuda_graphs=False), gpu, 8).allreduce == "ddp"
