@@ -74,10 +74,17 @@ def checkpoint_order(location: Location) -> tuple[int, int]:
 def write_state(directory: Path, state: dict[str, Any], *, durable: bool = True) -> Path:
     """Save `state` (tensors, numbers, strings, lists, dicts only) into a local folder so that a reader sees all
     of it or none, and with `durable` a power loss too (`atomic.new_file`). Written through a Python file, so that
-    a full disk raises OSError(ENOSPC) rather than torch's errno-less "file write failed"."""
+    a full disk raises OSError(ENOSPC) rather than torch's errno-less "file write failed"; its zip writer, closed
+    after such a write, raises a RuntimeError of its own ("unexpected pos") over it: the OSError is what raises."""
     path = Path(directory) / STATE_FILE
     with new_file(path, durable=durable) as tmp, open(tmp, "wb") as f:
-        torch.save(state, f)
+        try:
+            torch.save(state, f)
+        except RuntimeError as exc:
+            written = exc.__context__ or exc.__cause__
+            if isinstance(written, OSError):
+                raise written from None
+            raise
     return path
 
 
@@ -123,14 +130,14 @@ class CheckpointWriter:
         """Write `state` as checkpoint `name`; the previous write must have been collected (`outcome`)."""
         assert self._pending is None, f"checkpoint {self._pending and self._pending[0]} is still being written"
         future: Future = Future()
-        if self._in_place:  # written here (a full disk is known at once), on disk and named on the writer's thread
-            try:
+        try:
+            if self._in_place:  # written here (a full disk is known at once), on disk and named on the writer's thread
                 partial = self._filled(name, lambda folder: write_state(folder, state, durable=False))
                 future = self._pool.submit(self._publish, partial, name)
-            except OSError as exc:
-                future.set_exception(exc)
-        else:
-            future = self._pool.submit(self._move, self._stage(state), name)
+            else:
+                future = self._pool.submit(self._move, self._stage(state), name)
+        except OSError as exc:  # the write's (or the staging's): it arrives with `outcome`, as one moved later does
+            future.set_exception(exc)
         self._pending = (name, future)
 
     @staticmethod

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 from importlib.metadata import version
@@ -156,6 +158,42 @@ def test_checkpoints_refuse_pickled_code(tmp_path):
     refused = r"\(it holds a Python object \(.*Evil\), which raydiff does not load: only tensors and plain data\)$"
     with pytest.raises(FileNotFoundError, match=rf"no checkpoint can be read: {tmp_path.name} {refused}"):
         read_newest(tmp_path)
+
+
+_FULL_TEMPORARY_FOLDER = """
+import os, resource, signal, sys, tempfile, torch
+os.environ["TMPDIR"] = sys.argv[1]
+from raydiff.runs.checkpoint import CheckpointWriter
+from raydiff.storage.errors import storage_failure
+from raydiff.storage.rundir import RunDir
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+for in_place in (True, False):
+    writer = CheckpointWriter(RunDir(sys.argv[2]))
+    writer._in_place = in_place
+    writer.start("checkpoint_00000001", {"weights": torch.zeros(2_000_000), "step": 1})
+    name, error = writer.outcome(wait=True)
+    print(type(error).__name__, storage_failure(error, sys.argv[2], "writing the checkpoint of step 1",
+                                                needed_bytes=8_000_000))
+    writer.close()
+"""
+
+
+def test_a_checkpoint_that_does_not_fit_says_which_folder_is_full(tmp_path):
+    """torch's zip writer raises a RuntimeError of its own ("unexpected pos") over the OSError of a write that
+    failed: a checkpoint staged in a full temporary folder was told as run.storage's fault (its free space shown,
+    and "set another run.storage"), and one written in place raised out of `start`. A real write past a file size
+    limit, in a process of its own."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "run").mkdir()
+    proc = subprocess.run([sys.executable, "-c", _FULL_TEMPORARY_FOLDER, str(tmp_path / "tmp"), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    in_place, staged = proc.stdout.splitlines()
+    assert in_place.startswith("OSError ") and "file too large" in in_place and "run.storage" in in_place, in_place
+    assert staged.startswith(("OSError ", "ElsewhereError ")) and f"temporary folder {tmp_path / 'tmp'}" in staged \
+        and "TMPDIR" in staged and "set another run.storage" not in staged, staged
+    assert list_checkpoints(tmp_path / "run") == [] and list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_a_checkpoint_write_is_never_visible_before_it_is_complete(tmp_path, monkeypatch):
@@ -378,11 +416,12 @@ def test_a_full_temporary_folder_is_named_as_such_not_as_the_run_storage(tmp_pat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(module.torch, "save", full_disk)
-    with pytest.raises(OSError) as failed:
-        writer.start("checkpoint_00000020", {"step": 20})
+    writer.start("checkpoint_00000020", {"step": 20})  # the error arrives with the outcome, as a move's would
+    name, error = writer.outcome(wait=True)
     writer.close()
-    # What rank 0's cadence makes of it (raydiff.training.cadence: `_write`).
-    line = str(storage_failure(failed.value, str(tmp_path / "run"), "writing the checkpoint of step 20",
+    assert name == "checkpoint_00000020" and isinstance(error, OSError)
+    # What rank 0's cadence makes of it (raydiff.training.cadence: `_settle`).
+    line = str(storage_failure(error, str(tmp_path / "run"), "writing the checkpoint of step 20",
                                needed_bytes=3_000_000))
     assert line.startswith(f"temporary folder {temp} (where checkpoints are staged on their way to run.storage): "
                            f"writing the checkpoint of step 20 failed: no space left on device; "), line
