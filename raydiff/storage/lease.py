@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from raydiff.storage.errors import permanent_reason
+from raydiff.storage.errors import StorageFailure, permanent_reason, storage_failure
 from raydiff.storage.lease_objects import GcsLeaseObject, S3LeaseObject, request_timeout_s
 from raydiff.storage.rundir import RunDir, RunInUse
 
@@ -141,7 +141,7 @@ def take(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str, w
         except Exception as exc:
             failed += 1
             if place.local or failed >= TAKE_ATTEMPTS or permanent_reason(exc) is not None:
-                raise
+                raise _one_line(exc, place, f"taking the lease of {what} {folder}", failed) from None
             # A moment of a busy or unreachable store (a claimant may poll for as long as another run prepares).
             logger.debug("asking for the lease failed; asking again", exc_info=True)
             time.sleep(POLL_S * 2**failed)
@@ -160,6 +160,21 @@ def take(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str, w
             print(f"[raydiff] {message}", flush=True)
             said.add(message)
         time.sleep(POLL_S)
+
+
+def _one_line(exc: Exception, place: RunDir, operation: str, attempts: int) -> Exception:
+    """A lease that cannot be taken, as the one line its command ends in: a storage error no retry can fix (a
+    folder of run.storage this user may not write, a bucket refused or missing), or an object store's error that
+    outlasted the retries (an endpoint that does not answer: boto3's and Google's errors are not OSErrors). Any
+    other error of a local folder is raised as it is (a bug should be seen)."""
+    failure = storage_failure(exc, str(place), operation)
+    if failure is not None:
+        return failure
+    if place.local:
+        return exc
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return StorageFailure(f"storage {place}: {operation} failed {attempts} times ({type(exc).__name__}: {first}); "
+                          f"check the address, the credentials and the network, then run the same command again")
 
 
 class _LocalLock:

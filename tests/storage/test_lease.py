@@ -15,8 +15,9 @@ import time
 from http import HTTPStatus
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, free_port, run_cli
 
+from raydiff.storage.errors import StorageFailure
 from raydiff.storage.lease import hold, lease_of, take, this_process
 from raydiff.storage.rundir import RunDir, RunInUse
 
@@ -71,7 +72,7 @@ def test_a_local_lease_whose_holder_cannot_be_written_is_not_kept_locked(tmp_pat
     run_dir = RunDir(tmp_path / "run")
     with monkeypatch.context() as patched:
         patched.setattr(lease_module.os, "pwrite", full)
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(StorageFailure, match="taking the lease of run directory .* failed: no space left"):
             take(run_dir, this_process(), stale_s=4, what="run directory")
     with hold(run_dir, this_process(), stale_s=4, what="run directory"):
         pass
@@ -171,9 +172,37 @@ def test_a_claimant_refused_by_the_store_stops_at_once(s3_server, monkeypatch):
         raise OSError("An error occurred (AccessDenied) when calling the PutObject operation: Access Denied")
 
     monkeypatch.setattr(lease_module._ObjectLease, "take", refused)
-    with pytest.raises(OSError, match="AccessDenied"):
+    with pytest.raises(StorageFailure, match="^storage s3://refused/runs/.raydiff-leases/.*: taking the lease of run "
+                                             "directory s3://refused/runs/smoke failed: access denied"):
         take(RunDir("s3://refused/runs/smoke", endpoint=endpoint), {"name": "a"}, stale_s=600, what="run directory")
     assert len(asked) == 1
+
+
+def test_a_lease_that_cannot_be_taken_ends_in_one_line_whatever_the_store_raises(s3_server, tmp_path, monkeypatch):
+    """The lease lives in run.storage's `.raydiff-leases/`, not in the run folder the room check looked at: a
+    storage folder this user may not write raised PermissionError's traceback; boto3's errors (a bucket missing,
+    an endpoint that does not answer) are no OSErrors, and raised theirs."""
+    import errno
+
+    from raydiff.storage import lease as lease_module
+
+    endpoint, _ = s3_server
+    with pytest.raises(StorageFailure, match="taking the lease of run directory s3://no-such-bucket/runs/smoke "
+                                             "failed: the bucket does not exist"):
+        take(RunDir("s3://no-such-bucket/runs/smoke", endpoint=endpoint), {"name": "a"}, stale_s=600,
+             what="run directory")
+    monkeypatch.setattr(lease_module, "POLL_S", 0.01)
+    with pytest.raises(StorageFailure, match=r"taking the lease of run directory s3://b/runs/smoke failed 5 times "
+                                             r"\((EndpointConnectionError|ConnectTimeoutError|ReadTimeoutError)"):
+        take(RunDir("s3://b/runs/smoke", endpoint=f"http://127.0.0.1:{free_port()}"), {"name": "a"}, stale_s=600,
+             what="run directory")
+
+    def refused(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+    monkeypatch.setattr(lease_module.Path, "mkdir", refused)  # as root, which may write anywhere
+    with pytest.raises(StorageFailure, match=f"^storage {tmp_path}/.raydiff-leases/.*: taking the lease of run "
+                                             f"directory {tmp_path}/smoke failed: permission denied"):
+        take(RunDir(tmp_path / "smoke"), {"name": "a"}, stale_s=600, what="run directory")
 
 
 def test_a_holder_whose_s3_lease_was_taken_over_is_told_once_even_before_it_asked_to_be(s3_server):
