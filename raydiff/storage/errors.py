@@ -49,7 +49,9 @@ ADVICE = {  # {setting}: where the user chose the storage (run.storage, or a com
     "the credentials were refused": "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
                                     "GOOGLE_APPLICATION_CREDENTIALS or the instance's role)",
 }
-FULL = ("no space left on device", "disk quota exceeded")  # the reasons where the free space is worth telling
+FULL = ("no space left on device", "disk quota exceeded")  # a full disk or quota: room to make
+# Where the file system's free space is worth telling: a quota is this user's own, which its free space does not show.
+NO_SPACE = "no space left on device"
 # A disk full or read-only: the machine's state, never a fault of the program, wherever it is met; what to do.
 DISK_FIXES = {
     errno.ENOSPC: "make room there", errno.EDQUOT: "make room there",
@@ -137,10 +139,12 @@ def storage_failure(exc: BaseException, storage: str, operation: str, *,
     if other is not None:
         storage, where, setting = other.folder, other.where, other.setting
     detail = ""
-    if reason in FULL and "://" not in storage:
+    if reason == NO_SPACE and "://" not in storage:
         free = free_bytes(storage)
         if free is not None:
             detail = f"{megabytes(free)} free" + (f", {megabytes(needed_bytes)} needed" if needed_bytes else "")
+    elif reason in FULL and needed_bytes:
+        detail = f"{megabytes(needed_bytes)} needed"
     return StorageFailure(failure_message(storage, operation, reason, detail, where=where, setting=setting))
 
 
@@ -185,7 +189,7 @@ def output_errors(setting: str, path: str | os.PathLike, *,
         reason = permanent_reason(exc)
         if reason is None:
             raise
-        free = free_bytes(str(path)) if reason in FULL and "://" not in str(path) else None
+        free = free_bytes(str(path)) if reason == NO_SPACE and "://" not in str(path) else None
         detail = "" if free is None else f" ({megabytes(free)} free)"
         raise StorageFailure(f"{setting} {path}: writing it failed: {reason}{detail}; nothing half-written was left "
                              f"there; {advice(reason, setting)}") from None

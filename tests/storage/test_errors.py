@@ -48,6 +48,15 @@ def test_a_full_disk_says_how_much_is_free_and_what_the_write_needed(tmp_path):
     assert storage_failure(OSError(104, "Connection reset by peer"), str(tmp_path), "writing x") is None
 
 
+def test_a_quota_says_what_the_write_needed_not_the_disks_free_space(tmp_path):
+    # The file system's free space (tens of GB) read as if there were room: a quota is the user's own.
+    failure = str(storage_failure(OSError(122, "Disk quota exceeded"), str(tmp_path), "writing checkpoint_00000020",
+                                  needed_bytes=858_000_000))
+    assert failure.startswith(f"storage {tmp_path}: writing checkpoint_00000020 failed: disk quota exceeded; 858.0 MB "
+                              f"needed. Nothing already saved was lost; raise the quota"), failure
+    assert " MB free" not in failure
+
+
 def test_a_full_folder_other_than_the_storage_is_named_with_what_chose_it(tmp_path):
     """A checkpoint staged in the temporary folder on its way to a mount or bucket: that folder is full, not the
     run's storage. The error keeps its kind across a process (Ray sends a worker's error to the controller)."""
