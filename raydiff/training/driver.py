@@ -72,16 +72,49 @@ def run_dir_of(cfg: Config) -> RunDir:
     return RunDir(cfg.run.storage, endpoint=cfg.run.endpoint) / cfg.run.name
 
 
-def check_room(cfg: Config, run_dir: RunDir) -> None:
+def check_room(cfg: Config, run_dir: RunDir) -> str | None:
     """On a local or mounted file system, room for at least two checkpoints of this model (its size follows from
-    the model); refused in one line otherwise. Object stores have no such limit to check."""
+    the model); refused in one line otherwise. Returns a warning where what is free now falls short of what the
+    run adds at its fullest (`room_at_fullest`): it may fill the disk before it ends (the disk may also be freed
+    meanwhile: not refused). Object stores have no such limit to check."""
     if run_dir.remote:
-        return
+        return None
     free, needed = free_bytes(run_dir.path), checkpoint_bytes(cfg)
-    if free is not None and free < 2 * needed:
+    if free is None:
+        return None
+    if free < 2 * needed:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: {megabytes(free)} free on its file system, and a "
                           f"checkpoint of this model takes about {megabytes(needed)}: a run needs room for at least "
                           f"two ({megabytes(2 * needed)}); free space there or set another run.storage")
+    fullest, what = room_at_fullest(cfg, run_dir, needed)
+    if free >= fullest:
+        return None
+    return (f"run.storage = {cfg.run.storage!r} has {megabytes(free)} free, and the run adds up to "
+            f"{megabytes(fullest)} ({what}): it may fill before the run ends (then it stops in one line, and the "
+            f"same command continues it once there is room)")
+
+
+def room_at_fullest(cfg: Config, run_dir: RunDir, checkpoint: int) -> tuple[int, str]:
+    """(bytes, what they are) that the run adds to its storage at its fullest, beyond what is there now: the
+    checkpoints it keeps at once (`run.keep_checkpoints`, and the next one written before Ray removes the oldest;
+    fewer where the run writes fewer) and, with `train.ema: posthoc`, the snapshots still to come (kept for the
+    whole run)."""
+    from raydiff.runs.checkpoint import checkpoint_order, list_checkpoints
+    from raydiff.runs.ema_snapshots import list_snapshots, snapshot_size
+
+    t = cfg.train
+    found = [checkpoint_order(c)[0] for c in list_checkpoints(run_dir)] if run_dir.exists() else []
+    newest = max(found, default=0)
+    to_write = t.total_steps // t.checkpoint_every - newest // t.checkpoint_every + int(
+        t.total_steps % t.checkpoint_every != 0 and newest < t.total_steps)  # the end's, off the schedule
+    checkpoints = max(min(cfg.run.keep_checkpoints + 1, len(found) + to_write) - len(found), 0)
+    fullest, what = checkpoints * checkpoint, f"{checkpoints} checkpoint(s) of about {megabytes(checkpoint)}"
+    if t.ema == "posthoc":
+        size, count = snapshot_size(cfg)
+        snapshots = max(count - len(list_snapshots(run_dir) if run_dir.exists() else []), 0)
+        fullest += snapshots * size
+        what += f" and {snapshots} post-hoc EMA snapshot(s) of {megabytes(size)}"
+    return fullest, what
 
 
 def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.ScalingConfig, float]:
@@ -135,7 +168,9 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
     reason = unwritable(run_dir)
     if reason:
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: cannot write the run directory {run_dir} ({reason})")
-    check_room(cfg, run_dir)
+    short = check_room(cfg, run_dir)
+    if short:
+        print(f"[raydiff] warning: {short}", flush=True)
     if not ray.is_initialized():
         check_ray_address()  # a cluster that does not answer, before the run directory is touched
     source = source_of(cfg.data)

@@ -121,6 +121,38 @@ def test_storage_without_room_for_two_checkpoints_is_refused_before_anything_is_
         assert not any(disk.iterdir())
 
 
+def test_storage_that_the_run_would_fill_before_its_end_is_a_warning_that_counts_what_it_adds(tmp_path, monkeypatch):
+    """Two checkpoints is the least a run needs (refused below it); what it adds at its fullest (the checkpoints it
+    keeps at once and the one being written, fewer where it writes fewer, and the post-hoc EMA's snapshots, which
+    are never pruned) is said as a warning where it exceeds what is free: the disk may be freed meanwhile."""
+    from raydiff.config import ConfigError, load_config
+    from raydiff.runs.checkpoint import checkpoint_bytes
+    from raydiff.training import driver
+
+    def warning(free_mb: float, *overrides: str) -> str | None:
+        cfg = load_config("smoke", [f"run.storage={tmp_path}", *overrides], check_source=False)
+        monkeypatch.setattr(driver, "free_bytes", lambda path: int(free_mb * 1e6))
+        return driver.check_room(cfg, driver.run_dir_of(cfg))
+
+    each = checkpoint_bytes(load_config("smoke", check_source=False)) / 1e6  # about 3.9 MB
+    with pytest.raises(ConfigError, match="a run needs room for at least two"):
+        warning(1.9 * each)
+    # smoke: 20 steps, a checkpoint every 10 (run.keep_checkpoints 3): two in all.
+    assert warning(2.1 * each) is None
+    forty = ("train.total_steps=40", "train.checkpoint_every=5")  # eight in all: three kept and the one written
+    assert f"and the run adds up to {4 * each:.1f} MB (4 checkpoint(s) of about {each:.1f} MB): it may fill " in (
+        warning(2.1 * each, *forty))
+    assert warning(4.1 * each, *forty) is None
+    posthoc = warning(4.1 * each, *forty, "train.ema=posthoc")  # a snapshot of two widths every 5 steps, 8 in all
+    assert posthoc is not None and "and 8 post-hoc EMA snapshot(s) of " in posthoc
+    # A run continued at step 35 of 40 writes one more (at 40), beside the three it keeps.
+    for step in (25, 30, 35):
+        (tmp_path / "smoke" / f"checkpoint_{step:08d}").mkdir(parents=True)
+        (tmp_path / "smoke" / f"checkpoint_{step:08d}" / "state.pt").write_bytes(b"x")
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", *forty], check_source=False)
+    assert driver.room_at_fullest(cfg, driver.run_dir_of(cfg), 1000) == (1000, "1 checkpoint(s) of about 0.0 MB")
+
+
 def test_a_read_only_folder_is_refused_before_anything_is_written(tmp_path):
     with tmpfs(tmp_path / "read-only", "4m", read_only=True) as folder:
         proc = _train(str(folder))
