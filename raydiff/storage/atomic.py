@@ -19,6 +19,7 @@ which would shut other users and pods of a shared mount out of an exported pipel
 from __future__ import annotations
 
 import errno
+import fcntl
 import glob
 import os
 import re
@@ -149,11 +150,18 @@ def sync_tree(folder: str | os.PathLike) -> None:
 
 def append_lines(path: str | os.PathLike, text: str) -> None:
     """Append whole lines (`text` ends in a newline) to `path`, made if missing: all of them or none. A failed
-    write is cut back off; a last line that an earlier crash left without its newline is dropped first."""
+    write is cut back off; a last line that an earlier crash left without its newline is dropped first. Under an
+    exclusive lock of the file (where its file system has locks): another process appending (two evaluations of
+    one run) neither loses its row to this one's cut nor has its line cut half-written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released as the file is closed
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             size = _after_last_newline(fd, size)

@@ -76,6 +76,35 @@ def test_a_row_cut_by_a_crash_is_not_read_and_the_next_append_drops_it(tmp_path)
     assert (tmp_path / "one.jsonl").read_text() == "[]\n"
 
 
+_APPEND_THAT_FAILS = """
+import errno, os, sys, time
+from raydiff.storage import atomic
+def write(fd, data):  # the disk fills during this row, after a moment
+    open(sys.argv[2], "w").close()
+    time.sleep(1.0)
+    raise OSError(errno.ENOSPC, "No space left on device")
+atomic.os.write = write
+try:
+    atomic.append_lines(sys.argv[1], '{"row": "A"}\\n')
+except OSError:
+    pass
+"""
+
+
+def test_a_row_appended_while_another_process_append_fails_is_kept(tmp_path):
+    """Two evaluations of one run append to its eval.jsonl: a failed append is cut back to the size it found, which
+    erased the row the other appended meanwhile. The appends take turns now."""
+    log, started = tmp_path / "eval.jsonl", tmp_path / "started"
+    append_lines(log, '{"row": "old"}\n')
+    other = subprocess.Popen([sys.executable, "-c", _APPEND_THAT_FAILS, str(log), str(started)])
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    append_lines(log, '{"row": "B"}\n')
+    assert other.wait(timeout=60) == 0
+    assert log.read_text().splitlines() == ['{"row": "old"}', '{"row": "B"}']
+
+
 def test_the_scratch_folder_of_a_killed_process_is_removed_by_the_next_of_its_kind(tmp_path, monkeypatch):
     """A worker killed outright (the OOM killer) leaves its staged checkpoint, the size of the training state."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
