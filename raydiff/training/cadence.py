@@ -252,7 +252,7 @@ class Cadence:
             if self._unreported is not None:
                 self._settle(wait=True)  # the checkpoint being written is the one to roll back to
             rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief,
-                                 weight_decay=t.weight_decay, checkpoint_every=t.checkpoint_every)
+                                 weight_decay=t.weight_decay)
             if rollback is not None:
                 back = rollback.progress
                 self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback)

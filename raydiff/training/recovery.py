@@ -15,7 +15,6 @@ import ray.train
 import torch
 
 from raydiff.data.loader import scaled
-from raydiff.runs.checkpoint import checkpoint_order
 from raydiff.runs.errors import Unresumable
 from raydiff.runs.state import (
     Progress,
@@ -35,8 +34,7 @@ if TYPE_CHECKING:
 
 
 def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool, weight_decay: float,
-                   latest: ray.train.Checkpoint | None = None,
-                   scheduled_every: int | None = None) -> Restored | None:
+                   latest: ray.train.Checkpoint | None = None) -> Restored | None:
     """Restore the newest checkpoint that loads on every worker alike. Rank 0 chooses: it lists storage (and Ray
     Train's `latest`) and tries the candidates; every other worker then restores exactly the one rank 0 restored
     (a newer one that another worker could read, say one still being written, would leave replicas that differ).
@@ -44,14 +42,11 @@ def restore_agreed(state: TrainingState, run_dir: RunDir, *, is_chief: bool, wei
     `StorageFailure` (one line) where rank 0's read met a storage error no retry can fix (permission denied): a
     restart would meet it again.
     Then the settings a re-run may change (`weight_decay`) replace the checkpoint's, at a start as after a
-    rollback. `scheduled_every`: the checkpoints of steps it divides come first (newest first), then the others."""
+    rollback."""
     restored, refusal, failure = None, None, None
     if is_chief:
         try:
-            candidates = checkpoint_candidates(run_dir, latest)
-            if scheduled_every:
-                candidates.sort(key=lambda c: checkpoint_order(c)[0] % scheduled_every != 0)  # stable: newest first
-            restored = restore_newest(candidates, state)
+            restored = restore_newest(checkpoint_candidates(run_dir, latest), state)
         except Unresumable as exc:
             refusal = str(exc)
         except OSError as exc:  # a moment of the network raises on (Ray restarts the workers); this does not pass
@@ -83,16 +78,12 @@ class Rollback:
 
 
 def roll_back(state: TrainingState, run_dir: RunDir, progress: Progress, *, is_chief: bool,
-              weight_decay: float, checkpoint_every: int) -> Rollback | None:
-    """Back to the newest checkpoint of the schedule (a step `checkpoint_every` divides), else the newest, then on
-    past the stream positions of the failed steps (as PaLM does): a replay of the same data from the same weights
-    would fail again. The schedule's first: a stop or a preemption notice checkpoints off it, and a run stopped and
-    continued then rolls back where an uninterrupted one does (unless `run.keep_checkpoints` pruned that one).
-    None when no checkpoint restores. Every worker calls it (a collective); rank 0 records it
-    (`raydiff.training.cadence`)."""
+              weight_decay: float) -> Rollback | None:
+    """Back to the newest checkpoint, then on past the stream positions of the failed steps (as PaLM does): a
+    replay of the same data from the same weights would fail again. None when no checkpoint restores. Every
+    worker calls it (a collective); rank 0 records it (`raydiff.training.cadence`)."""
     try:
-        restored = restore_agreed(state, run_dir, is_chief=is_chief, weight_decay=weight_decay,
-                                  scheduled_every=checkpoint_every)
+        restored = restore_agreed(state, run_dir, is_chief=is_chief, weight_decay=weight_decay)
     except Unresumable:
         return None
     if restored is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from gloo_groups import end_process_group
 
@@ -50,8 +49,7 @@ def _roll_back_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
                metrics_log=None, events=None,
                writes=None, debug=DebugHooks(cfg, RunDir(run_dir), rank), compile_cache=None, restore_notes=[],
                compile_cache_note=None)
-    back = roll_back(w.training_state, w.run_dir, Progress(step=25), is_chief=rank == 0, weight_decay=0.05,
-                     checkpoint_every=cfg.train.checkpoint_every).progress
+    back = roll_back(w.training_state, w.run_dir, Progress(step=25), is_chief=rank == 0, weight_decay=0.05).progress
     checksum = float(sum(p.double().sum() for p in model.parameters()))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"step": back.step, "weights": checksum,
                                                          "weight_decay": optimizer.param_groups[0]["weight_decay"]}))
@@ -62,53 +60,27 @@ def test_a_rollback_restores_the_checkpoint_rank_0_chose_on_every_worker(tmp_pat
     """Rank 0 chooses the checkpoint (falling back past one it cannot read); the other workers restore that one,
     not a newer one they could read: replicas that differ would train apart, or hang a collective. The run's own
     settings (weight decay) replace the checkpoint's, as at a start."""
-    _write_checkpoints(tmp_path, load_config("smoke", check_source=False), (10, 20))
-    out = tmp_path / "out"
-    out.mkdir()
-    torch.multiprocessing.spawn(_roll_back_on, args=(str(tmp_path / "init"), str(tmp_path), str(out)), nprocs=2)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0] == ranks[1] and ranks[0]["step"] == 10
-    assert ranks[0]["weight_decay"] == 0.05  # the checkpoints were written with 0.0
-
-
-def _write_checkpoints(run_dir, cfg, steps) -> None:
     from raydiff.model.unet import build_model
     from raydiff.model.weight_averages import make_ema
     from raydiff.runs.checkpoint import write_state
     from raydiff.runs.state import Progress, TrainingState, checkpoint_state
     from raydiff.training.step import make_optimizer
 
-    for step in steps:
+    cfg = load_config("smoke", check_source=False)
+    for step in (10, 20):
         torch.manual_seed(step)  # different weights in each checkpoint
         model = build_model(cfg)
         objects = TrainingState(model, make_ema(model), make_optimizer(model, lr=1e-3, weight_decay=0.0),
                                 torch.amp.GradScaler("cpu", enabled=False))
-        (run_dir / f"checkpoint_{step:08d}").mkdir()
-        write_state(run_dir / f"checkpoint_{step:08d}", checkpoint_state(objects, Progress(step=step), 16,
-                                                                          cfg.to_dict()))
-
-
-@pytest.mark.parametrize("steps, back_to", [((10, 15), 10), ((15,), 15)])
-def test_a_rollback_goes_to_the_schedules_checkpoint_not_one_a_stop_wrote(tmp_path, steps, back_to):
-    """A stop (or a preemption notice) checkpoints off the schedule (here at step 15, checkpoint_every 10): a run
-    stopped and continued rolled back to it, where the uninterrupted run rolled back to step 10, and trained on
-    from other weights and data. The schedule's newest comes first; where it is gone (pruned), the newest."""
-    from raydiff.model.unet import build_model
-    from raydiff.model.weight_averages import make_ema
-    from raydiff.runs.state import Progress, TrainingState
-    from raydiff.training.recovery import roll_back
-    from raydiff.training.step import make_optimizer
-
-    cfg = load_config("smoke", check_source=False)
-    _write_checkpoints(tmp_path, cfg, steps)
-    model = build_model(cfg)
-    objects = TrainingState(model, make_ema(model), make_optimizer(model, lr=1e-3, weight_decay=0.0),
-                            torch.amp.GradScaler("cpu", enabled=False))
-    progress = Progress(step=22)
-    rollback = roll_back(objects, RunDir(str(tmp_path)), progress, is_chief=True, weight_decay=0.0,
-                         checkpoint_every=cfg.train.checkpoint_every)
-    assert cfg.train.checkpoint_every == 10 and rollback is not None
-    assert rollback.progress.step == back_to and rollback.progress.counters["stream_offset"] == 22 - back_to
+        state = checkpoint_state(objects, Progress(step=step), 16, cfg.to_dict())
+        (tmp_path / f"checkpoint_{step:08d}").mkdir()
+        write_state(tmp_path / f"checkpoint_{step:08d}", state)
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.multiprocessing.spawn(_roll_back_on, args=(str(tmp_path / "init"), str(tmp_path), str(out)), nprocs=2)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1] and ranks[0]["step"] == 10
+    assert ranks[0]["weight_decay"] == 0.05  # the checkpoints were written with 0.0
 
 
 def _restore_refused_on(rank: int, init_file: str, run_dir: str, out: str) -> None:
