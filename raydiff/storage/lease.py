@@ -46,6 +46,9 @@ from raydiff.storage.rundir import RunDir, RunInUse
 
 FOLDER = ".raydiff-leases"
 POLL_S = 0.5  # how often a claimant looks at a lease it waits for
+# Where an object store's client errors come from (boto3's, Google's, and the HTTP stacks under them): a failure of
+# the store or the network, not of raydiff's code.
+CLIENT_MODULES = ("botocore", "boto3", "google", "urllib3", "requests", "s3transfer")
 TAKE_ATTEMPTS = 5  # a claimant's requests to an object store that fail in a row before the error is the command's
 logger = logging.getLogger("raydiff")
 
@@ -166,11 +169,11 @@ def _one_line(exc: Exception, place: RunDir, operation: str, attempts: int) -> E
     """A lease that cannot be taken, as the one line its command ends in: a storage error no retry can fix (a
     folder of run.storage this user may not write, a bucket refused or missing), or an object store's error that
     outlasted the retries (an endpoint that does not answer: boto3's and Google's errors are not OSErrors). Any
-    other error of a local folder is raised as it is (a bug should be seen)."""
+    other error is raised as it is (a bug should be seen)."""
     failure = storage_failure(exc, str(place), operation)
     if failure is not None:
         return failure
-    if place.local:
+    if place.local or not (isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in CLIENT_MODULES):
         return exc
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return StorageFailure(f"storage {place}: {operation} failed {attempts} times ({type(exc).__name__}: {first}); "

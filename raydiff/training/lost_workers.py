@@ -213,8 +213,10 @@ class LostWorkers(ray.train.UserCallback):
         # As Ray Train counts: a preemption among the errors makes the failure a preemption's.
         preempted_actors = [_preempted_actor(error) for error in worker_exceptions.values() if _preempted(error)]
         preempted = bool(preempted_actors)
-        if preempted and all(actor in self._preemptions_said for actor in preempted_actors):
-            return  # said at an earlier poll of the same wait
+        if preempted and all(actor in self._preemptions_said for actor in preempted_actors) and all(
+                _preempted(error) or describe(rank, error, self.hang_timeout_s)[0] == "aftermath"
+                for rank, error in worker_exceptions.items()):
+            return  # said at an earlier poll of the same wait, and nothing new beside it
         self._preemptions_said.update(actor for actor in preempted_actors if actor is not None)
         said = causes(worker_exceptions, self.hang_timeout_s, nccl=self.nccl)
         if not preempted:

@@ -141,13 +141,17 @@ def test_a_preemption_is_said_once_while_ray_train_waits_it_out_and_each_new_one
     for _ in range(3):
         lost.after_exception(None, {1: preempted("a1")})
     lost.after_exception(None, {0: PEER_CLOSED, 1: preempted("a1")})  # a survivor's aftermath meanwhile
+    lost.after_exception(None, {0: ValueError("bad pixel"), 1: preempted("a1")})  # an error of its own: said
     lost.after_exception(None, {1: preempted("b1")})  # the restarted group's worker 1, preempted too
     lost.after_exception(None, {0: preempted(None), 1: preempted("b1")})  # an actor Ray's error does not name
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["[raydiff] worker 1's node was preempted: restarting the workers from the newest checkpoint "
-                     "(preemptions do not count against run.max_failures)"] * 2 + [
-        "[raydiff] worker 0's node was preempted; worker 1's node was preempted: restarting the workers from the "
-        "newest checkpoint (preemptions do not count against run.max_failures)"]
+    preemption = ("[raydiff] worker 1's node was preempted: restarting the workers from the newest checkpoint "
+                  "(preemptions do not count against run.max_failures)")
+    assert lines == [preemption, "[raydiff] worker 0 raised ValueError: bad pixel; worker 1's node was preempted: "
+                     "restarting the workers from the newest checkpoint (preemptions do not count against "
+                     "run.max_failures)", preemption,
+                     "[raydiff] worker 0's node was preempted; worker 1's node was preempted: restarting the workers "
+                     "from the newest checkpoint (preemptions do not count against run.max_failures)"]
     assert lost.failures == 0
 
 
