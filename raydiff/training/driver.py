@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import time
@@ -110,7 +111,10 @@ def room_at_fullest(cfg: Config, run_dir: RunDir, checkpoint: int) -> tuple[int,
     checkpoints = max(min(cfg.run.keep_checkpoints + 1, len(found) + to_write) - len(found), 0)
     fullest, what = checkpoints * checkpoint, f"{checkpoints} checkpoint(s) of about {megabytes(checkpoint)}"
     if t.ema == "posthoc":
-        size, count = snapshot_size(cfg)
+        counted = copy.deepcopy(cfg)  # `auto` classes are not known yet: counted as none, as checkpoint_bytes does
+        if counted.model.num_classes == "auto":
+            counted.model.num_classes = 0
+        size, count = snapshot_size(counted)
         snapshots = max(count - len(list_snapshots(run_dir) if run_dir.exists() else []), 0)
         fullest += snapshots * size
         what += f" and {snapshots} post-hoc EMA snapshot(s) of {megabytes(size)}"

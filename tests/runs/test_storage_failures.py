@@ -145,6 +145,9 @@ def test_storage_that_the_run_would_fill_before_its_end_is_a_warning_that_counts
     assert warning(4.1 * each, *forty) is None
     posthoc = warning(4.1 * each, *forty, "train.ema=posthoc")  # a snapshot of two widths every 5 steps, 8 in all
     assert posthoc is not None and "and 8 post-hoc EMA snapshot(s) of " in posthoc
+    # A class-conditional run's classes are not known before its data is read (was: a ValueError's traceback).
+    assert "post-hoc EMA snapshot(s)" in warning(4.1 * each, *forty, "train.ema=posthoc", "data.labels=auto",
+                                                 "model.num_classes=auto")
     # A run continued at step 35 of 40 writes one more (at 40), beside the three it keeps.
     for step in (25, 30, 35):
         (tmp_path / "smoke" / f"checkpoint_{step:08d}").mkdir(parents=True)
