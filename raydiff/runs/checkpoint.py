@@ -94,14 +94,19 @@ def checkpoint_bytes(cfg) -> int:
     `train.ema_sigma_rels` (4 bytes per parameter each), and a little for the rest (a class-conditional model's
     `auto` classes are not known yet: counted as none, a few rows of one embedding). The one estimate of it: the
     driver's room check and a full disk's message (`raydiff.training.cadence`) both use it."""
+    t = cfg.train
+    copies = 4 + (len(t.ema_sigma_rels) if t.ema == "posthoc" else 0)
+    return 4 * copies * parameters_known_now(cfg) + 2**20
+
+
+def parameters_known_now(cfg) -> int:
+    """The parameters of `cfg`'s model, counted without building it (on the meta device); `auto` classes, which the
+    data's labels resolve later, counted as none (a few rows of one embedding)."""
     counted = copy.deepcopy(cfg)
     if counted.model.num_classes == "auto":
         counted.model.num_classes = 0
     with torch.device("meta"):  # no memory, no initialisation work
-        parameters = count_parameters(build_model(counted))
-    t = counted.train
-    copies = 4 + (len(t.ema_sigma_rels) if t.ema == "posthoc" else 0)
-    return 4 * copies * parameters + 2**20
+        return count_parameters(build_model(counted))
 
 
 class CheckpointWriter:

@@ -24,9 +24,8 @@ from typing import Any
 import torch
 
 from raydiff.config import Config
-from raydiff.model.unet import build_model, count_parameters
 from raydiff.model.weight_averages import PowerEma, combine, solve_coefficients
-from raydiff.runs.checkpoint import STATE_FILE, input_errors
+from raydiff.runs.checkpoint import STATE_FILE, input_errors, parameters_known_now
 from raydiff.runs.state import bad_file_reason, foreign_reason
 from raydiff.storage.rundir import RunDir
 
@@ -54,14 +53,13 @@ def snapshot_bytes(posthoc: PowerEma, *, step: int, images_seen: int, config: di
 
 def snapshot_size(cfg: Config) -> tuple[int, int]:
     """(bytes per snapshot, snapshots in the run) of `train.ema: posthoc` with this (resolved) config: 4 bytes per
-    parameter per tracked average (fp32), one snapshot every `train.ema_snapshot_every` steps and one at the end."""
+    parameter per tracked average (fp32), one snapshot every `train.ema_snapshot_every` steps and one at the end
+    (`auto` classes, before the data is read, counted as none)."""
     t = cfg.train
     every = t.ema_snapshot_every
     assert isinstance(every, int), "Config.resolve sets train.ema_snapshot_every"
-    with torch.device("meta"):
-        parameters = count_parameters(build_model(cfg))
     count = t.total_steps // every + (t.total_steps % every != 0)
-    return 4 * parameters * len(t.ema_sigma_rels), count
+    return 4 * parameters_known_now(cfg) * len(t.ema_sigma_rels), count
 
 
 def describe_snapshots(cfg: Config) -> str:

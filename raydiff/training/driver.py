@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import time
@@ -111,10 +110,7 @@ def room_at_fullest(cfg: Config, run_dir: RunDir, checkpoint: int) -> tuple[int,
     checkpoints = max(min(cfg.run.keep_checkpoints + 1, len(found) + to_write) - len(found), 0)
     fullest, what = checkpoints * checkpoint, f"{checkpoints} checkpoint(s) of about {megabytes(checkpoint)}"
     if t.ema == "posthoc":
-        counted = copy.deepcopy(cfg)  # `auto` classes are not known yet: counted as none, as checkpoint_bytes does
-        if counted.model.num_classes == "auto":
-            counted.model.num_classes = 0
-        size, count = snapshot_size(counted)
+        size, count = snapshot_size(cfg)
         snapshots = max(count - len(list_snapshots(run_dir) if run_dir.exists() else []), 0)
         fullest += snapshots * size
         what += f" and {snapshots} post-hoc EMA snapshot(s) of {megabytes(size)}"
