@@ -35,9 +35,13 @@ def trains_on_gpus(scaling: ScalingSection, gpus: float) -> bool:
     cannot grow waited for ever), else on CPUs; `true` waits for GPUs."""
     if scaling.use_gpu != "auto":
         return scaling.use_gpu
+    return gpus > 0 and gpus >= fewest_workers(scaling)
+
+
+def fewest_workers(scaling: ScalingSection) -> int:
+    """The fewest workers the run trains with: `num_workers`, an elastic range's low end, 1 for `auto`."""
     n = scaling.num_workers
-    fewest = 1 if n == "auto" else min(n) if isinstance(n, tuple) else n
-    return gpus > 0 and gpus >= fewest
+    return 1 if n == "auto" else min(n) if isinstance(n, tuple) else n
 
 
 def worker_cpus(scaling: ScalingSection, *, use_gpu: bool, cpus: float, node_cpus: Sequence[float] = ()) -> float:

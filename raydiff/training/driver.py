@@ -16,7 +16,7 @@ import ray.train
 import yaml
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raydiff.cluster.devices import trains_on_gpus, worker_cpus
+from raydiff.cluster.devices import fewest_workers, trains_on_gpus, worker_cpus
 from raydiff.cluster.host_memory import HOST_MEMORY_ENV, keep_host_memory
 from raydiff.cluster.nodes import wait_for_worker_node
 from raydiff.cluster.start import check_ray_address, init_ray, warn_without_dashboard
@@ -133,8 +133,7 @@ def plan_scaling(cfg: Config, cpus: float | None = None) -> tuple[ray.train.Scal
     if use_gpu and gpus == 0:
         print("[raydiff] scaling.use_gpu is true but the cluster has no GPU now: waiting for one to be added")
     elif gpus and not use_gpu and s.use_gpu == "auto":
-        n = s.num_workers
-        fewest = f"at least {min(n)}" if isinstance(n, tuple) else n
+        fewest = f"{'at least ' if isinstance(s.num_workers, tuple) else ''}{fewest_workers(s)}"
         print(f"[raydiff] scaling.use_gpu auto: the cluster has {gpus:g} GPU(s), fewer than the run's {fewest} "
               f"workers: training on CPUs (scaling.num_workers={int(gpus)} trains on the GPUs; "
               f"scaling.use_gpu=true waits for more)")
