@@ -80,7 +80,9 @@ class Rollback:
 def roll_back(state: TrainingState, run_dir: RunDir, progress: Progress, *, is_chief: bool,
               weight_decay: float) -> Rollback | None:
     """Back to the newest checkpoint, then on past the stream positions of the failed steps (as PaLM does): a
-    replay of the same data from the same weights would fail again. None when no checkpoint restores. Every
+    replay of the same data from the same weights would fail again. The newest, a stop's or a preemption's
+    included, loses the least work; the price: a run stopped after its last scheduled checkpoint rolls back to
+    its stop, not where the uninterrupted run goes (documented). None when no checkpoint restores. Every
     worker calls it (a collective); rank 0 records it (`raydiff.training.cadence`)."""
     try:
         restored = restore_agreed(state, run_dir, is_chief=is_chief, weight_decay=weight_decay)
