@@ -180,6 +180,32 @@ def test_ctrl_c_during_training_stops_after_a_final_checkpoint(cluster, tmp_path
 
 
 @pytest.mark.ray
+def test_a_second_ctrl_c_stops_at_once_and_frees_the_run_once_its_workers_have_ended(cluster, tmp_path):
+    """A second Ctrl-C ends the run without its final checkpoint; the run directory's lease is let go once Ray
+    Train's workers have ended (rank 0 may be writing until then), and the same command continues the run."""
+    from raydiff.storage.lease import hold
+    from raydiff.storage.rundir import RunDir
+
+    def press_twice(proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+
+    args = ["--config", "smoke", "--set", f"run.storage={tmp_path}", "--set", "train.total_steps=1000",
+            "--set", "train.sample_every=0", "--set", "debug.step_delay_s=0.2", "--set", "scaling.num_workers=1"]
+    code, output = run_cli_acting("raydiff.train", *args, at="[raydiff] step 10/", act=press_twice)
+    assert code == 128 + signal.SIGINT, output[-3000:]
+    assert "raydiff: interrupted" in output and "had not ended" not in output, output[-3000:]
+    assert not (tmp_path / "smoke" / "summary.json").exists()  # stopped at once: no summary
+    with hold(RunDir(tmp_path / "smoke"), {"pid": 1}, stale_s=4, what="run directory"):
+        pass  # free
+    proc = run_cli("raydiff.train", *args[:4], "--set", "train.total_steps=20", "--set", "train.sample_every=0",
+                   "--set", "scaling.num_workers=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "smoke" / "summary.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.ray
 def test_a_stop_while_the_workers_wait_for_room_on_the_cluster_is_at_once(cluster, tmp_path):
     """Ctrl-C while Ray Train waits for room for the worker group (two workers of 2 CPUs each on this 2-CPU cluster;
     on an autoscaling one, GPU nodes that have not come): no worker would look at the stop flag before there is

@@ -119,6 +119,13 @@ class Lease:
     def release(self) -> None:
         self._store.release()
 
+    def leave(self) -> bool:
+        """Stop holding the lease without freeing it where it can expire, for a holder that may still have
+        writers (workers not yet ended): an object lease is no longer renewed, and goes stale in `stale_s`; a local
+        lock is freed (the kernel frees it as the process ends anyway). Returns whether it was left to expire. A
+        release after it does nothing."""
+        return self._store.leave()
+
 
 @contextlib.contextmanager
 def hold(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str,
@@ -223,6 +230,10 @@ class _LocalLock:
                 os.ftruncate(self.fd, 0)  # free: nobody to name
             os.close(self.fd)  # releases the flock
             self.fd = None
+
+    def leave(self) -> bool:
+        self.release()
+        return False
 
 
 class _ObjectLease:
@@ -371,6 +382,14 @@ class _ObjectLease:
                      f"not answer): another raydiff run may take it over at run.lease_stale_s = {self.stale_s:g} s")
         if self.lease is not None:
             self.lease.lose(unrenewed_s=unrenewed_s)
+
+    def leave(self) -> bool:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:  # after a renewal under way; then nothing to delete: it goes stale
+            self.version = None
+        return True
 
     def release(self) -> None:
         self._stop.set()

@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
@@ -52,6 +53,8 @@ def taken_over(run_dir: Any, when: str, unrenewed_s: float | None = None) -> str
 # Ray Train's controller states in which no worker group runs, so none could write a final checkpoint (None: the
 # controller has said nothing yet). PREEMPTING drains a group that may still write one; later states end the run.
 NO_WORKERS = frozenset({None, "INITIALIZING", "SCHEDULING", "RESCHEDULING", "RESTARTING", "RESIZING"})
+WORKERS_END_WAIT_S = 10.0  # how long a stop at once waits for the workers to end before it lets the run's lease go
+RAY_TRAIN_WORKER = "RayTrainWorker"  # the class of Ray Train's worker actors (the actor table gives its qualified name)
 STATE_POLL_S = 1.0  # how often, once a stop is asked for, the driver looks whether a worker group still runs
 _WAITING = "is waiting for room on the cluster for one"
 _PLACING = {"SCHEDULING": _WAITING, "RESCHEDULING": _WAITING, "RESTARTING": "is restarting it",
@@ -130,11 +133,61 @@ def _ask(flag, method: str, default: T) -> T:
 
 def end_controller(flag) -> None:
     """End Ray Train's controller of a run stopped at once (best effort, in seconds): it would keep asking the
-    autoscaler for the run's resources until the job ends, and start a group if room came meanwhile."""
+    autoscaler for the run's resources until the job ends, and start a group if room came meanwhile. Its workers
+    end with it (their owner)."""
     actor = _ask(flag, "controller_actor", None)
     if actor is not None:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
+
+
+def workers_ended(wait_s: float = WORKERS_END_WAIT_S) -> bool:
+    """Whether this job's Ray Train workers have all ended, waiting up to `wait_s` (after `end_controller`): until
+    then rank 0 may still be writing a checkpoint, and the run's lease must not go to another driver. For a job
+    of one run (a sweep's trials share theirs)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            running = workers_running()
+        except Exception:  # noqa: BLE001 - the cluster does not answer: nothing says the workers have ended
+            return False
+        if not running or time.monotonic() > deadline:
+            return not running
+        time.sleep(0.1)
+
+
+def workers_running() -> list[int]:
+    """The process ids of this job's Ray Train workers that have not ended: alive in the cluster's actor table, or
+    marked dead there in the last minute while their process, on this machine, still runs (a kill takes a moment
+    to land; an older one's pid may be another process's by now)."""
+    from ray._private.state import state as gcs_state
+
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    here, now_ms = ray.get_runtime_context().get_node_id(), time.time() * 1000
+
+    def running(actor: dict[str, Any]) -> bool:
+        if actor["State"] != "DEAD":
+            return True
+        return actor["Address"]["NodeID"] == here and now_ms - actor["EndTime"] < 60_000 and _runs(actor["Pid"])
+
+    return [actor["Pid"] for actor in gcs_state.actor_table(None, job_id=job).values()
+            if actor["ActorClassName"].rsplit(".", 1)[-1] == RAY_TRAIN_WORKER and running(actor)]
+
+
+def _runs(pid: int) -> bool:
+    """Whether the process `pid` of this machine runs (a zombie, ended but not yet reaped, does not)."""
+    if pid <= 0:  # an actor never placed
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): it answered the signal
+        return True
 
 
 def stop_reason(flag) -> str | None:

@@ -334,6 +334,26 @@ def test_a_live_object_lease_is_not_taken_over_before_it_went_unrenewed_for_the_
     holder.release()
 
 
+def test_a_lease_left_by_a_holder_whose_workers_may_still_write_expires_rather_than_being_freed(fake_store, tmp_path):
+    """A run stopped at once whose workers have not ended (they may still write): its object lease is no longer
+    renewed and not deleted, so another run takes it only once it is stale; a release after it (the end of `hold`)
+    deletes nothing. A local lock is freed: the kernel frees it as the process ends anyway."""
+    clock, store = fake_store
+    run_dir = RunDir("s3://bucket/runs/smoke")
+    holder = take(run_dir, {"name": "a"}, stale_s=60, what="run directory")
+    assert holder.leave()
+    holder.release()
+    assert store.body["holder"] == {"name": "a"}  # still there
+    claimant = take(run_dir, {"name": "b"}, stale_s=60, what="run directory", wait=True)
+    assert 60 <= clock.now <= 61 and store.body["holder"] == {"name": "b"}  # once stale, not at once
+    claimant.release()
+
+    local = RunDir(tmp_path / "run")
+    assert not take(local, this_process(), stale_s=4, what="run directory").leave()
+    with hold(local, this_process(), stale_s=4, what="run directory"):  # free at once
+        pass
+
+
 class _RealClock:
     @property
     def now(self) -> float:

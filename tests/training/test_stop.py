@@ -22,11 +22,14 @@ from raydiff.training.interrupts import Interrupted, interrupt_on_signals
 from raydiff.training.stop import (
     LEASE_LOST,
     SAME_SIGTERM_S,
+    StopFlag,
     beside_the_handlers,
+    end_controller,
     noting_tune_interrupt,
     stop_at_once,
     stop_on_signals,
     taken_over,
+    workers_ended,
 )
 
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
@@ -249,3 +252,38 @@ def test_a_sigterm_ends_the_stop_flag_at_once_without_a_traceback_even_amid_a_fi
     logs = list(Path(cluster.head_node.get_logs_dir_path()).glob(f"worker-*-{pid}.err"))
     assert logs, f"no log of the flag's process {pid}"
     assert "Traceback" not in "".join(log.read_text() for log in logs)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.ray
+def test_a_stop_at_once_lets_the_run_go_only_once_its_workers_have_ended_with_their_controller(ray_session):
+    """A second Ctrl-C ends Ray Train's controller; its workers end with it (their owner) a moment later, and until
+    then rank 0 may still be writing a checkpoint: the driver keeps the run's lease until they have ended (here a
+    controller and a worker of the classes' names, in this test's job), or says that they have not."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class RayTrainWorker:  # the name Ray Train's workers have in the cluster's actor table
+        def pid(self) -> int:
+            return os.getpid()
+
+    @ray.remote(num_cpus=0)
+    class TrainController:
+        def start(self) -> int:
+            self.worker = RayTrainWorker.remote()
+            return ray.get(self.worker.pid.remote())
+
+    controller = TrainController.remote()
+    worker_pid = ray.get(controller.start.remote())
+    flag = StopFlag.remote()
+    ray.get(flag.note_controller_actor.remote(controller))
+    assert not workers_ended(wait_s=0.5)  # a worker runs: not said to have ended
+    end_controller(flag)
+    assert workers_ended(wait_s=30)
+    assert not _runs(worker_pid)  # ended: its process, not only the table's row
