@@ -91,11 +91,11 @@ def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str,
     cfg = Config.from_dict(state["config"])
     overrides = {"num": args.num, "sampler": args.sampler, "steps": args.steps, "metrics": args.metrics,
                  "ref": args.ref, "seed": args.seed, "features": args.features, "inception_weights": args.weights}
-    for key, value in overrides.items():
-        if value is not None:
-            set_key(cfg, f"eval.{key}", value)
     cfg.run.storage, cfg.run.endpoint = storage, args.endpoint
     try:
+        for key, value in overrides.items():
+            if value is not None:
+                set_key(cfg, f"eval.{key}", value)
         if args.ref is not None:  # the run's data.source need not be here (not checked); a reference given must
             check_source_uri(args.ref, "eval.ref")
         for w in guidance or (cfg.eval.guidance,):

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from packaging.version import InvalidVersion, Version
 
+from raydiff.config.learning_rate import rule_lr
 from raydiff.config.schema import Config, ConfigError
 from raydiff.config.values import shown
 from raydiff.storage.fs import (
@@ -228,6 +229,9 @@ RULES: tuple[Rule, ...] = (
     Rule("train.base_lr", lambda c: c.train.base_lr > 0, "must be > 0"),
     Rule("train.base_batch", lambda c: c.train.base_batch >= 1, "must be >= 1"),
     Rule("train.lr_scaling_knee", lambda c: c.train.lr_scaling_knee >= 1, "must be >= 1"),
+    Rule("train.base_lr", lambda c: c.train.lr is not None or _scales_to_a_number(c.train),
+         lambda c: f"scaled to train.global_batch = {c.train.global_batch} (train.lr_scaling = "
+                   f"{c.train.lr_scaling}) it is no finite number"),
     Rule("train.val_every", lambda c: c.train.val_every >= 0, "must be >= 0 (0 = only at the end)"),
     Rule("train.val_every", lambda c: c.train.val_every == 0 or c.data.val_images > 0,
          "needs held-out images to measure on (data.val_images = 0): set data.val_images, or train.val_every = 0"),
@@ -319,6 +323,10 @@ LATER_RULES: tuple[Rule, ...] = (
     Rule("log.mlflow_uri", lambda c: c.log.mlflow_uri is None or bool(c.log.mlflow_uri.strip()),
          "must be a tracking URI such as http://127.0.0.1:5000, or null"),
     Rule("log.mlflow_experiment", lambda c: bool(c.log.mlflow_experiment), "must name one"),
+    Rule("log.wandb_project", lambda c: c.log.wandb_project is None or bool(c.log.wandb_project.strip()),
+         "must name a Weights & Biases project, or be null (no W&B)"),
+    Rule("eval.ref", lambda c: c.eval.ref is None or bool(c.eval.ref.strip()),
+         "must name the reference images (a folder, a bucket, hf://, builtin:digits), or be null (data.source's)"),
     *_package_rules("mlflow_uri", "mlflow"),
     *_package_rules("wandb_project", "wandb"),
     Rule("log.profile_steps", lambda c: _profile_steps_ok(c.log.profile_steps, c.train.total_steps),
@@ -333,6 +341,15 @@ LATER_RULES: tuple[Rule, ...] = (
                                                                       and not is_remote(c.run.storage)),
          "needs scaling.num_workers >= 2 and a local run.storage"),
 )
+
+
+def _scales_to_a_number(train) -> bool:
+    """Whether the scaling rule makes a finite learning rate of train.base_lr (1e308 at a batch of millions does
+    not, and an inf would train NaNs)."""
+    try:
+        return math.isfinite(rule_lr(train))
+    except OverflowError:  # a batch of hundreds of digits
+        return False
 
 
 def _profile_steps_ok(steps: tuple[int, ...], total_steps: int) -> bool:
@@ -351,7 +368,7 @@ def validate(cfg: Config, *, check_source: bool = True) -> None:
     """Raise a one-line ConfigError at the first rule `cfg` breaks."""
     if check_source:
         check_source_uri(cfg.data.source)
-        if cfg.eval.ref:  # read at the run's first measurement: found wrong now, not then
+        if cfg.eval.ref and cfg.eval.ref.strip():  # read at the run's first measurement: found wrong now, not then
             check_source_uri(cfg.eval.ref, "eval.ref")
         storage_problem = bucket_case_problem(cfg.run.storage)
         _check(storage_problem is None, "run.storage", cfg.run.storage, str(storage_problem))

@@ -25,6 +25,7 @@ from raydiff.config.schema import (
 )
 from raydiff.config.values import YAML_ERRORS, DecimalLoader, is_text, shown
 from raydiff.storage.errors import permanent_reason
+from raydiff.storage.fs import bucket_uri_problem
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # A checkout (or a Ray job's working_dir) has the presets beside the package; a wheel has them inside it.
@@ -214,5 +215,9 @@ def _resolve_paths(cfg: Config) -> None:
 
 
 def _absolute(key: str, value: str) -> str:
-    """The local path `value` of `key` made absolute, or one line where it cannot be looked at."""
+    """The local path `value` of `key` made absolute, or one line where it cannot be looked at, or where it is a
+    URI mistyped (`s3:/bucket`)."""
+    mistyped = bucket_uri_problem(value)
+    if mistyped is not None:
+        raise ConfigError(f"{key} = {shown(value)}: {mistyped}")
     return look_at(key, value, lambda path: str(path.resolve()))

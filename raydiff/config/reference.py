@@ -43,9 +43,10 @@ starts from the defaults here, not from that preset. Then, in this order:
 - `--set section.key=value` overrides one key (repeatable); the value is read as YAML, e.g.
   `--set train.lr=1e-4 --set model.channel_mult=[1,2,2] --set eval.ref=null`, except for a key of type string,
   which takes the text as typed (`--set run.name=2024-01-15` is that text, not a date; `run.name=0123` is not
-  123): there `null`, `~` and an empty value are null only where the key admits null, and a value in quotes is the
-  quoted text. Numbers are read as written, in decimal: `064` is 64 (YAML 1.1, PyYAML's, read it in octal: 52),
-  and `1:30` is text, which a number key refuses (YAML 1.1: 90, in base 60).
+  123): there `null` and `~` are null only where the key admits null, and a value in quotes is the quoted text.
+  An empty value is refused where the key admits null (`--set model.init_from=$CKPT` with `CKPT` unset must not
+  mean "no weights"): write `null`. Numbers are read as written, in decimal: `064` is 64 (YAML 1.1, PyYAML's,
+  read it in octal: 52), and `1:30` is text, which a number key refuses (YAML 1.1: 90, in base 60).
 
 In a YAML file, quote a string that YAML would read as something else (`name: "yes"`, `name: "0123"`): a string
 key refuses a number, boolean or date that is not the text as written, and a key or

@@ -503,4 +503,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r}: expected key=value, for example train.lr=1e-4")
     key, raw = text.split("=", 1)
     key = key.strip()
-    return key, read_override(raw, key_type(key))
+    hint = key_type(key)
+    if not raw.strip() and type(None) in get_args(hint):  # `--set model.init_from=$CKPT`, CKPT unset: not "none"
+        raise ConfigError(f"{key} = '': empty (an unset shell variable?): give a value, or null where you mean none")
+    return key, read_override(raw, hint)

@@ -57,7 +57,8 @@ def read_override(raw: str, hint: Any) -> Any:
 
     A text key (`is_text`) takes `raw` as typed (stripped), not as YAML, whose 1.1 rules would change it (`12:30`
     is 750, `0123` is 83, `2024-01-15` a date): only YAML's nulls are null (refused where the key takes none),
-    empty is null where the key takes null (else the empty text, which its rule refuses), and a value wholly in
+    empty is the empty text (which its rule refuses; `parse_override` refuses it where the key takes null: an
+    unset shell variable, not a choice of none), and a value wholly in
     quotes is the quoted text (`log.wandb_project='null'`). Any other key reads `raw` as YAML; text that is not
     YAML (`5,*`) is kept as written, for the key's type to take or refuse."""
     if not is_text(hint):
@@ -66,7 +67,7 @@ def read_override(raw: str, hint: Any) -> Any:
         except ValueError:
             return raw
     text = raw.strip()
-    if text in NULL_TEXTS or (not text and type(None) in get_args(hint)):
+    if text in NULL_TEXTS:
         return None
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         try:
@@ -98,7 +99,10 @@ def coerce(value: Any, hint: Any) -> Any:
         raise ValueError
     if origin is tuple:
         if isinstance(value, str):
-            value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+            text = value.strip()
+            if text.startswith(("[", "(")) != text.endswith(("]", ")")):  # `[1,2`: a list cut short, not [1, 2]
+                raise ValueError
+            value = [v for v in text.strip("[]() ").split(",") if v.strip()]
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             value = [value]  # a single value is a one-item list
         if not isinstance(value, (list, tuple)):
@@ -121,7 +125,10 @@ def coerce(value: Any, hint: Any) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError
-        number = float(value)  # YAML 1.1 reads "1e-4" as a string
+        try:
+            number = float(value)  # YAML 1.1 reads "1e-4" as a string
+        except OverflowError:  # an int of hundreds of digits
+            raise ValueError from None
         if not math.isfinite(number):  # inf or nan would train NaNs, or never stop waiting
             raise ValueError
         return number

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 from collections.abc import Iterator
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
@@ -26,6 +27,8 @@ REMOTE_SCHEMES = (*OBJECT_STORE_SCHEMES, HUB_SCHEME)
 STORAGE_SCHEMES = ("file://", *OBJECT_STORE_SCHEMES)
 SCHEMES = (*STORAGE_SCHEMES, HUB_SCHEME)  # what data.source may name
 GLOB_CHARACTERS = "*?["
+# A scheme raydiff reads, with one slash or none after its colon: a URI mistyped, not a folder anyone names so.
+MISTYPED_SCHEME = re.compile(r"(s3|gs|gcs|hf|file):/?(?!/)", re.IGNORECASE)
 # google-cloud-cpp retries a failing GCS request for 15 minutes by default, so a missing credential or an
 # unreachable endpoint left a run silent that long. A minute rides out transient errors (503s, rate limits), as
 # S3's retries do (S3_RETRY_ATTEMPTS). Then the error surfaces: one line before training, or a failed worker that Ray
@@ -118,9 +121,13 @@ def _retrying_s3(options: dict) -> RetryingS3FileSystem:
 
 
 def bucket_uri_problem(uri: str) -> str | None:
-    """Why an s3:// or gs:// URI names no bucket (`s3://`, `gs:///data`); None when it names one, or is no such
-    URI (whether the bucket exists is the store's to say). Without this check `s3://` became a local folder `s3:`."""
+    """Why an s3:// or gs:// URI names no bucket (`s3://`, `gs:///data`), or a URI is mistyped (`s3:/bucket`);
+    None when it names one, or is no such URI (whether the bucket exists is the store's to say). Without this check
+    `s3://` or `s3:/bucket` became a local folder `s3:`."""
     scheme = scheme_of(uri)
+    if scheme is None and (typo := MISTYPED_SCHEME.match(uri)):  # `s3:/bucket`: a local folder named `s3:`
+        return (f"a URI is {typo.group(1).lower()}://...; as written this is a local folder named "
+                f"{uri.split('/', 1)[0]!r} (write ./{uri} for that)")
     if scheme not in OBJECT_STORE_SCHEMES:
         return None
     return None if uri[len(scheme):].split("/", 1)[0] else f"an object store location is {scheme}BUCKET[/PREFIX]"

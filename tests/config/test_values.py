@@ -90,15 +90,61 @@ def test_a_set_path_keeps_its_colons(tmp_path, monkeypatch):
     assert cfg.data.source == str(tmp_path / "1:30")
 
 
-@pytest.mark.parametrize("text", ["", " ", "~", "null", "NULL"])
-def test_null_tilde_and_empty_are_null_where_a_string_key_admits_null(tmp_path, text):
+@pytest.mark.parametrize("text", ["~", "null", "NULL"])
+def test_null_and_tilde_are_null_where_a_string_key_admits_null(tmp_path, text):
     cfg = load_config("default", [f"eval.ref={text}", f"log.wandb_project={text}", f"run.storage={tmp_path}"])
     assert cfg.eval.ref is None and cfg.log.wandb_project is None
 
 
+@pytest.mark.parametrize("key", ["model.init_from", "eval.ref", "log.wandb_project", "data.source"])
+@pytest.mark.parametrize("text", ["", " "])
+def test_an_empty_value_is_refused_where_the_key_admits_null_not_taken_for_none(tmp_path, key, text):
+    """`--set model.init_from=$CKPT` with CKPT unset trained from random weights, silently."""
+    with pytest.raises(ConfigError) as info:
+        load_config("default", [f"run.storage={tmp_path}", f"{key}={text}"])
+    assert str(info.value) == f"{key} = '': empty (an unset shell variable?): give a value, or null where you mean none"
+
+
+@pytest.mark.parametrize("section, key", [("eval", "ref"), ("log", "wandb_project")])
+def test_an_empty_text_in_a_file_is_refused_where_null_means_none(tmp_path, section, key):
+    """`ref: ""` measured against data.source and `wandb_project: ""` turned W&B off, as null does, silently."""
+    (tmp_path / "run.yaml").write_text(f"{section}:\n  {key}: ''\nrun:\n  storage: {tmp_path}\n")
+    with pytest.raises(ConfigError, match=rf"^{section}.{key} = '': must name .*, or be null"):
+        load_config(str(tmp_path / "run.yaml"))
+
+
+@pytest.mark.parametrize("override, line", [
+    ("run.storage=s3:/bucket/runs", "run.storage = 's3:/bucket/runs': a URI is s3://...; as written this is a local "
+                                    "folder named 's3:' (write ./s3:/bucket/runs for that)"),
+    ("model.init_from=GS:bucket/run", "model.init_from = 'GS:bucket/run': a URI is gs://...; as written this is a "
+                                      "local folder named 'GS:bucket' (write ./GS:bucket/run for that)"),
+    ("data.source=hf:/datasets/a/b", "data.source = 'hf:/datasets/a/b': a URI is hf://...; as written this is a "
+                                     "local folder named 'hf:' (write ./hf:/datasets/a/b for that)"),
+])
+def test_a_uri_with_a_slash_missing_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, override, line):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config("default", [override])
+    assert str(info.value) == line
+    assert load_config("default", ["run.storage=./s3:/runs"]).run.storage == str(tmp_path / "s3:" / "runs")
+
+
+@pytest.mark.parametrize("override, line", [
+    ("train.base_lr=1" + "0" * 400, "train.base_lr = 1" + "0" * 17 + "..." + "0" * 19 + ": expected a finite number"),
+    ("train.base_lr=1e308", "train.base_lr = 1e+308: scaled to train.global_batch = 64 (train.lr_scaling = linear) "
+                            "it is no finite number"),
+    ("model.channel_mult=[1,2", "model.channel_mult = '[1,2': expected list of integer"),
+    ("scaling.num_workers=(1,2", "scaling.num_workers = '(1,2': expected auto | integer | list of integer"),
+])
+def test_numbers_too_large_and_lists_cut_short_are_one_line(tmp_path, override, line):
+    with pytest.raises(ConfigError) as info:
+        load_config("default", [f"run.storage={tmp_path}", override])
+    assert str(info.value) == line
+
+
 @pytest.mark.parametrize("override, line", [
     # Where the key admits no null, the empty value is the empty string, refused by the key's own rule (was
-    # `run.storage = None: expected string`); data.source's empty value is null, refused as required.
+    # `run.storage = None: expected string`); data.source's null is refused as required.
     ("run.storage=", "run.storage = '': required: a folder for run directories"),
     ("data.image_column=", "data.image_column = '': must name a column"),
     # YAML's null where the key takes none: refused, as in a file (taken as text, `run.storage=null` would have
@@ -107,9 +153,9 @@ def test_null_tilde_and_empty_are_null_where_a_string_key_admits_null(tmp_path, 
     ("run.storage=null", "run.storage = null: expected string"),
     ("run.storage=~", "run.storage = null: expected string"),
     ("run.name=12:30", "run.name = '12:30': use letters, digits, '.', '_' and '-' (it names a folder)"),
-    ("data.source=", "data.source = null: required: a folder or file of images, Parquet or WebDataset shards (local, "
-                     "s3://, gs://), a dataset on the Hugging Face Hub (hf://datasets/uoft-cs/cifar10), or "
-                     "builtin:digits"),
+    ("data.source=null", "data.source = null: required: a folder or file of images, Parquet or WebDataset shards "
+                         "(local, s3://, gs://), a dataset on the Hugging Face Hub (hf://datasets/uoft-cs/cifar10), "
+                         "or builtin:digits"),
 ])
 def test_an_empty_or_refused_string_is_named_as_typed(tmp_path, override, line):
     with pytest.raises(ConfigError) as info:
