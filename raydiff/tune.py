@@ -24,6 +24,7 @@ import argparse
 import copy
 import csv
 import json
+import math
 import signal
 from pathlib import Path
 from typing import Any
@@ -43,24 +44,33 @@ from raydiff.training.sweep_plan import Sweep, plan_sweep, trial_config
 DEFAULT_VAL_IMAGES = 256
 
 
+def ranked(row: dict[str, Any], metric: str) -> bool:
+    """Whether a trial takes part in the ranking: finished, with a finite metric (a NaN sorted first was the best)."""
+    return row["status"] == "finished" and row[metric] is not None and math.isfinite(row[metric])
+
+
 def rule_spread(rows: list[dict[str, Any]], metric: str = "val_loss") -> dict[str, Any]:
     """Per rule: the best base LR at each batch size (finished trials) and their spread in decades. A rule that
     holds puts the optimum at the same base LR for every batch: a spread near 0. ASHA compares the trials of every
-    batch at equal images, so a batch that trails there may have no finished trial: such batches are listed, and
-    the spread, which would describe the other batches alone, is withheld."""
+    batch at equal images, so a batch that trails there may have no finished trial; and a batch's best may be the
+    lowest or highest base LR tried, where the optimum may lie beyond: such batches are listed, and the spread,
+    which would describe the other batches alone or the edges of --lr, is withheld."""
     out = {}
     for rule in sorted({r["rule"] for r in rows}):
-        best, unfinished = {}, []
+        best, unfinished, at_the_edge = {}, [], []
         for batch in sorted({r["batch"] for r in rows}):
-            done = [r for r in rows if r["rule"] == rule and r["batch"] == batch and r["status"] == "finished"
-                    and r[metric] is not None]
-            if done:
-                best[batch] = min(done, key=lambda r: r[metric])["base_lr"]
-            else:
+            tried = [r for r in rows if r["rule"] == rule and r["batch"] == batch]
+            done = [r for r in tried if ranked(r, metric)]
+            if not done:
                 unfinished.append(batch)
-        spread = float(np.ptp(np.log10(list(best.values())))) if len(best) > 1 and not unfinished else None
-        out[rule] = {"best_base_lr_by_batch": best, "spread_decades": spread, "batches_without_a_finished_trial":
-                     unfinished}
+                continue
+            best[batch] = min(done, key=lambda r: r[metric])["base_lr"]
+            if best[batch] in (min(r["base_lr"] for r in tried), max(r["base_lr"] for r in tried)):
+                at_the_edge.append(batch)
+        known = len(best) > 1 and not unfinished and not at_the_edge
+        out[rule] = {"best_base_lr_by_batch": best, "spread_decades": float(np.ptp(np.log10(list(best.values()))))
+                     if known else None, "batches_without_a_finished_trial": unfinished,
+                     "batches_best_at_the_edge_of_lr": at_the_edge}
     return out
 
 
@@ -77,7 +87,7 @@ def write_outputs(rows: list[dict[str, Any]], cfg: Config, sweep: Sweep, sweep_d
         writer.writerows(rows)
     plot_sweep(rows, sweep_dir / "sweep.png")
     metric = sweep.metric
-    finished = [r for r in rows if r["status"] == "finished" and r[metric] is not None]
+    finished = [r for r in rows if ranked(r, metric)]
     summary: dict[str, Any] = {"sweep": sweep.name, "metric": metric, "trials": len(rows),
                                "finished": len(finished), "stopped": sum(r["status"] == "stopped" for r in rows),
                                "diverged": sum(r["status"] == "diverged" for r in rows),
@@ -144,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     for rule, info in summary["rules"].items():
         best = ", ".join(f"batch {b}: {lr:.{sweep.lr_digits}g}" for b, lr in info["best_base_lr_by_batch"].items())
         spread = f"; spread {info['spread_decades']:.2f} decades" if info["spread_decades"] is not None else ""
-        unfinished = info["batches_without_a_finished_trial"]
+        unfinished, at_the_edge = info["batches_without_a_finished_trial"], info["batches_best_at_the_edge_of_lr"]
+        if at_the_edge:
+            spread = (f"; batch {', '.join(map(str, at_the_edge))}: best at an end of --lr (the optimum may lie "
+                      f"beyond: widen --lr), so no spread")
         if unfinished:
             spread = (f"; batch {', '.join(map(str, unfinished))}: no trial finished (stopped early by ASHA, or "
                       f"failed), so no spread")

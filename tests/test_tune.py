@@ -380,7 +380,7 @@ def test_a_warmup_that_outlasts_asha_s_first_comparison_is_warned_of(tmp_path, c
     from raydiff.config import load_config
     from raydiff.training.sweep_plan import plan_sweep
 
-    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16",
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16", "train.ema_decay=0.9",
                                 "train.warmup_steps=100"])  # 1,600 images
     args = SimpleNamespace(samples=1, lr="1e-3", batch="16,64", scaling="linear", max_concurrent=None, name=None,
                            metric="val_loss", budget_images=None)
@@ -391,6 +391,32 @@ def test_a_warmup_that_outlasts_asha_s_first_comparison_is_warned_of(tmp_path, c
         f"[raydiff] warning: train.warmup_steps = 100 warms the learning rate up over 1,600 images in every trial, "
         f"past ASHA's first comparison at {sweep.grace_images:,}: trials would be ranked while still warming up; "
         f"raise --budget-images or lower train.warmup_steps\n")
+
+
+def test_an_ema_still_close_to_its_start_at_asha_s_first_comparison_is_warned_of(tmp_path, capsys):
+    """The validation loss that ASHA ranks is the EMA's: with the cifar10 preset's decay (0.9999, no EMA warmup)
+    38% of the random initial weights were left in it at the first comparison, and trials were cut on that."""
+    from types import SimpleNamespace
+
+    from raydiff.config import load_config
+    from raydiff.training.sweep_plan import ema_start_share, plan_sweep
+
+    args = SimpleNamespace(samples=1, lr="1e-3", batch="16,64", scaling="linear", max_concurrent=None, name=None,
+                           metric="val_loss", budget_images=64_000)
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16", "train.ema_decay=0.999",
+                                "train.ema_warmup_steps=0"])
+    sweep = plan_sweep(args, cfg)
+    steps = sweep.grace_images // 16
+    assert capsys.readouterr().err == (
+        f"[raydiff] warning: train.ema_decay = 0.999 (train.ema_warmup_steps = 0) leaves "
+        f"{0.999 ** steps:.0%} of the start's weights in every trial's EMA at ASHA's first comparison at "
+        f"{sweep.grace_images:,} images, and the validation loss is the EMA's: trials would be ranked on averages "
+        f"still close to their start; raise --budget-images, or set train.ema_warmup_steps or a lower "
+        f"train.ema_decay\n")
+    plan_sweep(args, cfg.replaced("train", ema_decay=0.99))  # 0.99 ** 1000: nothing of the start
+    plan_sweep(args, cfg.replaced("train", ema_warmup_steps=steps))  # an average of the steps so far
+    assert capsys.readouterr().err == ""
+    assert ema_start_share(cfg.replaced("train", ema_decay=0.9999).train, 9760) == pytest.approx(0.377, abs=1e-3)
 
 
 @pytest.mark.parametrize(("given", "message"), [
@@ -421,12 +447,43 @@ def test_the_rule_verdict_is_withheld_where_a_batch_has_no_finished_trial():
     def row(batch, lr, loss, status="finished"):
         return {"rule": "linear", "batch": batch, "base_lr": lr, "val_loss": loss, "status": status}
 
-    rows = [row(32, 1e-3, 0.10), row(32, 1e-4, 0.12), row(64, 1e-3, 0.09), row(64, 1e-2, 0.11, "stopped")]
+    rows = [row(32, 1e-3, 0.10), row(32, 1e-4, 0.12), row(32, 1e-2, 0.13), row(64, 1e-3, 0.09),
+            row(64, 1e-2, 0.11, "stopped"), row(64, 1e-4, 0.10)]
     assert rule_spread(rows) == {"linear": {"best_base_lr_by_batch": {32: 1e-3, 64: 1e-3}, "spread_decades": 0.0,
-                                            "batches_without_a_finished_trial": []}}
+                                            "batches_without_a_finished_trial": [],
+                                            "batches_best_at_the_edge_of_lr": []}}
     rows += [row(128, 1e-3, 0.2, "stopped"), row(128, 1e-4, None, "error")]
     assert rule_spread(rows)["linear"] == {"best_base_lr_by_batch": {32: 1e-3, 64: 1e-3}, "spread_decades": None,
-                                           "batches_without_a_finished_trial": [128]}
+                                           "batches_without_a_finished_trial": [128],
+                                           "batches_best_at_the_edge_of_lr": []}
+
+
+def test_a_best_at_an_end_of_the_lr_range_withholds_the_verdict_and_a_nan_is_never_best(tmp_path, capsys):
+    """A loss that falls all the way to the highest base LR tried, at every batch, read as "spread 0: the rule
+    holds", though the optimum lay beyond --lr; and a trial that finished with a NaN validation loss (sorted
+    first) was the sweep's best, in best.yaml."""
+    from types import SimpleNamespace
+
+    from raydiff.config import load_config
+    from raydiff.training.sweep_plan import plan_sweep
+    from raydiff.tune import rule_spread, write_outputs
+
+    def row(batch, lr, loss, status="finished"):
+        return {"trial": f"linear-b{batch}-lr{lr:g}", "rule": "linear", "batch": batch, "base_lr": lr,
+                "lr": lr * batch / 16, "images_seen": 640, "val_loss": loss, "status": status}
+
+    rows = [row(b, lr, loss) for b in (16, 32) for lr, loss in ((1e-4, 0.3), (1e-3, 0.2), (1e-2, 0.1))]
+    assert rule_spread(rows)["linear"]["spread_decades"] is None
+    assert rule_spread(rows)["linear"]["batches_best_at_the_edge_of_lr"] == [16, 32]
+    rows = [row(16, 1e-2, float("nan")), row(16, 1e-3, 0.04), row(16, 1e-4, 0.05)]
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16"])
+    args = SimpleNamespace(samples=3, lr="1e-4:1e-2", batch="16", scaling="linear", max_concurrent=None, name="s",
+                           metric="val_loss", budget_images=640)
+    (tmp_path / "s").mkdir()
+    summary = write_outputs(rows, cfg, plan_sweep(args, cfg), tmp_path / "s")
+    assert summary["best"]["base_lr"] == 1e-3 and summary["rules"]["linear"]["spread_decades"] is None
+    assert "linear-b16-lr0.001, val_loss 0.04" in (tmp_path / "s" / "best.yaml").read_text().splitlines()[0]
+    json.loads((tmp_path / "s" / "summary.json").read_text())  # strict JSON: no NaN in it
 
 
 def test_close_learning_rates_name_trials_apart(tmp_path):

@@ -23,6 +23,7 @@ from raydiff.config.checks import validate
 from raydiff.config.learning_rate import LR_RULES
 
 REPORTS_PER_TRIAL = 8  # validation points per trial; ASHA's rungs fall on them
+EMA_START_SHARE_WARNED = 0.1  # of the initial weights in the EMA at ASHA's first comparison: more is warned of
 MAX_SAMPLES = 1000  # base learning rates per batch size and rule (10**9 was a wait of minutes for 8 GB of them)
 
 
@@ -133,7 +134,28 @@ def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
         print(f"[raydiff] warning: train.warmup_steps = {cfg.train.warmup_steps} warms the learning rate up over "
               f"{warmup_images:,} images in every trial, past {past}: trials would be ranked while still warming "
               f"up; raise --budget-images or lower train.warmup_steps", file=sys.stderr)
+    start_share = ema_start_share(cfg.train, sweep.grace_images // cfg.train.global_batch)
+    if start_share > EMA_START_SHARE_WARNED:
+        print(f"[raydiff] warning: train.ema_decay = {cfg.train.ema_decay:g} (train.ema_warmup_steps = "
+              f"{cfg.train.ema_warmup_steps}) leaves {start_share:.0%} of the start's weights in every trial's "
+              f"EMA at ASHA's first comparison at {sweep.grace_images:,} images, and the validation loss is the "
+              f"EMA's: trials would be ranked on averages still close to their start; raise --budget-images, or set "
+              f"train.ema_warmup_steps or a lower train.ema_decay", file=sys.stderr)
     return sweep
+
+
+def ema_start_share(t, steps: int) -> float:
+    """The share of the start left in the EMA after `steps` optimizer steps of `t`'s decay and warmup (the same in
+    every trial: their decays are kept in images): of the random initial weights, or with an EMA warmup, whose
+    first update copies the online weights, of the first step's."""
+    from raydiff.model.weight_averages import ema_decay_at
+
+    if t.ema_warmup_steps <= 0:
+        return t.ema_decay ** steps
+    in_warmup = range(1, min(steps, t.ema_warmup_steps))
+    after = max(steps - max(t.ema_warmup_steps, 1), 0)
+    return math.exp(sum(math.log(ema_decay_at(step, t.ema_decay, t.ema_warmup_steps)) for step in in_warmup)
+                    + after * math.log(t.ema_decay))
 
 
 def fd_metric_name(cfg: Config) -> str:
@@ -175,6 +197,7 @@ def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: s
     cfg.run.name = trial_name(params, sweep.lr_digits)
     cfg.run.storage = runs_dir
     cfg.run.keep_checkpoints = 1
+    cfg.run.resume = True  # a trial restarted by Tune, or by the same command, continues its own run
     cfg.resolve()
     validate(cfg, check_source=False)
     return cfg
