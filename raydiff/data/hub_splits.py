@@ -65,6 +65,8 @@ def train_split(uri: str, files: list[str], folder: str) -> tuple[list[str], str
     """(the files to train on, their split: "" for the whole folder, the folder their class subfolders are in) of
     `files`, the full paths of a Hub dataset's files listed under `folder` (`data.source = uri`): its train split,
     or its only split. Raises DataError when the folder holds several splits and none of them is train."""
+    if not files:  # none of the kinds raydiff reads (a dataset of .zip or .csv files): its caller says so
+        return [], "", folder
     root = folder.rstrip("/") + "/" if folder else ""
     full = {f[len(root):]: f for f in files}
     splits = splits_of(list(full))

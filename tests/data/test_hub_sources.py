@@ -101,6 +101,25 @@ def test_a_hub_dataset_without_a_train_split_is_refused_in_one_line(hub_server):
     assert alone.split == "test" and alone.describe().endswith("(its test split)")
 
 
+def test_a_hub_dataset_of_files_raydiff_does_not_read_is_one_line_that_names_its_parquet_conversion(hub_server):
+    """A dataset of .zip or .csv files (many older ones), or a card's data_dir with none of the kind chosen, raised
+    commonpath()'s ValueError."""
+    repo = hub_server.root / "raydiff-tests" / "zipped"
+    (repo / "data").mkdir(parents=True)
+    (repo / "data" / "images.zip").write_bytes(b"PK")
+    source = "hf://datasets/raydiff-tests/zipped"
+    with pytest.raises(DataError) as info:
+        open_source(source, endpoint=hub_server.endpoint)
+    assert str(info.value) == (
+        f"data.source = '{source}': no image files found (looked for .jpg, .jpeg, .png, .webp, .bmp); the Hub's "
+        f"Parquet conversion of a dataset of other files is at "
+        f"hf://datasets/OWNER/NAME@refs%2Fconvert%2Fparquet/CONFIG")
+    write_synthetic(repo, num=1, resolution=8)  # a preview image beside; the card's data_dir holds no image
+    _card(repo, "configs:\n- config_name: default\n  data_dir: data\n")
+    with pytest.raises(DataError, match=r"no image files found"):
+        open_source(source, endpoint=hub_server.endpoint)
+
+
 def test_a_split_in_several_folders_is_refused_as_several_datasets(hub_server):
     repo = hub_server.root / "raydiff-tests" / "subsets"
     for subset in ("digits", "fashion"):
