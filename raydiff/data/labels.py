@@ -227,12 +227,14 @@ class LabelledSamples:
         return {"classes": list(self.classes), "class_counts": self.class_counts()}
 
 
-def read_labels(filesystem, files: tuple[str, ...], classes: tuple[str, ...]) -> np.ndarray:
-    """int32 ids of every row of prepared shards, in order (the label column only: cheap)."""
+def read_labels(filesystem, files: tuple[str, ...], classes: tuple[str, ...], uri: str) -> np.ndarray:
+    """int32 ids of every row of prepared shards, in order (the label column only: cheap); a shard that cannot
+    be read (cut short) is one line naming it (data.source `uri`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(path: str) -> np.ndarray:
-        column = pq.read_table(path, filesystem=filesystem, columns=[LABEL_COLUMN]).column(LABEL_COLUMN)
+        with reading(uri, path):
+            column = pq.read_table(path, filesystem=filesystem, columns=[LABEL_COLUMN]).column(LABEL_COLUMN)
         encoded = column.combine_chunks().dictionary_encode()
         lookup = class_ids(np.asarray(encoded.dictionary.to_pylist(), dtype=object), classes)
         indices = encoded.indices.to_numpy(zero_copy_only=False)

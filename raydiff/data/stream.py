@@ -172,7 +172,7 @@ def check_unusable(images: ShardedImages, max_bad_fraction: float, *, left_out: 
 
 def _with_labels(images: ShardedImages, plan: LabelPlan) -> ShardedImages:
     """The shards' labels (their label column, read once); a row without one is a bad sample."""
-    labels = read_labels(images.filesystem, images.files, plan.classes)
+    labels = read_labels(images.filesystem, images.files, plan.classes, images.uri)
     if len(labels) != images.num_images:
         raise DataError(f"data.source = {images.uri!r}: {len(labels)} labels for {images.num_images} images: "
                         f"the prepared data is damaged; prepare it again")

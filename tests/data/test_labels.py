@@ -240,3 +240,22 @@ def test_a_source_of_no_usable_sample_is_said_so_even_where_every_one_may_be_bad
         check_bad_fraction(store, 1.0)
     assert str(refused.value) == ("none of the 2 samples in /data can be used, e.g. /data/a.png: not an image; "
                                   "/data/b.png: empty file")
+
+
+def test_a_prepared_shard_cut_short_is_one_line_naming_it_when_its_labels_are_read(tmp_path):
+    """Stream mode reads a prepared source's labels on the driver before training: a shard cut short gave pyarrow's
+    traceback there (memory mode's read says it in one line)."""
+    import pyarrow.fs as pafs
+
+    from raydiff.data.labels import LABEL_COLUMN, read_labels
+
+    files = []
+    for n in range(2):
+        path = tmp_path / f"part-{n:05d}.parquet"
+        pq.write_table(pa.table({LABEL_COLUMN: ["cat", "dog"]}), path)
+        files.append(str(path))
+    labels = read_labels(pafs.LocalFileSystem(), tuple(files), ("cat", "dog"), str(tmp_path))
+    assert labels.tolist() == [0, 1, 0, 1]
+    (tmp_path / "part-00001.parquet").write_bytes((tmp_path / "part-00001.parquet").read_bytes()[:40])
+    with pytest.raises(DataError, match=rf"^data.source = '{tmp_path}': cannot read {files[1]} \("):
+        read_labels(pafs.LocalFileSystem(), tuple(files), ("cat", "dog"), str(tmp_path))
