@@ -208,8 +208,8 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
         files = [f for f in files if f.path in wanted]
     if not files:
         looked_for = ", ".join(KIND_EXTENSIONS[chosen])
-        converted = (f"; the Hub's Parquet conversion of a dataset of other files is at "
-                     f"hf://datasets/OWNER/NAME@refs%2Fconvert%2Fparquet/CONFIG" if hub_repository else "")
+        converted = ("; the Hub's Parquet conversion of a dataset of other files is at "
+                     "hf://datasets/OWNER/NAME@refs%2Fconvert%2Fparquet/CONFIG" if hub_repository else "")
         raise DataError(f"data.source = {uri!r}: no {KIND_LABELS[chosen]} files found (looked for {looked_for}"
                         f"{'' if is_remote(uri) else ', recursively'}){converted}")
     return Source(uri=uri, kind=chosen, filesystem=filesystem, files=tuple(f.path for f in files),
