@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import sys
 import tarfile
 from collections.abc import Callable, Iterator
@@ -222,10 +223,43 @@ _CUT_SHORT = (tarfile.TarError, pa.ArrowException)  # a shard or Parquet file cu
 _UNREADABLE = (*_CUT_SHORT, OSError)
 
 
+# Ray Data's WebDataset reader refuses a shard whose samples' members are not adjacent, or repeat (a ValueError).
+_OUT_OF_ORDER = ("are not contiguous in the archive", "duplicate file name in tar file")
+RESORT = "re-create the shard with its members sorted by name (tar --sort=name, or find | sort | tar -T -)"
+
+
+def webdataset_order_problem(names: list[str]) -> str | None:
+    """Why a WebDataset shard whose members are `names` (in archive order) cannot be read, or None: the members of
+    a sample (one key: the name up to the first '.' of its file name) must be adjacent, and each key's
+    extensions unique."""
+    done: set[str] = set()
+    current, extensions = None, set()
+    for name in names:
+        match = re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)
+        if not match:
+            continue
+        key, extension = match.groups()
+        if key != current:
+            if key in done:
+                return f"the members of sample {key!r} are not adjacent"
+            if current is not None:
+                done.add(current)
+            current, extensions = key, set()
+        if extension in extensions:
+            return f"{name} is in it twice"
+        extensions.add(extension)
+    return None
+
+
 def _not_unreadable(record: logging.LogRecord) -> bool:
     """A log filter: False for a record of an error `unreadable_files_told_once` tells in one line (its own, or the
     one being handled where it is logged: Ray Data logs some lines in its except clause without it)."""
-    return not isinstance(record.exc_info[1] if record.exc_info else sys.exc_info()[1], _UNREADABLE)
+    error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+    return not isinstance(error, _UNREADABLE) and not _out_of_order(error)
+
+
+def _out_of_order(error: BaseException | None) -> bool:
+    return isinstance(error, ValueError) and any(said in str(error) for said in _OUT_OF_ORDER)
 
 
 @contextmanager
@@ -248,6 +282,14 @@ def unreadable_files_told_once(source: Source) -> Iterator[None]:
                  "a cluster, every node needs the bucket's credentials or HF_TOKEN)")
         raise DataError(f"data.source = {source.uri!r}: a file of it cannot be read ({reason}); {usual}, is the "
                         f"usual cause") from None
+    except ValueError as exc:  # (after: pyarrow's ArrowInvalid is a ValueError too)
+        if not _out_of_order(exc):
+            raise
+        cause = getattr(exc, "cause", exc)
+        where = re.search(r"tar is (\S+?)(?:\)|$)", str(cause))
+        raise DataError(f"data.source = {source.uri!r}: a WebDataset shard{f' ({where.group(1)})' if where else ''} "
+                        f"holds a sample's files apart, or one twice, which WebDataset readers refuse: {RESORT}") \
+            from None
     finally:
         for log in logs:
             log.removeFilter(_not_unreadable)

@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from raydiff.cluster.nodes import smallest_object_store
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
-from raydiff.data.image_store import WEBDATASET_IMAGE_KEYS, decode_stream
+from raydiff.data.image_store import RESORT, WEBDATASET_IMAGE_KEYS, decode_stream, webdataset_order_problem
 from raydiff.data.labels import LabelPlan, plan_labels, read_labels
 from raydiff.data.node_cache import WINDOWS_HELD
 from raydiff.data.shard_format import SHARD_BYTES, BadCount, check_prepared, rows_per_shard_for, write_prepared
@@ -70,8 +70,12 @@ def estimated_count(source: Source) -> int:
         return sum(_rows_of(source))
     with (reading(source.uri, source.files[0]), source.filesystem.open_input_file(source.files[0]) as f,
           tarfile.open(fileobj=f) as tar):
-        first = sum(m.name.rsplit(".", 1)[-1].lower() in WEBDATASET_IMAGE_KEYS for m in tar.getmembers())
-    return first * len(source.files)
+        members = [m.name for m in tar.getmembers() if m.isfile()]
+    out_of_order = webdataset_order_problem(members)
+    if out_of_order:  # found now, not by Ray Data's reader once the stream reaches it
+        raise DataError(f"data.source = {source.uri!r}: in its shard {source.files[0]} {out_of_order}, which "
+                        f"WebDataset readers refuse: {RESORT}")
+    return sum(name.rsplit(".", 1)[-1].lower() in WEBDATASET_IMAGE_KEYS for name in members) * len(source.files)
 
 
 def _rows_of(source: Source) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import tarfile
 from types import SimpleNamespace
 
@@ -234,6 +235,48 @@ def test_a_shard_cut_short_is_a_one_line_error_without_ray_datas_traceback(ray_s
                 assert not log.filter(traced) and not log.filter(plain)
             assert log.filter(other)
         assert log.filter(traced)
+
+
+def _unsorted_shard(folder, members: list[str]) -> None:
+    folder.mkdir()
+    png = write_synthetic(folder / "png", num=1, resolution=8, fmt="png")[0].read_bytes()
+    with tarfile.open(folder / "shard-000000.tar", "w") as tar:
+        for name in members:
+            data = png if name.endswith(".png") else b"3"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    shutil.rmtree(folder / "png")
+
+
+@pytest.mark.ray
+def test_a_webdataset_shard_whose_samples_are_not_kept_together_is_one_line_that_says_how_to_remake_it(ray_session,
+                                                                                                        tmp_path):
+    """`tar cf s.tar *.png *.cls` keeps a sample's files apart: Ray Data's reader raised its ValueError, as a
+    traceback (memory mode), or only once the stream reached the shard."""
+    from raydiff.data.stream import estimated_count
+
+    _unsorted_shard(tmp_path / "data", ["000.png", "001.png", "000.cls", "001.cls"])
+    source = open_source(str(tmp_path / "data"))
+    with pytest.raises(DataError) as info:
+        load_images(source, resolution=8, channels=3)
+    shard = str(tmp_path / "data" / "shard-000000.tar")
+    assert str(info.value) == (f"data.source = {source.uri!r}: a WebDataset shard ({shard}) holds a sample's files "
+                               f"apart, or one twice, which WebDataset readers refuse: {image_store.RESORT}")
+    with pytest.raises(DataError) as info:
+        estimated_count(source)  # stream mode's first look: before training
+    assert str(info.value) == (f"data.source = {source.uri!r}: in its shard {shard} the members of sample '000' are "
+                               f"not adjacent, which WebDataset readers refuse: {image_store.RESORT}")
+
+
+@pytest.mark.parametrize(("members", "problem"), [
+    (["a/000.png", "a/000.cls", "a/001.png", "a/001.cls"], None),
+    (["000.png", "000.cls", "000.png"], "000.png is in it twice"),
+    (["000.png", "001.png", "000.cls"], "the members of sample '000' are not adjacent"),
+    (["x/000.png", "y/000.png"], None),  # two samples: keys keep their folders
+])
+def test_the_order_webdataset_readers_need_is_checked_as_they_check_it(members, problem):
+    assert image_store.webdataset_order_problem(members) == problem
 
 
 def test_a_file_the_workers_cannot_read_at_all_is_one_line_naming_it_and_why():
