@@ -233,7 +233,8 @@ def webdataset_order_problem(names: list[str]) -> str | None:
     a sample (one key: the name up to the first '.' of its file name) must be adjacent, and each key's
     extensions unique."""
     done: set[str] = set()
-    current, extensions = None, set()
+    current: str | None = None
+    extensions: set[str] = set()
     for name in names:
         match = re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)
         if not match:

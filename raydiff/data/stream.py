@@ -45,7 +45,15 @@ from raydiff.data.errors import BadSample, DataError, check_bad_fraction, readin
 from raydiff.data.image_store import RESORT, WEBDATASET_IMAGE_KEYS, decode_stream, webdataset_order_problem
 from raydiff.data.labels import LabelPlan, plan_labels, read_labels
 from raydiff.data.node_cache import WINDOWS_HELD
-from raydiff.data.shard_format import SHARD_BYTES, BadCount, check_prepared, rows_per_shard_for, write_prepared
+from raydiff.data.shard_format import (
+    MANIFEST,
+    SHARD_BYTES,
+    BadCount,
+    check_prepared,
+    read_manifest,
+    rows_per_shard_for,
+    write_prepared,
+)
 from raydiff.data.sharded import GB, ShardedImages
 from raydiff.data.sources import Source, check_on_every_node, open_source
 from raydiff.storage.fs import filesystem_for
@@ -244,11 +252,20 @@ def _check_held(lease: Lease, out: str) -> None:
 
 
 def _prepared_at(out: str, endpoint: str | None) -> Source | None:
-    try:
-        found = open_source(out, endpoint=endpoint)
-    except DataError:
+    """The stream copy at `out`, or None where there is none yet, or only a preparation cut short (no manifest).
+    A copy with its manifest that cannot be used (a shard gone, a newer format) is one line that says to remove
+    it: prepared over, it was refused as "already exists", and on an object store a listing that failed for a
+    moment deleted a copy other runs may be streaming from."""
+    filesystem, root = filesystem_for(out, endpoint=endpoint)
+    with reading(out, f"{root.rstrip('/')}/{MANIFEST}"):
+        manifest = read_manifest(filesystem, root)
+    if manifest is None:
         return None
-    return found if found.kind == "prepared" else None
+    try:
+        return open_source(out, endpoint=endpoint)
+    except DataError as exc:
+        raise DataError(f"{exc} (this is the stream copy raydiff prepares of data.source: remove {out}, and the next "
+                        f"run prepares it again)") from None
 
 
 def _clear_partial(out: str, endpoint: str | None) -> None:

@@ -328,3 +328,31 @@ def test_a_failed_read_is_raised_and_tried_again(ray_session, tmp_path):
     moved.rename(sharded.files[1])  # back: the next request reads it
     [[ref]] = ray_session.get(shards.get.remote([1]))
     assert np.array_equal(ray_session.get(ref), images[60:120])
+
+
+def test_a_stream_copy_that_cannot_be_used_is_one_line_that_says_to_remove_it_not_prepared_over(tmp_path):
+    """A copy whose manifest is there but a shard gone was taken for no copy: the run said "preparing ... once",
+    then refused its own folder as "OUT already exists" (an OUT the user never gave); on an object store a
+    listing that failed for a moment deleted the copy. A copy cut short before its manifest is no copy."""
+    import numpy as np
+
+    from raydiff.data import stream
+    from raydiff.data.shard_format import write_prepared
+
+    source = open_source(_folder_with_one_png(tmp_path))
+    out = tmp_path / "runs" / ".raydiff-stream" / "0123abcd"
+    out.mkdir(parents=True)
+    (out / "part-00000.parquet").write_bytes(b"a shard without its manifest")
+    assert stream._prepared_at(str(out), None) is None  # cut short: prepared again
+    for part in out.iterdir():
+        part.unlink()
+    out.rmdir()
+    images = np.zeros((20, 3, 8, 8), np.uint8)
+    write_prepared(iter([(images, [])]), source, str(out), shape=(3, 8, 8), rows_per_shard=8)
+    assert stream._prepared_at(str(out), None).kind == "prepared"
+    (out / "part-00001.parquet").unlink()
+    with pytest.raises(DataError) as info:
+        stream._prepared_at(str(out), None)
+    assert str(info.value).startswith(f"data.source = '{out}': prepared data is incomplete (1 shard(s) missing")
+    assert str(info.value).endswith(f"(this is the stream copy raydiff prepares of data.source: remove {out}, and the "
+                                    f"next run prepares it again)")
