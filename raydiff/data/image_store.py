@@ -200,6 +200,10 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
     column = "image" if source.kind == "prepared" else image_column
     with reading(source.uri, files[0]):
         schema = pq.read_schema(files[0], filesystem=fs)
+    if source.kind == "parquet" and "image" in schema.names and pa.types.is_fixed_size_binary(
+            schema.field("image").type):  # raydiff's prepared shards, whose manifest (written last) is not there
+        raise DataError(f"data.source = {source.uri!r} holds shards of raydiff.prepare without their manifest: a "
+                        f"preparation stopped before its end; remove them and prepare again")
     images = image_columns(schema)
     if column not in schema.names and column == DEFAULT_IMAGE_COLUMN and len(images) == 1:
         print(f"[raydiff] data.image_column: {column!r} is not a column of {source.uri}; reading {images[0]!r}, "

@@ -174,3 +174,19 @@ def test_prepared_data_must_match_the_run_s_resolution_and_channels(source, tmp_
     with pytest.raises(DataError, match=r"prepared at 4px with 3 channel\(s\), but data.resolution = 8"):
         check_prepared(prepared, resolution=8, channels=3)
     assert rows_per_shard_for(SHAPE, shard_bytes=480) == 10  # 48 bytes per image
+
+
+@pytest.mark.ray
+def test_shards_of_a_preparation_stopped_before_its_manifest_are_refused_in_one_line(source, tmp_path, ray_session):
+    """On a bucket the shards appear one by one and the manifest last: a preparation killed before it left raw
+    Parquet files to a run, which read every row as "not an image" and said that none of the samples was usable."""
+    from raydiff.data.image_store import load_images
+
+    write_prepared(iter([(_images(20), [])]), source, str(tmp_path / "out"), shape=SHAPE, rows_per_shard=8)
+    (tmp_path / "out" / "manifest.json").unlink()
+    cut = open_source(str(tmp_path / "out"))
+    assert cut.kind == "parquet"
+    with pytest.raises(DataError) as info:
+        load_images(cut, resolution=4, channels=3)
+    assert str(info.value) == (f"data.source = {cut.uri!r} holds shards of raydiff.prepare without their manifest: a "
+                               f"preparation stopped before its end; remove them and prepare again")
