@@ -292,7 +292,7 @@ class GaussianDiffusion:
         if sampler in ("dpmpp_2m", "dpmpp_2m_sde", "heun"):
             return self._sample_with_solver(model, shape, sampler, steps_taken(sampler, steps, self.timesteps),
                                             generator, device, labels, guidance, clip)
-        timesteps = self.sample_timesteps(steps)
+        timesteps = self.sample_timesteps(steps_taken(sampler, steps, self.timesteps))
         # All steps' coefficients at once, in float64, then moved to the device: no host sync in the loop.
         pairs = torch.tensor(timesteps), torch.tensor(timesteps[1:] + [-1])  # the last step lands on x0
         coefs64 = self._step_coefs(*pairs, eta)

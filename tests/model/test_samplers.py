@@ -129,6 +129,18 @@ def test_more_steps_than_the_schedule_has_are_capped_not_a_step_of_zero_length(s
     assert torch.equal(capped, sample(most))
 
 
+@pytest.mark.parametrize(("sampler", "default"), [("ddim", 50), ("ddpm", 100), ("dpmpp_2m", 20)])
+def test_a_sample_without_steps_takes_the_sampler_s_default(sampler, default):
+    """DDIM without `steps` ran every timestep of the schedule (20 times its default of 50 at T = 1000): the
+    commands always gave steps; an API caller did not."""
+    model, diffusion, _ = _model("eps", "diffusion.timesteps=100")
+    calls = []
+    model.register_forward_hook(lambda module, args, out: calls.append(1))
+    with torch.no_grad():
+        diffusion.sample(model, SHAPE, sampler=sampler, generator=image_generators(0, range(3), "cpu", GRID_NOISE))
+    assert len(calls) == default
+
+
 MU, S = 0.3, 0.5  # the Gaussian data N(MU, S^2) of `gaussian_model`
 
 
