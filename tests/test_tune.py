@@ -273,6 +273,21 @@ def test_trials_keep_warmup_decay_and_ema_half_life_in_images(tmp_path):
     assert big.train.total_steps == 10 and big.train.lr == pytest.approx(4e-3)  # linear rule from batch 16
 
 
+def test_trials_keep_post_hoc_snapshots_and_evaluations_per_image(tmp_path):
+    """Both stayed in steps: a trial of 4x the batch took a snapshot, and measured FID, 4x as often per image."""
+    from raydiff.config import load_config
+    from raydiff.training.sweep_plan import Sweep, trial_config
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "data.val_images=16", "train.ema=posthoc",
+                                "train.ema_snapshot_every=8", "eval.every=16"])
+    sweep = Sweep(name="s", base_lrs=(1e-3,), batches=(16, 64), rules=("linear",), budget_images=640,
+                  interval_images=64, max_concurrent=None)
+    same, big = (trial_config(cfg, {"batch": b, "base_lr": 1e-3, "rule": "linear"}, sweep, str(tmp_path))
+                 for b in (16, 64))
+    assert (same.train.ema_snapshot_every, same.eval.every) == (8, 16)
+    assert (big.train.ema_snapshot_every * 64, big.eval.every * 64) == (8 * 16, 16 * 16)
+
+
 
 @pytest.mark.parametrize("num_workers", ["auto", "[1, 2]"])
 def test_best_yaml_keeps_the_base_configs_scaling(tmp_path, num_workers):

@@ -187,6 +187,10 @@ def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: s
     t.ema_warmup_steps = round(t.ema_warmup_steps * images_per_base_step)
     t.lr_decay_steps = max(1, round(t.lr_decay_steps * images_per_base_step)) if t.lr_decay_steps else 0
     t.ema_decay = t.ema_decay ** (1 / images_per_base_step)
+    if isinstance(t.ema_snapshot_every, int):  # the post-hoc EMA's snapshots too: as many per image in every trial
+        t.ema_snapshot_every = max(1, round(t.ema_snapshot_every * images_per_base_step))
+    if cfg.eval.every and sweep.metric == "val_loss":  # as many evaluations per image (a sample-quality metric
+        cfg.eval.every = max(1, round(cfg.eval.every * images_per_base_step))  # sets its own, below)
     t.global_batch, t.base_lr, t.lr_scaling, t.lr = batch, params["base_lr"], params["rule"], None
     t.total_steps = sweep.budget_images // batch
     t.val_every = t.checkpoint_every = sweep.interval_images // batch  # every report carries a validation loss
