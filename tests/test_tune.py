@@ -539,3 +539,17 @@ def test_a_sweep_with_a_trial_that_failed_without_a_line_of_raydiff_s_does_not_e
     assert code == 2 and capsys.readouterr().err.splitlines()[-1] == (
         "raydiff: error: 1 of 2 trials failed (Tune's traceback above says why); the same command runs them again")
     assert (tmp_path / "s" / "best.yaml").is_file()  # the outputs of the trials that did run
+
+
+@pytest.mark.parametrize(("workers", "cpus", "gpus", "trials"), [
+    ("2", 16, 1, 8),  # use_gpu auto: one GPU for two workers trains on CPUs (it counted the GPU: 1 trial)
+    ("auto", 4, 8, 4),  # one CPU beside each GPU: 4 CPUs place 4 trials, not 8
+    ("auto", 16, 8, 8),
+    ("1", 2, 0, 2),
+])
+def test_the_trials_run_at_once_are_those_the_cluster_places(tmp_path, workers, cpus, gpus, trials):
+    from raydiff.config import load_config
+    from raydiff.training.sweep_plan import concurrent_trials
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", f"scaling.num_workers={workers}"])
+    assert concurrent_trials(cfg, cpus, gpus) == trials

@@ -166,11 +166,14 @@ def fd_metric_name(cfg: Config) -> str:
 
 
 def concurrent_trials(cfg: Config, cpus: float, gpus: float) -> int:
-    """How many trials fit the cluster at once: whole worker groups, on GPUs if the run uses them."""
+    """How many trials fit the cluster at once: whole worker groups, on GPUs where a trial trains on them (as
+    `use_gpu: auto` decides it for a trial's workers), each worker with its CPUs (one beside a GPU)."""
+    from raydiff.cluster.devices import trains_on_gpus  # (torch: not before a mistake in the arguments is said)
+
     workers = cfg.scaling.max_workers
-    use_gpu = gpus > 0 if cfg.scaling.use_gpu == "auto" else cfg.scaling.use_gpu
-    fit = gpus // workers if use_gpu else cpus // (cfg.scaling.cpus_per_worker or 1) // workers
-    return max(1, int(fit))
+    use_gpu = trains_on_gpus(cfg.scaling, gpus)
+    by_cpus = cpus // (cfg.scaling.cpus_per_worker or 1) // workers
+    return max(1, int(min(gpus // workers, by_cpus) if use_gpu else by_cpus))
 
 
 def trial_config(base: Config, params: dict[str, Any], sweep: Sweep, runs_dir: str) -> Config:
