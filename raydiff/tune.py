@@ -51,10 +51,10 @@ def ranked(row: dict[str, Any], metric: str) -> bool:
 
 def rule_spread(rows: list[dict[str, Any]], metric: str = "val_loss") -> dict[str, Any]:
     """Per rule: the best base LR at each batch size (finished trials) and their spread in decades. A rule that
-    holds puts the optimum at the same base LR for every batch: a spread near 0. ASHA compares the trials of every
-    batch at equal images, so a batch that trails there may have no finished trial; and a batch's best may be the
-    lowest or highest base LR tried, where the optimum may lie beyond: such batches are listed, and the spread,
-    which would describe the other batches alone or the edges of --lr, is withheld."""
+    holds puts the optimum at the same base LR for every batch: a spread near 0. A batch may have no finished trial
+    (all failed or diverged), and a batch's best may be the lowest or highest base LR tried, where the optimum may
+    lie beyond: such batches are listed, and the spread, which would describe the other batches alone or the
+    edges of --lr, is withheld."""
     out = {}
     for rule in sorted({r["rule"] for r in rows}):
         best, unfinished, at_the_edge = {}, [], []
@@ -159,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             spread = (f"; batch {', '.join(map(str, at_the_edge))}: best at an end of --lr (the optimum may lie "
                       f"beyond: widen --lr), so no spread")
         if unfinished:
-            spread = (f"; batch {', '.join(map(str, unfinished))}: no trial finished (stopped early by ASHA, or "
-                      f"failed), so no spread")
+            spread = f"; batch {', '.join(map(str, unfinished))}: no trial finished (failed or diverged), so no spread"
         print(f"[raydiff] {rule} rule: best base LR {best or '-'}{spread}")
     if "best" in summary:
         best = summary["best"]

@@ -553,3 +553,29 @@ def test_the_trials_run_at_once_are_those_the_cluster_places(tmp_path, workers, 
 
     cfg = load_config("smoke", [f"run.storage={tmp_path}", f"scaling.num_workers={workers}"])
     assert concurrent_trials(cfg, cpus, gpus) == trials
+
+
+def test_asha_ranks_each_trial_among_those_of_its_batch_size_and_rule():
+    """At equal images a larger batch has taken fewer steps: in one pool ASHA stopped every trial of batch 64 on
+    the losses of batch 16's, and the sweep had no best learning rate for it."""
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import AsyncHyperBandScheduler
+
+    from raydiff.training.sweep_scheduler import GroupedASHA
+
+    def decisions(scheduler_class) -> dict[tuple[int, float], str]:
+        scheduler = scheduler_class(time_attr="images_seen", max_t=640, grace_period=160, reduction_factor=2)
+        scheduler.set_search_properties("val_loss", "min")
+        losses = {}
+        for batch, lr, loss in [(16, 1e-3, 0.1), (16, 1e-2, 0.2), (64, 1e-3, 0.5), (64, 1e-2, 0.4), (64, 1e-4, 0.6)]:
+            trial = Trial("__fake", config={"batch": batch, "rule": "linear", "base_lr": lr}, stub=True)
+            scheduler.on_trial_add(None, trial)
+            losses[trial] = loss
+        return {(t.config["batch"], t.config["base_lr"]): scheduler.on_trial_result(None, t, {"images_seen": 160,
+                                                                                               "val_loss": loss})
+                for t, loss in losses.items()}
+
+    assert [key for key, said in decisions(AsyncHyperBandScheduler).items() if said == "CONTINUE"] == [(16, 1e-3)]
+    grouped = decisions(GroupedASHA)
+    assert grouped[(16, 1e-2)] == grouped[(64, 1e-4)] == "STOP"  # the worse of each batch size
+    assert grouped[(16, 1e-3)] == grouped[(64, 1e-2)] == "CONTINUE"

@@ -102,7 +102,6 @@ def _require_state_api() -> None:
 def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     import ray
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
     from raydiff.cluster.nodes import wait_for_worker_node
     from raydiff.cluster.start import environment_variable, init_ray
@@ -112,6 +111,7 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
     from raydiff.training.driver import with_held_out
     from raydiff.training.reservations import TrialRuns, releasing_killed_trials
     from raydiff.training.stop import noting_tune_interrupt
+    from raydiff.training.sweep_scheduler import GroupedASHA
 
     sweep_dir = Path(cfg.run.storage) / sweep.name
     spec_file = sweep_dir / "sweep.json"
@@ -160,9 +160,8 @@ def run_sweep(cfg: Config, sweep: Sweep) -> dict[str, Any]:
         print(f"[raydiff] continuing the sweep in {sweep_dir}")
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_errored=True)
     else:
-        scheduler = ASHAScheduler(time_attr="images_seen", max_t=sweep.budget_images,
-                                  grace_period=sweep.grace_images,
-                                  reduction_factor=2)
+        scheduler = GroupedASHA(time_attr="images_seen", max_t=sweep.budget_images,
+                                grace_period=sweep.grace_images, reduction_factor=2)
         tuner = tune.Tuner(
             trainable,
             param_space={"base_lr": tune.grid_search(list(sweep.base_lrs)),
