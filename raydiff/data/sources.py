@@ -173,7 +173,7 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
             if manifest is not None:
                 return _prepared(uri, path, filesystem, manifest)
             found = [f for f in filesystem.get_file_info(pafs.FileSelector(folder, recursive=True))
-                     if f.type == pafs.FileType.File and (pattern is None or glob_match(f.path, pattern))]
+                     if f.type == pafs.FileType.File and (pattern is None or _matched(f.path, pattern))]
     except OSError as exc:  # permissions, credentials, network: say so in one line
         raise DataError(f"data.source = {uri!r}: cannot read it ({str(exc).splitlines()[0][:200]})") from None
     if pattern is not None and not found:
@@ -238,6 +238,12 @@ def _hub_card(uri: str, filesystem: pafs.FileSystem, folder: str, listed: list[p
         return ""
     with reading(uri, card), filesystem.open_input_stream(card) as stream:
         return stream.read().decode("utf-8", errors="replace")
+
+
+def _matched(path: str, pattern: str) -> bool:
+    """Whether a glob picks the file `path`: it matches the file, or a folder the file is in (`imgs/2026-*` picks
+    the files of the folders it names, as a folder given as it is would)."""
+    return glob_match(path, pattern) or any(glob_match(str(folder), pattern) for folder in PurePosixPath(path).parents)
 
 
 def _prepared(uri: str, folder: str, filesystem: pafs.FileSystem, manifest: dict[str, Any]) -> Source:

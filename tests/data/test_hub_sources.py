@@ -325,3 +325,15 @@ def test_a_glob_selects_files_part_for_part_in_a_folder_too(tmp_path):
     assert [f.rsplit("/", 2)[1] for f in source.files] == ["test"] * 2 + ["train"] * 3
     assert source.files == tuple(sorted(source.files)) and source.root == str(tmp_path)
     assert len(open_source(str(tmp_path / "train" / "**" / "*.png")).files) == 5  # `**`: any number of folders
+
+
+def test_a_glob_that_names_folders_picks_the_files_in_them(tmp_path):
+    """`imgs/2026-*` found "no file matches it": only files were matched, so a folder glob needed `/*.jpg`."""
+    for month in ("2026-01", "2026-02", "2025-12"):
+        write_synthetic(tmp_path / "imgs" / month, num=2, resolution=8, fmt="png")
+    write_synthetic(tmp_path / "imgs" / "2026-02" / "late", num=1, resolution=8, fmt="png")
+    source = open_source(str(tmp_path / "imgs" / "2026-*"))
+    assert sorted({f.split("/imgs/")[1].split("/")[0] for f in source.files}) == ["2026-01", "2026-02"]
+    assert len(source.files) == 5  # a folder's files, in its subfolders too, as the folder given as it is
+    with pytest.raises(DataError, match="no file matches it"):
+        open_source(str(tmp_path / "imgs" / "2027-*"))
