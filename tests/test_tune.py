@@ -439,6 +439,9 @@ def test_an_ema_still_close_to_its_start_at_asha_s_first_comparison_is_warned_of
     ({"budget_images": 0}, "--budget-images 0: must be at least 16 (one step of every batch size)"),
     # '' (an unset shell variable) was taken for the default name: it would continue the default sweep.
     ({"name": ""}, "--name '': use letters, digits, '.', '_' and '-' (it names a folder)"),
+    # The config's budget too small: it named --budget-images, which was not given.
+    ({"batch": "100000"}, "the budget of train.total_steps x train.global_batch = 320 images (--budget-images "
+                          "unset): must be at least 100000 (one step of every batch size)"),
 ])
 def test_a_zero_budget_or_an_empty_name_is_refused_not_taken_for_the_default(tmp_path, given, message):
     from types import SimpleNamespace

@@ -108,7 +108,9 @@ def plan_sweep(args: argparse.Namespace, cfg: Config) -> Sweep:
     # 0 is a budget asked for (and refused below), not the default.
     budget = args.budget_images if args.budget_images is not None else cfg.train.total_steps * cfg.train.global_batch
     if budget < step:
-        raise ConfigError(f"--budget-images {budget}: must be at least {step} (one step of every batch size)")
+        given = (f"--budget-images {budget}" if args.budget_images is not None else
+                 f"the budget of train.total_steps x train.global_batch = {budget:,} images (--budget-images unset)")
+        raise ConfigError(f"{given}: must be at least {step} (one step of every batch size)")
     interval = step * max(1, budget // (REPORTS_PER_TRIAL * step))
     budget = -(-budget // interval) * interval
     if args.max_concurrent is not None and args.max_concurrent < 1:
