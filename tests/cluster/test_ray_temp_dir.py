@@ -27,7 +27,8 @@ def local_instance(temp: Path) -> dict[str, str]:
 
 COMMANDS = {"train": ["raydiff.train", *SMOKE],
             "tune": ["raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3", "--batch", "16", "--samples", "2",
-                     "--name", "smoke", "--set", "train.warmup_steps=1"]}  # a warmup within the comparisons: no warning
+                     "--name", "smoke", "--set", "train.warmup_steps=1",  # warmup and EMA within the comparisons:
+                     "--set", "train.ema_decay=0.5", "--set", "train.ema_warmup_steps=0"]}  # no warning
 
 
 @pytest.mark.parametrize("command, state", [("train", "full"), ("train", "read-only"), ("tune", "full")])

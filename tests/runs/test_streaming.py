@@ -122,7 +122,8 @@ def test_a_sweep_on_a_cluster_without_the_dashboard_is_refused_in_one_line(small
     next trial would wait for ever."""
     sweep = run_cli("raydiff.tune", "--config", "smoke", "--lr", "1e-4:1e-3", "--batch", "16", "--samples", "2",
                     "--budget-images", "320", "--name", "s", "--set", f"run.storage={tmp_path}",
-                    "--set", "train.warmup_steps=1",  # a warmup within ASHA's comparisons: no warning line
+                    "--set", "train.warmup_steps=1",  # a warmup and an EMA within ASHA's comparisons: no warning
+                    "--set", "train.ema_decay=0.5", "--set", "train.ema_warmup_steps=0",  # line
                     env={"RAY_ADDRESS": small_cluster.address}, timeout=300)
     assert sweep.returncode == 2, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     assert sweep.stderr.strip().splitlines() == [
