@@ -73,13 +73,15 @@ def wait_for_worker_node(use_gpu: bool | str, timeout_s: float) -> str | None:
           f"for {bundle} and waiting up to {timeout_s:g} s (scaling.node_wait_s) for the first node, to decide "
           f"for the nodes the run will train on", flush=True)
     started = time.monotonic()
-    request_resources(bundles=[bundle])
     try:
         while not worker_nodes(use_gpu):
             if time.monotonic() - started > timeout_s:
                 raise NoWorkerNode(f"no node that can run a worker ({bundle}) joined the cluster within {timeout_s:g} "
                                    f"s (scaling.node_wait_s): look at the autoscaler (ray status) and its node types, "
                                    f"or raise scaling.node_wait_s")
+            # Asked again at every look: a request replaces the cluster's standing one, and Ray Data's autoscaling
+            # coordinator (started by any earlier job) sends its own, empty when idle, every 20 s.
+            request_resources(bundles=[bundle])
             time.sleep(POLL_S)
     finally:
         request_resources(bundles=[])  # from here on Ray Data and Ray Train ask for what they need

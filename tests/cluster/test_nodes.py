@@ -96,3 +96,30 @@ def test_a_run_decides_for_the_worker_nodes_an_autoscaler_adds(autoscaling_clust
     assert "a worker node joined after " in output and f"{WORKER_STORE / 2 ** 20:,.0f} MB object store" in output
     assert (f"data.cache auto: memory, from the decoded dataset (0.11 MB) and the smallest worker node's object "
             f"store ({WORKER_STORE / 2 ** 20:,.0f} MB)") in output
+
+
+def test_the_first_worker_node_is_asked_for_again_at_every_look_while_the_run_waits(monkeypatch):
+    """A request replaces the cluster's standing one, and Ray Data's autoscaling coordinator (started by any earlier
+    job, for the cluster's life) sends its own every 20 s, empty when idle: asked once, the run's request could be
+    gone before the autoscaler read it, and the run waited scaling.node_wait_s for a node never launched."""
+    import ray.autoscaler.sdk
+
+    from raydiff.cluster import nodes
+
+    standing: list[dict] = []
+    looks, launched = 0, False
+
+    def worker_nodes(use_gpu):  # the autoscaler launches a node once it has read a standing request for one
+        nonlocal looks, launched
+        looks += 1
+        if looks == 2:
+            standing.clear()  # the coordinator's empty request, just after the run's
+        launched = launched or (looks >= 4 and bool(standing))
+        return [{"Resources": {"GPU": 1, "CPU": 8}}] if launched else []
+
+    monkeypatch.setattr(ray.autoscaler.sdk, "request_resources", lambda bundles: standing.__setitem__(slice(None),
+                                                                                                       bundles))
+    monkeypatch.setattr(nodes, "worker_nodes", worker_nodes)
+    monkeypatch.setattr(nodes, "POLL_S", 0.0)
+    said = nodes.wait_for_worker_node(True, timeout_s=30)
+    assert said.startswith("a worker node joined after ") and standing == []  # withdrawn once the node is there
