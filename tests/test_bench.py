@@ -240,6 +240,25 @@ def test_step_bench_adds_raydiffs_step_parts_one_at_a_time():
     assert "loader_cpu_ms" not in result["rows"]["on_device"]  # no thread beside the training thread
 
 
+def test_step_bench_with_the_post_hoc_ema_updates_its_averages_in_the_ema_rows(monkeypatch):
+    """`--set train.ema=posthoc` measured the classic EMA alone, under a post-hoc name in the GPU check's table."""
+    import torch
+
+    from raydiff.bench.step import step_rows
+    from raydiff.config import load_config
+    from raydiff.model.weight_averages import PowerEma
+
+    steps: list[int] = []
+    real = PowerEma.__call__
+    monkeypatch.setattr(PowerEma, "__call__", lambda self, step: (steps.append(step), real(self, step))[1])
+    cfg = load_config("smoke", ["train.ema=posthoc", "train.global_batch=8"], check_source=False)
+    result = step_rows(cfg, torch.device("cpu"), steps=2)
+    assert result["ema"] == "posthoc" and list(result["rows"]) == ["bare", "step", "loader", "ema", "on_device"]
+    assert steps and steps == list(range(1, len(steps) + 1))  # the ema and on_device rows, every step counted
+    assert step_rows(load_config("smoke", ["train.global_batch=8"], check_source=False), torch.device("cpu"),
+                     steps=2)["ema"] == "classic"
+
+
 def test_a_measured_loop_counts_the_graphs_it_compiled_and_those_a_warm_start_found_in_the_cache():
     """What `bench step` and the bare loop report with their first step: a start with the compile cache warm (as
     `.ci/gpu check` prepares for its later benchmarks) compiles nothing."""

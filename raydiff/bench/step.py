@@ -23,6 +23,7 @@ step (`profile_step`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import statistics
@@ -219,7 +220,7 @@ def bench_step(config: str, overrides: list[str], *, steps: int, batch: int | No
 def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any]:
     """The rows of the module's docstring, at the config's global batch on `device`."""
     from raydiff.data.on_device import DeviceImages
-    from raydiff.model.weight_averages import EmaUpdater, make_ema
+    from raydiff.model.weight_averages import EmaUpdater, PowerEma, make_ema
     from raydiff.training.speed import backend_flags, restore_backend_flags
     from raydiff.training.step import optimizer_step
 
@@ -227,6 +228,14 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
     saved = backend_flags()
     plan, parts, model = planned_step(cfg, device)
     update = EmaUpdater(make_ema(model), model)
+    # train.ema: posthoc adds the power-function averages to the classic one, as the run's step does.
+    posthoc = PowerEma(model, cfg.train.ema_sigma_rels, staged_by=update) if cfg.train.ema == "posthoc" else None
+    counted = itertools.count(1)  # the post-hoc averages' time: the step's number
+
+    def averaged(batches) -> object:
+        return optimizer_step(parts, batches, lr=1e-4, ema=update, ema_decay=0.999, posthoc=posthoc,
+                              step=next(counted))
+
     table = bench_table(cfg)
     stream, gathered = bench_stream(cfg, device, table), bench_stream(cfg, device, table, DeviceImages(table, device))
     reused = next(stream)
@@ -234,8 +243,8 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
         "bare": bare_step(cfg, plan, parts, model),
         "step": lambda: optimizer_step(parts, reused, lr=1e-4),
         "loader": lambda: optimizer_step(parts, next(stream), lr=1e-4),
-        "ema": lambda: optimizer_step(parts, next(stream), lr=1e-4, ema=update, ema_decay=0.999),
-        "on_device": lambda: optimizer_step(parts, next(gathered), lr=1e-4, ema=update, ema_decay=0.999),
+        "ema": lambda: averaged(next(stream)),
+        "on_device": lambda: averaged(next(gathered)),
     }
     rows: dict[str, dict[str, Any]] = {}
     try:
@@ -253,7 +262,7 @@ def step_rows(cfg: Config, device: torch.device, *, steps: int) -> dict[str, Any
         stream.close()
         restore_backend_flags(saved)
     return {"device": device_name(device), "torch": torch.__version__, "global_batch": batch, "steps": steps,
-            "described": plan.describe(), **first_step, "rows": rows,
+            "described": plan.describe(), "ema": cfg.train.ema, **first_step, "rows": rows,
             "ratio_bare": {name: round(row["img_s"] / rows["bare"]["img_s"], 3)
                            for name, row in rows.items() if name != "bare"}}
 
