@@ -225,6 +225,10 @@ GCP_BROKEN = {
         lambda c: _gcp_node(c, "ray_worker_cpu").update(serviceAccounts={"email": "sa@p.iam.gserviceaccount.com"}),
         ('ray_worker_cpu.node_config.serviceAccounts = {"email": "sa@p.iam.gserviceaccount.com"}: expected array or '
          'null')),
+    "availability zone changed, disk types not": (
+        lambda c: c["provider"].update(availability_zone="europe-west4-a"),
+        ('available_node_types.ray_head_default.node_config.disks[0].initializeParams.diskType = '
+         '"zones/us-central1-a/diskTypes/pd-balanced": its zone is not provider.availability_zone (europe-west4-a)')),
     "scopes as text": (
         lambda c: _gcp_node(c, "ray_worker_cpu")["serviceAccounts"][0].update(
             scopes="https://www.googleapis.com/auth/cloud-platform"),

@@ -144,6 +144,7 @@ def _check_launcher_rules(cfg: dict[str, Any]) -> None:
         _check_container_gpus(cfg)
     if cfg["provider"]["type"] == "gcp":
         _check_gcp_gpu_maintenance(types)
+        _check_gcp_disk_zones(types, cfg["provider"].get("availability_zone"))
 
 
 def _check_container_gpus(cfg: dict[str, Any]) -> None:
@@ -212,6 +213,19 @@ def _check_gcp_gpu_maintenance(types: dict[str, Any]) -> None:
             raise ClusterFileError(f"{where}.scheduling.onHostMaintenance = "
                                    f"{as_json(scheduling.get('onHostMaintenance'))} ({node.get('machineType')} "
                                    f"has GPUs): must be \"TERMINATE\"; GCE creates no GPU VM that live-migrates")
+
+
+def _check_gcp_disk_zones(types: dict[str, Any], zone: str | None) -> None:
+    """A disk type is named with its zone (`zones/ZONE/diskTypes/pd-balanced`): one of another zone than the VM's
+    (provider.availability_zone, changed and the disks not) fails the VM's creation."""
+    for name in types:
+        where, node = _node_config(types, name)
+        for i, disk in enumerate(node.get("disks") or []):
+            named = str(((disk or {}).get("initializeParams") or {}).get("diskType", ""))
+            found = re.search(r"(?:^|/)zones/([^/]+)/diskTypes/", named)
+            if found and zone and found.group(1) != zone:
+                raise ClusterFileError(f"{where}.disks[{i}].initializeParams.diskType = {as_json(named)}: its zone "
+                                       f"is not provider.availability_zone ({zone}); name the same zone in both")
 
 
 def _check_launcher_preset(cfg: dict[str, Any], text: str) -> None:
