@@ -216,6 +216,9 @@ def _one_start(cfg: Config, steps: int, storage: Path, *, first_step: int) -> di
             "profile_event": profiles[-1] if profiles else None}
 
 
+PARTIAL = "bench throughput: raydiff measured"  # the line a cut bench leaves with raydiff's own figures
+
+
 def bench_throughput(config: str, overrides: list[str], *, steps: int, batches: list[int] | None,
                      peak: float | None, profile: Path | None = None, rerun: bool = False) -> Iterator[dict[str, Any]]:
     """One result per per-device batch (see the module's docstring), each as soon as it is measured."""
@@ -263,6 +266,9 @@ def _one_batch(cfg: Config, device: torch.device, *, steps: int, peak: float | N
     worker_profile = None if profile is None else profile.with_name(f"{profile.stem}-worker{profile.suffix}")
     ours = raydiff_run(copy.deepcopy(cfg), steps=steps, storage=tmp / "runs", rerun=rerun, profile=worker_profile)
     described, data = ours.pop("described"), ours.pop("data")  # the worker's own start line: what its process got
+    # Said at once (stderr): a bench cut later, in the loops or the profile below, still tells raydiff's figures.
+    measured = {key: ours[key] for key in ("img_s", "start_s", "first_step_s", "peak_memory_gb")}
+    print(f"{PARTIAL} {json.dumps({'global_batch': batch, **measured})}", file=sys.stderr, flush=True)
     bare = bare_loop(cfg, device, steps=steps)
     plain.append(plain_loop(cfg, device, steps=steps))  # bracketing raydiff's run: drift shows
     profiled = None
