@@ -130,7 +130,8 @@ def require_visible(device: torch.device) -> None:
     else:
         why = ("a container started without the node's GPU (a cluster-launcher node type needs docker: "
                "{worker_run_options: [--gpus all]}; python -m raydiff.cluster_check checks it), or no NVIDIA "
-               "driver on the node")
+               f"driver on the node, or one too old for this torch's CUDA {torch.version.cuda} (CUDA 12.8 needs "
+               f"driver 570 or newer, CUDA 13 580)")
     raise GpuNotVisible(f"Ray gave this worker a GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
                         f", but torch sees none: {why}")
 

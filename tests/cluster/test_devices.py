@@ -43,7 +43,8 @@ def test_a_worker_given_a_gpu_it_cannot_see_says_why_in_one_line(monkeypatch):
     assert str(seen.value) == (
         "Ray gave this worker a GPU (CUDA_VISIBLE_DEVICES=0), but torch sees none: a container started without the "
         "node's GPU (a cluster-launcher node type needs docker: {worker_run_options: [--gpus all]}; python -m "
-        "raydiff.cluster_check checks it), or no NVIDIA driver on the node")
+        "raydiff.cluster_check checks it), or no NVIDIA driver on the node, or one too old for this torch's CUDA "
+        "13.0 (CUDA 12.8 needs driver 570 or newer, CUDA 13 580)")
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(GpuNotVisible, match=r"but torch sees none: this torch \(.*\) has no CUDA: install a CUDA "):
         require_visible(torch.device("cuda:0"))
