@@ -332,10 +332,13 @@ def _check_kuberay_preset(where: str, spec: dict[str, Any], name: str, preset: C
     i, gpu_group = gpu_groups[0]
     group_where = f"{where}.workerGroupSpecs[{i}]"
     _check_gpu_group(group_where, gpu_group, preset.scaling.cpus_per_worker or 1.0)
-    replicas = [gpu_group["minReplicas"], gpu_group["maxReplicas"]]
-    if replicas != list(worker_range(preset)):
+    # minReplicas may be below the preset's fewest (0: no GPU pod idles between jobs; the autoscaler adds them as
+    # Ray Train asks), maxReplicas is its most (more would never be used, fewer never reached).
+    replicas, (fewest, most) = [gpu_group["minReplicas"], gpu_group["maxReplicas"]], worker_range(preset)
+    if replicas[0] > fewest or replicas[1] != most:
         raise ClusterFileError(f"{group_where} ({gpu_group['groupName']}): minReplicas/maxReplicas = {replicas}: must "
-                               f"equal the preset's scaling.num_workers = {list(worker_range(preset))} ({name})")
+                               f"be at most {fewest} and {most}, the preset's scaling.num_workers = {[fewest, most]} "
+                               f"({name})")
     rwx_claims = _rwx_claims(claims)
     pods = {"head": _rwx_mounts(head["template"], rwx_claims),
             **{g["groupName"]: _rwx_mounts(g["template"], rwx_claims) for g in groups}}
