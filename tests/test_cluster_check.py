@@ -47,7 +47,7 @@ def test_job_dependency_lists_match_pyproject():
                if d["kind"] == "RayJob")
     readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     # A job command's pip list (its env_vars, if any, first).
-    runtime_env = r"--runtime-env-json '(\{(?:\"env_vars\": \{[^}]*\}, )?\"pip\": \[\".*?\})'"
+    runtime_env = r"(?:--runtime-env-json |RUNTIME_ENV=)'(\{(?:\"env_vars\": \{[^}]*\}, )?\"pip\": \[\".*?\})'"
     lists = {"rayjob.yaml": yaml.safe_load(job["spec"]["runtimeEnvYAML"])["pip"],
              **{f"README runtime env {i}": json.loads(found)["pip"]
                 for i, found in enumerate(re.findall(runtime_env, readme))},
