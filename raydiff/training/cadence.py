@@ -84,6 +84,7 @@ class Cadence:
 
     def __init__(self, w: Worker, progress: Progress, args: WorkerArgs) -> None:
         self.w, self.start_step = w, progress.step
+        self._first_step_done = False
         self.status: WorkerStatus | None = None  # set when training ends before train.total_steps
         self.diagnostic: str | None = None
         self.failure: StorageFailure | None = None  # rank 0: a write no retry can fix
@@ -148,15 +149,19 @@ class Cadence:
         # Rank 0 knows now if another driver holds the run (the others learn it at the agreement below): it
         # writes nothing more, no row, grid or snapshot, over what the other run writes.
         writes = w.is_chief and asked != INTERRUPTS.index("lease_lost")
-        if step == self.start_step + 1:
+        if not self._first_step_done:  # once a start (a rollback to its first checkpoint starts nothing)
+            self._first_step_done = True
             self._after_first_step(step)
         live.window.add(result, self._data_wait_s)
         live.nonfinite.add(result.finite)
         if check:
             progress.counters["skipped_steps"] = live.nonfinite.skipped_steps()
 
-        # Too many non-finite steps in a row: roll back past them once, then give up.
+        # Too many non-finite steps in a row: roll back past them once, then give up; not where another driver
+        # holds the run now (a stop or preemption asked here is asked again at the next check).
         if check and live.nonfinite.longest_streak() >= t.max_bad_steps:
+            if asked is not None and self._agree_on_interrupts(asked) == "lease_lost":
+                return self._lease_lost(progress, step)
             return self._roll_back_or_give_up(progress, result, lr)
 
         # Validate and evaluate at their cadences (the same decision on every worker; not training time).
@@ -172,10 +177,12 @@ class Cadence:
             progress.counters["skipped_steps"] = live.nonfinite.skipped_steps()  # as of this row's step
             row = live.window.close(step=step, global_batch=t.global_batch, lr=lr, ema_decay=ema_decay,
                                     world_size=w.world_size, skipped_steps=progress.counters["skipped_steps"])
+            written = time.perf_counter()  # (the device has done the row's steps: close read their sums)
             self.last_row = row = row | self._extra_metrics(new_val_loss, new_quality)
             if writes:
                 self._write("writing metrics.jsonl", log_row, w, row, live.dashboards, start_step=self.start_step,
                             elapsed_s=time.perf_counter() - self.run_start)
+            live.window.paused_s += time.perf_counter() - written  # the row's own writing: not the next row's time
 
         grid_due = writes and ((t.sample_every and step % t.sample_every == 0) or done)
         snapshot_due = writes and w.posthoc is not None and (step % self._snapshot_every == 0 or done)
@@ -190,9 +197,7 @@ class Cadence:
             # Stop or preemption, agreed by every worker.
             interrupt = self._agree_on_interrupts(asked) if asked is not None else None
             if interrupt == "lease_lost":  # another driver writes to the run now: no checkpoint, no rows
-                self.status = WorkerStatus.LEASE_LOST
-                self.diagnostic = f": stopped at step {step} without writing more"  # the driver's line says the rest
-                return progress
+                return self._lease_lost(progress, step)
             # A checkpoint, or the measurements alone: Ray sees checkpoints, validation losses and quality metrics
             # (Tune stops trials on them); other rows go to metrics.jsonl only.
             report = ray_report(step, t.global_batch, self.quality, self.val_loss, row)
@@ -210,6 +215,11 @@ class Cadence:
                 self._settle(wait=done or interrupt is not None)
         if interrupt == "stop" and self.status is None:
             self.status = WorkerStatus.STOPPED
+        return progress
+
+    def _lease_lost(self, progress: Progress, step: int) -> Progress:
+        self.status = WorkerStatus.LEASE_LOST
+        self.diagnostic = f": stopped at step {step} without writing more"  # the driver's line says the rest
         return progress
 
     def result(self, progress: Progress) -> WorkerResult:

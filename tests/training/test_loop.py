@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -130,3 +131,61 @@ def test_ddp_accumulation_and_uneven_shares_match_one_worker(tmp_path):
     for part in ("model", "ema"):
         for key, value in one[part].items():
             assert torch.allclose(three[part][key], value, rtol=1e-4, atol=1e-5), f"{part}.{key}"
+
+
+def test_a_rollback_to_the_checkpoint_a_start_began_from_records_its_first_step_once(ray_session, tmp_path):
+    """The first step of a start is recorded once (its seconds are the compilation's figure): a rollback to the
+    start's own checkpoint recorded it again, its seconds counting the failed steps and the restore."""
+    run_local(ray_session, tmp_path, "rolled", "train.total_steps=5", "train.checkpoint_every=5")
+    result, _ = run_local(ray_session, tmp_path, "rolled", "train.total_steps=12", "train.checkpoint_every=5",
+                          "debug.nan_at_steps=[6,7,8,9,10]", "train.max_bad_steps=3")
+    events = [json.loads(line) for line in (tmp_path / "rolled" / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("step", e.get("from_step"))) for e in events
+            if e["event"] in ("first_step", "rollback")] == [("first_step", 1), ("first_step", 6), ("rollback", 10)]
+    assert result["steps"] == 12 and result["rollbacks"] == 1
+
+
+def test_a_run_whose_lease_was_lost_at_a_check_that_would_roll_back_writes_nothing_more(ray_session, tmp_path,
+                                                                                         monkeypatch):
+    """Another driver holds the run when a check finds the non-finite streak: the rollback, which cuts
+    metrics.jsonl and writes its event, came before the workers agreed on the lost lease."""
+    from raydiff.training import cadence
+    from raydiff.training.distributed import INTERRUPTS
+
+    run_local(ray_session, tmp_path, "taken", "train.total_steps=5", "train.checkpoint_every=5")
+    rows_before = (tmp_path / "taken" / "metrics.jsonl").read_text()
+    monkeypatch.setattr(cadence, "interrupt_asked",  # rank 0 (local mode: the only worker) learns it at step 10
+                        lambda flag, is_chief, notice: INTERRUPTS.index("lease_lost"))
+    images = np.random.default_rng(0).integers(0, 256, (20, 1, 8, 8), dtype=np.uint8)
+    store = ImageStore(chunks=(ray_session.put(images),), counts=(20,), shape=(1, 8, 8), source="test")
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "run.name=taken", "train.total_steps=12",
+                                "train.global_batch=8", "scaling.num_workers=1", "train.sample_every=0",
+                                "train.log_every=100", "train.checkpoint_every=5", "debug.nan_at_steps=[6,7,8,9,10]",
+                                "train.max_bad_steps=3"])
+    result = TorchTrainer(
+        train_worker,
+        train_loop_config={"args": WorkerArgs(config=cfg, images=store, run_dir=RunDir(tmp_path / "taken"),
+                                              cpus_per_worker=1, invocation="test")},
+        scaling_config=ray.train.ScalingConfig(num_workers=0),
+        run_config=ray.train.RunConfig(name="taken", storage_path=str(tmp_path)),
+    ).fit().return_value.to_dict()
+    assert result["status"] == "lease_lost" and result["steps"] == 10 and result["rollbacks"] == 0
+    events = [json.loads(line) for line in (tmp_path / "taken" / "events.jsonl").read_text().splitlines()]
+    assert "rollback" not in {e["event"] for e in events}
+    assert (tmp_path / "taken" / "metrics.jsonl").read_text() == rows_before
+
+
+def test_the_time_a_metrics_row_takes_to_write_is_not_the_next_rows_training_time(ray_session, tmp_path,
+                                                                                   monkeypatch):
+    """A row's dashboards (TensorBoard, MLflow or W&B over the network) and its EMA drift were timed in the next
+    row's window, which read low: here a second to write each row, against steps of milliseconds."""
+    from raydiff.training import cadence
+
+    real = cadence.log_row
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(cadence, "log_row", slow)  # Ray Train's local mode trains in this process
+    _, rows = run_local(ray_session, tmp_path, "slow-rows")
+    assert len(rows) == 4 and all(r["images_per_s"] > 8 / 0.5 for r in rows[1:]), [r["images_per_s"] for r in rows]
