@@ -136,6 +136,11 @@ LAUNCHER_BROKEN = {
                       "RAY_AUTH_MODE=disabled"),
     "auth off": (lambda c: c.update(worker_start_ray_commands=["ray start --address=$RAY_HEAD_IP:6379"]),
                  "worker_start_ray_commands: Ray token auth is off"),
+    "auth only on ray stop": (lambda c: c.update(worker_start_ray_commands=[
+                                  "RAY_AUTH_MODE=token ray stop", "ray start --address=$RAY_HEAD_IP:6379"]),
+                              "worker_start_ray_commands: Ray token auth is off"),
+    "token not mounted": (lambda c: c["file_mounts"].pop("~/.ray/auth_token"),
+                          "file_mounts: no ~/.ray/auth_token"),
     "too few GPU nodes": (lambda c: c["available_node_types"][GPU].update(max_workers=4),
                           "the GPU workers hold at most 4 GPUs"),
     "GPU containers not asking for the GPU": (

@@ -136,10 +136,13 @@ def _check_launcher_rules(cfg: dict[str, Any]) -> None:
                                    f"dashboard); remove it and use `ray dashboard CLUSTER.yaml` (an SSH port-forward)")
     if AUTH_DISABLED.search(json.dumps(cfg, default=str)):  # anywhere in the file, as text
         raise ClusterFileError("RAY_AUTH_MODE=disabled: raydiff clusters keep Ray's token auth on")
-    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
-        if not any("RAY_AUTH_MODE=token" in command for command in cfg[key]):
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):  # on the `ray start` itself
+        if not any("RAY_AUTH_MODE=token" in str(command) and "ray start" in str(command) for command in cfg[key]):
             raise ClusterFileError(f"{key}: Ray token auth is off; start Ray with `RAY_AUTH_MODE=token ray start ...`"
                                    f" and mount the token (file_mounts: ~/.ray/auth_token: ~/.ray/auth_token)")
+    if not any(str(target).rstrip("/").endswith(".ray/auth_token") for target in cfg.get("file_mounts") or {}):
+        raise ClusterFileError("file_mounts: no ~/.ray/auth_token: the nodes would start Ray with token auth and no "
+                               "token (mount it: file_mounts: {~/.ray/auth_token: ~/.ray/auth_token})")
     if cfg.get("docker"):
         _check_container_gpus(cfg)
     if cfg["provider"]["type"] == "gcp":
