@@ -14,11 +14,14 @@ GPU VMs that GCE will create (onHostMaintenance TERMINATE), and agreement with t
 (`# raydiff-preset: NAME`, or the annotation raydiff.dev/preset): elastic `scaling.num_workers: [min, max]` that
 the GPU workers can hold, storage that every node shares, and (launcher configs) worker nodes that may read and
 write its bucket.
-Prints `OK FILE` per good file; a bad file is one line on stderr, and the exit code is 2.
+Prints `OK FILE` per good file, and below it the placeholders the file and its preset still hold (`YOUR-BUCKET`,
+`ami-YOUR-DLAMI-ID`: the files ship with them, and launch nothing until they are replaced); a bad file is one line
+on stderr, and the exit code is 2.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -36,10 +39,36 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_file(path)
             print(f"OK {path}")
+            left = placeholders(path)
+            if left:
+                print(f"  before launching, replace: {', '.join(left)}")
         except ClusterFileError as exc:
             print(f"raydiff: error: {path}: {exc}", file=sys.stderr)
             failed = True
     return 2 if failed else 0
+
+
+PLACEHOLDER = re.compile(r"[\w.-]*YOUR-[A-Z0-9-]*[A-Z0-9]")
+PRESET_NAMED = re.compile(r"(?:raydiff-preset|raydiff\.dev/preset):\s*['\"]?([\w.-]+)")
+
+
+def placeholders(path: Path) -> list[str]:
+    """The placeholders a good file and the preset it names still hold, each with where it is."""
+    from raydiff.config import resolve_config_path
+
+    text = path.read_text()
+    found = [f"{word} ({path.name})" for word in dict.fromkeys(PLACEHOLDER.findall(_uncommented(text)))]
+    named = PRESET_NAMED.search(text)
+    if named:
+        preset = resolve_config_path(named.group(1))
+        found += [f"{word} ({named.group(1)})"
+                  for word in dict.fromkeys(PLACEHOLDER.findall(_uncommented(Path(preset).read_text())))]
+    return found
+
+
+def _uncommented(text: str) -> str:
+    """YAML without its comments (which name placeholders in their instructions)."""
+    return "\n".join(line.split(" #", 1)[0] for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
 def _entry() -> None:

@@ -28,8 +28,20 @@ def test_every_cluster_file_validates():
     result = subprocess.run([sys.executable, "-m", "raydiff.cluster_check", *CLUSTER_FILES], cwd=ROOT,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [f"OK {name}" for name in CLUSTER_FILES]
+    assert [line for line in result.stdout.splitlines() if line.startswith("OK ")] == [
+        f"OK {name}" for name in CLUSTER_FILES]
     assert result.stderr == ""
+
+
+def test_a_good_file_that_still_holds_placeholders_says_which_and_where():
+    """The shipped files pass with their placeholders in place, and launch nothing until they are replaced: "OK"
+    alone read as ready to launch."""
+    from raydiff.cluster_check import placeholders
+
+    assert placeholders(ROOT / "cluster" / "aws.yaml") == ["ami-YOUR-DLAMI-ID (aws.yaml)", "YOUR-BUCKET (cifar10-aws)"]
+    assert placeholders(ROOT / "cluster" / "gcp.yaml") == ["YOUR-PROJECT-ID (gcp.yaml)", "YOUR-BUCKET (cifar10-gcp)"]
+    assert placeholders(ROOT / "cluster" / "kuberay" / "rayjob.yaml") == ["YOUR-ORG (rayjob.yaml)"]
+    assert placeholders(ROOT / "cluster" / "kuberay" / "raycluster.yaml") == []  # its volume holds the data
 
 
 # What Ray's images (rayproject/ray:2.60.0-*) have already: ray[data,default] and its own requirements.
@@ -638,7 +650,7 @@ def test_kuberay_accepts_bucket_storage(tmp_path, monkeypatch, capsys):
     _presets_with(tmp_path, monkeypatch, "cifar10-k8s", lambda t: t["run"].update(storage="gs://YOUR-BUCKET/runs"))
     path = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: None)
     assert cli.run(main, [str(path)]) == 0
-    assert capsys.readouterr().out == f"OK {path}\n"
+    assert capsys.readouterr().out == f"OK {path}\n  before launching, replace: YOUR-BUCKET (cifar10-k8s)\n"
 
 
 # Files that are neither.
@@ -660,6 +672,7 @@ def test_good_and_bad_files_together(tmp_path, capsys):
     bad = _kuberay(tmp_path, "raycluster.yaml", lambda p, o: o["spec"].update(enableInTreeAutoscaling=False))
     assert cli.run(main, [str(ROOT / "cluster" / "gcp.yaml"), str(bad)]) == 2
     out, err = capsys.readouterr()
-    assert out == f"OK {ROOT / 'cluster' / 'gcp.yaml'}\n"
+    assert out == (f"OK {ROOT / 'cluster' / 'gcp.yaml'}\n  before launching, replace: YOUR-PROJECT-ID (gcp.yaml), "
+                   f"YOUR-BUCKET (cifar10-gcp)\n")
     assert err.count("\n") == 1 and str(bad) in err
 
