@@ -195,7 +195,7 @@ def test_a_second_ctrl_c_stops_at_once_and_frees_the_run_once_its_workers_have_e
             "--set", "train.sample_every=0", "--set", "debug.step_delay_s=0.2", "--set", "scaling.num_workers=1"]
     code, output = run_cli_acting("raydiff.train", *args, at="[raydiff] step 10/", act=press_twice)
     assert code == 128 + signal.SIGINT, output[-3000:]
-    assert "raydiff: interrupted" in output and "had not ended" not in output, output[-3000:]
+    assert "raydiff: interrupted" in output and "were not seen to end" not in output, output[-3000:]
     assert not (tmp_path / "smoke" / "summary.json").exists()  # stopped at once: no summary
     with hold(RunDir(tmp_path / "smoke"), {"pid": 1}, stale_s=4, what="run directory"):
         pass  # free

@@ -160,7 +160,8 @@ class Cadence:
         # Too many non-finite steps in a row: roll back past them once, then give up; not where another driver
         # holds the run now (a stop or preemption asked here is asked again at the next check).
         if check and live.nonfinite.longest_streak() >= t.max_bad_steps:
-            if asked is not None and self._agree_on_interrupts(asked) == "lease_lost":
+            # (agreed, not handled: a preemption notice keeps its checkpoint for a later check)
+            if asked is not None and agreed_interrupt(asked, w.device) == "lease_lost":
                 return self._lease_lost(progress, step)
             return self._roll_back_or_give_up(progress, result, lr)
 

@@ -52,16 +52,15 @@ from raydiff.training.reservations import cancel_previous_reservation, cancel_re
 from raydiff.training.resolve import resolve_run
 from raydiff.training.stop import (
     LEASE_LOST,
-    WORKERS_END_WAIT_S,
     ControllerState,
     StopFlag,
     beside_the_handlers,
     end_controller,
+    keep_lease_until_workers_end,
     stop_at_once,
     stop_on_signals,
     stop_reason,
     taken_over,
-    workers_ended,
 )
 from raydiff.training.validation import check_holdout, holdout_split
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -340,12 +339,8 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
         except (KeyboardInterrupt, RunInUse) as stopped:  # stopped at once: its controller and the autoscaler's
             # hold on its resources, too
             end_controller(stop_flag)
-            if isinstance(stopped, KeyboardInterrupt) and not workers_ended():  # (a lost lease is another's now)
-                left = lease.leave()
-                print(f"[raydiff] the run's workers had not ended {WORKERS_END_WAIT_S:g} s after the stop"
-                      + (f": its lease is left to expire (run.lease_stale_s = {requested.run.lease_stale_s:g} s) "
-                         f"so that no other run writes beside them" if left else
-                         ": they may still write to the run directory for a moment"), flush=True)
+            if isinstance(stopped, KeyboardInterrupt):  # (a lost lease is another's now)
+                keep_lease_until_workers_end(lease, requested.run.lease_stale_s)
             with contextlib.suppress(Exception):
                 cancel_requests([requester], timeout_s=5)
             raise

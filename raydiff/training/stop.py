@@ -141,6 +141,23 @@ def end_controller(flag) -> None:
             ray.kill(actor, no_restart=True)
 
 
+def keep_lease_until_workers_end(lease: Lease, stale_s: float, wait_s: float = WORKERS_END_WAIT_S) -> None:
+    """After a stop at once: the run's lease goes (at the end of `hold`) once Ray Train's workers have ended. Where
+    they are not seen to end (in `wait_s`, or the wait cut by another Ctrl-C, or the cluster not answering), the
+    lease is left rather than freed: an object store's expires in `stale_s`, so that no other run writes beside
+    workers that may still write (a local lock is the kernel's to free as the process ends)."""
+    try:
+        ended = workers_ended(wait_s)
+    except KeyboardInterrupt:  # another Ctrl-C: not waited for
+        ended = False
+    if ended:
+        return
+    left = lease.leave()
+    print(f"[raydiff] the run's workers were not seen to end (waited up to {wait_s:g} s)"
+          + (f": its lease is left to expire (run.lease_stale_s = {stale_s:g} s) so that no other run writes beside "
+             f"them" if left else ": they may still write to the run directory for a moment"), flush=True)
+
+
 def workers_ended(wait_s: float = WORKERS_END_WAIT_S) -> bool:
     """Whether this job's Ray Train workers have all ended, waiting up to `wait_s` (after `end_controller`): until
     then rank 0 may still be writing a checkpoint, and the run's lease must not go to another driver. For a job

@@ -189,3 +189,15 @@ def test_the_time_a_metrics_row_takes_to_write_is_not_the_next_rows_training_tim
     monkeypatch.setattr(cadence, "log_row", slow)  # Ray Train's local mode trains in this process
     _, rows = run_local(ray_session, tmp_path, "slow-rows")
     assert len(rows) == 4 and all(r["images_per_s"] > 8 / 0.5 for r in rows[1:]), [r["images_per_s"] for r in rows]
+
+
+def test_a_preemption_notice_at_a_check_that_rolls_back_still_gets_its_checkpoint(ray_session, tmp_path):
+    """The rollback branch agreed on the interrupts to see a lost lease, and so marked the preemption notice
+    handled: the checkpoint it calls for was never written."""
+    run_local(ray_session, tmp_path, "noticed", "train.total_steps=5", "train.checkpoint_every=5")
+    result, _ = run_local(ray_session, tmp_path, "noticed", "train.total_steps=20", "train.checkpoint_every=100",
+                          "debug.nan_at_steps=[6,7,8,9,10]", "train.max_bad_steps=3", "debug.preemption_from_step=10")
+    events = [json.loads(line) for line in (tmp_path / "noticed" / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("step", e.get("from_step"))) for e in events
+            if e["event"] in ("rollback", "preemption_checkpoint")] == [("rollback", 10), ("preemption_checkpoint", 10)]
+    assert result["steps"] == 20 and result["rollbacks"] == 1

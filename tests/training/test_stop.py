@@ -25,6 +25,7 @@ from raydiff.training.stop import (
     StopFlag,
     beside_the_handlers,
     end_controller,
+    keep_lease_until_workers_end,
     noting_tune_interrupt,
     stop_at_once,
     stop_on_signals,
@@ -287,3 +288,32 @@ def test_a_stop_at_once_lets_the_run_go_only_once_its_workers_have_ended_with_th
     end_controller(flag)
     assert workers_ended(wait_s=30)
     assert not _runs(worker_pid)  # ended: its process, not only the table's row
+
+
+@pytest.mark.parametrize("wait", ["ended", "cut by another Ctrl-C", "the cluster does not answer"])
+def test_a_lease_is_left_to_expire_where_the_workers_are_not_seen_to_end(monkeypatch, capsys, wait):
+    """A third Ctrl-C in the wait for the workers skipped the lease's `leave`: `hold` then freed it with workers that
+    may still write."""
+    from raydiff.training import stop
+
+    def running():
+        if wait == "cut by another Ctrl-C":
+            raise KeyboardInterrupt
+        if wait == "the cluster does not answer":
+            raise ConnectionError("GCS unreachable")
+        return []
+    monkeypatch.setattr(stop, "workers_running", running)
+    left = []
+
+    class ObjectLease:
+        def leave(self) -> bool:
+            left.append(True)
+            return True
+    keep_lease_until_workers_end(ObjectLease(), stale_s=60.0, wait_s=5)
+    said = capsys.readouterr().out
+    if wait == "ended":
+        assert left == [] and said == ""
+    else:
+        assert left == [True] and said == ("[raydiff] the run's workers were not seen to end (waited up to 5 s): its "
+                                           "lease is left to expire (run.lease_stale_s = 60 s) so that no other run "
+                                           "writes beside them\n")
