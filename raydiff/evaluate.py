@@ -89,6 +89,9 @@ def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str,
     """The run's config with the command line's `eval` overrides; the reference cache beside the run. Checked with
     each classifier-free `guidance` the evaluation will use (default: the run's own)."""
     cfg = Config.from_dict(state["config"])
+    # Blank texts meant none in the runs of before 2026-12-07 (refused in configs since): read them so.
+    cfg.eval.ref = cfg.eval.ref if cfg.eval.ref and cfg.eval.ref.strip() else None
+    cfg.log.wandb_project = cfg.log.wandb_project if cfg.log.wandb_project and cfg.log.wandb_project.strip() else None
     overrides = {"num": args.num, "sampler": args.sampler, "steps": args.steps, "metrics": args.metrics,
                  "ref": args.ref, "seed": args.seed, "features": args.features, "inception_weights": args.weights}
     cfg.run.storage, cfg.run.endpoint = storage, args.endpoint

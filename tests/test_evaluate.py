@@ -325,3 +325,20 @@ def test_a_result_whose_rows_cannot_be_written_leaves_neither_its_file_nor_some_
         write_result(run_dir, result)
     assert sorted(p.name for p in (tmp_path / "run" / "eval").iterdir()) == ["7-ddim-50-500.json"]
     assert (tmp_path / "run" / "eval.jsonl").read_text() == before
+
+
+def test_a_run_of_before_blank_texts_were_refused_is_evaluated_with_them_as_none(tmp_path):
+    """Runs stored `eval.ref: ''` and `log.wandb_project: ''` (none, then) until 2026-12-07: refused in configs
+    since, they made such a run unreadable to raydiff.evaluate."""
+    from types import SimpleNamespace
+
+    from raydiff.evaluate import eval_config
+    from raydiff.runs.checkpoint import read_state
+
+    checkpoint, _ = write_checkpoint(tmp_path, classes=None)
+    state = read_state(checkpoint)
+    state["config"]["eval"]["ref"], state["config"]["log"]["wandb_project"] = "", " "
+    args = SimpleNamespace(num=None, sampler=None, steps=None, metrics=None, ref=None, seed=None, features=None,
+                           weights=None, endpoint=None)
+    cfg = eval_config(state, args, str(tmp_path))
+    assert cfg.eval.ref is None and cfg.log.wandb_project is None
