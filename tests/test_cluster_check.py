@@ -426,10 +426,10 @@ KUBERAY_BROKEN = {
     "two GPUs per pod": (lambda p, o: _group(o, 0)["template"]["spec"]["containers"][0]["resources"]["limits"].update(
                              {"nvidia.com/gpu": 2}), "nvidia.com/gpu = 2 per pod"),
     "replicas not the preset's": (lambda p, o: _group(o, 0).update(maxReplicas=4),
-                                  ("minReplicas/maxReplicas = [0, 4]: must be at most 2 and 8, the preset's "
-                                   "scaling.num_workers = [2, 8] (cifar10-k8s)")),
+                                  ("minReplicas/maxReplicas = [0, 4]: minReplicas must be at most 2 and "
+                                   "maxReplicas 8, the preset's scaling.num_workers = [2, 8] (cifar10-k8s)")),
     "more pods kept than the preset's fewest": (lambda p, o: _group(o, 0).update(minReplicas=3, replicas=3),
-                                                "minReplicas/maxReplicas = [3, 8]: must be at most 2 and 8"),
+                                                "minReplicas/maxReplicas = [3, 8]: minReplicas must be at most 2"),
     "storage not in every pod": (lambda p, o: _group(o, 1)["template"]["spec"]["containers"][0].pop("volumeMounts"),
                                  ("run.storage = '/mnt/raydiff/runs' is not on a ReadWriteMany volume in every Ray "
                                   "pod (missing in cpu-workers)")),

@@ -439,6 +439,9 @@ def test_an_ema_still_close_to_its_start_at_asha_s_first_comparison_is_warned_of
     ({"budget_images": 0}, "--budget-images 0: must be at least 16 (one step of every batch size)"),
     # '' (an unset shell variable) was taken for the default name: it would continue the default sweep.
     ({"name": ""}, "--name '': use letters, digits, '.', '_' and '-' (it names a folder)"),
+    # A base LR finite at the base batch and not at a trial's: the trial trained on an infinite learning rate.
+    ({"lr": "1e308", "batch": "64"}, "trial linear-b64-lr1e308: train.lr = inf: train.base_lr = 1e+308 scaled to "
+                                     "train.global_batch = 64 is no finite number"),
     # The config's budget too small: it named --budget-images, which was not given.
     ({"batch": "100000"}, "the budget of train.total_steps x train.global_batch = 320 images (--budget-images "
                           "unset): must be at least 100000 (one step of every batch size)"),
@@ -501,7 +504,9 @@ def test_a_best_at_an_end_of_the_lr_range_withholds_the_verdict_and_a_nan_is_nev
     summary = write_outputs(rows, cfg, plan_sweep(args, cfg), tmp_path / "s")
     assert summary["best"]["base_lr"] == 1e-3 and summary["rules"]["linear"]["spread_decades"] is None
     assert "linear-b16-lr0.001, val_loss 0.04" in (tmp_path / "s" / "best.yaml").read_text().splitlines()[0]
-    json.loads((tmp_path / "s" / "summary.json").read_text())  # strict JSON: no NaN in it
+    def refused(constant: str) -> None:
+        raise AssertionError(f"{constant} in summary.json")
+    json.loads((tmp_path / "s" / "summary.json").read_text(), parse_constant=refused)  # strict JSON: no NaN in it
 
 
 def test_close_learning_rates_name_trials_apart(tmp_path):

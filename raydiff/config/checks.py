@@ -230,8 +230,11 @@ RULES: tuple[Rule, ...] = (
     Rule("train.base_batch", lambda c: c.train.base_batch >= 1, "must be >= 1"),
     Rule("train.lr_scaling_knee", lambda c: c.train.lr_scaling_knee >= 1, "must be >= 1"),
     Rule("train.base_lr", lambda c: c.train.lr is not None or _scales_to_a_number(c.train),
-         lambda c: f"scaled to train.global_batch = {c.train.global_batch} (train.lr_scaling = "
+         lambda c: f"scaled to train.global_batch = {shown(c.train.global_batch)} (train.lr_scaling = "
                    f"{c.train.lr_scaling}) it is no finite number"),
+    Rule("train.lr", lambda c: c.train.lr is None or math.isfinite(c.train.lr),  # as scaled (a sweep's trial)
+         lambda c: f"train.base_lr = {c.train.base_lr:g} scaled to train.global_batch = {shown(c.train.global_batch)} "
+                   f"is no finite number"),
     Rule("train.val_every", lambda c: c.train.val_every >= 0, "must be >= 0 (0 = only at the end)"),
     Rule("train.val_every", lambda c: c.train.val_every == 0 or c.data.val_images > 0,
          "needs held-out images to measure on (data.val_images = 0): set data.val_images, or train.val_every = 0"),

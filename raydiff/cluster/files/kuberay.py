@@ -336,9 +336,9 @@ def _check_kuberay_preset(where: str, spec: dict[str, Any], name: str, preset: C
     # Ray Train asks), maxReplicas is its most (more would never be used, fewer never reached).
     replicas, (fewest, most) = [gpu_group["minReplicas"], gpu_group["maxReplicas"]], worker_range(preset)
     if replicas[0] > fewest or replicas[1] != most:
-        raise ClusterFileError(f"{group_where} ({gpu_group['groupName']}): minReplicas/maxReplicas = {replicas}: must "
-                               f"be at most {fewest} and {most}, the preset's scaling.num_workers = {[fewest, most]} "
-                               f"({name})")
+        raise ClusterFileError(f"{group_where} ({gpu_group['groupName']}): minReplicas/maxReplicas = {replicas}: "
+                               f"minReplicas must be at most {fewest} and maxReplicas {most}, the preset's "
+                               f"scaling.num_workers = {[fewest, most]} ({name})")
     rwx_claims = _rwx_claims(claims)
     pods = {"head": _rwx_mounts(head["template"], rwx_claims),
             **{g["groupName"]: _rwx_mounts(g["template"], rwx_claims) for g in groups}}
