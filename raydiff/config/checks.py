@@ -279,6 +279,8 @@ RULES: tuple[Rule, ...] = (
          "must be >= 1"),
     Rule("scaling.cpus_per_worker", lambda c: c.scaling.cpus_per_worker is None or c.scaling.cpus_per_worker > 0,
          "must be > 0 or null"),
+    Rule("scaling.cpus_per_worker", lambda c: c.scaling.cpus_per_worker is None or c.scaling.cpus_per_worker >= 1e-4,
+         "must be at least 0.0001 (Ray counts CPUs in 1/10,000ths), or null"),
     Rule("scaling.resize_check_s", lambda c: 0 < c.scaling.resize_check_s <= LONGEST_S,
          f"must be > 0 seconds, {AT_MOST_LONGEST}"),
     Rule("scaling.node_wait_s", lambda c: 0 < c.scaling.node_wait_s <= LONGEST_S,

@@ -32,6 +32,9 @@ from raydiff.config.checks import parse_sigma_rels
     ("train.val_every=5", "train.val_every = 5: needs held-out images to measure on (data.val_images = 0): set "
                           "data.val_images, or train.val_every = 0"),
     ("scaling.node_wait_s=1e9", "scaling.node_wait_s = 1000000000.0: must be > 0 seconds, and at most 100,000,000"),
+    # Ray refuses a resource finer than its 1/10,000th, when the run has started.
+    ("scaling.cpus_per_worker=1e-8", "scaling.cpus_per_worker = 1e-08: must be at least 0.0001 (Ray counts CPUs in "
+                                     "1/10,000ths), or null"),
     ("train.global_batch=1", "train.global_batch = 1: must be at least the number of workers (2)"),
     ("data.source=/no/such/folder", "data.source = '/no/such/folder': no such file or folder"),
     ("data.source=builtin:mnist", "builtin sources: builtin:digits"),
