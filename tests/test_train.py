@@ -354,3 +354,19 @@ def test_a_256_preset_trains_with_activation_checkpointing_and_samples_in_chunks
     grid = Image.open(tmp_path / "hq" / "samples" / "step_00000002.png")
     assert min(grid.size) >= 256  # three 256x256 images, generated in passes of two
     assert json.loads((tmp_path / "hq" / "summary.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.ray
+def test_a_start_over_refused_after_the_data_is_read_leaves_the_old_run_where_it_was(smoke_run, tmp_path):
+    """run.resume=false moved the old run aside as the command began: a refusal found once the data was read (here
+    fewer classes than the data has) then left the folder empty, and the same command without resume=false trained
+    from scratch where the run had been."""
+    import shutil
+
+    shutil.copytree(smoke_run[0], tmp_path / "smoke")
+    proc = run_cli("raydiff.train", "--config", "smoke", "--set", f"run.storage={tmp_path}", "--set",
+                   "run.resume=false", "--set", "data.labels=auto", "--set", "model.num_classes=3")
+    assert proc.returncode == 2 and "model.num_classes = 3: smaller than the 10 classes" in proc.stderr, (
+        proc.stderr[-3000:])
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["smoke"]
+    assert list_checkpoints(tmp_path / "smoke")  # still there, where the same command continues it

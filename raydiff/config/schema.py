@@ -323,8 +323,8 @@ class RunSection:
     keep_checkpoints: int = 3
     """How many of the newest checkpoints to keep."""
     resume: bool = True
-    """Continue an existing run of this name; false moves it aside (to `<name>.replaced-<time>`, nothing deleted)
-    and starts over."""
+    """Continue an existing run of this name; false moves it aside (to `<name>.replaced-<UTC time>`, nothing
+    deleted; once the data is read and nothing can refuse the new run) and starts over."""
     lease_stale_s: float = 60.0
     """`s3://` or `gs://` storage: seconds after which a run's lease that was not renewed is taken to belong to a
     driver that is gone, and is taken over; a driver that has had no renewal confirmed for half of it stops (see

@@ -177,7 +177,12 @@ def layout_changes(data, layout: dict[str, Any]) -> list[str]:
 
 
 def move_aside(run_dir: RunDir) -> str:
-    """Move a run directory aside (run.resume=false; nothing is deleted); returns a note saying where."""
-    moved = run_dir.parent / f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    """Move a run directory aside (run.resume=false; nothing is deleted); returns a note saying where. The name is
+    a new one (a second move within the same second, once merged into the first on an object store)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    moved, n = run_dir.parent / f"{run_dir.name}.replaced-{stamp}", 1
+    while moved.exists():
+        n += 1
+        moved = run_dir.parent / f"{run_dir.name}.replaced-{stamp}-{n}"
     run_dir.move_to(moved)
     return f"run.resume=false: moved the previous run to {moved}"

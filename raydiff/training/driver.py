@@ -188,8 +188,8 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
     with interrupt_on_signals() as stage, hold(run_dir, driver, stale_s=cfg.run.lease_stale_s,
                                                what="run directory") as lease:
         plan = plan_run(cfg, run_dir, identity)  # again: another driver may have run in between
-        notes = [*plan.notes, move_aside(run_dir)] if plan.replace else list(plan.notes)
-        removed = remove_partial_writes(run_dir)
+        notes = list(plan.notes)
+        removed = [] if plan.replace else remove_partial_writes(run_dir)  # (a run moved aside keeps its own)
         if removed:
             notes.append(f"removed {len(removed)} incomplete checkpoint(s) or file(s) that interrupted writes left: "
                          f"{', '.join(removed)}")
@@ -272,7 +272,11 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     args = WorkerArgs(config=resolved, images=images, run_dir=run_dir, cpus_per_worker=cpus_per_worker,
                       invocation=invocation, stop_flag=stop_flag, init_weights=init_ref, quality=quality,
                       classes=classes)
-    dropped = drop_unusable_ray_checkpoint_list(run_dir)  # once nothing can refuse the run any more
+    # Once nothing can refuse the run any more: the run it replaces moved aside (a refusal before this leaves it
+    # where it was), Ray Train's checkpoint list dropped where Ray would refuse it.
+    if plan.replace:
+        print(f"[raydiff] {move_aside(run_dir)}")
+    dropped = drop_unusable_ray_checkpoint_list(run_dir)
     if dropped:
         print(f"[raydiff] {dropped}")
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem

@@ -163,3 +163,19 @@ def test_the_records_of_a_run_without_checkpoints_are_neither_read_nor_refused(t
     run.write_text("config.yaml", "")
     run.write_text("data.json", "{cut")
     assert plan_run(load_config("smoke", ["train.seed=1"]), run, DATA).action == "start"
+
+
+def test_a_run_moved_aside_twice_in_one_second_keeps_both(tmp_path, monkeypatch):
+    """Named by the second alone, a second move failed (local) or merged into the first on an object store,
+    overwriting its files."""
+    from raydiff.runs import run_plan
+    from raydiff.runs.run_plan import move_aside
+
+    monkeypatch.setattr(run_plan.time, "strftime", lambda *args: "20261207-120000")  # one second for both
+
+    for content in ("first", "second"):
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "config.yaml").write_text(content)
+        move_aside(RunDir(tmp_path / "run"))
+    moved = sorted(p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-"))
+    assert len(moved) == 2 and {(p / "config.yaml").read_text() for p in moved} == {"first", "second"}
