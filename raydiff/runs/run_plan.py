@@ -79,7 +79,14 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
         return RunPlan("start", 0, replace=True)
 
     checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:  # nothing to continue: the records of an earlier start are not read, nor checked
+    if not checkpoints:  # nothing to continue: the records of an earlier start are not read, nor checked,
+        summary = _read_record(cfg, run_dir, "summary.json") or {}
+        if summary.get("status") == "finished" and summary.get("steps"):  # unless they are a finished run's
+            raise ConfigError(
+                f"run.name = {cfg.run.name!r}: {run_dir} holds a run that finished {summary['steps']} steps and "
+                f"whose checkpoints are gone: starting over there would overwrite its records. Use --set "
+                f"run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run is "
+                f"moved aside, not deleted)")
         return RunPlan("start", 0)
     notes: list[str] = []
     previous = _read_record(cfg, run_dir, "config.yaml", sections=True)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from raydiff.config import Config, ConfigError, load_config
-from raydiff.runs.run_plan import identity_changes, other_changes, plan_run
+from raydiff.runs.run_plan import RunPlan, identity_changes, other_changes, plan_run
 from raydiff.storage.rundir import RunDir
 
 DATA = {"fingerprint": "f", "num_files": 1}
@@ -179,3 +179,20 @@ def test_a_run_moved_aside_twice_in_one_second_keeps_both(tmp_path, monkeypatch)
         move_aside(RunDir(tmp_path / "run"))
     moved = sorted(p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-"))
     assert len(moved) == 2 and {(p / "config.yaml").read_text() for p in moved} == {"first", "second"}
+
+
+def test_a_finished_run_whose_checkpoints_are_gone_is_refused_not_started_over_on_its_records(tmp_path):
+    """Checkpoints pruned to save space: a re-run started in place, emptied metrics.jsonl and overwrote the
+    config, data and summary records (and logged into the old dashboards' run). A run that ended before its first
+    checkpoint (no finished summary) starts over as before."""
+    run = write_run(tmp_path / "run", load_config("smoke"), steps=())
+    run.write_text("summary.json", json.dumps({"status": "finished", "steps": 20}))
+    with pytest.raises(ConfigError) as refused:
+        plan_run(load_config("smoke"), run, DATA)
+    assert str(refused.value) == (
+        f"run.name = 'smoke': {run} holds a run that finished 20 steps and whose checkpoints are gone: starting over "
+        f"there would overwrite its records. Use --set run.name=NEW for a new run, or --set run.resume=false to start "
+        f"this one over (the old run is moved aside, not deleted)")
+    assert plan_run(load_config("smoke", ["run.resume=false"]), run, DATA).replace
+    run.write_text("summary.json", json.dumps({"status": "failed", "steps": 3}))
+    assert plan_run(load_config("smoke"), run, DATA) == RunPlan("start", 0)
