@@ -115,9 +115,16 @@ class RunDir:
     def _names(self, kind: pafs.FileType, pattern_prefix: str) -> list[str]:
         if not self.exists():
             return []
-        entries = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        names = [PurePosixPath(e.path).name for e in entries if e.type == kind]
-        return [name for name in names if name.startswith(pattern_prefix)]
+        gcs_folders = kind == pafs.FileType.Directory and self.uri.startswith(("gs://", "gcs://"))
+        # pyarrow lists a GCS folder only where an object marks it, and an upload (a checkpoint's state.pt) leaves
+        # none: there the folders are those the objects below are in.
+        entries = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True, recursive=gcs_folders))
+        if gcs_folders:
+            names = [PurePosixPath(e.path).relative_to(self.path).parts[0] for e in entries
+                     if len(PurePosixPath(e.path).relative_to(self.path).parts) > 1 or e.type == kind]
+        else:
+            names = [PurePosixPath(e.path).name for e in entries if e.type == kind]
+        return [name for name in dict.fromkeys(names) if name.startswith(pattern_prefix)]
 
     def subdirs(self, pattern_prefix: str = "") -> list[RunDir]:
         """Immediate sub-folders whose names start with `pattern_prefix`."""

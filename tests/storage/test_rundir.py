@@ -135,3 +135,27 @@ def test_s3_storage_train_kill_resume_is_identical(s3_server, ray_session, tmp_p
                     "--steps", "5", "--out", str(tmp_path / "local.png"))
     assert sampled.returncode == local.returncode == 0, sampled.stderr + local.stderr
     assert np.array_equal(np.asarray(Image.open(tmp_path / "s3.png")), np.asarray(Image.open(tmp_path / "local.png")))
+
+
+def test_checkpoints_on_gcs_are_listed_though_no_object_marks_their_folders(gcs_server, monkeypatch, tmp_path):
+    """An upload leaves no folder marker on GCS, and pyarrow lists a GCS folder only where one marks it: a run's
+    checkpoints there were written and never listed (no fallback to an older one; a changed config not refused;
+    sample, evaluate and export found none)."""
+    from raydiff.runs.checkpoint import CheckpointWriter, list_checkpoints, read_state
+    from raydiff.storage import fs as storage_fs
+    from raydiff.storage import rundir
+    from raydiff.storage.rundir import RunDir
+
+    endpoint, fs = gcs_server
+    monkeypatch.setattr(rundir, "filesystem_for",  # the emulator takes no credentials
+                        lambda uri, endpoint=None: storage_fs.filesystem_for(uri, endpoint=endpoint, anonymous=True))
+    run = RunDir("gs://raydiff-gcs/runs/listed", endpoint=endpoint)
+    writer = CheckpointWriter(run)
+    for step in (10, 20):
+        writer.start(f"checkpoint_{step:08d}", {"step": torch.tensor(step)})
+        assert writer.outcome(wait=True) == (f"checkpoint_{step:08d}", None)
+    writer.close()
+    run.write_text("metrics.jsonl", "{}\n")
+    assert [c.name for c in list_checkpoints(run)] == ["checkpoint_00000010", "checkpoint_00000020"]
+    assert int(read_state(list_checkpoints(run)[-1])["step"]) == 20
+    assert run.files() == ["metrics.jsonl"]
