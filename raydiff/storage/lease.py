@@ -12,9 +12,10 @@ pid, Ray job, since) for the one-line refusal:
 - S3 and GCS: the object is created only if absent (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`), renewed
   every quarter of `stale_s` by an overwrite conditional on the version the holder wrote, and deleted on release.
   A lease that is not renewed belongs to a holder that is gone: a claimant that has watched it unchanged for
-  `stale_s` since its last renewal (by the store's clock on S3; on GCS, whose answers carry no time, by this
-  machine's), and for at least half of `stale_s` itself, takes it
-  over with an overwrite conditional on the version it watched, so that of two claimants only one wins. A holder
+  `stale_s` (its own, or the holder's where that is longer: the lease says it) since its last renewal (by the
+  store's clock on S3; on GCS, whose answers carry no time, by this machine's), and for at least half of
+  `stale_s` itself, takes it over with an overwrite conditional on the version it watched, so that of two
+  claimants only one wins. A holder
   whose renewal fails that condition reads the object back: a body with its own lease id is its own write, whose
   answer was lost; another's means it has lost the lease, and is told (`on_lost`, at once where it was lost
   before the holder asked to be told): it must write nothing more there. A network error is not a loss by
@@ -51,6 +52,11 @@ POLL_S = 0.5  # how often a claimant looks at a lease it waits for
 CLIENT_MODULES = ("botocore", "boto3", "google", "urllib3", "requests", "s3transfer")
 TAKE_ATTEMPTS = 5  # a claimant's requests to an object store that fail in a row before the error is the command's
 logger = logging.getLogger("raydiff")
+
+
+def _number(value: Any) -> float:
+    """A lease body's number, or 0 where it holds none (a lease of before stale_s was written into it)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def lease_of(folder: RunDir) -> RunDir:
@@ -260,7 +266,8 @@ class _ObjectLease:
     def _body(self, holder: dict[str, Any]) -> bytes:
         # A new body at every renewal: a watcher sees the version change (an S3 ETag is the body's MD5).
         self._renewals += 1
-        return json.dumps({"holder": holder, "renewal": self._renewals, "lease": self.id}).encode()
+        return json.dumps({"holder": holder, "renewal": self._renewals, "lease": self.id,
+                           "stale_s": self.stale_s}).encode()
 
     def _mine(self, found: tuple[dict[str, Any], str, float]) -> bool:
         """Whether the lease object read back (`found`: body, version, age) is a write of this holder's: another
@@ -290,14 +297,16 @@ class _ObjectLease:
             # watched since (ours), not its age now, which counts the time watched twice.
             _, since, age_when_seen_s = self.watched
             watched_s = now - since
-            if watched_s < max(self.stale_s - age_when_seen_s, self.stale_s / 2):
+            # The holder renews at a quarter of its own stale_s, which may be longer than this claimant's.
+            stale_s = max(self.stale_s, _number(body.get("stale_s")))
+            if watched_s < max(stale_s - age_when_seen_s, stale_s / 2):
                 return "watching", other
             sent = time.monotonic()
             version, _ = self._replace(self._body(holder), seen)
             if version is None:
                 return "watching", other  # another claimant took it over first
             logger.warning(f"[raydiff] took over the lease of {describe(other)}: not renewed for "
-                           f"{max(age_s, age_when_seen_s + watched_s):.0f} s (run.lease_stale_s = {self.stale_s:g})")
+                           f"{max(age_s, age_when_seen_s + watched_s):.0f} s (run.lease_stale_s = {stale_s:g})")
             self.version, self.confirmed = version, sent
             return self._held(holder, other if isinstance(other, dict) else None)
         self.version, self.confirmed = version, sent

@@ -354,6 +354,18 @@ def test_a_lease_left_by_a_holder_whose_workers_may_still_write_expires_rather_t
         pass
 
 
+def test_a_claimant_with_a_shorter_stale_time_waits_for_the_holders_own(fake_store):
+    """The holder renews at a quarter of its own run.lease_stale_s: a claimant that judged it by its own shorter one
+    took a live lease over (60 s against 4 s), and both drivers wrote to the run."""
+    clock, store = fake_store
+    run_dir = RunDir("s3://bucket/runs/smoke")
+    holder = take(run_dir, {"name": "a"}, stale_s=60, what="run directory")  # renewed at 0 s, then silent
+    claimant = take(run_dir, {"name": "b"}, stale_s=4, what="run directory", wait=True)
+    assert 60 <= clock.now <= 61 and store.body["holder"] == {"name": "b"}  # not at 4 s
+    claimant.release()
+    holder.release()
+
+
 class _RealClock:
     @property
     def now(self) -> float:
