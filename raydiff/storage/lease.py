@@ -202,7 +202,15 @@ class _LocalLock:
         self.fd: int | None = None
 
     def take(self, holder: dict[str, Any]) -> tuple[str, Any]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = self.path.parent
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            # As writable as the storage folder it is in (on storage shared by a team, 1777 or group-writable):
+            # made with this user's umask alone, every other user's runs there were refused their leases.
+            shared = folder.parent.stat().st_mode & 0o7777
+            if shared & 0o022:
+                with contextlib.suppress(OSError):
+                    os.chmod(folder, shared | (0o1000 if shared & 0o002 else 0))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

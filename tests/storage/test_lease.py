@@ -526,3 +526,20 @@ def test_a_live_run_is_neither_moved_nor_joined(cluster, tmp_path):
     assert live.returncode == 128 + signal.SIGTERM, output[-3000:]
     summary = json.loads((tmp_path / "live" / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["steps"] > 10 and summary["restarts"] == 0
+
+
+def test_the_leases_folder_on_shared_storage_is_as_writable_as_the_storage(tmp_path):
+    """Made with its first user's umask (0755), the `.raydiff-leases` folder of a team's shared runs folder refused
+    every other user's lease there, though the storage let them write."""
+    import stat
+
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    shared.mkdir()
+    private.mkdir()
+    shared.chmod(0o1777)
+    private.chmod(0o755)
+    for storage in (shared, private):
+        with hold(RunDir(storage / "run"), this_process(), stale_s=4, what="run directory"):
+            pass
+    assert stat.S_IMODE((shared / ".raydiff-leases").stat().st_mode) == 0o1777
+    assert stat.S_IMODE((private / ".raydiff-leases").stat().st_mode) & 0o022 == 0  # as the umask makes it
