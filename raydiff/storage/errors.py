@@ -36,6 +36,10 @@ PERMANENT_MESSAGES = (
     ("SignatureDoesNotMatch", "the credentials were refused"),
     ("SIGNATURE_DOES_NOT_MATCH", "the credentials were refused"),
     ("UNAUTHENTICATED", "the credentials were refused"),
+    # Temporary credentials that ran out, and a bucket switched off: a restart meets them again.
+    ("ExpiredToken", "the credentials were refused"), ("EXPIRED_TOKEN", "the credentials were refused"),
+    ("The provided token has expired", "the credentials were refused"),
+    ("InvalidToken", "the credentials were refused"), ("AllAccessDisabled", "access denied"),
 )
 # Text in pyarrow's S3 / GCS errors that a retry can fix (as Ray Data's `retried_io_errors`): a server's 5xx or
 # throttling, a dropped connection, a timeout. Met by raydiff, such an error outlasted the filesystem's retries.

@@ -80,7 +80,8 @@ def filesystem_for(uri: str, *, endpoint: str | None = None, anonymous: bool = F
                 pass
         return RetryingS3FileSystem(**options), uri[5:].rstrip("/")
     if uri.startswith(("gs://", "gcs://")):
-        options = {"anonymous": anonymous, "retry_time_limit": GCS_RETRY_LIMIT}
+        # https unless an endpoint says otherwise: pyarrow's anonymous client defaults to plain http.
+        options = {"anonymous": anonymous, "retry_time_limit": GCS_RETRY_LIMIT, "scheme": "https"}
         if endpoint:
             scheme, _, host = endpoint.rpartition("://")
             options.update(endpoint_override=host or endpoint, scheme=scheme or "https")

@@ -82,6 +82,8 @@ class RunDir:
 
     @property
     def parent(self) -> RunDir:
+        if not self.remote:  # (`/runs`' is `/`, not the current folder)
+            return RunDir(str(Path(self.uri).parent), endpoint=self.endpoint)
         return RunDir(self.uri.rsplit("/", 1)[0], endpoint=self.endpoint)
 
     @property

@@ -21,6 +21,11 @@ from raydiff.storage.errors import StorageFailure, elsewhere, output_errors, per
     (OSError("When reading information for key 'r' in bucket 'b': AWS Error ACCESS_DENIED during HeadObject "
              "operation: No response body."), "access denied"),
     (OSError("AWS Error INVALID_ACCESS_KEY_ID during PutObject operation"), "the credentials were refused"),
+    # Temporary credentials that ran out: every restart met them again, up to run.max_failures.
+    (OSError("AWS Error UNKNOWN (HTTP status 400) during PutObject operation: ExpiredToken: The provided token has "
+             "expired."), "the credentials were refused"),
+    (OSError("AWS Error UNKNOWN during GetObject operation: AllAccessDisabled: All access to this object has been "
+             "disabled"), "access denied"),
     (RuntimeError("Training failed ... OSError: [Errno 28] No space left on device"), "no space left on device"),
 ])
 def test_storage_errors_no_retry_can_fix(error, reason):

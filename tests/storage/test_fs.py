@@ -26,6 +26,9 @@ def test_buckets_get_their_own_filesystem_and_an_endpoint_override():
     assert isinstance(fs, pafs.S3FileSystem) and path == "bucket/runs/a"
     fs, path = filesystem_for("gs://bucket/data", endpoint="http://127.0.0.1:4443", anonymous=True)
     assert isinstance(fs, pafs.GcsFileSystem) and path == "bucket/data"
+    assert fs.__reduce__()[1][0]["scheme"] == "http"  # as the endpoint says
+    # Anonymous reads of a public bucket: over https (pyarrow's anonymous client defaulted to plain http).
+    assert filesystem_for("gs://bucket/data", anonymous=True)[0].__reduce__()[1][0]["scheme"] == "https"
     assert is_remote("s3://bucket") and is_remote("gs://bucket") and scheme_of("s3://bucket/x") == "s3://"
     assert join_uri("s3://bucket/runs/", "a", "b.json") == "s3://bucket/runs/a/b.json"
 

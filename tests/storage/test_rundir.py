@@ -159,3 +159,11 @@ def test_checkpoints_on_gcs_are_listed_though_no_object_marks_their_folders(gcs_
     assert [c.name for c in list_checkpoints(run)] == ["checkpoint_00000010", "checkpoint_00000020"]
     assert int(read_state(list_checkpoints(run)[-1])["step"]) == 20
     assert run.files() == ["metrics.jsonl"]
+
+
+def test_a_run_folder_just_below_the_root_has_the_root_as_its_parent():
+    """`/runs` had the current folder as its parent: its lease lived there, and two drivers started from two
+    folders both held one."""
+    from raydiff.storage.rundir import RunDir
+
+    assert RunDir("/runs").parent == RunDir("/") and RunDir("/srv/runs/a").parent == RunDir("/srv/runs")
