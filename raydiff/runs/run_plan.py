@@ -11,6 +11,7 @@ over. The caller holds the run directory's lease (`raydiff.storage.lease`) while
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, replace
@@ -96,6 +97,8 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
         changes.append(f"the files of data.source ({previous_data.get('num_files')} files, now {data['num_files']}, "
                        f"or their names or sizes)")
     layout = (previous_data or {}).get("layout")
+    if layout is not None and _layout_problem(layout):
+        raise _damaged(cfg, run_dir, DATA_FILE, str(_layout_problem(layout)))
     if layout and not changes:
         changes += layout_changes(cfg.data, layout)
     if changes:
@@ -138,13 +141,30 @@ def _read_record(cfg: Config, run_dir: RunDir, name: str, *, sections: bool = Fa
         problem = _shape_problem(value, sections=sections, keys=keys)
         if problem is None:
             return value
+    raise _damaged(cfg, run_dir, name, problem)
+
+
+def _damaged(cfg: Config, run_dir: RunDir, name: str, problem: str) -> ConfigError:
+    """The one line of a record of the run (`name`) that is not what raydiff wrote, with the ways out."""
     # summary.json is only read to know whether the run finished; the others hold what a continuing run is checked
     # against (without them the check is skipped, so removing them is no advice).
     fix = "remove it to continue the run (it is written again when the run ends)" if name == "summary.json" else \
         "fix it to continue the run"
-    raise ConfigError(f"run.name = {cfg.run.name!r}: {run_dir / name} is damaged: {problem}; {fix}, or use --set "
-                      f"run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
-                      f"is moved aside, not deleted)")
+    return ConfigError(f"run.name = {cfg.run.name!r}: {run_dir / name} is damaged: {problem}; {fix}, or use --set "
+                       f"run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
+                       f"is moved aside, not deleted)")
+
+
+def _layout_problem(layout: Any) -> str | None:
+    """What in data.json's `layout` is not what raydiff writes (a hand edit gone wrong), as far as a continuing run
+    reads it; None where it is fine."""
+    if not isinstance(layout, dict) or layout.get("cache") not in ("memory", "stream"):
+        return f"its layout is {json.dumps(layout)}, not {{\"cache\": \"memory\"}} or a stream's"
+    windows = layout.get("window_shards")
+    if layout["cache"] == "stream" and not (isinstance(windows, int) and not isinstance(windows, bool)
+                                             and windows >= 1):
+        return f"its stream layout's window_shards is {json.dumps(windows)}, not a number of shards"
+    return None
 
 
 def _shape_problem(value: Any, *, sections: bool, keys: tuple[str, ...]) -> str | None:

@@ -196,3 +196,21 @@ def test_a_finished_run_whose_checkpoints_are_gone_is_refused_not_started_over_o
     assert plan_run(load_config("smoke", ["run.resume=false"]), run, DATA).replace
     run.write_text("summary.json", json.dumps({"status": "failed", "steps": 3}))
     assert plan_run(load_config("smoke"), run, DATA) == RunPlan("start", 0)
+
+
+@pytest.mark.parametrize(("layout", "problem"), [
+    ("memory", 'its layout is "memory", not {"cache": "memory"} or a stream\'s'),
+    ({"cache": "stream"}, "its stream layout's window_shards is null, not a number of shards"),
+    ({"cache": "disk"}, 'its layout is {"cache": "disk"}, not {"cache": "memory"} or a stream\'s'),
+])
+def test_a_hand_edited_data_layout_is_refused_in_one_line_naming_the_file(tmp_path, layout, problem):
+    """The docs promise one line for a record that is not what raydiff wrote: data.json's layout gave a
+    KeyError or TypeError traceback."""
+    run = write_run(tmp_path / "run", load_config("smoke"), steps=(10,))
+    run.write_text("data.json", json.dumps({**DATA, "layout": layout}))
+    with pytest.raises(ConfigError) as refused:
+        plan_run(load_config("smoke"), run, DATA)
+    assert str(refused.value).startswith(f"run.name = 'smoke': {run / 'data.json'} is damaged: {problem}; fix it to "
+                                         f"continue the run, or use --set run.name=NEW")
+    run.write_text("data.json", json.dumps({**DATA, "layout": {"cache": "stream", "window_shards": 8}}))
+    assert plan_run(load_config("smoke", ["data.cache=auto"]), run, DATA).action == "continue"
