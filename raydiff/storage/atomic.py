@@ -92,7 +92,7 @@ def hidden_folder(path: Path, separator: str) -> Path:
             old = time.time() - stale.stat().st_mtime > STALE_SCRATCH_S
         except OSError:  # removed meanwhile
             continue
-        if mine and old and not _running(int(mine.group(1))):
+        if mine and old and not process_runs(int(mine.group(1))):
             shutil.rmtree(stale, ignore_errors=True)
     for _ in range(100):
         folder = path.with_name(f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -188,19 +188,25 @@ def scratch_folder(kind: str) -> Path:
             old = time.time() - stale.stat().st_mtime > STALE_SCRATCH_S
         except OSError:  # removed meanwhile
             continue
-        if pid.isdigit() and old and not _running(int(pid)):
+        if pid.isdigit() and old and not process_runs(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"raydiff-{kind}-{os.getpid()}-"))
 
 
-def _running(pid: int) -> bool:
+def process_runs(pid: int) -> bool:
+    """Whether the process `pid` of this machine runs (a zombie, ended but not yet reaped, does not)."""
+    if pid <= 0:  # no process (0 and -1 would signal a whole process group)
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): it answered the signal
+        return True
 
 
 def whole_lines(text: str) -> list[str]:

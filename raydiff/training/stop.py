@@ -24,12 +24,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from raydiff.storage.atomic import process_runs
 from raydiff.storage.lease import Lease
 from raydiff.training.interrupts import SAME_SIGTERM_S, in_main_thread, raise_interrupted, signal_handlers
 
@@ -185,26 +185,10 @@ def workers_running() -> list[int]:
     def running(actor: dict[str, Any]) -> bool:
         if actor["State"] != "DEAD":
             return True
-        return actor["Address"]["NodeID"] == here and now_ms - actor["EndTime"] < 60_000 and _runs(actor["Pid"])
+        return actor["Address"]["NodeID"] == here and now_ms - actor["EndTime"] < 60_000 and process_runs(actor["Pid"])
 
     return [actor["Pid"] for actor in gcs_state.actor_table(None, job_id=job).values()
             if actor["ActorClassName"].rsplit(".", 1)[-1] == RAY_TRAIN_WORKER and running(actor)]
-
-
-def _runs(pid: int) -> bool:
-    """Whether the process `pid` of this machine runs (a zombie, ended but not yet reaped, does not)."""
-    if pid <= 0:  # an actor never placed
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no /proc (macOS): it answered the signal
-        return True
 
 
 def stop_reason(flag) -> str | None:
