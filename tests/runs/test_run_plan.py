@@ -133,13 +133,15 @@ def test_keys_added_since_an_old_run_count_as_their_defaults():
     ("config.yaml", "", "it holds nothing"),
     ("config.yaml", "- model\n", "it holds a list, not a mapping of keys to values"),
     ("config.yaml", "model: 16\n", "expected sections of key: value pairs (data:, model:, train:, ...)"),
+    ("config.yaml", "train: {lr_decay_steps: x}\n", "train.lr_decay_steps = 'x': expected integer"),
     ("data.json", '{"fingerprint": "f", "num', "not valid JSON (Unterminated string starting at: line 1 column 22 "
                                                "(char 21))"),
     ("data.json", '{"num_files": 1}', "no 'fingerprint' in it"),
     ("summary.json", '{"status": "fin', "not valid JSON (Unterminated string starting at: line 1 column 12 "
                                         "(char 11))"),
     ("summary.json", "", "not valid JSON (Expecting value: line 1 column 1 (char 0))"),
-], ids=["config cut short", "config empty", "config a list", "config of no sections", "data cut short",
+], ids=["config cut short", "config empty", "config a list", "config of no sections", "config value of a wrong type",
+        "data cut short",
         "data without its fingerprint", "summary cut short", "summary empty"])
 def test_a_damaged_record_of_the_run_is_refused_in_one_line_naming_it(tmp_path, name, text, problem):
     """A re-run met the YAML or JSON parser's traceback; an empty config.yaml silently skipped the check that the
@@ -155,6 +157,20 @@ def test_a_damaged_record_of_the_run_is_refused_in_one_line_naming_it(tmp_path, 
         f"run.name = 'smoke': {run / name} is damaged: {problem}; {fix}, or use --set run.name=NEW for a new run, or "
         f"--set run.resume=false to start this one over (the old run is moved aside, not deleted)")
     assert plan_run(load_config("smoke", ["run.resume=false"]), run, DATA).replace  # that way out is open
+
+
+def test_a_recorded_config_is_read_as_a_config_file_is_and_keeps_keys_removed_since(tmp_path):
+    """A hand-edited `lr: '0.01'` (a YAML string, read as a number from a config file) ended in a TypeError
+    traceback; a key an older raydiff wrote and this one no longer knows is passed over."""
+    cfg = load_config("smoke", ["train.lr=0.01"])
+    run = write_run(tmp_path / "run", cfg, steps=(10,))
+    recorded = cfg.to_dict()
+    recorded["train"]["lr"], recorded["model"]["base_channels"] = "0.01", str(cfg.model.base_channels)
+    recorded["train"]["a_key_removed_since"] = "anything"
+    run.write_text("config.yaml", yaml.safe_dump(recorded))
+    plan = plan_run(load_config("smoke", ["train.lr=0.02"]), run, DATA)
+    assert plan.action == "continue"
+    assert "the learning rate continues at 0.02 (0.01 before the change, at step 10)" in plan.notes, plan.notes
 
 
 def test_the_records_of_a_run_without_checkpoints_are_neither_read_nor_refused(tmp_path):
