@@ -370,3 +370,34 @@ def test_a_start_over_refused_after_the_data_is_read_leaves_the_old_run_where_it
         proc.stderr[-3000:])
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["smoke"]
     assert list_checkpoints(tmp_path / "smoke")  # still there, where the same command continues it
+
+
+def test_a_finished_run_re_run_after_a_killed_extension_is_finished_at_its_checkpoint_without_the_lost_rows(
+        tmp_path, capsys):
+    """An extension (train.total_steps raised) killed before its first checkpoint, then the old command again: the
+    run is finished at its checkpoint, and the extension's metrics rows and post-hoc EMA snapshots, which no
+    checkpoint holds, go as a continuing run's would (they stayed, past the summary's step)."""
+    from raydiff.config import load_config
+    from raydiff.data.sources import source_of
+    from raydiff.runs.ema_snapshots import list_snapshots, snapshot_name
+    from raydiff.storage.rundir import RunDir
+
+    args = ["--config", "smoke", "--set", f"run.storage={tmp_path}", "--set", "train.ema=posthoc"]
+    cfg = load_config("smoke", [f"run.storage={tmp_path}", "train.ema=posthoc"])
+    run = RunDir(tmp_path / cfg.run.name)
+    run.write_text("config.yaml", yaml.safe_dump(cfg.to_dict()))
+    run.write_text("data.json", json.dumps(source_of(cfg.data).identity()))
+    run.write_bytes(f"checkpoint_{cfg.train.total_steps:08d}/state.pt", b"")
+    run.write_text("summary.json", json.dumps({"status": "finished", "steps": cfg.train.total_steps}))
+    run.write_text("metrics.jsonl", "".join(json.dumps({"step": s, "loss": 0.1}) + "\n"
+                                            for s in (10, cfg.train.total_steps, cfg.train.total_steps + 5)))
+    for step in (cfg.train.total_steps, cfg.train.total_steps + 5):
+        run.write_bytes(snapshot_name(step), b"")
+
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"is already finished ({cfg.train.total_steps} steps)" in out
+    assert f"removed the post-hoc EMA snapshots of step(s) {cfg.train.total_steps + 5}" in out
+    assert [json.loads(line)["step"] for line in run.read_text("metrics.jsonl").splitlines()] == [
+        10, cfg.train.total_steps]
+    assert list_snapshots(run) == [cfg.train.total_steps]

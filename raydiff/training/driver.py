@@ -30,6 +30,7 @@ from raydiff.quality.features import features_for, metric_names, require_metrics
 from raydiff.quality.reference_stats import reference_for
 from raydiff.runs.checkpoint import checkpoint_bytes, drop_unusable_ray_checkpoint_list, remove_partial_writes
 from raydiff.runs.dashboards import dashboards_for
+from raydiff.runs.ema_snapshots import remove_snapshots_after
 from raydiff.runs.errors import Unresumable
 from raydiff.runs.init_from import InitWeights, load_init_weights
 from raydiff.runs.run_plan import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
@@ -196,6 +197,7 @@ def run_training(cfg: Config, *, images: RunImages | None = None, cpus: float | 
         for note in notes:
             print(f"[raydiff] {note}")
         if plan.action == "finished":
+            _forget_work_after(run_dir, plan.step)
             summary = json.loads(run_dir.read_text("summary.json"))
             return {**summary, "already_finished": True, "run_dir": str(run_dir)}
         if plan.action != "start":
@@ -415,6 +417,19 @@ def _storage_failure(run_dir: RunDir, outcome: WorkerResult | None, error: str |
         return outcome.diagnostic
     reason = permanent_reason_in(error) if error else None
     return failure_message(str(run_dir), "training", reason) if reason else None
+
+
+def _forget_work_after(run_dir: RunDir, step: int) -> None:
+    """A finished run's records of work after its newest checkpoint (an extension killed before checkpointing, then
+    re-run with the old train.total_steps): its metrics rows and post-hoc EMA snapshots, which no checkpoint
+    holds, go, as a continuing run's workers cut them."""
+    metrics = JsonlLog(run_dir, "metrics.jsonl")
+    metrics.truncate_after(step)
+    metrics.flush()
+    removed = remove_snapshots_after(run_dir, step)
+    if removed:
+        print(f"[raydiff] note: removed the post-hoc EMA snapshots of step(s) {', '.join(map(str, removed))}: of "
+              f"work after step {step}, where the run finished")
 
 
 def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: int, result: WorkerResult | None,
