@@ -16,6 +16,7 @@ import inspect
 import re
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -26,6 +27,7 @@ from raydiff.config.values import describe_type
 COMMAND = "python -m raydiff.config.reference > docs/configuration.md"
 # `docs/<page>.md#<anchor>` in a docstring: a relative link on the page, which lives in docs/ itself.
 _DOC_REFERENCE = re.compile(r"\bdocs/([\w.-]+\.md(?:#[\w-]+)?)")
+DOCS = Path(__file__).resolve().parents[2] / "docs"  # a checkout's, where the page is generated
 
 INTRO = f"""\
 # Configuration reference
@@ -93,15 +95,27 @@ def _cell(text: str) -> str:
 
 def _links(text: str) -> str:
     """`docs/<page>.md#<anchor>` references made into links relative to docs/, where the page is, labelled with
-    the anchor's (or else the page's) words: `docs/data.md#shuffle-quality` -> [Shuffle quality](data.md#...)."""
+    the heading the anchor is GitHub's for (else the anchor's or the page's words):
+    `docs/training.md#post-hoc-ema` -> [Post-hoc EMA](training.md#post-hoc-ema)."""
 
     def link(match: re.Match) -> str:
         target = match.group(1)
         page, _, anchor = target.partition("#")
         words = (anchor or page.removesuffix(".md")).replace("-", " ")
-        return f"[{words[:1].upper()}{words[1:]}]({target})"
+        return f"[{_heading(page, anchor) or words[:1].upper() + words[1:]}]({target})"
 
     return _DOC_REFERENCE.sub(link, text)
+
+
+def _heading(page: str, anchor: str) -> str | None:
+    """The text of the heading of docs/`page` whose GitHub anchor is `anchor` (None where there is none)."""
+    path = DOCS / page
+    for line in path.read_text(encoding="utf-8").splitlines() if anchor and path.is_file() else ():
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+            if re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") == anchor:
+                return heading
+    return None
 
 
 def sections(config: Config | None = None) -> list[tuple[str, Any]]:
