@@ -143,11 +143,11 @@ def raydiff_run(cfg: Config, *, steps: int, storage: Path, rerun: bool,
     run continued for as many again (a restart of the same run). With `profile`, the worker profiles
     PROFILED_STEPS more steps after the measured ones (`log.profile_steps`: neither the warm-up nor the measured
     steps run beside the profiler, whose traces cost the host, nor after it), and their table is copied to
-    `profile`."""
+    `profile`; the run ends one step after them, so that its final checkpoint and row are not in the profile."""
     from raydiff.config.checks import validate
 
     profiled_steps = [2 * steps + 1, 2 * steps + PROFILED_STEPS] if profile is not None else []
-    end = 2 * steps + (PROFILED_STEPS if profiled_steps else 0)
+    end = 2 * steps + (PROFILED_STEPS + 1 if profiled_steps else 0)
     for key, value in (("scaling.num_workers", 1), ("train.total_steps", end),
                        ("train.log_every", rows_every(steps)),
                        ("train.checkpoint_every", end), ("train.sample_every", 0), ("train.sample_num", 1),
