@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -354,15 +354,6 @@ def _randn(shape: tuple[int, ...], generator: torch.Generator | list[torch.Gener
     return torch.stack([torch.randn(shape[1:], generator=g, device=g.device) for g in generator])
 
 
-def tf32_by_precision() -> bool:
-    """Whether this torch sets cuDNN's TF32 through `fp32_precision` ("tf32" or "ieee"), which torch 2.9 introduced,
-    rather than the allow_tf32 flag of the torch floor; mixing the two raises, so every setter asks this first.
-    Matmuls are set through `torch.set_float32_matmul_precision` on every torch: it sets the old and the new flags
-    alike, and torch's own autotuning (inductor's, under TORCHINDUCTOR_MAX_AUTOTUNE) reads the old getter, which
-    raises once `matmul.fp32_precision` was set directly."""
-    return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
-
-
 def matmul_precision() -> str:
     """fp32 matmuls' precision as `torch.set_float32_matmul_precision` takes it ("highest": IEEE, "high": TF32), also
     where something set the new flag directly and torch's own getter refuses to answer."""
@@ -372,19 +363,26 @@ def matmul_precision() -> str:
         return {"tf32": "high", "bf16": "medium"}.get(torch.backends.cuda.matmul.fp32_precision, "highest")
 
 
-def tf32_flags() -> tuple[str, Any]:
+def cudnn_tf32() -> bool:
+    """Whether cuDNN's fp32 convolutions use TF32, also where something set torch 2.9's `fp32_precision` flags
+    directly and the old getter refuses to answer."""
+    try:
+        return torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        return torch.backends.cudnn.conv.fp32_precision == "tf32"  # type: ignore[attr-defined]
+
+
+def tf32_flags() -> tuple[str, bool]:
     """fp32 matmuls' and cuDNN convolutions' precision settings as they are now (for `restore_tf32_flags`)."""
-    conv = torch.backends.cudnn.conv.fp32_precision if tf32_by_precision() else torch.backends.cudnn.allow_tf32  # type: ignore[attr-defined]
-    return matmul_precision(), conv
+    return matmul_precision(), cudnn_tf32()
 
 
-def restore_tf32_flags(saved: tuple[str, Any]) -> None:
-    """Put back what `tf32_flags` read."""
+def restore_tf32_flags(saved: tuple[str, bool]) -> None:
+    """Put back what `tf32_flags` read. Both through the setters that set torch 2.9's flags and the old ones alike,
+    so that the old getters, which inductor's autotuning reads (TORCHINDUCTOR_MAX_AUTOTUNE), answer: they raise
+    once `matmul.fp32_precision` was set directly, or cuDNN's `conv.fp32_precision` to "ieee"."""
     matmul, conv = saved
-    if tf32_by_precision():
-        torch.backends.cudnn.conv.fp32_precision = conv  # type: ignore[attr-defined]
-    else:
-        torch.backends.cudnn.allow_tf32 = conv
+    torch.backends.cudnn.allow_tf32 = conv
     torch.set_float32_matmul_precision(matmul)
 
 
@@ -393,7 +391,7 @@ def full_fp32() -> Iterator[None]:
     """Convolutions and matmuls in IEEE fp32 while the block runs. On Ampere and newer GPUs cuDNN convolutions
     use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32."""
     saved = tf32_flags()
-    restore_tf32_flags(("highest", "ieee" if tf32_by_precision() else False))
+    restore_tf32_flags(("highest", False))
     try:
         yield
     finally:

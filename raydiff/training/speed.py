@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from raydiff.cluster.host_memory import host_memory_kept
-from raydiff.model.diffusion import restore_tf32_flags, tf32_by_precision, tf32_flags
+from raydiff.model.diffusion import restore_tf32_flags, tf32_flags
 
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
@@ -170,13 +170,9 @@ def restore_backend_flags(saved: tuple[tuple[str, Any], bool]) -> None:
 
 
 def set_tf32(on: bool) -> None:
-    """TF32 tensor cores for fp32 convolutions and matmuls on (training) or off, through the API this torch has
-    (`tf32_by_precision`); sampling turns it off for its own block (`raydiff.model.diffusion.full_fp32`)."""
-    if tf32_by_precision():
-        torch.backends.cudnn.conv.fp32_precision = "tf32" if on else "ieee"  # type: ignore[attr-defined]
-    else:
-        torch.backends.cudnn.allow_tf32 = on
-    torch.set_float32_matmul_precision("high" if on else "highest")
+    """TF32 tensor cores for fp32 convolutions and matmuls on (training) or off (`restore_tf32_flags`); sampling
+    turns it off for its own block (`raydiff.model.diffusion.full_fp32`)."""
+    restore_tf32_flags(("high" if on else "highest", on))
 
 
 def for_training(module: nn.Module, plan: SpeedPlan, device: torch.device, world_size: int) -> nn.Module:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from raydiff.model.diffusion import GaussianDiffusion, full_fp32, make_betas, tf32_by_precision
+from raydiff.model.diffusion import GaussianDiffusion, full_fp32, make_betas
 from raydiff.seeds import GRID_NOISE, image_generators
 
 
@@ -276,11 +276,13 @@ def test_image_i_is_a_function_of_seed_and_i_whatever_the_batch():
 
 
 def tf32_flags() -> tuple:
-    """cuDNN's fp32 setting as this torch names it (fp32_precision since torch 2.9, "ieee" or "tf32"; allow_tf32
-    before, the floor 2.6) and fp32 matmuls' precision ("highest" or "high"), through the getter torch's own
-    autotuning asks, which raises where the two APIs were mixed."""
-    conv = torch.backends.cudnn.conv.fp32_precision if tf32_by_precision() else torch.backends.cudnn.allow_tf32
-    return conv, torch.get_float32_matmul_precision()
+    """cuDNN's fp32 convolutions' TF32 and fp32 matmuls' precision ("highest" or "high") through the old getters,
+    which inductor's autotuning reads and which raise where something set torch 2.9's flags apart from them;
+    torch 2.9's own flag of convolutions (where this torch has it) says the same."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if hasattr(conv, "fp32_precision"):
+        assert (conv.fp32_precision == "tf32") == torch.backends.cudnn.allow_tf32
+    return torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
 
 
 def test_sampling_runs_in_full_fp32():
@@ -294,26 +296,33 @@ def test_sampling_runs_in_full_fp32():
     before = tf32_flags()
     d = GaussianDiffusion(schedule="linear", timesteps=50, prediction="eps")
     d.sample(model, (1, 1, 2, 2), sampler="ddim", steps=3, generator=torch.Generator().manual_seed(0))
-    assert seen and set(seen) == {("ieee" if tf32_by_precision() else False, "highest")}
+    assert seen and set(seen) == {(False, "highest")}
     assert tf32_flags() == before
 
 
-def test_training_s_tf32_and_sampling_s_fp32_leave_torch_s_precision_getter_answering():
-    """Training turns TF32 on, sampling inside it off and back on; torch's getter of the matmul precision, which
-    inductor's autotuning reads (TORCHINDUCTOR_MAX_AUTOTUNE), answers throughout: it raises once the matmul flag of
-    torch 2.9's API was set alone, as raydiff did, and a compile would have failed there."""
+def test_training_s_tf32_and_sampling_s_fp32_leave_torch_s_precision_getters_answering():
+    """Training turns TF32 on, sampling inside it off and back on; torch's getters of the matmul precision and of
+    cuDNN's TF32, which inductor's autotuning reads (TORCHINDUCTOR_MAX_AUTOTUNE), answer throughout: they raise
+    once torch 2.9's matmul flag, or its cuDNN convolutions' flag, was set to "ieee" directly, as raydiff did, and a
+    compile would have failed there (under compile: auto, run eagerly). cuDNN's flag set that way by something
+    else is read, and put back as the old setter has it."""
+    from raydiff.model.diffusion import tf32_flags as read_flags
     from raydiff.training.speed import set_tf32
 
-    on, off = ("tf32", "ieee") if tf32_by_precision() else (True, False)
     try:
         set_tf32(True)
-        assert tf32_flags() == (on, "high")
+        assert tf32_flags() == (True, "high")
         with full_fp32():
-            assert tf32_flags() == (off, "highest")
-        assert tf32_flags() == (on, "high")
+            assert tf32_flags() == (False, "highest")
+        assert tf32_flags() == (True, "high")
+        if hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"):
+            torch.backends.cudnn.conv.fp32_precision = "ieee"  # another library's setting: the old getter refuses
+            assert read_flags() == ("high", False)
+            with full_fp32():
+                assert tf32_flags() == (False, "highest")
     finally:
         set_tf32(False)
-    assert tf32_flags() == (off, "highest")
+    assert tf32_flags() == (False, "highest")
 
 
 # Loss weighting: min-SNR-gamma.

@@ -68,15 +68,13 @@ def test_loss_depends_only_on_the_weights():
 
 def test_the_loss_is_computed_in_fp32_while_training_runs_with_tf32():
     """A GPU trains with TF32 (`train.tf32`); the validation loss, like sampling, turns it off for its passes."""
-    from raydiff.model.diffusion import tf32_by_precision
     from raydiff.training.speed import set_tf32
 
     seen = []
 
     class Recording(torch.nn.Module):
         def forward(self, x, t, *labels):
-            conv = torch.backends.cudnn.conv.fp32_precision if tf32_by_precision() else torch.backends.cudnn.allow_tf32
-            seen.append((conv, torch.get_float32_matmul_precision()))
+            seen.append((torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()))
             return 0.1 * x
 
     diffusion = build_diffusion(Config())
@@ -85,7 +83,7 @@ def test_the_loss_is_computed_in_fp32_while_training_runs_with_tf32():
         assert np.isfinite(_validation().loss(Recording(), diffusion, torch.device("cpu"), batch=7))
     finally:
         set_tf32(False)
-    assert seen and set(seen) == {("ieee" if tf32_by_precision() else False, "highest")}
+    assert seen and set(seen) == {(False, "highest")}
 
 
 def test_workers_split_the_items_without_overlap():
