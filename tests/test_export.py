@@ -270,7 +270,7 @@ def test_no_ema_exports_the_online_weights(exported, tmp_path, capsys):
     checkpoint, _ = exported
     assert cli.run(export.main, ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "online"), "--no-ema"]) == 0
     assert "online weights" in capsys.readouterr().out
-    state = diffusers_folder.state_from_folder(tmp_path / "online")
+    state = diffusers_folder.state_from_folder(tmp_path / "online", where="--checkpoint")
     assert state["weights"] == "online" and state["step"] == 20
     assert all(torch.equal(state["model"][k], v) for k, v in read_state(checkpoint)["model"].items())
 
@@ -360,7 +360,7 @@ def test_a_conditional_export_holds_the_classes_and_reads_back(exported_conditio
     assert "| 2 | `two` | 32 |" in card and "class_labels=torch.cat([labels, null])" in card
     assert "pipeline_tag: unconditional" not in card
 
-    state = diffusers_folder.state_from_folder(folder)  # what raydiff.sample --checkpoint FOLDER reads
+    state = diffusers_folder.state_from_folder(folder, where="--checkpoint")  # what sample --checkpoint FOLDER reads
     assert state["classes"] == CLASSES
     assert state["config"]["model"]["num_classes"] == 3 and state["config"]["data"]["labels"] == "auto"
     ema = read_state(checkpoint)["ema"]
@@ -368,7 +368,7 @@ def test_a_conditional_export_holds_the_classes_and_reads_back(exported_conditio
     # A UNet2DModel from elsewhere (no raydiff_export.json): its ids are its class names.
     (folder / "raydiff_export.json").rename(folder / "moved.json")
     try:
-        assert diffusers_folder.state_from_folder(folder)["classes"] == {"names": ["0", "1", "2"]}
+        assert diffusers_folder.state_from_folder(folder, where="--checkpoint")["classes"] == {"names": ["0", "1", "2"]}
     finally:
         (folder / "moved.json").rename(folder / "raydiff_export.json")
 

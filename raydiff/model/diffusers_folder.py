@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from raydiff.config import Config, ConfigError
+from raydiff.config.checks import validate
 from raydiff.config.load import read_record
 from raydiff.model.diffusers_io import (
     EXPORT_INFO_FILE,
@@ -84,6 +85,11 @@ def read_unet_weights(source: str, subfolder: str | None, *, where: str) -> dict
     from diffusers import UNet2DModel
     from safetensors import SafetensorError
 
+    folder = Path(source, subfolder or "")
+    if folder.is_dir() and not any((folder / f"diffusion_pytorch_model.{kind}").is_file()
+                                   for kind in ("safetensors", "bin")):  # before diffusers' warnings of a search
+        raise ConfigError(f"{where}: cannot read the UNet's weights (no diffusion_pytorch_model.safetensors in "
+                          f"{folder})")
     try:
         # low_cpu_mem_usage=False: the default asks for `accelerate` (a notice on every load) and saves nothing here.
         unet, loading = UNet2DModel.from_pretrained(source, subfolder=subfolder, low_cpu_mem_usage=False,
@@ -118,13 +124,12 @@ def load_diffusers_weights(cfg: Config) -> dict[str, torch.Tensor]:
     return from_diffusers(read_unet_weights(source, subfolder, where=where), cfg)
 
 
-def state_from_folder(location: str | Path) -> dict[str, Any]:
+def state_from_folder(location: str | Path, *, where: str) -> dict[str, Any]:
     """A diffusers pipeline folder as the parts of a training state that `raydiff.sample` uses: config, weights
     (as both `model` and `ema`: the folder holds one set), step (when raydiff exported it) and, for a
     class-conditional UNet, `classes` ({"names"}, and "counts" when raydiff recorded them; names default to the
-    ids)."""
+    ids). `where` (the flag that named it) starts a ConfigError's line."""
     path = Path(location).expanduser()
-    where = f"--checkpoint {location}"
     require_diffusers("a diffusers folder")
     unet, source, subfolder = read_unet_config(str(path), where=where)
     config_file = path / RAYDIFF_CONFIG_FILE
@@ -149,11 +154,23 @@ def state_from_folder(location: str | Path) -> dict[str, Any]:
     num_classes = keys["model.num_classes"]
     if num_classes:
         cfg.data.labels = "auto"  # what a class-conditional config has (a foreign folder has no raydiff config)
-    weights = from_diffusers(read_unet_weights(source, subfolder, where=where), cfg)
+    try:  # a UNet raydiff's rules refuse (an image size its levels cannot halve), before its weights are read
+        validate(cfg, check_source=False)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: the UNet there is not one raydiff can build (in raydiff's keys: {exc})") from None
+    unet_weights = read_unet_weights(source, subfolder, where=where)
+    try:
+        weights = from_diffusers(unet_weights, cfg)
+    except ValueError as exc:  # names or shapes its config does not describe
+        raise ConfigError(f"{where}: cannot read the UNet's weights ({exc})") from None
     info_file = path / EXPORT_INFO_FILE
     info = read_side_file(info_file) if info_file.is_file() else {}
-    if not isinstance(info.get("classes") or {}, dict):
-        raise ConfigError(f"{info_file}: its 'classes' is not a mapping of names and counts; fix or replace it")
+    classes_info = info.get("classes") or {}
+    if not (isinstance(classes_info, dict) and all(
+            isinstance(classes_info.get(k) or [], list) for k in ("names", "counts")) and all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in classes_info.get("counts") or [])):
+        raise ConfigError(f"{info_file}: its 'classes' is not a mapping of a list of names and a list of image "
+                          f"counts; fix or replace it")
     exported = {"ema": "EMA", "online": "online", "posthoc": "post-hoc EMA"}.get(info.get("weights", ""), "exported")
     if exported == "post-hoc EMA" and isinstance(info.get("sigma_rel"), (int, float)):
         exported += f" sigma_rel {info['sigma_rel']:g}"

@@ -22,7 +22,8 @@ diffusers and safetensors are an optional extra (`pip install "raydiff[diffusers
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -229,6 +230,29 @@ def from_diffusers(state_dict: dict[str, torch.Tensor], cfg: Config) -> dict[str
 
 
 # diffusers configs -> raydiff keys.
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The UNet2DModel keys raydiff reads into its own, with what each must be.
+_UNET_VALUES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("block_out_channels", lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(map(_count, v)),
+     "a list of channel counts"),
+    ("down_block_types", lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, str) for t in v),
+     "a list of block names"),
+    ("up_block_types", lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, str) for t in v),
+     "a list of block names"),
+    ("layers_per_block", _count, "one number of blocks, 1 or more"),
+    ("norm_num_groups", _count, "a number of groups, 1 or more"),
+    ("norm_eps", lambda v: _number(v) and v > 0, "a number above 0"),
+    ("dropout", lambda v: _number(v) and 0 <= v < 1, "a number from 0 to 1 (1 excluded)"),
+)
+
+
 def _unet_error(where: str, key: str, value: Any, needs: str) -> ConfigError:
     return ConfigError(f"{where}: the UNet there has {key} = {value!r}; {needs}")
 
@@ -250,12 +274,15 @@ def model_keys_from_unet(unet: dict[str, Any], *, where: str) -> dict[str, Any]:
     for key, needed in FIXED_UNET_KEYS.items():
         if unet[key] != needed:
             raise _unet_error(where, key, unet[key], f"raydiff's UNet needs {needed!r}")
+    for key, fits, needs in _UNET_VALUES:  # a hand edit gone wrong: refused here, not deep inside the model
+        if not fits(unet[key]):
+            raise _unet_error(where, key, unet[key], f"raydiff needs {needs}")
     size = unet["sample_size"]
     if isinstance(size, (list, tuple)):
         if len(set(size)) != 1:
             raise _unet_error(where, "sample_size", size, "raydiff's UNet needs square images")
         size = size[0]
-    if not isinstance(size, int):
+    if not _count(size):
         raise _unet_error(where, "sample_size", size, "raydiff needs the image size")
     channels = unet["in_channels"]
     if channels not in (1, 3) or unet["out_channels"] != channels:

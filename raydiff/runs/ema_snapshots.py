@@ -200,7 +200,14 @@ def _span(steps: list[int]) -> str:
 
 def weights_of(state: dict[str, Any], checkpoint: object, *, use_ema: bool) -> str:
     """Which weights of a training state a command uses, for its output line: "EMA", "online", or the post-hoc
-    average's width. Raises ValueError (one line) for --no-ema on a rebuilt average, which has no online weights."""
+    average's width. Raises ValueError (one line) for --no-ema on a rebuilt average or a diffusers folder, which hold
+    one set of weights, not the online ones beside the EMA."""
+    exported = state.get("weights")  # a diffusers folder's (`diffusers_folder.state_from_folder`)
+    if exported is not None and not use_ema:
+        raise ValueError(f"--no-ema: {checkpoint} is a diffusers folder and holds one set of weights ({exported}); "
+                         f"leave out --no-ema, or use a checkpoint of the run")
+    if exported is not None:
+        return exported
     posthoc = state.get("posthoc")
     if posthoc is None:
         return "EMA" if use_ema else "online"

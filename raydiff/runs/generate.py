@@ -57,7 +57,7 @@ def read_any(location: str, endpoint: str | None, *, flag: str = "--checkpoint")
         exported = "://" not in location and diffusers_folder.is_diffusers_folder(location)
     if exported:
         # An exported pipeline: one set of weights, converted back to raydiff's names.
-        return location, diffusers_folder.state_from_folder(location)
+        return location, diffusers_folder.state_from_folder(location, where=where)
     with contextlib.nullcontext() if flag == "--checkpoint" else not_found_named(where):
         found, state = read_newest(folder, where=where)
     return str(found), state

@@ -314,14 +314,18 @@ def test_a_unet_whose_classes_raydiff_cannot_hold_is_refused():
      "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("raydiff_export.json", "[1,2", "not valid JSON (Expecting ',' delimiter: line 1 column 5 (char 4))"),
     ("raydiff_export.json", "[1,2]", "holds a list, not a mapping of keys to values"),
-    ("raydiff_export.json", '{"classes": ["a", "b"]}', "its 'classes' is not a mapping of names and counts"),
+    ("raydiff_export.json", '{"classes": ["a", "b"]}', "its 'classes' is not a mapping of a list of names and a "
+                                                       "list of image counts"),
+    ("raydiff_export.json", '{"classes": {"names": ["a"], "counts": "xyz"}}',
+     "its 'classes' is not a mapping of a list of names and a list of image counts"),
     ("raydiff_config.yaml", "model: {base_channels: 16", "not valid YAML (line 1, column 26: expected ',' or '}', "
                                                          "but got '<stream end>' (while parsing a flow mapping at "
                                                          "line 1, column 8))"),
     ("raydiff_config.yaml", "- 1\n- 2\n", "holds a list, not a mapping of keys to values"),
     ("raydiff_config.yaml", "model: 16\n", "expected sections of key: value pairs (data:, model:, train:, ...)"),
     ("raydiff_config.yaml", "model: {wings: 2}\n", "unknown key 'model.wings'"),
-], ids=["scheduler cut short", "export info cut short", "export info a list", "classes a list", "config cut short",
+], ids=["scheduler cut short", "export info cut short", "export info a list", "classes a list",
+        "class counts a string", "config cut short",
         "config a list", "config of no sections", "config of an unknown key"])
 def test_a_diffusers_folder_with_a_malformed_side_file_is_refused_naming_it(tmp_path, capsys, file, text, problem):
     """raydiff.sample --checkpoint DIR (and --guide DIR) met the JSON or YAML parser's traceback, or a list's
@@ -331,10 +335,10 @@ def test_a_diffusers_folder_with_a_malformed_side_file_is_refused_naming_it(tmp_
     diffusers_folder.save_pipeline_folder(folder, {"config": cfg.to_dict(), "ema": build_model(cfg).state_dict(),
                                                    "step": 20, "images_seen": 320},
                                           use_ema=True, checkpoint="run", guidance=1.0)
-    assert diffusers_folder.state_from_folder(folder)["step"] == 20  # as exported, it reads
+    assert diffusers_folder.state_from_folder(folder, where="--checkpoint")["step"] == 20  # as exported, it reads
     (folder / file).write_text(text)
     with pytest.raises(ConfigError) as refused:
-        diffusers_folder.state_from_folder(folder)
+        diffusers_folder.state_from_folder(folder, where="--checkpoint")
     line = f"{folder / file}: {problem}"
     assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
     assert cli.run(sample.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "samples")]) == 2
@@ -380,11 +384,58 @@ def test_a_scheduler_value_of_another_kind_is_refused_naming_the_file_key_value_
     file.write_text(json.dumps({**json.loads(file.read_text()), key: value}))
     line = f"{file}: {key} = {json.dumps(value)}; raydiff takes {allowed}"
     with pytest.raises(ConfigError) as refused:
-        diffusers_folder.state_from_folder(folder)
+        diffusers_folder.state_from_folder(folder, where="--checkpoint")
     assert str(refused.value) == line
     assert cli.run(sample.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "samples")]) == 2
     assert capsys.readouterr().err == f"raydiff: config error: {line}\n"
     assert not (tmp_path / "samples").exists()
+
+
+@pytest.mark.parametrize("key, value, problem", [
+    ("block_out_channels", [0, 32], "raydiff needs a list of channel counts"),
+    ("block_out_channels", 16, "raydiff needs a list of channel counts"),
+    ("down_block_types", "DownBlock2D", "raydiff needs a list of block names"),
+    ("layers_per_block", "1", "raydiff needs one number of blocks, 1 or more"),
+    ("norm_num_groups", None, "raydiff needs a number of groups, 1 or more"),
+    ("norm_eps", "x", "raydiff needs a number above 0"),
+    ("sample_size", 0, "raydiff needs the image size"),
+    ("sample_size", 9, "the UNet there is not one raydiff can build (in raydiff's keys: data.resolution = 9: must "
+                       "be divisible by 2^(len(model.channel_mult)-1) = 2)"),
+], ids=["a width of 0", "widths a number", "block names a string", "blocks a string", "groups null", "eps a string",
+        "size 0", "a size its levels cannot halve"])
+def test_a_unet_config_edited_wrong_is_refused_in_one_line_before_its_weights_are_read(tmp_path, capsys, key, value,
+                                                                                       problem):
+    """raydiff.sample --checkpoint DIR met a ZeroDivisionError's, TypeError's or ValueError's traceback from deep in
+    the model, or (a size its levels cannot halve) sampled until the tensors' sizes did not match."""
+    folder, _ = _exported_smoke_folder(tmp_path)
+    config = folder / "unet" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), key: value}))
+    with pytest.raises(ConfigError) as refused:
+        diffusers_folder.state_from_folder(folder, where=f"--checkpoint {folder}")
+    assert str(refused.value).startswith(f"--checkpoint {folder}: ") and problem in str(refused.value)
+    assert cli.run(sample.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "samples")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raydiff: config error: ") and err.count("\n") == 1 and problem in err
+    assert not (tmp_path / "samples").exists()
+
+
+def test_a_folder_without_its_weights_file_or_read_as_a_guide_is_named_in_one_line(tmp_path, capsys):
+    """diffusers printed its search for other weight files (and a notice of unsafe loading) before raydiff's line;
+    a --guide folder that cannot be read was named as --checkpoint; --no-ema on a folder of one set of weights
+    was passed over, and the start line said EMA."""
+    folder, _ = _exported_smoke_folder(tmp_path)
+    run = tmp_path / "samples"
+    assert cli.run(sample.main, ["--checkpoint", str(folder), "--no-ema", "--out", str(run)]) == 2
+    assert capsys.readouterr().err == (f"raydiff: error: --no-ema: {folder} is a diffusers folder and holds one set "
+                                       f"of weights (EMA); leave out --no-ema, or use a checkpoint of the run\n")
+    (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    for flags in (["--checkpoint", str(folder)], ["--checkpoint", str(_exported_smoke_folder(tmp_path / "b")[0]),
+                                                  "--guide", str(folder)]):
+        assert cli.run(sample.main, [*flags, "--out", str(run)]) == 2
+        assert capsys.readouterr().err == (
+            f"raydiff: config error: {flags[-2]} {folder}: cannot read the UNet's weights (no "
+            f"diffusion_pytorch_model.safetensors in {folder / 'unet'})\n")
+    assert not run.exists()
 
 
 def test_a_folder_whose_scheduler_samples_otherwise_is_read_and_says_which_settings_raydiff_does_not_follow(
@@ -393,11 +444,11 @@ def test_a_folder_whose_scheduler_samples_otherwise_is_read_and_says_which_setti
     DDPM draws with the posterior variance (fixed_small). Said on one line, not silently."""
     folder, file = _exported_smoke_folder(tmp_path)
     capsys.readouterr()
-    diffusers_folder.state_from_folder(folder)
+    diffusers_folder.state_from_folder(folder, where="--checkpoint")
     assert "not used" not in capsys.readouterr().out  # raydiff's own export: nothing to say
     file.write_text(json.dumps({**json.loads(file.read_text()), "variance_type": "fixed_large",
                                 "thresholding": True}))
-    assert diffusers_folder.state_from_folder(folder)["step"] == 20
+    assert diffusers_folder.state_from_folder(folder, where="--checkpoint")["step"] == 20
     assert capsys.readouterr().out.splitlines()[-1] == (
         f'[raydiff] note: {file}: variance_type = "fixed_large", thresholding = true not used: raydiff samples with '
         f"its own samplers (DDPM with the posterior variance, fixed_small; x0 clipped to [-1, 1])")
