@@ -28,6 +28,7 @@ from raydiff.storage.rundir import unwritable
 
 SMOOTHING = 0.98  # exponential smoothing of the loss, bias-corrected
 DIVERGED = 4.0  # stop once the smoothed loss exceeds this multiple of its minimum
+MAX_STEPS = 100_000  # far more than a range test needs; its learning rates are held in memory
 
 
 def lr_range(start: float, end: float, steps: int) -> np.ndarray:
@@ -148,12 +149,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{flag} {value}: must be a finite learning rate, such as 1e-2")
     if not 0 < args.start < args.end:
         parser.error(f"--start {args.start} --end {args.end}: need 0 < start < end")
-    if args.steps < 10:
-        parser.error(f"--steps {args.steps}: must be >= 10")
+    if not 10 <= args.steps <= MAX_STEPS:
+        parser.error(f"--steps {args.steps}: must be in [10, {MAX_STEPS:,}]")
     if Path(args.out).suffix.lower() != ".png":  # an empty one, too: Path("") is "."
         parser.error(f"--out {args.out!r}: must end in .png")
     cli.refuse_remote(parser, "--out", args.out)
-    args.out = Path(args.out)
+    args.out = Path(args.out).expanduser()  # `--out=~/x.png`: the shell leaves that ~
     for path in (args.out, args.out.with_suffix(".csv")):  # else found only once the whole test has run
         if path.is_dir():
             what = "is a folder" if path == args.out else f"its numbers' file {path} is a folder"
@@ -175,14 +176,16 @@ def main(argv: list[str] | None = None) -> int:
           f"global batch {t.global_batch}")
     found = run_lr_find(cfg, start=args.start, end=args.end, steps=args.steps)
     table = args.out.with_suffix(".csv")
-    with output_errors("--out", args.out):
-        plot = plot_lr_find(found["lrs"], found["losses"], found["smoothed"], suggested=found["suggested_lr"],
-                            steepest=found["steepest_lr"], path=args.out)
-        with new_file(table) as tmp, tmp.open("w", newline="") as f:
+    # The numbers written first and published last, once the plot is: a failure leaves neither new file, not a
+    # new plot beside an earlier run's numbers.
+    with output_errors("--out", args.out), new_file(table) as tmp:
+        with tmp.open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["step", "lr", "loss", "smoothed_loss"])
             writer.writerows(zip(range(1, found["steps_run"] + 1), found["lrs"], found["losses"], found["smoothed"],
                                  strict=True))
+        plot = plot_lr_find(found["lrs"], found["losses"], found["smoothed"], suggested=found["suggested_lr"],
+                            steepest=found["steepest_lr"], path=args.out)
 
     ended = f"stopped after {found['steps_run']} steps: {found['stop_reason']}" if found["stop_reason"] else \
         f"ran all {found['steps_run']} steps without diverging (a larger --end may find the edge)"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from raydiff import cli
 from raydiff.config import Config
-from raydiff.config.schema import SAMPLERS
+from raydiff.config.schema import MAX_SAMPLING_STEPS, SAMPLERS
 from raydiff.runs.images import GRID_FORMATS, is_grid_file
 from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, low in (("num", 1), ("batch", 1), ("seed", 0)):
         if getattr(args, name) is not None and getattr(args, name) < low:
             parser.error(f"--{name} {getattr(args, name)}: must be >= {low}")
-    if args.steps is not None and args.steps < 1:
-        parser.error(f"--steps {args.steps}: must be >= 1")
+    if args.steps is not None and not 1 <= args.steps <= MAX_SAMPLING_STEPS:
+        parser.error(f"--steps {args.steps}: must be in [1, {MAX_SAMPLING_STEPS:,}]")
     if not 0 <= args.eta <= 1:  # above 1, DDIM's steps would clamp their noise and silently misshape the images
         parser.error(f"--eta {args.eta:g}: must be in [0, 1] (0: deterministic DDIM, 1: DDPM's posterior)")
     if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if is_grid_file(Path(args.out)) and args.out.endswith(("/", os.sep)):  # Path() drops the slash: a grid file
         parser.error(f"--out {args.out}: names a folder (the trailing /); a name ending in {Path(args.out).suffix} "
                      f"is written as one grid image file (a folder of samples takes a name without it)")
-    args.out = Path(args.out)
+    args.out = Path(args.out).expanduser()  # `--out=~/x.png`: the shell leaves that ~
     if is_grid_file(args.out) and args.out.is_dir():  # else found only once every image is sampled
         parser.error(f"--out {args.out}: is a folder; a name ending in {args.out.suffix} is written as one grid "
                      f"image file (a folder of samples takes a name without it)")
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if classes is not None and args.classes is not None and args.num < len(classes):
             raise ValueError(f"--num {args.num}: fewer images than the {len(classes)} classes asked (--class "
                              f"{args.classes}); give --num {len(classes)} or more")
-        weights = state.get("weights") or weights_of(state, checkpoint, use_ema=not args.no_ema)
+        weights = weights_of(state, checkpoint, use_ema=not args.no_ema)
     except ValueError as exc:
         print(f"raydiff: error: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import run_cli
 
-from raydiff import lr_find
+from raydiff import cli, lr_find
 
 
 @pytest.mark.ray
@@ -94,6 +94,29 @@ def test_lr_find_refuses_an_out_whose_plot_or_numbers_would_replace_a_folder_bef
     assert capsys.readouterr().err == (f"raydiff: error: --out {out}: {what}; the plot and the .csv beside it are "
                                        f"files: choose another name (python -m raydiff.lr_find --help)\n")
     assert [p.name for p in tmp_path.iterdir()] == [folder]
+
+
+def test_lr_find_whose_numbers_cannot_be_written_leaves_no_new_plot_beside_an_earlier_run_s_numbers(
+        tmp_path, monkeypatch, capsys):
+    """The plot was published before its numbers were written: a .csv that failed (a full disk) left a new plot
+    beside an earlier run's numbers, while the line said nothing half-written was left. Now the numbers are written
+    first and published last, once the plot is."""
+    import errno
+
+    out = tmp_path / "lr.png"
+    out.with_suffix(".csv").write_text("earlier\n")
+    found = {"lrs": [1e-4, 1e-3], "losses": [1.0, 0.9], "smoothed": [1.0, 0.95], "suggested_lr": 1e-4,
+             "steepest_lr": 1e-3, "minimum_lr": 1e-3, "steps_run": 2, "stop_reason": None}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lr_find, "run_lr_find", lambda cfg, **kwargs: found)
+    monkeypatch.setattr(lr_find.csv, "writer", full_disk)
+    assert cli.run(lr_find.main, ["--config", "smoke", "--out", str(out)]) == 2
+    assert "no space left on device" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lr.csv"] and out.with_suffix(".csv").read_text() == (
+        "earlier\n")
 
 
 @pytest.mark.ray

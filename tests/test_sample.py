@@ -185,3 +185,34 @@ def test_a_grid_name_with_a_trailing_slash_is_refused_before_sampling(runs, tmp_
         f"raydiff: error: --out {out}: names a folder (the trailing /); a name ending in {suffix} is written as one "
         f"grid image file (a folder of samples takes a name without it) (python -m raydiff.sample --help)")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("steps", ["100001", "1000000000000"])
+def test_more_sampling_steps_than_any_schedule_has_are_refused_before_reading_the_checkpoint(tmp_path, capsys, steps):
+    """Heun steps between timesteps, with no cap: 10^12 of them was a MemoryError's traceback (its timestep
+    table)."""
+    with pytest.raises(SystemExit) as caught:
+        sample.main(["--checkpoint", str(tmp_path / "none"), "--sampler", "heun", "--steps", steps,
+                     "--out", str(tmp_path / "x.png")])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err == (f"raydiff: error: --steps {steps}: must be in [1, 100,000] (python -m "
+                                       f"raydiff.sample --help)\n")
+
+
+def test_a_sample_folder_holding_a_folder_of_a_sample_s_name_gets_none_of_the_new_samples(runs, tmp_path, capsys):
+    """A folder named sample_00001.png was met at its rename: grid.png and sample_00000.png were already replaced,
+    while the line said nothing half-written was left."""
+    out = tmp_path / "samples"
+    (out / "sample_00001.png").mkdir(parents=True)
+    (out / "grid.png").write_bytes(b"earlier")
+    assert cli.run(sample.main, ["--checkpoint", str(runs / "unconditional"), "--num", "3", "--sampler", "ddim",
+                                 "--steps", "2", "--out", str(out)]) == 2
+    assert f"is a directory: {out / 'sample_00001.png'}" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["grid.png", "sample_00001.png"]
+    assert (out / "grid.png").read_bytes() == b"earlier"
+
+
+def test_an_out_of_a_home_folder_the_shell_left_unexpanded_is_the_home_folder_s(tmp_path, monkeypatch):
+    """`--out=~/grid.png`: the shell expands no ~ after `=`; a folder named ~ was made in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert sample.parse_args(["--checkpoint", "run", "--out=~/grid.png"]).out == tmp_path / "grid.png"

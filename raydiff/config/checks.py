@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from packaging.version import InvalidVersion, Version
 
 from raydiff.config.learning_rate import rule_lr
-from raydiff.config.schema import Config, ConfigError
+from raydiff.config.schema import MAX_SAMPLING_STEPS, Config, ConfigError
 from raydiff.config.values import shown
 from raydiff.storage.fs import (
     HUB_SCHEME,
@@ -260,7 +260,8 @@ RULES: tuple[Rule, ...] = (
          "must be >= 1 or auto"),
     Rule("train.sample_every", lambda c: c.train.sample_every >= 0, "must be >= 0 (0 = only at the end)"),
     Rule("train.sample_num", lambda c: c.train.sample_num >= 1, "must be >= 1"),
-    Rule("train.sample_steps", lambda c: c.train.sample_steps >= 1, "must be >= 1"),
+    Rule("train.sample_steps", lambda c: 1 <= c.train.sample_steps <= MAX_SAMPLING_STEPS,
+         f"must be in [1, {MAX_SAMPLING_STEPS:,}]"),
     Rule("train.log_every", lambda c: c.train.log_every >= 1, "must be >= 1"),
     Rule("train.seed", lambda c: 0 <= c.train.seed < SEED_LIMIT, "must be in [0, 2^64) (torch.manual_seed's range)"),
     Rule("train.min_snr_gamma", lambda c: c.train.min_snr_gamma > 0, "must be > 0"),
@@ -311,7 +312,7 @@ LATER_RULES: tuple[Rule, ...] = (
          f"must be >= 4 seconds (the lease is renewed every quarter of it), {AT_MOST_LONGEST}"),
     Rule("eval.every", lambda c: c.eval.every >= 0, "must be >= 0 (0 = none during the run)"),
     Rule("eval.num", lambda c: c.eval.num >= 2, "must be >= 2 (a covariance needs two images; FID uses 50000)"),
-    Rule("eval.steps", lambda c: c.eval.steps >= 1, "must be >= 1"),
+    Rule("eval.steps", lambda c: 1 <= c.eval.steps <= MAX_SAMPLING_STEPS, f"must be in [1, {MAX_SAMPLING_STEPS:,}]"),
     Rule("eval.seed", lambda c: c.eval.seed >= 0, "must be >= 0"),
     Rule("eval.guidance", lambda c: math.isfinite(c.eval.guidance) and c.eval.guidance >= 0,
          "must be a number >= 0 (1 = conditional without guidance, 0 = unconditional)"),

@@ -7,6 +7,7 @@ before it loads them (seconds), so that a mistake is answered at once.
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -91,8 +92,12 @@ def save_samples(images: torch.Tensor, out: Path, nrow: int | None = None) -> Pa
         for i, image in enumerate(_to_unit(images)):  # no fsync each: tens of thousands, and made again at will
             _save_atomically(image, Path(staging) / f"sample_{i:05d}.png", durable=False)
         save_grid(images, Path(staging) / "grid.png", nrow)
-        for written in sorted(Path(staging).iterdir()):
-            os.replace(written, out / written.name)
+        written = sorted(Path(staging).iterdir())
+        taken = next((out / w.name for w in written if (out / w.name).is_dir()), None)
+        if taken is not None:  # a folder of that name: found before the first rename, not after some
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(taken))
+        for file in written:
+            os.replace(file, out / file.name)
     for earlier in out.glob("sample_*.png"):
         number = earlier.name[len("sample_"):-len(".png")]
         if number.isdigit() and int(number) >= len(images):
