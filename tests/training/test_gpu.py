@@ -200,15 +200,16 @@ def _assert_same_steps(losses: list[float], moved: torch.Tensor, eager_losses: l
     assert (moved - eager_moved).abs().mean() < 0.1 * eager_moved.abs().mean(), name
 
 
-def test_compiled_channels_last_and_cuda_graph_steps_match_eager():
+@pytest.mark.parametrize("name, compile_model, channels_last, cuda_graphs", [
+    ("compiled", True, False, False), ("channels_last", False, True, False), ("compiled_nhwc", True, True, False),
+    ("cuda_graphs", True, False, True)], ids=["compiled", "channels_last", "compiled_nhwc", "cuda_graphs"])
+def test_compiled_channels_last_and_cuda_graph_steps_match_eager(name, compile_model, channels_last, cuda_graphs):
     """Each way of running the step trains the same steps, two micro-batches each (under CUDA graphs their
-    gradients must be summed outside the graphs' memory): the same losses, and weights that moved as eager's did."""
+    gradients must be summed outside the graphs' memory): the same losses, and weights that moved as eager's did.
+    One test each: each compiles (its own process's time under `.ci/gpu`'s per-test limit)."""
     eager = _three_steps(compile_model=False, channels_last=False, cuda_graphs=False)
-    for name, compile_model, channels_last, cuda_graphs in (
-            ("compiled", True, False, False), ("channels_last", False, True, False),
-            ("compiled_nhwc", True, True, False), ("cuda_graphs", True, False, True)):
-        _assert_same_steps(*_three_steps(compile_model=compile_model, channels_last=channels_last,
-                                         cuda_graphs=cuda_graphs), *eager, name)
+    _assert_same_steps(*_three_steps(compile_model=compile_model, channels_last=channels_last,
+                                     cuda_graphs=cuda_graphs), *eager, name)
 
 
 def test_the_flat_all_reduce_under_cuda_graphs_trains_as_eager(tmp_path):
