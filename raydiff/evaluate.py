@@ -73,9 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def parse_guidance(text: str) -> tuple[float, ...]:
-    """--guidance W[,W...]: numbers >= 0, in the order given."""
-    return tuple(parse_numbers("--guidance", text, ok=lambda w: w >= 0, allowed="must be comma-separated numbers "
-                               ">= 0 (1 = conditional without guidance, 0 = unconditional)"))
+    """--guidance W[,W...]: different numbers >= 0 (each is a whole evaluation), in the order given."""
+    return tuple(parse_numbers("--guidance", text, ok=lambda w: w >= 0, different=True,
+                               allowed="must be comma-separated different numbers >= 0 (1 = conditional without "
+                               "guidance, 0 = unconditional)"))
 
 
 def model_classes(state: dict[str, Any]) -> dict[str, list] | None:

@@ -113,7 +113,7 @@ def test_post_hoc_widths_of_a_run_without_snapshots_are_one_line(smoke_run, caps
 @pytest.mark.parametrize("args, fragment", [
     (["--sigma-rel", "0"], "--sigma-rel = '0': must be comma-separated different numbers in (0, 0.28)"),
     (["--num", "1"], "--num = 1: must be >= 2"),
-    (["--metrics", "fid,is"], "--metrics = ['fid', 'is']: must be a list of fid and/or kid"),
+    (["--metrics", "fid,is"], "--metrics = ['fid', 'is']: must be a list of fid and/or kid, each once"),
     (["--features", "inception", "--weights", "/nonexistent/inception.pth"],
      "--weights = '/nonexistent/inception.pth': no such file"),  # was named --inception_weights
     (["--ref", "/nonexistent/stats.npz"], "--ref = '/nonexistent/stats.npz': no such file or folder"),
@@ -271,9 +271,10 @@ def test_conditional_one_result_per_guidance_with_the_class_match(conditional_ch
 
 
 @pytest.mark.parametrize("guidance, fragment", [
-    ("-1", "--guidance = '-1': must be comma-separated numbers >= 0"),
-    ("1,abc", "--guidance = '1,abc': must be comma-separated numbers >= 0"),
-    ("2,nan", "--guidance = '2,nan': must be comma-separated numbers >= 0"),
+    ("-1", "--guidance = '-1': must be comma-separated different numbers >= 0"),
+    ("1,abc", "--guidance = '1,abc': must be comma-separated different numbers >= 0"),
+    ("2,nan", "--guidance = '2,nan': must be comma-separated different numbers >= 0"),
+    ("1,2,2", "--guidance = '1,2,2': must be comma-separated different numbers >= 0"),  # W = 2 sampled twice
 ])
 def test_bad_guidance_is_one_line_exit_2(conditional_checkpoint, guidance, fragment, capsys):
     checkpoint, _ = conditional_checkpoint

@@ -318,8 +318,8 @@ LATER_RULES: tuple[Rule, ...] = (
          "must be a number >= 0 (1 = conditional without guidance, 0 = unconditional)"),
     Rule("eval.guidance", lambda c: not c.model.num_classes or c.train.label_dropout > 0 or c.eval.guidance == 1,
          NO_NULL_CLASS),
-    Rule("eval.metrics", lambda c: len(c.eval.metrics) >= 1 and set(c.eval.metrics) <= {"fid", "kid"},
-         "must be a list of fid and/or kid"),
+    Rule("eval.metrics", lambda c: len(c.eval.metrics) >= 1 and set(c.eval.metrics) <= {"fid", "kid"}
+         and len(set(c.eval.metrics)) == len(c.eval.metrics), "must be a list of fid and/or kid, each once"),
     Rule("eval.features", lambda c: c.eval.features != "digits" or c.data.source == "builtin:digits",
          "digits features apply to data.source = builtin:digits only; use inception or auto"),
     Rule("eval.inception_weights", lambda c: c.eval.inception_weights is None or "://" not in c.eval.inception_weights,

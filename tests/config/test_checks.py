@@ -65,7 +65,8 @@ from raydiff.config.checks import parse_sigma_rels
     ("run.name=a/b", "use letters, digits"),
     ("train.lr", "expected key=value"),
     ("eval.num=1", "eval.num = 1: must be >= 2"),
-    ("eval.metrics=[fid,is]", "eval.metrics = ['fid', 'is']: must be a list of fid and/or kid"),
+    ("eval.metrics=[fid,is]", "eval.metrics = ['fid', 'is']: must be a list of fid and/or kid, each once"),
+    ("eval.metrics=[fid,fid]", "eval.metrics = ['fid', 'fid']: must be a list of fid and/or kid, each once"),
     ("eval.features=clip", "eval.features = 'clip': expected auto | inception | digits"),
     ("eval.inception_weights=/no/such.pth", "eval.inception_weights = '/no/such.pth': no such file"),
     ("eval.inception_weights=s3://b/inception.pth", "eval.inception_weights = 's3://b/inception.pth': a local copy is "
