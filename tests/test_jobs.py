@@ -132,9 +132,14 @@ def job_log(head, job_id: str) -> str:
 
 def test_auth_is_on_a_client_without_the_token_is_refused(head):
     env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
-    proc = subprocess.run([str(BIN / "ray"), "job", "list", "--address", head["address"]], capture_output=True,
-                          text=True, timeout=120, env={**env, "HOME": str(Path(tempfile.mkdtemp()))}, cwd=ROOT)
+    home = str(Path(tempfile.mkdtemp()))
+    command = [str(BIN / "ray"), "job", "list", "--address", head["address"]]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**env, "HOME": home}, cwd=ROOT)
     assert proc.returncode != 0
+    # The same command with the token is answered: the refusal was the token's, not a wrong address's.
+    with_token = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                                env={**head["env"], "HOME": home}, cwd=ROOT)
+    assert with_token.returncode == 0, with_token.stderr[-2000:]
 
 
 def test_a_client_without_the_token_is_told_so_in_one_line_and_nothing_is_written(head, tmp_path):

@@ -206,12 +206,18 @@ def test_a_second_ctrl_c_stops_at_once_and_frees_the_run_once_its_workers_have_e
 
 
 @pytest.mark.ray
-def test_a_stop_while_the_workers_wait_for_room_on_the_cluster_is_at_once(cluster, tmp_path):
+def test_a_stop_while_the_workers_wait_for_room_on_the_cluster_is_at_once(cluster, ray_session, tmp_path):
     """Ctrl-C while Ray Train waits for room for the worker group (two workers of 2 CPUs each on this 2-CPU cluster;
     on an autoscaling one, GPU nodes that have not come): no worker would look at the stop flag before there is
     room, which may be never, so nothing is checkpointed and the command stops at once."""
     def press_once_waiting(proc: subprocess.Popen) -> None:
-        time.sleep(10)  # Ray Train's controller is scheduling the group by now
+        from ray.util.placement_group import placement_group_table
+
+        deadline = time.monotonic() + 60  # Ray Train's controller asks for the group's placement, which waits
+        # (this process a driver of the cluster: `ray_session`)
+        while time.monotonic() < deadline and not any(
+                group["state"] == "PENDING" for group in placement_group_table().values()):
+            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         kill = threading.Timer(60, proc.kill)  # a stop that waited for room would wait for good
         kill.daemon = True

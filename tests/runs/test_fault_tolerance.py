@@ -383,7 +383,8 @@ def test_precision_and_weight_decay_may_change_between_runs(cluster, reference, 
     # fp32 (the reference run at step 10) -> fp16 (no loss scale in the checkpoint: it starts afresh) -> bf16 (the
     # fp16 loss scale is dropped), each run continuing the last. The bf16 run also all-reduces its gradients in
     # bf16 (train.grad_compression), which a run may switch on and off: it is not part of the training state.
-    # The new weight decay is the one the optimizer uses from the first step after the resume.
+    # The new weight decay is the one the optimizer holds when the run ends (its first step after a resume: the
+    # restore test of tests/runs/test_state.py).
     first = final_state(reference_until(reference, 10, tmp_path / "precision"))
     assert first["step"] == 10 and not first["scaler"]
     assert {g["weight_decay"] for g in first["optimizer"]["param_groups"]} == {0.0}
