@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.Parser(prog="python -m raydiff.ema", description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="the run directory (a path or s3:// / gs:// URI)")
-    parser.add_argument("--sigma-rel", required=True, help="comma-separated widths, each in (0, 0.28)")
+    parser.add_argument("--sigma-rel", required=True, help="comma-separated widths, each in [0.0001, 0.28)")
     parser.add_argument("--out", required=True, help="local folder for one checkpoint folder per width")
     parser.add_argument("--step", type=int, default=None, help="a snapshot's step (default: the newest)")
     parser.add_argument("--endpoint", default=None, help="S3/GCS endpoint URL (default: AWS_ENDPOINT_URL)")

@@ -19,7 +19,7 @@ the class they were asked for.
 
 A run trained with `train.ema: posthoc` can be measured at several EMA widths without writing any weights:
 `--sigma-rel S[,S...]` rebuilds each average from the run's snapshots (as `raydiff.ema` does) and gives one
-result per width, then the best.
+result per width, then, for more than one, the best.
 """
 
 from __future__ import annotations

@@ -80,8 +80,9 @@ def test_sample_and_export_take_a_rebuilt_average(posthoc_run, tmp_path):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--sigma-rel", "0.3"], "--sigma-rel = '0.3': must be comma-separated different numbers in (0, 0.28)"),
+    (["--sigma-rel", "0.3"], "--sigma-rel = '0.3': must be comma-separated different numbers in [0.0001, 0.28)"),
     (["--sigma-rel", "0.05,0.05"], "must be comma-separated different numbers"),
+    (["--sigma-rel", "1e-200"], "--sigma-rel = '1e-200': must be comma-separated different numbers in [0.0001, 0.28)"),
     (["--sigma-rel", "wide"], "--sigma-rel = 'wide'"),
     (["--sigma-rel", "0.05", "--step", "35"], "--step 35: no snapshot of"),
 ])

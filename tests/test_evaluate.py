@@ -111,7 +111,7 @@ def test_post_hoc_widths_of_a_run_without_snapshots_are_one_line(smoke_run, caps
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--sigma-rel", "0"], "--sigma-rel = '0': must be comma-separated different numbers in (0, 0.28)"),
+    (["--sigma-rel", "0"], "--sigma-rel = '0': must be comma-separated different numbers in [0.0001, 0.28)"),
     (["--num", "1"], "--num = 1: must be >= 2"),
     (["--metrics", "fid,is"], "--metrics = ['fid', 'is']: must be a list of fid and/or kid, each once"),
     (["--features", "inception", "--weights", "/nonexistent/inception.pth"],

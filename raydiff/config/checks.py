@@ -36,6 +36,7 @@ from raydiff.storage.fs import (
 MAX_PROFILED_STEPS = 50  # log.profile_steps: a trace holds every kernel and operator, a few MB per GPU step
 SEED_LIMIT = 2**64  # train.seed: torch.manual_seed takes a 64-bit unsigned seed, and a worker calls it
 SIGMA_REL_MAX = 0.28  # a post-hoc EMA width: exponent > 0 needs sigma_rel < sqrt(1/12) = 0.2887
+SIGMA_REL_MIN = 1e-4  # narrower is all extrapolation, and below ~1e-154 its exponent overflows a float
 
 BUILTIN_SOURCES = ("builtin:digits",)
 # The oldest release of an optional package that raydiff works with (pyproject.toml's extras say the same).
@@ -253,9 +254,9 @@ RULES: tuple[Rule, ...] = (
     Rule("train.ema_warmup_steps", lambda c: c.train.ema_warmup_steps >= 0, "must be >= 0"),
     Rule("train.checkpoint_every", lambda c: c.train.checkpoint_every >= 1, "must be >= 1"),
     Rule("train.ema_sigma_rels", lambda c: len(c.train.ema_sigma_rels) >= 1
-         and all(0 < s < SIGMA_REL_MAX for s in c.train.ema_sigma_rels)
+         and all(SIGMA_REL_MIN <= s < SIGMA_REL_MAX for s in c.train.ema_sigma_rels)
          and len(set(c.train.ema_sigma_rels)) == len(c.train.ema_sigma_rels),
-         f"must be one or more different widths, each in (0, {SIGMA_REL_MAX})"),
+         f"must be one or more different widths, each in [{SIGMA_REL_MIN:g}, {SIGMA_REL_MAX})"),
     Rule("train.ema_snapshot_every", lambda c: c.train.ema_snapshot_every == "auto" or c.train.ema_snapshot_every >= 1,
          "must be >= 1 or auto"),
     Rule("train.sample_every", lambda c: c.train.sample_every >= 0, "must be >= 0 (0 = only at the end)"),
@@ -448,6 +449,7 @@ def parse_numbers(flag: str, text: str, *, ok: Callable[[float], bool], allowed:
 
 
 def parse_sigma_rels(text: str) -> list[float]:
-    """--sigma-rel S[,S...]: different numbers in (0, SIGMA_REL_MAX), in the order given."""
-    return parse_numbers("--sigma-rel", text, ok=lambda s: 0 < s < SIGMA_REL_MAX, different=True,
-                         allowed=f"must be comma-separated different numbers in (0, {SIGMA_REL_MAX}), such as 0.05,0.1")
+    """--sigma-rel S[,S...]: different numbers in [SIGMA_REL_MIN, SIGMA_REL_MAX), in the order given."""
+    return parse_numbers("--sigma-rel", text, ok=lambda s: SIGMA_REL_MIN <= s < SIGMA_REL_MAX, different=True,
+                         allowed=f"must be comma-separated different numbers in [{SIGMA_REL_MIN:g}, {SIGMA_REL_MAX}), "
+                                 f"such as 0.05,0.1")

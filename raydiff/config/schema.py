@@ -229,7 +229,7 @@ class TrainSection:
     EMA; see docs/training.md#post-hoc-ema)."""
     ema_sigma_rels: tuple[float, ...] = (0.05, 0.10)
     """`train.ema: posthoc`: the relative widths (standard deviation / training time) of the tracked averages
-    (EDM2's 0.05 and 0.10); each in (0, 0.28)."""
+    (EDM2's 0.05 and 0.10); each in [0.0001, 0.28)."""
     ema_snapshot_every: Literal["auto"] | int = "auto"
     """`train.ema: posthoc`: optimizer steps between snapshots of the tracked averages (`ema_snapshots/` in the run
     directory); `auto` = `train.checkpoint_every`."""

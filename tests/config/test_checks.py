@@ -62,6 +62,8 @@ from raydiff.config.checks import parse_sigma_rels
     ("train.keep_host_memory=maybe", "train.keep_host_memory = 'maybe': expected auto | true | false"),
     ("data.on_device=maybe", "data.on_device = 'maybe': expected auto | true | false"),
     ("train.ema_decay=1", "must be in [0, 1)"),
+    ("train.ema_sigma_rels=[1e-200]", "train.ema_sigma_rels = [1e-200]: must be one or more different widths, each "
+                                      "in [0.0001, 0.28)"),  # an exponent that overflowed in every worker
     ("run.name=a/b", "use letters, digits"),
     ("train.lr", "expected key=value"),
     ("eval.num=1", "eval.num = 1: must be >= 2"),
