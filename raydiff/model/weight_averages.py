@@ -188,12 +188,14 @@ class PowerEma:
     def state_dict(self) -> dict:
         return {"sigma_rels": list(self.sigma_rels), "profiles": [p.state_dict() for p in self.profiles]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, check_only: bool = False) -> None:
+        """`check_only`: raise as the load would, changing nothing (each average tried on a copy of itself alone: a
+        copy of this object would copy the model and the classic EMA its updates reach too)."""
         if tuple(state["sigma_rels"]) != self.sigma_rels:
             raise ValueError(f"the checkpoint tracks sigma_rel {state['sigma_rels']}, this run "
                              f"{list(self.sigma_rels)}")
         for profile, saved in zip(self.profiles, state["profiles"], strict=True):
-            profile.load_state_dict(saved)
+            (copy.deepcopy(profile) if check_only else profile).load_state_dict(saved)
 
 
 def reconstruct(snapshots: Sequence[tuple[int, float, dict[str, torch.Tensor]]], out_sigma_rels: Sequence[float],

@@ -380,7 +380,7 @@ def restore(state: dict[str, Any], objects: TrainingState) -> tuple[Progress, li
     if scaler_state is not None:
         copy.deepcopy(scaler).load_state_dict(scaler_state)
     if posthoc is not None:
-        copy.deepcopy(posthoc).load_state_dict(state["posthoc_ema"])
+        posthoc.load_state_dict(state["posthoc_ema"], check_only=True)
     counters = {**Progress().counters, **state["counters"]}
     window = {**Progress().window, **state["window"]}
 

@@ -191,6 +191,19 @@ def test_the_post_hoc_averages_travel_in_the_checkpoint_and_are_required_by_a_po
         restore_newest(checkpoint_candidates(classic), other._replace(posthoc=PowerEma(other.model, [0.05])))
     assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())
 
+    # An average that does not fit (its second width's tensors cut): refused before anything, the first width's
+    # average included, changed.
+    state = read_state(tmp_path / "checkpoint_00000003")
+    name, tensor = next(iter(state["posthoc_ema"]["profiles"][1].items()))
+    state["posthoc_ema"]["profiles"][1][name] = tensor[..., :1].clone()
+    live = PowerEma(other.model, [0.05, 0.1])
+    averages_before = [{k: v.clone() for k, v in p.state_dict().items()} for p in live.profiles]
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        restore(state, other._replace(posthoc=live))
+    assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())
+    for kept, profile in zip(averages_before, live.profiles, strict=True):
+        assert all(torch.equal(v, profile.state_dict()[k]) for k, v in kept.items())
+
 
 def test_a_checkpoint_keeps_the_newest_measurements_and_older_ones_restore_without(tmp_path):
     """A run resumed at its last step trains nothing and must still end with its validation loss and quality
