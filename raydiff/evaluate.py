@@ -274,8 +274,11 @@ def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float],
     snapshots = list_snapshots(run_dir, where=where)
     steps = [s for s in snapshots if s <= state["step"]]
     if not steps:
+        tracked = state["config"].get("train", {}).get("ema") == "posthoc"
+        how = ("its first is written at train.ema_snapshot_every steps" if tracked else
+               "train it with --set train.ema=posthoc to record them")
         raise ConfigError(f"--sigma-rel: {run_dir} has no post-hoc EMA snapshots at or before step {state['step']} "
-                          f"(train it with --set train.ema=posthoc to record them)")
+                          f"({how})")
     if steps[-1] != state["step"]:
         print(f"[raydiff] note: the newest snapshot at or before step {state['step']} is step {steps[-1]}; "
               f"rebuilding there", file=sys.stderr)

@@ -222,6 +222,25 @@ def test_widths_below_a_thousandth_are_written_to_folders_of_their_own(posthoc_r
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sigma_rel-0.0001", "sigma_rel-0.0002"]
     assert "(from 6 snapshots)" in capsys.readouterr().out
 
+    # A rebuilt average given back as the run was told it was a checkpoint folder of the run {tmp_path}.
+    rebuilt = tmp_path / "sigma_rel-0.0001"
+    assert cli.run(ema_command.main, ["--checkpoint", str(rebuilt), "--sigma-rel", "0.07",
+                                      "--out", str(tmp_path / "again")]) == 2
+    assert capsys.readouterr().err == (
+        f"raydiff: error: {rebuilt}: an average raydiff.ema rebuilt; the post-hoc EMA's snapshots are its run's: "
+        f"give the run folder it was rebuilt from\n")
+
+
+def test_a_post_hoc_run_before_its_first_snapshot_is_told_when_one_comes_not_to_train_with_post_hoc(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("train: {ema: posthoc, ema_snapshot_every: 100}\n")
+    assert cli.run(ema_command.main, ["--checkpoint", str(run), "--sigma-rel", "0.07",
+                                      "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"raydiff: error: {run}: no post-hoc EMA snapshot yet (ema_snapshots/): the run writes one every "
+        f"train.ema_snapshot_every steps and at its end\n")
+
 
 def test_a_damaged_snapshot_is_named_in_one_line_without_torchs_advice(posthoc_run, tmp_path, capsys):
     import shutil

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import yaml
 
 from raydiff.config import Config
 from raydiff.model.weight_averages import PowerEma, combine, solve_coefficients
@@ -142,9 +143,15 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
     steps = list_snapshots(run_dir, where=where) if steps is None else steps
     if not steps and not run_dir.exists():  # a mistyped path: no reason to train again
         raise FileNotFoundError(f"{run_dir}: no such run folder")
+    if not steps and run_dir.is_file(STATE_FILE) and run_dir.name.startswith("sigma_rel-"):  # raydiff.ema's --out
+        raise FileNotFoundError(f"{run_dir}: an average raydiff.ema rebuilt; the post-hoc EMA's snapshots are its "
+                                f"run's: give the run folder it was rebuilt from")
     if not steps and run_dir.is_file(STATE_FILE):  # the snapshots are the run's, beside its checkpoints
         raise FileNotFoundError(f"{run_dir}: a checkpoint folder; the post-hoc EMA's snapshots are its run's: give "
                                 f"the run folder, {run_dir.parent} (and --step for this checkpoint's step)")
+    if not steps and _tracks_posthoc(run_dir):
+        raise FileNotFoundError(f"{run_dir}: no post-hoc EMA snapshot yet ({SNAPSHOT_DIR}/): the run writes one "
+                                f"every train.ema_snapshot_every steps and at its end")
     if not steps:
         raise FileNotFoundError(f"{run_dir}: no post-hoc EMA snapshots ({SNAPSHOT_DIR}/); train with "
                                 f"--set train.ema=posthoc to record them")
@@ -164,6 +171,16 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
     posthoc = {"snapshots": len(used), "profiles": len(coefficients), "run": str(run_dir)}
     return [Rebuilt(sigma, {**common, "ema": average, "posthoc": {"sigma_rel": sigma, **posthoc}})
             for sigma, average in zip(sigma_rels, averages, strict=True)]
+
+
+def _tracks_posthoc(run_dir: RunDir) -> bool:
+    """Whether the run's recorded config (config.yaml, where it reads) has train.ema: posthoc."""
+    try:
+        recorded = yaml.safe_load(run_dir.read_text("config.yaml")) if run_dir.is_file("config.yaml") else None
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(recorded, dict) and isinstance(recorded.get("train"), dict) and \
+        recorded["train"].get("ema") == "posthoc"
 
 
 def _profiles(run_dir: RunDir, steps: list[int], tracked: list[float], out_step: int,
