@@ -265,6 +265,15 @@ def test_exporting_an_exported_folder_says_what_it_is_in_one_line(exported, tmp_
         f"a raydiff run or checkpoint folder (raydiff.sample and model.init_from read this one)\n")
     assert list(tmp_path.iterdir()) == []
 
+    # As a guide, and to raydiff.evaluate: "no checkpoint_* folder with state.pt in it".
+    checkpoint, _ = exported
+    assert cli.run(export.main, ["--checkpoint", str(checkpoint), "--guide", str(folder),
+                                 "--out", str(tmp_path / "again")]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"{folder}: a diffusers pipeline folder, not a raydiff run or checkpoint folder (raydiff.sample and "
+        f"model.init_from read it)\n")
+    assert list(tmp_path.iterdir()) == []
+
 
 def test_no_ema_exports_the_online_weights(exported, tmp_path, capsys):
     checkpoint, _ = exported

@@ -267,6 +267,9 @@ def read_newest(location: Location, *, where: str | None = None) -> tuple[RunDir
         raise FileNotFoundError(f"{run}: no such run or checkpoint folder")
     else:
         candidates = list_checkpoints(run, where=where)[::-1]
+        if not candidates and (run.is_file("model_index.json") or run.is_file("unet/config.json")):
+            raise FileNotFoundError(f"{run}: a diffusers pipeline folder, not a raydiff run or checkpoint folder "
+                                    f"(raydiff.sample and model.init_from read it)")
         if not candidates:
             raise FileNotFoundError(f"{run}: no checkpoint_* folder with {STATE_FILE} in it")
     failures = []
