@@ -148,14 +148,15 @@ def state_from_folder(location: str | Path, *, where: str) -> dict[str, Any]:
                 print(f"[raydiff] note: {scheduler_file}: {', '.join(unused)} not used: raydiff samples with its own "
                       f"samplers (DDPM with the posterior variance, fixed_small; x0 clipped to [-1, 1])")
             break
-    for key, value in keys.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, tuple(value) if isinstance(value, list) else value)
-    num_classes = keys["model.num_classes"]
-    if num_classes:
-        cfg.data.labels = "auto"  # what a class-conditional config has (a foreign folder has no raydiff config)
+    # The folder's keys on raydiff's defaults alone too, for its rules: the rest of its config is its run's, checked
+    # when that ran (an older raydiff's may break today's rules, and sampling does not read them).
+    alone = Config()
+    for key, value in {**keys, **({"data.labels": "auto"} if keys["model.num_classes"] else {})}.items():
+        section, name = key.split(".")  # data.labels: what a class-conditional config has (a foreign folder has none)
+        for target in (cfg, alone):
+            setattr(getattr(target, section), name, tuple(value) if isinstance(value, list) else value)
     try:  # a UNet raydiff's rules refuse (an image size its levels cannot halve), before its weights are read
-        validate(cfg, check_source=False)
+        validate(alone, check_source=False)
     except ConfigError as exc:
         raise ConfigError(f"{where}: the UNet there is not one raydiff can build (in raydiff's keys: {exc})") from None
     unet_weights = read_unet_weights(source, subfolder, where=where)

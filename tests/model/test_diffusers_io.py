@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from diffusers import DDIMScheduler, DDPMScheduler, UNet2DModel
 from torch import nn
 
@@ -417,6 +418,18 @@ def test_a_unet_config_edited_wrong_is_refused_in_one_line_before_its_weights_ar
     err = capsys.readouterr().err
     assert err.startswith("raydiff: config error: ") and err.count("\n") == 1 and problem in err
     assert not (tmp_path / "samples").exists()
+
+
+def test_a_folder_of_a_run_whose_config_today_s_rules_refuse_still_samples(tmp_path):
+    """The UNet's own keys are checked against raydiff's rules, not the run's config beside them: a run of an older
+    raydiff may hold values refused since (a blank eval.ref, a width below today's least), which sampling never
+    reads."""
+    folder, _ = _exported_smoke_folder(tmp_path)
+    config = folder / "raydiff_config.yaml"
+    tree = yaml.safe_load(config.read_text())
+    tree["eval"]["ref"], tree["train"]["ema_sigma_rels"] = "", [1e-200]
+    config.write_text(yaml.safe_dump(tree))
+    assert diffusers_folder.state_from_folder(folder, where="--checkpoint")["step"] == 20
 
 
 def test_a_folder_without_its_weights_file_or_read_as_a_guide_is_named_in_one_line(tmp_path, capsys):
