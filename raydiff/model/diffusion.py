@@ -363,26 +363,39 @@ def matmul_precision() -> str:
         return {"tf32": "high", "bf16": "medium"}.get(torch.backends.cuda.matmul.fp32_precision, "highest")
 
 
-def cudnn_tf32() -> bool:
-    """Whether cuDNN's fp32 convolutions use TF32, also where something set torch 2.9's `fp32_precision` flags
-    directly and the old getter refuses to answer."""
-    try:
-        return torch.backends.cudnn.allow_tf32
-    except RuntimeError:
-        return torch.backends.cudnn.conv.fp32_precision == "tf32"  # type: ignore[attr-defined]
+CudnnFlags = tuple[str, str] | bool  # (convolutions', RNNs' fp32_precision) on torch >= 2.9; allow_tf32 before
 
 
-def tf32_flags() -> tuple[str, bool]:
-    """fp32 matmuls' and cuDNN convolutions' precision settings as they are now (for `restore_tf32_flags`)."""
-    return matmul_precision(), cudnn_tf32()
+def _by_precision() -> bool:
+    """Whether this torch has cuDNN's `fp32_precision` flags (torch 2.9 on) beside the floor's `allow_tf32`."""
+    return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
 
 
-def restore_tf32_flags(saved: tuple[str, bool]) -> None:
-    """Put back what `tf32_flags` read. Both through the setters that set torch 2.9's flags and the old ones alike,
-    so that the old getters, which inductor's autotuning reads (TORCHINDUCTOR_MAX_AUTOTUNE), answer: they raise
-    once `matmul.fp32_precision` was set directly, or cuDNN's `conv.fp32_precision` to "ieee"."""
-    matmul, conv = saved
-    torch.backends.cudnn.allow_tf32 = conv
+def cudnn_tf32_flags(on: bool) -> CudnnFlags:
+    """cuDNN's flags for TF32 on or off, in the form `tf32_flags` reads."""
+    return ("tf32", "tf32") if on and _by_precision() else ("ieee", "ieee") if _by_precision() else on
+
+
+def tf32_flags() -> tuple[str, CudnnFlags]:
+    """fp32 matmuls' and cuDNN's precision settings as they are now (for `restore_tf32_flags`)."""
+    cudnn = torch.backends.cudnn
+    flags = (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision) if _by_precision() else cudnn.allow_tf32  # type: ignore[attr-defined]
+    return matmul_precision(), flags
+
+
+def restore_tf32_flags(saved: tuple[str, CudnnFlags]) -> None:
+    """Put back what `tf32_flags` read, so that the old getters, which inductor's autotuning reads
+    (TORCHINDUCTOR_MAX_AUTOTUNE), answer: matmuls through the setter that sets the old flag and the new alike (the
+    getter raises once `matmul.fp32_precision` was set directly), cuDNN's through its old setter first (its getter
+    raises where convolutions or RNNs were set to "ieee" without it), then its flags as they were ("none" inherits
+    from a level above, which another library may have set to TF32)."""
+    matmul, flags = saved
+    cudnn = torch.backends.cudnn
+    if isinstance(flags, tuple):
+        cudnn.allow_tf32 = flags[0] == "tf32"
+        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = flags  # type: ignore[attr-defined]
+    else:
+        cudnn.allow_tf32 = flags
     torch.set_float32_matmul_precision(matmul)
 
 
@@ -391,7 +404,7 @@ def full_fp32() -> Iterator[None]:
     """Convolutions and matmuls in IEEE fp32 while the block runs. On Ampere and newer GPUs cuDNN convolutions
     use TF32 (10-bit mantissas) unless told not to; sampling and evaluation promise fp32."""
     saved = tf32_flags()
-    restore_tf32_flags(("highest", False))
+    restore_tf32_flags(("highest", cudnn_tf32_flags(False)))
     try:
         yield
     finally:

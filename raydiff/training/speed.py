@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from raydiff.cluster.host_memory import host_memory_kept
-from raydiff.model.diffusion import restore_tf32_flags, tf32_flags
+from raydiff.model.diffusion import cudnn_tf32_flags, restore_tf32_flags, tf32_flags
 
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
@@ -172,7 +172,7 @@ def restore_backend_flags(saved: tuple[tuple[str, Any], bool]) -> None:
 def set_tf32(on: bool) -> None:
     """TF32 tensor cores for fp32 convolutions and matmuls on (training) or off (`restore_tf32_flags`); sampling
     turns it off for its own block (`raydiff.model.diffusion.full_fp32`)."""
-    restore_tf32_flags(("high" if on else "highest", on))
+    restore_tf32_flags(("high" if on else "highest", cudnn_tf32_flags(on)))
 
 
 def for_training(module: nn.Module, plan: SpeedPlan, device: torch.device, world_size: int) -> nn.Module:

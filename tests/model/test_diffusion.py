@@ -304,9 +304,7 @@ def test_training_s_tf32_and_sampling_s_fp32_leave_torch_s_precision_getters_ans
     """Training turns TF32 on, sampling inside it off and back on; torch's getters of the matmul precision and of
     cuDNN's TF32, which inductor's autotuning reads (TORCHINDUCTOR_MAX_AUTOTUNE), answer throughout: they raise
     once torch 2.9's matmul flag, or its cuDNN convolutions' flag, was set to "ieee" directly, as raydiff did, and a
-    compile would have failed there (under compile: auto, run eagerly). cuDNN's flag set that way by something
-    else is read, and put back as the old setter has it."""
-    from raydiff.model.diffusion import tf32_flags as read_flags
+    compile would have failed there (under compile: auto, run eagerly)."""
     from raydiff.training.speed import set_tf32
 
     try:
@@ -315,14 +313,40 @@ def test_training_s_tf32_and_sampling_s_fp32_leave_torch_s_precision_getters_ans
         with full_fp32():
             assert tf32_flags() == (False, "highest")
         assert tf32_flags() == (True, "high")
-        if hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"):
-            torch.backends.cudnn.conv.fp32_precision = "ieee"  # another library's setting: the old getter refuses
-            assert read_flags() == ("high", False)
-            with full_fp32():
-                assert tf32_flags() == (False, "highest")
     finally:
         set_tf32(False)
     assert tf32_flags() == (False, "highest")
+
+
+@pytest.mark.skipif(not hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"),
+                    reason="torch 2.9's fp32_precision flags")
+def test_sampling_is_fp32_whatever_another_library_set_and_puts_its_settings_back_as_they_were():
+    """TF32 asked for a level above cuDNN's convolutions (torch.backends.fp32_precision, which their "none"
+    inherits), and RNNs set apart from convolutions: sampling's convolutions are IEEE, the old getter answers inside
+    it, and each flag is as it was after it."""
+    from raydiff.model.diffusion import tf32_flags as read_flags
+
+    cudnn = torch.backends.cudnn
+    saved = (torch.backends.fp32_precision, cudnn.fp32_precision, cudnn.conv.fp32_precision,
+             cudnn.rnn.fp32_precision, torch.get_float32_matmul_precision())
+    try:
+        cudnn.allow_tf32 = False  # conv and rnn "none": they inherit from above
+        torch.backends.fp32_precision = "tf32"
+        assert cudnn.conv.fp32_precision == "tf32"  # inherited: TF32 convolutions
+        with full_fp32():
+            assert (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.allow_tf32) == ("ieee", "ieee", False)
+        assert cudnn.conv.fp32_precision == "tf32"
+
+        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = "ieee", "tf32"
+        before = read_flags()
+        with full_fp32():
+            assert cudnn.allow_tf32 is False
+        assert read_flags() == before == ("highest", ("ieee", "tf32"))
+    finally:
+        torch.backends.fp32_precision, cudnn.fp32_precision = saved[0], saved[1]
+        cudnn.allow_tf32 = saved[2] == "tf32"
+        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = saved[2], saved[3]
+        torch.set_float32_matmul_precision(saved[4])
 
 
 # Loss weighting: min-SNR-gamma.
