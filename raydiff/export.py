@@ -67,17 +67,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from raydiff.model import diffusers_folder, diffusers_io
     from raydiff.model.guidance import AUTOGUIDANCE
-    from raydiff.runs.checkpoint import checkpoint_location, input_errors
+    from raydiff.runs.checkpoint import checkpoint_location
     from raydiff.runs.ema_snapshots import weights_of
     from raydiff.runs.state import read_guide, read_newest
 
     location = checkpoint_location(args.checkpoint, args.endpoint)  # first: a folder this user may not read
-    with input_errors(f"--checkpoint {args.checkpoint}"):
-        exported = diffusers_folder.is_diffusers_folder(args.checkpoint)
-    if exported:
-        raise ConfigError(f"--checkpoint {args.checkpoint}: a diffusers pipeline folder, exported already; "
-                          f"export reads a raydiff run or checkpoint folder (raydiff.sample and model.init_from "
-                          f"read this one)")
     diffusers_io.require_diffusers("raydiff.export")
     checkpoint, state = read_newest(location, where=f"--checkpoint {args.checkpoint}")
     try:

@@ -22,7 +22,7 @@ import numpy as np
 
 from raydiff import cli
 from raydiff.config import Config, ConfigError, load_config, preset_names
-from raydiff.storage.atomic import new_file
+from raydiff.storage.atomic import new_file, sync_file
 from raydiff.storage.errors import output_errors
 from raydiff.storage.rundir import unwritable
 
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.writerow(["step", "lr", "loss", "smoothed_loss"])
             writer.writerows(zip(range(1, found["steps_run"] + 1), found["lrs"], found["losses"], found["smoothed"],
                                  strict=True))
+        sync_file(tmp)  # on disk before the plot is published: what may fail later is only the rename
         plot = plot_lr_find(found["lrs"], found["losses"], found["smoothed"], suggested=found["suggested_lr"],
                             steepest=found["steepest_lr"], path=args.out)
 

@@ -26,7 +26,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set train.lr=1e-4 (repeatable)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the config as loaded (auto values kept) and the model's parameter count, then exit")
+                        help="print the config as loaded (most auto values kept) and the model's parameter count, then "
+                             "exit")
     return parser.parse_args(argv)
 
 

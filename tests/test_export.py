@@ -257,21 +257,21 @@ def test_export_refuses_a_non_empty_folder_and_changes_nothing(exported, tmp_pat
     assert (tmp_path / "a-file").read_text() == ""
 
 
-def test_exporting_an_exported_folder_says_what_it_is_in_one_line(exported, tmp_path, capsys):
-    _, folder = exported
-    assert cli.run(export.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "again")]) == 2
-    assert capsys.readouterr().err == (
-        f"raydiff: config error: --checkpoint {folder}: a diffusers pipeline folder, exported already; export reads "
-        f"a raydiff run or checkpoint folder (raydiff.sample and model.init_from read this one)\n")
-    assert list(tmp_path.iterdir()) == []
+def test_an_exported_folder_given_where_a_run_is_read_says_what_it_is_in_one_line(exported, tmp_path, capsys):
+    """Exported again, as a guide, or evaluated: "no checkpoint_* folder with state.pt in it" said nothing of what
+    the folder is."""
+    from raydiff.evaluate import main as evaluate_main
 
-    # As a guide, and to raydiff.evaluate: "no checkpoint_* folder with state.pt in it".
-    checkpoint, _ = exported
-    assert cli.run(export.main, ["--checkpoint", str(checkpoint), "--guide", str(folder),
-                                 "--out", str(tmp_path / "again")]) == 2
-    assert capsys.readouterr().err.endswith(
-        f"{folder}: a diffusers pipeline folder, not a raydiff run or checkpoint folder (raydiff.sample and "
-        f"model.init_from read it)\n")
+    checkpoint, folder = exported
+    for command, args in ((export.main, ["--checkpoint", str(folder), "--out", str(tmp_path / "again")]),
+                          (export.main, ["--checkpoint", str(checkpoint), "--guide", str(folder),
+                                         "--out", str(tmp_path / "again")]),
+                          (evaluate_main, ["--checkpoint", str(folder)])):
+        assert cli.run(command, args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith(
+            f"{folder}: a diffusers pipeline folder, not a raydiff run or checkpoint folder (raydiff.sample and "
+            f"model.init_from read it)\n"), err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 
 from raydiff import cli
 from raydiff.bench import load_model_config
-from raydiff.config.schema import SAMPLERS
+from raydiff.config.schema import MAX_SAMPLING_STEPS, SAMPLERS
 
 
 def _timed(fn) -> float:
@@ -238,6 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for name in ("num", "batch", "pairs", "steps"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 refuse(f"--{name} {getattr(args, name)}: must be >= 1")
+        if args.steps is not None and args.steps > MAX_SAMPLING_STEPS:
+            refuse(f"--steps {args.steps}: must be in [1, {MAX_SAMPLING_STEPS:,}]")
         from raydiff.cluster.devices import resolve_device
 
         try:

@@ -86,10 +86,10 @@ def read_unet_weights(source: str, subfolder: str | None, *, where: str) -> dict
     from safetensors import SafetensorError
 
     folder = Path(source, subfolder or "")
-    if folder.is_dir() and not any((folder / f"diffusion_pytorch_model.{kind}").is_file()
-                                   for kind in ("safetensors", "bin")):  # before diffusers' warnings of a search
-        raise ConfigError(f"{where}: cannot read the UNet's weights (no diffusion_pytorch_model.safetensors in "
-                          f"{folder})")
+    if folder.is_dir() and not any(folder.glob("diffusion_pytorch_model*")):  # one file, or shards and their index:
+        # refused before diffusers' warnings of its search for other names
+        raise ConfigError(f"{where}: cannot read the UNet's weights (no diffusion_pytorch_model.safetensors or .bin "
+                          f"in {folder})")
     try:
         # low_cpu_mem_usage=False: the default asks for `accelerate` (a notice on every load) and saves nothing here.
         unet, loading = UNet2DModel.from_pretrained(source, subfolder=subfolder, low_cpu_mem_usage=False,

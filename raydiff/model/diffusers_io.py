@@ -238,7 +238,8 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# The UNet2DModel keys raydiff reads into its own, with what each must be.
+# The UNet2DModel keys raydiff reads into its own, with the kind of value each must be to be read (the ranges of
+# what they become are the config's rules, which the folder's reader checks).
 _UNET_VALUES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("block_out_channels", lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(map(_count, v)),
      "a list of channel counts"),
@@ -248,8 +249,8 @@ _UNET_VALUES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "a list of block names"),
     ("layers_per_block", _count, "one number of blocks, 1 or more"),
     ("norm_num_groups", _count, "a number of groups, 1 or more"),
-    ("norm_eps", lambda v: _number(v) and v > 0, "a number above 0"),
-    ("dropout", lambda v: _number(v) and 0 <= v < 1, "a number from 0 to 1 (1 excluded)"),
+    ("norm_eps", _number, "a number"),
+    ("dropout", _number, "a number"),
 )
 
 

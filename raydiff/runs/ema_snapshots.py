@@ -84,6 +84,12 @@ def list_snapshots(run_dir: RunDir, *, where: str | None = None) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_NAME.search, names) if m)
 
 
+def removed_note(removed: list[int], step: int, where: str) -> str:
+    """The note of `remove_snapshots_after`'s removal: of work after `step`, `where` the run goes on or ended."""
+    return (f"[raydiff] note: removed the post-hoc EMA snapshots of step(s) {', '.join(map(str, removed))}: of work "
+            f"after step {step}, {where}")
+
+
 def remove_snapshots_after(run_dir: RunDir, step: int) -> list[int]:
     """Remove the snapshots of steps after `step`; their steps."""
     later = [s for s in list_snapshots(run_dir) if s > step]
@@ -177,7 +183,7 @@ def _tracks_posthoc(run_dir: RunDir) -> bool:
     """Whether the run's recorded config (config.yaml, where it reads) has train.ema: posthoc."""
     try:
         recorded = yaml.safe_load(run_dir.read_text("config.yaml")) if run_dir.is_file("config.yaml") else None
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # unreadable, not UTF-8, not YAML: the plain line then
         return False
     return isinstance(recorded, dict) and isinstance(recorded.get("train"), dict) and \
         recorded["train"].get("ema") == "posthoc"

@@ -24,6 +24,7 @@ from raydiff.runs.ema_snapshots import (
     SNAPSHOT_DIR,
     describe_snapshots,
     remove_snapshots_after,
+    removed_note,
     snapshot_bytes,
     snapshot_name,
 )
@@ -125,9 +126,7 @@ def forget_snapshots_after(w: Worker, step: int) -> None:
     def remove() -> None:
         removed = remove_snapshots_after(w.run_dir, step)
         if removed:
-            logger.warning(f"[raydiff] note: removed the post-hoc EMA snapshots of step(s) "
-                           f"{', '.join(map(str, removed))}: of work after step {step}, where the run continues "
-                           f"(it writes its own as it goes)")
+            logger.warning(removed_note(removed, step, "where the run continues (it writes its own as it goes)"))
 
     w.writes.submit(SNAPSHOT_DIR, remove)
 

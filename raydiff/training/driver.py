@@ -30,7 +30,7 @@ from raydiff.quality.features import features_for, metric_names, require_metrics
 from raydiff.quality.reference_stats import reference_for
 from raydiff.runs.checkpoint import checkpoint_bytes, drop_unusable_ray_checkpoint_list, remove_partial_writes
 from raydiff.runs.dashboards import dashboards_for
-from raydiff.runs.ema_snapshots import remove_snapshots_after
+from raydiff.runs.ema_snapshots import remove_snapshots_after, removed_note
 from raydiff.runs.errors import Unresumable
 from raydiff.runs.init_from import InitWeights, load_init_weights
 from raydiff.runs.run_plan import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
@@ -428,8 +428,7 @@ def _forget_work_after(run_dir: RunDir, step: int) -> None:
     metrics.flush()
     removed = remove_snapshots_after(run_dir, step)
     if removed:
-        print(f"[raydiff] note: removed the post-hoc EMA snapshots of step(s) {', '.join(map(str, removed))}: of "
-              f"work after step {step}, where the run finished")
+        print(removed_note(removed, step, "where the run finished"))
 
 
 def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: int, result: WorkerResult | None,

@@ -398,11 +398,13 @@ def test_a_scheduler_value_of_another_kind_is_refused_naming_the_file_key_value_
     ("down_block_types", "DownBlock2D", "raydiff needs a list of block names"),
     ("layers_per_block", "1", "raydiff needs one number of blocks, 1 or more"),
     ("norm_num_groups", None, "raydiff needs a number of groups, 1 or more"),
-    ("norm_eps", "x", "raydiff needs a number above 0"),
+    ("norm_eps", "x", "raydiff needs a number"),
+    ("norm_eps", 0, "in raydiff's keys: model.norm_eps = 0.0: must be > 0"),
     ("sample_size", 0, "raydiff needs the image size"),
     ("sample_size", 9, "the UNet there is not one raydiff can build (in raydiff's keys: data.resolution = 9: must "
                        "be divisible by 2^(len(model.channel_mult)-1) = 2)"),
 ], ids=["a width of 0", "widths a number", "block names a string", "blocks a string", "groups null", "eps a string",
+        "eps 0",
         "size 0", "a size its levels cannot halve"])
 def test_a_unet_config_edited_wrong_is_refused_in_one_line_before_its_weights_are_read(tmp_path, capsys, key, value,
                                                                                        problem):
@@ -447,7 +449,7 @@ def test_a_folder_without_its_weights_file_or_read_as_a_guide_is_named_in_one_li
         assert cli.run(sample.main, [*flags, "--out", str(run)]) == 2
         assert capsys.readouterr().err == (
             f"raydiff: config error: {flags[-2]} {folder}: cannot read the UNet's weights (no "
-            f"diffusion_pytorch_model.safetensors in {folder / 'unet'})\n")
+            f"diffusion_pytorch_model.safetensors or .bin in {folder / 'unet'})\n")
     assert not run.exists()
 
 
