@@ -108,6 +108,8 @@ class Cadence:
         self.live = _Live.open(w, progress)
         self._settle(wait=False)  # storage that refused the start records stops every worker before training
         self.run_start = time.perf_counter()
+        # What the progress line's ETA counts from: this start, or the rollback since (not the rolled-back steps).
+        self._eta_from = (progress.step, self.run_start)
 
     # The step's data.
     def next_batches(self, step: int) -> list[MicroBatch]:
@@ -181,8 +183,8 @@ class Cadence:
             written = time.perf_counter()  # (the device has done the row's steps: close read their sums)
             self.last_row = row = row | self._extra_metrics(new_val_loss, new_quality)
             if writes:
-                self._write("writing metrics.jsonl", log_row, w, row, live.dashboards, start_step=self.start_step,
-                            elapsed_s=time.perf_counter() - self.run_start)
+                self._write("writing metrics.jsonl", log_row, w, row, live.dashboards, start_step=self._eta_from[0],
+                            elapsed_s=time.perf_counter() - self._eta_from[1])
             live.window.paused_s += time.perf_counter() - written  # the row's own writing: not the next row's time
 
         grid_due = writes and ((t.sample_every and step % t.sample_every == 0) or done)
@@ -269,6 +271,7 @@ class Cadence:
                 self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback)
                 self.live.close()
                 self.live = _Live.open(w, back)  # the rolled-back steps' dashboard points disappear
+                self._eta_from = (back.step, time.perf_counter())
                 return back
         self.diagnostic = divergence_report(t, progress.step, lr, result, w.cfg.diffusion.timesteps)
         self._event("diverged", step=progress.step, diagnostic=self.diagnostic)

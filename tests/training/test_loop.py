@@ -133,6 +133,29 @@ def test_ddp_accumulation_and_uneven_shares_match_one_worker(tmp_path):
             assert torch.allclose(three[part][key], value, rtol=1e-4, atol=1e-5), f"{part}.{key}"
 
 
+def test_the_progress_line_s_eta_counts_from_a_rollback_not_over_the_rolled_back_steps(ray_session, tmp_path,
+                                                                                       monkeypatch):
+    """Started at step 5, then rolled back to a checkpoint of its own: the rows after the rollback count their rate
+    from that checkpoint's step and the rollback's time (the ETA counted the rolled-back steps' time, and read many
+    times too long)."""
+    from raydiff.training import chief_records
+
+    run_local(ray_session, tmp_path, "eta", "train.total_steps=5", "train.checkpoint_every=5")
+    lines: list[tuple[int, int]] = []  # (the row's step, the step its ETA counts from), in order
+    line = chief_records.progress_line
+    monkeypatch.setattr(chief_records, "progress_line", lambda row, total, start_step, elapsed_s: (
+        lines.append((row["step"], start_step)), line(row, total, start_step, elapsed_s))[1])
+    result, _ = run_local(ray_session, tmp_path, "eta", "train.total_steps=16", "train.checkpoint_every=5",
+                          "debug.nan_at_steps=[11,12,13]", "train.max_bad_steps=3")
+    assert result["rollbacks"] == 1 and result["steps"] == 16
+    events = [json.loads(line) for line in (tmp_path / "eta" / "events.jsonl").read_text().splitlines()]
+    rollback = next(e for e in events if e["event"] == "rollback")
+    assert rollback["to_step"] > 5  # a checkpoint of this start's
+    # The rows up to the checkpoint rolled back to count from the start; the steps trained again, from it.
+    assert lines == [(step, 5 if step <= rollback["to_step"] else rollback["to_step"]) for step, _ in lines], lines
+    assert lines[-1][0] == 16 > rollback["to_step"]
+
+
 def test_a_rollback_to_the_checkpoint_a_start_began_from_records_its_first_step_once(ray_session, tmp_path):
     """The first step of a start is recorded once (its seconds are the compilation's figure): a rollback to the
     start's own checkpoint recorded it again, its seconds counting the failed steps and the restore."""
