@@ -96,7 +96,10 @@ def frechet_distance(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.n
     def stat(mu_sigma):
         return {"mu": np.asarray(mu_sigma[0], np.float64), "sigma": np.asarray(mu_sigma[1], np.float64)}
 
-    return max(0.0, fid_statistics_to_metric(stat(a), stat(b), verbose=False)[KEY_METRIC_FID])
+    stats = stat(a), stat(b)
+    if not all(np.isfinite(s["mu"]).all() and np.isfinite(s["sigma"]).all() for s in stats):
+        return float("nan")  # features of non-finite images (a diverged model's): no distance, never max(0, nan) = 0
+    return max(0.0, fid_statistics_to_metric(*stats, verbose=False)[KEY_METRIC_FID])
 
 
 def kernel_distance(a: np.ndarray, b: np.ndarray, *, seed: int = 0) -> tuple[float, float]:

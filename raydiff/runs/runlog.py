@@ -20,6 +20,18 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float, however deep, as None: JSON has no NaN or Infinity (Python writes them,
+    strict readers refuse them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 class JsonlLog:
     """A file of JSON rows in a run directory. Locally each row is appended at once (`tail -f` works); on an
     object store, which cannot append, rows are kept in memory and the file is rewritten by `flush()`, which
@@ -62,8 +74,7 @@ class JsonlLog:
 
     def extend(self, rows: list[dict[str, Any]]) -> None:
         """Append `rows`, locally in one write: all or none."""
-        clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-                 for row in rows]
+        clean = [json_safe(row) for row in rows]
         if not self.run.remote:
             self.run.append_text(self.name, "".join(json.dumps(row) + "\n" for row in clean))
             return

@@ -34,7 +34,7 @@ from raydiff.runs.ema_snapshots import remove_snapshots_after, removed_note
 from raydiff.runs.errors import Unresumable
 from raydiff.runs.init_from import InitWeights, load_init_weights
 from raydiff.runs.run_plan import DATA_FILE, DRIVER_FILE, RunPlan, move_aside, plan_run
-from raydiff.runs.runlog import JsonlLog
+from raydiff.runs.runlog import JsonlLog, json_safe
 from raydiff.storage.errors import (
     StorageFailure,
     failure_message,
@@ -463,5 +463,5 @@ def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: 
     diagnostic = error or (r.diagnostic if r else None)
     if diagnostic:
         summary["error"] = diagnostic
-    run_dir.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
+    run_dir.write_text("summary.json", json.dumps(json_safe(summary), indent=2) + "\n")
     return summary

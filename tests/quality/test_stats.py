@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -38,6 +40,14 @@ def test_frechet_distance_is_zero_for_equal_sets_and_grows_with_a_shift():
     assert frechet_distance(a, shifted) == pytest.approx(4 * 0.5**2, rel=1e-6)  # ||mu_a - mu_b||^2, same sigma
     wider = _stats(features * 2).mu_sigma()
     assert frechet_distance(a, wider) == pytest.approx(4 * (1 - 2) ** 2, rel=0.05)  # Tr(S_a + S_b - 2 sqrt(S_a S_b))
+
+
+def test_the_frechet_distance_of_non_finite_features_is_nan_never_a_perfect_zero():
+    """A diverged model's NaN images gave NaN means, and max(0, nan) reported a distance of 0.0; NaN covariances
+    raised scipy's LinAlgError."""
+    a = _stats(np.random.default_rng(1).normal(size=(200, 4))).mu_sigma()
+    for broken in ((a[0] * np.nan, a[1]), (a[0], a[1] * np.nan)):
+        assert math.isnan(frechet_distance(broken, a)) and math.isnan(frechet_distance(a, broken))
 
 
 def test_kernel_distance_near_zero_for_one_distribution_positive_for_another():

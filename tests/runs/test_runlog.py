@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from raydiff.runs.runlog import JsonlLog, progress_line
 from raydiff.storage.rundir import RunDir
 
@@ -24,6 +26,26 @@ def test_a_non_finite_number_is_written_as_null_so_every_row_is_valid_json(tmp_p
     log = JsonlLog(RunDir(tmp_path), "metrics.jsonl")
     log.append({"step": 1, "loss": math.nan, "grad_norm": math.inf})
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": None, "grad_norm": None}
+
+
+def test_the_run_s_summary_is_valid_json_with_non_finite_measurements_as_null(tmp_path):
+    """A diverged validation (inf) and a quality measurement of NaN images were written as Infinity and NaN, which
+    strict JSON readers refuse (metrics.jsonl's rows had them as null already; nested ones now too)."""
+    import time
+
+    from raydiff.config import load_config
+    from raydiff.training.driver import _write_summary
+    from raydiff.training.worker_io import WorkerResult, WorkerStatus
+
+    result = WorkerResult(WorkerStatus.FINISHED, steps=20, images_seen=320, final_loss=0.1, val_loss=math.inf,
+                          quality={"digits_fd": math.nan, "digits_coverage": 1.0})
+    cfg = load_config("smoke", [f"run.storage={tmp_path}"])
+    _write_summary(cfg, RunDir(tmp_path), "test", 0, result, None, None, time.perf_counter(), {})
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert summary["final_val_loss"] is None and summary["quality"] == {"digits_fd": None, "digits_coverage": 1.0}
+    log = JsonlLog(RunDir(tmp_path), "metrics.jsonl")
+    log.append({"step": 1, "quality": {"fid": math.nan}})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "quality": {"fid": None}}
 
 
 def test_the_progress_line_counts_the_eta_from_this_start():
