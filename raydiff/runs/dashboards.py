@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from raydiff.config import Config
+from raydiff.runs.runlog import json_safe
 from raydiff.storage.atomic import scratch_folder
 from raydiff.storage.rundir import RunDir
 from raydiff.storage.writes import BackgroundWrites
@@ -140,8 +141,9 @@ class _TensorBoard(_Backend):
         else:
             folder = local / TENSORBOARD_DIR
         # purge_step writes a SessionLog.START: TensorBoard's reader then drops the points at or past it that
-        # earlier files hold (rows a crashed session logged after its last checkpoint), so curves don't rewind.
-        self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1, flush_secs=30)
+        # earlier files hold (rows a crashed session logged after its last checkpoint), so curves don't rewind;
+        # from a start over, all of them (the config's text at step 0 too, written again below).
+        self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1 if resume_step else 0, flush_secs=30)
         if resume_step == 0:
             text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
             self.writer.add_text("config", f"```yaml\n{text}```", 0)
@@ -411,8 +413,8 @@ class Dashboards:
 
     def summary(self, summary: dict[str, Any]) -> None:
         """The run's summary.json: final metrics and tags in MLflow (which then ends the run FINISHED or FAILED
-        by `status`), the W&B run's summary, a text panel in TensorBoard."""
-        self._each("summary", summary)
+        by `status`), the W&B run's summary, a text panel in TensorBoard; a non-finite number as none (left out)."""
+        self._each("summary", json_safe(summary))
 
     def flush(self) -> None:
         """Make what was logged visible (at checkpoints): TensorBoard's files, uploaded on object stores by a

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -87,6 +88,28 @@ def test_tensorboard_resume_drops_the_crashed_sessions_points(tmp_path):
     assert config_text.startswith("```yaml\n") and "name: dash" in config_text
     assert len(texts["config/text_summary"]) == 1  # written by the fresh start only
     assert '"final_loss": 160.0' in texts["summary/text_summary"][0].tensor_proto.string_val[0].decode()
+
+
+def test_a_start_over_before_the_first_checkpoint_shows_the_config_once_and_the_summary_without_nan(tmp_path):
+    """Restarted from step 0 (killed before its first checkpoint), the run's config text at step 0 was shown
+    twice: a purge from step 1 kept the first session's. A non-finite summary number is left out, not "NaN"."""
+    run_dir = RunDir(tmp_path / "run")
+    for session in range(2):
+        dashboards = Dashboards(_config(), run_dir, resume_step=0)
+        dashboards.metrics(_row(10, loss=1.0 + session))
+        dashboards.close()
+    dashboards = Dashboards(_config(), run_dir, resume_step=10)
+    dashboards.summary({"status": "finished", "steps": 10, "final_val_loss": math.inf, "quality": {"fid": math.nan}})
+    dashboards.close()
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    shown = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0})  # the app's
+    shown.Reload()                                                               # (--load_fast=false) reader
+    assert len(shown.Tensors("config/text_summary")) == 1
+    acc = _read_tensorboard(tmp_path / "run" / "tensorboard")
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(10, 2.0)]
+    summary = acc.Tensors("summary/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "NaN" not in summary and "Infinity" not in summary and '"fid": null' in summary
 
 
 def test_tensorboard_on_an_object_store_uploads_at_flush(tmp_path, monkeypatch):
