@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT, reserving, run_cli
 from PIL import Image
 
+from raydiff import cli, sample
 from raydiff.runs.checkpoint import list_checkpoints, read_state
 from raydiff.runs.runlog import JsonlLog
 from raydiff.storage.rundir import RunDir
@@ -129,11 +130,12 @@ def test_s3_storage_train_kill_resume_is_identical(s3_server, ray_session, tmp_p
     assert [r["loss"] for r in JsonlLog(run, "metrics.jsonl").rows()] == \
         [r["loss"] for r in JsonlLog(RunDir(tmp_path / "smoke"), "metrics.jsonl").rows()]
 
-    sampled = run_cli("raydiff.sample", "--checkpoint", "s3://raydiff-runs/runs/smoke", "--endpoint", endpoint,
-                      "--num", "4", "--sampler", "ddim", "--steps", "5", "--out", str(tmp_path / "s3.png"))
-    local = run_cli("raydiff.sample", "--checkpoint", str(tmp_path / "smoke"), "--num", "4", "--sampler", "ddim",
-                    "--steps", "5", "--out", str(tmp_path / "local.png"))
-    assert sampled.returncode == local.returncode == 0, sampled.stderr + local.stderr
+    # Sampled in this process (the command's own main): the same images from the bucket as from the local run.
+    common = ["--num", "4", "--sampler", "ddim", "--steps", "5", "--device", "cpu"]
+    assert cli.run(sample.main, ["--checkpoint", "s3://raydiff-runs/runs/smoke", "--endpoint", endpoint, *common,
+                                 "--out", str(tmp_path / "s3.png")]) == 0
+    assert cli.run(sample.main, ["--checkpoint", str(tmp_path / "smoke"), *common,
+                                 "--out", str(tmp_path / "local.png")]) == 0
     assert np.array_equal(np.asarray(Image.open(tmp_path / "s3.png")), np.asarray(Image.open(tmp_path / "local.png")))
 
 
