@@ -23,6 +23,11 @@ pid, Ray job, since) for the one-line refusal:
   gives the lease up as lost (`Lease.unrenewed_s` says for how long): a claimant may take it over at `stale_s`,
   and a holder that cannot reach the store may still have workers that can. A renewal runs on a thread of its
   own and is waited for only until then, so that one hanging request does not outlast it.
+
+A run's workers do not wait to be told by their driver alone: a driver that is paused (Ctrl-Z, a suspended
+laptop) renews nothing, tells nothing, and its lease is taken over at `stale_s` while its workers, elsewhere,
+train on. Rank 0 reads the lease object itself (`watch_for_takeover`) and stops them once another driver holds
+it. (A paused holder of a local lock keeps it: no one takes its run.)
 """
 
 from __future__ import annotations
@@ -176,6 +181,34 @@ def take(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str, w
             print(f"[raydiff] {message}", flush=True)
             said.add(message)
         time.sleep(POLL_S)
+
+
+def watch_for_takeover(folder: RunDir, invocation: str, *, stale_s: float,
+                       on_taken: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    """On S3 and GCS, read `folder`'s lease every quarter of `stale_s` on a thread of its own, and call `on_taken`
+    (once, with the holder) when a holder other than the driver invocation `invocation` holds it; the returned
+    function ends the watch. A lease not there (released) or not readable is looked at again later. Local folders:
+    nothing to watch."""
+    if not folder.remote:
+        return lambda: None
+    place = lease_of(folder)
+    objects = (S3LeaseObject(place, request_timeout_s(stale_s)) if place.uri.startswith("s3://") else
+               GcsLeaseObject(place, request_timeout_s(stale_s)))
+    ended = threading.Event()
+
+    def watch() -> None:
+        while not ended.wait(stale_s / 4):
+            try:
+                found = objects.read()
+            except Exception:  # noqa: BLE001 - the store or the network, for a moment: the next look tries again
+                continue
+            holder = found[0].get("holder") if found is not None and isinstance(found[0], dict) else None
+            if isinstance(holder, dict) and holder.get("invocation") != invocation:
+                on_taken(holder)
+                return
+
+    threading.Thread(target=watch, name="raydiff-lease-watch", daemon=True).start()
+    return ended.set
 
 
 def _one_line(exc: Exception, place: RunDir, operation: str, attempts: int) -> Exception:

@@ -35,6 +35,7 @@ from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_bytes, checkpoi
 from raydiff.runs.dashboards import Dashboards, dashboards_for
 from raydiff.runs.state import Progress, checkpoint_state
 from raydiff.storage.errors import StorageFailure, storage_failure
+from raydiff.storage.lease import describe, watch_for_takeover
 from raydiff.storage.writes import failed_write
 from raydiff.training.chief_records import log_row, record_rollback, record_start, save_sample_grid, save_snapshot
 from raydiff.training.distributed import INTERRUPTS, agreed_interrupt, from_rank_zero_code, interrupt_asked
@@ -42,6 +43,7 @@ from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
 from raydiff.training.profiling import StepProfile
 from raydiff.training.recovery import divergence_report, roll_back
 from raydiff.training.step import StepResult
+from raydiff.training.stop import LEASE_LOST
 from raydiff.training.window import MetricsWindow, NonFiniteSteps
 from raydiff.training.worker import Worker
 from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
@@ -105,11 +107,23 @@ class Cadence:
         self._snapshot_every = snapshot_every
         if w.is_chief:
             self._write("writing the run's start records", record_start, w, args, progress)
+        # Rank 0 looks at an object store's lease itself: a paused driver would not tell of a takeover.
+        self._end_watch = watch_for_takeover(
+            w.run_dir, args.invocation, stale_s=w.cfg.run.lease_stale_s,
+            on_taken=self._taken_over) if w.is_chief and args.stop_flag is not None else None
         self.live = _Live.open(w, progress)
         self._settle(wait=False)  # storage that refused the start records stops every worker before training
         self.run_start = time.perf_counter()
         # What the progress line's ETA counts from: this start, or the rollback since (not the rolled-back steps).
         self._eta_from = (progress.step, self.run_start)
+
+    def _taken_over(self, holder: dict[str, Any]) -> None:
+        """Another driver holds the run's lease (this one's went unrenewed: paused, or cut off): stop at the next
+        check, writing nothing more."""
+        logger.warning(f"[raydiff] WARNING: the run's lease is held by {describe(holder)} now (this run's driver "
+                       f"did not renew it): stopping without writing more")
+        assert self._stop_flag is not None  # the watch runs only with one
+        self._stop_flag.request.remote(LEASE_LOST)
 
     # The step's data.
     def next_batches(self, step: int) -> list[MicroBatch]:
@@ -253,6 +267,8 @@ class Cadence:
             if not writes or not self.w.is_chief:
                 self.w.close(flush=False)
         finally:
+            if self._end_watch is not None:
+                self._end_watch()
             if self._writer is not None:
                 self._writer.close()
             self.live.close()

@@ -545,3 +545,32 @@ def test_the_leases_folder_on_shared_storage_is_as_writable_as_the_storage(tmp_p
             pass
     assert stat.S_IMODE((shared / ".raydiff-leases").stat().st_mode) == 0o1777
     assert stat.S_IMODE((private / ".raydiff-leases").stat().st_mode) & 0o022 == 0  # as the umask makes it
+
+
+def test_rank_zero_s_own_watch_sees_another_driver_take_the_run_over(s3_server):
+    """A driver paused (Ctrl-Z) renews nothing and tells its workers nothing: another driver takes the lease over
+    at the stale time, and rank 0, reading the lease itself, is told once, with the new holder; the driver's own
+    renewals are not a takeover, nor is a lease released."""
+    from raydiff.storage.lease import watch_for_takeover
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="raydiff-watched")
+    run_dir = RunDir("s3://raydiff-watched/runs/smoke", endpoint=endpoint)
+    lease = take(run_dir, {"name": "ours", "invocation": "ours"}, stale_s=0.4, what="run directory")
+    taken: list[dict] = []
+    end = watch_for_takeover(run_dir, "ours", stale_s=0.4, on_taken=taken.append)
+    try:
+        time.sleep(0.6)  # several looks at the lease while its driver renews it
+        lease.release()
+        time.sleep(0.3)  # and while there is none
+        assert taken == []
+        client.put_object(Bucket="raydiff-watched", Key="runs/.raydiff-leases/smoke",
+                          Body=json.dumps({"holder": {"host": "elsewhere", "pid": 7, "invocation": "theirs"}}))
+        deadline = time.monotonic() + 10
+        while not taken and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert [holder["invocation"] for holder in taken] == ["theirs"]  # once
+    finally:
+        end()
+    assert watch_for_takeover(RunDir("/tmp/local-run"), "ours", stale_s=0.4, on_taken=taken.append)() is None

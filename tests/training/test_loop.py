@@ -224,3 +224,40 @@ def test_a_preemption_notice_at_a_check_that_rolls_back_still_gets_its_checkpoin
     assert [(e["event"], e.get("step", e.get("from_step"))) for e in events
             if e["event"] in ("rollback", "preemption_checkpoint")] == [("rollback", 10), ("preemption_checkpoint", 10)]
     assert result["steps"] == 20 and result["rollbacks"] == 1
+
+
+def test_the_workers_of_a_paused_driver_stop_once_another_driver_holds_the_run(ray_session, s3_server, tmp_path):
+    """A driver paused (Ctrl-Z) or cut off renews nothing and tells its workers nothing; on an object store its
+    lease is taken over at the stale time while the workers train on. Rank 0 reads the lease itself: once another
+    driver's invocation holds it, the workers stop at their next check, writing nothing more."""
+    import threading
+
+    from raydiff.training.stop import StopFlag
+
+    endpoint, client = s3_server
+    client.create_bucket(Bucket="raydiff-paused")
+    images = np.random.default_rng(0).integers(0, 256, (20, 1, 8, 8), dtype=np.uint8)
+    store = ImageStore(chunks=(ray_session.put(images),), counts=(20,), shape=(1, 8, 8), source="test")
+    cfg = load_config("smoke", ["run.storage=s3://raydiff-paused/runs", f"run.endpoint={endpoint}",
+                                "run.name=paused", "run.lease_stale_s=4", "train.total_steps=2000",
+                                "train.global_batch=8", "scaling.num_workers=1", "train.sample_every=0",
+                                "train.log_every=1000", "train.checkpoint_every=1000", "debug.step_delay_s=0.01"])
+    flag = StopFlag.remote()  # type: ignore[attr-defined]  # the paused driver's: nothing asks it to stop
+    takeover = threading.Timer(3.0, lambda: client.put_object(
+        Bucket="raydiff-paused", Key="runs/.raydiff-leases/paused",
+        Body=json.dumps({"holder": {"host": "elsewhere", "pid": 7, "invocation": "another-driver"}})))
+    takeover.start()
+    try:
+        result = TorchTrainer(
+            train_worker,
+            train_loop_config={"args": WorkerArgs(config=cfg, images=store, cpus_per_worker=1, invocation="paused",
+                                                  run_dir=RunDir("s3://raydiff-paused/runs/paused", endpoint=endpoint),
+                                                  stop_flag=flag)},
+            scaling_config=ray.train.ScalingConfig(num_workers=0),
+            run_config=ray.train.RunConfig(name="paused", storage_path=str(tmp_path)),
+        ).fit().return_value.to_dict()
+    finally:
+        takeover.cancel()
+    assert result["status"] == "lease_lost" and 0 < result["steps"] < 2000, result
+    listed = client.list_objects_v2(Bucket="raydiff-paused", Prefix="runs/paused/").get("Contents", [])
+    assert not any("checkpoint_" in entry["Key"] for entry in listed)  # nothing written after the takeover
