@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -291,11 +292,12 @@ def posthoc_states(run_dir, state: dict[str, Any], sigma_rels: list[float],
 
 def best_line(measured: list[dict[str, Any]]) -> str:
     """The row with the lowest Frechet distance (fid, digits_fd, features_fd; the KID where only it was measured),
-    in one line."""
+    in one line; a NaN (non-finite samples) is never the lowest."""
     names = list(measured[0])
     key = next((k for k in names if k == "fid" or k.endswith("_fd")), None) or next(
         k for k in names if k == "kid" or k.endswith("_kid"))
-    best = min(measured, key=lambda row: row[key])
+    finite = [row for row in measured if isinstance(row[key], (int, float)) and math.isfinite(row[key])]
+    best = min(finite, key=lambda row: row[key]) if finite else measured[0]
     where = ", ".join(f"{k} {best[k]:g}" for k in ("sigma_rel", "guidance") if best.get(k) is not None)
     return f"{where}: {key} {best[key]:.4g}"
 

@@ -7,6 +7,7 @@ per call."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 
@@ -343,3 +344,12 @@ def test_a_run_of_before_blank_texts_were_refused_is_evaluated_with_them_as_none
                            weights=None, endpoint=None)
     cfg = eval_config(state, args, str(tmp_path))
     assert cfg.eval.ref is None and cfg.log.wandb_project is None
+
+
+def test_the_best_width_is_never_one_whose_distance_is_nan():
+    """A diverged average's NaN images give a NaN distance (never 0.0); min() over NaN picked whichever came
+    first."""
+    from raydiff.evaluate import best_line
+
+    rows = [{"sigma_rel": 0.05, "fid": math.nan}, {"sigma_rel": 0.1, "fid": 3.0}, {"sigma_rel": 0.2, "fid": 5.0}]
+    assert best_line(rows) == "sigma_rel 0.1: fid 3"
