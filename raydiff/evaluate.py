@@ -186,13 +186,13 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 def write_result(run_dir, result: dict[str, Any]) -> str:
     """eval/<step>-<sampler>-<steps>-<num>[-k].json (a new name if taken) and a row of eval.jsonl (one per
     guidance value)."""
-    from raydiff.runs.runlog import JsonlLog
+    from raydiff.runs.runlog import JsonlLog, json_safe
 
     stem = f"eval/{result['step']}-{result['sampler']}-{result['steps']}-{result['num']}"
     name, k = f"{stem}.json", 2
     while run_dir.is_file(name):
         name, k = f"{stem}-{k}.json", k + 1
-    run_dir.write_text(name, json.dumps(result, indent=2) + "\n")
+    run_dir.write_text(name, json.dumps(json_safe(result), indent=2) + "\n")
     try:
         JsonlLog(run_dir, "eval.jsonl").extend([{**row, "file": name} for row in rows(result)])  # all or none
     except BaseException:

@@ -86,7 +86,8 @@ def read_unet_weights(source: str, subfolder: str | None, *, where: str) -> dict
     from safetensors import SafetensorError
 
     folder = Path(source, subfolder or "")
-    if folder.is_dir() and not any(folder.glob("diffusion_pytorch_model*")):  # one file, or shards and their index:
+    if folder.is_dir() and not any((folder / f"diffusion_pytorch_model.{kind}{index}").is_file()  # or shards'
+                                   for kind in ("safetensors", "bin") for index in ("", ".index.json")):  # index
         # refused before diffusers' warnings of its search for other names
         raise ConfigError(f"{where}: cannot read the UNet's weights (no diffusion_pytorch_model.safetensors or .bin "
                           f"in {folder})")

@@ -355,12 +355,16 @@ def _randn(shape: tuple[int, ...], generator: torch.Generator | list[torch.Gener
 
 
 def matmul_precision() -> str:
-    """fp32 matmuls' precision as `torch.set_float32_matmul_precision` takes it ("highest": IEEE, "high": TF32), also
-    where something set the new flag directly and torch's own getter refuses to answer."""
+    """fp32 matmuls' precision as `torch.set_float32_matmul_precision` takes it ("highest": IEEE, "high": TF32):
+    torch 2.9's flag where it is set (something may have set it directly, and the old getter then answers what it
+    was before, or raises), else the old getter."""
+    flag = getattr(getattr(torch.backends.cuda, "matmul", None), "fp32_precision", "none")
+    if flag in ("ieee", "tf32", "bf16"):
+        return {"ieee": "highest", "tf32": "high", "bf16": "medium"}[flag]
     try:
         return torch.get_float32_matmul_precision()
     except RuntimeError:
-        return {"tf32": "high", "bf16": "medium"}.get(torch.backends.cuda.matmul.fp32_precision, "highest")
+        return "highest"
 
 
 CudnnFlags = tuple[str, str] | bool  # (convolutions', RNNs' fp32_precision) on torch >= 2.9; allow_tf32 before
@@ -373,7 +377,9 @@ def _by_precision() -> bool:
 
 def cudnn_tf32_flags(on: bool) -> CudnnFlags:
     """cuDNN's flags for TF32 on or off, in the form `tf32_flags` reads."""
-    return ("tf32", "tf32") if on and _by_precision() else ("ieee", "ieee") if _by_precision() else on
+    if not _by_precision():
+        return on
+    return ("tf32", "tf32") if on else ("ieee", "ieee")
 
 
 def tf32_flags() -> tuple[str, CudnnFlags]:
@@ -384,11 +390,8 @@ def tf32_flags() -> tuple[str, CudnnFlags]:
 
 
 def restore_tf32_flags(saved: tuple[str, CudnnFlags]) -> None:
-    """Put back what `tf32_flags` read, so that the old getters, which inductor's autotuning reads
-    (TORCHINDUCTOR_MAX_AUTOTUNE), answer: matmuls through the setter that sets the old flag and the new alike (the
-    getter raises once `matmul.fp32_precision` was set directly), cuDNN's through its old setter first (its getter
-    raises where convolutions or RNNs were set to "ieee" without it), then its flags as they were ("none" inherits
-    from a level above, which another library may have set to TF32)."""
+    """Put back what `tf32_flags` read, through the old setters first: the old getters, which inductor's autotuning
+    reads (TORCHINDUCTOR_MAX_AUTOTUNE), raise where torch 2.9's flags were set without them."""
     matmul, flags = saved
     cudnn = torch.backends.cudnn
     if isinstance(flags, tuple):

@@ -183,6 +183,11 @@ def take(folder: RunDir, holder: dict[str, Any], *, stale_s: float, what: str, w
         time.sleep(POLL_S)
 
 
+def _lease_object(place: RunDir, stale_s: float) -> S3LeaseObject | GcsLeaseObject:
+    timeout_s = request_timeout_s(stale_s)
+    return S3LeaseObject(place, timeout_s) if place.uri.startswith("s3://") else GcsLeaseObject(place, timeout_s)
+
+
 def watch_for_takeover(folder: RunDir, invocation: str, *, stale_s: float,
                        on_taken: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
     """On S3 and GCS, read `folder`'s lease every quarter of `stale_s` on a thread of its own, and call `on_taken`
@@ -191,21 +196,28 @@ def watch_for_takeover(folder: RunDir, invocation: str, *, stale_s: float,
     nothing to watch."""
     if not folder.remote:
         return lambda: None
-    place = lease_of(folder)
-    objects = (S3LeaseObject(place, request_timeout_s(stale_s)) if place.uri.startswith("s3://") else
-               GcsLeaseObject(place, request_timeout_s(stale_s)))
+    objects = _lease_object(lease_of(folder), stale_s)
     ended = threading.Event()
 
     def watch() -> None:
+        failed_reads = 0
         while not ended.wait(stale_s / 4):
             try:
                 found = objects.read()
-            except Exception:  # noqa: BLE001 - the store or the network, for a moment: the next look tries again
+            except Exception as exc:  # noqa: BLE001 - the store or the network: the next look tries again
+                failed_reads += 1
+                if failed_reads == 4:  # said once: the watch goes on
+                    first = (str(exc).strip().splitlines() or [""])[0][:300]
+                    logger.warning(f"[raydiff] warning: rank 0 cannot read the run's lease to watch for a takeover "
+                                   f"({type(exc).__name__}: {first}); it goes on trying")
                 continue
             holder = found[0].get("holder") if found is not None and isinstance(found[0], dict) else None
-            if isinstance(holder, dict) and holder.get("invocation") != invocation:
-                on_taken(holder)
-                return
+            if isinstance(holder, dict) and holder.get("invocation") != invocation and not ended.is_set():
+                try:
+                    on_taken(holder)
+                    return
+                except Exception as exc:  # noqa: BLE001 - told again at the next look
+                    logger.warning(f"[raydiff] warning: acting on the run's takeover failed ({exc!r})")
 
     threading.Thread(target=watch, name="raydiff-lease-watch", daemon=True).start()
     return ended.set
@@ -287,9 +299,7 @@ class _ObjectLease:
     """A lease object on S3 or GCS, renewed by a heartbeat thread while held."""
 
     def __init__(self, place: RunDir, stale_s: float) -> None:
-        timeout_s = request_timeout_s(stale_s)
-        self.objects = (S3LeaseObject(place, timeout_s) if place.uri.startswith("s3://") else
-                        GcsLeaseObject(place, timeout_s))
+        self.objects = _lease_object(place, stale_s)
         self.stale_s, self.renew_s = stale_s, stale_s / 4
         self.version: str | None = None
         self.confirmed = 0.0  # when (monotonic) the last write the store confirmed was sent

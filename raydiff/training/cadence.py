@@ -107,15 +107,16 @@ class Cadence:
         self._snapshot_every = snapshot_every
         if w.is_chief:
             self._write("writing the run's start records", record_start, w, args, progress)
-        # Rank 0 looks at an object store's lease itself: a paused driver would not tell of a takeover.
-        self._end_watch = watch_for_takeover(
-            w.run_dir, args.invocation, stale_s=w.cfg.run.lease_stale_s,
-            on_taken=self._taken_over) if w.is_chief and args.stop_flag is not None else None
         self.live = _Live.open(w, progress)
         self._settle(wait=False)  # storage that refused the start records stops every worker before training
         self.run_start = time.perf_counter()
         # What the progress line's ETA counts from: this start, or the rollback since (not the rolled-back steps).
         self._eta_from = (progress.step, self.run_start)
+        # Rank 0 looks at an object store's lease itself: a paused driver would not tell of a takeover. Last:
+        # nothing after it raises, so that `close` ends it.
+        self._end_watch = watch_for_takeover(
+            w.run_dir, args.invocation, stale_s=w.cfg.run.lease_stale_s,
+            on_taken=self._taken_over) if w.is_chief and args.stop_flag is not None else None
 
     def _taken_over(self, holder: dict[str, Any]) -> None:
         """Another driver holds the run's lease (this one's went unrenewed: paused, or cut off): stop at the next

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from raydiff.cluster.host_memory import host_memory_kept
-from raydiff.model.diffusion import cudnn_tf32_flags, restore_tf32_flags, tf32_flags
+from raydiff.model.diffusion import CudnnFlags, cudnn_tf32_flags, restore_tf32_flags, tf32_flags
 
 if TYPE_CHECKING:
     from raydiff.config import TrainSection
@@ -158,12 +158,12 @@ def apply_training_flags(plan: SpeedPlan, device: torch.device) -> None:
     torch.backends.cudnn.benchmark = device.type == "cuda"
 
 
-def backend_flags() -> tuple[tuple[str, Any], bool]:
+def backend_flags() -> tuple[tuple[str, CudnnFlags], bool]:
     """The settings `apply_training_flags` changes, as they are now (for `restore_backend_flags`)."""
     return tf32_flags(), torch.backends.cudnn.benchmark
 
 
-def restore_backend_flags(saved: tuple[tuple[str, Any], bool]) -> None:
+def restore_backend_flags(saved: tuple[tuple[str, CudnnFlags], bool]) -> None:
     """Put back what `backend_flags` read (a bench's loops, one after another in one process, each as it is set)."""
     tf32, torch.backends.cudnn.benchmark = saved
     restore_tf32_flags(tf32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import sys
 from collections.abc import Iterator
@@ -78,7 +79,10 @@ def _run_trial(params: dict[str, Any], *, base: Config, sweep: Sweep, runs_dir: 
     # killed after the trial's last checkpoint): its final measurements, restored, count again.
     nothing_left = summary.get("already_finished") or summary.get("resumed_from_step") == summary.get("steps")
     if summary["status"] == "finished" and nothing_left:
-        tune.report(ray_report(summary["steps"], cfg.train.global_batch, summary["quality"], summary["final_val_loss"]))
+        val_loss = summary["final_val_loss"]
+        if val_loss is None and cfg.data.val_images:  # measured, and not finite (summary.json has it as null)
+            val_loss = math.inf
+        tune.report(ray_report(summary["steps"], cfg.train.global_batch, summary["quality"], val_loss))
     if summary["status"] not in ("finished",):
         raise RuntimeError(f"trial {cfg.run.name} {summary['status']}: {summary.get('error', 'unknown error')}")
 

@@ -326,10 +326,11 @@ def test_sampling_is_fp32_whatever_another_library_set_and_puts_its_settings_bac
     it, and each flag is as it was after it."""
     from raydiff.model.diffusion import tf32_flags as read_flags
 
-    cudnn = torch.backends.cudnn
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = (torch.backends.fp32_precision, cudnn.fp32_precision, cudnn.conv.fp32_precision,
              cudnn.rnn.fp32_precision, torch.get_float32_matmul_precision())
     try:
+        torch.set_float32_matmul_precision("highest")
         cudnn.allow_tf32 = False  # conv and rnn "none": they inherit from above
         torch.backends.fp32_precision = "tf32"
         assert cudnn.conv.fp32_precision == "tf32"  # inherited: TF32 convolutions
@@ -338,10 +339,13 @@ def test_sampling_is_fp32_whatever_another_library_set_and_puts_its_settings_bac
         assert cudnn.conv.fp32_precision == "tf32"
 
         cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = "ieee", "tf32"
+        torch.set_float32_matmul_precision("high")
+        matmul.fp32_precision = "ieee"  # set directly: the old getter still says "high"
         before = read_flags()
         with full_fp32():
             assert cudnn.allow_tf32 is False
         assert read_flags() == before == ("highest", ("ieee", "tf32"))
+        assert matmul.fp32_precision == "ieee"  # IEEE matmuls after it, as before it
     finally:
         torch.backends.fp32_precision, cudnn.fp32_precision = saved[0], saved[1]
         cudnn.allow_tf32 = saved[2] == "tf32"

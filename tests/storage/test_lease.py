@@ -573,4 +573,9 @@ def test_rank_zero_s_own_watch_sees_another_driver_take_the_run_over(s3_server):
         assert [holder["invocation"] for holder in taken] == ["theirs"]  # once
     finally:
         end()
-    assert watch_for_takeover(RunDir("/tmp/local-run"), "ours", stale_s=0.4, on_taken=taken.append)() is None
+    def watches() -> set[int]:
+        return {id(t) for t in threading.enumerate() if t.name == "raydiff-lease-watch"}
+
+    before = watches()
+    watch_for_takeover(RunDir("/tmp/local-run"), "ours", stale_s=0.4, on_taken=taken.append)
+    assert watches() <= before  # a local lock: nothing to watch

@@ -243,9 +243,17 @@ def test_the_workers_of_a_paused_driver_stop_once_another_driver_holds_the_run(r
                                 "train.global_batch=8", "scaling.num_workers=1", "train.sample_every=0",
                                 "train.log_every=1000", "train.checkpoint_every=1000", "debug.step_delay_s=0.01"])
     flag = StopFlag.remote()  # type: ignore[attr-defined]  # the paused driver's: nothing asks it to stop
-    takeover = threading.Timer(3.0, lambda: client.put_object(
-        Bucket="raydiff-paused", Key="runs/.raydiff-leases/paused",
-        Body=json.dumps({"holder": {"host": "elsewhere", "pid": 7, "invocation": "another-driver"}})))
+    ended = threading.Event()
+
+    def take_over_once_training() -> None:  # once rank 0 has written its start event, and a second more
+        while not ended.is_set() and "Contents" not in client.list_objects_v2(
+                Bucket="raydiff-paused", Prefix="runs/paused/events.jsonl"):
+            time.sleep(0.1)
+        time.sleep(1.0)
+        client.put_object(Bucket="raydiff-paused", Key="runs/.raydiff-leases/paused",
+                          Body=json.dumps({"holder": {"host": "elsewhere", "pid": 7, "invocation": "another-driver"}}))
+
+    takeover = threading.Thread(target=take_over_once_training, daemon=True)
     takeover.start()
     try:
         result = TorchTrainer(
@@ -257,7 +265,7 @@ def test_the_workers_of_a_paused_driver_stop_once_another_driver_holds_the_run(r
             run_config=ray.train.RunConfig(name="paused", storage_path=str(tmp_path)),
         ).fit().return_value.to_dict()
     finally:
-        takeover.cancel()
+        ended.set()
     assert result["status"] == "lease_lost" and 0 < result["steps"] < 2000, result
     listed = client.list_objects_v2(Bucket="raydiff-paused", Prefix="runs/paused/").get("Contents", [])
     assert not any("checkpoint_" in entry["Key"] for entry in listed)  # nothing written after the takeover
