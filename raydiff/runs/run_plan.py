@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from raydiff.config import Config, ConfigError, all_keys, sections_problem, set_key
+from raydiff.config import Config, ConfigError, all_keys, sections_problem
 from raydiff.config.learning_rate import lr_at
 from raydiff.config.load import read_record
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
@@ -150,15 +150,12 @@ def _read_as_config(tree: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """A recorded config read as raydiff reads a YAML file (`lr: '1e-4'` is a number), each value in its key's type,
     with the first value its key does not admit (a hand edit gone wrong); keys removed since the run was recorded
     are kept as they are."""
-    known, read = set(all_keys()), Config()
-    for section, values in tree.items():
-        for key, value in (values or {}).items():
-            if f"{section}.{key}" in known:
-                try:
-                    set_key(read, f"{section}.{key}", value)
-                except ConfigError as error:
-                    return tree, str(error)
-    plain = read.to_dict()
+    known = set(all_keys())
+    try:
+        plain = Config.from_dict({s: {k: v for k, v in (values or {}).items() if f"{s}.{k}" in known}
+                                  for s, values in tree.items()}).to_dict()
+    except ConfigError as error:
+        return tree, str(error)
     return {s: {k: plain[s][k] if f"{s}.{k}" in known else v for k, v in (values or {}).items()}
             for s, values in tree.items()}, None
 
