@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import yaml
 
 from raydiff.config import Config
+from raydiff.config.load import read_record
 from raydiff.model.weight_averages import PowerEma, combine, solve_coefficients
 from raydiff.runs.checkpoint import STATE_FILE, input_errors, parameters_known_now
 from raydiff.runs.state import bad_file_reason, foreign_reason
@@ -182,8 +182,9 @@ def rebuild(run_dir: RunDir, sigma_rels: list[float], step: int | None = None,
 def _tracks_posthoc(run_dir: RunDir) -> bool:
     """Whether the run's recorded config (config.yaml, where it reads) has train.ema: posthoc."""
     try:
-        recorded = yaml.safe_load(run_dir.read_text("config.yaml")) if run_dir.is_file("config.yaml") else None
-    except (OSError, ValueError, yaml.YAMLError):  # unreadable, not UTF-8, not YAML: the plain line then
+        recorded, _ = read_record(lambda: run_dir.read_text("config.yaml"), "YAML") if run_dir.is_file(
+            "config.yaml") else (None, None)  # not UTF-8, not YAML: None, and the plain line then
+    except OSError:
         return False
     return isinstance(recorded, dict) and isinstance(recorded.get("train"), dict) and \
         recorded["train"].get("ema") == "posthoc"
