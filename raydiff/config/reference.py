@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import re
 import sys
@@ -109,13 +110,16 @@ def _links(text: str) -> str:
 
 def _heading(page: str, anchor: str) -> str | None:
     """The text of the heading of docs/`page` whose GitHub anchor is `anchor` (None where there is none)."""
+    return _headings(page).get(anchor) if anchor else None
+
+
+@functools.cache
+def _headings(page: str) -> dict[str, str]:
+    """docs/`page`'s headings by their GitHub anchors (read once per page, however many links point there)."""
     path = DOCS / page
-    for line in path.read_text(encoding="utf-8").splitlines() if anchor and path.is_file() else ():
-        if line.startswith("#"):
-            heading = line.lstrip("#").strip()
-            if re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") == anchor:
-                return heading
-    return None
+    headings = [line.lstrip("#").strip() for line in (path.read_text(encoding="utf-8").splitlines()
+                                                      if path.is_file() else ()) if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-"): h for h in reversed(headings)}
 
 
 def sections(config: Config | None = None) -> list[tuple[str, Any]]:
