@@ -230,8 +230,12 @@ def from_diffusers(state_dict: dict[str, torch.Tensor], cfg: Config) -> dict[str
 
 
 # diffusers configs -> raydiff keys.
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return _is_int(value) and value >= 1
 
 
 def _number(value: Any) -> bool:
@@ -372,10 +376,6 @@ def unused_sampling_settings(scheduler: dict[str, Any]) -> list[str]:
     raydiff's."""
     return [f"{key} = {json.dumps(scheduler[key])}" for key, ours in RAYDIFF_SAMPLING.items()
             if key in scheduler and scheduler[key] != ours]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def model_values(cfg: Config) -> dict[str, Any]:
