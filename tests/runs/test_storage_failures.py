@@ -253,7 +253,9 @@ def test_a_run_whose_lease_is_taken_over_while_it_waits_for_room_stops_at_once(c
 
     code, output = run_cli_acting(
         "raydiff.train", "--config", "smoke", "--set", "scaling.num_workers=2", "--set", "scaling.cpus_per_worker=2",
-        "--set", "run.storage=s3://waiting/runs", "--set", f"run.endpoint={endpoint}", "--set", "run.lease_stale_s=4",
+        # 8 s: a busy machine's moto answered renewals late enough for a 4 s lease to be given up (2 s unconfirmed)
+        # before the takeover, the other way a lease ends
+        "--set", "run.storage=s3://waiting/runs", "--set", f"run.endpoint={endpoint}", "--set", "run.lease_stale_s=8",
         at="training on 2 CPU worker(s)", act=take_over)
     assert code == 2, output[-3000:]
     assert ("[raydiff] the run's lease was taken over: no worker group runs (Ray Train is waiting for room on the "
