@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from raydiff.model.flat import views_of
+from raydiff.model.meta_twin import check_load, meta_twin
 
 
 def ema_decay_at(step: int, decay: float, warmup_steps: int) -> float:
@@ -189,13 +190,17 @@ class PowerEma:
         return {"sigma_rels": list(self.sigma_rels), "profiles": [p.state_dict() for p in self.profiles]}
 
     def load_state_dict(self, state: dict, *, check_only: bool = False) -> None:
-        """`check_only`: raise as the load would, changing nothing (each average tried on a copy of itself alone: a
-        copy of this object would copy the model and the classic EMA its updates reach too)."""
+        """`check_only`: raise as the load would, changing nothing (each average tried on a twin of itself alone
+        that holds no memory: a copy of this object would copy the model and the classic EMA its updates reach
+        too)."""
         if tuple(state["sigma_rels"]) != self.sigma_rels:
             raise ValueError(f"the checkpoint tracks sigma_rel {state['sigma_rels']}, this run "
                              f"{list(self.sigma_rels)}")
         for profile, saved in zip(self.profiles, state["profiles"], strict=True):
-            (copy.deepcopy(profile) if check_only else profile).load_state_dict(saved)
+            if check_only:
+                check_load(meta_twin(profile), saved)
+            else:
+                profile.load_state_dict(saved)
 
 
 def reconstruct(snapshots: Sequence[tuple[int, float, dict[str, torch.Tensor]]], out_sigma_rels: Sequence[float],

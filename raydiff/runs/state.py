@@ -4,9 +4,9 @@ A checkpoint holds everything that is not a pure function of (config, step): wei
 loss-scaler state, counters, and the partial sums of the current logging window. The learning rate, the sample
 order and every random draw are functions of (seed, step, stream offset), so restoring them restores the run.
 
-Restoring is all or nothing: a checkpoint is first loaded into copies of the model, EMA and optimizer, and only
-applied when every part fits. If checkpoints exist and none of them loads, the run refuses to start rather than
-train from scratch on top of them (`Unresumable`).
+Restoring is all or nothing: a checkpoint is first loaded into twins of the model, EMA and optimizer that hold no
+memory (`model.meta_twin`), and only applied when every part fits. If checkpoints exist and none of them loads, the
+run refuses to start rather than train from scratch on top of them (`Unresumable`).
 
 Only a checkpoint that is itself bad (cut short, empty, not a torch file, a torch file raydiff did not write, or a
 state that does not fit) is passed over for an older one. A read that fails this time (storage beyond its
@@ -33,6 +33,7 @@ import torch
 
 from raydiff.cluster.devices import out_of_memory
 from raydiff.config import sections_problem
+from raydiff.model.meta_twin import check_load, meta_twin
 from raydiff.model.weight_averages import PowerEma
 from raydiff.runs.checkpoint import (
     STATE_FILE,
@@ -375,11 +376,11 @@ def restore(state: dict[str, Any], objects: TrainingState) -> tuple[Progress, li
         raise KeyError("missing posthoc_ema (train.ema: posthoc tracks its averages from step 0)")
     notes: list[str] = []
     scaler_state = _scaler_state(state, scaler, notes)
-    # Load into copies first: a load that fails half way must not leave the live objects half restored.
-    model_copy, ema_copy = copy.deepcopy(model), copy.deepcopy(ema)
-    model_copy.load_state_dict(state["model"])
-    ema_copy.load_state_dict(state["ema"])
-    copy.deepcopy(optimizer).load_state_dict(state["optimizer"])
+    # Load into memoryless twins first: a load that fails half way must not leave the live objects half restored.
+    model_twin, ema_twin, optimizer_twin = meta_twin((model, ema, optimizer))
+    check_load(model_twin, state["model"])
+    check_load(ema_twin, state["ema"])
+    check_load(optimizer_twin, state["optimizer"])
     if scaler_state is not None:
         copy.deepcopy(scaler).load_state_dict(scaler_state)
     if posthoc is not None:

@@ -270,10 +270,10 @@ def test_memory_or_the_device_failing_while_restoring_is_not_taken_for_a_bad_che
     _write(tmp_path, 10, _objects(0))
     _write(tmp_path, 20, _objects(0))
 
-    def failing(value):
+    def failing(twin, state):
         raise error
 
-    monkeypatch.setattr(state_module, "copy", SimpleNamespace(deepcopy=failing))
+    monkeypatch.setattr(state_module, "check_load", failing)
     with pytest.raises(type(error)):
         restore_newest(checkpoint_candidates(tmp_path), _objects(1))
 
@@ -456,3 +456,35 @@ def test_export_of_a_checkpoint_raydiff_did_not_write_stops_in_one_line_and_writ
     assert code == 2 and err == (f"raydiff: error: {folder}: no checkpoint can be read: {checkpoint_name(10)} (not a "
                                  f"raydiff checkpoint (no 'config', 'ema', 'step'))\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_check_before_a_restore_copies_no_weights_averages_or_moments(tmp_path):
+    """All or nothing costs no memory: the parts are tried on twins that hold none (real copies of the model, the
+    EMA and the optimizer were several model sizes of GPU memory at every start)."""
+    saved, fresh = _objects(0), _objects(1)
+    for model, optimizer in ((saved[0], saved[2]), (fresh[0], fresh[2])):  # moments to restore
+        sum(p.sum() for p in model.parameters()).backward()
+        optimizer.step()
+    state = read_state(_write(tmp_path, 10, saved))
+    model_bytes = sum(p.numel() * p.element_size() for p in fresh[0].parameters())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        restore(state, fresh)
+    allocated = sum(e.cpu_memory_usage for e in profile.events() if e.name == "[memory]" and e.cpu_memory_usage > 0)
+    assert allocated < model_bytes / 4
+    for part, objects in ((0, fresh[0]), (1, fresh[1])):
+        assert all(torch.equal(a, b) for a, b in zip(saved[part].state_dict().values(),
+                                                     objects.state_dict().values(), strict=True))
+    assert torch.equal(fresh[2].state_dict()["state"][0]["exp_avg"], saved[2].state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_checkpoint_whose_moments_misfit_the_parameters_is_refused_changing_nothing(tmp_path):
+    saved = _objects(0)
+    sum(p.sum() for p in saved[0].parameters()).backward()
+    saved[2].step()
+    state = read_state(_write(tmp_path, 10, saved))
+    state["optimizer"]["param_groups"][0]["params"].pop()  # one parameter fewer than this optimizer's group
+    fresh = _objects(1)
+    before = {k: v.clone() for k, v in fresh[0].state_dict().items()}
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        restore(state, fresh)
+    assert all(torch.equal(before[k], v) for k, v in fresh[0].state_dict().items()) and not fresh[2].state
