@@ -113,6 +113,7 @@ class _Backend:
     def image(self, tag: str, png: bytes, step: int) -> None: ...
     def summary(self, summary: dict[str, Any]) -> None: ...
     def flush(self) -> None: ...
+    def rewind(self, step: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -128,25 +129,30 @@ class _TensorBoard(_Backend):
         self._tmp: Path | None = None
         self._uploads: BackgroundWrites | None = None
         self._uploaded: dict[str, int] = {}
-        self.guard(self._open, cfg, resume_step)
+        self._config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        self.guard(self._open, resume_step)
 
-    def _open(self, cfg: Config, resume_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
+    def _open(self, resume_step: int) -> None:
         _quiet_writer_thread_failures()
         local = self.run_dir.local
         if local is None:
-            self._tmp = folder = scratch_folder("tensorboard")
+            self._tmp = self._folder = scratch_folder("tensorboard")
             self._uploads = BackgroundWrites()
         else:
-            folder = local / TENSORBOARD_DIR
+            self._folder = local / TENSORBOARD_DIR
+        self._start_writer(resume_step)
+
+    def _start_writer(self, resume_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
         # purge_step writes a SessionLog.START: TensorBoard's reader then drops the points at or past it that
-        # earlier files hold (rows a crashed session logged after its last checkpoint), so curves don't rewind;
-        # from a start over, all of them (the config's text at step 0 too, written again below).
-        self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1 if resume_step else 0, flush_secs=30)
+        # earlier files hold (rows a crashed session logged after its last checkpoint, or a rollback's lost
+        # steps), so curves don't rewind; from a start over, all of them (the config's text at step 0 too,
+        # written again below).
+        self.writer = SummaryWriter(str(self._folder), purge_step=resume_step + 1 if resume_step else 0,
+                                    flush_secs=30)
         if resume_step == 0:
-            text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-            self.writer.add_text("config", f"```yaml\n{text}```", 0)
+            self.writer.add_text("config", f"```yaml\n{self._config_yaml}```", 0)
 
     def metrics(self, step: int, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
@@ -177,6 +183,13 @@ class _TensorBoard(_Backend):
                 self._uploaded[path.name] = size
         if wait:
             self._uploads.drain()
+
+    def rewind(self, step: int) -> None:
+        """A new event file that purges the points past `step` (its predecessor's upload goes on in the
+        background, before the new file's)."""
+        self.writer.close()
+        self.flush()
+        self._start_writer(step)
 
     def close(self) -> None:
         try:
@@ -415,6 +428,12 @@ class Dashboards:
         """The run's summary.json: final metrics and tags in MLflow (which then ends the run FINISHED or FAILED
         by `status`), the W&B run's summary, a text panel in TensorBoard; a non-finite number as none (left out)."""
         self._each("summary", json_safe(summary))
+
+    def rewind(self, step: int) -> None:
+        """Back to `step` (a rollback): TensorBoard hides the points past it. MLflow and W&B keep their runs open
+        (reopening them waited on their servers, for up to a minute, with every worker held at the next
+        all-reduce): their points past `step` stay, and the steps trained again are logged beside them."""
+        self._each("rewind", step)
 
     def flush(self) -> None:
         """Make what was logged visible (at checkpoints): TensorBoard's files, uploaded on object stores by a

@@ -55,24 +55,18 @@ _WRITTEN, _FAILED = 1, 2  # what rank 0 tells the others when they settle checkp
 
 @dataclass
 class _Live:
-    """What a rollback reopens: the sample stream, the logging window, the non-finite counter and rank 0's
-    dashboards (reopened so that the rolled-back steps' points disappear)."""
+    """What a rollback reopens: the sample stream, the logging window and the non-finite counter."""
 
     stream: Batches
     window: MetricsWindow
     nonfinite: NonFiniteSteps
-    dashboards: Dashboards | None
 
     @classmethod
     def open(cls, w: Worker, progress: Progress) -> _Live:
         return cls(stream=w.open_stream(progress), window=MetricsWindow(w.device, progress.window, w.is_chief),
-                   nonfinite=NonFiniteSteps(w.device, progress.counters),
-                   # TensorBoard / MLflow / W&B; points past the checkpoint (lost work) are hidden on TensorBoard.
-                   dashboards=dashboards_for(w.cfg, w.run_dir, resume_step=progress.step) if w.is_chief else None)
+                   nonfinite=NonFiniteSteps(w.device, progress.counters))
 
     def close(self) -> None:
-        if self.dashboards is not None:
-            self.dashboards.close()
         self.stream.close()
 
 
@@ -108,6 +102,9 @@ class Cadence:
         if w.is_chief:
             self._write("writing the run's start records", record_start, w, args, progress)
         self.live = _Live.open(w, progress)
+        # Rank 0's TensorBoard / MLflow / W&B; points past the checkpoint (lost work) are hidden on TensorBoard.
+        self.dashboards: Dashboards | None = (dashboards_for(w.cfg, w.run_dir, resume_step=progress.step)
+                                              if w.is_chief else None)
         self._settle(wait=False)  # storage that refused the start records stops every worker before training
         self.run_start = time.perf_counter()
         # What the progress line's ETA counts from: this start, or the rollback since (not the rolled-back steps).
@@ -198,7 +195,7 @@ class Cadence:
             written = time.perf_counter()  # (the device has done the row's steps: close read their sums)
             self.last_row = row = row | self._extra_metrics(new_val_loss, new_quality)
             if writes:
-                self._write("writing metrics.jsonl", log_row, w, row, live.dashboards, start_step=self._eta_from[0],
+                self._write("writing metrics.jsonl", log_row, w, row, self.dashboards, start_step=self._eta_from[0],
                             elapsed_s=time.perf_counter() - self._eta_from[1])
             live.window.paused_s += time.perf_counter() - written  # the row's own writing: not the next row's time
 
@@ -208,7 +205,7 @@ class Cadence:
         with self._paused(grid_due or snapshot_due or check or measured or step % t.checkpoint_every == 0):
             # The sample grid.
             if grid_due:
-                save_sample_grid(w, step, live.dashboards, storage_ok=self.failure is None)
+                save_sample_grid(w, step, self.dashboards, storage_ok=self.failure is None)
             # The post-hoc EMA's snapshot.
             if snapshot_due:
                 self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step)
@@ -273,6 +270,8 @@ class Cadence:
             if self._writer is not None:
                 self._writer.close()
             self.live.close()
+            if self.dashboards is not None:
+                self.dashboards.close()
 
     # The pieces, in the order a step's end calls them.
     def _roll_back_or_give_up(self, progress: Progress, result: StepResult, lr: float) -> Progress:
@@ -287,7 +286,9 @@ class Cadence:
                 back = rollback.progress
                 self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback)
                 self.live.close()
-                self.live = _Live.open(w, back)  # the rolled-back steps' dashboard points disappear
+                self.live = _Live.open(w, back)
+                if self.dashboards is not None:
+                    self.dashboards.rewind(back.step)  # the rolled-back steps' points disappear from TensorBoard
                 self._eta_from = (back.step, time.perf_counter())
                 return back
         self.diagnostic = divergence_report(t, progress.step, lr, result, w.cfg.diffusion.timesteps)
@@ -360,8 +361,8 @@ class Cadence:
         self._write("writing metrics.jsonl", self._flush_logs)  # the rows up to a checkpoint are kept on resume
         self._write(f"writing the checkpoint of step {progress.step}", self._start_checkpoint, progress,
                     checkpoint=True)
-        if self.live.dashboards is not None:
-            self.live.dashboards.flush()
+        if self.dashboards is not None:
+            self.dashboards.flush()
 
     def _flush_logs(self) -> None:
         """Rank 0: every metrics row and background write so far, on storage."""

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -110,6 +111,47 @@ def test_a_start_over_before_the_first_checkpoint_shows_the_config_once_and_the_
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(10, 2.0)]
     summary = acc.Tensors("summary/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "NaN" not in summary and "Infinity" not in summary and '"fid": null' in summary
+
+
+def test_a_rollback_hides_the_lost_steps_on_tensorboard_without_waiting_for_mlflow(tmp_path, monkeypatch):
+    """Rolled back from step 50 to 30: TensorBoard shows each step once, the steps trained again; an MLflow server
+    that does not answer holds nothing up (the dashboards were closed and reopened, which waited up to a minute for
+    MLflow's queue, with every worker held at the next all-reduce)."""
+    import raydiff.runs.dashboards as dashboards_module
+
+    silent = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    run_dir = RunDir(tmp_path / "run")
+    dash = Dashboards(_config(mlflow_uri=f"http://127.0.0.1:{silent.getsockname()[1]}"), run_dir, resume_step=0)
+    for step in range(10, 60, 10):
+        dash.metrics(_row(step, loss=1.0 / step))
+    time.sleep(1.1)  # event files are named by the second
+    started = time.perf_counter()
+    dash.rewind(30)
+    rewind_s = time.perf_counter() - started
+    for step in (40, 50):
+        dash.metrics(_row(step, loss=100.0 + step))
+    monkeypatch.setattr(dashboards_module, "_MLFLOW_CLOSE_WAIT_S", 1.0)  # the end's wait, cut short here
+    dash.close()
+    silent.close()
+    assert rewind_s < 10
+    acc = _read_tensorboard(tmp_path / "run" / "tensorboard")
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("loss")] == [(10, 0.1), (20, 0.05), (30, 0.0333),
+                                                                          (40, 140.0), (50, 150.0)]
+    assert len(acc.Tensors("config/text_summary")) == 1
+
+
+def test_a_rollback_on_an_object_store_uploads_both_event_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(RunDir, "local", property(lambda self: None))  # the object-store path, writing to tmp_path
+    dash = Dashboards(_config(), RunDir(tmp_path / "run"), resume_step=0)
+    for step in (10, 20, 30):
+        dash.metrics(_row(step, loss=1.0))
+    time.sleep(1.1)
+    dash.rewind(20)
+    dash.metrics(_row(30, loss=2.0))
+    dash.close()
+    assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 2
+    loss = _read_tensorboard(tmp_path / "run" / "tensorboard").Scalars("loss")
+    assert [(e.step, e.value) for e in loss] == [(10, 1.0), (20, 1.0), (30, 2.0)]
 
 
 def test_tensorboard_on_an_object_store_uploads_at_flush(tmp_path, monkeypatch):
