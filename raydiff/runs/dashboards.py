@@ -20,6 +20,7 @@ import numbers
 import queue
 import secrets
 import shutil
+import socket
 import string
 import tempfile
 import threading
@@ -59,11 +60,16 @@ def _flat_params(cfg: Config) -> dict[str, str]:
             for section, values in cfg.to_dict().items() for key, value in values.items()}
 
 
-def _require(module: str, key: str, what: str, extra: str) -> Any:
+def _import_or_warn(module: str, key: str, what: str, extra: str) -> Any:
+    """The dashboard's package, or None with a warning. The driver refuses a config whose package it lacks (one
+    line, before anything starts: `config.checks`); a worker node without it (an image, or a runtime_env, that
+    the driver's environment does not match) trains on, without that dashboard, as when its server is down."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"{key} needs {what}: pip install 'raydiff[{extra}]'") from None
+        logger.warning("[raydiff] WARNING: %s needs %s, which this node (%s) lacks: pip install 'raydiff[%s]' on "
+                       "every node; %s is off for this session", key, what, socket.gethostname(), extra, what)
+        return None
 
 
 def _one_line(error: BaseException) -> str:
@@ -399,9 +405,8 @@ class Dashboards:
 
     def __init__(self, cfg: Config, run_dir: RunDir, *, resume_step: int) -> None:
         log = cfg.log
-        # Imports first: a missing package raises before anything is written.
-        mlflow = _require("mlflow", "log.mlflow_uri", "MLflow", "mlflow") if log.mlflow_uri else None
-        wandb = _require("wandb", "log.wandb_project", "wandb", "wandb") if log.wandb_project else None
+        mlflow = _import_or_warn("mlflow", "log.mlflow_uri", "MLflow", "mlflow") if log.mlflow_uri else None
+        wandb = _import_or_warn("wandb", "log.wandb_project", "W&B", "wandb") if log.wandb_project else None
         ids = _Ids(run_dir)
         self._backends: list[_Backend] = []
         if log.tensorboard:
