@@ -42,7 +42,7 @@ logger = logging.getLogger("raydiff")
 IDS_FILE = "dashboards.json"
 TENSORBOARD_DIR = "tensorboard"
 _MLFLOW_MAX_QUEUED = 1000  # calls waiting for a slow MLflow server before it is turned off
-_MLFLOW_CLOSE_WAIT_S = 60.0
+_CLOSE_WAIT_S = 60.0  # what rank 0 gives MLflow's last calls, and W&B's finish, at the end of a session
 
 
 def _is_number(value: Any) -> bool:
@@ -271,10 +271,27 @@ class _WandB(_Backend):
         self.run.summary.update(json.loads(json.dumps(summary, default=str)))
         self._exit_code = 0 if summary.get("status") == "finished" else 1
 
+    def _finish(self, failed: list[Exception]) -> None:
+        try:
+            self.run.finish(exit_code=self._exit_code)
+        except Exception as error:  # noqa: BLE001 -- said by the caller, as any failure to close
+            failed.append(error)
+
     def close(self) -> None:
         try:
             if self.run is not None:
-                self.run.finish(exit_code=self._exit_code)
+                # On a thread, waited for a while: an online run's finish uploads what is left, and a server that
+                # does not answer would hold rank 0, and the job, with it.
+                failed: list[Exception] = []
+                finish = threading.Thread(target=self._finish, args=(failed,), name="raydiff-wandb", daemon=True)
+                finish.start()
+                finish.join(_CLOSE_WAIT_S)
+                if finish.is_alive():
+                    logger.warning("[raydiff] WARNING: W&B did not finish this session's run within %.0f s; what it "
+                                   "had not uploaded is lost", _CLOSE_WAIT_S)
+                    return
+                if failed:
+                    raise failed[0]
                 if self._tmp is not None and self.run.offline:
                     for path in sorted(self._tmp.rglob("*")):
                         if path.is_file() and not path.is_symlink():
@@ -388,10 +405,10 @@ class _MLflow(_Backend):
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(_MLFLOW_CLOSE_WAIT_S if self.on else 1.0)  # once off, nothing queued will be sent
+        self._thread.join(_CLOSE_WAIT_S if self.on else 1.0)  # once off, nothing queued will be sent
         if self._thread.is_alive() and self.on:
             logger.warning("[raydiff] WARNING: MLflow did not take this session's last %d calls within %.0f s; "
-                           "they are lost", self._queue.qsize(), _MLFLOW_CLOSE_WAIT_S)
+                           "they are lost", self._queue.qsize(), _CLOSE_WAIT_S)
 
 
 class Dashboards:

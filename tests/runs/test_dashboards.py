@@ -130,7 +130,7 @@ def test_a_rollback_hides_the_lost_steps_on_tensorboard_without_waiting_for_mlfl
     rewind_s = time.perf_counter() - started
     for step in (40, 50):
         dash.metrics(_row(step, loss=100.0 + step))
-    monkeypatch.setattr(dashboards_module, "_MLFLOW_CLOSE_WAIT_S", 1.0)  # the end's wait, cut short here
+    monkeypatch.setattr(dashboards_module, "_CLOSE_WAIT_S", 1.0)  # the end's wait, cut short here
     dash.close()
     silent.close()
     assert rewind_s < 10
@@ -385,3 +385,26 @@ def test_wandb_offline_on_an_object_store_uploads_the_run_files(tmp_path, monkey
     dash.close()
     run_id = json.loads((tmp_path / "run" / "dashboards.json").read_text())["wandb_run_id"]
     assert list((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+
+
+def test_a_wandb_finish_that_does_not_return_holds_the_end_of_a_session_for_a_bounded_time(tmp_path, monkeypatch,
+                                                                                          caplog, wandb_offline):
+    """An online run's finish uploads what is left; with a server that does not answer it held rank 0, and the
+    job, for as long as W&B kept trying."""
+    import raydiff.runs.dashboards as dashboards_module
+
+    dash = Dashboards(_config(tensorboard=False, wandb_project="raydiff-tests"), RunDir(tmp_path / "run"),
+                      resume_step=0)
+    dash.metrics(_row(10, loss=0.5))
+    run = dash._backends[0].run
+    finish, released = run.finish, threading.Event()
+    monkeypatch.setattr(run, "finish", lambda **kwargs: released.wait(60), raising=False)
+    monkeypatch.setattr(dashboards_module, "_CLOSE_WAIT_S", 1.0)
+    started = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="raydiff"):
+        dash.close()
+    assert time.perf_counter() - started < 10
+    assert [r.getMessage() for r in caplog.records if r.name == "raydiff"] == [
+        "[raydiff] WARNING: W&B did not finish this session's run within 1 s; what it had not uploaded is lost"]
+    released.set()
+    finish()
