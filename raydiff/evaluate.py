@@ -30,6 +30,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from raydiff import cli
@@ -202,6 +203,22 @@ def write_result(run_dir, result: dict[str, Any]) -> str:
     return name
 
 
+@contextlib.contextmanager
+def reference_named_as_given(ref: str | None) -> Iterator[None]:
+    """An error of the reference that names it `eval.ref` names it `--ref` where the user gave `--ref` (they gave no
+    config); found after Ray started, where `eval_config`'s checks are behind."""
+    from raydiff.data.errors import DataError
+    from raydiff.quality.errors import QualityError
+
+    try:
+        yield
+    except (DataError, QualityError) as exc:
+        message = str(exc)
+        if ref is None or not message.startswith("eval.ref"):
+            raise
+        raise type(exc)("--ref" + message.removeprefix("eval.ref")) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     guidance = parse_guidance(args.guidance) if args.guidance is not None else None
@@ -245,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f", post-hoc EMA sigma_rel {args.sigma_rel}" if sigma_rels else ""), file=sys.stderr)
     measured = []
     for weights in states:
-        result = evaluate(weights, cfg, workers=args.workers, guidance=guidance, guide=guide)
+        with reference_named_as_given(args.ref):
+            result = evaluate(weights, cfg, workers=args.workers, guidance=guidance, guide=guide)
         if "posthoc" in weights:
             result = {"sigma_rel": weights["posthoc"]["sigma_rel"], **result}
         try:

@@ -129,11 +129,11 @@ def test_bad_input_is_one_line_exit_2(smoke_run, args, fragment, capsys):
 
 def test_a_reference_folder_without_images_is_named_as_the_reference(smoke_run, ray_session, tmp_path, capsys):
     """The reference is read as a source is, and its errors named it data.source: the run's own source, which
-    the user did not touch."""
+    the user did not touch; then eval.ref, a config key the user did not write either."""
     run_dir, _ = smoke_run
     (tmp_path / "empty").mkdir()
     assert cli.run(evaluate_main, ["--checkpoint", str(run_dir), "--ref", str(tmp_path / "empty")]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (f"raydiff: error: eval.ref = '{tmp_path / 'empty'}': no image "
+    assert capsys.readouterr().err.splitlines()[-1] == (f"raydiff: error: --ref = '{tmp_path / 'empty'}': no image "
                                                         f"files found (looked for .jpg, .jpeg, .png, .webp, .bmp, "
                                                         f"recursively)")
 
