@@ -224,9 +224,10 @@ def test_the_flat_all_reduce_under_cuda_graphs_trains_as_eager(tmp_path):
 
 def test_compiled_ddp_with_bf16_gradients_trains_as_eager(tmp_path):
     """DDP under torch.compile, as several workers run it without the flat all-reduce (across nodes, and the
-    one-GPU-per-node presets), in a one-process NCCL group: that inductor, NHWC, DDP's buckets split into graphs
-    of their own, its bf16 comm hook and no_sync over two micro-batches compile and run on a GPU, and train as
-    eager does (the same losses, weights that moved alike: bf16 rounds the gradients, not the steps). With one
+    one-GPU-per-node presets), in a one-process NCCL group: that inductor, NHWC, DDP's bf16 comm hook and no_sync
+    over two micro-batches compile and run on a GPU, and train as eager does (the same losses, weights that moved
+    alike: bf16 rounds the gradients, not the steps). The smoke model fits DDP's first bucket, so dynamo's split of
+    the graph at bucket boundaries (DDPOptimizer, which a full-size model meets) is not exercised here. With one
     process an all-reduce changes nothing, so what DDP sums across workers, and when, is the CPU suite's to check
     (two gloo processes, eager)."""
     eager = _three_steps(compile_model=False, channels_last=False, cuda_graphs=False)
