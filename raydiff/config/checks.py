@@ -365,10 +365,17 @@ def _profile_steps_ok(steps: tuple[int, ...], total_steps: int) -> bool:
     return len(steps) == 2 and 1 <= steps[0] <= steps[1] <= total_steps and steps[1] - steps[0] < MAX_PROFILED_STEPS
 
 
+# Backends whose package is imported at the first compiled step, not here: without it, a traceback mid-start.
+_BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla", "openxla_eval": "torch_xla"}
+
+
 def _backends() -> list[str]:
+    """torch.compile's backends that can run here: its debugging ones too (aot_eager, eager), less those of packages
+    not installed and torch's own test and minifier backends."""
     from torch._dynamo import list_backends  # only for a backend name: a slow import
 
-    return list_backends()
+    return [name for name in list_backends(exclude_tags=()) if "TESTING_ONLY" not in name and "minifier" not in name
+            and importlib.util.find_spec(_BACKEND_PACKAGES.get(name, "torch")) is not None]
 
 
 def validate(cfg: Config, *, check_source: bool = True) -> None:

@@ -210,7 +210,7 @@ def _resolve_paths(cfg: Config) -> None:
         cfg.model.init_from = _absolute("model.init_from", cfg.model.init_from)  # else a hub id, kept as it is
     for key in ("inception_weights", "ref"):
         value = getattr(cfg.eval, key)
-        if value and "://" not in value:
+        if value and "://" not in value and not (key == "ref" and value.startswith("builtin:")):
             setattr(cfg.eval, key, _absolute(f"eval.{key}", value))
 
 

@@ -197,6 +197,19 @@ def test_cuda_graphs_need_the_step_compiled():
                                "torch.compile's reduce-overhead mode)")
 
 
+def test_torch_compiles_debugging_backends_are_taken_and_those_of_packages_not_installed_refused():
+    assert load_config("default", ["train.compile=aot_eager"]).train.compile == "aot_eager"  # the docs' example
+    with pytest.raises(ConfigError) as info:  # apache-tvm is not installed: its import failed at the first step
+        load_config("default", ["train.compile=tvm"])
+    assert str(info.value).startswith("train.compile = 'tvm': auto, true, false, or a torch.compile backend: ")
+    assert "aot_eager, " in str(info.value) and "TESTING_ONLY" not in str(info.value)
+
+
+def test_the_builtin_digits_as_the_reference_stay_a_builtin_name():
+    """It was made a local path (<cwd>/builtin:digits), which then did not exist."""
+    assert load_config("default", ["eval.ref=builtin:digits"]).eval.ref == "builtin:digits"
+
+
 def test_widths_are_read_in_order_and_bad_ones_refused():
     assert parse_sigma_rels("0.1,0.05") == [0.1, 0.05]
     for text in ("0", "0.28", "nan", "0.05,0.05", "a"):
