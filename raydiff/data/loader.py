@@ -205,7 +205,12 @@ class BatchStream:
                         pass
                 step += 1
         except BaseException as exc:  # surface loader errors in the training loop, not in a dead thread
-            self._queue.put(exc)
+            while not self._stop.is_set():  # a full queue no one reads any more must not hold the thread for ever
+                try:
+                    self._queue.put(exc, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
 
     def __iter__(self) -> BatchStream:
         return self

@@ -69,6 +69,31 @@ def test_loader_errors_reach_the_consumer():
     assert raised
 
 
+def test_a_loader_that_fails_with_its_queue_full_and_no_reader_ends_at_close():
+    """Its error was put in the queue without a timeout: after close() the thread waited for ever, holding its
+    (pinned) buffers."""
+    import time
+
+    class FailingOnItsThirdGather(ImageTable):
+        calls = 0
+
+        def gather(self, indices, out):
+            self.calls += 1
+            if self.calls > 2:
+                raise OSError("shard gone")
+            return super().gather(indices, out)
+
+    images, _ = make_table(n=10, chunk=10)
+    s = BatchStream(table=FailingOnItsThirdGather([images]), order=SampleOrder(10, seed=0), global_batch=2,
+                    share=rank_share(2, 1, 0), micro_batch=2, start_step=0, pin_memory=False, prefetch_steps=2)
+    deadline = time.monotonic() + 10
+    while s._queue.qsize() < 2 and time.monotonic() < deadline:  # two steps queued, the third's error waiting
+        time.sleep(0.01)
+    time.sleep(0.2)
+    s.close()
+    assert not s._thread.is_alive()
+
+
 def test_a_stream_for_a_gpu_leaves_the_diffusion_inputs_to_the_step():
     """With `device_noise` (training on a GPU) the loader thread draws no timesteps or noise: the step draws them
     on its device. Asked for them on a CPU, such a batch gets what the loader would have drawn ahead."""
