@@ -130,6 +130,45 @@ def test_a_failed_read_ahead_is_read_again_when_its_shards_are_needed(monkeypatc
     assert len(node.asked) == 3
 
 
+def test_read_ahead_answers_for_shards_a_worker_never_touches_are_let_go_of(monkeypatch):
+    """A small last shard that one worker's share of its window never reads kept its read-ahead answer, and with
+    it every shard that answer holds, alive for epochs beyond the buffer (docs/data.md: the buffer plus one
+    shard)."""
+    from raydiff.data import node_cache
+    from raydiff.data.order import rank_share
+
+    def get(answer):
+        return [get(a) for a in answer] if isinstance(answer, list) else answer()
+
+    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=get))
+    counts = (64,) * 15 + (1,)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    order = SampleOrder(int(starts[-1]), seed=0, shard_starts=starts, window_shards=2)
+    images = SimpleNamespace(shard_starts=starts, shape=SHAPE, labels=None, window_shards=2)
+    def answer(shards: list[int]):
+        return lambda: [[lambda s=s: np.full((counts[s], *SHAPE), s, np.uint8)] for s in shards]
+
+    table = node_cache.StreamTable(images, order, SimpleNamespace(get=SimpleNamespace(remote=answer)))
+    share, global_batch = rank_share(64, 8, 3), 64
+    steps_per_epoch = int(starts[-1]) // global_batch
+    for step in range(steps_per_epoch * 6):
+        table.prepare(step * global_batch)
+        window, current = order.window_shards_at(step * global_batch)
+        assert set(table._upcoming) <= {*current, *(s for w in _next_windows(order, window) for s in w)}
+        indices, _ = order.take(step * global_batch + share.offset, share.size)
+        table.gather(indices, np.empty((share.size, *SHAPE), np.uint8))
+
+
+def _next_windows(order: SampleOrder, window) -> list:
+    from raydiff.data.node_cache import READ_AHEAD_WINDOWS
+
+    shards = []
+    for _ in range(READ_AHEAD_WINDOWS):
+        window, these = order.window_shards_at(order.next_window(window))
+        shards.append(these)
+    return shards
+
+
 def _own_store_bytes() -> int:
     """Bytes this node's object store must keep now: its primary copies, pinned for as long as anyone references
     them, the workers' borrowed references included (the raylet's own count; objects nobody references are a
