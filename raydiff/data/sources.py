@@ -182,7 +182,8 @@ def _list(uri: str, path: str, filesystem: pafs.FileSystem, format: FileKind | L
     by_kind: dict[FileKind, list[pafs.FileInfo]] = {}
     for f in found:
         kind = _kind_of(f.path)
-        if kind is not None and not _hidden(f.path, folder):
+        # A file named as the source itself is taken as named, hidden or not.
+        if kind is not None and (info.type == pafs.FileType.File or not _hidden(f.path, folder)):
             by_kind.setdefault(kind, []).append(f)
     hub_repository = uri.startswith(HUB_SCHEME) and pattern is None and info.type == pafs.FileType.Directory
     card = _hub_card(uri, filesystem, folder, found) if hub_repository else ""

@@ -28,6 +28,8 @@ def test_folder_is_listed_recursively_and_sorted(tmp_path):
     write_synthetic(hidden_root, num=2, resolution=8, fmt="png")
     assert len(open_source(str(hidden_root)).files) == 2
     assert len(open_source(str(tmp_path / "b" / "*.jpg")).files) == 3  # a glob's files, not its hidden folder's
+    named = str(tmp_path / ".hidden.png")  # a hidden file named as the source is taken (it was "no image files")
+    assert open_source(named).files == (named,)
 
 
 def test_identity_follows_names_and_sizes_not_location(tmp_path):
