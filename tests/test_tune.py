@@ -41,7 +41,9 @@ def sweep(tmp_path_factory, ray_session):
     job, dead, _ = ended_jobs_actors(ray_session, "test-tune-ended-job")
     try:
         plant_late_group(ray_session, job=job, creator_actor=dead, cpus=2)
-        proc = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage={storage}")
+        # As a file:// URI, which the schema admits (refused as remote before); the tests after name the same
+        # folder as a path and find the same sweep.
+        proc = run_cli("raydiff.tune", *SWEEP, "--set", f"run.storage=file://{storage}")
     finally:
         kill_named(ray_session, "test-tune-ended-job")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
