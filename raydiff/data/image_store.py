@@ -37,7 +37,7 @@ from raydiff.data.decode import BadImage, decode_resize_crop, dense_array, fit_a
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
 from raydiff.data.hub_features import image_columns
 from raydiff.data.labels import LabelledSamples, LabelPlan, class_ids, missing_labels, plan_labels, resolve_classes
-from raydiff.data.shard_format import check_prepared
+from raydiff.data.shard_format import MANIFEST, check_prepared
 from raydiff.data.sources import Source, check_on_every_node, source_of
 
 CHUNK_BYTES = 64 * 1024 * 1024  # object-store chunk size: few chunks, cheap gathers
@@ -201,7 +201,13 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
     with reading(source.uri, files[0]):
         schema = pq.read_schema(files[0], filesystem=fs)
     if source.kind == "parquet" and "image" in schema.names and pa.types.is_fixed_size_binary(
-            schema.field("image").type):  # raydiff's prepared shards, whose manifest (written last) is not there
+            schema.field("image").type):  # raydiff's prepared shards, read without their manifest
+        folder = files[0].rsplit("/", 1)[0]
+        with reading(source.uri, folder):
+            named = fs.get_file_info(f"{folder}/{MANIFEST}").type == pafs.FileType.File
+        if named:  # a shard, or a glob of them, named instead of their folder
+            raise DataError(f"data.source = {source.uri!r} names shards of data raydiff.prepare wrote; give their "
+                            f"folder, {folder}, whose {MANIFEST} says how to read them")
         raise DataError(f"data.source = {source.uri!r} holds shards of raydiff.prepare without their manifest: a "
                         f"preparation stopped before its end; remove them and prepare again")
     images = image_columns(schema)
@@ -215,8 +221,18 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
                         f"{', '.join(schema.names)}{hint}")
     kwargs["fn_kwargs"].update(column=column, prepared=source.kind == "prepared")
     columns = [column] if labels is None or labels.column == column else [column, labels.column]
-    return (ray.data.read_parquet(files, filesystem=fs, columns=columns, include_paths=True)
-            .map_batches(cast(_BatchFn, _decode_parquet), **kwargs))
+    read = ray.data.read_parquet(files, filesystem=fs, columns=columns, include_paths=True)
+    if labels is not None and labels.column in schema.names and pa.types.is_dictionary(
+            schema.field(labels.column).type):  # pandas' Categorical: Ray's numpy batches named its nulls a class
+        read = read.map_batches(functools.partial(_dictionary_decoded, column=labels.column), batch_format="pyarrow")
+    return read.map_batches(cast(_BatchFn, _decode_parquet), **kwargs)
+
+
+def _dictionary_decoded(table: pa.Table, column: str) -> pa.Table:
+    """`table` with its dictionary-encoded `column` as plain values (nulls stay null)."""
+    index = table.schema.get_field_index(column)
+    values = table.column(index)
+    return table.set_column(index, column, values.cast(values.type.value_type))
 
 
 # Ray Data logs a failed read task's traceback in these two, then raises its error in the driver.
@@ -409,9 +425,17 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
     classes = resolve_classes((n for names, _ in per_chunk for n in names), labels, source.uri)
     if not classes:
         raise missing_labels(source)
-    ids = [class_ids(np.asarray(names, dtype=object), classes)[inverse] if len(inverse) else inverse
-           for names, inverse in per_chunk]
-    return replace(store, labels=np.concatenate(ids).astype(np.int32), classes=classes)
+    ids = np.concatenate([class_ids(np.asarray(names, dtype=object), classes)[inverse] if len(inverse) else inverse
+                          for names, inverse in per_chunk]).astype(np.int32)
+    # A prepared copy's row whose class its manifest does not list (an edited manifest) is bad, as in stream mode:
+    # it trained as class -1, which the loader refused mid-run.
+    known = {b.index for b in bad}
+    unlisted = [BadSample(index=int(i), where=f"{source.uri}:sample {int(i)}",
+                          reason="no label: its class is not one of the manifest's classes")
+                for i in np.flatnonzero(ids < 0) if int(i) not in known]
+    if unlisted:
+        store = replace(store, bad=tuple(sorted((*store.bad, *unlisted), key=lambda b: b.index)))
+    return replace(store, labels=ids, classes=classes)
 
 
 def load_data(data, source: Source | None = None) -> ImageStore:

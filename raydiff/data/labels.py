@@ -169,7 +169,8 @@ def resolve_classes(names: Iterable[str], plan: LabelPlan, source: str) -> tuple
     if plan.rule in ("manifest", "named"):
         return plan.classes
     found = {n for n in names if n}
-    as_ids = plan.rule == "ids" or (plan.rule == "text" and all(n.isdigit() for n in found))
+    # _INTEGER, as `of_value` reads ids: str.isdigit takes "²" too, which int() does not.
+    as_ids = plan.rule == "ids" or (plan.rule == "text" and all(_INTEGER.fullmatch(n) for n in found))
     if as_ids:
         top = max((int(n) for n in found), default=-1)
         if top >= MAX_CLASSES:

@@ -62,10 +62,14 @@ def sources(tmp_path_factory) -> dict[str, str]:
     (root / "names").mkdir()
     pq.write_table(pa.table({"image": pa.array(images[:4], pa.binary()),
                              "kind": pa.array(["tree", "boat", None, "tree"])}), root / "names" / "a.parquet")
+    (root / "categories").mkdir()  # pandas' Categorical: a dictionary-encoded column, nulls included
+    pq.write_table(pa.table({"image": pa.array(images[:4], pa.binary()),
+                             "kind": pa.array(["tree", "boat", None, "tree"]).dictionary_encode()}),
+                   root / "categories" / "a.parquet")
     (root / "wds").mkdir()
     _write_tar(root / "wds" / "shard-0.tar", [(images[0], b"3\n"), (images[1], b"1"), (images[2], None),
                                               (images[3], b"0")])
-    return {kind: str(root / kind) for kind in ("folder", "ints", "named", "names", "wds")}
+    return {kind: str(root / kind) for kind in ("folder", "ints", "named", "names", "categories", "wds")}
 
 
 EXPECTED = {  # kind: (options, classes, labels by sample index, indices without a label)
@@ -73,6 +77,8 @@ EXPECTED = {  # kind: (options, classes, labels by sample index, indices without
     "ints": ({}, ("0", "1", "2"), [2, 0, -1, 2, -1, 0], [2, 4]),
     "named": ({}, ("airplane", "automobile", "bird", "cat"), [3, 0, -1, -1, -1, 0], [2, 3, 4]),
     "names": ({"label_column": "kind"}, ("boat", "tree"), [1, 0, -1, 1], [2]),
+    # Ray's numpy batches gave the null a class's name: it trained as "tree", never reported.
+    "categories": ({"label_column": "kind"}, ("boat", "tree"), [1, 0, -1, 1], [2]),
     "wds": ({}, ("0", "1", "2", "3"), [3, 1, -1, 0], [2]),
 }
 
@@ -135,6 +141,15 @@ def test_stream_mode_and_prepare_keep_the_labels(ray_session, sources, tmp_path)
     store = load_data(_data(str(out)))
     assert store.classes == ("cat", "dog") and store.labels.tolist() == [0, 0, 0, 1, 1] and not store.bad
     assert np.array_equal(np.concatenate(store.arrays()), np.concatenate(list(streamed.iter_arrays())))
+    # A class its manifest does not list (an edited manifest): those rows are bad, as in stream mode (memory mode
+    # kept them as class -1, which the loader refused mid-run).
+    manifest_path = out / "manifest.json"
+    manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), "classes": ["cat"]}))
+    edited = load_data(_data(str(out)))
+    assert edited.classes == ("cat",) and edited.labels.tolist() == [0, 0, 0, -1, -1]
+    assert [(b.index, b.reason) for b in edited.bad] == [(i, "no label: its class is not one of the manifest's "
+                                                             "classes") for i in (3, 4)]
+    assert edited.class_counts() == [3]
 
     # A version 2 folder (no label column) is still read without labels, and refused with them.
     v2 = Path(unlabelled.uri)
@@ -213,6 +228,14 @@ def test_a_prepared_copy_reads_class_names_as_written_spaces_and_all():
     assert plan.of_value("")[0] == ""  # no label
     text = LabelPlan("parquet", "text", column="label")
     assert text.of_value(" cat ")[0] == "cat"  # a user's column: trimmed, as before
+
+
+def test_class_texts_that_python_calls_digits_but_are_no_numbers_are_names():
+    """str.isdigit takes "²", which int() refuses: a ValueError traceback."""
+    from raydiff.data.labels import LabelPlan, resolve_classes
+
+    assert resolve_classes(["²", "1"], LabelPlan("cls", "text"), "x") == ("1", "²")
+    assert resolve_classes(["10", "2"], LabelPlan("cls", "text"), "x") == tuple(str(i) for i in range(11))
 
 
 def test_labels_of_a_source_that_is_one_image_file_ask_for_a_folder(tmp_path):

@@ -183,6 +183,12 @@ def test_shards_of_a_preparation_stopped_before_its_manifest_are_refused_in_one_
     from raydiff.data.image_store import load_images
 
     write_prepared(iter([(_images(20), [])]), source, str(tmp_path / "out"), shape=SHAPE, rows_per_shard=8)
+    # A shard of a whole preparation named instead of its folder: told to name the folder, not to remove it.
+    shard = open_source(str(tmp_path / "out" / "part-00000.parquet"))
+    with pytest.raises(DataError) as info:
+        load_images(shard, resolution=4, channels=3)
+    assert str(info.value) == (f"data.source = {shard.uri!r} names shards of data raydiff.prepare wrote; give their "
+                               f"folder, {tmp_path / 'out'}, whose manifest.json says how to read them")
     (tmp_path / "out" / "manifest.json").unlink()
     cut = open_source(str(tmp_path / "out"))
     assert cut.kind == "parquet"
