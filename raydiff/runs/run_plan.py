@@ -112,14 +112,26 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     # Finished where the summary is of the newest checkpoint: a finished run trained longer and stopped keeps its
     # old summary until it ends again.
     finished = summary.get("status") == "finished" and summary.get("steps", step) == step
+    # A checkpoint before the end its start trained towards (a stop, a preemption, a scheduled one) holds no end of
+    # run: no final validation, evaluation, samples or snapshot. Unknown without the records: taken as an end.
+    planned = ((previous or {}).get("train") or {}).get("total_steps")
+    cut_short = isinstance(planned, int) and planned > step
+    ways_out = (f"--set run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
+                f"is moved aside, not deleted)")
     if step > cfg.train.total_steps and not finished:
         # The workers would restore it and train nothing, and a run that ends past train.total_steps has not
         # finished it: every re-run would fail, with no reason given.
         raise ConfigError(
             f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, past "
-            f"train.total_steps = {cfg.train.total_steps}. Use --set train.total_steps={step} (or more) to continue "
-            f"it, --set run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
-            f"is moved aside, not deleted)")
+            f"train.total_steps = {cfg.train.total_steps}. Use --set train.total_steps={step + cut_short} (or more) "
+            f"to continue it, {ways_out}")
+    if step == cfg.train.total_steps and not finished and cut_short:
+        # It would train no step, so the end's work would never run, and the run would say it finished.
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, before the end its "
+            f"run trained towards ({planned}): ending it at train.total_steps = {step} would train nothing and "
+            f"skip the end's validation, evaluation, samples and final checkpoint. Use --set "
+            f"train.total_steps={step + 1} (or more) to continue it, {ways_out}")
     if previous:
         notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
         notes += lr_change(previous, cfg, step)

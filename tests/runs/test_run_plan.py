@@ -102,12 +102,28 @@ def test_a_run_whose_newest_checkpoint_is_past_train_total_steps_is_refused_in_o
         run.remove("data.json")
     with pytest.raises(ConfigError) as refused:
         plan_run(load_config("smoke", ["train.total_steps=1400"]), run, DATA)
+    # With its records, the checkpoint is known to be cut short of its run's 2000 steps: one step more at least.
+    asked = 1501 if records else 1500
     assert str(refused.value) == (
         f"run.name = 'smoke': the newest checkpoint in {run} is at step 1500, past train.total_steps = 1400. Use "
-        f"--set train.total_steps=1500 (or more) to continue it, --set run.name=NEW for a new run, or --set "
+        f"--set train.total_steps={asked} (or more) to continue it, --set run.name=NEW for a new run, or --set "
         f"run.resume=false to start this one over (the old run is moved aside, not deleted)")
     assert plan_run(load_config("smoke", ["train.total_steps=1400", "run.resume=false"]), run, DATA).replace
-    # At the checkpoint's step the run continues, to finish there (writing its summary).
+    if records:  # at the checkpoint's step it would train nothing and skip the end's work, yet say it finished
+        with pytest.raises(ConfigError) as refused:
+            plan_run(load_config("smoke", ["train.total_steps=1500"]), run, DATA)
+        assert str(refused.value) == (
+            f"run.name = 'smoke': the newest checkpoint in {run} is at step 1500, before the end its run trained "
+            f"towards (2000): ending it at train.total_steps = 1500 would train nothing and skip the end's "
+            f"validation, evaluation, samples and final checkpoint. Use --set train.total_steps=1501 (or more) to "
+            f"continue it, --set run.name=NEW for a new run, or --set run.resume=false to start this one over (the "
+            f"old run is moved aside, not deleted)")
+        # A checkpoint at the end its start trained towards (killed before its summary) continues, to finish there.
+        ended = write_run(tmp_path / "ended", load_config("smoke", ["train.total_steps=1500"]), steps=(1000, 1500))
+        assert plan_run(load_config("smoke", ["train.total_steps=1500"]), ended, DATA).action == "continue"
+        return
+    # Without its records the checkpoint may be its run's end (killed before its summary): the run continues at
+    # the checkpoint's step, to finish there (writing its summary).
     assert plan_run(load_config("smoke", ["train.total_steps=1500"]), run, DATA).action == "continue"
     run.write_text("summary.json", json.dumps({"status": "finished", "steps": 1500}))  # a finished run says so
     assert plan_run(load_config("smoke", ["train.total_steps=1400"]), run, DATA).action == "finished"
