@@ -291,6 +291,8 @@ class Cadence:
                     self.dashboards.rewind(back.step)  # the rolled-back steps' points disappear from TensorBoard
                 self._eta_from = (back.step, time.perf_counter())
                 return back
+        if self._unreported is not None:  # the checkpoint being written: the run's newest, known to Ray, pruned
+            self._settle(wait=True)
         self.diagnostic = divergence_report(t, progress.step, lr, result, w.cfg.diffusion.timesteps)
         self._event("diverged", step=progress.step, diagnostic=self.diagnostic)
         if w.is_chief:

@@ -21,19 +21,23 @@ from raydiff.training.worker_io import WorkerArgs
 pytestmark = pytest.mark.ray
 
 
-def run_local(ray_session, storage, name, *overrides):
+def fit_local(ray_session, storage, name, *overrides) -> ray.train.Result:
     images = np.random.default_rng(0).integers(0, 256, (20, 1, 8, 8), dtype=np.uint8)
     store = ImageStore(chunks=(ray_session.put(images),), counts=(20,), shape=(1, 8, 8), source="test")
     cfg = load_config("smoke", [f"run.storage={storage}", f"run.name={name}", "train.total_steps=4",
                                 "train.global_batch=8", "scaling.num_workers=1", "train.sample_every=0",
                                 "train.log_every=1", *overrides])
-    result = TorchTrainer(
+    return TorchTrainer(
         train_worker,
         train_loop_config={"args": WorkerArgs(config=cfg, images=store, run_dir=RunDir(storage / name),
                                               cpus_per_worker=1, invocation="test")},
         scaling_config=ray.train.ScalingConfig(num_workers=0),
         run_config=ray.train.RunConfig(name=name, storage_path=str(storage)),
     ).fit()
+
+
+def run_local(ray_session, storage, name, *overrides):
+    result = fit_local(ray_session, storage, name, *overrides)
     rows = [json.loads(line) for line in (storage / name / "metrics.jsonl").read_text().splitlines()]
     return result.return_value.to_dict(), rows
 
@@ -166,6 +170,17 @@ def test_a_rollback_to_the_checkpoint_a_start_began_from_records_its_first_step_
     assert [(e["event"], e.get("step", e.get("from_step"))) for e in events
             if e["event"] in ("first_step", "rollback")] == [("first_step", 1), ("first_step", 6), ("rollback", 10)]
     assert result["steps"] == 12 and result["rollbacks"] == 1
+
+
+def test_a_run_that_diverges_reports_the_checkpoint_it_was_writing(ray_session, tmp_path):
+    """The second divergence ended the run without settling the checkpoint being written: on storage, but never
+    reported to Ray (the summary named an older one, and Ray's pruning never saw it)."""
+    result = fit_local(ray_session, tmp_path, "diverging", "train.total_steps=40", "train.checkpoint_every=7",
+                       "train.max_bad_steps=5", "debug.nan_at_steps=[15,16,17,18,19,20,22,23,24,25,26,27,28,29,30]")
+    assert result.return_value.to_dict()["status"] == "diverged"
+    on_storage = sorted(p.name for p in (tmp_path / "diverging").glob("checkpoint_*"))
+    assert on_storage[-1] == "checkpoint_00000028"
+    assert result.checkpoint is not None and result.checkpoint.path.endswith(on_storage[-1])
 
 
 def test_a_run_whose_lease_was_lost_at_a_check_that_would_roll_back_writes_nothing_more(ray_session, tmp_path,
