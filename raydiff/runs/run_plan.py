@@ -116,8 +116,8 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     # run: no final validation, evaluation, samples or snapshot. Unknown without the records: taken as an end.
     planned = ((previous or {}).get("train") or {}).get("total_steps")
     cut_short = isinstance(planned, int) and planned > step
-    ways_out = (f"--set run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
-                f"is moved aside, not deleted)")
+    ways_out = ("--set run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
+                "is moved aside, not deleted)")
     if step > cfg.train.total_steps and not finished:
         # The workers would restore it and train nothing, and a run that ends past train.total_steps has not
         # finished it: every re-run would fail, with no reason given.
