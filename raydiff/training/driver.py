@@ -435,17 +435,20 @@ def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: 
                    checkpoint: str | None, error: str | None, started: float,
                    bad_images: dict[str, Any]) -> dict[str, Any]:
     rows = JsonlLog(run_dir, "metrics.jsonl").rows()
-    starts = [e for e in JsonlLog(run_dir, "events.jsonl").rows() if e["event"] == "start"]
+    events = JsonlLog(run_dir, "events.jsonl").rows()
+    starts = [e for e in events if e["event"] == "start"]
     this_invocation = [e for e in starts if e["invocation"] == invocation]
     last = rows[-1] if rows else {}
-    # Without the workers' result (the run failed), what the logs show.
-    r = result
-    status = r.status.value if r is not None and error is None else "failed"
-    if r is not None and status == "finished" and r.steps != cfg.train.total_steps:
+    status = result.status.value if result is not None and error is None else "failed"
+    if result is not None and status == "finished" and result.steps != cfg.train.total_steps:
         status = "failed"
+    # Without the workers' counts (the run failed, or its workers failed to set up: a result of 0 steps on a run
+    # that had more), what the logs show.
+    r = result if result is not None and not (result.steps == 0 and planned_step > 0) else None
+    steps = r.steps if r else last.get("step", planned_step)
     summary = {
         "status": status,
-        "steps": r.steps if r else last.get("step", planned_step),
+        "steps": steps,
         "images_seen": r.images_seen if r else last.get("images_seen", planned_step * cfg.train.global_batch),
         "final_loss": r.final_loss if r and r.final_loss is not None else last.get("loss"),
         "final_val_loss": r.val_loss if r else None,
@@ -455,12 +458,13 @@ def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: 
         "restarts": max(0, len(this_invocation) - 1),
         "resumed_from_step": this_invocation[0]["step"] if this_invocation else planned_step,
         "skipped_steps": r.skipped_steps if r else last.get("skipped_steps", 0),
-        "rollbacks": r.rollbacks if r else 0,
+        "rollbacks": r.rollbacks if r else sum(e["event"] == "rollback" and e.get("from_step", 0) <= steps
+                                               for e in events),
         "bad_images": bad_images,
         "wall_s": round(time.perf_counter() - started, 1),
         "run_dir": str(run_dir),
     }
-    diagnostic = error or (r.diagnostic if r else None)
+    diagnostic = error or (result.diagnostic if result else None)
     if diagnostic:
         summary["error"] = diagnostic
     run_dir.write_text("summary.json", json.dumps(json_safe(summary), indent=2) + "\n")

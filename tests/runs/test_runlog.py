@@ -48,6 +48,28 @@ def test_the_run_s_summary_is_valid_json_with_non_finite_measurements_as_null(tm
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "quality": {"fid": None}}
 
 
+def test_a_summary_of_workers_that_failed_to_set_up_keeps_the_run_s_counts(tmp_path):
+    """Their result (0 steps: the restore failed) overwrote the summary with steps, images_seen and skipped_steps
+    of 0 beside resumed_from_step 40; a run that failed without a result counted no rollback though its events
+    record one."""
+    import time
+
+    from raydiff.config import load_config
+    from raydiff.training.driver import _write_summary
+    from raydiff.training.worker_io import WorkerResult, WorkerStatus
+
+    cfg = load_config("smoke", [f"run.storage={tmp_path}"])
+    run_dir = RunDir(tmp_path)
+    JsonlLog(run_dir, "metrics.jsonl").append({"step": 40, "images_seen": 640, "loss": 0.2, "skipped_steps": 3})
+    JsonlLog(run_dir, "events.jsonl").append({"event": "rollback", "from_step": 30, "to_step": 20})
+    unread = WorkerResult(WorkerStatus.STORAGE_FAILED, steps=0, diagnostic="state.pt: permission denied")
+    summary = _write_summary(cfg, run_dir, "test", 40, unread, None, None, time.perf_counter(), {})
+    assert (summary["status"], summary["steps"], summary["images_seen"], summary["skipped_steps"]) == \
+        ("storage_failed", 40, 640, 3)
+    assert summary["rollbacks"] == 1 and summary["error"] == "state.pt: permission denied"
+    assert _write_summary(cfg, run_dir, "test", 40, None, None, "lost", time.perf_counter(), {})["rollbacks"] == 1
+
+
 def test_the_progress_line_counts_the_eta_from_this_start():
     row = {"step": 300, "loss": 0.04123, "images_per_s": 236.4, "data_wait_frac": 0.001}
     line = progress_line(row, total_steps=1000, start_step=200, elapsed_s=30.0)
