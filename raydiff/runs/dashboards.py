@@ -120,7 +120,7 @@ class _Backend:
     def summary(self, summary: dict[str, Any]) -> None: ...
     def flush(self) -> None: ...
     def rewind(self, step: int) -> None: ...
-    def close(self) -> None: ...
+    def close(self, publish: bool = True) -> None: ...
 
 
 class _TensorBoard(_Backend):
@@ -197,10 +197,11 @@ class _TensorBoard(_Backend):
         self.flush()
         self._start_writer(step)
 
-    def close(self) -> None:
+    def close(self, publish: bool = True) -> None:
         try:
             self.writer.close()
-            self.flush(wait=True)
+            if publish:
+                self.flush(wait=True)
         finally:
             if self._tmp is not None:
                 assert self._uploads is not None  # made with the temporary folder
@@ -277,7 +278,7 @@ class _WandB(_Backend):
         except Exception as error:  # noqa: BLE001 -- said by the caller, as any failure to close
             failed.append(error)
 
-    def close(self) -> None:
+    def close(self, publish: bool = True) -> None:
         try:
             if self.run is not None:
                 # On a thread, waited for a while: an online run's finish uploads what is left, and a server that
@@ -292,7 +293,7 @@ class _WandB(_Backend):
                     return
                 if failed:
                     raise failed[0]
-                if self._tmp is not None and self.run.offline:
+                if publish and self._tmp is not None and self.run.offline:
                     for path in sorted(self._tmp.rglob("*")):
                         if path.is_file() and not path.is_symlink():
                             self.run_dir.write_bytes(path.relative_to(self._tmp).as_posix(), path.read_bytes())
@@ -403,7 +404,7 @@ class _MLflow(_Backend):
         self._submit(self._log_batch, metrics, tags)
         self._submit(self._end, summary)
 
-    def close(self) -> None:
+    def close(self, publish: bool = True) -> None:  # its calls go to the server, not the run directory
         self._queue.put(None)
         self._thread.join(_CLOSE_WAIT_S if self.on else 1.0)  # once off, nothing queued will be sent
         if self._thread.is_alive() and self.on:
@@ -462,12 +463,14 @@ class Dashboards:
         thread of their own, so that the caller (the training thread) does not wait for the upload."""
         self._each("flush")
 
-    def close(self) -> None:
+    def close(self, *, publish: bool = True) -> None:
+        """`publish=False`: nothing more reaches the run directory (its lease is another driver's now): TensorBoard's
+        and offline W&B's files on an object store are not uploaded."""
         if not self._closed:
             self._closed = True
             for backend in self._backends:
                 try:
-                    backend.close()  # also when off: MLflow's thread ends, temporary folders go
+                    backend.close(publish)  # also when off: MLflow's thread ends, temporary folders go
                 except Exception as error:  # noqa: BLE001
                     if backend.on:
                         logger.warning("[raydiff] WARNING: %s failed to close: %s", backend.name, _one_line(error))

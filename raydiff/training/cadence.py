@@ -271,7 +271,7 @@ class Cadence:
                 self._writer.close()
             self.live.close()
             if self.dashboards is not None:
-                self.dashboards.close()
+                self.dashboards.close(publish=self.status != WorkerStatus.LEASE_LOST)
 
     # The pieces, in the order a step's end calls them.
     def _roll_back_or_give_up(self, progress: Progress, result: StepResult, lr: float) -> Progress:

@@ -284,3 +284,4 @@ def test_the_workers_of_a_paused_driver_stop_once_another_driver_holds_the_run(r
     assert result["status"] == "lease_lost" and 0 < result["steps"] < 2000, result
     listed = client.list_objects_v2(Bucket="raydiff-paused", Prefix="runs/paused/").get("Contents", [])
     assert not any("checkpoint_" in entry["Key"] for entry in listed)  # nothing written after the takeover
+    assert not any("/tensorboard/" in entry["Key"] for entry in listed)  # not even the dashboards' files
