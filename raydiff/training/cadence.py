@@ -84,10 +84,7 @@ class Cadence:
         self.status: WorkerStatus | None = None  # set when training ends before train.total_steps
         self.diagnostic: str | None = None
         self.failure: StorageFailure | None = None  # rank 0: a write no retry can fix
-        self.last_row: dict[str, Any] | None = None  # the newest metrics row
-        self.val_loss: float | None = progress.measured.get("val_loss")
-        self.quality: dict[str, Any] | None = progress.measured.get("quality")  # the newest evaluation's metrics
-        self._restored_loss: float | None = progress.measured.get("loss")  # until this start logs a row
+        self._measured_as_of(progress)
         self.last_checkpoint_step = progress.step
         self._unreported: dict[str, Any] | None = None  # the metrics of the checkpoint being written
         self._written: str | None = None  # rank 0: the name of the checkpoint it wrote last
@@ -114,6 +111,13 @@ class Cadence:
         self._end_watch = watch_for_takeover(
             w.run_dir, args.invocation, stale_s=w.cfg.run.lease_stale_s,
             on_taken=self._taken_over) if w.is_chief and args.stop_flag is not None else None
+
+    def _measured_as_of(self, progress: Progress) -> None:
+        """What was measured as of `progress`'s checkpoint (a start's, a rollback's): the steps after it are lost."""
+        self.last_row: dict[str, Any] | None = None  # the newest metrics row
+        self.val_loss: float | None = progress.measured.get("val_loss")
+        self.quality: dict[str, Any] | None = progress.measured.get("quality")  # the newest evaluation's metrics
+        self._restored_loss: float | None = progress.measured.get("loss")  # until a row is logged
 
     def _taken_over(self, holder: dict[str, Any]) -> None:
         """Another driver holds the run's lease (this one's went unrenewed: paused, or cut off): stop at the next
@@ -277,23 +281,24 @@ class Cadence:
     def _roll_back_or_give_up(self, progress: Progress, result: StepResult, lr: float) -> Progress:
         """Back to the newest checkpoint, past the failed steps' data, once; the second time, a diagnostic."""
         w, t = self.w, self.w.cfg.train
+        streak = self.live.nonfinite.longest_streak()
+        if self._unreported is not None:  # the checkpoint being written: the one to roll back to, or the newest
+            self._settle(wait=True)       # at the run's end (Ray reports and prunes it)
         if progress.counters["rollbacks"] == 0:
-            if self._unreported is not None:
-                self._settle(wait=True)  # the checkpoint being written is the one to roll back to
             rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief,
                                  weight_decay=t.weight_decay)
             if rollback is not None:
                 back = rollback.progress
-                self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback)
+                self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback,
+                            streak)
                 self.live.close()
                 self.live = _Live.open(w, back)
+                self._measured_as_of(back)  # a checkpoint before the next row or validation carried lost steps'
                 if self.dashboards is not None:
                     self.dashboards.rewind(back.step)  # the rolled-back steps' points disappear from TensorBoard
                 self._eta_from = (back.step, time.perf_counter())
                 return back
-        if self._unreported is not None:  # the checkpoint being written: the run's newest, known to Ray, pruned
-            self._settle(wait=True)
-        self.diagnostic = divergence_report(t, progress.step, lr, result, w.cfg.diffusion.timesteps)
+        self.diagnostic = divergence_report(t, progress.step, lr, result, w.cfg.diffusion.timesteps, streak)
         self._event("diverged", step=progress.step, diagnostic=self.diagnostic)
         if w.is_chief:
             logger.error(f"[raydiff] {self.diagnostic}")

@@ -131,15 +131,15 @@ def forget_snapshots_after(w: Worker, step: int) -> None:
     w.writes.submit(SNAPSHOT_DIR, remove)
 
 
-def record_rollback(w: Worker, progress: Progress, rollback: Rollback) -> None:
+def record_rollback(w: Worker, progress: Progress, rollback: Rollback, streak: int) -> None:
     """metrics.jsonl cut back to the checkpoint, the post-hoc EMA's snapshots too, the rollback event, and the
-    warning the user reads."""
+    warning the user reads (`streak`: the non-finite steps in a row, train.max_bad_steps or more)."""
     back, gb = rollback.progress, w.cfg.train.global_batch
     assert w.metrics_log is not None  # rank 0's
     w.metrics_log.truncate_after(back.step)
     forget_snapshots_after(w, back.step)
     w.event("rollback", from_step=progress.step, to_step=back.step, checkpoint=str(rollback.checkpoint),
             skipped_positions=[rollback.failed_from * gb, back.stream_step * gb])
-    logger.warning(f"[raydiff] WARNING: {w.cfg.train.max_bad_steps} non-finite steps in a row at step "
+    logger.warning(f"[raydiff] WARNING: {streak} non-finite steps in a row at step "
                    f"{progress.step}: rolled back to step {back.step} and skipped the {progress.step - back.step} "
                    f"steps of data that failed")

@@ -99,8 +99,10 @@ def roll_back(state: TrainingState, run_dir: RunDir, progress: Progress, *, is_c
     return Rollback(back, restored.checkpoint, failed_from)
 
 
-def divergence_report(t: TrainSection, step: int, lr: float, result: StepResult, num_timesteps: int) -> str:
-    """One line that says what was going on when training diverged, so the user can act on it."""
+def divergence_report(t: TrainSection, step: int, lr: float, result: StepResult, num_timesteps: int,
+                      streak: int) -> str:
+    """One line that says what was going on when training diverged (`streak` non-finite steps in a row), so the
+    user can act on it."""
     buckets = []
     for q in range(4):
         # The timesteps whose t * 4 // T is q, as the metrics rows' loss_q columns count them.
@@ -109,7 +111,7 @@ def divergence_report(t: TrainSection, step: int, lr: float, result: StepResult,
         mean = f"{selected.mean().item():.4g}" if len(selected) else "-"
         buckets.append(f"t {low}-{high - 1}: {mean}")
     x0 = scaled(result.images, result.images.new_zeros(len(result.images), dtype=torch.bool), flip=False)
-    return (f"training diverged: {t.max_bad_steps} non-finite steps in a row at step {step} (rolled back at most "
+    return (f"training diverged: {streak} non-finite steps in a row at step {step} (rolled back at most "
             f"once before); lr {lr:.3g}, grad norm {float(result.grad_norm):.3g}, input range "
             f"[{x0.min().item():.3g}, {x0.max().item():.3g}], loss by timestep ({'; '.join(buckets)}). Try a lower "
             f"train.lr, more train.warmup_steps, train.grad_clip, or train.precision=fp32/bf16.")

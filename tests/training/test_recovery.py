@@ -151,5 +151,6 @@ def test_the_divergence_report_s_timestep_buckets_are_the_metrics_rows_quarters(
     result = StepResult(finite=torch.tensor(False), grad_norm=torch.tensor(float("inf")), loss_sum=losses.sum(),
                         samples=30, quarter_sums=torch.zeros(2, 4), images=torch.zeros(30, 3, 4, 4, dtype=torch.uint8),
                         timesteps=t, losses=losses)
-    line = divergence_report(load_config("smoke").train, 40, 1e30, result, num_timesteps=30)
+    line = divergence_report(load_config("smoke").train, 40, 1e30, result, num_timesteps=30, streak=9)
     assert "(t 0-7: 0; t 8-14: 1; t 15-22: 2; t 23-29: 3)" in line
+    assert line.startswith("training diverged: 9 non-finite steps in a row at step 40")  # the streak, not the limit
