@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from packaging.version import InvalidVersion, Version
 
 from raydiff.config.learning_rate import rule_lr
-from raydiff.config.schema import MAX_SAMPLING_STEPS, Config, ConfigError
+from raydiff.config.schema import MAX_CLASSES, MAX_SAMPLING_STEPS, Config, ConfigError
 from raydiff.config.values import shown
 from raydiff.storage.fs import (
     HUB_SCHEME,
@@ -206,8 +206,8 @@ RULES: tuple[Rule, ...] = (
     Rule("model.attention_resolutions", lambda c: set(c.model.attention_resolutions) <= set(_resolutions(c)),
          lambda c: f"each must be one of the model's resolutions {_resolutions(c)}"),
     Rule("model.dropout", lambda c: 0 <= c.model.dropout < 1, "must be in [0, 1)"),
-    Rule("model.num_classes", lambda c: c.model.num_classes == "auto" or c.model.num_classes >= 0,
-         "must be 0 (unconditional), a number of classes, or auto"),
+    Rule("model.num_classes", lambda c: c.model.num_classes == "auto" or 0 <= c.model.num_classes <= MAX_CLASSES,
+         f"must be 0 (unconditional), a number of classes up to {MAX_CLASSES:,}, or auto"),
     Rule("model.num_classes", lambda c: c.model.num_classes == 0 or c.data.labels == "auto",
          "a class-conditional model learns from labels: set data.labels = auto, or model.num_classes = 0"),
     Rule("model.init_from", lambda c: c.model.init_from is None or not bucket_uri_problem(c.model.init_from),

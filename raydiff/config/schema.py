@@ -34,6 +34,7 @@ class ConfigError(ValueError):
 # named here, apart from torch, so that a command reads its arguments before importing it.
 Sampler = Literal["ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "heun"]
 SAMPLERS: tuple[Sampler, ...] = get_args(Sampler)
+MAX_CLASSES = 100_000  # more than this is a wrong label column (an id per sample), not classes
 MAX_SAMPLING_STEPS = 100_000  # Heun's, which may step between timesteps, bounded as diffusion.timesteps is
 
 

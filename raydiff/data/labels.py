@@ -29,11 +29,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raydiff.config.schema import MAX_CLASSES
 from raydiff.data.errors import BadSample, DataError, reading, usable_indices
 from raydiff.data.hub_features import class_label_names
 
 LABEL_COLUMN = "label"  # the column of prepared shards that holds each sample's class name
-MAX_CLASSES = 100_000  # more than this is a wrong column (an id per sample), not classes
 _DIGIT = re.compile(r"_digit(\d+)\.[A-Za-z]+$")
 _INTEGER = re.compile(r"[+-]?\d+")
 

@@ -67,6 +67,9 @@ from raydiff.config.checks import parse_sigma_rels
     ("run.name=a/b", "use letters, digits"),
     ("train.lr", "expected key=value"),
     ("eval.num=1", "eval.num = 1: must be >= 2"),
+    # A class embedding of 10^12 rows was a memory error's traceback.
+    ("model.num_classes=1000000000000", "model.num_classes = 1000000000000: must be 0 (unconditional), a number "
+                                        "of classes up to 100,000, or auto"),
     ("eval.metrics=[fid,is]", "eval.metrics = ['fid', 'is']: must be a list of fid and/or kid, each once"),
     ("eval.metrics=[fid,fid]", "eval.metrics = ['fid', 'fid']: must be a list of fid and/or kid, each once"),
     ("eval.features=clip", "eval.features = 'clip': expected auto | inception | digits"),
