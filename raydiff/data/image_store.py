@@ -165,8 +165,11 @@ def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: 
     out = _decode_encoded(values, wheres, resolution, channels)
     if labels is None:
         return out
-    cls_key = next((key for key in batch if key.lower() == "cls"), None)
-    cls = batch[cls_key] if cls_key else [None] * n  # a block without any .cls has no such column
+    # Each sample's .cls in whichever case it has (`.CLS` beside `.cls` in one block: two columns, each NaN where
+    # the sample has the other); a block without any .cls has no such column.
+    columns = [batch[key] for key in batch if key.lower() == "cls"]
+    cls = [next((c[i] for c in columns if isinstance(c[i], (bytes, bytearray, memoryview, str))), None)
+           for i in range(n)]
     return _with_labels(out, [labels.of_value(v) for v in cls], wheres)
 
 

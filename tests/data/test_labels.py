@@ -230,6 +230,20 @@ def test_a_prepared_copy_reads_class_names_as_written_spaces_and_all():
     assert text.of_value(" cat ")[0] == "cat"  # a user's column: trimmed, as before
 
 
+def test_webdataset_classes_in_either_case_are_read_in_one_block(tmp_path):
+    """`.cls` and `.CLS` members in one block are two columns, each NaN where a sample has the other: the first
+    column alone was read, and the other spelling's samples had no label."""
+    from raydiff.data.image_store import _decode_webdataset
+    from raydiff.data.labels import LabelPlan
+
+    pngs = [p.read_bytes() for p in write_synthetic(tmp_path, num=3, resolution=8)]
+    batch = {"__key__": np.array(["a", "b", "c"], dtype=object), "png": np.array(pngs, dtype=object),
+             "cls": np.array([b"1", np.nan, np.nan], dtype=object),
+             "CLS": np.array([np.nan, b"2", np.nan], dtype=object)}
+    out = _decode_webdataset(batch, resolution=8, channels=3, labels=LabelPlan("cls", "text"))
+    assert out["label"].tolist() == ["1", "2", ""] and [bool(e) for e in out["error"]] == [False, False, True]
+
+
 def test_class_texts_that_python_calls_digits_but_are_no_numbers_are_names():
     """str.isdigit takes "²", which int() refuses: a ValueError traceback."""
     from raydiff.data.labels import LabelPlan, resolve_classes
