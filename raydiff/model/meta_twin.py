@@ -46,7 +46,23 @@ def meta_twin(obj: T) -> T:
 
 def check_load(twin: torch.nn.Module | torch.optim.Optimizer, state: dict) -> None:
     """`twin.load_state_dict(state)`, raising as a load into the original would; a module's warning that copying
-    into meta tensors is a no-op is the point here, and not shown."""
+    into meta tensors is a no-op is the point here, and not shown. A tensor that is not dense memory (sparse, or on
+    the meta device itself: no file raydiff writes) is refused here, as a copy into real memory would refuse it."""
+    for tensor in _saved_tensors(state):
+        if tensor.layout != torch.strided or tensor.is_meta:
+            raise RuntimeError(f"a {tensor.layout} tensor{' on the meta device' if tensor.is_meta else ''} where "
+                               f"weights or optimizer state are dense")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*meta parameter.*no-op")
         twin.load_state_dict(state)
+
+
+def _saved_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _saved_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _saved_tensors(item)
