@@ -36,8 +36,16 @@ from raydiff.cluster.tasks import results_of
 from raydiff.data.decode import BadImage, decode_resize_crop, dense_array, fit_array
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
 from raydiff.data.hub_features import image_columns
-from raydiff.data.labels import LabelledSamples, LabelPlan, class_ids, missing_labels, plan_labels, resolve_classes
-from raydiff.data.shard_format import MANIFEST, check_prepared
+from raydiff.data.labels import (
+    UNLISTED_CLASS,
+    LabelledSamples,
+    LabelPlan,
+    class_ids,
+    missing_labels,
+    plan_labels,
+    resolve_classes,
+)
+from raydiff.data.shard_format import MANIFEST, check_prepared, read_manifest
 from raydiff.data.sources import Source, check_on_every_node, source_of
 
 CHUNK_BYTES = 64 * 1024 * 1024  # object-store chunk size: few chunks, cheap gathers
@@ -151,26 +159,25 @@ def _decode_parquet_images(batch: dict[str, np.ndarray], column: str, resolution
 def _decode_webdataset(batch: dict[str, np.ndarray], resolution: int, channels: int,
                        labels: LabelPlan | None = None) -> dict[str, np.ndarray]:
     n = len(batch["__key__"])
-    values = np.empty(n, dtype=object)
-    # The sample's image, whichever extension it has, in either case (`.JPG`). A sample without a member has NaN
-    # in its column (Ray builds the blocks with pandas), not None: only bytes are an image.
+    # The sample's image, whichever extension it has, in either case (`.JPG`).
     members = sorted((key for key in batch if key.lower() in WEBDATASET_IMAGE_KEYS),
                      key=lambda key: WEBDATASET_IMAGE_KEYS.index(key.lower()))
-    for key in members:
-        column = batch[key]
-        for i in range(n):
-            if values[i] is None and isinstance(column[i], (bytes, bytearray, memoryview)):
-                values[i] = column[i]
+    values = np.empty(n, dtype=object)
+    values[:] = _first_member([batch[key] for key in members], n, (bytes, bytearray, memoryview))
     wheres = [f"{p}:{k}" for p, k in zip(batch.get("path", [""] * n), batch["__key__"], strict=True)]
     out = _decode_encoded(values, wheres, resolution, channels)
     if labels is None:
         return out
-    # Each sample's .cls in whichever case it has (`.CLS` beside `.cls` in one block: two columns, each NaN where
-    # the sample has the other); a block without any .cls has no such column.
-    columns = [batch[key] for key in batch if key.lower() == "cls"]
-    cls = [next((c[i] for c in columns if isinstance(c[i], (bytes, bytearray, memoryview, str))), None)
-           for i in range(n)]
+    # Its .cls in either case; a block without any .cls has no such column.
+    cls = _first_member([batch[key] for key in batch if key.lower() == "cls"], n, (bytes, bytearray, memoryview, str))
     return _with_labels(out, [labels.of_value(v) for v in cls], wheres)
+
+
+def _first_member(columns: list[np.ndarray], n: int, kinds: tuple[type, ...]) -> list[Any]:
+    """Each of the `n` samples' value in the first of `columns` (one member's column per extension spelling) that
+    holds one of `kinds` for it; None where none does. Ray builds the blocks with pandas: a sample without a
+    member has NaN in that member's column, not None."""
+    return [next((c[i] for c in columns if isinstance(c[i], kinds)), None) for i in range(n)]
 
 
 def _member_wanted(wanted: frozenset[str], suffix: str) -> bool:
@@ -207,7 +214,7 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
             schema.field("image").type):  # raydiff's prepared shards, read without their manifest
         folder = files[0].rsplit("/", 1)[0]
         with reading(source.uri, folder):
-            named = fs.get_file_info(f"{folder}/{MANIFEST}").type == pafs.FileType.File
+            named = read_manifest(fs, folder) is not None
         if named:  # a shard, or a glob of them, named instead of their folder
             raise DataError(f"data.source = {source.uri!r} names shards of data raydiff.prepare wrote; give their "
                             f"folder, {folder}, whose {MANIFEST} says how to read them")
@@ -225,16 +232,18 @@ def _read(source: Source, resolution: int, channels: int, image_column: str,
     kwargs["fn_kwargs"].update(column=column, prepared=source.kind == "prepared")
     columns = [column] if labels is None or labels.column == column else [column, labels.column]
     read = ray.data.read_parquet(files, filesystem=fs, columns=columns, include_paths=True)
-    if labels is not None and labels.column in schema.names and pa.types.is_dictionary(
-            schema.field(labels.column).type):  # pandas' Categorical: Ray's numpy batches named its nulls a class
+    if labels is not None and labels.column != column:  # any file's may be pandas' Categorical
         read = read.map_batches(functools.partial(_dictionary_decoded, column=labels.column), batch_format="pyarrow")
     return read.map_batches(cast(_BatchFn, _decode_parquet), **kwargs)
 
 
 def _dictionary_decoded(table: pa.Table, column: str) -> pa.Table:
-    """`table` with its dictionary-encoded `column` as plain values (nulls stay null)."""
+    """`table` with `column` as plain values where it is dictionary-encoded (pandas' Categorical): Ray's numpy
+    batches gave its nulls the name of some class (nulls stay null here)."""
     index = table.schema.get_field_index(column)
     values = table.column(index)
+    if not pa.types.is_dictionary(values.type):
+        return table
     return table.set_column(index, column, values.cast(values.type.value_type))
 
 
@@ -433,8 +442,7 @@ def load_images(source: Source, *, resolution: int, channels: int, image_column:
     # A prepared copy's row whose class its manifest does not list (an edited manifest) is bad, as in stream mode:
     # it trained as class -1, which the loader refused mid-run.
     known = {b.index for b in bad}
-    unlisted = [BadSample(index=int(i), where=f"{source.uri}:sample {int(i)}",
-                          reason="no label: its class is not one of the manifest's classes")
+    unlisted = [BadSample(index=int(i), where=f"{source.uri}:sample {int(i)}", reason=UNLISTED_CLASS)
                 for i in np.flatnonzero(ids < 0) if int(i) not in known]
     if unlisted:
         store = replace(store, bad=tuple(sorted((*store.bad, *unlisted), key=lambda b: b.index)))

@@ -34,6 +34,7 @@ from raydiff.data.errors import BadSample, DataError, reading, usable_indices
 from raydiff.data.hub_features import class_label_names
 
 LABEL_COLUMN = "label"  # the column of prepared shards that holds each sample's class name
+UNLISTED_CLASS = "no label: its class is not one of the manifest's classes"  # a bad sample's reason
 _DIGIT = re.compile(r"_digit(\d+)\.[A-Za-z]+$")
 _INTEGER = re.compile(r"[+-]?\d+")
 

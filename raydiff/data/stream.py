@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from raydiff.cluster.nodes import smallest_object_store
 from raydiff.data.errors import BadSample, DataError, check_bad_fraction, reading
 from raydiff.data.image_store import RESORT, WEBDATASET_IMAGE_KEYS, decode_stream, webdataset_order_problem
-from raydiff.data.labels import LabelPlan, plan_labels, read_labels
+from raydiff.data.labels import UNLISTED_CLASS, LabelPlan, plan_labels, read_labels
 from raydiff.data.node_cache import WINDOWS_HELD
 from raydiff.data.shard_format import (
     MANIFEST,
@@ -192,7 +192,7 @@ def _with_labels(images: ShardedImages, plan: LabelPlan) -> ShardedImages:
     for i in np.flatnonzero(labels < 0):
         shard = int(np.searchsorted(starts, i, "right")) - 1
         bad.append(BadSample(index=int(i), where=f"{images.files[shard]}:row {int(i - starts[shard])}",
-                             reason="no label: its class is not one of the manifest's classes"))
+                             reason=UNLISTED_CLASS))
     return replace(images, labels=labels, classes=plan.classes, bad=tuple(bad))
 
 

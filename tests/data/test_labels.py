@@ -32,10 +32,11 @@ def _data(source: str, **overrides) -> DataSection:
     return DataSection(**values)
 
 
-def _write_tar(path: Path, samples: list[tuple[bytes, bytes | None]]) -> None:
+def _write_tar(path: Path, samples: list[tuple[bytes, bytes | None]], cls_ext: dict[int, str] | None = None) -> None:
+    """Sample i's class member is `<key>.cls`, or `<key>.<cls_ext[i]>` (another spelling)."""
     with tarfile.open(path, "w") as tar:
         for i, (image, cls) in enumerate(samples):
-            for ext, payload in (("png", image), ("cls", cls)):
+            for ext, payload in (("png", image), ((cls_ext or {}).get(i, "cls"), cls)):
                 if payload is not None:
                     info = tarfile.TarInfo(f"s{i:04d}.{ext}")
                     info.size = len(payload)
@@ -67,8 +68,9 @@ def sources(tmp_path_factory) -> dict[str, str]:
                              "kind": pa.array(["tree", "boat", None, "tree"]).dictionary_encode()}),
                    root / "categories" / "a.parquet")
     (root / "wds").mkdir()
+    # One sample's class as .CLS: a column of its own in the block, NaN where the others have .cls.
     _write_tar(root / "wds" / "shard-0.tar", [(images[0], b"3\n"), (images[1], b"1"), (images[2], None),
-                                              (images[3], b"0")])
+                                              (images[3], b"0"), (images[4], b"2")], cls_ext={4: "CLS"})
     return {kind: str(root / kind) for kind in ("folder", "ints", "named", "names", "categories", "wds")}
 
 
@@ -79,7 +81,7 @@ EXPECTED = {  # kind: (options, classes, labels by sample index, indices without
     "names": ({"label_column": "kind"}, ("boat", "tree"), [1, 0, -1, 1], [2]),
     # Ray's numpy batches gave the null a class's name: it trained as "tree", never reported.
     "categories": ({"label_column": "kind"}, ("boat", "tree"), [1, 0, -1, 1], [2]),
-    "wds": ({}, ("0", "1", "2", "3"), [3, 1, -1, 0], [2]),
+    "wds": ({}, ("0", "1", "2", "3"), [3, 1, -1, 0, 2], [2]),  # the .CLS one was read as having no label
 }
 
 
@@ -228,20 +230,6 @@ def test_a_prepared_copy_reads_class_names_as_written_spaces_and_all():
     assert plan.of_value("")[0] == ""  # no label
     text = LabelPlan("parquet", "text", column="label")
     assert text.of_value(" cat ")[0] == "cat"  # a user's column: trimmed, as before
-
-
-def test_webdataset_classes_in_either_case_are_read_in_one_block(tmp_path):
-    """`.cls` and `.CLS` members in one block are two columns, each NaN where a sample has the other: the first
-    column alone was read, and the other spelling's samples had no label."""
-    from raydiff.data.image_store import _decode_webdataset
-    from raydiff.data.labels import LabelPlan
-
-    pngs = [p.read_bytes() for p in write_synthetic(tmp_path, num=3, resolution=8)]
-    batch = {"__key__": np.array(["a", "b", "c"], dtype=object), "png": np.array(pngs, dtype=object),
-             "cls": np.array([b"1", np.nan, np.nan], dtype=object),
-             "CLS": np.array([np.nan, b"2", np.nan], dtype=object)}
-    out = _decode_webdataset(batch, resolution=8, channels=3, labels=LabelPlan("cls", "text"))
-    assert out["label"].tolist() == ["1", "2", ""] and [bool(e) for e in out["error"]] == [False, False, True]
 
 
 def test_class_texts_that_python_calls_digits_but_are_no_numbers_are_names():
