@@ -197,20 +197,20 @@ class BatchStream:
                 cpu_start = time.thread_time()
                 item = self._step_batches(step)
                 self.produced_steps, self.cpu_s = self.produced_steps + 1, self.cpu_s + time.thread_time() - cpu_start
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
+                self._put(item)
                 step += 1
         except BaseException as exc:  # surface loader errors in the training loop, not in a dead thread
-            while not self._stop.is_set():  # a full queue no one reads any more must not hold the thread for ever
-                try:
-                    self._queue.put(exc, timeout=0.1)
-                    break
-                except queue.Full:
-                    pass
+            self._put(exc)
+
+    def _put(self, item: list[MicroBatch] | BaseException) -> None:
+        """Queue `item` once there is room, or give up at close: a full queue no one reads any more must not hold
+        the thread (and its pinned buffers) for ever."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                pass
 
     def __iter__(self) -> BatchStream:
         return self

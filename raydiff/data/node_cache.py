@@ -131,8 +131,8 @@ class StreamTable:
             for _ in range(READ_AHEAD_WINDOWS):
                 ahead, shards = self._order.window_shards_at(self._order.next_window(ahead))
                 upcoming += shards
-            # Answers for shards of windows gone by that this worker's share never touched (a dataset's small last
-            # shard): kept, each held its whole answer's shards in the object store, for epochs.
+            # Answers only for shards this window or the read-ahead needs: each pins its whole answer's shards in
+            # the object store, and one for a shard this worker's share never reads is never popped by a gather.
             relevant = {*current, *upcoming}
             self._upcoming = {s: answer for s, answer in self._upcoming.items() if s in relevant}
             upcoming = [s for s in dict.fromkeys(upcoming) if s not in self._arrays and s not in self._upcoming]
