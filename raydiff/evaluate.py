@@ -30,7 +30,6 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from raydiff import cli
@@ -113,12 +112,14 @@ def eval_config(state: dict[str, Any], args: argparse.Namespace, storage: str,
 
 
 def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int | None = None,
-             guidance: tuple[float, ...] | None = None, guide: dict[str, Any] | None = None) -> dict[str, Any]:
+             guidance: tuple[float, ...] | None = None, guide: dict[str, Any] | None = None,
+             ref_named: str = "eval.ref") -> dict[str, Any]:
     """Generate `cfg.eval.num` images from a training state's EMA weights and score them against the reference.
     `features`: a feature extractor (`raydiff.quality.features`); default: what `eval.features` names.
     A class-conditional state is measured once per `guidance` value (default: `eval.guidance`): the result then
     holds `classes` and `results`, one metrics row per value (see `rows`). With `guide` (a guiding model's training
-    state), each value of `guidance` is an autoguidance weight instead (default 2), for any model."""
+    state), each value of `guidance` is an autoguidance weight instead (default 2), for any model. `ref_named`: the
+    setting the reference's errors name it by (`--ref` where the command's flag gave it)."""
     import torch
 
     from raydiff.cluster.start import init_ray
@@ -134,7 +135,7 @@ def evaluate(state: dict[str, Any], cfg: Config, *, features=None, workers: int 
     keep = "kid" in e.metrics
     init_ray()
     started = time.perf_counter()
-    reference = reference_for(cfg, features, keep_features=keep)
+    reference = reference_for(cfg, features, keep_features=keep, named=ref_named)
     if keep:
         reference.features_for_kid()  # refuse before generating anything
     reference_s = time.perf_counter() - started
@@ -203,22 +204,6 @@ def write_result(run_dir, result: dict[str, Any]) -> str:
     return name
 
 
-@contextlib.contextmanager
-def reference_named_as_given(ref: str | None) -> Iterator[None]:
-    """An error of the reference that names it `eval.ref` names it `--ref` where the user gave `--ref` (they gave no
-    config); found after Ray started, where `eval_config`'s checks are behind."""
-    from raydiff.data.errors import DataError
-    from raydiff.quality.errors import QualityError
-
-    try:
-        yield
-    except (DataError, QualityError) as exc:
-        message = str(exc)
-        if ref is None or not message.startswith("eval.ref"):
-            raise
-        raise type(exc)("--ref" + message.removeprefix("eval.ref")) from None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     guidance = parse_guidance(args.guidance) if args.guidance is not None else None
@@ -262,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f", post-hoc EMA sigma_rel {args.sigma_rel}" if sigma_rels else ""), file=sys.stderr)
     measured = []
     for weights in states:
-        with reference_named_as_given(args.ref):
-            result = evaluate(weights, cfg, workers=args.workers, guidance=guidance, guide=guide)
+        result = evaluate(weights, cfg, workers=args.workers, guidance=guidance, guide=guide,
+                          ref_named="--ref" if args.ref is not None else "eval.ref")
         if "posthoc" in weights:
             result = {"sigma_rel": weights["posthoc"]["sigma_rel"], **result}
         try:

@@ -82,14 +82,15 @@ def read_npz(data: bytes, description: str) -> Reference:
 
 
 @contextmanager
-def told_as_ref(ref: str | None) -> Iterator[None]:
-    """A reference folder is read as a source is (its errors name data.source): told as the eval.ref it is."""
+def told_as_ref(ref: str | None, named: str) -> Iterator[None]:
+    """A reference folder is read as a source is (its errors name data.source): told as the reference it is,
+    by the setting that `named` it."""
     try:
         yield
     except DataError as exc:
         if not ref or not str(exc).startswith("data.source"):
             raise
-        raise DataError("eval.ref" + str(exc).removeprefix("data.source")) from None
+        raise DataError(named + str(exc).removeprefix("data.source")) from None
 
 
 def _npz_file(uri: str) -> tuple[RunDir, str]:
@@ -97,8 +98,10 @@ def _npz_file(uri: str) -> tuple[RunDir, str]:
     return RunDir(folder or "."), name
 
 
-def reference_for(cfg, features: Features, *, keep_features: bool, images=None) -> Reference:
-    """The reference of `cfg.eval.ref` (see the module docstring). `images`: the run's data already decoded."""
+def reference_for(cfg, features: Features, *, keep_features: bool, images=None,
+                  named: str = "eval.ref") -> Reference:
+    """The reference of `cfg.eval.ref` (see the module docstring). `images`: the run's data already decoded.
+    `named`: the setting its errors name it by (`--ref` where a command's flag gave it)."""
     from raydiff.data.run_images import open_images
     from raydiff.data.sharded import ShardedImages
     from raydiff.data.sources import source_of
@@ -107,17 +110,17 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
     if ref and ref.lower().endswith(".npz"):
         folder, name = _npz_file(ref)
         if not folder.is_file(name):
-            raise QualityError(f"eval.ref = {ref!r}: no such file")
-        reference = read_npz(folder.read_bytes(name), f"eval.ref {ref}")
+            raise QualityError(f"{named} = {ref!r}: no such file")
+        reference = read_npz(folder.read_bytes(name), f"{named} {ref}")
         if features.dim is not None and len(reference.mu) != features.dim:  # found now, not after the sampling
-            raise QualityError(f"eval.ref = {ref!r}: statistics of {len(reference.mu)}-d features, and this run "
+            raise QualityError(f"{named} = {ref!r}: statistics of {len(reference.mu)}-d features, and this run "
                                f"measures with {features.name}, whose features are {features.dim}-d: give a "
                                f"reference of that network's features")
         return reference
     data = copy.deepcopy(cfg.data)
     if ref:
         data.source, data.format, images = ref, "auto", None
-    with told_as_ref(ref):
+    with told_as_ref(ref, named):
         source = source_of(data)
     # With labels the images without one are left out (the run trains on the others): another set of images.
     labels = [data.labels, data.label_column] if data.labels == "auto" else []
@@ -133,7 +136,7 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
             print(f"[raydiff] note: {cache / f'{key}.npz'}, where {description} were cached, cannot be read "
                   f"({why}); computing them again", file=sys.stderr)
     if images is None:
-        with told_as_ref(ref):
+        with told_as_ref(ref, named):
             images, _ = open_images(data, source, storage=cfg.run.storage, endpoint=cfg.run.endpoint)
     host_memory = cfg.train.keep_host_memory
     if isinstance(images, ShardedImages):  # streamed: a few shards at a time, the usable images as in memory
@@ -151,7 +154,7 @@ def reference_for(cfg, features: Features, *, keep_features: bool, images=None) 
         stats = parallel_stats("arrays", arrays, features, len(arrays), host_memory=host_memory,
                                keep_features=keep_features)
     if stats.count < 2:  # a covariance needs two
-        setting = f"eval.ref = {ref!r}" if ref else f"data.source = {data.source!r} (the reference: eval.ref unset)"
+        setting = f"{named} = {ref!r}" if ref else f"data.source = {data.source!r} (the reference: eval.ref unset)"
         raise QualityError(f"{setting}: {stats.count} usable image(s); the reference statistics need at least 2")
     mu, sigma = stats.mu_sigma()
     reference = Reference(mu, sigma, stats.count, stats.all_features() if keep_features else None, description)
