@@ -38,7 +38,7 @@ from raydiff.config.checks import validate
 from raydiff.config.learning_rate import LR_RULES
 from raydiff.storage.atomic import new_file
 from raydiff.storage.errors import output_errors
-from raydiff.storage.fs import filesystem_for, is_remote
+from raydiff.storage.fs import is_remote
 from raydiff.training.sweep import TrialFailed, run_sweep
 from raydiff.training.sweep_plan import Sweep, plan_sweep, trial_config
 
@@ -139,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.data.val_images == 0:
         cfg.data.val_images = DEFAULT_VAL_IMAGES
         validate(cfg)
-    if cfg.run.storage.startswith("file://"):  # a local folder: the sweep gathers its trials' files by path
-        cfg.run.storage = filesystem_for(cfg.run.storage)[1]
     if is_remote(cfg.run.storage):
         raise ConfigError(f"run.storage = {cfg.run.storage!r}: sweeps need a local or NFS folder for now (their "
                           f"trials' results are gathered from it); single runs accept s3:// and gs://")

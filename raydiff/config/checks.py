@@ -81,6 +81,11 @@ T = TypeVar("T")
 LONGEST_S = 1e8
 AT_MOST_LONGEST = f"and at most {LONGEST_S:,.0f} (about 3 years)"
 
+# torch's debugging backends, which list_backends leaves out (aot_eager: compiles the graph without inductor).
+_DEBUG_BACKENDS = ("eager", "aot_eager")
+# Backends whose package is imported at the first compiled step, not here: without it, a traceback mid-start.
+_BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla"}
+
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     """Refuse `key` = `value` with what is allowed, in one line, unless `ok`."""
@@ -273,6 +278,8 @@ RULES: tuple[Rule, ...] = (
     Rule("train.compile", lambda c: not isinstance(c.train.compile, str) or c.train.compile == "auto"
          or c.train.compile in _backends(), lambda c: f"auto, true, false, or a torch.compile backend: "
                                                       f"{', '.join(_backends())}"),
+    Rule("train.compile", lambda c: _backend_installed(c),
+         lambda c: f"needs the {_BACKEND_PACKAGES[str(c.train.compile)]} package, which is not installed here"),
     # Scaling: the batch arithmetic against a known number of workers is `check_workers`.
     Rule("scaling.num_workers", lambda c: not isinstance(c.scaling.num_workers, tuple) or (
         len(c.scaling.num_workers) == 2 and 1 <= c.scaling.num_workers[0] <= c.scaling.num_workers[1]),
@@ -365,17 +372,15 @@ def _profile_steps_ok(steps: tuple[int, ...], total_steps: int) -> bool:
     return len(steps) == 2 and 1 <= steps[0] <= steps[1] <= total_steps and steps[1] - steps[0] < MAX_PROFILED_STEPS
 
 
-# Backends whose package is imported at the first compiled step, not here: without it, a traceback mid-start.
-_BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla", "openxla_eval": "torch_xla"}
-
-
 def _backends() -> list[str]:
-    """torch.compile's backends that can run here: its debugging ones too (aot_eager, eager), less those of packages
-    not installed and torch's own test and minifier backends."""
     from torch._dynamo import list_backends  # only for a backend name: a slow import
 
-    return [name for name in list_backends(exclude_tags=()) if "TESTING_ONLY" not in name and "minifier" not in name
-            and importlib.util.find_spec(_BACKEND_PACKAGES.get(name, "torch")) is not None]
+    return sorted({*list_backends(), *_DEBUG_BACKENDS})
+
+
+def _backend_installed(c: Config) -> bool:
+    package = _BACKEND_PACKAGES.get(c.train.compile) if isinstance(c.train.compile, str) else None
+    return package is None or importlib.util.find_spec(package) is not None
 
 
 def validate(cfg: Config, *, check_source: bool = True) -> None:

@@ -201,17 +201,21 @@ def _where_and_what(exc: yaml.YAMLError) -> str:
 
 
 def _resolve_paths(cfg: Config) -> None:
-    """Workers run in another directory: make local paths absolute on the driver."""
-    if cfg.data.source and "://" not in cfg.data.source and not cfg.data.source.startswith("builtin:"):
-        cfg.data.source = _absolute("data.source", cfg.data.source)
-    if cfg.run.storage and "://" not in cfg.run.storage:  # empty stays empty, for its rule to refuse (not ".")
-        cfg.run.storage = _absolute("run.storage", cfg.run.storage)
+    """Workers run in another directory: make local paths absolute on the driver. A `file://` run.storage is the
+    folder it names (a sweep gathers its trials' files by path)."""
+    if cfg.run.storage.startswith("file://"):
+        cfg.run.storage = cfg.run.storage.removeprefix("file://")
+    for section, key in (("data", "source"), ("run", "storage"), ("eval", "inception_weights"), ("eval", "ref")):
+        value = getattr(getattr(cfg, section), key)
+        if _is_local_path(value):  # empty stays empty, for its rule to refuse (not ".")
+            setattr(getattr(cfg, section), key, _absolute(f"{section}.{key}", value))
     if cfg.model.init_from and look_at("model.init_from", cfg.model.init_from, Path.exists):
         cfg.model.init_from = _absolute("model.init_from", cfg.model.init_from)  # else a hub id, kept as it is
-    for key in ("inception_weights", "ref"):
-        value = getattr(cfg.eval, key)
-        if value and "://" not in value and not (key == "ref" and value.startswith("builtin:")):
-            setattr(cfg.eval, key, _absolute(f"eval.{key}", value))
+
+
+def _is_local_path(value: str | None) -> bool:
+    """A path on this machine: not empty, not a URI, not a built-in dataset's name (`builtin:digits`)."""
+    return value is not None and value != "" and "://" not in value and not value.startswith("builtin:")
 
 
 def _absolute(key: str, value: str) -> str:
