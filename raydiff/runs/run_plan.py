@@ -36,6 +36,10 @@ LR_KEYS = ("lr", "warmup_steps", "total_steps", "lr_decay", "lr_decay_steps")  #
 DATA_FILE = "data.json"  # the data's identity (and, see `raydiff.data.stream`, its resolved layout)
 DRIVER_FILE = "driver.json"  # the driver of the newest start, and the name its run reserves resources under
 
+# What every refusal to continue a run offers instead.
+WAYS_OUT = ("--set run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run is moved "
+            "aside, not deleted)")
+
 
 def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, section in tree.items() for k, v in (section or {}).items()}
@@ -85,9 +89,7 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
         if summary.get("status") == "finished" and summary.get("steps"):  # unless they are a finished run's
             raise ConfigError(
                 f"run.name = {cfg.run.name!r}: {run_dir} holds a run that finished {summary['steps']} steps and "
-                f"whose checkpoints are gone: starting over there would overwrite its records. Use --set "
-                f"run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run is "
-                f"moved aside, not deleted)")
+                f"whose checkpoints are gone: starting over there would overwrite its records. Use {WAYS_OUT}")
         return RunPlan("start", 0)
     notes: list[str] = []
     previous = _read_record(cfg, run_dir, "config.yaml", sections=True)
@@ -104,8 +106,7 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     if changes:
         raise ConfigError(
             f"run.name = {cfg.run.name!r}: {run_dir} holds a run trained with {'; '.join(changes)}; continuing it "
-            f"would be meaningless. Use --set run.name=NEW for a new run, or --set run.resume=false to start this "
-            f"one over (the old run is moved aside, not deleted)")
+            f"would be meaningless. Use {WAYS_OUT}")
 
     step = checkpoint_step(checkpoints[-1])  # the folder's name: the run's records may be gone
     summary = _read_record(cfg, run_dir, "summary.json") or {}
@@ -116,22 +117,21 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     # run: no final validation, evaluation, samples or snapshot. Unknown without the records: taken as an end.
     planned = ((previous or {}).get("train") or {}).get("total_steps")
     cut_short = isinstance(planned, int) and planned > step
-    ways_out = ("--set run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
-                "is moved aside, not deleted)")
     if step > cfg.train.total_steps and not finished:
         # The workers would restore it and train nothing, and a run that ends past train.total_steps has not
         # finished it: every re-run would fail, with no reason given.
+        asked = step + 1 if cut_short else step
         raise ConfigError(
             f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, past "
-            f"train.total_steps = {cfg.train.total_steps}. Use --set train.total_steps={step + cut_short} (or more) "
-            f"to continue it, {ways_out}")
+            f"train.total_steps = {cfg.train.total_steps}. Use --set train.total_steps={asked} (or more) to continue "
+            f"it, {WAYS_OUT}")
     if step == cfg.train.total_steps and not finished and cut_short:
         # It would train no step, so the end's work would never run, and the run would say it finished.
         raise ConfigError(
             f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, before the end its "
             f"run trained towards ({planned}): ending it at train.total_steps = {step} would train nothing and "
             f"skip the end's validation, evaluation, samples and final checkpoint. Use --set "
-            f"train.total_steps={step + 1} (or more) to continue it, {ways_out}")
+            f"train.total_steps={step + 1} (or more) to continue it, {WAYS_OUT}")
     if previous:
         notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
         notes += lr_change(previous, cfg, step)
@@ -178,9 +178,8 @@ def _damaged(cfg: Config, run_dir: RunDir, name: str, problem: str) -> ConfigErr
     # against (without them the check is skipped, so removing them is no advice).
     fix = "remove it to continue the run (it is written again when the run ends)" if name == "summary.json" else \
         "fix it to continue the run"
-    return ConfigError(f"run.name = {cfg.run.name!r}: {run_dir / name} is damaged: {problem}; {fix}, or use --set "
-                       f"run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run "
-                       f"is moved aside, not deleted)")
+    return ConfigError(f"run.name = {cfg.run.name!r}: {run_dir / name} is damaged: {problem}; {fix}, or use "
+                       f"{WAYS_OUT}")
 
 
 def _layout_problem(layout: Any) -> str | None:

@@ -102,29 +102,14 @@ def test_a_run_whose_newest_checkpoint_is_past_train_total_steps_is_refused_in_o
         run.remove("data.json")
     with pytest.raises(ConfigError) as refused:
         plan_run(load_config("smoke", ["train.total_steps=1400"]), run, DATA)
-    # With its records, the checkpoint is known to be cut short of its run's 2000 steps: one step more at least.
+    # With its records the checkpoint is known to be cut short of its start's 2000 steps: one step more at least.
     asked = 1501 if records else 1500
     assert str(refused.value) == (
         f"run.name = 'smoke': the newest checkpoint in {run} is at step 1500, past train.total_steps = 1400. Use "
         f"--set train.total_steps={asked} (or more) to continue it, --set run.name=NEW for a new run, or --set "
         f"run.resume=false to start this one over (the old run is moved aside, not deleted)")
     assert plan_run(load_config("smoke", ["train.total_steps=1400", "run.resume=false"]), run, DATA).replace
-    if records:  # at the checkpoint's step it would train nothing and skip the end's work, yet say it finished
-        with pytest.raises(ConfigError) as refused:
-            plan_run(load_config("smoke", ["train.total_steps=1500"]), run, DATA)
-        assert str(refused.value) == (
-            f"run.name = 'smoke': the newest checkpoint in {run} is at step 1500, before the end its run trained "
-            f"towards (2000): ending it at train.total_steps = 1500 would train nothing and skip the end's "
-            f"validation, evaluation, samples and final checkpoint. Use --set train.total_steps=1501 (or more) to "
-            f"continue it, --set run.name=NEW for a new run, or --set run.resume=false to start this one over (the "
-            f"old run is moved aside, not deleted)")
-        # A checkpoint at the end its start trained towards (killed before its summary) continues, to finish there.
-        ended = write_run(tmp_path / "ended", load_config("smoke", ["train.total_steps=1500"]), steps=(1000, 1500))
-        assert plan_run(load_config("smoke", ["train.total_steps=1500"]), ended, DATA).action == "continue"
-        return
-    # Without its records the checkpoint may be its run's end (killed before its summary): the run continues at
-    # the checkpoint's step, to finish there (writing its summary).
-    assert plan_run(load_config("smoke", ["train.total_steps=1500"]), run, DATA).action == "continue"
+    assert plan_run(load_config("smoke", [f"train.total_steps={asked}"]), run, DATA).action == "continue"
     run.write_text("summary.json", json.dumps({"status": "finished", "steps": 1500}))  # a finished run says so
     assert plan_run(load_config("smoke", ["train.total_steps=1400"]), run, DATA).action == "finished"
     # A run finished at 1000, trained on towards 2000 and stopped at 1500 keeps its summary of step 1000 until it
@@ -132,7 +117,27 @@ def test_a_run_whose_newest_checkpoint_is_past_train_total_steps_is_refused_in_o
     run.write_text("summary.json", json.dumps({"status": "finished", "steps": 1000}))
     with pytest.raises(ConfigError, match="is at step 1500, past train.total_steps = 1200"):
         plan_run(load_config("smoke", ["train.total_steps=1200"]), run, DATA)
-    assert plan_run(load_config("smoke", ["train.total_steps=1500"]), run, DATA).action == "continue"
+
+
+def test_a_stopped_run_is_not_ended_at_exactly_its_newest_checkpoint_s_step(tmp_path):
+    """It would train no step, so the end's validation, evaluation, samples, snapshot and final checkpoint never
+    came, under a summary that said finished. A checkpoint at the end its start trained towards (a run killed
+    before its summary) finishes there; without the run's records, so does any."""
+    stopped = write_run(tmp_path / "stopped", load_config("smoke", ["train.total_steps=2000"]), steps=(1000, 1500))
+    stopped.write_text("summary.json", json.dumps({"status": "stopped"}))
+    with pytest.raises(ConfigError) as refused:
+        plan_run(load_config("smoke", ["train.total_steps=1500"]), stopped, DATA)
+    assert str(refused.value) == (
+        f"run.name = 'smoke': the newest checkpoint in {stopped} is at step 1500, before the end its run trained "
+        f"towards (2000): ending it at train.total_steps = 1500 would train nothing and skip the end's validation, "
+        f"evaluation, samples and final checkpoint. Use --set train.total_steps=1501 (or more) to continue it, --set "
+        f"run.name=NEW for a new run, or --set run.resume=false to start this one over (the old run is moved aside, "
+        f"not deleted)")
+    ended = write_run(tmp_path / "ended", load_config("smoke", ["train.total_steps=1500"]), steps=(1000, 1500))
+    assert plan_run(load_config("smoke", ["train.total_steps=1500"]), ended, DATA).action == "continue"
+    stopped.remove("config.yaml")
+    stopped.remove("data.json")
+    assert plan_run(load_config("smoke", ["train.total_steps=1500"]), stopped, DATA).action == "continue"
 
 
 def test_keys_added_since_an_old_run_count_as_their_defaults():
