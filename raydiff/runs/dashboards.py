@@ -290,6 +290,7 @@ class _WandB(_Backend):
                 if finish.is_alive():
                     logger.warning("[raydiff] WARNING: W&B did not finish this session's run within %.0f s; what it "
                                    "had not uploaded is lost", _CLOSE_WAIT_S)
+                    self._tmp = None  # its folder stays: the finish still running writes there
                     return
                 if failed:
                     raise failed[0]
@@ -464,8 +465,8 @@ class Dashboards:
         self._each("flush")
 
     def close(self, *, publish: bool = True) -> None:
-        """`publish=False`: nothing more reaches the run directory (its lease is another driver's now): TensorBoard's
-        and offline W&B's files on an object store are not uploaded."""
+        """`publish=False` (the run's lease is another driver's now): TensorBoard's and offline W&B's files are not
+        uploaded to an object store's run directory (a local one has a lock, and no other driver)."""
         if not self._closed:
             self._closed = True
             for backend in self._backends:

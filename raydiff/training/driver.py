@@ -444,22 +444,23 @@ def _write_summary(cfg: Config, run_dir: RunDir, invocation: str, planned_step: 
         status = "failed"
     # Without the workers' counts (the run failed, or its workers failed to set up: a result of 0 steps on a run
     # that had more), what the logs show.
-    r = result if result is not None and not (result.steps == 0 and planned_step > 0) else None
-    steps = r.steps if r else last.get("step", planned_step)
+    counts = result if result is not None and not (result.steps == 0 and planned_step > 0) else None
+    steps = counts.steps if counts else last.get("step", planned_step)
     summary = {
         "status": status,
         "steps": steps,
-        "images_seen": r.images_seen if r else last.get("images_seen", planned_step * cfg.train.global_batch),
-        "final_loss": r.final_loss if r and r.final_loss is not None else last.get("loss"),
-        "final_val_loss": r.val_loss if r else None,
-        "quality": r.quality if r else None,
+        "images_seen": counts.images_seen if counts else last.get("images_seen", planned_step * cfg.train.global_batch),
+        "final_loss": counts.final_loss if counts and counts.final_loss is not None else last.get("loss"),
+        "final_val_loss": counts.val_loss if counts else None,
+        "quality": counts.quality if counts else None,
         "checkpoint": checkpoint,
         "world_sizes": list(dict.fromkeys(e["world_size"] for e in starts)),
         "restarts": max(0, len(this_invocation) - 1),
         "resumed_from_step": this_invocation[0]["step"] if this_invocation else planned_step,
-        "skipped_steps": r.skipped_steps if r else last.get("skipped_steps", 0),
-        "rollbacks": r.rollbacks if r else sum(e["event"] == "rollback" and e.get("from_step", 0) <= steps
-                                               for e in events),
+        "skipped_steps": counts.skipped_steps if counts else last.get("skipped_steps", 0),
+        # (a rollback past the last step logged was in work lost with its session)
+        "rollbacks": counts.rollbacks if counts else sum(e["event"] == "rollback" and e.get("from_step", 0) <= steps
+                                                         for e in events),
         "bad_images": bad_images,
         "wall_s": round(time.perf_counter() - started, 1),
         "run_dir": str(run_dir),
