@@ -177,11 +177,12 @@ class Cadence:
 
         # Too many non-finite steps in a row: roll back past them once, then give up; not where another driver
         # holds the run now (a stop or preemption asked here is asked again at the next check).
-        if check and live.nonfinite.longest_streak() >= t.max_bad_steps:
+        streak = live.nonfinite.longest_streak() if check else 0  # (since the last check: read once)
+        if streak >= t.max_bad_steps:
             # (agreed, not handled: a preemption notice keeps its checkpoint for a later check)
             if asked is not None and agreed_interrupt(asked, w.device) == "lease_lost":
                 return self._lease_lost(progress, step)
-            return self._roll_back_or_give_up(progress, result, lr)
+            return self._roll_back_or_give_up(progress, result, lr, streak)
 
         # Validate and evaluate at their cadences (the same decision on every worker; not training time).
         with self._paused(self._validation_due(step, done) or self._evaluation_due(step, done)):
@@ -278,10 +279,10 @@ class Cadence:
                 self.dashboards.close(publish=self.status != WorkerStatus.LEASE_LOST)
 
     # The pieces, in the order a step's end calls them.
-    def _roll_back_or_give_up(self, progress: Progress, result: StepResult, lr: float) -> Progress:
-        """Back to the newest checkpoint, past the failed steps' data, once; the second time, a diagnostic."""
+    def _roll_back_or_give_up(self, progress: Progress, result: StepResult, lr: float, streak: int) -> Progress:
+        """Back to the newest checkpoint, past the failed steps' data, once; the second time, a diagnostic.
+        `streak`: the longest run of non-finite steps since the last check."""
         w, t = self.w, self.w.cfg.train
-        streak = self.live.nonfinite.longest_streak()
         if self._unreported is not None:  # the checkpoint being written: the one to roll back to, or the newest
             self._settle(wait=True)       # at the run's end (Ray reports and prunes it)
         if progress.counters["rollbacks"] == 0:
@@ -293,7 +294,9 @@ class Cadence:
                             streak)
                 self.live.close()
                 self.live = _Live.open(w, back)
-                self._measured_as_of(back)  # a checkpoint before the next row or validation carried lost steps'
+                # Until the next row, the restored checkpoint's measurements: a checkpoint or summary written
+                # sooner would carry the lost steps' values.
+                self._measured_as_of(back)
                 if self.dashboards is not None:
                     self.dashboards.rewind(back.step)  # the rolled-back steps' points disappear from TensorBoard
                 self._eta_from = (back.step, time.perf_counter())

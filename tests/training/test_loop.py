@@ -172,12 +172,15 @@ def test_a_rollback_to_the_checkpoint_a_start_began_from_records_its_first_step_
     assert result["steps"] == 12 and result["rollbacks"] == 1
 
 
-def test_a_run_that_diverges_reports_the_checkpoint_it_was_writing(ray_session, tmp_path):
+def test_a_run_that_diverges_reports_the_checkpoint_it_was_writing_and_the_streak_it_saw(ray_session, tmp_path):
     """The second divergence ended the run without settling the checkpoint being written: on storage, but never
-    reported to Ray (the summary named an older one, and Ray's pruning never saw it)."""
+    reported to Ray (the summary named an older one, and Ray's pruning never saw it). Its line gave the streak
+    still running at the check (0 here: it ended two steps before), not the one found."""
     result = fit_local(ray_session, tmp_path, "diverging", "train.total_steps=40", "train.checkpoint_every=7",
-                       "train.max_bad_steps=5", "debug.nan_at_steps=[15,16,17,18,19,20,22,23,24,25,26,27,28,29,30]")
-    assert result.return_value.to_dict()["status"] == "diverged"
+                       "train.max_bad_steps=5", "debug.nan_at_steps=[15,16,17,18,19,20,22,23,24,25,26,27,28]")
+    outcome = result.return_value.to_dict()
+    assert outcome["status"] == "diverged"
+    assert outcome["diagnostic"].startswith("training diverged: 7 non-finite steps in a row at step 30 ")
     on_storage = sorted(p.name for p in (tmp_path / "diverging").glob("checkpoint_*"))
     assert on_storage[-1] == "checkpoint_00000028"
     assert result.checkpoint is not None and result.checkpoint.path.endswith(on_storage[-1])
