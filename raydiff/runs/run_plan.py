@@ -21,6 +21,7 @@ from raydiff.config import Config, ConfigError, all_keys, sections_problem
 from raydiff.config.learning_rate import lr_at
 from raydiff.config.load import read_record
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
+from raydiff.runs.runlog import JsonlLog
 from raydiff.storage.rundir import RunDir
 
 # Keys whose change makes a checkpoint mean something else; every other key may change between runs
@@ -114,9 +115,13 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     # old summary until it ends again.
     finished = summary.get("status") == "finished" and summary.get("steps", step) == step
     # A checkpoint before the end its start trained towards (a stop, a preemption, a scheduled one) holds no end of
-    # run: no final validation, evaluation, samples or snapshot. Unknown without the records: taken as an end.
+    # run: no final validation, evaluation, samples or snapshot. The starts' events say which ends were trained
+    # towards (an older run's, only its last start's config.yaml); without the records it is taken as an end.
     planned = ((previous or {}).get("train") or {}).get("total_steps")
-    cut_short = isinstance(planned, int) and planned > step
+    ends = _planned_ends(run_dir)
+    if ends:
+        planned = min((end for end in ends if end > step), default=planned)
+    cut_short = step not in ends if ends else isinstance(planned, int) and planned > step
     if step > cfg.train.total_steps and not finished:
         # The workers would restore it and train nothing, and a run that ends past train.total_steps has not
         # finished it: every re-run would fail, with no reason given.
@@ -138,6 +143,18 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     if step >= cfg.train.total_steps and finished:
         return RunPlan("finished", step, tuple(notes), layout=layout)
     return RunPlan("continue", step, tuple(notes), layout=layout)
+
+
+def _planned_ends(run_dir: RunDir) -> set[int]:
+    """The steps the run's starts trained towards, from their events (empty for a run whose start events predate
+    them, or whose events.jsonl does not read: the last start's config.yaml then says). A checkpoint at one of them
+    is a start's end even where a later start, trained towards more, failed before its first checkpoint."""
+    try:
+        events = JsonlLog(run_dir, "events.jsonl").rows()
+    except ValueError:  # a line not JSON (a hand edit gone wrong): only a hint, which config.yaml gives too
+        return set()
+    return {e["total_steps"] for e in events
+            if isinstance(e, dict) and e.get("event") == "start" and isinstance(e.get("total_steps"), int)}
 
 
 def _read_record(cfg: Config, run_dir: RunDir, name: str, *, sections: bool = False,

@@ -54,8 +54,9 @@ def record_start(w: Worker, args: WorkerArgs, progress: Progress) -> None:
         w.metrics_log.truncate_after(progress.step)
     forget_snapshots_after(w, progress.step)
     threads = torch.get_num_threads()  # what the worker's CPUs and environment gave (`torch_threads`)
-    w.event("start", invocation=args.invocation, step=progress.step, world_size=w.world_size, pid=os.getpid(),
-            torch_threads=threads, speed=w.speed.describe(), data=w.data_placement, compile_cache=w.compile_cache_note)
+    w.event("start", invocation=args.invocation, step=progress.step, total_steps=t.total_steps,
+            world_size=w.world_size, pid=os.getpid(), torch_threads=threads, speed=w.speed.describe(),
+            data=w.data_placement, compile_cache=w.compile_cache_note)
     for note in w.restore_notes:
         logger.warning(f"[raydiff] note: {note}")
     share = rank_share(t.global_batch, w.world_size, 0)

@@ -135,6 +135,16 @@ def test_a_stopped_run_is_not_ended_at_exactly_its_newest_checkpoint_s_step(tmp_
         f"not deleted)")
     ended = write_run(tmp_path / "ended", load_config("smoke", ["train.total_steps=1500"]), steps=(1000, 1500))
     assert plan_run(load_config("smoke", ["train.total_steps=1500"]), ended, DATA).action == "continue"
+    # Ended at 1500, extended towards 2000 and failed before its first new checkpoint: its last config.yaml says
+    # 2000, its start events say that 1500 was an end.
+    extended = write_run(tmp_path / "extended", load_config("smoke", ["train.total_steps=2000"]), steps=(1000, 1500))
+    extended.write_text("summary.json", json.dumps({"status": "failed", "steps": 1500}))
+    extended.write_text("events.jsonl", "".join(json.dumps({"event": "start", "step": step, "total_steps": end}) + "\n"
+                                                for step, end in ((0, 1500), (1500, 2000))))
+    assert plan_run(load_config("smoke", ["train.total_steps=1500"]), extended, DATA).action == "continue"
+    extended.write_text("events.jsonl", json.dumps({"event": "start", "step": 0, "total_steps": 2000}) + "\n")
+    with pytest.raises(ConfigError, match="before the end its run trained towards \\(2000\\)"):
+        plan_run(load_config("smoke", ["train.total_steps=1500"]), extended, DATA)
     stopped.remove("config.yaml")
     stopped.remove("data.json")
     assert plan_run(load_config("smoke", ["train.total_steps=1500"]), stopped, DATA).action == "continue"
