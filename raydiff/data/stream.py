@@ -26,6 +26,7 @@ This module decides on the driver: which mode, and the shards to stream (a raw s
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 import sys
@@ -64,6 +65,7 @@ MEMORY_SHARE = 0.5  # auto: memory mode when the decoded dataset takes at most t
 STORE_SHARE = 0.5  # the stream buffer takes at most this share of the smallest node's object store
 STREAM_FOLDER = ".raydiff-stream"  # raw sources prepared for streaming, under run.storage
 FOOTER_READS = 16  # Parquet footers read at once: on an object store each read is mostly a wait for the network
+HEADER_READ_BYTES = 2**20  # a WebDataset shard's headers are read through a buffer of this size (a request each)
 
 
 # The driver's side: which mode, and the shards to stream.
@@ -76,7 +78,9 @@ def estimated_count(source: Source) -> int:
         return len(source.files)
     if source.kind == "parquet":
         return sum(_rows_of(source))
-    with (reading(source.uri, source.files[0]), source.filesystem.open_input_file(source.files[0]) as f,
+    # The headers through a buffer: read one by one, each would be a request to an object store (two per sample).
+    with (reading(source.uri, source.files[0]),
+          io.BufferedReader(source.filesystem.open_input_file(source.files[0]), HEADER_READ_BYTES) as f,
           tarfile.open(fileobj=f) as tar):
         members = [m.name for m in tar.getmembers() if m.isfile()]
     out_of_order = webdataset_order_problem(members)

@@ -184,6 +184,60 @@ def test_the_footers_of_a_remote_parquet_dataset_are_read_at_once_not_one_after_
         estimated_count(source)
 
 
+def test_a_remote_webdataset_shard_is_counted_in_reads_of_a_megabyte_not_one_per_member(tmp_path):
+    """`data.cache: auto` counts the first shard's samples from its tar headers: read one after another, each a
+    request to an object store (a round trip per member, two per sample: minutes for a shard of a few thousand)."""
+    import io
+    import tarfile
+
+    import pyarrow.fs as pafs
+    from fsspec.implementations.local import LocalFileSystem
+
+    from raydiff.data.sources import Source
+    from raydiff.data.stream import estimated_count
+
+    reads = []
+
+    class Counted(io.RawIOBase):
+        def __init__(self, f):
+            self.f = f
+
+        def read(self, size=-1):
+            reads.append(size)
+            return self.f.read(size)
+
+        def readable(self):
+            return True
+
+        def seekable(self):
+            return True
+
+        def seek(self, offset, whence=0):
+            return self.f.seek(offset, whence)
+
+        def tell(self):
+            return self.f.tell()
+
+    class DistantFiles(LocalFileSystem):
+        """Local files whose every read is counted, as an object store's requests would be."""
+
+        def _open(self, *args, **kwargs):
+            return Counted(super()._open(*args, **kwargs))
+
+    shard = tmp_path / "shard-000000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i in range(400):
+            for extension, data in (("png", bytes(2000)), ("cls", b"3")):
+                info = tarfile.TarInfo(f"{i:06d}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    source = Source(uri="s3://bucket/shards", kind="webdataset",
+                    filesystem=pafs.PyFileSystem(pafs.FSSpecHandler(DistantFiles(skip_instance_cache=True))),
+                    files=(str(shard),) * 3, sizes=(shard.stat().st_size,) * 3)
+    assert estimated_count(source) == 400 * 3
+    assert len(reads) <= 4, len(reads)  # 1,600 before: two reads of each member's header
+
+
 @pytest.mark.parametrize("source", ["~nosuchuser-of-raydiff/images", "file://~nosuchuser-of-raydiff/images"])
 def test_a_source_under_an_unknown_user_s_home_is_one_line(source):
     """Path.expanduser raises RuntimeError there: a traceback from prepare, and from training for the file:// form,
