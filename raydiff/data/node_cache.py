@@ -115,11 +115,18 @@ class StreamTable:
         self._keep = 2 * images.window_shards  # the window being trained and the one before; the node holds the rest
         self._window: tuple[int, int] | None = None
         self._upcoming: dict[int, tuple] = {}  # shard -> (the node's answer on its way, the shards it answers)
+        # One reader at a time: a rollback that gave up waiting on its loader thread (a slow read) starts another,
+        # and the old one, its read done, would evict shards the new one is reading.
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def prepare(self, position: int) -> None:
+        with self._lock:
+            self._prepare(position)
+
+    def _prepare(self, position: int) -> None:
         window, current = self._order.window_shards_at(position)
         if window != self._window:  # a new window: ask for the next ones now (the node reads them while we train)
             if self._window is None:  # a start: this window's shards first, not behind the read-ahead's
@@ -161,6 +168,10 @@ class StreamTable:
             self._arrays[s] = array
 
     def gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
+        with self._lock:
+            return self._gather(indices, out)
+
+    def _gather(self, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
         shard_of = np.searchsorted(self._starts, indices, side="right") - 1
         needed = np.unique(shard_of).tolist()
         missing = [s for s in needed if s not in self._arrays]

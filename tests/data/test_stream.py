@@ -168,6 +168,46 @@ def test_read_ahead_answers_for_shards_a_worker_never_touches_are_let_go_of(monk
     assert len(answers) > 20 and max(oldest_steps) <= 2 * (node_cache.READ_AHEAD_WINDOWS + 1), max(oldest_steps)
 
 
+def test_a_loader_left_behind_by_a_rollback_never_takes_the_shards_the_next_one_reads(monkeypatch):
+    """A rollback gives up on its loader thread after 5 s (one held up by a slow read) and starts another over the
+    same table: the old one, its read done, evicted shards the new one was reading (a KeyError: the step failed,
+    and Ray Train restarted the workers)."""
+    import threading
+
+    from raydiff.data import node_cache
+
+    def get(answer):
+        return [get(a) for a in answer] if isinstance(answer, list) else answer()
+
+    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=get))
+    starts = np.arange(0, 81, 10)  # 8 shards of 10 samples; the table keeps 2 (a window of 1 and the one before)
+    order = SampleOrder(80, seed=0, shard_starts=starts, window_shards=1)
+    new_reads, old_done = threading.Event(), threading.Event()
+
+    def answer_for(shards: list[int]):
+        def answer():
+            if 2 in shards:  # the old loader's read: slow, until the new loader reads too
+                new_reads.wait(timeout=2)
+            elif 3 in shards:
+                new_reads.set()
+                old_done.wait(timeout=2)
+            return [[lambda s=s: np.full((10, *SHAPE), s, np.uint8)] for s in shards]
+        return answer
+
+    images = SimpleNamespace(shard_starts=starts, shape=SHAPE, labels=None, window_shards=1)
+    table = node_cache.StreamTable(images, order, SimpleNamespace(get=SimpleNamespace(remote=answer_for)))
+
+    def gather(*shards: int) -> list[int]:
+        indices = np.array([starts[s] for s in shards])
+        return table.gather(indices, np.empty((len(shards), *SHAPE), np.uint8))[:, 0, 0, 0].tolist()
+
+    assert gather(0, 1) == [0, 1]
+    old = threading.Thread(target=lambda: (gather(2, 4), old_done.set()))
+    old.start()
+    assert gather(1, 3) == [1, 3]
+    old.join()
+
+
 def _own_store_bytes() -> int:
     """Bytes this node's object store must keep now: its primary copies, pinned for as long as anyone references
     them, the workers' borrowed references included (the raylet's own count; objects nobody references are a
