@@ -70,12 +70,19 @@ def _shards(decoded, rows_per_shard: int, bad: list, names: set):
             pending_labels = (pending_labels or []) + [np.asarray(labelled[0], dtype=object)]
             names.update(labelled[1])
         held += len(images)
-        while held >= rows_per_shard:
-            joined = np.concatenate(pending)
-            joined_labels = None if pending_labels is None else np.concatenate(pending_labels)
-            yield joined[:rows_per_shard], None if joined_labels is None else joined_labels[:rows_per_shard]
-            pending, held = [joined[rows_per_shard:]], held - rows_per_shard
-            pending_labels = None if joined_labels is None else [joined_labels[rows_per_shard:]]
+        if held < rows_per_shard:
+            continue
+        # Joined once, then cut: a batch of many shards' rows (large images) was copied again for each shard.
+        joined = np.concatenate(pending)
+        joined_labels = None if pending_labels is None else np.concatenate(pending_labels)
+        start = 0
+        while held - start >= rows_per_shard:
+            end = start + rows_per_shard
+            yield joined[start:end], None if joined_labels is None else joined_labels[start:end]
+            start = end
+        # (the rest, less than a shard, copied: a view would keep the whole batch while the next one is read)
+        pending, held = [joined[start:].copy()], held - start
+        pending_labels = None if joined_labels is None else [joined_labels[start:].copy()]
     if held:
         yield np.concatenate(pending), None if pending_labels is None else np.concatenate(pending_labels)
 
