@@ -286,8 +286,12 @@ class Cadence:
         if self._unreported is not None:  # the checkpoint being written: the one to roll back to, or the newest
             self._settle(wait=True)       # at the run's end (Ray reports and prunes it)
         if progress.counters["rollbacks"] == 0:
-            rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief,
-                                 weight_decay=t.weight_decay)
+            try:
+                rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief,
+                                     weight_decay=t.weight_decay)
+            except StorageFailure as failure:  # on every worker: rank 0's read met what no restart fixes
+                self.status, self.diagnostic = WorkerStatus.STORAGE_FAILED, str(failure)
+                return progress
             if rollback is not None:
                 back = rollback.progress
                 self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback,

@@ -216,6 +216,28 @@ def test_a_run_whose_lease_was_lost_at_a_check_that_would_roll_back_writes_nothi
     assert (tmp_path / "taken" / "metrics.jsonl").read_text() == rows_before
 
 
+def test_a_rollback_refused_its_checkpoint_for_good_ends_the_run_in_one_line(ray_session, tmp_path, monkeypatch):
+    """Permission to read the run's checkpoints lost mid-run: the rollback's read raised, Ray Train restarted the
+    workers, and only the restarted set-up's restore said it in one line (after a restart of `run.max_failures`)."""
+    from raydiff.runs import state as state_module
+
+    run_local(ray_session, tmp_path, "refused", "train.total_steps=5", "train.checkpoint_every=5")
+    real, reads = state_module.read_state, []
+
+    def read_once(path):  # the start's restore reads; the rollback's is refused
+        reads.append(path)
+        if len(reads) > 1:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+    monkeypatch.setattr(state_module, "read_state", read_once)  # Ray Train's local mode trains in this process
+    result, _ = run_local(ray_session, tmp_path, "refused", "train.total_steps=20", "train.checkpoint_every=100",
+                          "debug.nan_at_steps=[6,7,8,9,10]", "train.max_bad_steps=3")
+    assert len(reads) == 2
+    assert (result["status"], result["steps"], result["rollbacks"]) == ("storage_failed", 10, 0)
+    assert result["diagnostic"].startswith(f"storage {tmp_path / 'refused'}: reading the newest checkpoint failed: "
+                                           f"permission denied"), result["diagnostic"]
+
+
 def test_the_time_a_metrics_row_takes_to_write_is_not_the_next_rows_training_time(ray_session, tmp_path,
                                                                                    monkeypatch):
     """A row's dashboards (TensorBoard, MLflow or W&B over the network) and its EMA drift were timed in the next
