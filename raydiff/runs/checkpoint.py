@@ -93,7 +93,7 @@ def checkpoint_bytes(cfg) -> int:
     fp32 (16 bytes per parameter), with `train.ema: posthoc` one more fp32 copy per width of
     `train.ema_sigma_rels` (4 bytes per parameter each), and a little for the rest (a class-conditional model's
     `auto` classes are not known yet: counted as none, a few rows of one embedding). The one estimate of it: the
-    driver's room check and a full disk's message (`raydiff.training.cadence`) both use it."""
+    driver's room check and a full disk's message (`raydiff.training.chief_writes`) both use it."""
     t = cfg.train
     copies = 4 + (len(t.ema_sigma_rels) if t.ema == "posthoc" else 0)
     return 4 * copies * parameters_known_now(cfg) + 2**20

@@ -7,12 +7,9 @@ its state (the newest row, the validation loss, the quality, the last checkpoint
 of their side effects live here, and nowhere else. What rank 0 writes for the records (start records, metrics
 rows, sample grids, post-hoc snapshots, a rollback) is `raydiff.training.chief_records`.
 
-Checkpoints are written by rank 0 (`raydiff.runs.checkpoint.CheckpointWriter`: never visible before complete) and
-reported to Ray Train only once they are on storage, at the next point where every worker agrees on what rank 0
-saw (a checkpoint step, a check every CHECK_EVERY_STEPS steps, the end). Rank 0's writes that fail in a way no
-retry can fix (a full disk, a read-only folder, a missing bucket, refused credentials) are kept, not raised: every
-worker stops at that next agreement, rank 0 writes nothing more, and the driver prints one line (see
-`raydiff.storage.errors`). Other errors raise, and Ray Train restarts the workers from the last checkpoint.
+Rank 0's writes go through `raydiff.training.chief_writes`: a storage failure no retry can fix is kept, and
+checkpoints reach Ray Train once they are on storage, both settled at the next point where every worker agrees on
+what rank 0 saw (a checkpoint step, a check every CHECK_EVERY_STEPS steps, the end).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +28,13 @@ import torch
 
 from raydiff.cluster.devices import synchronize
 from raydiff.data.loader import Batches, MicroBatch
-from raydiff.runs.checkpoint import CheckpointWriter, checkpoint_bytes, checkpoint_name, checkpoint_step
 from raydiff.runs.dashboards import Dashboards, dashboards_for
-from raydiff.runs.state import Progress, checkpoint_state
-from raydiff.storage.errors import StorageFailure, storage_failure
+from raydiff.runs.state import Progress
+from raydiff.storage.errors import StorageFailure
 from raydiff.storage.lease import describe, watch_for_takeover
-from raydiff.storage.writes import failed_write
 from raydiff.training.chief_records import log_row, record_rollback, record_start, save_sample_grid, save_snapshot
-from raydiff.training.distributed import INTERRUPTS, agreed_interrupt, from_rank_zero_code, interrupt_asked
+from raydiff.training.chief_writes import ChiefWrites
+from raydiff.training.distributed import INTERRUPTS, agreed_interrupt, interrupt_asked
 from raydiff.training.in_run_quality import ema_drift, evaluate_in_run
 from raydiff.training.profiling import StepProfile
 from raydiff.training.recovery import divergence_report, roll_back
@@ -50,7 +46,6 @@ from raydiff.training.worker_io import WorkerArgs, WorkerResult, WorkerStatus
 
 logger = logging.getLogger("raydiff")
 CHECK_EVERY_STEPS = 10  # how often the workers look at the device's counters and agree on stop, preemption, storage
-_WRITTEN, _FAILED = 1, 2  # what rank 0 tells the others when they settle checkpoints
 
 
 @dataclass
@@ -83,12 +78,9 @@ class Cadence:
         self._first_step_done = False
         self.status: WorkerStatus | None = None  # set when training ends before train.total_steps
         self.diagnostic: str | None = None
-        self.failure: StorageFailure | None = None  # rank 0: a write no retry can fix
+        self.chief = ChiefWrites(w)  # rank 0's, and the agreement on what they came to
         self._measured_as_of(progress)
         self.last_checkpoint_step = progress.step
-        self._unreported: dict[str, Any] | None = None  # the metrics of the checkpoint being written
-        self._written: str | None = None  # rank 0: the name of the checkpoint it wrote last
-        self._writer = CheckpointWriter(w.run_dir) if w.is_chief else None
         self._stop_flag, self._notice_handled = args.stop_flag, False
         self._data_wait_s = 0.0
         self._profile = StepProfile.planned(w.cfg.log.profile_steps, resumed_at=progress.step, device=w.device,
@@ -97,7 +89,7 @@ class Cadence:
         assert isinstance(snapshot_every, int), "Config.resolve sets train.ema_snapshot_every"
         self._snapshot_every = snapshot_every
         if w.is_chief:
-            self._write("writing the run's start records", record_start, w, args, progress)
+            self.chief.write("writing the run's start records", record_start, w, args, progress)
         self.live = _Live.open(w, progress)
         # Rank 0's TensorBoard / MLflow / W&B; points past the checkpoint (lost work) are hidden on TensorBoard.
         self.dashboards: Dashboards | None = (dashboards_for(w.cfg, w.run_dir, resume_step=progress.step)
@@ -200,8 +192,8 @@ class Cadence:
             written = time.perf_counter()  # (the device has done the row's steps: close read their sums)
             self.last_row = row = row | self._extra_metrics(new_val_loss, new_quality)
             if writes:
-                self._write("writing metrics.jsonl", log_row, w, row, self.dashboards, start_step=self._eta_from[0],
-                            elapsed_s=time.perf_counter() - self._eta_from[1])
+                self.chief.write("writing metrics.jsonl", log_row, w, row, self.dashboards,
+                                 start_step=self._eta_from[0], elapsed_s=time.perf_counter() - self._eta_from[1])
             live.window.paused_s += time.perf_counter() - written  # the row's own writing: not the next row's time
 
         grid_due = writes and ((t.sample_every and step % t.sample_every == 0) or done)
@@ -210,10 +202,10 @@ class Cadence:
         with self._paused(grid_due or snapshot_due or check or measured or step % t.checkpoint_every == 0):
             # The sample grid.
             if grid_due:
-                save_sample_grid(w, step, self.dashboards, storage_ok=self.failure is None)
+                save_sample_grid(w, step, self.dashboards, storage_ok=self.chief.failure is None)
             # The post-hoc EMA's snapshot.
             if snapshot_due:
-                self._write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step)
+                self.chief.write(f"writing the post-hoc EMA snapshot of step {step}", save_snapshot, w, step)
             # Stop or preemption, agreed by every worker.
             interrupt = self._agree_on_interrupts(asked) if asked is not None else None
             if interrupt == "lease_lost":  # another driver writes to the run now: no checkpoint, no rows
@@ -223,10 +215,10 @@ class Cadence:
             report = ray_report(step, t.global_batch, self.quality, self.val_loss, row)
             checkpoint = step % t.checkpoint_every == 0 or done or (interrupt and self.last_checkpoint_step != step)
             if checkpoint:
-                if self._unreported is not None:  # one write at a time: the previous one first
+                if self.chief.unreported is not None:  # one write at a time: the previous one first
                     self._settle(wait=True)
                 if interrupt:
-                    self._event(f"{interrupt}_checkpoint", step=step)
+                    self.chief.event(f"{interrupt}_checkpoint", step=step)
                 self._checkpoint(progress, report)
             elif measured:
                 ray.train.report(report, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
@@ -245,8 +237,8 @@ class Cadence:
     def result(self, progress: Progress) -> WorkerResult:
         """What this worker returns (the driver reads rank 0's)."""
         t = self.w.cfg.train
-        if self.failure is not None:
-            self.status, self.diagnostic = WorkerStatus.STORAGE_FAILED, str(self.failure)
+        if self.chief.failure is not None:
+            self.status, self.diagnostic = WorkerStatus.STORAGE_FAILED, str(self.chief.failure)
         return WorkerResult(self.status or WorkerStatus.FINISHED, steps=progress.step, diagnostic=self.diagnostic,
                             images_seen=progress.step * t.global_batch,
                             final_loss=self._final_loss(), val_loss=self.val_loss,
@@ -263,17 +255,16 @@ class Cadence:
         """At the end of training: rank 0's metrics rows and writes reach storage (unless storage failed)."""
         if self._profile is not None:  # still recording: the loop ends on an error
             self._profile.discard()
-        writes = self.failure is None and self.status != WorkerStatus.LEASE_LOST
+        writes = self.chief.failure is None and self.status != WorkerStatus.LEASE_LOST
         try:
             if self.w.is_chief and writes:
-                self._write("writing metrics.jsonl", self.w.close)
+                self.chief.write("writing metrics.jsonl", self.w.close)
             if not writes or not self.w.is_chief:
                 self.w.close(flush=False)
         finally:
             if self._end_watch is not None:
                 self._end_watch()
-            if self._writer is not None:
-                self._writer.close()
+            self.chief.close()
             self.live.close()
             if self.dashboards is not None:
                 self.dashboards.close(publish=self.status != WorkerStatus.LEASE_LOST)
@@ -283,7 +274,7 @@ class Cadence:
         """Back to the newest checkpoint, past the failed steps' data, once; the second time, a diagnostic.
         `streak`: the longest run of non-finite steps since the last check."""
         w, t = self.w, self.w.cfg.train
-        if self._unreported is not None:  # the checkpoint being written: the one to roll back to, or the newest
+        if self.chief.unreported is not None:  # the checkpoint being written: the one to roll back to, or the newest
             self._settle(wait=True)       # at the run's end (Ray reports and prunes it)
         if progress.counters["rollbacks"] == 0:
             try:
@@ -294,7 +285,7 @@ class Cadence:
                 return progress
             if rollback is not None:
                 back = rollback.progress
-                self._write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback,
+                self.chief.write("cutting metrics.jsonl at the rollback", record_rollback, w, progress, rollback,
                             streak)
                 self.live.close()
                 self.live = _Live.open(w, back)
@@ -306,7 +297,7 @@ class Cadence:
                 self._eta_from = (back.step, time.perf_counter())
                 return back
         self.diagnostic = divergence_report(t, progress.step, lr, result, w.cfg.diffusion.timesteps, streak)
-        self._event("diverged", step=progress.step, diagnostic=self.diagnostic)
+        self.chief.event("diverged", step=progress.step, diagnostic=self.diagnostic)
         if w.is_chief:
             logger.error(f"[raydiff] {self.diagnostic}")
         self.status = WorkerStatus.DIVERGED
@@ -363,70 +354,20 @@ class Cadence:
         return interrupt
 
     def _checkpoint(self, progress: Progress, report: dict[str, Any]) -> None:
-        """Every worker: the window's sums into the progress (a collective); rank 0: the rows up to this step on
-        storage, then the full state written as a checkpoint. Ray hears of it once it is on storage (`_settle`)."""
+        """Every worker: the window's sums into the progress (a collective); then the checkpoint, written by rank 0
+        (`ChiefWrites.checkpoint`)."""
         progress.window = self.live.window.checkpoint_state()
         progress.counters.update(self.live.nonfinite.counters())  # as of this step, not the last check's
         progress.measured = {"val_loss": self.val_loss, "quality": self.quality, "loss": self._final_loss()}
         self.last_checkpoint_step = progress.step
-        self._unreported = report
-        if self._writer is None:
-            return
-        self._write("writing metrics.jsonl", self._flush_logs)  # the rows up to a checkpoint are kept on resume
-        self._write(f"writing the checkpoint of step {progress.step}", self._start_checkpoint, progress,
-                    checkpoint=True)
+        self.chief.checkpoint(progress, report)
         if self.dashboards is not None:
             self.dashboards.flush()
 
-    def _flush_logs(self) -> None:
-        """Rank 0: every metrics row and background write so far, on storage."""
-        w = self.w
-        assert w.metrics_log is not None and w.writes is not None  # rank 0's
-        w.metrics_log.flush()
-        w.writes.drain()
-
-    def _start_checkpoint(self, progress: Progress) -> None:
-        w = self.w
-        assert self._writer is not None  # rank 0's
-        name = checkpoint_name(progress.step, w.run_dir)
-        state = checkpoint_state(w.training_state, progress, w.cfg.train.global_batch, w.cfg.to_dict(), w.classes)
-        self._writer.start(name, state)
-
     def _settle(self, *, wait: bool) -> None:
-        """Every worker, at the same steps: what became of rank 0's checkpoint write and other writes, as rank 0
-        tells it (a collective). A checkpoint on storage is reported to Ray Train (with the metrics of its step);
-        a write no retry can fix ends training on every worker."""
-        code = 0
-        if self._writer is not None:
-            outcome = self._writer.outcome(wait=wait)
-            if outcome is not None:
-                name, error = outcome
-                if error is None:
-                    self._written = name
-                    code = _WRITTEN
-                else:
-                    self._write(f"writing the checkpoint of step {checkpoint_step(name)}", _raise, error,
-                                checkpoint=True)
-            if self.w.writes is not None:
-                self._write("writing to the run directory", self.w.writes.raise_failed)
-            code = _FAILED if self.failure is not None else code
-        code = from_rank_zero_code(code, self.w.device)
-        if code == _WRITTEN and self._unreported is not None:
-            report, self._unreported = self._unreported, None
-            checkpoint = self._ray_checkpoint(self._written) if self.w.is_chief else None
-            ray.train.report(report, checkpoint=checkpoint,
-                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
-        elif code == _FAILED:
+        """Every worker: rank 0's writes settled (`ChiefWrites.settle`); one no retry can fix ends training."""
+        if self.chief.settle(wait=wait):
             self.status = WorkerStatus.STORAGE_FAILED
-
-    def _ray_checkpoint(self, name: str | None) -> ray.train.Checkpoint:
-        """The written checkpoint as Ray Train knows its storage (the same filesystem object it manages)."""
-        try:
-            storage = ray.train.get_context().get_storage()
-            return ray.train.Checkpoint(path=f"{storage.experiment_fs_path}/{name}",
-                                        filesystem=storage.storage_filesystem)
-        except NotImplementedError:  # Ray Train's local mode (num_workers=0) has no storage context
-            return ray.train.Checkpoint(path=f"{self.w.run_dir.path}/{name}", filesystem=self.w.run_dir.fs)
 
     def _after_first_step(self, step: int) -> None:
         """After the first step of a start everything the step runs is compiled: rank 0 records how long the step
@@ -434,8 +375,8 @@ class Cadence:
         several GPUs in a node the first worker on each other GPU index) writes what it newly compiled to the run
         directory (train.compile_cache): rank 0 off the training thread, with the run's other writes."""
         w = self.w
-        self._event("first_step", step=step, seconds=round(time.perf_counter() - self.run_start, 3))
-        if w.compile_cache is None or not w.compile_cache.keeps or self.failure is not None:
+        self.chief.event("first_step", step=step, seconds=round(time.perf_counter() - self.run_start, 3))
+        if w.compile_cache is None or not w.compile_cache.keeps or self.chief.failure is not None:
             return
         data = w.compile_cache.artifacts()
         if data is None:
@@ -458,38 +399,13 @@ class Cadence:
                 logger.warning(f"[raydiff] the profile of steps {profile.first}-{step} failed "
                                f"({type(exc).__name__}: {exc}); training goes on")
                 return
-            if w.writes is not None and self.failure is None:
+            if w.writes is not None and self.chief.failure is None:
                 for name, data in ((f"{profiled.name}.pt.trace.json.gz", profiled.trace_gz),
                                    (f"{profiled.name}.txt", profiled.table.encode())):
                     w.writes.submit(name, w.run_dir.write_bytes, name, data)
-            self._event("profile", **profiled.figures)
+            self.chief.event("profile", **profiled.figures)
         logger.info(f"[raydiff] profiled steps {profiled.first}-{profiled.last}: {profiled.headline}; "
                     f"{profiled.name}.txt and .pt.trace.json.gz")
-
-    def _event(self, event: str, **fields: Any) -> None:
-        self._write(f"writing events.jsonl ({event})", self.w.event, event, *(), **fields)
-
-    def _write(self, operation: str, fn: Callable[..., Any], *args: Any, checkpoint: bool = False,
-               **kwargs: Any) -> None:
-        """One of rank 0's writes (a no-op elsewhere). A storage error no retry can fix is kept (every worker stops
-        at the next `_settle`) and rank 0 writes nothing more; any other error raises. The failure's line names the
-        file of a background write that failed (`operation` waited for it), and for a `checkpoint`, what one needs."""
-        if not self.w.is_chief or self.failure is not None:
-            return
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:
-            written = failed_write(exc)
-            failure = storage_failure(exc, str(self.w.run_dir), f"writing {written}" if written else operation,
-                                      needed_bytes=self._needed_bytes() if checkpoint else None)
-            if failure is None:
-                raise
-            self.failure = failure  # the driver prints it: the one line the user reads
-
-    def _needed_bytes(self) -> int:
-        """What one checkpoint of this model takes (the state file it writes), for a full disk's message: the
-        driver's estimate, which its room check used."""
-        return checkpoint_bytes(self.w.cfg)
 
     @contextlib.contextmanager
     def _paused(self, due: bool = True) -> Iterator[None]:
@@ -516,6 +432,3 @@ def ray_report(step: int, global_batch: int, quality: dict[str, Any] | None, val
     return {"step": step, "images_seen": step * global_batch, **(quality or {}), **(row or {}),
             **({"val_loss": val_loss} if val_loss is not None else {})}
 
-
-def _raise(error: BaseException) -> None:
-    raise error

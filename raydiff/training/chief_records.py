@@ -3,10 +3,10 @@ the dashboards and the progress line), the fixed-seed sample grids, the post-hoc
 of a rollback.
 
 Why apart from `raydiff.training.cadence`: the cadence decides when each happens and what a storage failure
-stops; these functions say what is written. Each is called through the cadence's guard, which keeps a write that
-no retry can fix instead of raising, so none of them handles storage errors itself. The sample grid alone is
-called directly (it is shown on the dashboards even then): its `storage_ok` says whether rank 0 may still queue
-the background write.
+stops; these functions say what is written. Each is called through the guard of `raydiff.training.chief_writes`,
+which keeps a write that no retry can fix instead of raising, so none of them handles storage errors itself. The
+sample grid alone is called directly (it is shown on the dashboards even then): its `storage_ok` says whether
+rank 0 may still queue the background write.
 """
 
 from __future__ import annotations

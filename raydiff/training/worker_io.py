@@ -44,7 +44,7 @@ class WorkerStatus(str, enum.Enum):
     UNRESUMABLE = "unresumable"  # checkpoints exist and none restores: nothing was trained or written
     LEASE_LOST = "lease_lost"  # another driver took the run over (or may): stopped without writing more
     REFUSED = "refused"  # the workers cannot train as configured (not one image fits): nothing trained or written
-    STORAGE_FAILED = "storage_failed"  # rank 0 could not write to storage, and no retry can fix it
+    STORAGE_FAILED = "storage_failed"  # rank 0 could not write to (or read from) storage, and no retry can fix it
 
 
 @dataclass
