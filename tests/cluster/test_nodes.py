@@ -1,8 +1,8 @@
 """Decisions made for the nodes a run trains on, on Ray's fake multi-node autoscaler: a head that runs no workers
 (CPU: 0, as cluster/aws.yaml, cluster/gcp.yaml and the KubeRay configs have it) and a worker type that the
-autoscaler starts, as local raylets, when a job asks for one. The fake nodes dial the GCS at port 6379, so the
-head must take it; the test stops only the processes it started (the head's process group, which the fake nodes
-join)."""
+autoscaler starts, as local raylets, when a job asks for one. The fake nodes dial the GCS at the address the
+provider's config names (a free port; 6379 where none is named, so a machine running Ray there skipped the test); the
+test stops only the processes it started (the head's process group, which the fake nodes join)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,19 +25,14 @@ pytestmark = pytest.mark.ray
 WORKER_STORE = 200 * 10 ** 6
 
 
-def _port_taken(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.fixture
 def autoscaling_cluster(tmp_path):
-    if _port_taken(6379):
-        pytest.skip("port 6379 is taken: the fake autoscaler's nodes dial the GCS there")
+    port = free_port()
+    gcs = f"127.0.0.1:{port}"
     config = {
         "cluster_name": "raydiff-fake", "max_workers": 2, "upscaling_speed": 1.0, "idle_timeout_minutes": 1,
         "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True},
+                     "disable_launch_config_check": True, "gcs_address": gcs},
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
@@ -57,9 +51,9 @@ def autoscaling_cluster(tmp_path):
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     temp_dir = tempfile.mkdtemp(prefix="rdf-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     # RAY_ADDRESS: its processes, the fake nodes' too, look up this cluster, never another (docs/training.md#which-ray).
-    env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_ADDRESS="127.0.0.1:6379", **auth)
+    env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_ADDRESS=gcs, **auth)
     head = subprocess.Popen(
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", "6379", "--num-cpus", "0",
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", str(port), "--num-cpus", "0",
          f"--autoscaling-config={tmp_path / 'cluster.yaml'}", "--temp-dir", temp_dir, "--block",
          "--disable-usage-stats",
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()),
@@ -71,7 +65,7 @@ def autoscaling_cluster(tmp_path):
         while "Ray runtime started" not in (tmp_path / "head.log").read_text():
             assert time.time() < deadline and head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
             time.sleep(0.5)
-        yield {"RAY_ADDRESS": "127.0.0.1:6379", **auth}
+        yield {"RAY_ADDRESS": gcs, **auth}
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):  # the fake worker nodes are in the head's process group
             with contextlib.suppress(ProcessLookupError):
