@@ -370,16 +370,18 @@ def test_a_checkpoint_is_on_disk_before_it_takes_its_name_and_its_name_after(tmp
     ("smoke", ["train.ema=posthoc", "train.ema_sigma_rels=[0.05,0.1,0.2]"]),
     ("default", []), ("default", ["train.ema=posthoc"]),
 ], ids=["smoke", "smoke posthoc", "smoke posthoc 3 widths", "default", "default posthoc"])
-def test_a_checkpoint_takes_no_more_than_its_estimate(preset, overrides):
+def test_a_checkpoint_takes_no_more_than_its_estimate(preset, overrides, tmp_path):
     """The estimate is what the driver checks the storage's room against, and what a full disk's message says one
     needs: it left out the post-hoc averages, one fp32 copy of the model per width, which a checkpoint holds too."""
+    import errno
     import io
     from types import SimpleNamespace
 
     from raydiff.model.weight_averages import PowerEma, make_ema
     from raydiff.runs.checkpoint import checkpoint_bytes
     from raydiff.runs.state import Progress, TrainingState, checkpoint_state
-    from raydiff.training.cadence import Cadence
+    from raydiff.storage.errors import megabytes
+    from raydiff.training.chief_writes import ChiefWrites
     from raydiff.training.step import make_optimizer
 
     cfg = load_config(preset, overrides, check_source=False)
@@ -393,8 +395,14 @@ def test_a_checkpoint_takes_no_more_than_its_estimate(preset, overrides):
     saved = io.BytesIO()
     torch.save(checkpoint_state(objects, Progress(step=10), cfg.train.global_batch, cfg.to_dict()), saved)
     assert checkpoint_bytes(cfg) >= len(saved.getvalue())
-    # A full disk's message (rank 0's cadence) says the same figure as the driver's check.
-    assert Cadence._needed_bytes(SimpleNamespace(w=SimpleNamespace(cfg=cfg))) == checkpoint_bytes(cfg)
+    # A full disk's message (rank 0's guard of its writes) says the same figure as the driver's check.
+    chief = ChiefWrites(SimpleNamespace(cfg=cfg, is_chief=True, run_dir=RunDir(tmp_path)))
+
+    def full_disk() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    chief.write("writing the checkpoint of step 10", full_disk, checkpoint=True)
+    chief.close()
+    assert chief.failure is not None and f"{megabytes(checkpoint_bytes(cfg))} needed" in str(chief.failure)
 
 
 def test_a_full_temporary_folder_is_named_as_such_not_as_the_run_storage(tmp_path, monkeypatch):
