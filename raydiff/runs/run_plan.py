@@ -21,7 +21,7 @@ from raydiff.config import Config, ConfigError, all_keys, sections_problem
 from raydiff.config.learning_rate import lr_at
 from raydiff.config.load import read_record
 from raydiff.runs.checkpoint import checkpoint_step, list_checkpoints
-from raydiff.runs.runlog import JsonlLog
+from raydiff.storage.atomic import whole_lines
 from raydiff.storage.rundir import RunDir
 
 # Keys whose change makes a checkpoint mean something else; every other key may change between runs
@@ -115,13 +115,10 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     # old summary until it ends again.
     finished = summary.get("status") == "finished" and summary.get("steps", step) == step
     # A checkpoint before the end its start trained towards (a stop, a preemption, a scheduled one) holds no end of
-    # run: no final validation, evaluation, samples or snapshot. The starts' events say which ends were trained
-    # towards (an older run's, only its last start's config.yaml); without the records it is taken as an end.
-    planned = ((previous or {}).get("train") or {}).get("total_steps")
-    ends = _planned_ends(run_dir)
-    if ends:
-        planned = min((end for end in ends if end > step), default=planned)
-    cut_short = step not in ends if ends else isinstance(planned, int) and planned > step
+    # run: no final validation, evaluation, samples or snapshot. The start that wrote it says (its event), or an
+    # older run's last config.yaml; without the records it is taken as an end.
+    planned = _planned_end(run_dir, step) or ((previous or {}).get("train") or {}).get("total_steps")
+    cut_short = isinstance(planned, int) and planned > step
     if step > cfg.train.total_steps and not finished:
         # The workers would restore it and train nothing, and a run that ends past train.total_steps has not
         # finished it: every re-run would fail, with no reason given.
@@ -145,16 +142,22 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     return RunPlan("continue", step, tuple(notes), layout=layout)
 
 
-def _planned_ends(run_dir: RunDir) -> set[int]:
-    """The steps the run's starts trained towards, from their events (empty for a run whose start events predate
-    them, or whose events.jsonl does not read: the last start's config.yaml then says). A checkpoint at one of them
-    is a start's end even where a later start, trained towards more, failed before its first checkpoint."""
-    try:
-        events = JsonlLog(run_dir, "events.jsonl").rows()
-    except ValueError:  # a line not JSON (a hand edit gone wrong): only a hint, which config.yaml gives too
-        return set()
-    return {e["total_steps"] for e in events
-            if isinstance(e, dict) and e.get("event") == "start" and isinstance(e.get("total_steps"), int)}
+def _planned_end(run_dir: RunDir, step: int) -> int | None:
+    """The step that the start which wrote the checkpoint of `step` trained towards: the last start before that step,
+    as its event records it; None where the events do not say (an older run's, or none left), for the last start's
+    config.yaml to say. A line that is not JSON (a hand edit gone wrong) is passed over: this is only a hint."""
+    if not run_dir.is_file("events.jsonl"):
+        return None
+    planned = None
+    for line in whole_lines(run_dir.read_text("events.jsonl")):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "start" and isinstance(event.get("step"), int) \
+                and event["step"] < step:
+            planned = event.get("total_steps") if isinstance(event.get("total_steps"), int) else None
+    return planned
 
 
 def _read_record(cfg: Config, run_dir: RunDir, name: str, *, sections: bool = False,

@@ -142,7 +142,10 @@ def test_a_stopped_run_is_not_ended_at_exactly_its_newest_checkpoint_s_step(tmp_
     extended.write_text("events.jsonl", "".join(json.dumps({"event": "start", "step": step, "total_steps": end}) + "\n"
                                                 for step, end in ((0, 1500), (1500, 2000))))
     assert plan_run(load_config("smoke", ["train.total_steps=1500"]), extended, DATA).action == "continue"
-    extended.write_text("events.jsonl", json.dumps({"event": "start", "step": 0, "total_steps": 2000}) + "\n")
+    # The start that wrote the checkpoint decides, not another start's end at the same step: stopped at 700 of
+    # 1500, continued towards 2000 and failed after its checkpoint at 1500 (a line not JSON passed over).
+    extended.write_text("events.jsonl", "".join(json.dumps({"event": "start", "step": step, "total_steps": end}) + "\n"
+                                                for step, end in ((0, 1500), (700, 2000))) + "{not json\n")
     with pytest.raises(ConfigError, match="before the end its run trained towards \\(2000\\)"):
         plan_run(load_config("smoke", ["train.total_steps=1500"]), extended, DATA)
     stopped.remove("config.yaml")
