@@ -281,7 +281,8 @@ class Cadence:
                 rollback = roll_back(w.training_state, w.run_dir, progress, is_chief=w.is_chief,
                                      weight_decay=t.weight_decay)
             except StorageFailure as failure:  # on every worker: rank 0's read met what no restart fixes
-                self.status, self.diagnostic = WorkerStatus.STORAGE_FAILED, str(failure)
+                # Kept as a write's failure is: nothing more is written, and the summary names this read.
+                self.chief.failure, self.status = failure, WorkerStatus.STORAGE_FAILED
                 return progress
             if rollback is not None:
                 back = rollback.progress

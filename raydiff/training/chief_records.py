@@ -109,8 +109,8 @@ def grid_labels(num_classes: int, sample_num: int) -> tuple[list[int] | None, in
 
 
 def save_snapshot(w: Worker, step: int) -> None:
-    """The post-hoc averages of this step to `ema_snapshots/`, on the background writer (called through the
-    cadence's guard, which calls nothing after a storage failure)."""
+    """The post-hoc averages of this step to `ema_snapshots/`, on the background writer (called through
+    `ChiefWrites.write`, which calls nothing after a storage failure)."""
     assert w.posthoc is not None and w.writes is not None  # rank 0's, with train.ema: posthoc
     data = snapshot_bytes(w.posthoc, step=step, images_seen=step * w.cfg.train.global_batch,
                           config=w.cfg.to_dict(), classes=w.classes)

@@ -38,7 +38,7 @@ class ChiefWrites:
 
     def __init__(self, w: Worker) -> None:
         self.w = w
-        self.failure: StorageFailure | None = None  # rank 0: a write no retry can fix
+        self.failure: StorageFailure | None = None  # rank 0: a write no retry can fix (every rank: a rollback's read)
         self.unreported: dict[str, Any] | None = None  # the metrics of the checkpoint being written
         self._written: str | None = None  # rank 0: the name of the checkpoint it wrote last
         self._writer = CheckpointWriter(w.run_dir) if w.is_chief else None
