@@ -173,6 +173,8 @@ class BatchStream:
         batches = []
         self._table.prepare(step * self._global_batch)
         for offset, size in self._layout:
+            if self._stop.is_set():  # closed: no more reads for a step no one will take (a rollback's successor
+                break                # may be reading the same table)
             position = step * self._global_batch + offset
             indices, flip_bits = self._order.take(position, size)
             images = torch.empty((size, *self._table.shape), dtype=torch.uint8, pin_memory=self._pin)
