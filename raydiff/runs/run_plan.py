@@ -114,32 +114,39 @@ def plan_run(cfg: Config, run_dir: RunDir, data: dict[str, Any]) -> RunPlan:
     # Finished where the summary is of the newest checkpoint: a finished run trained longer and stopped keeps its
     # old summary until it ends again.
     finished = summary.get("status") == "finished" and summary.get("steps", step) == step
-    # A checkpoint before the end its start trained towards (a stop, a preemption, a scheduled one) holds no end of
-    # run: no final validation, evaluation, samples or snapshot. The start that wrote it says (its event), or an
-    # older run's last config.yaml; without the records it is taken as an end.
-    planned = _planned_end(run_dir, step) or ((previous or {}).get("train") or {}).get("total_steps")
-    cut_short = isinstance(planned, int) and planned > step
-    if step > cfg.train.total_steps and not finished:
-        # The workers would restore it and train nothing, and a run that ends past train.total_steps has not
-        # finished it: every re-run would fail, with no reason given.
-        asked = step + 1 if cut_short else step
-        raise ConfigError(
-            f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, past "
-            f"train.total_steps = {cfg.train.total_steps}. Use --set train.total_steps={asked} (or more) to continue "
-            f"it, {WAYS_OUT}")
-    if step == cfg.train.total_steps and not finished and cut_short:
-        # It would train no step, so the end's work would never run, and the run would say it finished.
-        raise ConfigError(
-            f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, before the end its "
-            f"run trained towards ({planned}): ending it at train.total_steps = {step} would train nothing and "
-            f"skip the end's validation, evaluation, samples and final checkpoint. Use --set "
-            f"train.total_steps={step + 1} (or more) to continue it, {WAYS_OUT}")
+    if step >= cfg.train.total_steps and not finished:
+        _refuse_ending_at_or_before(cfg, run_dir, step, previous)
     if previous:
         notes += [f"changed since the last start: {c}" for c in other_changes(previous, cfg.to_dict())]
         notes += lr_change(previous, cfg, step)
     if step >= cfg.train.total_steps and finished:
         return RunPlan("finished", step, tuple(notes), layout=layout)
     return RunPlan("continue", step, tuple(notes), layout=layout)
+
+
+def _refuse_ending_at_or_before(cfg: Config, run_dir: RunDir, step: int, previous: dict[str, Any] | None) -> None:
+    """The refusal of an unfinished run whose newest checkpoint (at `step`) is at or past train.total_steps, if it
+    is one: past it, the workers would restore it and train nothing, and a run that ends past train.total_steps has
+    not finished it (every re-run would fail, with no reason given); at it, where the checkpoint was cut short of
+    its start's end, no step would be trained, so the end's work would never run, and the run would say it
+    finished."""
+    # A checkpoint before the end its start trained towards (a stop, a preemption, a scheduled one) holds no end of
+    # run: no final validation, evaluation, samples or snapshot. The start that wrote it says (its event), or an
+    # older run's last config.yaml; without the records it is taken as an end.
+    planned = _planned_end(run_dir, step) or ((previous or {}).get("train") or {}).get("total_steps")
+    cut_short = isinstance(planned, int) and planned > step
+    if step > cfg.train.total_steps:
+        asked = step + 1 if cut_short else step
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, past "
+            f"train.total_steps = {cfg.train.total_steps}. Use --set train.total_steps={asked} (or more) to continue "
+            f"it, {WAYS_OUT}")
+    if cut_short:
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: the newest checkpoint in {run_dir} is at step {step}, before the end its "
+            f"run trained towards ({planned}): ending it at train.total_steps = {step} would train nothing and "
+            f"skip the end's validation, evaluation, samples and final checkpoint. Use --set "
+            f"train.total_steps={step + 1} (or more) to continue it, {WAYS_OUT}")
 
 
 def _planned_end(run_dir: RunDir, step: int) -> int | None:
