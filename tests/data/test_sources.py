@@ -218,7 +218,7 @@ def test_a_remote_webdataset_shard_is_counted_in_reads_of_a_megabyte_not_one_per
         def tell(self):
             return self.f.tell()
 
-    class DistantFiles(LocalFileSystem):
+    class ReadCountingFiles(LocalFileSystem):
         """Local files whose every read is counted, as an object store's requests would be."""
 
         def _open(self, *args, **kwargs):
@@ -232,7 +232,7 @@ def test_a_remote_webdataset_shard_is_counted_in_reads_of_a_megabyte_not_one_per
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     source = Source(uri="s3://bucket/shards", kind="webdataset",
-                    filesystem=pafs.PyFileSystem(pafs.FSSpecHandler(DistantFiles(skip_instance_cache=True))),
+                    filesystem=pafs.PyFileSystem(pafs.FSSpecHandler(ReadCountingFiles(skip_instance_cache=True))),
                     files=(str(shard),) * 3, sizes=(shard.stat().st_size,) * 3)
     assert estimated_count(source) == 400 * 3
     assert len(reads) <= 4, len(reads)  # 1,600 before: two reads of each member's header

@@ -93,13 +93,15 @@ class _NodeWithFailedReads:
         return answer
 
 
+def _answered(answer):
+    """`ray.get` of a fake node's answers: callables, or lists of them."""
+    return [_answered(a) for a in answer] if isinstance(answer, list) else answer()
+
+
 def test_a_failed_read_ahead_is_read_again_when_its_shards_are_needed(monkeypatch):
     from raydiff.data import node_cache
 
-    def get(answer):
-        return [get(a) for a in answer] if isinstance(answer, list) else answer()
-
-    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=get))
+    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=_answered))
     starts = np.arange(0, 81, 10)  # 8 shards of 10 samples
     order = SampleOrder(80, seed=0, shard_starts=starts, window_shards=2)
     first, first_shards = order.window_shards_at(0)
@@ -139,10 +141,7 @@ def test_read_ahead_answers_for_shards_a_worker_never_touches_are_let_go_of(monk
     from raydiff.data import node_cache
     from raydiff.data.order import rank_share
 
-    def get(answer):
-        return [get(a) for a in answer] if isinstance(answer, list) else answer()
-
-    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=get))
+    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=_answered))
     counts = (64,) * 15 + (1,)
     starts = np.concatenate([[0], np.cumsum(counts)])
     answers = []  # (the step it was asked at, the node's answer, weakly): one alive holds its shards in the store
@@ -176,10 +175,7 @@ def test_a_loader_left_behind_by_a_rollback_never_takes_the_shards_the_next_one_
 
     from raydiff.data import node_cache
 
-    def get(answer):
-        return [get(a) for a in answer] if isinstance(answer, list) else answer()
-
-    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=get))
+    monkeypatch.setattr(node_cache, "ray", SimpleNamespace(get=_answered))
     starts = np.arange(0, 81, 10)  # 8 shards of 10 samples; the table keeps 2 (a window of 1 and the one before)
     order = SampleOrder(80, seed=0, shard_starts=starts, window_shards=1)
     new_reads, old_done = threading.Event(), threading.Event()
