@@ -49,6 +49,10 @@ TRAIN_COLLECTIVE_ENV = "RAY_TRAIN_COLLECTIVE_TIMEOUT_S"  # ray.train.report's ba
 # How long the controller waits for the workers to shut their process group down before it stops them: 30 s by
 # default, all of it spent on a hung worker, which cannot answer. Once a worker is lost the rest need under that.
 SHUTDOWN_ENV, SHUTDOWN_AFTER_A_LOSS_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5"
+# How often the controller asks each worker how it is (one small actor call): 2 s by default. Every worker group
+# paid up to two of those waits after its workers returned before `fit` did, a lost worker was noticed as late,
+# and a second `ray.train.report` within the interval waited for the first to be taken.
+POLL_ENV, POLL_INTERVAL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
 
 # What a collective raises in a worker whose peer was lost, or never came (gloo; its source's file and line vary).
 PEER_LOST = re.compile(r"^RuntimeError: \[\S*gloo\S*\] (?:Connection closed by peer|Read error \S*: Connection "
@@ -67,9 +71,10 @@ _SHUTDOWN_WARNINGS = {"ray.train.v2._internal.callbacks.backend_setup": "Gracefu
 def hang_timeouts(hang_timeout_s: float) -> tuple[int, dict[str, str]]:
     """`scaling.hang_timeout_s` as Ray Train takes it: the torch process group's timeout (every all-reduce and
     broadcast), and the environment of the driver that starts the run (a worker that stops answering,
-    `ray.train.report`'s barrier)."""
+    `ray.train.report`'s barrier), with the controller's poll of the workers."""
     seconds = f"{hang_timeout_s:g}"
-    return math.ceil(hang_timeout_s), {HEALTH_CHECK_ENV: seconds, TRAIN_COLLECTIVE_ENV: seconds}
+    return math.ceil(hang_timeout_s), {HEALTH_CHECK_ENV: seconds, TRAIN_COLLECTIVE_ENV: seconds,
+                                       POLL_ENV: os.environ.get(POLL_ENV, POLL_INTERVAL_S)}  # a user's own is kept
 
 
 def lost_peer(traceback_text: str) -> bool:

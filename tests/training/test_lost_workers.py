@@ -11,6 +11,7 @@ import os
 
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.train.v2._internal.constants import get_env_vars_to_propagate
 from ray.train.v2._internal.exceptions import (
     BroadcastCollectiveTimeoutError,
     WorkerHealthCheckFailedError,
@@ -20,6 +21,7 @@ from torch.distributed import DistBackendError
 
 from raydiff.training.lost_workers import (
     HEALTH_CHECK_ENV,
+    POLL_ENV,
     SHUTDOWN_ENV,
     TRAIN_COLLECTIVE_ENV,
     LostWorkers,
@@ -224,5 +226,18 @@ def test_the_controllers_shutdown_warnings_are_left_out_and_its_wait_cut_once_a_
 
 
 @pytest.mark.parametrize("seconds, torch_timeout_s, env", [(1800.0, 1800, "1800"), (12.5, 13, "12.5")])
-def test_the_hang_timeout_is_every_timeout_ray_train_has(seconds, torch_timeout_s, env):
-    assert hang_timeouts(seconds) == (torch_timeout_s, {HEALTH_CHECK_ENV: env, TRAIN_COLLECTIVE_ENV: env})
+def test_the_hang_timeout_is_every_timeout_ray_train_has(seconds, torch_timeout_s, env, monkeypatch):
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    assert hang_timeouts(seconds) == (torch_timeout_s, {HEALTH_CHECK_ENV: env, TRAIN_COLLECTIVE_ENV: env,
+                                                        POLL_ENV: "0.5"})
+
+
+def test_the_controller_polls_its_workers_every_half_second_unless_the_cluster_says_otherwise(monkeypatch):
+    """Ray Train's controller takes the interval from the environment of the driver that starts the run (its
+    default, 2 s, is paid up to twice at the end of every worker group)."""
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    for name, value in hang_timeouts(1800)[1].items():
+        monkeypatch.setenv(name, value)  # as the driver sets them
+    assert get_env_vars_to_propagate()[POLL_ENV] == "0.5"
+    monkeypatch.setenv(POLL_ENV, "3")
+    assert hang_timeouts(1800)[1][POLL_ENV] == "3"
