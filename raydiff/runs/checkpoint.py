@@ -258,19 +258,18 @@ def drop_unusable_ray_checkpoint_list(run_dir: Location) -> str | None:
     Ray rewrites the list in place, so a driver killed during the write leaves it cut short; a list written by
     another Ray version, or naming a checkpoint folder that is gone, is refused too: each time Ray Train stops
     before training. raydiff needs no list (it restores the newest checkpoint it finds on storage,
-    `state.checkpoint_candidates`), so the list goes and Ray starts a new one. The checkpoints are kept; those
-    from before no longer count towards `run.keep_checkpoints`.
+    `state.checkpoint_candidates`), so the list goes and Ray starts a new one. The checkpoints are kept; once
+    Ray's new list names newer ones, a start removes them (`remove_checkpoints_ray_never_kept`).
     """
     run = as_rundir(run_dir)
     if not run.is_file(RAY_CHECKPOINT_LIST):
         return None
     text = run.read_text(RAY_CHECKPOINT_LIST)
-    try:
-        listed = json.loads(text)
-        written_by, names = listed["ray_version"], [r["checkpoint_dir_name"] for r in listed["checkpoint_results"]]
-    except (ValueError, KeyError, TypeError):
+    listed = _ray_list(text)
+    if listed is None:
         why = f"cut short by an interrupted write ({len(text)} bytes)" if text else "empty: its write was interrupted"
     else:
+        written_by, names = listed
         gone, running = [name for name in names if not run.exists(name)], version("ray")
         if written_by != running:
             why = f"written by Ray {written_by}, this is Ray {running}"
@@ -281,6 +280,40 @@ def drop_unusable_ray_checkpoint_list(run_dir: Location) -> str | None:
     run.remove(RAY_CHECKPOINT_LIST)
     return (f"removed Ray Train's checkpoint list {RAY_CHECKPOINT_LIST} ({why}); the run continues from the newest "
             f"checkpoint on storage")
+
+
+def remove_checkpoints_ray_never_kept(run_dir: Location) -> list[str]:
+    """Remove the checkpoint folders that Ray Train's checkpoint list does not name and that are older than every
+    one it names; returns their names, oldest first.
+
+    Ray Train keeps the newest `run.keep_checkpoints` of the checkpoints it was told of and removes the rest. A
+    checkpoint written but never told of escapes that: the workers were lost, or resized, between rank 0's write and
+    its report (the next start restores it all the same), or it was named in a list that was dropped
+    (`drop_unusable_ray_checkpoint_list`). Once Ray keeps only checkpoints newer than such a folder, it is one Ray
+    would have removed: it goes at the next start. A newer one (the one a start restores) stays.
+    """
+    run = as_rundir(run_dir)
+    listed = _ray_list(run.read_text(RAY_CHECKPOINT_LIST)) if run.is_file(RAY_CHECKPOINT_LIST) else None
+    if listed is None:
+        return []
+    found = list_checkpoints(run)  # oldest first
+    kept = [c for c in found if c.name in listed[1]]
+    if not kept:
+        return []
+    removed = [c for c in found if c not in kept and checkpoint_order(c) < checkpoint_order(kept[0])]
+    for checkpoint in removed:
+        checkpoint.remove_all()
+    return [c.name for c in removed]
+
+
+def _ray_list(text: str) -> tuple[str, list[str]] | None:
+    """Ray Train's checkpoint list as (the Ray version that wrote it, the checkpoint folders it names), or None
+    where it cannot be read."""
+    try:
+        listed = json.loads(text)
+        return listed["ray_version"], [r["checkpoint_dir_name"] for r in listed["checkpoint_results"]]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read_state(directory: Location) -> dict[str, Any]:

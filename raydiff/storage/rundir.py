@@ -182,6 +182,12 @@ class RunDir:
         """Delete one file (there must be one)."""
         self.fs.delete_file(self._full(name))
 
+    def remove_all(self) -> None:
+        """Delete the folder and everything in it."""
+        self.fs.delete_dir_contents(self.path, missing_dir_ok=True)
+        if self.exists():  # a folder's own object, where one marks it (GCS uploads leave none)
+            self.fs.delete_dir(self.path)
+
     def move_to(self, target: RunDir) -> None:
         """Move the whole folder (a rename locally; copy and delete on an object store)."""
         if not self.remote:

@@ -28,7 +28,12 @@ from raydiff.data.sharded import ShardedImages
 from raydiff.data.sources import DataError, source_of
 from raydiff.quality.features import features_for, metric_names, require_metrics_package
 from raydiff.quality.reference_stats import reference_for
-from raydiff.runs.checkpoint import checkpoint_bytes, drop_unusable_ray_checkpoint_list, remove_partial_writes
+from raydiff.runs.checkpoint import (
+    checkpoint_bytes,
+    drop_unusable_ray_checkpoint_list,
+    remove_checkpoints_ray_never_kept,
+    remove_partial_writes,
+)
 from raydiff.runs.dashboards import dashboards_for
 from raydiff.runs.ema_snapshots import remove_snapshots_after, removed_note
 from raydiff.runs.errors import Unresumable
@@ -275,12 +280,18 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
                       invocation=invocation, stop_flag=stop_flag, init_weights=init_ref, quality=quality,
                       classes=classes)
     # Once nothing can refuse the run any more: the run it replaces moved aside (a refusal before this leaves it
-    # where it was), Ray Train's checkpoint list dropped where Ray would refuse it.
+    # where it was), Ray Train's checkpoint list dropped where Ray would refuse it, the checkpoints it never kept
+    # removed once it keeps newer ones.
     if plan.replace:
         print(f"[raydiff] {move_aside(run_dir)}")
     dropped = drop_unusable_ray_checkpoint_list(run_dir)
     if dropped:
         print(f"[raydiff] {dropped}")
+    removed = remove_checkpoints_ray_never_kept(run_dir)
+    if removed:
+        print(f"[raydiff] removed {', '.join(removed)}: never reported to Ray Train (written as its workers were "
+              f"lost or resized, or before its checkpoint list was dropped), and older than every checkpoint it "
+              f"keeps (run.keep_checkpoints)")
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     # The allocator's settings are read when a worker's process starts, so they travel in its runtime environment.
     keep = keep_host_memory(resolved.train.keep_host_memory, use_gpu=bool(scaling.use_gpu))

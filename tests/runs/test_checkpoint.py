@@ -27,6 +27,7 @@ from raydiff.runs.checkpoint import (
     input_errors,
     list_checkpoints,
     read_state,
+    remove_checkpoints_ray_never_kept,
     write_state,
 )
 from raydiff.runs.images import save_samples
@@ -329,6 +330,27 @@ def test_a_ray_checkpoint_list_that_ray_can_use_is_kept(tmp_path):
     assert drop_unusable_ray_checkpoint_list(tmp_path) is None
     assert drop_unusable_ray_checkpoint_list(tmp_path / "no-run-yet") is None
     assert (tmp_path / RAY_CHECKPOINT_LIST).read_text() == usable
+
+
+def test_checkpoints_ray_never_kept_go_once_it_keeps_only_newer_ones(tmp_path):
+    """Written but never reported (the workers lost between the write and the report), or named in a list that was
+    dropped: Ray's pruning never sees them. Those older than every checkpoint Ray keeps go; the rest stay."""
+    assert remove_checkpoints_ray_never_kept(tmp_path) == []  # no list yet: nothing to go by
+    for step in (10, 20, 30, 35, 40, 50):
+        (tmp_path / f"checkpoint_{step:08d}").mkdir()
+        (tmp_path / f"checkpoint_{step:08d}" / "state.pt").write_bytes(b"")
+    (tmp_path / "checkpoint_00000005").mkdir()  # no state file: not a checkpoint raydiff wrote
+    assert remove_checkpoints_ray_never_kept(tmp_path) == []
+    (tmp_path / RAY_CHECKPOINT_LIST).write_text(json.dumps({"ray_version": version("ray"), "checkpoint_results": [
+        {"checkpoint_dir_name": "checkpoint_00000030"}, {"checkpoint_dir_name": "checkpoint_00000040"}]}))
+    assert remove_checkpoints_ray_never_kept(tmp_path) == ["checkpoint_00000010", "checkpoint_00000020"]
+    # 35: newer than a checkpoint Ray keeps (it goes once Ray has let 30 go); 50: the one a start restores.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "checkpoint_00000005", "checkpoint_00000030", "checkpoint_00000035", "checkpoint_00000040",
+        "checkpoint_00000050"]
+    (tmp_path / RAY_CHECKPOINT_LIST).write_text(json.dumps({"ray_version": version("ray"), "checkpoint_results": [
+        {"checkpoint_dir_name": "checkpoint_00000010"}]}))  # naming only what is gone: nothing to go by
+    assert remove_checkpoints_ray_never_kept(tmp_path) == []
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "mounted"])

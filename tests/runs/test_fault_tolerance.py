@@ -214,11 +214,20 @@ def test_a_corrupt_newest_checkpoint_and_a_cut_ray_checkpoint_list_fall_back(clu
     assert losses(tmp_path / "corrupt") == losses(reference)
 
 
-def test_a_continued_run_removes_the_snapshots_of_work_it_does_not_keep(cluster, reference, tmp_path):
+def test_a_continued_run_removes_the_snapshots_of_work_it_does_not_keep_and_the_checkpoints_ray_never_kept(
+        cluster, reference, tmp_path):
     """A run killed at step 95 whose newest checkpoint was lost, continued from step 60's with a smaller
     train.total_steps: the post-hoc snapshots of steps 75 and 90 are of work that no longer exists, which a
-    rebuild (`raydiff.ema`, the newest snapshot by default) would mix with the run's own. They go, in a note."""
+    rebuild (`raydiff.ema`, the newest snapshot by default) would mix with the run's own. They go, in a note.
+    Ray Train's list names only the checkpoints of steps 50 and 60 (those of 10 to 40 were never reported to it):
+    the older ones go too, as Ray's pruning would have removed them."""
     run_dir = reference_until(reference, 60, tmp_path / "shorter")
+    listed = json.loads((reference / RAY_CHECKPOINT_LIST).read_text())  # Ray's list as it stood at step 60
+    kept = [(r, i) for r, i in zip(listed["checkpoint_results"], listed["checkpoint_report_indices"], strict=True)
+            if r["checkpoint_dir_name"] in ("checkpoint_00000050", "checkpoint_00000060")]
+    listed.update(checkpoint_results=[r for r, _ in kept], checkpoint_report_indices=[i for _, i in kept],
+                  latest_checkpoint_result=kept[-1][0], current_report_index=kept[-1][1] + 1)
+    (run_dir / RAY_CHECKPOINT_LIST).write_text(json.dumps(listed))
     (run_dir / "ema_snapshots").mkdir()
     for step in (15, 30, 45, 60, 75, 90):
         shutil.copy(reference / snapshot_name(step), run_dir / snapshot_name(step))
@@ -228,6 +237,10 @@ def test_a_continued_run_removes_the_snapshots_of_work_it_does_not_keep(cluster,
     assert ("[raydiff] note: removed the post-hoc EMA snapshots of step(s) 75, 90: of work after step 60, where "
             "the run continues (it writes its own as it goes)") in shorter.stdout + shorter.stderr
     assert list_snapshots(RunDir(str(run_dir))) == [15, 30, 45, 60, 70]
+    assert ("[raydiff] removed checkpoint_00000010, checkpoint_00000020, checkpoint_00000030, checkpoint_00000040: "
+            "never reported to Ray Train") in shorter.stdout
+    assert [c.name for c in list_checkpoints(run_dir)] == ["checkpoint_00000050", "checkpoint_00000060",
+                                                           "checkpoint_00000070"]
     for step in (15, 30, 45, 60):  # the run's own, kept as they were
         assert (run_dir / snapshot_name(step)).read_bytes() == (reference / snapshot_name(step)).read_bytes()
 

@@ -30,6 +30,8 @@ def _roundtrip(run: RunDir):
     run.append_text("log.jsonl", "2\n")
     assert run.read_text("log.jsonl") == "1\n2\n"
     (run / "checkpoint_00000010").write_text("state.pt", "x")
+    (run / "checkpoint_00000005").write_text("state.pt", "x")
+    (run / "checkpoint_00000005").remove_all()
     assert [d.name for d in run.subdirs("checkpoint_")] == ["checkpoint_00000010"]
     log = JsonlLog(run, "metrics.jsonl")
     for step in (10, 20, 30):
@@ -161,6 +163,8 @@ def test_checkpoints_on_gcs_are_listed_though_no_object_marks_their_folders(gcs_
     assert [c.name for c in list_checkpoints(run)] == ["checkpoint_00000010", "checkpoint_00000020"]
     assert int(read_state(list_checkpoints(run)[-1])["step"]) == 20
     assert run.files() == ["metrics.jsonl"]
+    list_checkpoints(run)[0].remove_all()  # as a start removes one Ray never kept
+    assert [c.name for c in list_checkpoints(run)] == ["checkpoint_00000020"]
 
 
 def test_a_run_folder_just_below_the_root_has_the_root_as_its_parent():
