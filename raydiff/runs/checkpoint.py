@@ -282,25 +282,26 @@ def drop_unusable_ray_checkpoint_list(run_dir: Location) -> str | None:
             f"checkpoint on storage")
 
 
-def remove_checkpoints_ray_never_kept(run_dir: Location) -> list[str]:
-    """Remove the checkpoint folders that Ray Train's checkpoint list does not name and that are older than every
-    one it names; returns their names, oldest first.
+def remove_checkpoints_ray_never_kept(run_dir: Location, keep: int) -> list[str]:
+    """Remove the checkpoint folders that Ray Train's checkpoint list does not name, that are older than every one
+    it names and that are not among the newest `keep` (`run.keep_checkpoints`); returns their names, oldest first.
 
     Ray Train keeps the newest `run.keep_checkpoints` of the checkpoints it was told of and removes the rest. A
     checkpoint written but never told of escapes that: the workers were lost, or resized, between rank 0's write and
     its report (the next start restores it all the same), or it was named in a list that was dropped
-    (`drop_unusable_ray_checkpoint_list`). Once Ray keeps only checkpoints newer than such a folder, it is one Ray
-    would have removed: it goes at the next start. A newer one (the one a start restores) stays.
+    (`drop_unusable_ray_checkpoint_list`). Once Ray keeps only checkpoints newer than such a folder, and `keep`
+    newer ones are on storage, it is one Ray would have removed: it goes at the next start. The newest (the one a
+    start restores) always stays, and so do as many as `keep` asks for, to fall back on.
     """
     run = as_rundir(run_dir)
     listed = _ray_list(run.read_text(RAY_CHECKPOINT_LIST)) if run.is_file(RAY_CHECKPOINT_LIST) else None
     if listed is None:
         return []
     found = list_checkpoints(run)  # oldest first
-    kept = [c for c in found if c.name in listed[1]]
-    if not kept:
+    named = [c for c in found if c.name in listed[1]]
+    if not named:
         return []
-    removed = [c for c in found if c not in kept and checkpoint_order(c) < checkpoint_order(kept[0])]
+    removed = [c for c in found[:-keep] if c not in named and checkpoint_order(c) < checkpoint_order(named[0])]
     for checkpoint in removed:
         checkpoint.remove_all()
     return [c.name for c in removed]

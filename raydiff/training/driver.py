@@ -287,11 +287,11 @@ def _train(requested: Config, run_dir: RunDir, plan: RunPlan, source, identity: 
     dropped = drop_unusable_ray_checkpoint_list(run_dir)
     if dropped:
         print(f"[raydiff] {dropped}")
-    removed = remove_checkpoints_ray_never_kept(run_dir)
+    removed = remove_checkpoints_ray_never_kept(run_dir, requested.run.keep_checkpoints)
     if removed:
         print(f"[raydiff] removed {', '.join(removed)}: never reported to Ray Train (written as its workers were "
-              f"lost or resized, or before its checkpoint list was dropped), and older than every checkpoint it "
-              f"keeps (run.keep_checkpoints)")
+              f"lost or resized, or before its checkpoint list was dropped), older than every checkpoint it keeps, "
+              f"and past the newest {requested.run.keep_checkpoints} (run.keep_checkpoints)")
     storage = run_dir.parent  # Ray Train keeps its checkpoints in <storage>/<name> = run_dir, on the same filesystem
     # The allocator's settings are read when a worker's process starts, so they travel in its runtime environment.
     keep = keep_host_memory(resolved.train.keep_host_memory, use_gpu=bool(scaling.use_gpu))

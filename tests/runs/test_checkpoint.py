@@ -332,25 +332,43 @@ def test_a_ray_checkpoint_list_that_ray_can_use_is_kept(tmp_path):
     assert (tmp_path / RAY_CHECKPOINT_LIST).read_text() == usable
 
 
-def test_checkpoints_ray_never_kept_go_once_it_keeps_only_newer_ones(tmp_path):
-    """Written but never reported (the workers lost between the write and the report), or named in a list that was
-    dropped: Ray's pruning never sees them. Those older than every checkpoint Ray keeps go; the rest stay."""
-    assert remove_checkpoints_ray_never_kept(tmp_path) == []  # no list yet: nothing to go by
+def _ray_lists(run_dir, *steps: int) -> None:
+    (run_dir / RAY_CHECKPOINT_LIST).write_text(json.dumps({"ray_version": version("ray"), "checkpoint_results": [
+        {"checkpoint_dir_name": f"checkpoint_{step:08d}"} for step in steps]}))
+
+
+def _folders(run_dir) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir() if p.is_dir())
+
+
+def test_checkpoints_ray_never_kept_go_once_it_keeps_newer_ones_and_keep_checkpoints_as_many(tmp_path):
+    """Written but never reported (the workers lost between the write and the report): Ray's pruning never sees
+    them. Those older than every checkpoint Ray keeps, past the newest run.keep_checkpoints, go; the rest stay."""
+    assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == []  # no list yet: nothing to go by
     for step in (10, 20, 30, 35, 40, 50):
         (tmp_path / f"checkpoint_{step:08d}").mkdir()
         (tmp_path / f"checkpoint_{step:08d}" / "state.pt").write_bytes(b"")
     (tmp_path / "checkpoint_00000005").mkdir()  # no state file: not a checkpoint raydiff wrote
-    assert remove_checkpoints_ray_never_kept(tmp_path) == []
-    (tmp_path / RAY_CHECKPOINT_LIST).write_text(json.dumps({"ray_version": version("ray"), "checkpoint_results": [
-        {"checkpoint_dir_name": "checkpoint_00000030"}, {"checkpoint_dir_name": "checkpoint_00000040"}]}))
-    assert remove_checkpoints_ray_never_kept(tmp_path) == ["checkpoint_00000010", "checkpoint_00000020"]
+    assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == []
+    _ray_lists(tmp_path, 10)  # naming only what has no state: nothing to go by
+    assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == []
+    _ray_lists(tmp_path, 30, 40)
+    assert remove_checkpoints_ray_never_kept(tmp_path, keep=5) == ["checkpoint_00000010"]
+    assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == ["checkpoint_00000020"]
     # 35: newer than a checkpoint Ray keeps (it goes once Ray has let 30 go); 50: the one a start restores.
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
-        "checkpoint_00000005", "checkpoint_00000030", "checkpoint_00000035", "checkpoint_00000040",
-        "checkpoint_00000050"]
-    (tmp_path / RAY_CHECKPOINT_LIST).write_text(json.dumps({"ray_version": version("ray"), "checkpoint_results": [
-        {"checkpoint_dir_name": "checkpoint_00000010"}]}))  # naming only what is gone: nothing to go by
-    assert remove_checkpoints_ray_never_kept(tmp_path) == []
+    assert _folders(tmp_path) == ["checkpoint_00000005", "checkpoint_00000030", "checkpoint_00000035",
+                                  "checkpoint_00000040", "checkpoint_00000050"]
+
+
+def test_the_checkpoints_of_a_dropped_ray_list_count_towards_keep_checkpoints(tmp_path):
+    """A list Ray would refuse is dropped, and Ray's next one names only the checkpoints written since: the older
+    ones go as Ray would have let them go, the newest run.keep_checkpoints of all of them staying."""
+    for step in (80, 90, 100, 110):
+        (tmp_path / f"checkpoint_{step:08d}").mkdir()
+        (tmp_path / f"checkpoint_{step:08d}" / "state.pt").write_bytes(b"")
+    _ray_lists(tmp_path, 110)
+    assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == ["checkpoint_00000080"]
+    assert _folders(tmp_path) == ["checkpoint_00000090", "checkpoint_00000100", "checkpoint_00000110"]
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "mounted"])

@@ -219,10 +219,10 @@ def test_a_continued_run_removes_the_snapshots_of_work_it_does_not_keep_and_the_
     """A run killed at step 95 whose newest checkpoint was lost, continued from step 60's with a smaller
     train.total_steps: the post-hoc snapshots of steps 75 and 90 are of work that no longer exists, which a
     rebuild (`raydiff.ema`, the newest snapshot by default) would mix with the run's own. They go, in a note.
-    Ray Train's list names only the checkpoints of steps 50 and 60 (those of 10 to 40 were never reported to it):
-    the older ones go too, as Ray's pruning would have removed them."""
+    Ray Train's list names only the checkpoints of steps 50 and 60 (those of 10 to 40 were never reported to it),
+    and the run keeps 3: those past the newest 3 go too, as Ray's pruning would have removed them."""
     run_dir = reference_until(reference, 60, tmp_path / "shorter")
-    listed = json.loads((reference / RAY_CHECKPOINT_LIST).read_text())  # Ray's list as it stood at step 60
+    listed = json.loads((reference / RAY_CHECKPOINT_LIST).read_text())  # the reference's, cut to steps 50 and 60
     kept = [(r, i) for r, i in zip(listed["checkpoint_results"], listed["checkpoint_report_indices"], strict=True)
             if r["checkpoint_dir_name"] in ("checkpoint_00000050", "checkpoint_00000060")]
     listed.update(checkpoint_results=[r for r, _ in kept], checkpoint_report_indices=[i for _, i in kept],
@@ -232,15 +232,15 @@ def test_a_continued_run_removes_the_snapshots_of_work_it_does_not_keep_and_the_
     for step in (15, 30, 45, 60, 75, 90):
         shutil.copy(reference / snapshot_name(step), run_dir / snapshot_name(step))
 
-    shorter = train(cluster, tmp_path, "shorter", total=70)
+    shorter = train(cluster, tmp_path, "shorter", "--set", "run.keep_checkpoints=3", total=70)
     assert shorter.returncode == 0, shorter.stderr[-3000:]
     assert ("[raydiff] note: removed the post-hoc EMA snapshots of step(s) 75, 90: of work after step 60, where "
             "the run continues (it writes its own as it goes)") in shorter.stdout + shorter.stderr
     assert list_snapshots(RunDir(str(run_dir))) == [15, 30, 45, 60, 70]
-    assert ("[raydiff] removed checkpoint_00000010, checkpoint_00000020, checkpoint_00000030, checkpoint_00000040: "
-            "never reported to Ray Train") in shorter.stdout
-    assert [c.name for c in list_checkpoints(run_dir)] == ["checkpoint_00000050", "checkpoint_00000060",
-                                                           "checkpoint_00000070"]
+    assert ("[raydiff] removed checkpoint_00000010, checkpoint_00000020, checkpoint_00000030: never reported to "
+            "Ray Train") in shorter.stdout
+    assert [c.name for c in list_checkpoints(run_dir)] == ["checkpoint_00000040", "checkpoint_00000050",
+                                                           "checkpoint_00000060", "checkpoint_00000070"]
     for step in (15, 30, 45, 60):  # the run's own, kept as they were
         assert (run_dir / snapshot_name(step)).read_bytes() == (reference / snapshot_name(step)).read_bytes()
 

@@ -232,7 +232,7 @@ def test_the_hang_timeout_is_every_timeout_ray_train_has(seconds, torch_timeout_
                                                         POLL_ENV: "0.5"})
 
 
-def test_the_controller_polls_its_workers_every_half_second_unless_the_cluster_says_otherwise(monkeypatch):
+def test_the_controller_polls_its_workers_every_half_second_unless_the_command_says_otherwise(monkeypatch):
     """Ray Train's controller takes the interval from the environment of the driver that starts the run (its
     default, 2 s, is paid up to twice at the end of every worker group)."""
     monkeypatch.delenv(POLL_ENV, raising=False)
