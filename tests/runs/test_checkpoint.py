@@ -332,7 +332,7 @@ def test_a_ray_checkpoint_list_that_ray_can_use_is_kept(tmp_path):
     assert (tmp_path / RAY_CHECKPOINT_LIST).read_text() == usable
 
 
-def _ray_lists(run_dir, *steps: int) -> None:
+def _write_ray_list(run_dir, *steps: int) -> None:
     (run_dir / RAY_CHECKPOINT_LIST).write_text(json.dumps({"ray_version": version("ray"), "checkpoint_results": [
         {"checkpoint_dir_name": f"checkpoint_{step:08d}"} for step in steps]}))
 
@@ -350,9 +350,9 @@ def test_checkpoints_ray_never_kept_go_once_it_keeps_newer_ones_and_keep_checkpo
         (tmp_path / f"checkpoint_{step:08d}" / "state.pt").write_bytes(b"")
     (tmp_path / "checkpoint_00000005").mkdir()  # no state file: not a checkpoint raydiff wrote
     assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == []
-    _ray_lists(tmp_path, 10)  # naming only what has no state: nothing to go by
+    _write_ray_list(tmp_path, 10)  # naming only what has no state: nothing to go by
     assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == []
-    _ray_lists(tmp_path, 30, 40)
+    _write_ray_list(tmp_path, 30, 40)
     assert remove_checkpoints_ray_never_kept(tmp_path, keep=5) == ["checkpoint_00000010"]
     assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == ["checkpoint_00000020"]
     # 35: newer than a checkpoint Ray keeps (it goes once Ray has let 30 go); 50: the one a start restores.
@@ -366,7 +366,7 @@ def test_the_checkpoints_of_a_dropped_ray_list_count_towards_keep_checkpoints(tm
     for step in (80, 90, 100, 110):
         (tmp_path / f"checkpoint_{step:08d}").mkdir()
         (tmp_path / f"checkpoint_{step:08d}" / "state.pt").write_bytes(b"")
-    _ray_lists(tmp_path, 110)
+    _write_ray_list(tmp_path, 110)
     assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == ["checkpoint_00000080"]
     assert _folders(tmp_path) == ["checkpoint_00000090", "checkpoint_00000100", "checkpoint_00000110"]
 
