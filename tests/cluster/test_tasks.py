@@ -8,14 +8,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import wait_for
 
 from raydiff.cluster.tasks import free_now, results_of, waiting_note
 
 pytestmark = pytest.mark.ray
 
 
-def test_a_wait_that_fails_cancels_the_tasks_still_running_and_only_those(ray_session, monkeypatch, tmp_path):
+def test_a_wait_that_fails_cancels_the_tasks_still_running_and_only_those(ray_session, monkeypatch):
     """Not the task whose failure ended the wait: Ray 2.60 aborts the whole process ("Check failed ... Tried to
     complete task that was not pending") when a task is cancelled as its failure is being recorded, which
     crashed this test's process in two of the suite's runs on 2026-12-06."""
@@ -25,10 +24,8 @@ def test_a_wait_that_fails_cancels_the_tasks_still_running_and_only_those(ray_se
     monkeypatch.setattr(ray, "cancel", lambda future, **kw: cancelled.append(future) or cancel(future, **kw))
 
     @ray.remote(num_cpus=1, max_retries=3)
-    def sleeps(started: str) -> None:
-        import pathlib
+    def sleeps() -> None:
         import time
-        pathlib.Path(started).touch()
         for _ in range(1200):  # a cancelled task stops between Python's steps, not inside one sleep
             time.sleep(0.1)
 
@@ -36,10 +33,7 @@ def test_a_wait_that_fails_cancels_the_tasks_still_running_and_only_those(ray_se
     def fails() -> None:
         raise ValueError("a task's error")
 
-    running = sleeps.remote(str(tmp_path / "started"))
-    # Running before the wait fails, as the test means. Submitted with the failing task on a busy host (twice on
-    # 2026-12-08), the cancel did not stop it: it ran on, holding its CPU through the next test.
-    wait_for(lambda: (tmp_path / "started").exists(), what="the task to start")
+    running = sleeps.remote()
     with pytest.raises(ray.exceptions.RayTaskError, match="a task's error"):
         results_of([running, fails.remote()])
     assert cancelled == [running]
