@@ -334,7 +334,14 @@ def test_a_ray_checkpoint_list_that_ray_can_use_is_kept(tmp_path):
 
 def _write_ray_list(run_dir, *steps: int) -> None:
     (run_dir / RAY_CHECKPOINT_LIST).write_text(json.dumps({"ray_version": version("ray"), "checkpoint_results": [
-        {"checkpoint_dir_name": f"checkpoint_{step:08d}"} for step in steps]}))
+        {"checkpoint_dir_name": checkpoint_name(step)} for step in steps]}))
+
+
+def _write_checkpoints(run_dir, *steps: int) -> None:
+    """Checkpoint folders as list_checkpoints finds them (a state file each; what is in it does not matter here)."""
+    for step in steps:
+        (run_dir / checkpoint_name(step)).mkdir()
+        (run_dir / checkpoint_name(step) / "state.pt").write_bytes(b"")
 
 
 def _folders(run_dir) -> list[str]:
@@ -345,9 +352,7 @@ def test_checkpoints_ray_never_kept_go_once_it_keeps_newer_ones_and_keep_checkpo
     """Written but never reported (the workers lost between the write and the report): Ray's pruning never sees
     them. Those older than every checkpoint Ray keeps, past the newest run.keep_checkpoints, go; the rest stay."""
     assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == []  # no list yet: nothing to go by
-    for step in (10, 20, 30, 35, 40, 50):
-        (tmp_path / f"checkpoint_{step:08d}").mkdir()
-        (tmp_path / f"checkpoint_{step:08d}" / "state.pt").write_bytes(b"")
+    _write_checkpoints(tmp_path, 10, 20, 30, 35, 40, 50)
     (tmp_path / "checkpoint_00000005").mkdir()  # no state file: not a checkpoint raydiff wrote
     assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == []
     _write_ray_list(tmp_path, 10)  # naming only what has no state: nothing to go by
@@ -363,9 +368,7 @@ def test_checkpoints_ray_never_kept_go_once_it_keeps_newer_ones_and_keep_checkpo
 def test_the_checkpoints_of_a_dropped_ray_list_count_towards_keep_checkpoints(tmp_path):
     """A list Ray would refuse is dropped, and Ray's next one names only the checkpoints written since: the older
     ones go as Ray would have let them go, the newest run.keep_checkpoints of all of them staying."""
-    for step in (80, 90, 100, 110):
-        (tmp_path / f"checkpoint_{step:08d}").mkdir()
-        (tmp_path / f"checkpoint_{step:08d}" / "state.pt").write_bytes(b"")
+    _write_checkpoints(tmp_path, 80, 90, 100, 110)
     _write_ray_list(tmp_path, 110)
     assert remove_checkpoints_ray_never_kept(tmp_path, keep=3) == ["checkpoint_00000080"]
     assert _folders(tmp_path) == ["checkpoint_00000090", "checkpoint_00000100", "checkpoint_00000110"]
